@@ -1,0 +1,349 @@
+"""The arena: one file in /dev/shm, its byte layout, and the read-only view.
+
+This module is shared by both sides. The supervisor (``store.py``) is the only
+process that writes these bytes; workers map the file PROT_READ through
+:class:`ArenaView` and never write.
+
+Layout (all integers little-endian)::
+
+    0           header (4 KiB): magic, format version, geometry, arena id,
+                mutable words (revoke epoch, state)
+    4 KiB       index: ``index_slots`` slots of 64 bytes, an open-addressing
+                (linear probing) hash table from 16-byte chunk-prefix digests
+                to records; each slot is guarded by a seqlock word
+    data_offset data region: records in 4 KiB-aligned extents
+
+A record is ``header (128 B) | fingerprint | token ids (int32) | payload``.
+It carries its key (the digest of its last full chunk), the root digest its
+chain started from, a model fingerprint (opaque bytes), its token ids, the
+payload length, an XXH3-64 checksum of the payload and one of everything else.
+
+Keys are chained: ``d1 = H(root, chunk1)``, ``dk = H(d(k-1), chunk k)`` over
+fixed-length chunks of ``chunk_tokens`` token ids, H = BLAKE2b-128. A record of
+n full chunks is indexed under all n digests, so the presence of a chunk
+prefix is monotone (if k chunks are present, so are k-1) and the longest
+cached prefix is found by binary search: O(log chunks) probes, no socket.
+
+Nothing read from the arena is trusted: every offset is bounds-checked and a
+record is only used once its magic, generation, checksums, fingerprint and
+token ids all match. A torn or stale read therefore costs a miss, never a
+wrong answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from .errors import ArenaCorruptError
+
+MAGIC = b"SHMKVAR\x00"
+FORMAT_VERSION = 1
+HEADER_SIZE = 4096
+SLOT_SIZE = 64
+PAGE = 4096
+DIGEST_SIZE = 16
+MAX_TOKENS = 1 << 20
+MAX_FINGERPRINT = 1024
+MAX_PROBE = 128
+
+# Header: immutable part, then its checksum, then mutable words.
+_HDR = struct.Struct("<8sIIQQQQQIII16sd")
+_HDR_CSUM_OFF = 128
+_EPOCH_OFF = 136  # u64 revoke epoch: bumped before any leased space is reused
+_STATE_OFF = 144  # u32: 1 live, 2 closed
+STATE_LIVE, STATE_CLOSED = 1, 2
+
+# Index slot: seq (seqlock, odd while written), used flag, digest, record offset,
+# record generation, chunk count of this digest.
+_SLOT = struct.Struct("<II16sQQI")
+_SEQ = struct.Struct("<I")
+
+# Record header.
+REC_MAGIC = b"SKVR"
+REC_HEADER_SIZE = 128
+_REC = struct.Struct("<4sHHQ16s16sIIIIQQQQd")
+_U64 = struct.Struct("<Q")
+
+
+def align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def chain_digests(root: bytes, tokens: np.ndarray | Sequence[int], chunk: int) -> list[bytes]:
+    """Digests of every full chunk prefix of ``tokens``, chained from ``root``."""
+    arr = np.asarray(tokens, dtype="<i4")
+    out: list[bytes] = []
+    prev = root
+    raw = arr.tobytes()
+    step = chunk * 4
+    for k in range(len(arr) // chunk):
+        h = hashlib.blake2b(prev, digest_size=DIGEST_SIZE)
+        h.update(raw[k * step : (k + 1) * step])
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def slot_home(digest: bytes, n_slots: int) -> int:
+    return int.from_bytes(digest[:8], "little") & (n_slots - 1)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What every process must agree on; read from the arena header."""
+
+    arena_size: int
+    index_offset: int
+    index_slots: int
+    data_offset: int
+    data_size: int
+    chunk_tokens: int
+    supervisor_pid: int
+    created: float
+    arena_id: bytes
+
+    @classmethod
+    def plan(cls, arena_size: int, chunk_tokens: int, index_slots: int = 0) -> Geometry:
+        """Lay out an arena of ``arena_size`` bytes."""
+        if index_slots == 0:
+            index_slots = max(4096, arena_size // (16 * 1024))
+        index_slots = 1 << (index_slots - 1).bit_length()
+        index_bytes = align(index_slots * SLOT_SIZE, PAGE)
+        data_offset = HEADER_SIZE + index_bytes
+        data_size = (arena_size - data_offset) // PAGE * PAGE
+        if data_size < PAGE:
+            raise ValueError(
+                f"arena size {arena_size} leaves no room for data after a "
+                f"{index_slots}-slot index: raise --size or lower --index-slots"
+            )
+        return cls(arena_size, HEADER_SIZE, index_slots, data_offset, data_size, chunk_tokens,
+                   os.getpid(), 0.0, os.urandom(16))
+
+    def pack(self) -> bytes:
+        body = _HDR.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, self.arena_size, self.index_offset,
+                         self.index_slots, self.data_offset, self.data_size, self.chunk_tokens,
+                         SLOT_SIZE, self.supervisor_pid, self.arena_id, self.created)
+        return body + b"\0" * (_HDR_CSUM_OFF - len(body))
+
+    @classmethod
+    def unpack(cls, buf: mmap.mmap | bytes, file_size: int) -> Geometry:
+        """Read and validate the header; raise ArenaCorruptError on any inconsistency."""
+        if file_size < HEADER_SIZE:
+            raise ArenaCorruptError(f"arena file is {file_size} bytes, smaller than its header")
+        head = bytes(buf[:_HDR_CSUM_OFF])
+        (csum,) = _U64.unpack_from(buf, _HDR_CSUM_OFF)
+        if xxhash.xxh3_64_intdigest(head) != csum:
+            raise ArenaCorruptError("arena header checksum mismatch: restart the supervisor")
+        (magic, version, hsize, size, ioff, slots, doff, dsize, chunk, ssize, pid, aid,
+         created) = _HDR.unpack_from(head)
+        if magic != MAGIC:
+            raise ArenaCorruptError("not a shmkv arena (bad magic)")
+        if version != FORMAT_VERSION:
+            raise ArenaCorruptError(
+                f"arena format {version}, this shmkv reads {FORMAT_VERSION}: "
+                "run the same shmkv version as the supervisor"
+            )
+        ok = (hsize == HEADER_SIZE and ssize == SLOT_SIZE and ioff == HEADER_SIZE
+              and slots > 0 and slots & (slots - 1) == 0
+              and doff == align(ioff + slots * SLOT_SIZE, PAGE)
+              and doff + dsize <= size <= file_size and 0 < chunk <= MAX_TOKENS)
+        if not ok:
+            raise ArenaCorruptError(
+                f"arena geometry is inconsistent (file {file_size} bytes): restart the supervisor"
+            )
+        return cls(size, ioff, slots, doff, dsize, chunk, pid, created, aid)
+
+
+def header_checksum(head: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(head)
+
+
+@dataclass(frozen=True)
+class Slot:
+    digest: bytes
+    rec_offset: int
+    rec_gen: int
+    n_chunks: int
+
+
+@dataclass(frozen=True)
+class Record:
+    """A validated record header: where its parts are, what it claims to be."""
+
+    offset: int
+    gen: int
+    key: bytes
+    root: bytes
+    n_tokens: int
+    n_chunks: int
+    fp_off: int
+    fp_len: int
+    tokens_off: int
+    payload_off: int
+    payload_len: int
+    payload_xxh3: int
+    created: float
+
+    @property
+    def end(self) -> int:
+        return self.payload_off + self.payload_len
+
+
+def record_layout(n_tokens: int, fp_len: int, payload_len: int) -> tuple[int, int, int, int]:
+    """(fingerprint offset, tokens offset, payload offset, extent size), record-relative."""
+    fp_off = REC_HEADER_SIZE
+    tok_off = align(fp_off + fp_len, 8)
+    pay_off = align(tok_off + 4 * n_tokens, 64)
+    return fp_off, tok_off, pay_off, align(pay_off + payload_len, PAGE)
+
+
+def pack_record_header(gen: int, key: bytes, root: bytes, n_tokens: int, n_chunks: int,
+                       fp_len: int, tok_off: int, pay_off: int, payload_len: int,
+                       payload_xxh3: int, created: float) -> bytes:
+    """Record header without its trailing meta checksum (``meta_checksum`` adds it)."""
+    return _REC.pack(REC_MAGIC, FORMAT_VERSION, 0, gen, key, root, n_tokens, n_chunks,
+                     fp_len, tok_off, pay_off, payload_len, payload_xxh3, 0, created)
+
+
+_META_CSUM_OFF = _REC.size - 16  # the u64 before `created`
+
+
+def meta_checksum(header: bytes, fingerprint: bytes | memoryview,
+                  tokens: bytes | memoryview) -> int:
+    h = xxhash.xxh3_64()
+    h.update(header[:_META_CSUM_OFF])
+    h.update(header[_META_CSUM_OFF + 8 : _REC.size])
+    h.update(fingerprint)
+    h.update(tokens)
+    return h.intdigest()
+
+
+class ArenaView:
+    """A worker's read-only view of the arena: lock-free lookup and record validation."""
+
+    def __init__(self, fd: int, populate: bool = True) -> None:
+        size = os.fstat(fd).st_size
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        self.mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        try:
+            self.geometry = Geometry.unpack(self.mm, size)
+        except Exception:
+            self.mm.close()
+            raise
+        self.file_size = size
+        self._np = np.frombuffer(self.mm, dtype=np.uint8)
+        self.base_address: int = self._np.ctypes.data
+
+    def close(self) -> None:
+        self._np = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+        except BufferError:  # a numpy view is still alive somewhere; unmapped at GC
+            pass
+
+    # -- mutable header words -------------------------------------------------
+    def epoch(self) -> int:
+        return _U64.unpack_from(self.mm, _EPOCH_OFF)[0]
+
+    def state(self) -> int:
+        return _SEQ.unpack_from(self.mm, _STATE_OFF)[0]
+
+    # -- index ------------------------------------------------------------------
+    def read_slot(self, i: int) -> tuple[int, Slot | None]:
+        """Seqlock read of slot i: (used flag, slot or None)."""
+        g = self.geometry
+        off = g.index_offset + i * SLOT_SIZE
+        for _ in range(64):
+            seq1 = _SEQ.unpack_from(self.mm, off)[0]
+            if seq1 & 1:
+                continue
+            seq, used, digest, roff, rgen, nch = _SLOT.unpack_from(self.mm, off)
+            if _SEQ.unpack_from(self.mm, off)[0] == seq1 == seq:
+                return used, (Slot(digest, roff, rgen, nch) if used else None)
+        return 0, None  # writer kept it busy: treat as a miss
+
+    def probe(self, digest: bytes) -> Slot | None:
+        """Find ``digest`` in the index; None if absent."""
+        n = self.geometry.index_slots
+        i = slot_home(digest, n)
+        for _ in range(min(MAX_PROBE, n)):
+            used, slot = self.read_slot(i)
+            if not used:
+                return None
+            if slot is not None and slot.digest == digest:
+                return slot
+            i = (i + 1) & (n - 1)
+        return None
+
+    def find_longest(self, digests: Sequence[bytes]) -> tuple[int, Slot] | None:
+        """Longest k such that digests[k-1] is indexed, by binary search; (k, slot)."""
+        lo, hi, best = 1, len(digests), None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            slot = self.probe(digests[mid - 1])
+            if slot is not None:
+                best, lo = (mid, slot), mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+    # -- records ---------------------------------------------------------------
+    def read_record(self, offset: int, gen: int) -> Record:
+        """Parse and bounds-check the record at ``offset``; ArenaCorruptError if invalid."""
+        g = self.geometry
+        if not (g.data_offset <= offset and offset + REC_HEADER_SIZE <= g.data_offset + g.data_size
+                and offset % PAGE == g.data_offset % PAGE):
+            raise ArenaCorruptError(f"record offset {offset} outside the data region")
+        (magic, version, _flags, rgen, key, root, n_tok, n_ch, fp_len, tok_off, pay_off,
+         pay_len, pay_csum, _meta, created) = _REC.unpack_from(self.mm, offset)
+        if magic != REC_MAGIC or version != FORMAT_VERSION:
+            raise ArenaCorruptError(f"no record at offset {offset}")
+        if rgen != gen:
+            raise ArenaCorruptError(f"record at {offset} is generation {rgen}, expected {gen}")
+        fp_o, tok_o, pay_o, extent = record_layout(n_tok, fp_len, pay_len)
+        if (n_tok > MAX_TOKENS or fp_len > MAX_FINGERPRINT or tok_off != tok_o
+                or pay_off != pay_o or n_ch != n_tok // g.chunk_tokens
+                or offset + extent > g.data_offset + g.data_size):
+            raise ArenaCorruptError(f"record at {offset} has inconsistent lengths")
+        return Record(offset, rgen, key, root, n_tok, n_ch, offset + fp_o, fp_len,
+                      offset + tok_o, offset + pay_o, pay_len, pay_csum, created)
+
+    def verify_meta(self, rec: Record) -> None:
+        hdr = bytes(self.mm[rec.offset : rec.offset + REC_HEADER_SIZE])
+        (stored,) = _U64.unpack_from(hdr, _META_CSUM_OFF)
+        got = meta_checksum(hdr, self.fingerprint(rec), self.tokens(rec).data)
+        if got != stored:
+            raise ArenaCorruptError(f"record at {rec.offset}: metadata checksum mismatch")
+
+    def fingerprint(self, rec: Record) -> memoryview:
+        return memoryview(self.mm)[rec.fp_off : rec.fp_off + rec.fp_len]
+
+    def tokens(self, rec: Record) -> np.ndarray:
+        return np.frombuffer(self.mm, dtype="<i4", count=rec.n_tokens, offset=rec.tokens_off)
+
+    def payload(self, rec: Record) -> memoryview:
+        return memoryview(self.mm)[rec.payload_off : rec.payload_off + rec.payload_len]
+
+    def payload_address(self, rec: Record) -> int:
+        """Address of the payload in this process: what llama_state_seq_set_data reads."""
+        return self.base_address + rec.payload_off
+
+    def verify_payload(self, rec: Record) -> bool:
+        return xxhash.xxh3_64_intdigest(self.payload(rec)) == rec.payload_xxh3
+
+    def scan(self) -> list[Slot]:
+        """Every used slot (for diagnostics and tests; O(index size))."""
+        out = []
+        for i in range(self.geometry.index_slots):
+            used, slot = self.read_slot(i)
+            if used and slot is not None:
+                out.append(slot)
+        return out

@@ -1,0 +1,168 @@
+"""The ``shmkv`` command line (click). Options come from ``config.SETTINGS``."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from . import __version__
+from .config import SETTINGS, format_size, resolve
+from .errors import ShmkvError
+
+log = logging.getLogger("shmkv")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+
+
+def settings_options(scope: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add one click option per setting of ``scope`` plus ``--config``."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for s in reversed(list(SETTINGS.values())):
+            if scope not in s.scopes:
+                continue
+            help_text = f"{s.help} [env: {s.env}]"
+            if s.is_flag:
+                fn = click.option(s.flag, s.name, is_flag=True, default=None,
+                                  help=help_text)(fn)
+            else:
+                default = (format_size(s.default) if s.name == "size" else s.default)
+                if default is not None:
+                    help_text += f" [default: {default}]"
+                fn = click.option(s.flag, s.name, default=None, metavar=s.metavar,
+                                  help=help_text)(fn)
+        fn = click.option("--config", "config_file", default=None, metavar="FILE",
+                          help="TOML file of settings (keys as the long options). "
+                          "[env: SHMKV_CONFIG]")(fn)
+        return fn
+
+    return deco
+
+
+def fails_cleanly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a ShmkvError into one line on stderr and its exit code, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ShmkvError as e:
+            click.echo(f"shmkv: error: {e}", err=True)
+            sys.exit(e.exit_code)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="shmkv")
+def main() -> None:
+    """Share llama.cpp prompt state between worker processes through one /dev/shm arena.
+
+    Start `shmkv supervise` once; workers (see README) attach to it and reuse
+    every prefix any of them has evaluated.
+    """
+
+
+@main.command()
+@settings_options("supervise")
+@fails_cleanly
+def supervise(config_file: str | None, **cli: Any) -> None:
+    """Create the arena and serve workers until SIGTERM/SIGINT.
+
+    The arena file (--dir/shmkv-NAME) is reserved in full at start, so a
+    too-small tmpfs fails now with a clear message rather than later. With
+    systemd (Type=notify) READY=1 and WATCHDOG=1 are sent.
+    """
+    from .supervisor import Supervisor
+
+    settings = resolve("supervise", cli, config_file=config_file)
+    setup_logging(settings.log_level)
+    sup = Supervisor(settings)
+    sup.start()
+    sys.exit(sup.serve_forever())
+
+
+def _client(config_file: str | None, cli: dict[str, Any]):
+    from .client import Client
+
+    settings = resolve("client", cli, config_file=config_file)
+    setup_logging(settings.log_level if settings.log_level != "info" else "warning")
+    client = Client(settings=settings, populate=False)
+    client._backoff = 0.0
+    return client
+
+
+@main.command()
+@settings_options("client")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@fails_cleanly
+def stats(config_file: str | None, as_json: bool, **cli: Any) -> None:
+    """Show the supervisor's counters: entries, bytes, hits, misses, evictions..."""
+    with _client(config_file, cli) as c:
+        st = c.stats()
+    st.pop("ok", None)
+    st.pop("id", None)
+    if as_json:
+        click.echo(json.dumps(st, indent=2, sort_keys=True))
+        return
+    lookups = st["hits"] + st["misses"]
+    rate = f"{100 * st['hits'] / lookups:.1f}%" if lookups else "n/a"
+    rows = [
+        ("arena", f"{st['name']} ({st['arena']}), supervisor pid {st['pid']}"),
+        ("entries", f"{st['entries']} ({st['pinned']} pinned)"),
+        ("used", f"{format_size(st['bytes_used'])} of {format_size(st['bytes_capacity'])}"),
+        ("hits / misses", f"{st['hits']} / {st['misses']} (hit rate {rate})"),
+        ("tokens restored", f"{st['tokens_restored']} (evaluated {st['tokens_evaluated']})"),
+        ("puts", f"{st['puts']} ({st['rejected_puts']} rejected, {st['duplicate_puts']} dup)"),
+        ("evictions", str(st["evictions"])),
+        ("workers attached", str(st["workers_attached"])),
+        ("leases active", str(st["leases_active"])),
+    ]
+    for k, v in rows:
+        click.echo(f"{k:>17}: {v}")
+
+
+@main.command(name="ls")
+@settings_options("client")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+@click.option("--limit", default=1000, show_default=True, help="Most entries to list.")
+@fails_cleanly
+def ls_cmd(config_file: str | None, as_json: bool, limit: int, **cli: Any) -> None:
+    """List cached entries, most recently used first."""
+    with _client(config_file, cli) as c:
+        res = c.ls(limit=limit)
+    rows = res["entries"]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(f"{'KEY':16}  {'TOKENS':>7}  {'SIZE':>10}  {'HITS':>6}  PIN  LAST USED")
+    now = time.time()
+    for r in rows:
+        click.echo(f"{r['key'][:16]}  {r['tokens']:>7}  {format_size(r['bytes']):>10}  "
+                   f"{r['hits']:>6}  {'yes' if r['pinned'] else '   '}  "
+                   f"{now - r['last_used']:.0f}s ago")
+    click.echo(f"{len(rows)} of {res['total']} entries")
+
+
+@main.command()
+@settings_options("client")
+@fails_cleanly
+def clear(config_file: str | None, **cli: Any) -> None:
+    """Remove every entry (entries being read are freed when their readers finish)."""
+    with _client(config_file, cli) as c:
+        n = c.clear()
+    click.echo(f"removed {n} entries")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,374 @@
+"""What runs inside a worker: the connection to the supervisor and the read-only arena view.
+
+A :class:`Client` is thread-safe (one lock around each request) and fork-safe
+(it notices a changed ``os.getpid()`` and reconnects in the child, never
+touching the parent's socket). When the supervisor is unreachable it raises
+:class:`SupervisorUnavailable` at once and waits a short, growing back-off
+before trying again, so a dead supervisor costs a worker a cache miss, not a
+hang.
+
+Reading a blob (see ``store.py`` for why it is safe)::
+
+    hit = client.lookup(digests)            # lock-free, in the mapping
+    with client.acquire(hit) as lease:      # one round trip: a lease
+        rec = lease.record                  # validated header
+        ... use lease.address / lease.payload ...
+        ok = lease.finish(tokens_restored)  # False: revoked mid-read, discard
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from . import arena as A
+from . import protocol as P
+from .config import Settings, resolve
+from .errors import (
+    ArenaCorruptError,
+    ClosedError,
+    PermissionDenied,
+    ProtocolError,
+    ShmkvError,
+    SupervisorUnavailable,
+    from_wire,
+)
+
+log = logging.getLogger(__name__)
+
+_BACKOFF_MIN, _BACKOFF_MAX = 0.5, 5.0
+
+
+@dataclass(frozen=True)
+class Hit:
+    """The longest cached chunk prefix: ``chunks`` full chunks, found at ``slot``."""
+
+    chunks: int
+    slot: A.Slot
+
+
+class Lease:
+    """A granted read lease on one record; use as a context manager."""
+
+    def __init__(self, client: Client, view: A.ArenaView, lease_id: int, epoch: int,
+                 record: A.Record) -> None:
+        self.client, self.view, self.id, self.epoch, self.record = (
+            client, view, lease_id, epoch, record)
+        self._done = False
+        self.valid: bool | None = None
+
+    @property
+    def address(self) -> int:
+        return self.view.payload_address(self.record)
+
+    @property
+    def payload(self) -> memoryview:
+        return self.view.payload(self.record)
+
+    def tokens(self) -> np.ndarray:
+        return self.view.tokens(self.record)
+
+    def fingerprint(self) -> bytes:
+        return bytes(self.view.fingerprint(self.record))
+
+    def intact(self) -> bool:
+        """True while no lease revocation happened since this lease was granted."""
+        return self.view.epoch() == self.epoch
+
+    def finish(self, tokens_restored: int = 0) -> bool:
+        """Release the lease; True only if the bytes read under it were intact."""
+        if self._done:
+            return bool(self.valid)
+        self._done = True
+        intact = self.intact()
+        try:
+            reply = self.client.request({"op": "release", "lease": self.id,
+                                         "tokens_restored": tokens_restored if intact else 0})
+            self.valid = intact and bool(reply.get("valid"))
+        except ShmkvError:
+            # the supervisor died: it reuses nothing any more, so the epoch check decides
+            self.valid = intact
+        return self.valid
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finish()
+
+
+class Client:
+    """A worker's handle on one supervisor and its arena."""
+
+    def __init__(self, name: str | None = None, socket_path: str | None = None,
+                 timeout: float | None = None, settings: Settings | None = None,
+                 populate: bool = True) -> None:
+        if settings is None:
+            settings = resolve("client", {"name": name, "socket": socket_path,
+                                          "timeout": timeout})
+        self.settings = settings
+        self.name: str = settings.name
+        self.socket_path = settings.socket_path
+        self.timeout: float = settings.timeout
+        self.populate = populate
+        self._lock = threading.RLock()
+        self._sock: socket.socket | None = None
+        self._view: A.ArenaView | None = None
+        self._pid = os.getpid()
+        self._next_id = 1
+        self._retry_at = 0.0
+        self._backoff = _BACKOFF_MIN
+        self._closed = False
+        self._memfd = -1
+        self._memfd_size = 0
+        self.attach_info: dict[str, Any] = {}
+        self.last_error: ShmkvError | None = None
+
+    # ------------------------------------------------------------- connection
+    def _check_fork(self) -> None:
+        if os.getpid() != self._pid:  # we are a forked child: the socket is the parent's
+            self._pid = os.getpid()
+            # closing our copies (no shutdown()) leaves the parent's connection intact
+            self._drop()
+            if self._memfd >= 0:
+                os.close(self._memfd)
+                self._memfd, self._memfd_size = -1, 0
+
+    def _connect(self) -> None:
+        now = time.monotonic()
+        if now < self._retry_at:
+            raise self.last_error or SupervisorUnavailable("supervisor unavailable")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(self.timeout)
+        try:
+            try:
+                sock.connect(self.socket_path)
+            except FileNotFoundError:
+                raise SupervisorUnavailable(
+                    f"no shmkv supervisor at {self.socket_path}: start `shmkv supervise "
+                    f"--name {self.name}`, or set SHMKV_SOCKET/SHMKV_NAME to the running one"
+                ) from None
+            except PermissionError:
+                raise PermissionDenied(
+                    f"no permission to connect to {self.socket_path}: run as the supervisor's "
+                    f"user or a member of its --group") from None
+            except OSError as e:
+                raise SupervisorUnavailable(
+                    f"cannot connect to the shmkv supervisor at {self.socket_path}: "
+                    f"{e.strerror or e}; is `shmkv supervise --name {self.name}` running?"
+                ) from None
+            self._sock = sock
+            reply, fds = self._roundtrip({"op": "attach", "pid": os.getpid()})
+            if not fds:
+                raise ProtocolError("attach reply carried no arena descriptor")
+            try:
+                view = A.ArenaView(fds[0], populate=self.populate)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            if view.geometry.arena_id != reply.get("arena_id"):
+                view.close()
+                raise ArenaCorruptError("arena id does not match the supervisor's")
+            self._view = view
+            self.attach_info = reply
+            self._backoff = _BACKOFF_MIN
+            log.info("attached to shmkv arena %r (supervisor pid %s)", self.name,
+                     reply.get("supervisor_pid"))
+        except ShmkvError as e:
+            self._drop()
+            sock.close()
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, _BACKOFF_MAX)
+            if type(e) is not type(self.last_error):
+                log.warning("shmkv cache unavailable, running without it: %s", e)
+            self.last_error = e
+            raise
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = None
+        if self._view is not None:
+            self._view.close()
+        self._view = None
+
+    def _roundtrip(self, msg: dict[str, Any], fds: list[int] | None = None
+                   ) -> tuple[dict[str, Any], list[int]]:
+        assert self._sock is not None
+        rid = self._next_id
+        self._next_id += 1
+        msg["id"] = rid
+        try:
+            P.send_msg(self._sock, msg, fds)
+            while True:
+                reply, rfds = P.recv_msg(self._sock)
+                if reply.get("id") in (rid, 0):
+                    break
+                for fd in rfds:
+                    os.close(fd)
+        except (OSError, ProtocolError) as e:
+            self._drop()
+            self._retry_at = time.monotonic() + _BACKOFF_MIN
+            err = SupervisorUnavailable(
+                f"lost the shmkv supervisor at {self.socket_path}: {e}; workers run "
+                f"without the cache until it is back")
+            self.last_error = err
+            raise err from None
+        if not reply.get("ok"):
+            for fd in rfds:
+                os.close(fd)
+            err = from_wire(reply.get("error"))
+            if reply.get("id") == 0 and not isinstance(err, P.BadRequest):
+                self._drop()  # refused at accept (permission, connection limit)
+            raise err
+        return reply, rfds
+
+    def ensure(self) -> A.ArenaView:
+        """Connect and attach if needed; returns the arena view."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError("shmkv Client used after close()")
+            self._check_fork()
+            if self._sock is None or self._view is None:
+                self._connect()
+            assert self._view is not None
+            return self._view
+
+    def request(self, msg: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
+        """Send one request and return its reply; raises the supervisor's error."""
+        with self._lock:
+            self.ensure()
+            reply, rfds = self._roundtrip(msg, fds)
+            for fd in rfds:
+                os.close(fd)
+            return reply
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None and os.getpid() == self._pid
+
+    @property
+    def view(self) -> A.ArenaView:
+        return self.ensure()
+
+    def close(self) -> None:
+        with self._lock:
+            if os.getpid() == self._pid:
+                self._drop()
+                if self._memfd >= 0:
+                    os.close(self._memfd)
+            self._memfd = -1
+            self._closed = True
+
+    def __enter__(self) -> Client:
+        self.ensure()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ reads
+    def lookup(self, digests: Sequence[bytes]) -> Hit | None:
+        """Longest indexed chunk prefix among ``digests`` (lock-free, no round trip)."""
+        view = self.ensure()
+        found = view.find_longest(digests)
+        return None if found is None else Hit(found[0], found[1])
+
+    def acquire(self, hit: Hit) -> Lease:
+        """Lease the record behind ``hit`` and validate its header and metadata."""
+        with self._lock:
+            view = self.ensure()
+            reply = self.request({"op": "acquire", "offset": hit.slot.rec_offset,
+                                  "gen": hit.slot.rec_gen})
+            lease_id, epoch = reply.get("lease"), reply.get("epoch")
+            if not isinstance(lease_id, int) or not isinstance(epoch, int):
+                raise ProtocolError("malformed acquire reply")
+            try:
+                rec = view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
+                view.verify_meta(rec)
+            except ArenaCorruptError:
+                Lease(self, view, lease_id, epoch, None).finish()  # type: ignore[arg-type]
+                raise
+            return Lease(self, view, lease_id, epoch, rec)
+
+    # ----------------------------------------------------------------- writes
+    def _payload_fd(self, size: int) -> int:
+        if self._memfd < 0:
+            self._memfd = os.memfd_create("shmkv-put", os.MFD_CLOEXEC)
+            self._memfd_size = 0
+        if size != self._memfd_size:
+            os.ftruncate(self._memfd, size)
+            self._memfd_size = size
+        return self._memfd
+
+    def put(self, root: bytes, tokens: np.ndarray | Sequence[int], fingerprint: bytes,
+            size: int, fill: Callable[[int, int], None], pin: bool = False) -> dict[str, Any]:
+        """Publish a blob of ``size`` bytes that ``fill(address, size)`` writes in place.
+
+        The bytes go into a memfd whose descriptor is passed to the supervisor; they
+        never travel through the socket.
+        """
+        tok = np.ascontiguousarray(tokens, dtype="<i4")
+        with self._lock:
+            self.ensure()
+            fd = self._payload_fd(size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                buf = np.frombuffer(mm, dtype=np.uint8)
+                fill(buf.ctypes.data, size)
+                checksum = xxhash.xxh3_64_intdigest(mm)
+                del buf
+            finally:
+                try:
+                    mm.close()
+                except BufferError:
+                    pass
+            return self.request({"op": "put", "root": root, "tokens": tok.tobytes(),
+                                 "fingerprint": fingerprint, "payload_len": size,
+                                 "checksum": checksum, "pin": pin}, [fd])
+
+    def put_bytes(self, root: bytes, tokens: np.ndarray | Sequence[int], fingerprint: bytes,
+                  data: bytes | memoryview, pin: bool = False) -> dict[str, Any]:
+        """Publish a blob held in Python memory (tests, tools)."""
+        src = np.frombuffer(data, dtype=np.uint8)
+
+        def fill(addr: int, size: int) -> None:
+            np.copyto(np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * size).from_address(
+                addr)), src)
+
+        return self.put(root, tokens, fingerprint, len(src), fill, pin=pin)
+
+    # ------------------------------------------------------------------ admin
+    def stats(self) -> dict[str, Any]:
+        return self.request({"op": "stats"})
+
+    def ls(self, limit: int = 1000) -> dict[str, Any]:
+        return self.request({"op": "ls", "limit": limit})
+
+    def clear(self) -> int:
+        return int(self.request({"op": "clear"}).get("removed", 0))
+
+    def pin(self, key: bytes, pinned: bool = True) -> int:
+        return int(self.request({"op": "pin" if pinned else "unpin", "key": key})["count"])
+
+    def report(self, **counters: int) -> None:
+        counters = {k: v for k, v in counters.items() if v}
+        if counters:
+            self.request({"op": "report", "counters": counters})
+
+    def worker_exit(self, pid: int) -> int:
+        return int(self.request({"op": "worker_exit", "pid": pid}).get("released", 0))

@@ -1,0 +1,241 @@
+"""The one source of settings.
+
+Each setting is declared once below (name, parser, default, help); the CLI
+options, the ``SHMKV_*`` environment variables and the config file keys are
+all derived from that declaration. Precedence: command line > environment >
+config file (``--config`` / ``SHMKV_CONFIG``, TOML) > default.
+
+Arena geometry (size, chunk length, index slots, format version) is chosen by
+the supervisor and written into the arena header; workers read it from there
+and never from their own settings.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+ENV_PREFIX = "SHMKV_"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``2G``, ``512M``, ``1.5GiB`` or a plain byte count (binary units)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE_RE.match(str(text))
+        if not m:
+            raise ValueError(f"not a size: {text!r} (use e.g. 512M, 2G)")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return value
+
+
+def format_size(n: float) -> str:
+    """Human-readable binary size: 1.5 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_name(text: str) -> str:
+    if not _NAME_RE.match(text):
+        raise ValueError(
+            f"invalid name {text!r}: use 1-64 characters of letters, digits, '_', '.', '-'"
+        )
+    return text
+
+
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    low = str(text).strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true or false)")
+
+
+def _positive_int(text: str | int) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str | int) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be zero or a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str | float) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _log_level(text: str) -> str:
+    low = str(text).strip().lower()
+    if low not in ("debug", "info", "warning", "error"):
+        raise ValueError(f"unknown log level {text!r}: use debug, info, warning or error")
+    return low
+
+
+def _optional_str(text: str | None) -> str | None:
+    return None if text in (None, "") else str(text)
+
+
+def default_socket_path(name: str) -> str:
+    """Where the supervisor listens unless ``--socket`` says otherwise."""
+    runtime = os.environ.get("RUNTIME_DIRECTORY")  # set by systemd RuntimeDirectory=
+    if runtime:
+        return str(Path(runtime.split(":")[0]) / f"{name}.sock")
+    if os.geteuid() == 0:
+        return f"/run/shmkv/{name}.sock"
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return str(Path(xdg) / "shmkv" / f"{name}.sock")
+    return f"/tmp/shmkv-{os.geteuid()}/{name}.sock"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its parser, default, help and the scopes that use it."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    scopes: frozenset[str]
+    metavar: str = "VALUE"
+    is_flag: bool = False
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+_ALL = frozenset({"supervise", "client", "serve"})
+_SUP = frozenset({"supervise", "serve"})
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in [
+        Setting("name", parse_name, "default", "Arena name; one supervisor owns each name.",
+                _ALL, "NAME"),
+        Setting("socket", _optional_str, None,
+                "Supervisor socket path [default: $RUNTIME_DIRECTORY/NAME.sock, "
+                "/run/shmkv/NAME.sock as root, else $XDG_RUNTIME_DIR/shmkv/NAME.sock].",
+                _ALL, "PATH"),
+        Setting("dir", str, "/dev/shm", "Directory of the arena file (a tmpfs).",
+                _SUP, "DIR"),
+        Setting("size", parse_size, 1 << 30,
+                "Arena size, reserved in full at start (e.g. 512M, 2G).", _SUP, "SIZE"),
+        Setting("chunk_tokens", _positive_int, 64,
+                "Tokens per key chunk: prefixes are found at multiples of this.", _SUP, "N"),
+        Setting("index_slots", _non_negative_int, 0,
+                "Index hash-table slots (0: derived from --size).", _SUP, "N"),
+        Setting("group", _optional_str, None,
+                "Share arena and socket with this group (mode 0660 instead of 0600).",
+                _SUP, "GROUP"),
+        Setting("keep", parse_bool, False,
+                "Leave socket and arena file in place on shutdown.", _SUP, is_flag=True),
+        Setting("max_connections", _positive_int, 256,
+                "Connections served at once; more are refused (those workers run cold).",
+                _SUP, "N"),
+        Setting("lease_timeout", _positive_float, 30.0,
+                "Seconds a worker may hold a read lease before eviction may revoke it.",
+                _SUP, "SECONDS"),
+        Setting("timeout", _positive_float, 5.0,
+                "Seconds a client waits for the supervisor before treating it as down.",
+                frozenset({"client", "serve"}), "SECONDS"),
+        Setting("log_level", _log_level, "info", "Log level: debug, info, warning, error.",
+                _ALL, "LEVEL"),
+    ]
+}
+
+
+@dataclass
+class Settings:
+    """Resolved settings; attribute access by setting name."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __getattr__(self, item: str) -> Any:
+        try:
+            return self.__dict__["values"][item]
+        except KeyError:
+            raise AttributeError(item) from None
+
+    @property
+    def socket_path(self) -> str:
+        return self.values.get("socket") or default_socket_path(self.values["name"])
+
+
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a TOML config file: top-level keys are setting names."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist: fix --config/SHMKV_CONFIG") from None
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    unknown = sorted(k for k in data if k.replace("-", "_") not in SETTINGS)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown settings {', '.join(unknown)}")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def resolve(
+    scope: str,
+    cli: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+) -> Settings:
+    """Resolve every setting of ``scope``: command line > environment > file > default."""
+    cli = cli or {}
+    env = os.environ if env is None else env
+    config_file = config_file or env.get(ENV_PREFIX + "CONFIG") or None
+    file_values = load_config_file(config_file) if config_file else {}
+    out = Settings()
+    for s in SETTINGS.values():
+        if scope not in s.scopes:
+            continue
+        if cli.get(s.name) is not None:
+            raw, source = cli[s.name], s.flag
+        elif s.env in env:
+            raw, source = env[s.env], s.env
+        elif s.name in file_values:
+            raw, source = file_values[s.name], f"{config_file}:{s.name}"
+        else:
+            out.values[s.name], out.sources[s.name] = s.default, "default"
+            continue
+        try:
+            out.values[s.name] = s.parse(raw)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: {e}") from None
+        out.sources[s.name] = source
+    return out

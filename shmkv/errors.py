@@ -1,0 +1,164 @@
+"""The one error tree of shmkv.
+
+Every failure a user can meet is a leaf of :class:`ShmkvError` whose message
+names the setting or command that fixes it. Errors cross the supervisor's
+socket as ``{"code": ..., "message": ...}`` and are rebuilt on the other side
+by :func:`from_wire`, so a worker sees the same class the supervisor raised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ShmkvError",
+    "ConfigError",
+    "ArenaError",
+    "ArenaExistsError",
+    "ArenaFullError",
+    "ArenaCorruptError",
+    "ShmSpaceError",
+    "SupervisorUnavailable",
+    "SupervisorBusy",
+    "PermissionDenied",
+    "ProtocolError",
+    "BadRequest",
+    "ChecksumMismatch",
+    "NotFound",
+    "LeaseLost",
+    "ModelMismatchError",
+    "ClosedError",
+    "from_wire",
+]
+
+
+class ShmkvError(Exception):
+    """Root of every shmkv error; ``code`` is its stable wire name."""
+
+    code = "error"
+    exit_code = 1
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"code": self.code, "message": str(self)}
+
+
+class ConfigError(ShmkvError):
+    """A setting has a value that cannot work."""
+
+    code = "config"
+    exit_code = 2
+
+
+class ArenaError(ShmkvError):
+    """Something is wrong with the arena file."""
+
+    code = "arena"
+
+
+class ArenaExistsError(ArenaError):
+    """Another live supervisor already owns this arena name."""
+
+    code = "arena_exists"
+    exit_code = 3
+
+
+class ArenaFullError(ArenaError):
+    """A blob can never fit, or nothing can be evicted to make room."""
+
+    code = "arena_full"
+
+
+class ArenaCorruptError(ArenaError):
+    """The arena header or a record failed validation."""
+
+    code = "arena_corrupt"
+
+
+class ShmSpaceError(ArenaError):
+    """The shared-memory filesystem has less free space than ``--size``."""
+
+    code = "shm_space"
+    exit_code = 4
+
+
+class SupervisorUnavailable(ShmkvError):
+    """No supervisor answers on the socket."""
+
+    code = "unavailable"
+    exit_code = 5
+
+
+class SupervisorBusy(SupervisorUnavailable):
+    """The supervisor refused the connection (connection limit reached)."""
+
+    code = "busy"
+
+
+class PermissionDenied(ShmkvError):
+    """The peer may not use this supervisor, or a file mode forbids access."""
+
+    code = "permission"
+    exit_code = 6
+
+
+class ProtocolError(ShmkvError):
+    """A frame could not be decoded (bad length, bad msgpack, oversize)."""
+
+    code = "protocol"
+
+
+class BadRequest(ProtocolError):
+    """A decoded message has a missing, mistyped or out-of-bounds field."""
+
+    code = "bad_request"
+
+
+class ChecksumMismatch(BadRequest):
+    """A blob's bytes do not match the checksum sent with it."""
+
+    code = "checksum"
+
+
+class NotFound(ShmkvError):
+    """The entry asked for is not (or no longer) in the arena."""
+
+    code = "not_found"
+
+
+class LeaseLost(ShmkvError):
+    """A read lease was revoked while the blob was in use: the read is void."""
+
+    code = "lease_lost"
+
+
+class ModelMismatchError(ShmkvError):
+    """A cached blob belongs to another model or context configuration."""
+
+    code = "model_mismatch"
+
+
+class ClosedError(ShmkvError):
+    """A handle was used after ``close()``."""
+
+    code = "closed"
+
+
+_BY_CODE: dict[str, type[ShmkvError]] = {}
+
+
+def _register(cls: type[ShmkvError]) -> None:
+    _BY_CODE[cls.code] = cls
+    for sub in cls.__subclasses__():
+        _register(sub)
+
+
+_register(ShmkvError)
+
+
+def from_wire(obj: Any) -> ShmkvError:
+    """Rebuild an error sent by the peer; unknown or malformed ones become ShmkvError."""
+    if isinstance(obj, dict):
+        code, message = obj.get("code"), obj.get("message")
+        if isinstance(code, str) and isinstance(message, str):
+            return _BY_CODE.get(code, ShmkvError)(message[:4096])
+    return ProtocolError(f"malformed error reply from the peer: {obj!r:.200}")

@@ -1,0 +1,189 @@
+"""Wire protocol between workers and the supervisor.
+
+Framing, on a SOCK_STREAM Unix socket::
+
+    +----------------------+----------------------------------+
+    | length: u32 big-end. | body: one msgpack map, `length`  |
+    |  1 <= length <= 4 MiB| bytes                            |
+    +----------------------+----------------------------------+
+
+A request is ``{"op": str, "id": int, ...fields}``; the reply echoes ``id`` and
+is ``{"ok": True, ...}`` or ``{"ok": False, "error": {"code", "message"}}``.
+File descriptors travel as SCM_RIGHTS ancillary data on the first byte of a
+frame: the arena's read-only fd on the ``attach`` reply, a sealed-size memfd
+holding the payload on ``put``. Large blobs never travel as bytes.
+
+Every field of every request is checked here (type, size, bounds) before the
+supervisor acts on it; an unknown op, a missing field, a wrong type or an
+out-of-range value is a :class:`BadRequest` reply, never a crash. Token ids
+travel as raw little-endian int32 bytes.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+from .arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
+from .errors import BadRequest, ProtocolError
+
+MAX_FRAME = 4 << 20
+_LEN = struct.Struct(">I")
+MAX_U64 = (1 << 64) - 1
+MAX_COUNTER = 1 << 48
+
+#: Counters a worker may report, added to the supervisor's stats.
+REPORTABLE = ("misses", "tokens_restored", "tokens_evaluated", "restore_failures")
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"message of {len(body)} bytes exceeds the {MAX_FRAME}-byte cap")
+    return _LEN.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME,
+                              max_str_len=MAX_FRAME, max_array_len=65536, max_map_len=64)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable frame: {type(e).__name__}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("a frame must hold a msgpack map")
+    return msg
+
+
+class FrameBuffer:
+    """Accumulates stream bytes and yields whole frame bodies."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def frames(self) -> list[bytes]:
+        out = []
+        while len(self._buf) >= 4:
+            (n,) = _LEN.unpack_from(self._buf)
+            if n == 0 or n > MAX_FRAME:
+                raise ProtocolError(f"frame length {n} outside 1..{MAX_FRAME}")
+            if len(self._buf) < 4 + n:
+                break
+            out.append(bytes(self._buf[4 : 4 + n]))
+            del self._buf[: 4 + n]
+        return out
+
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+# --------------------------------------------------------------------- blocking I/O
+def send_msg(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = encode(msg)
+    if fds:
+        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                       array.array("i", fds))])
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        data, anc, flags, _ = sock.recvmsg(n - len(buf), socket.CMSG_SPACE(4 * 4))
+        for level, typ, cdata in anc:
+            if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                a = array.array("i")
+                a.frombytes(cdata[: len(cdata) - len(cdata) % 4])
+                fds.extend(a)
+        if not data:
+            raise ConnectionResetError("supervisor closed the connection")
+        buf += data
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """Read one frame (blocking, honours the socket timeout); returns (message, fds)."""
+    fds: list[int] = []
+    (n,) = _LEN.unpack(_recv_exact(sock, 4, fds))
+    if n == 0 or n > MAX_FRAME:
+        raise ProtocolError(f"frame length {n} outside 1..{MAX_FRAME}")
+    return decode_body(_recv_exact(sock, n, fds)), fds
+
+
+# ------------------------------------------------------------------------ validation
+def _get(msg: dict[str, Any], name: str, typ: type | tuple[type, ...], required: bool = True,
+         default: Any = None) -> Any:
+    if name not in msg:
+        if required:
+            raise BadRequest(f"missing field {name!r}")
+        return default
+    v = msg[name]
+    if isinstance(v, bool) and typ is int:
+        raise BadRequest(f"field {name!r} must be int, got bool")
+    if not isinstance(v, typ):
+        want = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+        raise BadRequest(f"field {name!r} must be {want}, got {type(v).__name__}")
+    return v
+
+
+def get_int(msg: dict[str, Any], name: str, lo: int = 0, hi: int = MAX_U64,
+            required: bool = True, default: int | None = None) -> int:
+    v = _get(msg, name, int, required, default)
+    if v is None:
+        return v  # type: ignore[return-value]
+    if not lo <= v <= hi:
+        raise BadRequest(f"field {name!r}={v} outside [{lo}, {hi}]")
+    return v
+
+
+def get_bytes(msg: dict[str, Any], name: str, min_len: int = 0, max_len: int = MAX_FRAME,
+              multiple: int = 1, required: bool = True) -> bytes:
+    v = _get(msg, name, bytes, required, b"")
+    if not min_len <= len(v) <= max_len or len(v) % multiple:
+        raise BadRequest(f"field {name!r} has {len(v)} bytes; expected {min_len}..{max_len}"
+                         + (f" in multiples of {multiple}" if multiple > 1 else ""))
+    return v
+
+
+def get_bool(msg: dict[str, Any], name: str, default: bool = False) -> bool:
+    return bool(_get(msg, name, bool, required=False, default=default))
+
+
+def get_str(msg: dict[str, Any], name: str, max_len: int = 256, required: bool = True,
+            default: str | None = None) -> str:
+    v = _get(msg, name, str, required, default)
+    if v is not None and len(v) > max_len:
+        raise BadRequest(f"field {name!r} longer than {max_len} characters")
+    return v  # type: ignore[return-value]
+
+
+def get_digest(msg: dict[str, Any], name: str) -> bytes:
+    return get_bytes(msg, name, DIGEST_SIZE, DIGEST_SIZE)
+
+
+def get_tokens(msg: dict[str, Any], name: str = "tokens") -> bytes:
+    return get_bytes(msg, name, 4, 4 * MAX_TOKENS, multiple=4)
+
+
+def get_fingerprint(msg: dict[str, Any]) -> bytes:
+    return get_bytes(msg, "fingerprint", 0, MAX_FINGERPRINT)
+
+
+def get_counters(msg: dict[str, Any]) -> dict[str, int]:
+    raw = _get(msg, "counters", dict)
+    out = {}
+    for k, v in raw.items():
+        if k not in REPORTABLE:
+            raise BadRequest(f"unknown counter {k!r}; known: {', '.join(REPORTABLE)}")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNTER:
+            raise BadRequest(f"counter {k!r} must be an int in [0, {MAX_COUNTER}]")
+        out[k] = v
+    return out
