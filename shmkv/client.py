@@ -57,6 +57,21 @@ class Hit:
     slot: A.Slot
 
 
+class Blob:
+    """A payload written into a memfd, ready to be handed over by :meth:`Client.put_blob`."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class Lease:
     """A granted read lease on one record; use as a context manager."""
 
@@ -129,8 +144,6 @@ class Client:
         self._retry_at = 0.0
         self._backoff = _BACKOFF_MIN
         self._closed = False
-        self._memfd = -1
-        self._memfd_size = 0
         self.attach_info: dict[str, Any] = {}
         self.last_error: ShmkvError | None = None
 
@@ -140,9 +153,6 @@ class Client:
             self._pid = os.getpid()
             # closing our copies (no shutdown()) leaves the parent's connection intact
             self._drop()
-            if self._memfd >= 0:
-                os.close(self._memfd)
-                self._memfd, self._memfd_size = -1, 0
 
     def _connect(self) -> None:
         now = time.monotonic()
@@ -268,9 +278,6 @@ class Client:
         with self._lock:
             if os.getpid() == self._pid:
                 self._drop()
-                if self._memfd >= 0:
-                    os.close(self._memfd)
-            self._memfd = -1
             self._closed = True
 
     def __enter__(self) -> Client:
@@ -305,14 +312,46 @@ class Client:
             return Lease(self, view, lease_id, epoch, rec)
 
     # ----------------------------------------------------------------- writes
-    def _payload_fd(self, size: int) -> int:
-        if self._memfd < 0:
-            self._memfd = os.memfd_create("shmkv-put", os.MFD_CLOEXEC)
-            self._memfd_size = 0
-        if size != self._memfd_size:
-            os.ftruncate(self._memfd, size)
-            self._memfd_size = size
-        return self._memfd
+    def prepare(self, size: int, fill: Callable[[int, int], None]) -> Blob:
+        """Write a blob into a fresh memfd: ``fill(address, size)`` writes it in place.
+
+        This is the only part of a publish that must run where the data is (e.g. on
+        the thread that owns a llama context); :meth:`put_blob` may run anywhere.
+        """
+        fd = os.memfd_create("shmkv-put", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                buf = np.frombuffer(mm, dtype=np.uint8)
+                fill(buf.ctypes.data, size)
+                del buf
+            finally:
+                try:
+                    mm.close()
+                except BufferError:
+                    pass
+        except BaseException:
+            os.close(fd)
+            raise
+        return Blob(fd, size)
+
+    def put_blob(self, root: bytes, tokens: np.ndarray | Sequence[int], fingerprint: bytes,
+                 blob: Blob, pin: bool = False) -> dict[str, Any]:
+        """Hand a prepared blob to the supervisor (its fd, not its bytes); closes the blob."""
+        tok = np.ascontiguousarray(tokens, dtype="<i4")
+        try:
+            mm = mmap.mmap(blob.fd, blob.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            try:
+                checksum = xxhash.xxh3_64_intdigest(mm)
+            finally:
+                mm.close()
+            return self.request({"op": "put", "root": root, "tokens": tok.tobytes(),
+                                 "fingerprint": fingerprint, "payload_len": blob.size,
+                                 "checksum": checksum, "pin": pin}, [blob.fd])
+        finally:
+            blob.close()
 
     def put(self, root: bytes, tokens: np.ndarray | Sequence[int], fingerprint: bytes,
             size: int, fill: Callable[[int, int], None], pin: bool = False) -> dict[str, Any]:
@@ -321,25 +360,8 @@ class Client:
         The bytes go into a memfd whose descriptor is passed to the supervisor; they
         never travel through the socket.
         """
-        tok = np.ascontiguousarray(tokens, dtype="<i4")
-        with self._lock:
-            self.ensure()
-            fd = self._payload_fd(size)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            try:
-                buf = np.frombuffer(mm, dtype=np.uint8)
-                fill(buf.ctypes.data, size)
-                checksum = xxhash.xxh3_64_intdigest(mm)
-                del buf
-            finally:
-                try:
-                    mm.close()
-                except BufferError:
-                    pass
-            return self.request({"op": "put", "root": root, "tokens": tok.tobytes(),
-                                 "fingerprint": fingerprint, "payload_len": size,
-                                 "checksum": checksum, "pin": pin}, [fd])
+        self.ensure()
+        return self.put_blob(root, tokens, fingerprint, self.prepare(size, fill), pin=pin)
 
     def put_bytes(self, root: bytes, tokens: np.ndarray | Sequence[int], fingerprint: bytes,
                   data: bytes | memoryview, pin: bool = False) -> dict[str, Any]:

@@ -170,6 +170,12 @@ SETTINGS: dict[str, Setting] = {
         Setting("timeout", _positive_float, 5.0,
                 "Seconds a client waits for the supervisor before treating it as down.",
                 frozenset({"client", "serve"}), "SECONDS"),
+        Setting("namespace", str, "",
+                "Tenant namespace mixed into every key: namespaces never see each "
+                "other's entries.", frozenset({"client", "serve"}), "NS"),
+        Setting("min_tokens", _non_negative_int, 0,
+                "Publish a state only if it has at least this many tokens (0: one chunk).",
+                frozenset({"client", "serve"}), "N"),
         Setting("log_level", _log_level, "info", "Log level: debug, info, warning, error.",
                 _ALL, "LEVEL"),
     ]

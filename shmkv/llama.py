@@ -1,0 +1,533 @@
+"""llama-cpp-python integration: restore prompt state from the arena, publish new state.
+
+Runs inside a worker, around its own ``llama_cpp.Llama``. Every completion and
+chat completion of llama-cpp-python goes through ``Llama.generate``, so that is
+the one hook:
+
+* before prefill, the longest cached prefix of the prompt is found in the
+  arena (lock-free), leased, checked (fingerprint, token ids, checksums) and
+  restored with ``llama_state_seq_set_data`` straight from the read-only
+  mapping; ``input_ids``/``n_tokens`` are set so that llama-cpp-python only
+  evaluates the rest;
+* at the first generated token the KV cache holds exactly the prompt: its
+  state is copied into a memfd (one memcpy) and handed to a background thread
+  that passes it to the supervisor; the same happens for prompt + completion
+  when the generation ends, so the next turn of a chat continues anywhere.
+
+Keys are chained from a root digest of everything that makes a blob
+restorable here (model identity, KV types, flash attention, SWA, RoPE, LoRA,
+llama.cpp version) and the caller's namespace. Any failure of the cache (no
+supervisor, mismatch, corrupt blob, failed ``set_data``) is logged once,
+counted, and costs a cold prefill: generation never fails because of it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import llama_cpp
+import msgpack
+import numpy as np
+from llama_cpp import llama_cpp as C
+
+from .arena import DIGEST_SIZE, chain_digests
+from .client import Client
+from .config import Settings, resolve
+from .errors import ArenaCorruptError, ModelMismatchError, NotFound, ShmkvError
+
+log = logging.getLogger(__name__)
+
+SEQ = 0
+_SAMPLE_BYTES = 1 << 16
+_SAMPLES = 16
+_HEAD_BYTES = 1 << 20
+# context parameters that do not change what a sequence blob means
+_CTX_IGNORED = {"n_ctx", "n_batch", "n_ubatch", "n_threads", "n_threads_batch",
+                "n_outputs_max", "n_outputs_max_per_seq", "no_perf", "defrag_thold",
+                "cb_eval", "cb_eval_user_data", "abort_callback", "abort_callback_data",
+                "samplers", "n_samplers", "ctx_other"}
+
+
+def file_identity(path: str | os.PathLike[str]) -> bytes:
+    """Cheap identity of a (possibly 10 GB) model file: size, head, and spread samples."""
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(size.to_bytes(8, "little"))
+        h.update(f.read(_HEAD_BYTES))  # GGUF header and metadata
+        for i in range(_SAMPLES):
+            f.seek(size * i // _SAMPLES)
+            h.update(f.read(_SAMPLE_BYTES))
+        f.seek(max(0, size - _SAMPLE_BYTES))
+        h.update(f.read(_SAMPLE_BYTES))
+    return h.digest()
+
+
+def context_description(llm: llama_cpp.Llama) -> dict[str, Any]:
+    """Everything besides the weights that decides whether a blob restores correctly."""
+    cp = llm.context_params
+    ctx = {name: getattr(cp, name) for name, _t in cp._fields_ if name not in _CTX_IGNORED}
+    ctx = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in ctx.items()
+           if isinstance(v, (int, float, bool))}
+    return {
+        "llama_cpp_python": llama_cpp.__version__,
+        "state_seq_version": getattr(C, "LLAMA_STATE_SEQ_VERSION", None),
+        "session_version": getattr(C, "LLAMA_SESSION_VERSION", None),
+        "n_vocab": llm.n_vocab(), "n_embd": llm.n_embd(),
+        "context": ctx,
+        "lora": [llm.lora_path, llm.lora_base, float(llm.lora_scale)],
+        "kv_overrides": sorted((str(k), str(v)) for k, v in (llm.kv_overrides or {}).items()),
+    }
+
+
+def model_fingerprint(llm: llama_cpp.Llama) -> bytes:
+    """32-byte fingerprint of model file identity plus context description."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(file_identity(llm.model_path))
+    h.update(msgpack.packb(context_description(llm), use_bin_type=True))
+    return h.digest()
+
+
+def key_root(fingerprint: bytes, namespace: str) -> bytes:
+    """Root digest of every key chain: fingerprint plus tenant namespace."""
+    h = hashlib.blake2b(fingerprint, digest_size=DIGEST_SIZE, person=b"shmkv-root")
+    h.update(namespace.encode())
+    return h.digest()
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+@dataclass
+class CallStats:
+    """What the cache did for the last ``generate`` call."""
+
+    prompt_tokens: int = 0
+    tokens_restored: int = 0
+    tokens_reused_local: int = 0
+    tokens_evaluated: int = 0
+    restore_seconds: float = 0.0
+    hit: bool = False
+    published: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Totals:
+    """Running totals for this worker."""
+
+    calls: int = 0
+    hits: int = 0
+    misses: int = 0
+    tokens_restored: int = 0
+    tokens_evaluated: int = 0
+    restore_failures: int = 0
+    publishes: int = 0
+    publish_dropped: int = 0
+    publish_failures: int = 0
+    restore_seconds: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class SharedPrefixCache:
+    """Connects one ``Llama`` to a shmkv arena; see the module docstring."""
+
+    def __init__(self, llm: llama_cpp.Llama, name: str | None = None,
+                 namespace: str | None = None, socket_path: str | None = None,
+                 min_tokens: int | None = None, settings: Settings | None = None,
+                 publish: bool = True, verify: bool = True, max_pending: int = 2) -> None:
+        if settings is None:
+            settings = resolve("client", {"name": name, "socket": socket_path,
+                                          "namespace": namespace, "min_tokens": min_tokens})
+        self.llm = llm
+        self.settings = settings
+        self.namespace: str = settings.namespace
+        self.fingerprint = model_fingerprint(llm)
+        self.root = key_root(self.fingerprint, self.namespace)
+        self.reader = Client(settings=settings)
+        self.writer = Client(settings=settings, populate=False)
+        self.publish_enabled = publish
+        self.verify = verify
+        self.last = CallStats()
+        self.totals = Totals()
+        self._warned: set[str] = set()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._pending = 0
+        self._cv = threading.Condition()
+        self._report: dict[str, int] = {}
+        self._thread: threading.Thread | None = None
+        self._thread_pid = -1
+        self._closed = False
+
+    # ---------------------------------------------------------------- helpers
+    def _fail(self, kind: str, err: BaseException | str) -> None:
+        """Count a cache failure and log it once per kind."""
+        self.totals.errors[kind] = self.totals.errors.get(kind, 0) + 1
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("shmkv %s (falling back to a cold prefill; logged once): %s", kind, err)
+        else:
+            log.debug("shmkv %s: %s", kind, err)
+
+    def _count(self, **kv: int) -> None:
+        with self._cv:
+            for k, v in kv.items():
+                self._report[k] = self._report.get(k, 0) + v
+
+    @property
+    def chunk_tokens(self) -> int | None:
+        try:
+            return self.reader.view.geometry.chunk_tokens
+        except ShmkvError:
+            return None
+
+    def min_publish_tokens(self, chunk: int) -> int:
+        return max(self.settings.min_tokens, chunk)
+
+    # ---------------------------------------------------------------- restore
+    def restore(self, tokens: Sequence[int]) -> int:
+        """Restore the longest cached prefix of ``tokens`` if it beats the context's own.
+
+        Returns the number of tokens now in the context that match ``tokens``.
+        """
+        llm = self.llm
+        prompt = np.asarray(tokens, dtype=np.int32)
+        local = _common_prefix(np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32), prompt)
+        try:
+            view = self.reader.ensure()
+        except ShmkvError as e:
+            self._fail("supervisor unavailable", e)
+            return local
+        chunk = view.geometry.chunk_tokens
+        if len(prompt) < chunk:
+            return local
+        t0 = time.perf_counter()
+        digests = chain_digests(self.root, prompt, chunk)
+        hit = self.reader.lookup(digests)
+        if hit is None or hit.chunks * chunk + chunk <= local:
+            if hit is None and local < chunk:
+                self.totals.misses += 1
+                self._count(misses=1)
+            return local
+        try:  # a lease-free peek: skip the round trip when the record cannot beat `local`
+            peek = view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
+            if _common_prefix(view.tokens(peek), prompt) <= local:
+                return local
+        except (ArenaCorruptError, ValueError):
+            pass  # checked properly under the lease below
+        try:
+            lease = self.reader.acquire(hit)
+        except NotFound:  # evicted between lookup and lease
+            self.totals.misses += 1
+            self._count(misses=1)
+            return local
+        except ArenaCorruptError as e:
+            self._fail("corrupt record", e)
+            self._count(restore_failures=1)
+            return local
+        except ShmkvError as e:
+            self._fail("supervisor unavailable", e)
+            return local
+        restored = 0
+        try:
+            rec = lease.record
+            if lease.fingerprint() != self.fingerprint:
+                raise ModelMismatchError("cached blob belongs to another model/context setup")
+            cached = lease.tokens()
+            need = hit.chunks * chunk
+            if rec.n_tokens < need or not np.array_equal(cached[:need], prompt[:need]):
+                raise ArenaCorruptError("cached token ids do not match their key digest")
+            common = _common_prefix(cached, prompt)
+            if common <= local:
+                return local
+            if self.verify and not lease.view.verify_payload(rec):
+                raise ArenaCorruptError("blob payload fails its checksum")
+            ptr = ctypes.cast(lease.address, ctypes.POINTER(ctypes.c_uint8))
+            n = C.llama_state_seq_set_data(llm.ctx, ptr, rec.payload_len, SEQ)
+            if n != rec.payload_len:
+                llm.n_tokens = 0  # a failed set_data leaves the sequence wiped
+                llm._requires_eval = True
+                raise ArenaCorruptError(f"llama_state_seq_set_data accepted {n} of "
+                                        f"{rec.payload_len} bytes")
+            mem = C.llama_get_memory(llm.ctx)
+            if common < rec.n_tokens and not C.llama_memory_seq_rm(mem, SEQ, common, -1):
+                llm.n_tokens = 0
+                llm._requires_eval = True
+                raise ModelMismatchError("the context cannot cut a restored state back "
+                                         "(use swa_full=True)")
+            if not lease.finish(common):
+                llm.n_tokens = 0
+                llm._requires_eval = True
+                self._fail("lease revoked", "a read lease was revoked during the restore")
+                return 0
+            llm.input_ids[:common] = prompt[:common]
+            llm.n_tokens = common
+            llm._requires_eval = True
+            restored = common
+        except ModelMismatchError as e:
+            self._fail("model mismatch", e)
+            self._count(restore_failures=1)
+        except ArenaCorruptError as e:
+            self._fail("corrupt record", e)
+            self._count(restore_failures=1)
+        except ShmkvError as e:
+            self._fail("cache error", e)
+        finally:
+            lease.finish(restored)
+        dt = time.perf_counter() - t0
+        if restored:
+            self.totals.hits += 1
+            self.totals.tokens_restored += restored
+            self.totals.restore_seconds += dt
+            self.last.tokens_restored = restored
+            self.last.restore_seconds = dt
+            self.last.hit = True
+            return restored
+        self.totals.restore_failures += 1
+        return 0 if llm.n_tokens == 0 else local
+
+    # ---------------------------------------------------------------- publish
+    def _covered(self, tokens: np.ndarray, chunk: int) -> bool:
+        """True if the arena already holds a record covering all of ``tokens``."""
+        try:
+            view = self.writer.ensure()
+            digests = chain_digests(self.root, tokens, chunk)
+            hit = view.find_longest(digests)
+            if hit is None or hit[0] < len(digests):
+                return False
+            rec = view.read_record(hit[1].rec_offset, hit[1].rec_gen)
+            return _common_prefix(view.tokens(rec), tokens) >= len(tokens)
+        except (ShmkvError, ValueError):
+            return False
+
+    def capture(self, n_tokens: int | None = None, pin: bool = False) -> bool:
+        """Copy the context's current sequence state and queue it for the supervisor."""
+        llm = self.llm
+        if not self.publish_enabled:
+            return False
+        n = llm.n_tokens if n_tokens is None else n_tokens
+        chunk = self.chunk_tokens
+        if chunk is None or n < self.min_publish_tokens(chunk) or n != llm.n_tokens:
+            return False
+        tokens = np.array(llm.input_ids[:n], dtype=np.int32)
+        if self._covered(tokens, chunk):
+            return False
+        try:
+            mem = C.llama_get_memory(llm.ctx)
+            if C.llama_memory_seq_pos_max(mem, SEQ) + 1 != n:
+                return False  # the KV cache does not hold exactly these tokens
+            size = C.llama_state_seq_get_size(llm.ctx, SEQ)
+            if size <= 0:
+                return False
+
+            def fill(addr: int, sz: int) -> None:
+                got = C.llama_state_seq_get_data(
+                    llm.ctx, ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), sz, SEQ)
+                if got != sz:
+                    raise ShmkvError(f"llama_state_seq_get_data wrote {got} of {sz} bytes")
+
+            blob = self.writer.prepare(size, fill)
+        except (ShmkvError, OSError) as e:
+            self._fail("publish failed", e)
+            self.totals.publish_failures += 1
+            return False
+        self._start_thread()
+        try:
+            with self._cv:
+                self._pending += 1
+            self._queue.put_nowait(("put", tokens, blob, pin))
+        except queue.Full:
+            with self._cv:
+                self._pending -= 1
+            blob.close()
+            self.totals.publish_dropped += 1
+            return False
+        self.totals.publishes += 1
+        self.last.published += 1
+        return True
+
+    def _start_thread(self) -> None:
+        if self._thread is not None and self._thread.is_alive() and self._thread_pid == os.getpid():
+            return
+        self._thread_pid = os.getpid()
+        self._thread = threading.Thread(target=self._publisher, name="shmkv-publish",
+                                        daemon=True)
+        self._thread.start()
+
+    def _publisher(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if item[0] == "report":
+                self._send_report()
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+                continue
+            _, tokens, blob, pin = item
+            try:
+                self.writer.put_blob(self.root, tokens, self.fingerprint, blob, pin=pin)
+            except ShmkvError as e:
+                self._fail("publish failed", e)
+                self.totals.publish_failures += 1
+            except Exception as e:  # never let the thread die
+                self._fail("publish failed", e)
+                self.totals.publish_failures += 1
+            finally:
+                blob.close()
+                self._send_report()
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    def _send_report(self) -> None:
+        with self._cv:
+            counters, self._report = self._report, {}
+        if counters:
+            try:
+                self.writer.report(**counters)
+            except ShmkvError:
+                pass
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until queued publishes and counters reached the supervisor."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        self._send_report()
+        return True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.flush(timeout=5.0)
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=2.0)
+        self.reader.close()
+        self.writer.close()
+
+    # ------------------------------------------------------------------- hook
+    def generate(self, orig_generate: Any, tokens: Sequence[int], reset: bool = True,
+                 **kwargs: Any) -> Iterator[int]:
+        """The body of the hooked ``Llama.generate``."""
+        llm = self.llm
+        tokens = list(tokens)
+        self.last = CallStats(prompt_tokens=len(tokens))
+        self.totals.calls += 1
+        reused = 0
+        if reset and tokens:
+            try:
+                reused = self.restore(tokens)
+            except Exception as e:  # the cache must never break generation
+                self._fail("restore error", e)
+                llm.n_tokens = 0
+                llm._requires_eval = True
+        self.last.tokens_reused_local = max(0, reused - self.last.tokens_restored)
+        gen = orig_generate(tokens, reset=reset, **kwargs)
+        first = True
+        try:
+            sent = None
+            while True:
+                tok = gen.send(sent) if sent is not None else next(gen)
+                if first:
+                    first = False
+                    evaluated = max(0, len(tokens) - reused)
+                    if reused >= len(tokens):
+                        evaluated = 1  # llama-cpp-python replays the last token for logits
+                    self.last.tokens_evaluated = evaluated
+                    self.totals.tokens_evaluated += evaluated
+                    self._count(tokens_evaluated=evaluated)
+                    if llm.n_tokens == len(tokens):
+                        self._safe_capture()
+                sent = yield tok
+        except StopIteration:
+            return
+        finally:
+            gen.close()
+            if not first:
+                self._safe_capture()
+            self._queue_report()
+
+    def _queue_report(self) -> None:
+        """Send this worker's counters to the supervisor off the token path."""
+        with self._cv:
+            if not self._report:
+                return
+            self._pending += 1
+        self._start_thread()
+        try:
+            self._queue.put_nowait(("report",))
+        except queue.Full:  # a publish is pending; it sends the counters too
+            with self._cv:
+                self._pending -= 1
+
+    def _safe_capture(self) -> None:
+        try:
+            self.capture()
+        except Exception as e:
+            self._fail("publish failed", e)
+
+
+def _hooked_generate(cache: SharedPrefixCache, orig: Any):
+    def generate(tokens: Sequence[int], reset: bool = True, **kwargs: Any) -> Iterator[int]:
+        return cache.generate(orig, tokens, reset=reset, **kwargs)
+
+    generate.__doc__ = orig.__doc__
+    return generate
+
+
+def attach(llm: llama_cpp.Llama, name: str | None = None, namespace: str | None = None,
+           socket_path: str | None = None, **kwargs: Any) -> SharedPrefixCache:
+    """Make an existing ``Llama`` share prompt state through the arena ``name``.
+
+    Returns the cache object (also at ``llm.shmkv``); ``llm.shmkv.last`` tells what
+    the last call restored and evaluated.
+    """
+    existing = getattr(llm, "shmkv", None)
+    if isinstance(existing, SharedPrefixCache):
+        return existing
+    cache = SharedPrefixCache(llm, name=name, namespace=namespace, socket_path=socket_path,
+                              **kwargs)
+    llm.generate = _hooked_generate(cache, llm.generate)  # type: ignore[method-assign]
+    llm.shmkv = cache  # type: ignore[attr-defined]
+    return cache
+
+
+class SharedCacheLlama(llama_cpp.Llama):
+    """A drop-in ``llama_cpp.Llama`` whose prompts are shared through a shmkv arena.
+
+    Extra keyword arguments: ``shmkv_name``, ``shmkv_namespace``, ``shmkv_socket``,
+    ``shmkv_min_tokens``. ``self.shmkv.last`` tells what the last call restored.
+    """
+
+    def __init__(self, *args: Any, shmkv_name: str | None = None,
+                 shmkv_namespace: str | None = None, shmkv_socket: str | None = None,
+                 shmkv_min_tokens: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shmkv = SharedPrefixCache(self, name=shmkv_name, namespace=shmkv_namespace,
+                                       socket_path=shmkv_socket, min_tokens=shmkv_min_tokens)
+
+    def generate(self, tokens: Sequence[int], reset: bool = True,  # type: ignore[override]
+                 **kwargs: Any) -> Iterator[int]:
+        return self.shmkv.generate(super().generate, tokens, reset=reset, **kwargs)
