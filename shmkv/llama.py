@@ -30,6 +30,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,23 @@ _CTX_IGNORED = {"n_ctx", "n_batch", "n_ubatch", "n_threads", "n_threads_batch",
                 "n_outputs_max", "n_outputs_max_per_seq", "no_perf", "defrag_thold",
                 "cb_eval", "cb_eval_user_data", "abort_callback", "abort_callback_data",
                 "samplers", "n_samplers", "ctx_other"}
+
+
+_LIVE: weakref.WeakSet[SharedPrefixCache] = weakref.WeakSet()
+
+
+def live_caches() -> list[SharedPrefixCache]:
+    """Caches attached in this process (for health checks and shutdown hooks)."""
+    return list(_LIVE)
+
+
+def close_all() -> None:
+    """Flush and close every cache of this process (e.g. from gunicorn's worker_exit)."""
+    for cache in live_caches():
+        try:
+            cache.close()
+        except Exception:  # shutting down: never fail the exit path
+            log.debug("closing a shmkv cache failed", exc_info=True)
 
 
 def file_identity(path: str | os.PathLike[str]) -> bytes:
@@ -172,6 +190,11 @@ class SharedPrefixCache:
         self._thread: threading.Thread | None = None
         self._thread_pid = -1
         self._closed = False
+        _LIVE.add(self)
+        try:  # attach now (after fork, at model load), not on the first request
+            self.reader.ensure()
+        except ShmkvError as e:
+            self._fail("supervisor unavailable", e)
 
     # ---------------------------------------------------------------- helpers
     def _fail(self, kind: str, err: BaseException | str) -> None:

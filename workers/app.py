@@ -1,0 +1,156 @@
+"""The OpenAI-compatible app each gunicorn worker runs: llama-cpp-python's server + shmkv.
+
+Runs inside one gunicorn (uvicorn) worker, after fork: the model is loaded
+here, never in the master, and the worker attaches to the shmkv supervisor
+here. Endpoints are llama-cpp-python's own (``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``, ...) plus ``/health``. Every
+completion says what the cache did in an extra ``shmkv`` field (the first
+chunk of a stream carries it)::
+
+    "shmkv": {"prompt_tokens": 1090, "restored_tokens": 1088,
+              "evaluated_tokens": 2, "restore_ms": 1.9, "hit": true, "worker_pid": 4242}
+
+Settings come from ``shmkv.config`` (``SHMKV_*`` variables, set by ``shmkv serve``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import llama_cpp.server.app as server_app
+from llama_cpp.server.model import LlamaProxy
+from llama_cpp.server.settings import ModelSettings, ServerSettings
+from starlette.middleware import Middleware
+from starlette_context import context
+
+from shmkv.config import Settings, resolve
+from shmkv.errors import ShmkvError
+from shmkv.llama import SharedPrefixCache, attach, live_caches
+from shmkv.models import default_model_path
+
+log = logging.getLogger("shmkv.worker")
+
+
+def cache_field(cache: SharedPrefixCache) -> dict[str, Any]:
+    last = cache.last
+    return {"prompt_tokens": last.prompt_tokens, "restored_tokens": last.tokens_restored,
+            "reused_local_tokens": last.tokens_reused_local,
+            "evaluated_tokens": last.tokens_evaluated,
+            "restore_ms": round(last.restore_seconds * 1000, 3), "hit": last.hit,
+            "worker_pid": os.getpid()}
+
+
+def _annotate(llm: llama_cpp.Llama, cache: SharedPrefixCache, name: str) -> None:
+    """Wrap a completion method so its result (or first chunk) carries the `shmkv` field."""
+    orig = getattr(llm, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = orig(*args, **kwargs)
+        if isinstance(out, dict):
+            out["shmkv"] = field = cache_field(cache)
+            if context.exists():  # the same dict the header middleware reads
+                context["shmkv"] = field
+            return out
+        return _annotate_stream(out, cache)
+
+    setattr(llm, name, wrapped)
+
+
+def _annotate_stream(chunks: Iterator[dict], cache: SharedPrefixCache) -> Iterator[dict]:
+    first = True
+    for chunk in chunks:
+        if first:
+            chunk = {**chunk, "shmkv": cache_field(cache)}
+            first = False
+        yield chunk
+
+
+class CacheHeaders:
+    """ASGI middleware: ``X-Shmkv-*`` response headers for non-streaming completions.
+
+    It sits inside llama-cpp-python's RawContextMiddleware, whose per-request
+    dict the completion wrapper fills from the worker thread. (A stream's headers
+    leave before the prompt is evaluated: its first chunk carries the field.)
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start" and context.exists():
+                field = context.get("shmkv")
+                if field:
+                    headers = list(message.get("headers", []))
+                    for k in ("restored_tokens", "evaluated_tokens", "restore_ms", "worker_pid"):
+                        name = "x-shmkv-" + k.replace("_", "-")
+                        headers.append((name.encode(), str(field[k]).encode()))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def make_loader(settings: Settings):
+    """A LlamaProxy loader that attaches every model it loads to the shmkv arena."""
+    plain = LlamaProxy.load_llama_from_model_settings
+
+    def load(model_settings: ModelSettings) -> llama_cpp.Llama:
+        llm = plain(model_settings)
+        try:
+            cache = attach(llm, settings=settings)
+        except ShmkvError as e:  # no cache is never a reason not to serve
+            log.warning("serving %s without shmkv: %s", model_settings.model, e)
+            return llm
+        _annotate(llm, cache, "create_completion")
+        _annotate(llm, cache, "create_chat_completion")
+        log.info("worker %d loaded %s with shmkv arena %r", os.getpid(),
+                 Path(model_settings.model).name, settings.name)
+        return llm
+
+    return load
+
+
+def create_app(settings: Settings | None = None):
+    """Build the app for one worker (gunicorn calls this after fork)."""
+    settings = settings or resolve("serve")
+    logging.basicConfig(level=getattr(logging, settings.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    models = settings.model or [default_model_path()]
+    threads = settings.threads or max(1, (os.cpu_count() or 1) // settings.workers)
+    model_settings = [
+        ModelSettings(model=m, model_alias=Path(m).stem, n_ctx=settings.n_ctx,
+                      n_threads=threads, n_threads_batch=threads,
+                      chat_format=settings.chat_format, verbose=False)
+        for m in models
+    ]
+    server_settings = ServerSettings(host=settings.host, port=settings.port,
+                                     api_key=settings.api_key)
+    LlamaProxy.load_llama_from_model_settings = staticmethod(make_loader(settings))
+    app = server_app.create_app(server_settings=server_settings,
+                                model_settings=model_settings)
+
+    app.user_middleware.append(Middleware(CacheHeaders))  # innermost: inside the context
+
+    @app.get("/health", tags=["shmkv"])
+    def health() -> dict[str, Any]:
+        caches = list(live_caches())
+        return {
+            "status": "ok", "worker_pid": os.getpid(),
+            "models": [Path(m).stem for m in models],
+            "shmkv": [{"connected": c.reader.connected, "namespace": c.namespace,
+                       "calls": c.totals.calls, "hits": c.totals.hits,
+                       "tokens_restored": c.totals.tokens_restored,
+                       "tokens_evaluated": c.totals.tokens_evaluated} for c in caches],
+        }
+
+    return app

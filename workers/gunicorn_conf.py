@@ -1,0 +1,53 @@
+"""gunicorn configuration for shmkv workers (``gunicorn -c this_file``).
+
+Pre-fork safety: the app is not preloaded, so each worker loads its model and
+attaches to the supervisor after fork (llama.cpp threads and contexts never
+cross a fork). A worker flushes and detaches on exit; the master tells the
+supervisor when a worker died, so whatever it held is released at once even
+if the kernel has not yet closed its socket.
+
+Every value comes from ``shmkv.config`` (``SHMKV_*`` environment variables).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shmkv.config import resolve
+
+_s = resolve("serve")
+
+bind = f"{_s.host}:{_s.port}"
+workers = _s.workers
+worker_class = "uvicorn_worker.UvicornWorker"
+wsgi_app = "shmkv_workers.app:create_app()"
+preload_app = False
+timeout = int(_s.worker_timeout)
+graceful_timeout = 30
+keepalive = 5
+loglevel = _s.log_level
+proc_name = f"shmkv-{_s.name}"
+# bound request sizes: prompts travel in the body; these cap the request line/headers
+limit_request_line = 8190
+limit_request_fields = 100
+
+log = logging.getLogger("shmkv.gunicorn")
+
+
+def worker_exit(server, worker) -> None:  # in the worker
+    from shmkv.llama import close_all
+
+    close_all()
+
+
+def child_exit(server, worker) -> None:  # in the master
+    from shmkv.client import Client
+    from shmkv.errors import ShmkvError
+
+    try:
+        with Client(settings=_s, populate=False) as c:
+            released = c.worker_exit(worker.pid)
+        if released:
+            server.log.info("worker %s exited: released %d shmkv lease(s)", worker.pid, released)
+    except ShmkvError as e:
+        server.log.info("worker %s exited; shmkv supervisor not told: %s", worker.pid, e)
