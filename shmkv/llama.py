@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +190,8 @@ class SharedPrefixCache:
         self._thread: threading.Thread | None = None
         self._thread_pid = -1
         self._closed = False
+        #: called with this cache at the first token of every call (``last`` is filled)
+        self.on_prefill: Callable[[SharedPrefixCache], None] | None = None
         _LIVE.add(self)
         try:  # attach now (after fork, at model load), not on the first request
             self.reader.ensure()
@@ -481,6 +483,11 @@ class SharedPrefixCache:
                     self.last.tokens_evaluated = evaluated
                     self.totals.tokens_evaluated += evaluated
                     self._count(tokens_evaluated=evaluated)
+                    if self.on_prefill is not None:
+                        try:
+                            self.on_prefill(self)
+                        except Exception as e:
+                            self._fail("on_prefill callback failed", e)
                     if llm.n_tokens == len(tokens):
                         self._safe_capture()
                 sent = yield tok

@@ -4,8 +4,9 @@ Runs inside one gunicorn (uvicorn) worker, after fork: the model is loaded
 here, never in the master, and the worker attaches to the shmkv supervisor
 here. Endpoints are llama-cpp-python's own (``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ...) plus ``/health``. Every
-completion says what the cache did in an extra ``shmkv`` field (the first
-chunk of a stream carries it)::
+completion says what the cache did: ``X-Shmkv-Restored-Tokens`` and friends
+as response headers, and, in a stream (whose headers leave before the prompt
+is evaluated), an extra ``shmkv`` field in the first chunk::
 
     "shmkv": {"prompt_tokens": 1090, "restored_tokens": 1088,
               "evaluated_tokens": 2, "restore_ms": 1.9, "hit": true, "worker_pid": 4242}
@@ -15,9 +16,9 @@ Settings come from ``shmkv.config`` (``SHMKV_*`` variables, set by ``shmkv serve
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,29 +46,10 @@ def cache_field(cache: SharedPrefixCache) -> dict[str, Any]:
             "worker_pid": os.getpid()}
 
 
-def _annotate(llm: llama_cpp.Llama, cache: SharedPrefixCache, name: str) -> None:
-    """Wrap a completion method so its result (or first chunk) carries the `shmkv` field."""
-    orig = getattr(llm, name)
-
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        out = orig(*args, **kwargs)
-        if isinstance(out, dict):
-            out["shmkv"] = field = cache_field(cache)
-            if context.exists():  # the same dict the header middleware reads
-                context["shmkv"] = field
-            return out
-        return _annotate_stream(out, cache)
-
-    setattr(llm, name, wrapped)
-
-
-def _annotate_stream(chunks: Iterator[dict], cache: SharedPrefixCache) -> Iterator[dict]:
-    first = True
-    for chunk in chunks:
-        if first:
-            chunk = {**chunk, "shmkv": cache_field(cache)}
-            first = False
-        yield chunk
+def _record(cache: SharedPrefixCache) -> None:
+    """At the first token: leave what the cache did in this request's context dict."""
+    if context.exists():  # the same dict the middleware reads, across the threadpool
+        context["shmkv"] = cache_field(cache)
 
 
 class CacheHeaders:
@@ -86,18 +68,43 @@ class CacheHeaders:
             await self.app(scope, receive, send)
             return
 
-        async def send_with_headers(message: dict) -> None:
-            if message["type"] == "http.response.start" and context.exists():
-                field = context.get("shmkv")
-                if field:
-                    headers = list(message.get("headers", []))
-                    for k in ("restored_tokens", "evaluated_tokens", "restore_ms", "worker_pid"):
+        streaming = False
+        annotated = False
+
+        async def send_annotated(message: dict) -> None:
+            nonlocal streaming, annotated
+            field = context.get("shmkv") if context.exists() else None
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                for k, v in headers)
+                if field and not streaming:
+                    for k, v in field.items():
                         name = "x-shmkv-" + k.replace("_", "-")
-                        headers.append((name.encode(), str(field[k]).encode()))
+                        headers.append((name.encode(), str(v).lower().encode()))
                     message = {**message, "headers": headers}
+            elif (message["type"] == "http.response.body" and streaming and field
+                  and not annotated):
+                body = message.get("body", b"")
+                if body.startswith(b"data: {"):
+                    annotated = True
+                    message = {**message, "body": _with_field(body, field)}
             await send(message)
 
-        await self.app(scope, receive, send_with_headers)
+        await self.app(scope, receive, send_annotated)
+
+
+def _with_field(event: bytes, field: dict[str, Any]) -> bytes:
+    """Add ``"shmkv": field`` to the JSON of one server-sent ``data:`` event."""
+    head, sep, tail = event.partition(b"\n")
+    try:
+        chunk = json.loads(head[len(b"data: "):])
+    except ValueError:
+        return event
+    if not isinstance(chunk, dict):
+        return event
+    chunk["shmkv"] = field
+    return b"data: " + json.dumps(chunk).encode() + sep + tail
 
 
 def make_loader(settings: Settings):
@@ -111,8 +118,7 @@ def make_loader(settings: Settings):
         except ShmkvError as e:  # no cache is never a reason not to serve
             log.warning("serving %s without shmkv: %s", model_settings.model, e)
             return llm
-        _annotate(llm, cache, "create_completion")
-        _annotate(llm, cache, "create_chat_completion")
+        cache.on_prefill = _record
         log.info("worker %d loaded %s with shmkv arena %r", os.getpid(),
                  Path(model_settings.model).name, settings.name)
         return llm
