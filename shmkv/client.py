@@ -211,8 +211,9 @@ class Client:
             except OSError:
                 pass
         self._sock = None
-        if self._view is not None:
-            self._view.close()
+        # Drop our reference only, never unmap here: a Lease still in use (maybe by
+        # another thread copying from lease.address) keeps the view alive, and the
+        # mapping goes away with the last reference to it.
         self._view = None
 
     def _roundtrip(self, msg: dict[str, Any], fds: list[int] | None = None

@@ -13,7 +13,9 @@ in an order that keeps their reads safe:
   (Plasma's rule). A lease held longer than ``lease_timeout`` may be revoked
   when space is needed: the header's revoke epoch is bumped *before* the space
   is written, and a reader compares the epoch after its copy, so a revoked
-  read is discarded instead of used (Mooncake's rule).
+  read is discarded instead of used (Mooncake's rule). Leases ended by a
+  closed connection bump the epoch too: the process behind it may be alive
+  (it dropped the connection after a timeout) and still reading.
 
 Eviction is least-recently-used over unpinned, unleased entries, where a use is
 a put or a lease (a hit by any worker).
@@ -279,6 +281,7 @@ class Store:
             self.counters.evictions += 1
 
     def _free(self, e: Entry) -> None:
+        self.mm[e.offset : e.offset + 4] = b"\0\0\0\0"  # stale lookups fail fast
         self.alloc.release(e.offset, e.extent)
         del self.entries[e.gen]
 
@@ -294,7 +297,6 @@ class Store:
                 if not owners:
                     del self.owners[d]
                 self._point(d, k)
-        self.mm[e.offset : e.offset + 4] = b"\0\0\0\0"  # stale lookups fail fast
         e.doomed = True
         if e.leases == 0:
             self._free(e)
@@ -413,6 +415,11 @@ class Store:
     def release_owner(self, owner: int) -> int:
         """Drop every lease of ``owner`` (its connection closed); returns how many."""
         lids = [lid for lid, ls in self.leases.items() if ls.owner == owner]
+        if any(not self.leases[lid].revoked for lid in lids):
+            # The owner's process may still be reading (another thread, or a client that
+            # dropped this connection after a timeout): like a revocation, bump the epoch
+            # before the space can be reused, so that read fails its finish() check.
+            self._bump_epoch()
         for lid in lids:
             self.release(lid, owner)
         return len(lids)

@@ -20,7 +20,6 @@ import httpx
 import llama_cpp
 import openai
 import pytest
-
 from conftest import start_supervisor
 from tinymodel import write_tiny_llama
 
