@@ -97,7 +97,11 @@ def _client(config_file: str | None, cli: dict[str, Any]):
 
     settings = resolve("client", cli, config_file=config_file)
     setup_logging(settings.log_level if settings.log_level != "info" else "warning")
-    client = Client(settings=settings, populate=False)
+    if settings.log_level != "debug":
+        # the client's "running without the cache" warning would repeat the one error
+        # line fails_cleanly prints
+        logging.getLogger("shmkv.client").setLevel(logging.ERROR)
+    client = Client(settings=settings, populate=False, attach=False)
     client._backoff = 0.0
     return client
 

@@ -127,7 +127,7 @@ class Client:
 
     def __init__(self, name: str | None = None, socket_path: str | None = None,
                  timeout: float | None = None, settings: Settings | None = None,
-                 populate: bool = True) -> None:
+                 populate: bool = True, attach: bool = True) -> None:
         if settings is None:
             settings = resolve("client", {"name": name, "socket": socket_path,
                                           "timeout": timeout})
@@ -136,6 +136,8 @@ class Client:
         self.socket_path = settings.socket_path
         self.timeout: float = settings.timeout
         self.populate = populate
+        #: False for admin tools (stats, ls, clear): no arena mapping, not counted as a worker
+        self.attach = attach
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
         self._view: A.ArenaView | None = None
@@ -178,6 +180,8 @@ class Client:
                     f"{e.strerror or e}; is `shmkv supervise --name {self.name}` running?"
                 ) from None
             self._sock = sock
+            if not self.attach:
+                return
             reply, fds = self._roundtrip({"op": "attach", "pid": os.getpid()})
             if not fds:
                 raise ProtocolError("attach reply carried no arena descriptor")
@@ -223,7 +227,12 @@ class Client:
         self._next_id += 1
         msg["id"] = rid
         try:
-            P.send_msg(self._sock, msg, fds)
+            try:
+                P.send_msg(self._sock, msg, fds)
+            except (BrokenPipeError, ConnectionResetError):
+                # refused at accept (permission, connection limit): the reason is
+                # already waiting in our receive buffer; read it rather than lose it
+                self._sock.settimeout(min(self.timeout, 1.0))
             while True:
                 reply, rfds = P.recv_msg(self._sock)
                 if reply.get("id") in (rid, 0):
@@ -253,15 +262,23 @@ class Client:
             if self._closed:
                 raise ClosedError("shmkv Client used after close()")
             self._check_fork()
-            if self._sock is None or self._view is None:
+            if self._sock is None or (self.attach and self._view is None):
                 self._connect()
-            assert self._view is not None
+            if self._view is None:
+                raise ClosedError("this Client was made with attach=False: it has no arena view")
             return self._view
+
+    def _ensure_connected(self) -> None:
+        try:
+            self.ensure()
+        except ClosedError:
+            if self._closed or self._sock is None:
+                raise
 
     def request(self, msg: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
         """Send one request and return its reply; raises the supervisor's error."""
         with self._lock:
-            self.ensure()
+            self._ensure_connected()
             reply, rfds = self._roundtrip(msg, fds)
             for fd in rfds:
                 os.close(fd)
@@ -282,7 +299,7 @@ class Client:
             self._closed = True
 
     def __enter__(self) -> Client:
-        self.ensure()
+        self._ensure_connected()
         return self
 
     def __exit__(self, *exc: object) -> None:

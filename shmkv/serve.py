@@ -45,7 +45,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
 def supervisor_running(settings: Settings) -> bool:
     try:
-        with Client(settings=settings, populate=False) as c:
+        with Client(settings=settings, populate=False, attach=False) as c:
             c.request({"op": "ping"})
         return True
     except ShmkvError:

@@ -95,6 +95,13 @@ def watchdog_interval() -> float | None:
         return None
 
 
+def _setup_error(e: OSError, path: Path, setting: str) -> ShmkvError:
+    """An OSError met while creating the arena or the socket, as one line naming the fix."""
+    msg = (f"cannot create {e.filename or path}: {e.strerror or e}: fix {setting} or the "
+           f"permissions there")
+    return PermissionDenied(msg) if e.errno in (errno.EACCES, errno.EPERM) else ConfigError(msg)
+
+
 @dataclass
 class Conn:
     sock: socket.socket
@@ -245,15 +252,30 @@ class Supervisor:
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        # Bind under a temporary name and rename it into place once listening, so the
+        # path never names a socket that refuses connections (a worker racing start-up,
+        # or another supervisor probing for a stale socket, would see ECONNREFUSED).
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        if len(os.fsencode(str(tmp))) > 107:  # AF_UNIX path limit: bind in place
+            tmp = path
         old = os.umask(0o777 ^ self.file_mode)
+        bound = False
         try:
-            sock.bind(str(path))
+            sock.bind(str(tmp))
+            bound = True
+            if self.gid is not None:
+                os.chown(tmp, -1, self.gid)
+            os.chmod(tmp, self.file_mode)
+            sock.listen(128)
+            if tmp != path:
+                os.rename(tmp, path)
+        except BaseException:
+            sock.close()
+            if bound:
+                tmp.unlink(missing_ok=True)
+            raise
         finally:
             os.umask(old)
-        if self.gid is not None:
-            os.chown(path, -1, self.gid)
-        os.chmod(path, self.file_mode)
-        sock.listen(128)
         sock.setblocking(False)
         self.listener = sock
         self.sel.register(sock, selectors.EVENT_READ, None)
@@ -267,10 +289,19 @@ class Supervisor:
 
     def start(self) -> None:
         """Lock the name, create the arena, bind the socket; raises ShmkvError on failure."""
-        self._take_lock()
         try:
-            self._create_arena()
-            self._bind()
+            self._take_lock()
+        except OSError as e:
+            raise _setup_error(e, self.lock_path, "--dir") from None
+        try:
+            try:
+                self._create_arena()
+            except OSError as e:
+                raise _setup_error(e, self.path, "--dir") from None
+            try:
+                self._bind()
+            except OSError as e:
+                raise _setup_error(e, self.socket_path, "--socket") from None
         except BaseException:
             self.cleanup(remove=True)
             raise
@@ -446,7 +477,7 @@ class Supervisor:
             handler = self._HANDLERS.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise BadRequest(f"unknown op {op!r:.40}")
-            if op not in ("attach", "ping", "stats", "ls") and not conn.attached:
+            if op in ("acquire", "release", "put", "report") and not conn.attached:
                 raise BadRequest(f"op {op!r} before attach")
             reply, fds = handler(self, conn, msg)
         except ShmkvError as e:
@@ -529,11 +560,12 @@ class Supervisor:
 
     def _op_put(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
         assert self.store is not None
-        g = self.store.g
         root = P.get_digest(msg, "root")
         tokens = np.frombuffer(P.get_tokens(msg), dtype="<i4")
         fingerprint = P.get_fingerprint(msg)
-        payload_len = P.get_int(msg, "payload_len", 1, g.data_size)
+        # no upper bound here: Store.put refuses a blob that can never fit with an
+        # ArenaFullError naming --size (the memfd size check below bounds the read)
+        payload_len = P.get_int(msg, "payload_len", 1)
         checksum = P.get_int(msg, "checksum", 0, P.MAX_U64)
         pin = P.get_bool(msg, "pin")
         if not conn.fds:

@@ -39,7 +39,7 @@ class Sup:
         return Client(name=self.name, socket_path=self.socket, **kw)
 
     def stats(self) -> dict:
-        with self.client(populate=False) as c:
+        with self.client(populate=False, attach=False) as c:
             return c.stats()
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:

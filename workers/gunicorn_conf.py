@@ -45,7 +45,7 @@ def child_exit(server, worker) -> None:  # in the master
     from shmkv.errors import ShmkvError
 
     try:
-        with Client(settings=_s, populate=False) as c:
+        with Client(settings=_s, populate=False, attach=False) as c:
             released = c.worker_exit(worker.pid)
         if released:
             server.log.info("worker %s exited: released %d shmkv lease(s)", worker.pid, released)
