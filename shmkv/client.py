@@ -275,11 +275,22 @@ class Client:
             if self._closed or self._sock is None:
                 raise
 
-    def request(self, msg: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
-        """Send one request and return its reply; raises the supervisor's error."""
+    def request(self, msg: dict[str, Any], fds: list[int] | None = None,
+                timeout: float | None = None) -> dict[str, Any]:
+        """Send one request and return its reply; raises the supervisor's error.
+
+        ``timeout`` replaces the client's timeout for this request only (for a claim
+        that may wait on another worker's prefill).
+        """
         with self._lock:
             self._ensure_connected()
-            reply, rfds = self._roundtrip(msg, fds)
+            if timeout is not None and self._sock is not None:
+                self._sock.settimeout(timeout)
+            try:
+                reply, rfds = self._roundtrip(msg, fds)
+            finally:
+                if timeout is not None and self._sock is not None:
+                    self._sock.settimeout(self.timeout)
             for fd in rfds:
                 os.close(fd)
             return reply
@@ -409,6 +420,21 @@ class Client:
         counters = {k: v for k, v in counters.items() if v}
         if counters:
             self.request({"op": "report", "counters": counters})
+
+    def claim(self, digests: Sequence[bytes], wait: float) -> str:
+        """Claim the chunk digests this worker is about to prefill.
+
+        Returns "go" (prefill; the claims end when a put indexes them), or, after
+        waiting up to ``wait`` seconds for another worker that claimed ``digests[0]``
+        first: "ready" (look up again), "retry" or "timeout".
+        """
+        reply = self.request({"op": "claim", "digests": b"".join(digests[:4096]),
+                              "wait": float(wait)}, timeout=wait + self.timeout)
+        status = reply.get("status")
+        return status if isinstance(status, str) else "go"
+
+    def unclaim(self, digests: Sequence[bytes]) -> None:
+        self.request({"op": "unclaim", "digests": b"".join(digests[:4096])})
 
     def worker_exit(self, pid: int) -> int:
         return int(self.request({"op": "worker_exit", "pid": pid}).get("released", 0))

@@ -107,6 +107,13 @@ def _models(value: str | list | tuple) -> list[str]:
     return out
 
 
+def _non_negative_float(text: str | float) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(f"must be zero or a positive number, got {text!r}")
+    return value
+
+
 def _log_level(text: str) -> str:
     low = str(text).strip().lower()
     if low not in ("debug", "info", "warning", "error"):
@@ -185,6 +192,13 @@ SETTINGS: dict[str, Setting] = {
         Setting("lease_timeout", _positive_float, 30.0,
                 "Seconds a worker may hold a read lease before eviction may revoke it.",
                 _SUP, "SECONDS"),
+        Setting("claim_timeout", _positive_float, 120.0,
+                "Seconds a worker's claim on a prefix it is prefilling lasts at most.",
+                _SUP, "SECONDS"),
+        Setting("coalesce_wait", _non_negative_float, 30.0,
+                "Seconds a worker waits for another worker already prefilling the same new "
+                "prefix, instead of prefilling it too (0: never wait).",
+                frozenset({"client", "serve"}), "SECONDS"),
         Setting("timeout", _positive_float, 5.0,
                 "Seconds a client waits for the supervisor before treating it as down.",
                 frozenset({"client", "serve"}), "SECONDS"),

@@ -48,6 +48,8 @@ from .errors import ArenaCorruptError, ModelMismatchError, NotFound, ShmkvError
 log = logging.getLogger(__name__)
 
 SEQ = 0
+#: claim a prefill (and wait for another worker's) only if at least this many chunks remain
+COALESCE_MIN_CHUNKS = 2
 _SAMPLE_BYTES = 1 << 16
 _SAMPLES = 16
 _HEAD_BYTES = 1 << 20
@@ -140,6 +142,7 @@ class CallStats:
     tokens_evaluated: int = 0
     restore_seconds: float = 0.0
     hit: bool = False
+    coalesce_wait_seconds: float = 0.0
     published: int = 0
     error: str | None = None
 
@@ -157,6 +160,7 @@ class Totals:
     publishes: int = 0
     publish_dropped: int = 0
     publish_failures: int = 0
+    coalesced_waits: int = 0
     restore_seconds: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
 
@@ -192,6 +196,7 @@ class SharedPrefixCache:
         self._closed = False
         #: called with this cache at the first token of every call (``last`` is filled)
         self.on_prefill: Callable[[SharedPrefixCache], None] | None = None
+        self._claimed: list[bytes] | None = None
         _LIVE.add(self)
         try:  # attach now (after fork, at model load), not on the first request
             self.reader.ensure()
@@ -339,7 +344,8 @@ class SharedPrefixCache:
         except (ShmkvError, ValueError):
             return False
 
-    def capture(self, n_tokens: int | None = None, pin: bool = False) -> bool:
+    def capture(self, n_tokens: int | None = None, pin: bool = False,
+                claimed: list[bytes] | None = None) -> bool:
         """Copy the context's current sequence state and queue it for the supervisor."""
         llm = self.llm
         if not self.publish_enabled:
@@ -374,7 +380,7 @@ class SharedPrefixCache:
         try:
             with self._cv:
                 self._pending += 1
-            self._queue.put_nowait(("put", tokens, blob, pin))
+            self._queue.put_nowait(("put", tokens, blob, pin, claimed))
         except queue.Full:
             with self._cv:
                 self._pending -= 1
@@ -404,15 +410,14 @@ class SharedPrefixCache:
                     self._pending -= 1
                     self._cv.notify_all()
                 continue
-            _, tokens, blob, pin = item
+            _, tokens, blob, pin, claimed = item
             try:
                 self.writer.put_blob(self.root, tokens, self.fingerprint, blob, pin=pin)
-            except ShmkvError as e:
+            except Exception as e:  # ShmkvError or a bug: never let the thread die
                 self._fail("publish failed", e)
                 self.totals.publish_failures += 1
-            except Exception as e:  # never let the thread die
-                self._fail("publish failed", e)
-                self.totals.publish_failures += 1
+                if claimed:  # nobody else will index them: let the waiters go
+                    self._unclaim(claimed)
             finally:
                 blob.close()
                 self._send_report()
@@ -463,7 +468,7 @@ class SharedPrefixCache:
         reused = 0
         if reset and tokens:
             try:
-                reused = self.restore(tokens)
+                reused = self.prepare(tokens)
             except Exception as e:  # the cache must never break generation
                 self._fail("restore error", e)
                 llm.n_tokens = 0
@@ -488,8 +493,10 @@ class SharedPrefixCache:
                             self.on_prefill(self)
                         except Exception as e:
                             self._fail("on_prefill callback failed", e)
-                    if llm.n_tokens == len(tokens):
-                        self._safe_capture()
+                    claimed, self._claimed = self._claimed, None
+                    queued = llm.n_tokens == len(tokens) and self._safe_capture(claimed)
+                    if claimed and not queued:
+                        self._unclaim(claimed)
                 sent = yield tok
         except StopIteration:
             return
@@ -497,6 +504,9 @@ class SharedPrefixCache:
             gen.close()
             if not first:
                 self._safe_capture()
+            elif self._claimed:  # ended before the prompt was evaluated
+                claimed, self._claimed = self._claimed, None
+                self._unclaim(claimed)
             self._queue_report()
 
     def _queue_report(self) -> None:
@@ -512,11 +522,55 @@ class SharedPrefixCache:
             with self._cv:
                 self._pending -= 1
 
-    def _safe_capture(self) -> None:
+    def _safe_capture(self, claimed: list[bytes] | None = None) -> bool:
         try:
-            self.capture()
+            return self.capture(claimed=claimed)
         except Exception as e:
             self._fail("publish failed", e)
+            return False
+
+    def _unclaim(self, digests: list[bytes]) -> None:
+        try:
+            self.reader.unclaim(digests)
+        except ShmkvError as e:
+            log.debug("unclaim failed: %s", e)
+
+    # -------------------------------------------------------------- coalescing
+    def prepare(self, tokens: Sequence[int]) -> int:
+        """Restore, and if a long prefill remains, claim it or wait for whoever claimed it.
+
+        Returns the number of prompt tokens already in the context.
+        """
+        reused = self.restore(tokens)
+        budget = self.settings.coalesce_wait
+        chunk = self.chunk_tokens if budget > 0 else None
+        if chunk is None:
+            return reused
+        prompt = np.asarray(tokens, dtype=np.int32)
+        deadline = time.monotonic() + budget
+        for _ in range(4):
+            start = reused // chunk
+            if len(prompt) // chunk - start < COALESCE_MIN_CHUNKS:
+                return reused
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return reused
+            digests = chain_digests(self.root, prompt, chunk)[start:]
+            t0 = time.perf_counter()
+            try:
+                status = self.reader.claim(digests, left)
+            except ShmkvError as e:
+                self._fail("claim failed", e)
+                return reused
+            if status == "go":
+                self._claimed = digests
+                return reused
+            self.last.coalesce_wait_seconds += time.perf_counter() - t0
+            self.totals.coalesced_waits += 1
+            reused = self.restore(tokens)
+            if status == "timeout":
+                return reused
+        return reused
 
 
 def _hooked_generate(cache: SharedPrefixCache, orig: Any):

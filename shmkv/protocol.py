@@ -169,6 +169,18 @@ def get_digest(msg: dict[str, Any], name: str) -> bytes:
     return get_bytes(msg, name, DIGEST_SIZE, DIGEST_SIZE)
 
 
+def get_digests(msg: dict[str, Any], name: str, max_count: int = 4096) -> list[bytes]:
+    raw = get_bytes(msg, name, DIGEST_SIZE, DIGEST_SIZE * max_count, multiple=DIGEST_SIZE)
+    return [raw[i : i + DIGEST_SIZE] for i in range(0, len(raw), DIGEST_SIZE)]
+
+
+def get_float(msg: dict[str, Any], name: str, lo: float, hi: float) -> float:
+    v = _get(msg, name, (int, float))
+    if isinstance(v, bool) or not lo <= v <= hi:
+        raise BadRequest(f"field {name!r}={v!r} outside [{lo}, {hi}]")
+    return float(v)
+
+
 def get_tokens(msg: dict[str, Any], name: str = "tokens") -> bytes:
     return get_bytes(msg, name, 4, 4 * MAX_TOKENS, multiple=4)
 

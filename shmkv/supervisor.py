@@ -36,6 +36,7 @@ import numpy as np
 from . import __version__
 from . import arena as A
 from . import protocol as P
+from .claims import GO, Claims
 from .config import Settings, format_size
 from .errors import (
     ArenaExistsError,
@@ -138,6 +139,7 @@ class Supervisor:
         self.listener: socket.socket | None = None
         self.mm: mmap.mmap | None = None
         self.store: Store | None = None
+        self.claims = Claims(ttl=settings.claim_timeout)
         self._wake_r = self._wake_w = -1
         self._old_wakeup: int | None = None
 
@@ -317,12 +319,20 @@ class Supervisor:
         try:
             while not self._stop:
                 timeout = None
+                now = time.monotonic()
                 if wd is not None:
-                    now = time.monotonic()
                     if now >= next_wd:
                         sd_notify("WATCHDOG=1")
                         next_wd = now + wd
                     timeout = max(0.0, next_wd - now)
+                due = self.claims.next_deadline()
+                if due is not None:
+                    if due <= now:
+                        self._wake(self.claims.expire(now))
+                        due = self.claims.next_deadline()
+                    if due is not None:
+                        left = max(0.0, due - now)
+                        timeout = left if timeout is None else min(timeout, left)
                 for key, events in self.sel.select(timeout):
                     if key.data is None:
                         self._accept()
@@ -424,6 +434,7 @@ class Supervisor:
             os.close(fd)
         conn.fds.clear()
         released = self.store.release_owner(conn.id) if self.store else 0
+        self._wake(self.claims.drop_owner(conn.id))
         log.debug("connection %d (pid %d) closed%s; released %d lease(s)", conn.id, conn.pid,
                   f": {reason}" if reason else "", released)
 
@@ -477,9 +488,12 @@ class Supervisor:
             handler = self._HANDLERS.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise BadRequest(f"unknown op {op!r:.40}")
-            if op in ("acquire", "release", "put", "report") and not conn.attached:
+            if op in ("acquire", "release", "put", "report", "claim", "unclaim") \
+                    and not conn.attached:
                 raise BadRequest(f"op {op!r} before attach")
             reply, fds = handler(self, conn, msg)
+            if reply is None:  # answered later (a claim waiting on another worker)
+                return
         except ShmkvError as e:
             self._reply_error(conn, rid, e)
             return
@@ -593,6 +607,7 @@ class Supervisor:
             e = self.store.put(root, tokens, fingerprint, payload_len, checksum, fill, pin=pin)
         finally:
             os.close(fd)
+        self._wake(self.claims.indexed(e.digests))
         return {"gen": e.gen, "key": e.key, "n_tokens": e.n_tokens}, None
 
     def _op_pin(self, conn: Conn, msg: dict[str, Any], pinned: bool = True) -> tuple[dict, None]:
@@ -642,7 +657,30 @@ class Supervisor:
             self._close(other, "worker exited (reported)")
         return {"released": released}, None
 
+    def _op_claim(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict | None, None]:
+        digests = P.get_digests(msg, "digests")
+        wait = P.get_float(msg, "wait", 0.0, 600.0)
+        rid = msg.get("id", 0)
+        status, _ = self.claims.claim(conn.id, rid, digests, time.monotonic(), wait)
+        if status == GO:
+            return {"status": GO}, None
+        return None, None
+
+    def _op_unclaim(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
+        digests = P.get_digests(msg, "digests")
+        self._wake(self.claims.unclaim(conn.id, digests))
+        return {}, None
+
+    def _wake(self, woken: list) -> None:
+        for waiter, status in woken:
+            conn = self.conns.get(waiter.owner)
+            if conn is not None and not conn.closing:
+                self._queue(conn, P.encode({"ok": True, "id": waiter.rid, "status": status}),
+                            None)
+                self._flush(conn)
+
     _HANDLERS = {
+        "claim": _op_claim, "unclaim": _op_unclaim,
         "attach": _op_attach, "ping": _op_ping, "acquire": _op_acquire,
         "release": _op_release, "put": _op_put, "pin": _op_pin, "unpin": _op_unpin,
         "stats": _op_stats, "ls": _op_ls, "clear": _op_clear, "report": _op_report,

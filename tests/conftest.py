@@ -111,3 +111,17 @@ def make_supervisor(tmp_path: Path) -> Iterator:
 def supervisor(make_supervisor) -> Sup:
     """One supervisor with a 64 MiB arena."""
     return make_supervisor("--size", "64M")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, str]:
+    """Two tiny random-weight llama GGUFs with the same shapes and different weights."""
+    from tinymodel import write_tiny_llama
+
+    d = tmp_path_factory.mktemp("models")
+    out = {}
+    for seed in (0, 1):
+        path = d / f"tiny{seed}.gguf"
+        write_tiny_llama(path, seed=seed)
+        out[f"seed{seed}"] = str(path)
+    return out

@@ -13,8 +13,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
-from tinymodel import write_tiny_llama
 
 from shmkv.arena import ArenaView
 
@@ -23,23 +21,12 @@ KW = {"n_ctx": 2048, "n_threads": 1, "n_threads_batch": 1, "seed": 0}
 SYSTEM = " ".join(f"Rule {i}: the cat {i % 7} sits on mat {i % 5}." for i in range(50))
 
 
-@pytest.fixture(scope="session")
-def models(tmp_path_factory) -> dict[str, str]:
-    d = tmp_path_factory.mktemp("models")
-    out = {}
-    for seed in (0, 1):
-        path = d / f"tiny{seed}.gguf"
-        write_tiny_llama(path, seed=seed)
-        out[f"seed{seed}"] = str(path)
-    return out
-
-
 def run_worker(sup, model: str, jobs: list[dict], mode: str = "shmkv", namespace: str = "",
-               kw: dict | None = None) -> dict:
+               kw: dict | None = None, env: dict | None = None) -> dict:
     spec = {"model": model, "kw": {**KW, **(kw or {})}, "name": sup.name if sup else "none",
             "socket": sup.socket if sup else "/nonexistent/shmkv.sock", "namespace": namespace,
             "mode": mode, "jobs": jobs}
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), **(env or {})}
     proc = subprocess.run([sys.executable, str(HERE / "llama_worker.py")], input=json.dumps(spec),
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
