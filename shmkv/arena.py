@@ -283,8 +283,20 @@ class ArenaView:
             i = (i + 1) & (n - 1)
         return None
 
+    def check(self) -> None:
+        """Raise ArenaCorruptError if the file shrank under the mapping.
+
+        Reading a page past the end of a truncated file is a SIGBUS, so this runs
+        before every lookup and restore (one fstat). Only the arena's owner (or
+        root) can truncate it; a window between this check and the copy remains.
+        """
+        if self.mm.size() < self.file_size:
+            raise ArenaCorruptError(
+                "the arena file was truncated under its mapping: restart `shmkv supervise`")
+
     def find_longest(self, digests: Sequence[bytes]) -> tuple[int, Slot] | None:
         """Longest k such that digests[k-1] is indexed, by binary search; (k, slot)."""
+        self.check()
         lo, hi, best = 1, len(digests), None
         while lo <= hi:
             mid = (lo + hi) // 2

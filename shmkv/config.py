@@ -223,6 +223,8 @@ SETTINGS: dict[str, Setting] = {
                 "NAME"),
         Setting("api_key", _optional_str, None, "Require this bearer token on requests.",
                 _SERVE, "KEY"),
+        Setting("max_request_bytes", parse_size, 8 << 20,
+                "Largest request body accepted; larger ones get 413.", _SERVE, "SIZE"),
         Setting("worker_timeout", _positive_float, 600.0,
                 "Seconds a silent gunicorn worker lives before it is killed and replaced.",
                 _SERVE, "SECONDS"),

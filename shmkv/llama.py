@@ -237,17 +237,24 @@ class SharedPrefixCache:
         llm = self.llm
         prompt = np.asarray(tokens, dtype=np.int32)
         local = _common_prefix(np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32), prompt)
+        t0 = time.perf_counter()
         try:
             view = self.reader.ensure()
+            hit = None
+            chunk = view.geometry.chunk_tokens
+            if len(prompt) >= chunk:
+                digests = chain_digests(self.root, prompt, chunk)
+                hit = self.reader.lookup(digests)
+        except ArenaCorruptError as e:
+            self._fail("corrupt arena", e)
+            self.totals.restore_failures += 1
+            self._count(restore_failures=1)
+            return local
         except ShmkvError as e:
             self._fail("supervisor unavailable", e)
             return local
-        chunk = view.geometry.chunk_tokens
         if len(prompt) < chunk:
             return local
-        t0 = time.perf_counter()
-        digests = chain_digests(self.root, prompt, chunk)
-        hit = self.reader.lookup(digests)
         if hit is None or hit.chunks * chunk + chunk <= local:
             if hit is None and local < chunk:
                 self.totals.misses += 1
@@ -284,6 +291,7 @@ class SharedPrefixCache:
             common = _common_prefix(cached, prompt)
             if common <= local:
                 return local
+            lease.view.check()
             if self.verify and not lease.view.verify_payload(rec):
                 raise ArenaCorruptError("blob payload fails its checksum")
             ptr = ctypes.cast(lease.address, ctypes.POINTER(ctypes.c_uint8))

@@ -39,6 +39,7 @@ from . import protocol as P
 from .claims import GO, Claims
 from .config import Settings, format_size
 from .errors import (
+    ArenaCorruptError,
     ArenaExistsError,
     BadRequest,
     ConfigError,
@@ -57,6 +58,7 @@ EXIT_CONFIG = 2
 EXIT_ARENA_EXISTS = 3
 EXIT_NO_SPACE = 4
 EXIT_FAILURE = 1
+EXIT_ARENA_LOST = 7
 
 _PEERCRED = struct.Struct("3i")
 MAX_OUT = 16 << 20
@@ -133,6 +135,7 @@ class Supervisor:
         self._next_conn = 1
         self._signals: deque[int] = deque()
         self._stop = False
+        self._lost = False
         self.started = time.time()
         self.lock_fd = -1
         self.ro_fd = -1
@@ -316,8 +319,13 @@ class Supervisor:
                  self.socket_path, os.getpid())
         wd = watchdog_interval()
         next_wd = time.monotonic()
+        next_check = time.monotonic() + 1.0
         try:
             while not self._stop:
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + 1.0
+                    if not self.arena_intact():
+                        break
                 timeout = None
                 now = time.monotonic()
                 if wd is not None:
@@ -333,6 +341,7 @@ class Supervisor:
                     if due is not None:
                         left = max(0.0, due - now)
                         timeout = left if timeout is None else min(timeout, left)
+                timeout = 1.0 if timeout is None else min(timeout, 1.0)
                 for key, events in self.sel.select(timeout):
                     if key.data is None:
                         self._accept()
@@ -347,7 +356,24 @@ class Supervisor:
         finally:
             sd_notify("STOPPING=1")
             self.cleanup(remove=not self.s.keep)
-        return EXIT_OK
+        return EXIT_ARENA_LOST if self._lost else EXIT_OK
+
+    def arena_intact(self) -> bool:
+        """False (and a log line) if the arena file shrank: writing to it would SIGBUS.
+
+        The supervisor then exits with EXIT_ARENA_LOST; systemd or `shmkv serve`
+        restarts it with a fresh arena and workers reattach (cold meanwhile).
+        """
+        try:
+            size = os.fstat(self.ro_fd).st_size
+        except OSError:
+            size = -1
+        if self.store is not None and size < self.store.g.arena_size:
+            self._lost = True
+            log.critical("arena %s was truncated to %d bytes behind our back: exiting so that "
+                         "a fresh arena replaces it", self.path, size)
+            return False
+        return True
 
     def _drain_signals(self) -> None:
         try:
@@ -595,6 +621,9 @@ class Supervisor:
                 raise BadRequest("the put descriptor is not a memfd") from None
             if st.st_size < payload_len:
                 raise BadRequest(f"memfd holds {st.st_size} bytes, put says {payload_len}")
+            if not self.arena_intact():
+                self._stop = True
+                raise ArenaCorruptError("the arena file was truncated; the supervisor restarts")
 
             def fill(view: memoryview) -> None:
                 done = 0
@@ -726,7 +755,8 @@ class Supervisor:
                 self.socket_path.unlink(missing_ok=True)
         if self.mm is not None:
             try:
-                A._SEQ.pack_into(self.mm, A._STATE_OFF, A.STATE_CLOSED)
+                if not self._lost:  # a truncated file would SIGBUS here
+                    A._SEQ.pack_into(self.mm, A._STATE_OFF, A.STATE_CLOSED)
             except (ValueError, TypeError):
                 pass
             self.store = None

@@ -107,6 +107,40 @@ def _with_field(event: bytes, field: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + sep + tail
 
 
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413, before parsing."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            body = json.dumps({"error": {
+                "message": f"request body over {self.limit} bytes (--max-request-bytes)",
+                "type": "invalid_request_error", "code": "request_too_large"}}).encode()
+            await send({"type": "http.response.start", "status": 413,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # chunked upload past the limit: stop reading it
+                    return {"type": "http.disconnect"}
+            return message
+
+        await self.app(scope, limited, send)
+
+
 def make_loader(settings: Settings):
     """A LlamaProxy loader that attaches every model it loads to the shmkv arena."""
     plain = LlamaProxy.load_llama_from_model_settings
@@ -146,6 +180,7 @@ def create_app(settings: Settings | None = None):
                                 model_settings=model_settings)
 
     app.user_middleware.append(Middleware(CacheHeaders))  # innermost: inside the context
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)  # outermost
 
     @app.get("/health", tags=["shmkv"])
     def health() -> dict[str, Any]:
