@@ -57,19 +57,107 @@ class Hit:
     slot: A.Slot
 
 
-class Blob:
-    """A payload written into a memfd, ready to be handed over by :meth:`Client.put_blob`."""
+class _Memfd:
+    """A memfd and a writable mapping of it, reused across puts (no page faults once warm)."""
 
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd, self.size = fd, size
+    def __init__(self, capacity: int) -> None:
+        self.fd = os.memfd_create("shmkv-put", os.MFD_CLOEXEC)
+        self.capacity = 0
+        self.mm: mmap.mmap | None = None
+        self.grow(capacity)
+
+    def grow(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        if self.mm is not None:
+            self.mm.close()
+        os.ftruncate(self.fd, capacity)
+        self.mm = mmap.mmap(self.fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.capacity = capacity
+
+    def address(self) -> int:
+        assert self.mm is not None
+        buf = np.frombuffer(self.mm, dtype=np.uint8)
+        addr = buf.ctypes.data
+        del buf
+        return addr
 
     def close(self) -> None:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                pass
+            self.mm = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
+
+class Blob:
+    """A payload written into a memfd, ready to be handed over by :meth:`Client.put_blob`."""
+
+    def __init__(self, memfd: _Memfd, size: int, pool: _MemfdPool) -> None:
+        self.memfd, self.size, self._pool = memfd, size, pool
+
+    @property
+    def fd(self) -> int:
+        return self.memfd.fd if self.memfd is not None else -1
+
+    def checksum(self) -> int:
+        assert self.memfd is not None and self.memfd.mm is not None
+        return xxhash.xxh3_64_intdigest(memoryview(self.memfd.mm)[: self.size])
+
+    def close(self) -> None:
+        """Give the memfd back to its pool (or close it)."""
+        if self.memfd is not None:
+            self._pool.give_back(self.memfd)
+            self.memfd = None
+
     def __del__(self) -> None:
         self.close()
+
+
+class _MemfdPool:
+    """A few warm memfds per process: a put's cost is then two memcpys, not page faults."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._free: list[_Memfd] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def take(self, size: int) -> _Memfd:
+        with self._lock:
+            if os.getpid() != self._pid:  # forked: these belong to the parent
+                self._free, self._pid = [], os.getpid()
+            fits = [m for m in self._free if m.capacity >= size]
+            m = min(fits, key=lambda m: m.capacity) if fits else (
+                self._free[-1] if self._free else None)
+            if m is not None:
+                self._free.remove(m)
+        if m is None:
+            return _Memfd(size)
+        try:
+            m.grow(size)
+        except BaseException:
+            m.close()
+            raise
+        return m
+
+    def give_back(self, m: _Memfd) -> None:
+        with self._lock:
+            if os.getpid() == self._pid and len(self._free) < self.keep:
+                self._free.append(m)
+                return
+        m.close()
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for m in free:
+            m.close()
 
 
 class Lease:
@@ -147,6 +235,7 @@ class Client:
         self._backoff = _BACKOFF_MIN
         self._closed = False
         self.attach_info: dict[str, Any] = {}
+        self._pool = _MemfdPool()
         self.last_error: ShmkvError | None = None
 
     # ------------------------------------------------------------- connection
@@ -308,6 +397,7 @@ class Client:
             if os.getpid() == self._pid:
                 self._drop()
             self._closed = True
+            self._pool.close()
 
     def __enter__(self) -> Client:
         self._ensure_connected()
@@ -342,43 +432,32 @@ class Client:
 
     # ----------------------------------------------------------------- writes
     def prepare(self, size: int, fill: Callable[[int, int], None]) -> Blob:
-        """Write a blob into a fresh memfd: ``fill(address, size)`` writes it in place.
+        """Write a blob into a memfd: ``fill(address, size)`` writes it in place.
 
         This is the only part of a publish that must run where the data is (e.g. on
         the thread that owns a llama context); :meth:`put_blob` may run anywhere.
+        The memfd comes from a small pool of warm, mapped ones.
         """
-        fd = os.memfd_create("shmkv-put", os.MFD_CLOEXEC)
+        memfd = self._pool.take(size)
         try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            try:
-                buf = np.frombuffer(mm, dtype=np.uint8)
-                fill(buf.ctypes.data, size)
-                del buf
-            finally:
-                try:
-                    mm.close()
-                except BufferError:
-                    pass
+            fill(memfd.address(), size)
         except BaseException:
-            os.close(fd)
+            self._pool.give_back(memfd)
             raise
-        return Blob(fd, size)
+        return Blob(memfd, size, self._pool)
 
     def put_blob(self, root: bytes, tokens: np.ndarray | Sequence[int], fingerprint: bytes,
                  blob: Blob, pin: bool = False) -> dict[str, Any]:
-        """Hand a prepared blob to the supervisor (its fd, not its bytes); closes the blob."""
+        """Hand a prepared blob to the supervisor (its fd, not its bytes); closes the blob.
+
+        The supervisor copies the bytes and checks them against the checksum before
+        it replies, so the memfd can be reused as soon as the reply is here.
+        """
         tok = np.ascontiguousarray(tokens, dtype="<i4")
         try:
-            mm = mmap.mmap(blob.fd, blob.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            try:
-                checksum = xxhash.xxh3_64_intdigest(mm)
-            finally:
-                mm.close()
             return self.request({"op": "put", "root": root, "tokens": tok.tobytes(),
                                  "fingerprint": fingerprint, "payload_len": blob.size,
-                                 "checksum": checksum, "pin": pin}, [blob.fd])
+                                 "checksum": blob.checksum(), "pin": pin}, [blob.fd])
         finally:
             blob.close()
 
