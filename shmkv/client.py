@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -93,6 +94,16 @@ class _Memfd:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _fresh(err: ShmkvError) -> ShmkvError:
+    """A copy of ``err`` without a traceback, to keep or re-raise.
+
+    A raised exception's traceback holds the frames it passed through, and their locals:
+    kept in ``last_error`` it would keep a replaced arena's ArenaView (and its mapping of
+    an unlinked /dev/shm file) alive, and re-raising the same object grows it every time.
+    """
+    return type(err)(*err.args)
 
 
 class Blob:
@@ -248,7 +259,8 @@ class Client:
     def _connect(self) -> None:
         now = time.monotonic()
         if now < self._retry_at:
-            raise self.last_error or SupervisorUnavailable("supervisor unavailable")
+            raise _fresh(self.last_error) if self.last_error else SupervisorUnavailable(
+                "supervisor unavailable")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(self.timeout)
         try:
@@ -294,7 +306,7 @@ class Client:
             self._backoff = min(self._backoff * 2, _BACKOFF_MAX)
             if type(e) is not type(self.last_error):
                 log.warning("shmkv cache unavailable, running without it: %s", e)
-            self.last_error = e
+            self.last_error = _fresh(e)
             raise
 
     def _drop(self) -> None:
@@ -331,18 +343,20 @@ class Client:
         except (OSError, ProtocolError) as e:
             self._drop()
             self._retry_at = time.monotonic() + _BACKOFF_MIN
-            err = SupervisorUnavailable(
+            self.last_error = SupervisorUnavailable(
                 f"lost the shmkv supervisor at {self.socket_path}: {e}; workers run "
                 f"without the cache until it is back")
-            self.last_error = err
-            raise err from None
+            raise _fresh(self.last_error) from None
         if not reply.get("ok"):
             for fd in rfds:
                 os.close(fd)
             err = from_wire(reply.get("error"))
             if reply.get("id") == 0 and not isinstance(err, P.BadRequest):
                 self._drop()  # refused at accept (permission, connection limit)
-            raise err
+            try:
+                raise err
+            finally:  # a local bound to the raised error is a cycle through its traceback
+                del err
         return reply, rfds
 
     def ensure(self) -> A.ArenaView:
@@ -351,11 +365,29 @@ class Client:
             if self._closed:
                 raise ClosedError("shmkv Client used after close()")
             self._check_fork()
+            if self._sock is not None and self._peer_closed():
+                self._drop()  # the supervisor died: its arena is frozen, attach to the next one
             if self._sock is None or (self.attach and self._view is None):
                 self._connect()
             if self._view is None:
                 raise ClosedError("this Client was made with attach=False: it has no arena view")
             return self._view
+
+    def _peer_closed(self) -> bool:
+        """True if the supervisor closed our connection; never blocks.
+
+        A worker whose lookups all miss sends no request, so without this it would keep
+        reading a dead supervisor's frozen arena and never see the new one.
+        """
+        assert self._sock is not None
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        try:  # readable: EOF, or a late reply (to a claim we stopped waiting for)
+            return self._sock.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
     def _ensure_connected(self) -> None:
         try:

@@ -200,6 +200,8 @@ class SharedPrefixCache:
         _LIVE.add(self)
         try:  # attach now (after fork, at model load), not on the first request
             self.reader.ensure()
+        except ArenaCorruptError as e:  # e.g. a damaged header: say so, not "unavailable"
+            self._fail("corrupt arena", e)
         except ShmkvError as e:
             self._fail("supervisor unavailable", e)
 
@@ -262,7 +264,10 @@ class SharedPrefixCache:
             return local
         try:  # a lease-free peek: skip the round trip when the record cannot beat `local`
             peek = view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
-            if _common_prefix(view.tokens(peek), prompt) <= local:
+            common = _common_prefix(view.tokens(peek), prompt)
+            # (token ids contradicting the digests that found them are corruption: the
+            # lease path below detects and counts that, so do not skip it)
+            if common <= local and common >= hit.chunks * chunk:
                 return local
         except (ArenaCorruptError, ValueError):
             pass  # checked properly under the lease below
@@ -274,6 +279,7 @@ class SharedPrefixCache:
             return local
         except ArenaCorruptError as e:
             self._fail("corrupt record", e)
+            self.totals.restore_failures += 1
             self._count(restore_failures=1)
             return local
         except ShmkvError as e:

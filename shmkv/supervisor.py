@@ -20,6 +20,7 @@ import grp
 import logging
 import mmap
 import os
+import re
 import selectors
 import signal
 import socket
@@ -105,6 +106,16 @@ def _setup_error(e: OSError, path: Path, setting: str) -> ShmkvError:
     return PermissionDenied(msg) if e.errno in (errno.EACCES, errno.EPERM) else ConfigError(msg)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 @dataclass
 class Conn:
     sock: socket.socket
@@ -182,7 +193,21 @@ class Supervisor:
                 return
             os.close(fd)
 
+    def _remove_leftovers(self) -> None:
+        """Remove the arena and half-made arena files of a killed predecessor.
+
+        We hold the name's lock, so no live supervisor owns them. Unlinking the stale
+        arena before the space check means a restart needs room for one arena, not two
+        (workers still mapping it keep its pages only until they reattach).
+        """
+        tmp = re.compile(rf"{re.escape(self.path.name)}\.\d+\.tmp")
+        for p in self.path.parent.iterdir():
+            if p == self.path or tmp.fullmatch(p.name):
+                p.unlink(missing_ok=True)
+                log.info("removed %s, left by a supervisor that did not stop cleanly", p)
+
     def _create_arena(self) -> None:
+        self._remove_leftovers()
         size = self.s.size
         st = os.statvfs(self.path.parent)
         free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
@@ -256,6 +281,10 @@ class Supervisor:
                     f"--socket/SHMKV_SOCKET")
             finally:
                 probe.close()
+        for p in path.parent.iterdir():  # temporary sockets of killed supervisors
+            pid = p.name[len(path.name) + 2:]
+            if p.name.startswith(f".{path.name}.") and pid.isdigit() and not _alive(int(pid)):
+                p.unlink(missing_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         # Bind under a temporary name and rename it into place once listening, so the
         # path never names a socket that refuses connections (a worker racing start-up,
@@ -459,7 +488,9 @@ class Supervisor:
         for fd in conn.fds:
             os.close(fd)
         conn.fds.clear()
-        released = self.store.release_owner(conn.id) if self.store else 0
+        # releasing may bump the epoch or free a doomed record: both write to the arena
+        intact = self.store is not None and not self._lost and self.arena_intact()
+        released = self.store.release_owner(conn.id) if intact else 0
         self._wake(self.claims.drop_owner(conn.id))
         log.debug("connection %d (pid %d) closed%s; released %d lease(s)", conn.id, conn.pid,
                   f": {reason}" if reason else "", released)
@@ -477,7 +508,9 @@ class Supervisor:
                 n = len(cdata) // 4
                 conn.fds.extend(struct.unpack(f"{n}i", cdata[: 4 * n]))
         if flags & socket.MSG_CTRUNC or len(conn.fds) > MAX_PENDING_FDS:
-            self._reply_error(conn, 0, ProtocolError("too many file descriptors sent"))
+            self._reply_error(conn, 0, ProtocolError(
+                f"more than {MAX_PENDING_FDS} file descriptors sent at once"))
+            self._flush(conn)  # the reason, before the close (as for a framing error)
             self._close(conn, "too many fds")
             return
         if not data:
@@ -517,6 +550,9 @@ class Supervisor:
             if op in ("acquire", "release", "put", "report", "claim", "unclaim") \
                     and not conn.attached:
                 raise BadRequest(f"op {op!r} before attach")
+            if self._lost or not self.arena_intact():  # writing to it now would SIGBUS
+                self._stop = True
+                raise ArenaCorruptError("the arena file was truncated; the supervisor restarts")
             reply, fds = handler(self, conn, msg)
             if reply is None:  # answered later (a claim waiting on another worker)
                 return
@@ -628,7 +664,11 @@ class Supervisor:
             def fill(view: memoryview) -> None:
                 done = 0
                 while done < len(view):
-                    n = os.preadv(fd, [view[done:]], done)
+                    try:
+                        n = os.preadv(fd, [view[done:]], done)
+                    except OSError as e:  # e.g. a write-only descriptor of a memfd
+                        raise BadRequest(f"cannot read the put descriptor: {e.strerror}; "
+                                         "send a readable memfd") from None
                     if n <= 0:
                         raise BadRequest("memfd shrank while being read")
                     done += n

@@ -19,11 +19,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import llama_cpp.server.app as server_app
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 from starlette.middleware import Middleware
@@ -58,6 +62,8 @@ class CacheHeaders:
     It sits inside llama-cpp-python's RawContextMiddleware, whose per-request
     dict the completion wrapper fills from the worker thread. (A stream's headers
     leave before the prompt is evaluated: its first chunk carries the field.)
+    It also holds a stream's headers until its first event, so that a prompt
+    longer than the context gets a 400, as without streaming, not an empty 200.
     """
 
     def __init__(self, app: Any) -> None:
@@ -70,28 +76,73 @@ class CacheHeaders:
 
         streaming = False
         annotated = False
+        held: dict | None = None
+        ended = False
 
         async def send_annotated(message: dict) -> None:
-            nonlocal streaming, annotated
+            nonlocal streaming, annotated, held, ended
             field = context.get("shmkv") if context.exists() else None
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                                 for k, v in headers)
-                if field and not streaming:
+                if streaming:  # hold a stream's 200 until its first event: a prompt the
+                    held = message  # model refuses (too long) can still get its 400
+                    return
+                if field:
                     for k, v in field.items():
                         name = "x-shmkv-" + k.replace("_", "-")
                         headers.append((name.encode(), str(v).lower().encode()))
                     message = {**message, "headers": headers}
-            elif (message["type"] == "http.response.body" and streaming and field
-                  and not annotated):
-                body = message.get("body", b"")
-                if body.startswith(b"data: {"):
-                    annotated = True
-                    message = {**message, "body": _with_field(body, field)}
+            elif message["type"] == "http.response.body":
+                if held is not None:
+                    if not message.get("body"):
+                        ended = ended or not message.get("more_body", False)
+                        return  # nothing said yet (the stream may be failing): keep holding
+                    start, held = held, None
+                    await send(start)
+                if streaming and field and not annotated:
+                    body = message.get("body", b"")
+                    if body.startswith(b"data: {"):
+                        annotated = True
+                        message = {**message, "body": _with_field(body, field)}
             await send(message)
 
-        await self.app(scope, receive, send_annotated)
+        try:
+            await self.app(scope, receive, send_annotated)
+        except Exception as e:
+            match = _context_exceeded(e) if held is not None else None
+            if match is None:
+                raise
+            log.info("refused a stream: %s", e)
+            body = json.dumps({"error": {
+                "message": f"This model's maximum context length is {match[2]} tokens, "
+                           f"however the prompt has {match[1]} tokens. Please reduce the "
+                           "length of the prompt or messages.",
+                "type": "invalid_request_error", "param": "messages",
+                "code": "context_length_exceeded"}}).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        if held is not None:  # a stream that ended without a single event
+            await send(held)
+            if ended:
+                await send({"type": "http.response.body", "body": b""})
+
+
+_CONTEXT_EXCEEDED = re.compile(r"Requested tokens \((\d+)\) exceed context window of (\d+)")
+
+
+def _context_exceeded(exc: BaseException) -> re.Match | None:
+    """llama-cpp-python's too-long-prompt error, possibly inside an exception group."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (m := _context_exceeded(inner)) is not None:
+                return m
+        return None
+    return _CONTEXT_EXCEEDED.search(str(exc)) if isinstance(exc, ValueError) else None
 
 
 def _with_field(event: bytes, field: dict[str, Any]) -> bytes:
@@ -119,26 +170,74 @@ class BodyLimit:
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            body = json.dumps({"error": {
-                "message": f"request body over {self.limit} bytes (--max-request-bytes)",
-                "type": "invalid_request_error", "code": "request_too_large"}}).encode()
-            await send({"type": "http.response.start", "status": 413,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await self._refuse(send)
             return
         seen = 0
+        started = refused = False
 
         async def limited() -> dict:
-            nonlocal seen
+            nonlocal seen, refused
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:  # chunked upload past the limit: stop reading it
+                if seen > self.limit:  # chunked upload past the limit: stop reading it,
+                    if not started and not refused:  # answer 413 ourselves (the app sees
+                        refused = True  # a disconnect and would answer nothing at all)
+                        await self._refuse(send)
                     return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, limited, send)
+        async def send_unless_refused(message: dict) -> None:
+            nonlocal started
+            if refused:
+                return
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited, send_unless_refused)
+        except Exception:
+            if not refused:  # the app failing on the disconnect we made up is expected
+                raise
+
+    async def _refuse(self, send: Any) -> None:
+        body = json.dumps({"error": {
+            "message": f"request body over {self.limit} bytes (--max-request-bytes)",
+            "type": "invalid_request_error", "code": "request_too_large"}}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+# ------------------------------------------------------------ client errors
+# llama-cpp-python's route handler answers 500 (and prints a traceback) to a body that
+# is not JSON or whose fields have the wrong types: client errors, so 422 here.
+def _invalid(message: str, code: str, param: str | None = None) -> ErrorResponse:
+    return ErrorResponse(message=message, type="invalid_request_error", param=param, code=code)
+
+
+def _client_errors_are_4xx() -> None:
+    """Wrap the route handler's error formatter: a failed validation is a 422 (once)."""
+    plain = RouteErrorHandler.error_message_wrapper
+    if getattr(plain, "shmkv", False):
+        return
+
+    def error_message_wrapper(self, error: Exception, body: Any = None):
+        if isinstance(error, RequestValidationError):
+            problems = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}"
+                                 for e in error.errors()[:5])
+            return 422, _invalid(f"invalid request: {problems}", "invalid_request")
+        return plain(self, error, body)
+
+    error_message_wrapper.shmkv = True  # type: ignore[attr-defined]
+    RouteErrorHandler.error_message_wrapper = error_message_wrapper  # type: ignore[method-assign]
+
+
+async def _invalid_json(request: Any, exc: Exception) -> JSONResponse:
+    """The route handler re-reads a body that failed validation: not JSON at all."""
+    return JSONResponse({"error": _invalid(f"request body is not valid JSON: {exc}",
+                                           "invalid_json")}, status_code=422)
 
 
 def make_loader(settings: Settings):
@@ -176,11 +275,14 @@ def create_app(settings: Settings | None = None):
     server_settings = ServerSettings(host=settings.host, port=settings.port,
                                      api_key=settings.api_key)
     LlamaProxy.load_llama_from_model_settings = staticmethod(make_loader(settings))
+    _client_errors_are_4xx()
     app = server_app.create_app(server_settings=server_settings,
                                 model_settings=model_settings)
 
     app.user_middleware.append(Middleware(CacheHeaders))  # innermost: inside the context
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)  # outermost
+    app.add_exception_handler(json.JSONDecodeError, _invalid_json)
+    app.add_exception_handler(UnicodeDecodeError, _invalid_json)
 
     @app.get("/health", tags=["shmkv"])
     def health() -> dict[str, Any]:
