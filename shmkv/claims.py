@@ -42,6 +42,8 @@ class Claims:
         """GO (claims granted), or ("wait", waiter) if another owner computes digests[0]."""
         held = self.claims.get(digests[0])
         if held is not None and held[0] != owner and held[1] > now and wait > 0:
+            if sum(1 for ws in self.waiters.values() for w in ws if w.owner == owner) >= 16:
+                return GO, None  # a pipelining peer: no more parked requests, just go
             w = Waiter(owner, rid, digests[0], now + wait)
             self.waiters.setdefault(digests[0], []).append(w)
             return "wait", w

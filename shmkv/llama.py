@@ -281,11 +281,13 @@ class SharedPrefixCache:
             self._fail("corrupt record", e)
             self.totals.restore_failures += 1
             self._count(restore_failures=1)
+            self._suspect(hit)
             return local
         except ShmkvError as e:
             self._fail("supervisor unavailable", e)
             return local
         restored = 0
+        suspect = False
         try:
             rec = lease.record
             if lease.fingerprint() != self.fingerprint:
@@ -328,10 +330,13 @@ class SharedPrefixCache:
         except ArenaCorruptError as e:
             self._fail("corrupt record", e)
             self._count(restore_failures=1)
+            suspect = True
         except ShmkvError as e:
             self._fail("cache error", e)
         finally:
             lease.finish(restored)
+            if suspect:
+                self._suspect(hit)
         dt = time.perf_counter() - t0
         if restored:
             self.totals.hits += 1
@@ -542,6 +547,14 @@ class SharedPrefixCache:
         except Exception as e:
             self._fail("publish failed", e)
             return False
+
+    def _suspect(self, hit: Any) -> None:
+        """Ask the supervisor to re-check (and drop) a record that failed our checks."""
+        try:
+            self.reader.request({"op": "suspect", "offset": hit.slot.rec_offset,
+                                 "gen": hit.slot.rec_gen})
+        except ShmkvError as e:
+            log.debug("suspect report failed: %s", e)
 
     def _unclaim(self, digests: list[bytes]) -> None:
         try:

@@ -140,6 +140,7 @@ class Counters:
     restore_failures: int = 0
     revocations: int = 0
     stale_acquires: int = 0
+    corrupt_removed: int = 0
     bytes_put: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 

@@ -6,10 +6,11 @@ connect over a Unix socket (see ``protocol.py`` for the framing); each peer's
 credentials are checked with SO_PEERCRED before anything else.
 
 Start-up order: take the name's lock file (flock, released by the kernel if we
-die, so a killed supervisor's name is simply taken over), check and reserve
-the arena's space with ``posix_fallocate`` (a full tmpfs fails here, never with
-SIGBUS later), write the header, publish the file by rename, bind the socket
-(mode 0600, or 0660 with ``--group``), then send READY=1 to systemd.
+die, so a killed supervisor's name is simply taken over), remove the arena and
+temporary files a killed predecessor left, check and reserve the arena's space
+with ``posix_fallocate`` (a full tmpfs fails here, never with SIGBUS later),
+write the header, publish the file by rename, bind the socket (mode 0600, or
+0660 with ``--group``), then send READY=1 to systemd.
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ class Supervisor:
         self.listener: socket.socket | None = None
         self.mm: mmap.mmap | None = None
         self.store: Store | None = None
+        self.view: A.ArenaView | None = None
         self.claims = Claims(ttl=settings.claim_timeout)
         self._wake_r = self._wake_w = -1
         self._old_wakeup: int | None = None
@@ -253,6 +255,7 @@ class Supervisor:
         # the read-only descriptor handed to every worker: it cannot be mapped writable
         self.ro_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         self.store = Store(self.mm, geom, lease_timeout=self.s.lease_timeout)
+        self.view = A.ArenaView(self.ro_fd, populate=False)  # to re-check suspect records
         log.info("arena %s: %s, %d index slots, data %s, chunk %d tokens", self.path,
                  format_size(size), geom.index_slots, format_size(geom.data_size),
                  geom.chunk_tokens)
@@ -547,7 +550,7 @@ class Supervisor:
             handler = self._HANDLERS.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise BadRequest(f"unknown op {op!r:.40}")
-            if op in ("acquire", "release", "put", "report", "claim", "unclaim") \
+            if op in ("acquire", "release", "put", "report", "claim", "unclaim", "suspect") \
                     and not conn.attached:
                 raise BadRequest(f"op {op!r} before attach")
             if self._lost or not self.arena_intact():  # writing to it now would SIGBUS
@@ -624,6 +627,33 @@ class Supervisor:
         gen = P.get_int(msg, "gen", 1)
         lease = self.store.acquire(offset, gen, conn.id)
         return {"lease": lease, "epoch": self.store.epoch}, None
+
+    def _op_suspect(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
+        """A worker found a record corrupt: check it ourselves; remove it if it is.
+
+        A corrupt record would otherwise cost a miss on every lookup until evicted, and
+        stop workers from publishing a good copy over it.
+        """
+        assert self.store is not None
+        g = self.store.g
+        offset = P.get_int(msg, "offset", g.data_offset, g.data_offset + g.data_size)
+        gen = P.get_int(msg, "gen", 1)
+        e = self.store.entries.get(gen)
+        if e is None or e.doomed or e.offset != offset:
+            return {"removed": False}, None
+        try:
+            assert self.view is not None
+            rec = self.view.read_record(offset, gen)
+            self.view.verify_meta(rec)
+            intact = self.view.verify_payload(rec)
+        except ArenaCorruptError:
+            intact = False
+        if not intact:
+            self.store.remove(e)
+            self.store.counters.corrupt_removed += 1
+            log.warning("removed corrupt record %d at offset %d (reported by pid %d)", gen,
+                        offset, conn.pid)
+        return {"removed": not intact}, None
 
     def _op_release(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
         assert self.store is not None
@@ -749,7 +779,7 @@ class Supervisor:
                 self._flush(conn)
 
     _HANDLERS = {
-        "claim": _op_claim, "unclaim": _op_unclaim,
+        "claim": _op_claim, "unclaim": _op_unclaim, "suspect": _op_suspect,
         "attach": _op_attach, "ping": _op_ping, "acquire": _op_acquire,
         "release": _op_release, "put": _op_put, "pin": _op_pin, "unpin": _op_unpin,
         "stats": _op_stats, "ls": _op_ls, "clear": _op_clear, "report": _op_report,
@@ -775,6 +805,7 @@ class Supervisor:
             "evictions": c.evictions, "puts": c.puts, "rejected_puts": c.rejected_puts,
             "duplicate_puts": c.duplicate_puts, "bytes_put": c.bytes_put,
             "revocations": c.revocations, "stale_acquires": c.stale_acquires,
+            "corrupt_removed": c.corrupt_removed,
             "leases_active": sum(1 for ls in st.leases.values() if not ls.revoked),
             "workers_attached": sum(1 for x in self.conns.values() if x.attached),
             "connections": len(self.conns),
@@ -807,6 +838,9 @@ class Supervisor:
             self.mm = None
             if remove:
                 self.path.unlink(missing_ok=True)
+        if self.view is not None:
+            self.view.close()
+            self.view = None
         if self.ro_fd >= 0:
             os.close(self.ro_fd)
             self.ro_fd = -1

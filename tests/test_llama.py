@@ -154,7 +154,13 @@ def test_corrupted_blob_is_detected_and_output_unchanged(supervisor, models):
     assert texts(got) == texts(cold)
     assert got["results"][0]["last"]["tokens_restored"] == 0
     assert got["totals"]["errors"].get("corrupt record", 0) >= 1
-    assert supervisor.stats_json()["restore_failures"] >= 1
+    st = supervisor.stats_json()
+    assert st["restore_failures"] >= 1
+    # the worker reported it, the supervisor re-checked and dropped it, a good copy replaced it
+    assert st["corrupt_removed"] >= 1
+    again = run_worker(supervisor, models["seed0"], [completion(prompt)])
+    assert texts(again) == texts(cold)
+    assert again["results"][0]["last"]["tokens_restored"] > 0
 
 
 def test_set_data_rejecting_a_blob_falls_back_cold(supervisor, models):
