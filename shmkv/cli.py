@@ -175,6 +175,38 @@ def ls_cmd(config_file: str | None, as_json: bool, limit: int, **cli: Any) -> No
     click.echo(f"{len(rows)} of {res['total']} entries")
 
 
+def _key(text: str) -> bytes:
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != 16:
+        raise click.BadParameter("give the full 32-hex-digit key, as `shmkv ls --json` shows it")
+    return key
+
+
+@main.command()
+@settings_options("client")
+@click.argument("key")
+@fails_cleanly
+def pin(config_file: str | None, key: str, **cli: Any) -> None:
+    """Keep the entries with KEY (from `shmkv ls --json`) out of eviction."""
+    with _client(config_file, cli) as c:
+        n = c.pin(_key(key), True)
+    click.echo(f"pinned {n} entr{'y' if n == 1 else 'ies'}")
+
+
+@main.command()
+@settings_options("client")
+@click.argument("key")
+@fails_cleanly
+def unpin(config_file: str | None, key: str, **cli: Any) -> None:
+    """Make the entries with KEY evictable again."""
+    with _client(config_file, cli) as c:
+        n = c.pin(_key(key), False)
+    click.echo(f"unpinned {n} entr{'y' if n == 1 else 'ies'}")
+
+
 @main.command()
 @settings_options("client")
 @fails_cleanly

@@ -718,3 +718,20 @@ def test_no_watchdog_for_another_pid(make_supervisor, tmp_path: Path) -> None:
         ns.settimeout(0.6)
         with pytest.raises(TimeoutError):
             ns.recv(4096)
+
+
+def test_pin_and_unpin_from_the_cli(supervisor) -> None:
+    from shmkv.arena import chain_digests
+
+    root = b"\x07" * 16
+    tokens = np.arange(128, dtype=np.int32)
+    with supervisor.client() as c:
+        c.put_bytes(root, tokens, b"fp", b"x" * 5000)
+    key = chain_digests(root, tokens, 64)[-1].hex()
+    out = supervisor.cli("pin", key)
+    assert out.stdout.strip() == "pinned 1 entry"
+    assert supervisor.stats_json()["pinned"] == 1
+    assert supervisor.cli("unpin", key).stdout.strip() == "unpinned 1 entry"
+    assert supervisor.stats_json()["pinned"] == 0
+    bad = supervisor.cli("pin", "zz", check=False)
+    assert bad.returncode != 0 and "32-hex-digit" in bad.stderr
