@@ -255,3 +255,27 @@ def test_kill9_supervisor_workers_answer_cold_then_reattach(server, reference, t
         assert restored > 500, "workers never used the restarted supervisor's arena"
     finally:
         new.stop()
+
+
+def test_concurrent_streams_on_one_worker_all_complete(server, reference):
+    """More streams than workers: none is cut short (llama-cpp-python's server interrupts
+    a stream when another request waits for the model unless interrupt_requests=False)."""
+    prompts = [SYSTEM + f" Concurrent {i}." for i in range(8)]
+    out: dict[str, str] = {}
+    errors: list[BaseException] = []
+
+    def stream(p: str) -> None:
+        try:
+            chunks = server.client.completions.create(model="tiny", prompt=p, stream=True,
+                                                      extra_body=EXTRA, **SAMPLING)
+            out[p] = "".join(c.choices[0].text for c in chunks)
+        except BaseException as e:  # collected below
+            errors.append(e)
+
+    threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert out == {p: reference(p) for p in prompts}

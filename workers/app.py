@@ -272,8 +272,10 @@ def create_app(settings: Settings | None = None):
                       chat_format=settings.chat_format, verbose=False)
         for m in models
     ]
+    # interrupt_requests=False: llama-cpp-python would otherwise end a stream in flight
+    # (with a truncated body) whenever another request waits for this worker's model
     server_settings = ServerSettings(host=settings.host, port=settings.port,
-                                     api_key=settings.api_key)
+                                     api_key=settings.api_key, interrupt_requests=False)
     LlamaProxy.load_llama_from_model_settings = staticmethod(make_loader(settings))
     _client_errors_are_4xx()
     app = server_app.create_app(server_settings=server_settings,
