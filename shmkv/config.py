@@ -223,6 +223,10 @@ SETTINGS: dict[str, Setting] = {
                 "NAME"),
         Setting("api_key", _optional_str, None, "Require this bearer token on requests.",
                 _SERVE, "KEY"),
+        Setting("logits_all", parse_bool, False,
+                "Keep logits for every prompt token (needed only for `logprobs` with `echo`; "
+                "llama-cpp-python's server defaults to true, which triples prefill time and "
+                "costs GBs per worker).", _SERVE, is_flag=True),
         Setting("max_request_bytes", parse_size, 8 << 20,
                 "Largest request body accepted; larger ones get 413.", _SERVE, "SIZE"),
         Setting("worker_timeout", _positive_float, 600.0,

@@ -269,7 +269,8 @@ def create_app(settings: Settings | None = None):
     model_settings = [
         ModelSettings(model=m, model_alias=Path(m).stem, n_ctx=settings.n_ctx,
                       n_threads=threads, n_threads_batch=threads,
-                      chat_format=settings.chat_format, verbose=False)
+                      chat_format=settings.chat_format, logits_all=settings.logits_all,
+                      verbose=False)
         for m in models
     ]
     # interrupt_requests=False: llama-cpp-python would otherwise end a stream in flight
