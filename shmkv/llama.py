@@ -350,21 +350,21 @@ class SharedPrefixCache:
         return 0 if llm.n_tokens == 0 else local
 
     # ---------------------------------------------------------------- publish
-    def _covered(self, tokens: np.ndarray, chunk: int) -> bool:
-        """True if the arena already holds a record covering all of ``tokens``."""
+    def _coverage(self, tokens: np.ndarray, chunk: int) -> int:
+        """How many leading ``tokens`` a record in the arena already holds (a hint)."""
         try:
             view = self.writer.ensure()
             digests = chain_digests(self.root, tokens, chunk)
             hit = view.find_longest(digests)
-            if hit is None or hit[0] < len(digests):
-                return False
+            if hit is None:
+                return 0
             rec = view.read_record(hit[1].rec_offset, hit[1].rec_gen)
-            return _common_prefix(view.tokens(rec), tokens) >= len(tokens)
+            return _common_prefix(view.tokens(rec), tokens)
         except (ShmkvError, ValueError):
-            return False
+            return 0
 
     def capture(self, n_tokens: int | None = None, pin: bool = False,
-                claimed: list[bytes] | None = None) -> bool:
+                claimed: list[bytes] | None = None, min_new: int = 1) -> bool:
         """Copy the context's current sequence state and queue it for the supervisor."""
         llm = self.llm
         if not self.publish_enabled:
@@ -374,8 +374,8 @@ class SharedPrefixCache:
         if chunk is None or n < self.min_publish_tokens(chunk) or n != llm.n_tokens:
             return False
         tokens = np.array(llm.input_ids[:n], dtype=np.int32)
-        if self._covered(tokens, chunk):
-            return False
+        if n - self._coverage(tokens, chunk) < min_new:
+            return False  # (nearly) all of it is cached already
         try:
             mem = C.llama_get_memory(llm.ctx)
             if C.llama_memory_seq_pos_max(mem, SEQ) + 1 != n:
@@ -521,8 +521,8 @@ class SharedPrefixCache:
             return
         finally:
             gen.close()
-            if not first:
-                self._safe_capture()
+            if not first:  # prompt + completion: worth a blob if it adds a chunk or more
+                self._safe_capture(min_new=self.chunk_tokens or 1)
             elif self._claimed:  # ended before the prompt was evaluated
                 claimed, self._claimed = self._claimed, None
                 self._unclaim(claimed)
@@ -541,9 +541,9 @@ class SharedPrefixCache:
             with self._cv:
                 self._pending -= 1
 
-    def _safe_capture(self, claimed: list[bytes] | None = None) -> bool:
+    def _safe_capture(self, claimed: list[bytes] | None = None, min_new: int = 1) -> bool:
         try:
-            return self.capture(claimed=claimed)
+            return self.capture(claimed=claimed, min_new=min_new)
         except Exception as e:
             self._fail("publish failed", e)
             return False

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse
 from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings, ServerSettings
+from shmkv_workers.worker import BusyGate
 from starlette.middleware import Middleware
 from starlette_context import context
 
@@ -283,7 +284,8 @@ def create_app(settings: Settings | None = None):
                                 model_settings=model_settings)
 
     app.user_middleware.append(Middleware(CacheHeaders))  # innermost: inside the context
-    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)  # outermost
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    app.add_middleware(BusyGate)  # outermost: a worker accepts only while idle
     app.add_exception_handler(json.JSONDecodeError, _invalid_json)
     app.add_exception_handler(UnicodeDecodeError, _invalid_json)
 

@@ -19,7 +19,8 @@ _s = resolve("serve")
 
 bind = f"{_s.host}:{_s.port}"
 workers = _s.workers
-worker_class = "uvicorn_worker.UvicornWorker"
+# uvicorn's worker, except that a busy worker stops accepting (see workers/worker.py)
+worker_class = "shmkv_workers.worker.ShmkvWorker"
 wsgi_app = "shmkv_workers.app:create_app()"
 preload_app = False
 timeout = int(_s.worker_timeout)
