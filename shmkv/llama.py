@@ -303,13 +303,19 @@ class SharedPrefixCache:
             if self.verify and not lease.view.verify_payload(rec):
                 raise ArenaCorruptError("blob payload fails its checksum")
             ptr = ctypes.cast(lease.address, ctypes.POINTER(ctypes.c_uint8))
+            mem = C.llama_get_memory(llm.ctx)
+            # Start from an empty cache whose head is at cell 0, as a cold prefill does:
+            # otherwise the restored cells land wherever the last request left the head,
+            # the attention kernels sum over them in other groupings, and the greedy text
+            # drifts from a cold run's. (llama-cpp-python uses sequence 0 only.)
+            C.llama_memory_clear(mem, False)
+            llm.n_tokens = 0
             n = C.llama_state_seq_set_data(llm.ctx, ptr, rec.payload_len, SEQ)
             if n != rec.payload_len:
                 llm.n_tokens = 0  # a failed set_data leaves the sequence wiped
                 llm._requires_eval = True
                 raise ArenaCorruptError(f"llama_state_seq_set_data accepted {n} of "
                                         f"{rec.payload_len} bytes")
-            mem = C.llama_get_memory(llm.ctx)
             if common < rec.n_tokens and not C.llama_memory_seq_rm(mem, SEQ, common, -1):
                 llm.n_tokens = 0
                 llm._requires_eval = True
@@ -495,9 +501,13 @@ class SharedPrefixCache:
         self.last.tokens_reused_local = max(0, reused - self.last.tokens_restored)
         gen = orig_generate(tokens, reset=reset, **kwargs)
         first = True
+        prompt_capture = False  # due once the first token is out (off the TTFT path)
         try:
             sent = None
             while True:
+                if prompt_capture:
+                    prompt_capture = False
+                    self._capture_prompt(len(tokens))
                 tok = gen.send(sent) if sent is not None else next(gen)
                 if first:
                     first = False
@@ -512,21 +522,27 @@ class SharedPrefixCache:
                             self.on_prefill(self)
                         except Exception as e:
                             self._fail("on_prefill callback failed", e)
-                    claimed, self._claimed = self._claimed, None
-                    queued = llm.n_tokens == len(tokens) and self._safe_capture(claimed)
-                    if claimed and not queued:
-                        self._unclaim(claimed)
+                    prompt_capture = True
                 sent = yield tok
         except StopIteration:
             return
         finally:
             gen.close()
-            if not first:  # prompt + completion: worth a blob if it adds a chunk or more
+            if prompt_capture:  # stopped right after the first token: the KV is the prompt
+                self._capture_prompt(len(tokens))
+            elif not first:  # prompt + completion: worth a blob if it adds a chunk or more
                 self._safe_capture(min_new=self.chunk_tokens or 1)
             elif self._claimed:  # ended before the prompt was evaluated
                 claimed, self._claimed = self._claimed, None
                 self._unclaim(claimed)
             self._queue_report()
+
+    def _capture_prompt(self, n_prompt: int) -> None:
+        """Publish the prompt's state (the KV holds exactly the prompt), end our claims."""
+        claimed, self._claimed = self._claimed, None
+        queued = self.llm.n_tokens == n_prompt and self._safe_capture(claimed)
+        if claimed and not queued:
+            self._unclaim(claimed)
 
     def _queue_report(self) -> None:
         """Send this worker's counters to the supervisor off the token path."""
