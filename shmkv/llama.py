@@ -304,10 +304,9 @@ class SharedPrefixCache:
                 raise ArenaCorruptError("blob payload fails its checksum")
             ptr = ctypes.cast(lease.address, ctypes.POINTER(ctypes.c_uint8))
             mem = C.llama_get_memory(llm.ctx)
-            # Start from an empty cache whose head is at cell 0, as a cold prefill does:
-            # otherwise the restored cells land wherever the last request left the head,
-            # the attention kernels sum over them in other groupings, and the greedy text
-            # drifts from a cold run's. (llama-cpp-python uses sequence 0 only.)
+            # Start from an empty cache with its head at cell 0, as a cold prefill does, so
+            # the restored cells sit where a prefill would have put them (llama-cpp-python
+            # uses sequence 0 only).
             C.llama_memory_clear(mem, False)
             llm.n_tokens = 0
             n = C.llama_state_seq_set_data(llm.ctx, ptr, rec.payload_len, SEQ)
