@@ -37,7 +37,7 @@ from starlette_context import context
 from shmkv.config import Settings, resolve
 from shmkv.errors import ShmkvError
 from shmkv.llama import SharedPrefixCache, attach, live_caches
-from shmkv.models import default_model_path
+from shmkv.models import DEFAULT_MODEL_FILE, default_model_path
 
 log = logging.getLogger("shmkv.worker")
 
@@ -260,6 +260,12 @@ def make_loader(settings: Settings):
     return load
 
 
+def _default_chat_format(model: str) -> str | None:
+    """The packaged Gemma GGUF carries no chat template: llama-cpp-python would fall back
+    to llama-2's and the model would answer nothing. Other models: from their GGUF."""
+    return "gemma" if Path(model).name == DEFAULT_MODEL_FILE else None
+
+
 def create_app(settings: Settings | None = None):
     """Build the app for one worker (gunicorn calls this after fork)."""
     settings = settings or resolve("serve")
@@ -270,8 +276,8 @@ def create_app(settings: Settings | None = None):
     model_settings = [
         ModelSettings(model=m, model_alias=Path(m).stem, n_ctx=settings.n_ctx,
                       n_threads=threads, n_threads_batch=threads,
-                      chat_format=settings.chat_format, logits_all=settings.logits_all,
-                      verbose=False)
+                      chat_format=settings.chat_format or _default_chat_format(m),
+                      logits_all=settings.logits_all, verbose=False)
         for m in models
     ]
     # interrupt_requests=False: llama-cpp-python would otherwise end a stream in flight
