@@ -279,3 +279,23 @@ def test_concurrent_streams_on_one_worker_all_complete(server, reference):
         t.join(120)
     assert not errors, errors
     assert out == {p: reference(p) for p in prompts}
+
+
+def test_a_busy_worker_accepts_no_new_connection(tmp_path, tiny_model, make_supervisor):
+    """While one worker streams a long completion, new connections all go to the idle one
+    (workers/worker.py), instead of queueing behind the busy worker."""
+    sup = make_supervisor("--size", "128M")
+    srv = Server(sup, tiny_model, workers=2, tmp_path=tmp_path)
+    try:
+        stream = srv.client.completions.create(model="tiny", prompt=SYSTEM + " Long story:",
+                                               stream=True, max_tokens=1500,
+                                               temperature=0.0, extra_body=EXTRA)
+        it = iter(stream)
+        busy = next(it).model_extra["shmkv"]["worker_pid"]
+        pids = [srv.complete(SYSTEM + f" Quick {i}.", max_tokens=2)[1]["worker_pid"]
+                for i in range(6)]
+        assert busy not in pids, (busy, pids)
+        for _ in it:  # the long stream still completes
+            pass
+    finally:
+        srv.stop()
