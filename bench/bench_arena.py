@@ -36,7 +36,6 @@ import os
 import platform
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -54,6 +53,10 @@ import numpy as np
 import xxhash
 
 import shmkv
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
 from shmkv import Client
 from shmkv import arena as A
 from shmkv.config import format_size, parse_size
@@ -190,32 +193,8 @@ def supervisor(plan: Plan, workdir: Path) -> Iterator[tuple[str, str, subprocess
     args = [sys.executable, "-m", "shmkv.cli", "supervise", "--size", str(plan.size),
             "--index-slots", str(plan.index_slots)]
     log.info("starting supervisor %s: %s", name, " ".join(args[3:]))
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(args, env=env, stdout=logf, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(sock):
-            if proc.poll() is not None:
-                raise click.ClickException(
-                    f"supervisor exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise click.ClickException("supervisor socket did not appear within 60 s")
-            time.sleep(0.02)
+    with common.supervisor_process(args, env, log_path, name, sock) as proc:
         yield name, sock, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        leftovers = list(Path("/dev/shm").glob(f"shmkv-{name}*"))
-        if rc != 0 or leftovers:
-            log.error("supervisor exit %s, leftovers %s; log:\n%s", rc, leftovers,
-                      log_path.read_text()[-4000:])
-            for p in leftovers:
-                p.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------ helpers

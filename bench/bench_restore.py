@@ -42,7 +42,6 @@ import os
 import random
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -546,32 +545,8 @@ def supervisor(workdir: Path) -> Iterator[tuple[str, str, subprocess.Popen]]:
     log_path = workdir / "supervisor.log"
     args = [sys.executable, "-m", "shmkv.cli", "supervise", "--name", name, "--socket", sock,
             "--size", ARENA_SIZE, "--log-level", "warning"]
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(args, env=env, stdout=logf, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(sock):
-            if proc.poll() is not None:
-                raise click.ClickException(
-                    f"supervisor exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise click.ClickException("supervisor socket did not appear within 60 s")
-            time.sleep(0.02)
+    with common.supervisor_process(args, env, log_path, name, sock) as proc:
         yield name, sock, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        leftovers = list(Path("/dev/shm").glob(f"shmkv-{name}*"))
-        if rc != 0 or leftovers:
-            log.error("supervisor exit %s, leftovers %s; log:\n%s", rc, leftovers,
-                      log_path.read_text()[-4000:])
-            for p in leftovers:
-                p.unlink(missing_ok=True)
 
 
 def run_arm(spec: dict[str, Any], workdir: Path, sup_pid: int) -> dict[str, Any]:

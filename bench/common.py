@@ -9,11 +9,15 @@ import contextlib
 import logging
 import os
 import platform
+import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
+
+import click
 
 log = logging.getLogger(__name__)
 
@@ -143,3 +147,39 @@ def git_state(path: Path = HERE.parent, paths: tuple[str, ...] = ("shmkv",)) -> 
                 "modified": git("status", "--porcelain", "--", *paths).splitlines()}
     except (OSError, subprocess.SubprocessError):
         return {"commit": "?", "modified": []}
+
+
+@contextlib.contextmanager
+def supervisor_process(args: list[str], env: dict[str, str], log_path: Path, name: str,
+                       sock: str) -> Iterator[subprocess.Popen]:
+    """Run a `shmkv supervise` command until its socket appears; stop and check it after.
+
+    On exit: SIGTERM, a non-zero exit or files left in /dev/shm are logged with the
+    supervisor's log, and leftovers are removed.
+    """
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(args, env=env, stdout=logf, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(sock):
+            if proc.poll() is not None:
+                raise click.ClickException(
+                    f"supervisor exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise click.ClickException("supervisor socket did not appear within 60 s")
+            time.sleep(0.02)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        leftovers = list(Path("/dev/shm").glob(f"shmkv-{name}*"))
+        if rc != 0 or leftovers:
+            log.error("supervisor exit %s, leftovers %s; log:\n%s", rc, leftovers,
+                      log_path.read_text()[-4000:])
+            for p in leftovers:
+                p.unlink(missing_ok=True)
