@@ -925,11 +925,21 @@ def shmkv_breakdown(results: list[dict[str, Any]], sys_tokens: int) -> dict[str,
             overlapping += 1
     cold_ttft_sum = sum(r["ttft"] for r in cold if r["ttft"])
     all_ttft_sum = sum(r["ttft"] for r in rs if r["ttft"])
+    # hits that were sent while another worker was still prefilling the same prompt: they
+    # waited for that state (in-flight coalescing) and cost a cold prefill's TTFT, not a hit's
+    waited = [h for h in hits if any(c["prompt"] == h["prompt"] and c["t_send"] <= h["t_send"]
+                                     < c["t_send"] + c["ttft"] for c in cold)]
+    prompt_hits = [h for h in hits if h not in waited]
     return {
         "n": len(rs), "hits": len(hits), "cold": len(cold), "local_reuse": len(local),
         "cold_per_prompt": cold_per_prompt, "cold_beyond_one_per_prompt": dup,
         "cold_started_while_same_prompt_in_prefill": overlapping,
         "ttft_hit": summary([r["ttft"] for r in hits if r["ttft"]]),
+        "hits_after_waiting_for_same_prompt_prefill": len(waited),
+        "ttft_hit_waited": summary([r["ttft"] for r in waited]),
+        "ttft_hit_no_wait": summary([r["ttft"] for r in prompt_hits]),
+        "waited_share_of_ttft": (sum(r["ttft"] for r in waited) / all_ttft_sum
+                                 if all_ttft_sum else None),
         "ttft_cold": summary([r["ttft"] for r in cold if r["ttft"]]),
         "ttft_local": summary([r["ttft"] for r in local if r["ttft"]]),
         "cold_share_of_ttft": cold_ttft_sum / all_ttft_sum if all_ttft_sum else None,
@@ -1092,20 +1102,25 @@ def plot(res: dict[str, Any], path: Path) -> bool:
         ax.bar(xs, p99s, width * 0.95, color=colors[a], alpha=0.35, edgecolor=colors[a],
                hatch="//")
         ax.bar(xs, means, width * 0.95, color=colors[a])
-        for x, m, p in zip(xs, means, p99s, strict=True):
+        stopped = [bool(by[(a, cc)]["aborted"]) for cc in concs
+                   if by.get((a, cc)) and by[(a, cc)]["ttft"].get("n")]
+        for x, m, p, st in zip(xs, means, p99s, stopped, strict=True):
             ax.text(x, p * 1.05, f"{p:.1f}", ha="center", va="bottom", fontsize=7,
                     color="#555")
+            if st:  # stopped at the memory limit: these figures cover its first requests
+                ax.text(x, m * 0.35, "stopped\n(memory)", ha="center", va="top", fontsize=6,
+                        color="white")
             ax.text(x, m * 0.8, f"{m:.2f}" if m < 10 else f"{m:.0f}", ha="center",
                     va="top", fontsize=7, color="white", fontweight="bold")
     ax.axhline(GOAL_MEAN_TTFT, color="#c33", ls="--", lw=1)
-    ax.text(len(concs) - 0.5, GOAL_MEAN_TTFT * 1.05, f"goal: shmkv mean ≤ {GOAL_MEAN_TTFT} s "
-            f"at c={GOAL_CONCURRENCY}", color="#c33", fontsize=7, ha="right")
     ax.set_yscale("log")
     lo = min([c["ttft"]["min"] for c in cells if c["ttft"].get("n")] + [GOAL_MEAN_TTFT])
     ax.set_ylim(bottom=lo / 2)
     ax.set_xticks(range(len(concs)), [f"concurrency {c}" for c in concs])
     ax.set_ylabel("time to first token, s (log)")
-    ax.set_title("TTFT: mean (solid, value inside) and p99 (hatched, value above)", fontsize=10)
+    ax.set_title(f"TTFT: mean (solid, value inside), p99 (hatched, value above)\n"
+                 f"red line: goal, shmkv mean ≤ {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}",
+                 fontsize=9)
 
     ax = axes[1]
     for i, a in enumerate(arms):
@@ -1133,8 +1148,10 @@ def plot(res: dict[str, Any], path: Path) -> bool:
                 cache.append(max(0, c["memory"]["cache_bytes"]) / 2**30)
         ax.bar(xs, tot, width * 0.95, color=colors[a], alpha=0.35, edgecolor=colors[a])
         ax.bar(xs, cache, width * 0.95, color=colors[a])
-        for x, t, ca in zip(xs, tot, cache, strict=True):
-            ax.text(x, t, f"{t:.1f}", ha="center", va="bottom", fontsize=7)
+        stopped = [bool(by[(a, cc)]["aborted"]) for cc in concs if by.get((a, cc))]
+        for x, t, ca, st in zip(xs, tot, cache, stopped, strict=True):
+            ax.text(x, t, f"{t:.1f}" + (" (limit)" if st else ""), ha="center", va="bottom",
+                    fontsize=7)
             if ca:
                 ax.text(x, ca, f"{ca:.2f}", ha="center", va="bottom", fontsize=7,
                         color="k")
@@ -1173,7 +1190,11 @@ def findings(res: dict[str, Any]) -> list[str]:
         line = (
             f"{c['arm']} c={c['concurrency']}: mean TTFT {fmt_s(c['ttft'].get('mean'))}; "
             f"{k['hits']} arena hits (mean {fmt_s(hit.get('mean'))}, p50 "
-            f"{fmt_s(hit.get('p50'))}), {k['local_reuse']} reused the worker's own context, "
+            f"{fmt_s(hit.get('p50'))}; {k['hits_after_waiting_for_same_prompt_prefill']} of "
+            f"them waited for another worker's prefill of their prompt, mean "
+            f"{fmt_s(k['ttft_hit_waited'].get('mean'))}; the others mean "
+            f"{fmt_s(k['ttft_hit_no_wait'].get('mean'))}), {k['local_reuse']} reused the "
+            f"worker's own context, "
             f"{k['cold']} cold prefills (mean {fmt_s(cold.get('mean'))}; "
             f"{k['cold_beyond_one_per_prompt']} beyond one per prompt, "
             f"{k['cold_started_while_same_prompt_in_prefill']} started while the same prompt "
@@ -1351,6 +1372,9 @@ def _parse_size(text: str) -> int:
 @click.option("--baseline", default=str(HERE / "baseline" / "serve.json"), show_default=True,
               help="Committed baseline to compare with (same mode only).")
 @click.option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline.")
+@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False),
+              default=None, help="Measure nothing: re-derive the per-cell breakdowns, findings, "
+              "table and chart of a saved serve.json with this version of the analysis.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(arms: str, n_requests: int | None, cacheless_requests: int | None,
          concurrency: str | None, n_prompts: int | None, prompt_tokens: int | None,
@@ -1358,11 +1382,15 @@ def main(arms: str, n_requests: int | None, cacheless_requests: int | None,
          ramcache_size: str, max_rss: str, min_available: str, max_load: float,
          max_wait: float, max_foreign: float, noisy_retries: int, timeout: float,
          model: str | None, quick: bool, out_dir: str,
-         baseline: str, write_baseline: bool, verbose: bool) -> None:
+         baseline: str, write_baseline: bool, from_json: str | None, verbose: bool) -> None:
     """Serve shared system prompts from 4 gunicorn workers: no cache vs LlamaRAMCache vs shmkv."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if from_json:
+        res = reanalyse(json.loads(Path(from_json).read_text()))
+        report(res, Path(out_dir), Path(baseline), write_baseline, compare=False)
+        return
     arm_list = [a.strip() for a in arms.split(",") if a.strip()]
     unknown = [a for a in arm_list if a not in ARMS]
     if unknown:
@@ -1476,18 +1504,45 @@ def main(arms: str, n_requests: int | None, cacheless_requests: int | None,
         res["goal"]["shmkv_mean_ttft_s"] = goal_cell["ttft"]["mean"]
         res["goal"]["met"] = goal_cell["ttft"]["mean"] <= GOAL_MEAN_TTFT
     res["code"] = code
-    live = code_digest(ROOT / "shmkv", ROOT / "workers")
-    res["code"]["working_tree_changed_during_run"] = live != code["code_digest"]
+    if code:
+        live = code_digest(ROOT / "shmkv", ROOT / "workers")
+        code["working_tree_changed_during_run"] = live != code["code_digest"]
     res["findings"] = findings(res)
     res["requests"] = {f"{c.arm}@{c.concurrency}": c.results for c in cells}
     res["memory_detail"] = {f"{c.arm}@{c.concurrency}": c.memory for c in cells}
+    report(res, Path(out_dir), Path(baseline), write_baseline and not interrupted)
+    if interrupted:
+        raise SystemExit(130)
+
+
+def reanalyse(res: dict[str, Any]) -> dict[str, Any]:
+    """Re-derive the breakdowns and findings of a saved run from its per-request records."""
+    sys_tokens = min(res["config"]["system_tokens"])
+    for c in res["cells"]:
+        rs = res["requests"].get(f"{c['arm']}@{c['concurrency']}", [])
+        ok = [r for r in rs if r["t_send"] and r["error"] is None and r["ttft"] is not None]
+        pids = sorted({r["worker_pid"] for r in ok if r["worker_pid"]})
+        c["queueing"] = queueing(ok, pids, sys_tokens)
+        if c["arm"].startswith("shmkv"):
+            c["cache"] = shmkv_breakdown(ok, sys_tokens)
+    res["findings"] = findings(res)
+    res["reanalysed"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    return res
+
+
+def report(res: dict[str, Any], out: Path, bpath: Path, write_baseline: bool,
+           compare: bool = True) -> None:
+    """Print the table and findings; write serve.json and serve.png (and the baseline)."""
+    cfg, code = res["config"], res.get("code", {})
+    quick, workers, threads, n_ctx = cfg["quick"], cfg["workers"], cfg["threads"], cfg["n_ctx"]
+    n_prompts, n_requests, cacheless = cfg["prompts"], cfg["requests"], cfg["cacheless_requests"]
+    max_tokens, sys_tokens = cfg["max_tokens"], cfg["system_tokens"]
+    analysed = res["cells"]
     base = None
-    bpath = Path(baseline)
-    if bpath.exists():
+    if compare and bpath.exists():
         base = json.loads(bpath.read_text())
         if base.get("config", {}).get("quick") != quick:
             base = None
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jpath, ppath = out / "serve.json", out / "serve.png"
     jpath.write_text(json.dumps(res, indent=1) + "\n")
@@ -1498,7 +1553,7 @@ def main(arms: str, n_requests: int | None, cacheless_requests: int | None,
                + (" + uncommitted changes" if code.get("dirty") else "") + ") "
                f"serving benchmark: Gemma 3 270M Q4_K_M, "
                f"{workers} gunicorn workers x {threads} thread, n_ctx {n_ctx}, {n_prompts} system "
-               f"prompts of {min(wl.system_tokens)}-{max(wl.system_tokens)} tokens, "
+               f"prompts of {min(sys_tokens)}-{max(sys_tokens)} tokens, "
                f"{n_requests} streaming requests (first {cacheless} for nocache/ramcache), "
                f"max_tokens {max_tokens}; {m['cpu']}, {m['cores']} cores; 1-min load at each "
                f"cell's start: {loads}" + (" (quick run: not comparable)" if quick else ""))
@@ -1510,14 +1565,12 @@ def main(arms: str, n_requests: int | None, cacheless_requests: int | None,
                    f"{'met' if res['goal']['met'] else 'MISSED'} "
                    f"({fmt_s(res['goal']['shmkv_mean_ttft_s'])})")
     click.echo(f"\nwrote {jpath}" + (f" and {ppath}" if plotted else ""))
-    if write_baseline and not interrupted:
+    if write_baseline:
         bpath.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(jpath, bpath)
         if plotted:
             shutil.copyfile(ppath, bpath.with_suffix(".png"))
         click.echo(f"wrote baseline {bpath}")
-    if interrupted:
-        raise SystemExit(130)
 
 
 def _default_model() -> str:
