@@ -13,8 +13,10 @@ supervise`` subprocess owns the arena.
    that every request restores from the arena (asserted: tokens restored >=
    prefix - 64), with publish on and off alternately;
 3. the floor: ``llama_state_seq_set_data`` from a private in-process buffer
-   captured after evaluating the prefix, then the same streaming completion;
-   beside it llama-cpp-python's own same-process prefix reuse (no reset);
+   captured after evaluating the prefix, then the same streaming completion; run
+   in its own process and again inside process B, interleaved with its hits (the
+   hit / floor ratio uses the latter: same context, same KV history); beside it
+   llama-cpp-python's own same-process prefix reuse (no reset);
 4. llama-cpp-python's ``LlamaRAMCache`` (2 GiB cap): one request warms it, then
    ``reset()`` and the same prefix with new suffixes (memory is watched).
 
@@ -36,6 +38,7 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime as dt
+import functools
 import json
 import logging
 import os
@@ -107,28 +110,36 @@ def _rss() -> int:
 
 def _stream(llm: Any, prompt: str, gen: dict[str, Any],
             before: Callable[[], None] | None = None) -> dict[str, Any]:
-    """One streaming completion: seconds to the first chunk and to the last, and the text.
+    """One streaming completion: seconds to the first chunk, to the second, to the last.
 
-    ``before`` runs inside the timed region, first (the floor's set_data).
+    ``before`` runs inside the timed region, first (the floor's set_data). ``t0`` is
+    the absolute perf_counter start, to place other timings (captures) against it.
     """
     t0 = time.perf_counter()
     if before is not None:
         before()
-    ttft = None
+    stamps: list[float] = []
     parts = []
     for chunk in llm.create_completion(prompt, stream=True, **gen):
-        if ttft is None:
-            ttft = time.perf_counter() - t0
+        if len(stamps) < 2:
+            stamps.append(time.perf_counter() - t0)
         parts.append(chunk["choices"][0]["text"])
     total = time.perf_counter() - t0
-    return {"ttft": ttft if ttft is not None else total, "total": total, "text": "".join(parts)}
+    return {"ttft": stamps[0] if stamps else total, "total": total,
+            "gap12": stamps[1] - stamps[0] if len(stamps) > 1 else None,
+            "t0": t0, "text": "".join(parts)}
 
 
 class CaptureTimer:
-    """Times every ``capture()`` call of a SharedPrefixCache (instance attribute wrapper)."""
+    """Times every ``capture()`` call of a SharedPrefixCache (instance attribute wrapper).
+
+    Each call is kept as (start, seconds, published), start relative to the request's
+    ``t0``, so a call can be placed before or after the first chunk (on the TTFT path
+    or not).
+    """
 
     def __init__(self, cache: Any) -> None:
-        self.calls: list[tuple[float, bool]] = []
+        self.calls: list[tuple[float, float, bool]] = []
         orig = cache.capture
 
         def capture(*a: Any, **k: Any) -> bool:
@@ -138,13 +149,13 @@ class CaptureTimer:
                 ok = orig(*a, **k)
                 return ok
             finally:
-                self.calls.append((time.perf_counter() - t, bool(ok)))
+                self.calls.append((t, time.perf_counter() - t, bool(ok)))
 
         cache.capture = capture
 
-    def take(self) -> list[tuple[float, bool]]:
+    def take(self, t0: float) -> list[tuple[float, float, bool]]:
         out, self.calls = self.calls, []
-        return out
+        return [(start - t0, dt, ok) for start, dt, ok in out]
 
 
 class Probes:
@@ -217,6 +228,46 @@ def instrument_restore(cache: Any) -> Probes:
     p.wrap(C, "llama_state_seq_get_size", "get_size")
     p.wrap(C, "llama_memory_seq_rm", "seq_rm")
     return p
+
+
+def floor_restorer(llm: Any, prefix: str, prefix_n: int, res: dict[str, Any]
+                   ) -> tuple[Callable[[], None], list[float]]:
+    """Evaluate the prefix, keep its sequence state in a private buffer; return a restorer.
+
+    The restorer is the floor: ``llama_state_seq_set_data`` from that buffer, then
+    ``input_ids``/``n_tokens``/``_requires_eval`` set as shmkv sets them. The prefix is
+    evaluated with ``Llama.eval`` (no ``generate``, so no shmkv hook and no publish).
+    """
+    import llama_cpp.llama_cpp as C
+
+    toks = [llm.token_bos()] + llm.tokenize(prefix.encode(), add_bos=False, special=True)
+    if len(toks) != prefix_n:
+        raise RuntimeError(f"floor: prefix is {len(toks)} tokens here, {prefix_n} in the plan")
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(toks)
+    res["prefix_eval_seconds"] = time.perf_counter() - t
+    size = C.llama_state_seq_get_size(llm.ctx, 0)
+    buf = (ctypes.c_uint8 * size)()
+    t = time.perf_counter()
+    got = C.llama_state_seq_get_data(llm.ctx, buf, size, 0)
+    res["get_data_seconds"] = time.perf_counter() - t
+    if got != size:
+        raise RuntimeError(f"llama_state_seq_get_data wrote {got} of {size} bytes")
+    res["blob_bytes"] = size
+    set_times: list[float] = []
+
+    def restore() -> None:
+        t = time.perf_counter()
+        n = C.llama_state_seq_set_data(llm.ctx, buf, size, 0)
+        set_times.append(time.perf_counter() - t)
+        if n != size:
+            raise RuntimeError(f"llama_state_seq_set_data accepted {n} of {size} bytes")
+        llm.input_ids[:prefix_n] = toks
+        llm.n_tokens = prefix_n
+        llm._requires_eval = True
+
+    return restore, set_times
 
 
 def capture_paths(llm: Any, spec: dict[str, Any], reps: int) -> dict[str, list[float]]:
@@ -330,7 +381,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         r = run(s, suffix=i)
         t = time.perf_counter()
         ok = cache.flush(60)
-        r.update(flush_seconds=time.perf_counter() - t, flushed=ok, captures=timer.take(),
+        r.update(flush_seconds=time.perf_counter() - t, flushed=ok, captures=timer.take(r["t0"]),
                  last=dataclasses.asdict(cache.last))
         if not ok or cache.totals.publishes < 1:
             raise RuntimeError(f"process A did not publish: {dataclasses.asdict(cache.totals)}")
@@ -339,14 +390,35 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     elif arm == "hit":
         timer = CaptureTimer(cache)
         on, off = spec["suffixes"], spec["suffixes_off"]
+        # The floor again, in this process, interleaved with the hits: the tightest
+        # comparison (same process, same context, same KV history). Its requests bypass
+        # the shmkv hook (Llama.generate itself), so they neither restore nor publish.
+        floor_b: dict[str, Any] = {}
+        floor_restore, floor_set = floor_restorer(llm, prefix, prefix_n, floor_b)
+        res["floor_b"] = floor_b
+        res["floor_b"]["requests"] = []
+        plain_generate = functools.partial(llama_cpp.Llama.generate, llm)
         for k in range(len(on)):
-            order = [True, False] if k % 2 == 0 else [False, True]
-            for publish in order:
+            order = [("on", "off", "floor"), ("off", "floor", "on"),
+                     ("floor", "on", "off")][k % 3]
+            for what in order:
+                if what == "floor":
+                    i, s = on[k]
+                    llm.reset()
+                    llm.generate = plain_generate  # type: ignore[method-assign]
+                    try:
+                        r = _stream(llm, prefix + s, gen, before=floor_restore)
+                    finally:
+                        del llm.generate
+                    r.update(suffix=i, set_data_seconds=floor_set[-1])
+                    res["floor_b"]["requests"].append(r)
+                    continue
+                publish = what == "on"
                 i, s = on[k] if publish else off[k]
                 cache.publish_enabled = publish
                 llm.reset()  # B's context must not already hold the prefix
                 r = run(s, suffix=i, publish=publish)
-                caps = timer.take()
+                caps = timer.take(r["t0"])
                 t = time.perf_counter()
                 flushed = cache.flush(60)
                 r.update(flush_seconds=time.perf_counter() - t, flushed=flushed, captures=caps,
@@ -361,42 +433,16 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             probes.take()
             r = _stream(llm, prefix + s, gen)
             steps = probes.take()
+            caps = timer.take(r["t0"])
             cache.flush(60)
             _check_restored(cache, prefix_n, f"breakdown request {i}")
-            res["breakdown"].append({"suffix": i, **r, "steps": steps,
+            res["breakdown"].append({"suffix": i, **r, "steps": steps, "captures": caps,
                                      "last": dataclasses.asdict(cache.last)})
         probes.remove()
         res["totals"] = dataclasses.asdict(cache.totals)
         cache.close()
     elif arm == "floor":
-        C = llama_cpp.llama_cpp
-        toks = [llm.token_bos()] + llm.tokenize(prefix.encode(), add_bos=False, special=True)
-        if len(toks) != prefix_n:
-            raise RuntimeError(f"floor: prefix is {len(toks)} tokens here, {prefix_n} in the plan")
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(toks)
-        res["prefix_eval_seconds"] = time.perf_counter() - t
-        size = C.llama_state_seq_get_size(llm.ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        t = time.perf_counter()
-        got = C.llama_state_seq_get_data(llm.ctx, buf, size, 0)
-        res["get_data_seconds"] = time.perf_counter() - t
-        if got != size:
-            raise RuntimeError(f"llama_state_seq_get_data wrote {got} of {size} bytes")
-        res["blob_bytes"] = size
-        set_times: list[float] = []
-
-        def restore() -> None:
-            t = time.perf_counter()
-            n = C.llama_state_seq_set_data(llm.ctx, buf, size, 0)
-            set_times.append(time.perf_counter() - t)
-            if n != size:
-                raise RuntimeError(f"llama_state_seq_set_data accepted {n} of {size} bytes")
-            llm.input_ids[:prefix_n] = toks
-            llm.n_tokens = prefix_n
-            llm._requires_eval = True
-
+        restore, set_times = floor_restorer(llm, prefix, prefix_n, res)
         for i, s in spec["suffixes"]:
             llm.reset()
             r = run(s, suffix=i, before=restore)
@@ -622,7 +668,8 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "cold": ("cold: plain Llama, reset() per request", cold["requests"]),
         "hit": ("shmkv hit, 2nd process (publish on, default)", on),
         "hit_nopublish": ("shmkv hit, 2nd process (publish off)", off),
-        "floor": ("floor: set_data from a private buffer", floor["requests"]),
+        "floor_b": ("floor, in process B between its hits", hit["floor_b"]["requests"]),
+        "floor": ("floor, its own process", floor["requests"]),
         "local": ("llama-cpp-python same-process prefix reuse", floor["local"]),
         "ramcache": ("LlamaRAMCache, reset() per request", ram_hits),
         "ramcache_warm": ("LlamaRAMCache, 1st request (warms it)",
@@ -638,10 +685,14 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
     def mean(k: str) -> float:
         return ttft[k]["ttft"].get("mean", float("nan"))
 
+    # hit / floor against the floor run in the same process, interleaved with the hits
+    # (same context and KV history); the separate-process floor is kept beside it: two
+    # processes differ by a few percent in suffix-eval time alone
     ratios = {
-        "hit_over_floor_p50": p50("hit") / p50("floor"),
-        "hit_over_floor_mean": mean("hit") / mean("floor"),
-        "hit_nopublish_over_floor_p50": p50("hit_nopublish") / p50("floor"),
+        "hit_over_floor_p50": p50("hit") / p50("floor_b"),
+        "hit_over_floor_mean": mean("hit") / mean("floor_b"),
+        "hit_nopublish_over_floor_p50": p50("hit_nopublish") / p50("floor_b"),
+        "hit_over_floor_separate_process_p50": p50("hit") / p50("floor"),
         "cold_over_hit_p50": p50("cold") / p50("hit"),
         "cold_over_hit_mean": mean("cold") / mean("hit"),
         "ramcache_over_cold_p50": p50("ramcache") / p50("cold") if ram_hits else None,
@@ -652,9 +703,15 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
 
     # publishing: time inside capture() per request, and publish on vs off
     def cap_sum(r: dict[str, Any]) -> float:
-        return sum(t for t, _ok in r["captures"])
+        return sum(dt for _start, dt, _ok in r["captures"])
 
-    first_cap = [r["captures"][0][0] for r in on if r["captures"]]
+    def cap_before_first(r: dict[str, Any]) -> float:
+        """Time spent in capture() calls that started before the first chunk was out."""
+        return sum(dt for start, dt, _ok in r["captures"] if start < r["ttft"])
+
+    def gaps(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        return summary([r["gap12"] for r in rs if r.get("gap12") is not None])
+
     publish = {
         "max_tokens": plan["gen"]["max_tokens"],
         "request_on": summary([r["total"] for r in on]),
@@ -663,9 +720,13 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "ttft_off": summary([r["ttft"] for r in off]),
         "capture_per_request": summary([cap_sum(r) for r in on]),
         "capture_fraction": summary([cap_sum(r) / r["total"] for r in on]),
-        "capture_first_token": summary(first_cap),
+        "capture_before_first_chunk": summary([cap_before_first(r) for r in on]),
+        "capture_after_first_chunk": summary([cap_sum(r) - cap_before_first(r) for r in on]),
+        "gap12_on": gaps(on), "gap12_off": gaps(off),
         "captures_per_request": summary([float(len(r["captures"])) for r in on]),
-        "captures_published": sum(ok for r in on for _t, ok in r["captures"]),
+        "captures_published": sum(ok for r in on for _s, _t, ok in r["captures"]),
+        "captures_published_per_request": summary(
+            [float(sum(ok for _s, _t, ok in r["captures"])) for r in on]),
         "flush_after_request": summary([r["flush_seconds"] for r in on]),
         "capture_off_calls": sum(len(r["captures"]) for r in off),
     }
@@ -678,25 +739,28 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
     restored = sorted({r["last"]["tokens_restored"] for r in on + off})
     evaluated = sorted({r["last"]["tokens_evaluated"] for r in on + off})
     floor_set = summary([r["set_data_seconds"] for r in floor["requests"]])
+    fb = hit["floor_b"]["requests"]
 
-    # TTFT decomposition: hit = restore + first-token capture + the rest; floor = set_data + rest
+    # TTFT decomposition: hit = restore + capture() before the first chunk + the rest;
+    # floor = set_data + the rest
     b = hit["breakdown"]
     steps = _restore_steps(b)
     decomposition = {
         "hit_ttft": summary([r["ttft"] for r in b]),
         "hit_restore": summary([r["steps"].get("restore", 0.0) for r in b]),
-        "hit_capture_first_token": summary([r["steps"].get("capture", 0.0) for r in b]),
-        "floor_ttft": ttft["floor"]["ttft"],
-        "floor_set_data": floor_set,
-        "floor_rest": summary([r["ttft"] - r["set_data_seconds"] for r in floor["requests"]]),
+        "hit_capture_before_first_chunk": summary([cap_before_first(r) for r in b]),
+        "hit_capture_all": summary([r["steps"].get("capture", 0.0) for r in b]),
+        "floor_ttft": ttft["floor_b"]["ttft"],
+        "floor_set_data": summary([r["set_data_seconds"] for r in fb]),
+        "floor_rest": summary([r["ttft"] - r["set_data_seconds"] for r in fb]),
         "hit_nopublish_rest": summary([r["ttft"] - r["last"]["restore_seconds"] for r in off]),
     }
 
     # correctness: greedy text of every cached arm vs cold, suffix by suffix
     cold_text = {r["suffix"]: r["text"] for r in cold["requests"]}
     same = {}
-    for k, rs in (("hit", on), ("floor", floor["requests"]), ("ramcache", ram_hits),
-                  ("local", floor["local"])):
+    for k, rs in (("hit", on), ("floor_b", fb), ("floor", floor["requests"]),
+                  ("ramcache", ram_hits), ("local", floor["local"])):
         pairs = [(r["text"], cold_text[r["suffix"]]) for r in rs if r["suffix"] in cold_text]
         same[k] = f"{sum(a == c for a, c in pairs)}/{len(pairs)}"
 
@@ -760,7 +824,9 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     out.append(f"hit / floor  (p50) {r['hit_over_floor_p50']:.2f}   mean "
                f"{r['hit_over_floor_mean']:.2f}   goal <= {GOAL_HIT_OVER_FLOOR:.2f}: "
                f"{'met' if g['hit_over_floor'] else 'MISSED'}")
-    out.append(f"  (publish off: hit / floor p50 {r['hit_nopublish_over_floor_p50']:.2f})")
+    out.append(f"  (floor = set_data from a private buffer in process B itself, interleaved "
+               f"with its hits; publish off: {r['hit_nopublish_over_floor_p50']:.2f}; against "
+               f"the floor's own process: {r['hit_over_floor_separate_process_p50']:.2f})")
     out.append(f"cold / hit   (p50) {r['cold_over_hit_p50']:.1f}    mean "
                f"{r['cold_over_hit_mean']:.1f}    goal >= {GOAL_COLD_OVER_HIT:.0f}: "
                f"{'met' if g['cold_over_hit'] else 'MISSED'}")
@@ -787,8 +853,16 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
            fmt_s(p["capture_per_request"]["mean"])],
           ["capture() / request time", f"{p['capture_fraction']['p50'] * 100:.1f} %",
            f"{p['capture_fraction']['mean'] * 100:.1f} %"],
-          ["capture() before 1st token", fmt_s(p["capture_first_token"]["p50"]),
-           fmt_s(p["capture_first_token"]["mean"])],
+          ["  of it before the 1st chunk", fmt_s(p["capture_before_first_chunk"]["p50"]),
+           fmt_s(p["capture_before_first_chunk"]["mean"])],
+          ["  of it after the 1st chunk", fmt_s(p["capture_after_first_chunk"]["p50"]),
+           fmt_s(p["capture_after_first_chunk"]["mean"])],
+          ["blobs published per request", f"{p['captures_published_per_request']['p50']:.0f}",
+           f"{p['captures_published_per_request']['mean']:.2f}"],
+          ["1st -> 2nd chunk, publish on", fmt_s(p["gap12_on"].get("p50")),
+           fmt_s(p["gap12_on"].get("mean"))],
+          ["1st -> 2nd chunk, publish off", fmt_s(p["gap12_off"].get("p50")),
+           fmt_s(p["gap12_off"].get("mean"))],
           ["TTFT, publish on", fmt_s(p["ttft_on"]["p50"]), fmt_s(p["ttft_on"]["mean"])],
           ["TTFT, publish off", fmt_s(p["ttft_off"]["p50"]), fmt_s(p["ttft_off"]["mean"])],
           ["flush wait after request", fmt_s(p["flush_after_request"]["p50"]),
@@ -796,17 +870,25 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     out.append(_grid(pl))
 
     out.append("")
-    out.append("where a hit's TTFT goes (instrumented requests; inclusive times, nested):")
+    out.append("where a hit's time goes (instrumented requests, publish on; inclusive times, "
+               "nested):")
     d = a["decomposition"]
     rows = [["step", "p50", "mean"],
-            ["hit TTFT", fmt_s(d["hit_ttft"]["p50"]), fmt_s(d["hit_ttft"]["mean"])]]
+            ["hit TTFT", fmt_s(d["hit_ttft"]["p50"]), fmt_s(d["hit_ttft"]["mean"])],
+            ["  capture() calls before the 1st chunk",
+             fmt_s(d["hit_capture_before_first_chunk"]["p50"]),
+             fmt_s(d["hit_capture_before_first_chunk"]["mean"])]]
     for k, v in a["restore_steps"].items():
         depth = k.count("/")
         name = k.rsplit("/", 1)[-1]
-        if depth == 0:
-            name += "()" + (" (before the 1st token)" if k == "capture" else "")
+        if k == "capture":
+            rows.append(["hit, rest of the request", "", ""])
+            name += "() (every call, wherever it falls)"
+        elif depth == 0:
+            name += "()"
         rows.append(["  " * (depth + 1) + name, fmt_s(v["p50"]), fmt_s(v["mean"])])
-    rows.append(["floor TTFT", fmt_s(d["floor_ttft"]["p50"]), fmt_s(d["floor_ttft"]["mean"])])
+    rows.append(["floor TTFT (process B)", fmt_s(d["floor_ttft"]["p50"]),
+                 fmt_s(d["floor_ttft"]["mean"])])
     rows.append(["  set_data", fmt_s(d["floor_set_data"]["p50"]),
                  fmt_s(d["floor_set_data"]["mean"])])
     rows.append(["  rest (tokenize, suffix eval, sample)", fmt_s(d["floor_rest"]["p50"]),
@@ -857,17 +939,17 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     a = res["analysis"]
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
     ax = axes[0]
-    keys = [k for k in ("cold", "ramcache", "hit", "hit_nopublish", "floor", "local")
+    keys = [k for k in ("cold", "ramcache", "hit", "hit_nopublish", "floor_b", "floor", "local")
             if a["ttft"][k]["ttft"].get("n")]
     labels = [a["ttft"][k]["label"].replace(", ", ",\n", 1) for k in keys]
     p50s = [a["ttft"][k]["ttft"]["p50"] * 1e3 for k in keys]
     means = [a["ttft"][k]["ttft"]["mean"] * 1e3 for k in keys]
-    colors = ["#888", "#c96", "#3a7", "#7b9", "#37a", "#9ac"][: len(keys)]
+    colors = ["#888", "#c96", "#3a7", "#7b9", "#37a", "#69c", "#9ac"][: len(keys)]
     ax.barh(labels, p50s, color=colors, label="p50")
     ax.scatter(means, labels, color="k", marker="|", s=200, zorder=3, label="mean")
-    for y, v in enumerate(p50s):
-        ax.text(v * 1.08, y, f"{v:,.0f} ms" if v >= 100 else f"{v:.1f} ms", va="center",
-                fontsize=8)
+    for y, (v, m) in enumerate(zip(p50s, means, strict=True)):
+        ax.text(max(v, m) * 1.08, y, f"{v:,.0f} ms" if v >= 100 else f"{v:.1f} ms",
+                va="center", fontsize=8)
     ax.set_xscale("log")
     ax.invert_yaxis()
     ax.set_xlabel("time to first token, ms (log)")
@@ -890,8 +972,8 @@ def plot(res: dict[str, Any], path: Path) -> bool:
               ("restore: set_data", step("set_data"), "#37a")]
     groups.append(("restore: the rest (digests, lookup, checks)",
                    max(0.0, restore - sum(g[1] for g in groups)), "#fc6"))
-    cap = d["hit_capture_first_token"]["p50"] * 1e3
-    groups.append(("capture() before the 1st token", cap, "#d44"))
+    cap = d["hit_capture_before_first_chunk"]["p50"] * 1e3
+    groups.append(("capture() before the 1st chunk", cap, "#d44"))
     groups.append(("the rest (tokenize, eval suffix, sample)",
                    d["hit_ttft"]["p50"] * 1e3 - restore - cap, "#bbb"))
     left = 0.0
@@ -956,11 +1038,14 @@ def plot(res: dict[str, Any], path: Path) -> bool:
               help="Seconds to wait for --max-load; then run anyway and say so in the JSON.")
 @click.option("--baseline", default=str(HERE / "baseline" / "restore.json"), show_default=True,
               help="Committed baseline to compare with (same mode only).")
-@click.option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline.")
+@click.option("--write-baseline", is_flag=True,
+              help="Also copy JSON and PNG to --baseline (only after a quiet run).")
+@click.option("--force-baseline", is_flag=True, help="Write the baseline even after a busy run.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging (workers' stderr).")
 def main(out_dir: str, prefix_tokens: int | None, suffix_tokens: int, repeats: int | None,
          max_tokens: int, threads: int, model: str | None, quick: bool, max_load: float,
-         max_wait: float, baseline: str, write_baseline: bool, verbose: bool) -> None:
+         max_wait: float, baseline: str, write_baseline: bool, force_baseline: bool,
+         verbose: bool) -> None:
     """Benchmark TTFT of a shmkv cross-process hit against cold, the floor and LlamaRAMCache."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
@@ -1070,7 +1155,13 @@ def main(out_dir: str, prefix_tokens: int | None, suffix_tokens: int, repeats: i
     if noisy:
         click.echo(f"\nother processes used CPU during: {noisy} (cores, average)")
     click.echo(f"\nwrote {jpath}" + (f" and {ppath}" if plotted else ""))
-    if write_baseline:
+    if write_baseline and not quiet["quiet"] and not force_baseline:
+        click.echo(f"not writing the baseline: the machine was busy at the start (load "
+                   f"{quiet['loadavg'][0]:.2f}); rerun when quiet or pass --force-baseline")
+    elif write_baseline and noisy and not force_baseline:
+        click.echo(f"not writing the baseline: other processes used CPU during {noisy}; "
+                   "rerun when quiet or pass --force-baseline")
+    elif write_baseline:
         bpath.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(jpath, bpath)
         if plotted:
