@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 SEQ = 0
 #: claim a prefill (and wait for another worker's) only if at least this many chunks remain
 COALESCE_MIN_CHUNKS = 2
+#: how many shorter chunk prefixes a sliding-window model tries when the longest cannot be cut
+SWA_MAX_PROBES = 256
 _SAMPLE_BYTES = 1 << 16
 _SAMPLES = 16
 _HEAD_BYTES = 1 << 20
@@ -144,6 +146,8 @@ class CallStats:
     hit: bool = False
     coalesce_wait_seconds: float = 0.0
     published: int = 0
+    #: a checkpoint state published mid-prefill (sliding-window models; see ``_plan_checkpoint``)
+    checkpoint: int = 0
     error: str | None = None
 
 
@@ -161,6 +165,9 @@ class Totals:
     publish_dropped: int = 0
     publish_failures: int = 0
     coalesced_waits: int = 0
+    #: cached prefixes a sliding-window model could not use (their state cannot be cut back)
+    swa_unusable: int = 0
+    checkpoints: int = 0
     restore_seconds: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
 
@@ -179,6 +186,9 @@ class SharedPrefixCache:
         self.settings = settings
         self.namespace: str = settings.namespace
         self.fingerprint = model_fingerprint(llm)
+        #: sliding-window width (0: none); such states keep only the window of those layers
+        self.n_swa = max(0, int(C.llama_model_n_swa(llm.model)))
+        self._checkpoint_at = 0
         self.root = key_root(self.fingerprint, self.namespace)
         self.reader = Client(settings=settings)
         self.writer = Client(settings=settings, populate=False)
@@ -230,6 +240,91 @@ class SharedPrefixCache:
     def min_publish_tokens(self, chunk: int) -> int:
         return max(self.settings.min_tokens, chunk)
 
+    # ------------------------------------------------------ sliding windows
+    # A sliding-window layer (Gemma 2/3, Mistral, gpt-oss, ...) only ever attends to
+    # the last n_swa positions, and llama.cpp serializes only those: a state of n
+    # tokens holds positions n - n_swa .. n - 1 of its window layers. Cutting such a
+    # state back to `keep` tokens and evaluating from there needs positions
+    # keep - n_swa + 1 .. keep - 1, which it no longer has: llama.cpp would quietly
+    # attend to fewer tokens and the output would differ from a cold run. So a
+    # state may be cut back only as far as its window allows (one token for a long
+    # state; llama-cpp-python always re-evaluates the last prompt token), and
+    # otherwise only restored whole. The same holds for a context's own cells after
+    # a restore. llama.cpp's server makes the same check with seq_pos_min.
+    def _swa_cut_ok(self, n_state: int, keep: int) -> bool:
+        """Whether a restored state of ``n_state`` tokens can be cut back to ``keep``."""
+        if self.n_swa <= 0 or keep >= n_state:
+            return True
+        return max(0, n_state - self.n_swa) <= max(0, keep - self.n_swa + 1)
+
+    def _live_cut_ok(self, keep: int) -> bool:
+        """Whether the context's own cells still hold what evaluating after ``keep`` needs."""
+        if self.n_swa <= 0 or keep <= 0:
+            return True
+        pos_min = C.llama_memory_seq_pos_min(C.llama_get_memory(self.llm.ctx), SEQ)
+        return pos_min <= max(0, keep - self.n_swa + 1)
+
+    def _usable_hit(self, view: Any, hit: Any, digests: list[bytes], prompt: np.ndarray,
+                    chunk: int) -> tuple[Any, int]:
+        """For a sliding-window model: the longest hit whose state can be cut to fit.
+
+        The index points each chunk prefix at its shortest record, so walking down
+        from the longest finds checkpoints published at a divergence. Returns the
+        hit (or None) and how far the prompt matched a record it could not use.
+        """
+        if self.n_swa <= 0:
+            return hit, 0
+        from .client import Hit  # (the class lives with the client)
+
+        diverge = 0
+        rejected: set[tuple[int, int]] = set()
+        k, slot = hit.chunks, hit.slot
+        for _ in range(SWA_MAX_PROBES):
+            if slot is not None and (slot.rec_offset, slot.rec_gen) not in rejected:
+                try:
+                    rec = view.read_record(slot.rec_offset, slot.rec_gen)
+                    common = _common_prefix(view.tokens(rec), prompt)
+                except (ArenaCorruptError, ValueError):
+                    return Hit(k, slot), diverge  # the lease path detects and counts it
+                if common < k * chunk:  # ids contradict their digests: likewise
+                    return Hit(k, slot), diverge
+                if self._swa_cut_ok(rec.n_tokens, min(common, len(prompt) - 1)):
+                    return Hit(k, slot), diverge
+                rejected.add((slot.rec_offset, slot.rec_gen))
+                diverge = max(diverge, common)
+            k -= 1
+            if k < 1:
+                break
+            slot = view.probe(digests[k - 1])
+        return None, diverge
+
+    def _plan_checkpoint(self, diverge: int, have: int, n_prompt: int, chunk: int) -> None:
+        """Publish the state of the first ``diverge`` tokens during this prefill.
+
+        The prompt matched a cached one up to ``diverge`` tokens, but that state
+        cannot be cut back (sliding window); a state of exactly that prefix is
+        restored whole by every later prompt that shares it (a shared system
+        prompt with different questions).
+        """
+        if (self.publish_enabled and have < diverge < n_prompt - 1
+                and diverge >= self.min_publish_tokens(chunk)):
+            self._checkpoint_at = diverge
+
+    def _tail_checkpoint(self, n_prompt: int, have: int) -> int:
+        """Where to publish a state a little before the end of a new prompt (0: nowhere).
+
+        Before any divergence is known: a prompt whose last part differs (a new
+        question after the same system prompt or document) then restores this
+        state instead of prefilling from the start.
+        """
+        tail, chunk = self.settings.checkpoint_tail, self.chunk_tokens
+        if self.n_swa <= 0 or tail <= 0 or chunk is None or not self.publish_enabled:
+            return 0
+        at = (n_prompt - tail) // chunk * chunk
+        if at <= have or at < self.min_publish_tokens(chunk) or self._swa_cut_ok(n_prompt, at):
+            return 0
+        return at
+
     # ---------------------------------------------------------------- restore
     def restore(self, tokens: Sequence[int]) -> int:
         """Restore the longest cached prefix of ``tokens`` if it beats the context's own.
@@ -239,6 +334,11 @@ class SharedPrefixCache:
         llm = self.llm
         prompt = np.asarray(tokens, dtype=np.int32)
         local = _common_prefix(np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32), prompt)
+        if local and not self._live_cut_ok(min(local, len(prompt) - 1)):
+            # llama-cpp-python would keep `local` tokens whose window cells are gone
+            # (this context was restored from a state): start from scratch instead
+            llm.n_tokens = 0
+            local = 0
         t0 = time.perf_counter()
         try:
             view = self.reader.ensure()
@@ -257,6 +357,16 @@ class SharedPrefixCache:
             return local
         if len(prompt) < chunk:
             return local
+        if hit is not None and self.n_swa > 0 and hit.chunks * chunk + chunk > local:
+            try:
+                hit, diverge = self._usable_hit(view, hit, digests, prompt, chunk)
+            except ShmkvError as e:
+                self._fail("supervisor unavailable", e)
+                return local
+            if diverge:
+                self.totals.swa_unusable += 1
+                usable = 0 if hit is None else hit.chunks * chunk
+                self._plan_checkpoint(diverge, max(local, usable), len(prompt), chunk)
         if hit is None or hit.chunks * chunk + chunk <= local:
             if hit is None and local < chunk:
                 self.totals.misses += 1
@@ -318,8 +428,13 @@ class SharedPrefixCache:
             if common < rec.n_tokens and not C.llama_memory_seq_rm(mem, SEQ, common, -1):
                 llm.n_tokens = 0
                 llm._requires_eval = True
-                raise ModelMismatchError("the context cannot cut a restored state back "
-                                         "(use swa_full=True)")
+                raise ModelMismatchError("the context cannot cut a restored state back")
+            if not self._live_cut_ok(min(common, len(prompt) - 1)):
+                C.llama_memory_clear(mem, False)  # (_usable_hit should have prevented this)
+                llm.n_tokens = 0
+                llm._requires_eval = True
+                raise ModelMismatchError("a restored sliding-window state lacks the window "
+                                         "its cut needs")
             if not lease.finish(common):
                 llm.n_tokens = 0
                 llm._requires_eval = True
@@ -364,13 +479,20 @@ class SharedPrefixCache:
             if hit is None:
                 return 0
             rec = view.read_record(hit[1].rec_offset, hit[1].rec_gen)
-            return _common_prefix(view.tokens(rec), tokens)
+            common = _common_prefix(view.tokens(rec), tokens)
+            # a longer sliding-window state that cannot be cut back covers nothing
+            return common if self._swa_cut_ok(rec.n_tokens, common) else 0
         except (ShmkvError, ValueError):
             return 0
 
     def capture(self, n_tokens: int | None = None, pin: bool = False,
-                claimed: list[bytes] | None = None, min_new: int = 1) -> bool:
-        """Copy the context's current sequence state and queue it for the supervisor."""
+                claimed: list[bytes] | None = None, min_new: int = 1,
+                checkpoint: bool = False) -> bool:
+        """Copy the context's current sequence state and queue it for the supervisor.
+
+        ``checkpoint``: publish even if a longer record covers these tokens (a
+        sliding-window state cannot be cut back to them).
+        """
         llm = self.llm
         if not self.publish_enabled:
             return False
@@ -379,7 +501,7 @@ class SharedPrefixCache:
         if chunk is None or n < self.min_publish_tokens(chunk) or n != llm.n_tokens:
             return False
         tokens = np.array(llm.input_ids[:n], dtype=np.int32)
-        if n - self._coverage(tokens, chunk) < min_new:
+        if not checkpoint and n - self._coverage(tokens, chunk) < min_new:
             return False  # (nearly) all of it is cached already
         try:
             mem = C.llama_get_memory(llm.ctx)
@@ -498,6 +620,11 @@ class SharedPrefixCache:
                 llm.n_tokens = 0
                 llm._requires_eval = True
         self.last.tokens_reused_local = max(0, reused - self.last.tokens_restored)
+        at, self._checkpoint_at = self._checkpoint_at, 0
+        if reset and tokens:
+            at = at or self._tail_checkpoint(len(tokens), reused)
+            if at:
+                reused = self._prefill_checkpoint(tokens, reused, at)
         gen = orig_generate(tokens, reset=reset, **kwargs)
         first = True
         prompt_capture = False  # due once the first token is out (off the TTFT path)
@@ -535,6 +662,25 @@ class SharedPrefixCache:
                 claimed, self._claimed = self._claimed, None
                 self._unclaim(claimed)
             self._queue_report()
+
+    def _prefill_checkpoint(self, tokens: list[int], reused: int, at: int) -> int:
+        """Evaluate the prompt up to ``at`` and publish that state; returns tokens now in."""
+        llm = self.llm
+        keep = min(reused, len(tokens) - 1)
+        if not reused < at < len(tokens) - 1:
+            return reused
+        try:
+            llm.n_tokens = keep  # as llama-cpp-python's own prefix match would
+            llm.eval(tokens[keep:at])  # (its own batching: same numbers as one eval)
+            if self.capture(n_tokens=at, checkpoint=True):
+                self.totals.checkpoints += 1
+                self.last.checkpoint = at
+            return at
+        except Exception as e:  # never break generation: go cold
+            self._fail("checkpoint failed", e)
+            llm.n_tokens = 0
+            llm._requires_eval = True
+            return 0
 
     def _capture_prompt(self, n_prompt: int) -> None:
         """Publish the prompt's state (the KV holds exactly the prompt), end our claims."""

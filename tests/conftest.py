@@ -115,8 +115,9 @@ def supervisor(make_supervisor) -> Sup:
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict[str, str]:
-    """Two tiny random-weight llama GGUFs with the same shapes and different weights."""
-    from tinymodel import write_tiny_llama
+    """Tiny random-weight GGUFs: two llamas with the same shapes and different weights
+    (seed0, seed1) and a Gemma 3 with a 32-token sliding window (swa)."""
+    from tinymodel import write_tiny_gemma3, write_tiny_llama
 
     d = tmp_path_factory.mktemp("models")
     out = {}
@@ -124,4 +125,6 @@ def models(tmp_path_factory) -> dict[str, str]:
         path = d / f"tiny{seed}.gguf"
         write_tiny_llama(path, seed=seed)
         out[f"seed{seed}"] = str(path)
+    write_tiny_gemma3(d / "tiny-swa.gguf", n_swa=32)
+    out["swa"] = str(d / "tiny-swa.gguf")
     return out

@@ -67,15 +67,21 @@ class Server:
 
     def wait_workers(self, n: int, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
+        seen: set[int] = set()
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
             pids = self.worker_pids()
-            if len(pids) == n:
-                try:
-                    if httpx.get(self.base + "/health", timeout=5).status_code == 200:
-                        return
+            if len(pids) == n:  # every worker answers /health (a worker that is still
+                try:            # loading its model would skew which worker gets what)
+                    r = httpx.get(self.base + "/health", timeout=5)
+                    if r.status_code == 200:
+                        seen.add(r.json()["worker_pid"])
+                        if pids <= seen:
+                            return
                 except httpx.HTTPError:
                     pass
+                time.sleep(0.02)
+                continue
             time.sleep(0.2)
         raise TimeoutError(self.log_path.read_text()[-3000:])
 

@@ -180,3 +180,94 @@ def write_tiny_llama(
         n_layer,
         path,
     )
+
+
+def write_tiny_gemma3(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    n_vocab: int = 512,
+    n_embd: int = 64,
+    n_layer: int = 6,
+    n_head: int = 4,
+    n_swa: int = 32,
+    n_ctx_train: int = 2048,
+) -> None:
+    """Write a tiny random-weight Gemma 3 GGUF (f32) with sliding-window attention.
+
+    llama.cpp makes five of every six Gemma 3 layers sliding-window layers of width
+    ``n_swa``: the serialized state of such a context keeps only the last ``n_swa``
+    positions of those layers, which is what the SWA tests need to exercise.
+    """
+    import gguf
+
+    head_dim = n_embd // n_head
+    n_ff = 4 * n_embd
+    rng = np.random.default_rng(seed)
+    pieces, scores, types, suppress = _build_vocab(n_vocab)
+
+    def lin(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(np.float32)
+
+    bias_ch = 0  # as in write_tiny_llama: a constant channel biases the output
+    embd = (rng.standard_normal((n_vocab, n_embd)) / np.sqrt(n_embd)).astype(np.float32)
+    embd[:, bias_ch] = 1.0 / np.sqrt(n_embd)  # Gemma scales embeddings by sqrt(n_embd)
+    ones = np.ones(n_embd, dtype=np.float32)
+    tensors: dict[str, np.ndarray] = {"token_embd.weight": embd}
+    for i in range(n_layer):
+        attn_out = lin(n_embd, n_embd, 1.0)
+        ffn_down = lin(n_embd, n_ff, 1.0)
+        attn_out[bias_ch, :] = 0.0
+        ffn_down[bias_ch, :] = 0.0
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": ones,
+            f"blk.{i}.attn_q.weight": lin(n_embd, n_embd, 4.0),
+            f"blk.{i}.attn_k.weight": lin(n_embd, n_embd, 4.0),
+            f"blk.{i}.attn_v.weight": lin(n_embd, n_embd, 1.0),
+            f"blk.{i}.attn_q_norm.weight": np.full(head_dim, 3.0, dtype=np.float32),
+            f"blk.{i}.attn_k_norm.weight": np.full(head_dim, 3.0, dtype=np.float32),
+            f"blk.{i}.attn_output.weight": attn_out,
+            f"blk.{i}.post_attention_norm.weight": ones,
+            f"blk.{i}.ffn_norm.weight": ones,
+            f"blk.{i}.ffn_gate.weight": lin(n_ff, n_embd, 1.0),
+            f"blk.{i}.ffn_up.weight": lin(n_ff, n_embd, 1.0),
+            f"blk.{i}.ffn_down.weight": ffn_down,
+            f"blk.{i}.post_ffw_norm.weight": ones,
+        }
+    output = lin(n_vocab, n_embd, 3.0)
+    output[:, bias_ch] = np.where(suppress, -50.0, 0.0).astype(np.float32)
+    tensors["output_norm.weight"] = ones
+    tensors["output.weight"] = output
+
+    w = gguf.GGUFWriter(os.fspath(path), "gemma3")
+    w.add_name(f"tiny-gemma3-seed{seed}")
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_vocab_size(n_vocab)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_sliding_window(n_swa)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(True)
+    w.add_chat_template(CHATML_TEMPLATE)
+    for name, arr in tensors.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
