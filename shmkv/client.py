@@ -547,5 +547,14 @@ class Client:
     def unclaim(self, digests: Sequence[bytes]) -> None:
         self.request({"op": "unclaim", "digests": b"".join(digests[:4096])})
 
+    def diverge(self, digest: bytes, tokens: np.ndarray) -> int:
+        """How many leading ``tokens`` the records indexed under ``digest`` share."""
+        reply = self.request({"op": "diverge", "digest": digest,
+                              "tokens": np.ascontiguousarray(tokens, dtype="<i4").tobytes()})
+        common = reply.get("common")
+        if not isinstance(common, int) or isinstance(common, bool) or common < 0:
+            raise ProtocolError("malformed diverge reply")
+        return min(common, len(tokens))
+
     def worker_exit(self, pid: int) -> int:
         return int(self.request({"op": "worker_exit", "pid": pid}).get("released", 0))

@@ -52,6 +52,8 @@ SEQ = 0
 COALESCE_MIN_CHUNKS = 2
 #: how many shorter chunk prefixes a sliding-window model tries when the longest cannot be cut
 SWA_MAX_PROBES = 256
+#: publish a divergence checkpoint only if it saves later prompts at least this many tokens
+SWA_MIN_GAIN = 16
 _SAMPLE_BYTES = 1 << 16
 _SAMPLES = 16
 _HEAD_BYTES = 1 << 20
@@ -268,8 +270,9 @@ class SharedPrefixCache:
                     chunk: int) -> tuple[Any, int]:
         """For a sliding-window model: the longest hit whose state can be cut to fit.
 
-        The index points each chunk prefix at its shortest record, so walking down
-        from the longest finds checkpoints published at a divergence. Returns the
+        The index points each chunk prefix at the longest record that ends within
+        it, else at its shortest, so walking down from the longest finds the
+        checkpoints published at a divergence or near a prompt's end. Returns the
         hit (or None) and how far the prompt matched a record it could not use.
         """
         if self.n_swa <= 0:
@@ -298,6 +301,14 @@ class SharedPrefixCache:
             slot = view.probe(digests[k - 1])
         return None, diverge
 
+    def _usable_len(self, view: Any, hit: Any, prompt: np.ndarray) -> int:
+        """Tokens of ``prompt`` that restoring ``hit`` gives (a lease-free peek)."""
+        try:
+            rec = view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
+            return _common_prefix(view.tokens(rec), prompt)
+        except (ArenaCorruptError, ValueError):
+            return 0
+
     def _plan_checkpoint(self, diverge: int, have: int, n_prompt: int, chunk: int) -> None:
         """Publish the state of the first ``diverge`` tokens during this prefill.
 
@@ -320,7 +331,7 @@ class SharedPrefixCache:
         tail, chunk = self.settings.checkpoint_tail, self.chunk_tokens
         if self.n_swa <= 0 or tail <= 0 or chunk is None or not self.publish_enabled:
             return 0
-        at = (n_prompt - tail) // chunk * chunk
+        at = n_prompt - tail
         if at <= have or at < self.min_publish_tokens(chunk) or self._swa_cut_ok(n_prompt, at):
             return 0
         return at
@@ -359,13 +370,18 @@ class SharedPrefixCache:
             return local
         if hit is not None and self.n_swa > 0 and hit.chunks * chunk + chunk > local:
             try:
+                top = hit.chunks
                 hit, diverge = self._usable_hit(view, hit, digests, prompt, chunk)
+                usable = 0 if hit is None else self._usable_len(view, hit, prompt)
+                if diverge:
+                    self.totals.swa_unusable += 1
+                elif usable and usable + SWA_MIN_GAIN < len(prompt) - 1:
+                    # a checkpoint: do longer records go on matching this prompt?
+                    diverge = self.reader.diverge(digests[top - 1], prompt)
             except ShmkvError as e:
                 self._fail("supervisor unavailable", e)
                 return local
-            if diverge:
-                self.totals.swa_unusable += 1
-                usable = 0 if hit is None else hit.chunks * chunk
+            if diverge >= max(local, usable) + SWA_MIN_GAIN:
                 self._plan_checkpoint(diverge, max(local, usable), len(prompt), chunk)
         if hit is None or hit.chunks * chunk + chunk <= local:
             if hit is None and local < chunk:
@@ -621,10 +637,13 @@ class SharedPrefixCache:
                 llm._requires_eval = True
         self.last.tokens_reused_local = max(0, reused - self.last.tokens_restored)
         at, self._checkpoint_at = self._checkpoint_at, 0
+        in_context = reused  # (what the checkpoint prefill evaluates counts as evaluated)
         if reset and tokens:
             at = at or self._tail_checkpoint(len(tokens), reused)
             if at:
-                reused = self._prefill_checkpoint(tokens, reused, at)
+                got = self._prefill_checkpoint(tokens, reused, at)
+                in_context = min(in_context, got)
+                reused = got
         gen = orig_generate(tokens, reset=reset, **kwargs)
         first = True
         prompt_capture = False  # due once the first token is out (off the TTFT path)
@@ -637,8 +656,8 @@ class SharedPrefixCache:
                 tok = gen.send(sent) if sent is not None else next(gen)
                 if first:
                     first = False
-                    evaluated = max(0, len(tokens) - reused)
-                    if reused >= len(tokens):
+                    evaluated = max(0, len(tokens) - in_context)
+                    if in_context >= len(tokens):
                         evaluated = 1  # llama-cpp-python replays the last token for logits
                     self.last.tokens_evaluated = evaluated
                     self.totals.tokens_evaluated += evaluated

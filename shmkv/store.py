@@ -228,12 +228,23 @@ class Store:
             j = (j + 1) & (n - 1)
 
     def _point(self, digest: bytes, nch: int) -> bool:
-        """Point the slot of ``digest`` at its cheapest owner (fewest tokens)."""
+        """Point the slot of chunk prefix ``nch`` at the owner a lookup should try first.
+
+        That is the longest of the records whose last full chunk this is (they end
+        before the next chunk: a prompt or checkpoint that a prompt matching this
+        chunk may match to its very end, which is what a sliding-window model
+        needs to restore it whole), else the shortest (cheapest to restore).
+        """
         owners = self.owners.get(digest)
         if not owners:
             self._index_del(digest)
             return True
-        gen = min(owners, key=lambda g: (owners[g], g))
+        limit = (nch + 1) * self.g.chunk_tokens
+        ending = [g for g, n in owners.items() if n < limit]
+        if ending:
+            gen = max(ending, key=lambda g: (owners[g], -g))
+        else:
+            gen = min(owners, key=lambda g: (owners[g], g))
         return self._index_set(digest, self.entries[gen], nch)
 
     # ---------------------------------------------------------------- eviction

@@ -65,6 +65,8 @@ EXIT_ARENA_LOST = 7
 _PEERCRED = struct.Struct("3i")
 MAX_OUT = 16 << 20
 MAX_PENDING_FDS = 4
+#: records compared per ``diverge`` request (the longest first)
+DIVERGE_MAX_OWNERS = 64
 
 
 def arena_path(settings: Settings) -> Path:
@@ -550,7 +552,8 @@ class Supervisor:
             handler = self._HANDLERS.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise BadRequest(f"unknown op {op!r:.40}")
-            if op in ("acquire", "release", "put", "report", "claim", "unclaim", "suspect") \
+            if op in ("acquire", "release", "put", "report", "claim", "unclaim", "suspect",
+                      "diverge") \
                     and not conn.attached:
                 raise BadRequest(f"op {op!r} before attach")
             if self._lost or not self.arena_intact():  # writing to it now would SIGBUS
@@ -654,6 +657,32 @@ class Supervisor:
             log.warning("removed corrupt record %d at offset %d (reported by pid %d)", gen,
                         offset, conn.pid)
         return {"removed": not intact}, None
+
+    def _op_diverge(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
+        """How many leading ``tokens`` the records indexed under ``digest`` share.
+
+        The index points a chunk prefix at one record; a worker of a sliding-window
+        model that found a checkpoint there asks this to learn where its prompt
+        leaves the longer records (which it cannot cut back), and publishes a state
+        at that point for the prompts after it. Reads token ids only.
+        """
+        assert self.store is not None and self.view is not None
+        digest = P.get_digest(msg, "digest")
+        tokens = np.frombuffer(P.get_tokens(msg), dtype="<i4")
+        owners = self.store.owners.get(digest) or {}
+        best = 0
+        for gen in sorted(owners, key=lambda g: owners[g], reverse=True)[:DIVERGE_MAX_OWNERS]:
+            e = self.store.entries.get(gen)
+            if e is None or e.doomed:
+                continue
+            try:
+                cached = self.view.tokens(self.view.read_record(e.offset, gen))
+            except (ArenaCorruptError, ValueError):
+                continue
+            n = min(len(cached), len(tokens))
+            diff = np.flatnonzero(cached[:n] != tokens[:n])
+            best = max(best, int(diff[0]) if len(diff) else n)
+        return {"common": best}, None
 
     def _op_release(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
         assert self.store is not None
@@ -780,6 +809,7 @@ class Supervisor:
 
     _HANDLERS = {
         "claim": _op_claim, "unclaim": _op_unclaim, "suspect": _op_suspect,
+        "diverge": _op_diverge,
         "attach": _op_attach, "ping": _op_ping, "acquire": _op_acquire,
         "release": _op_release, "put": _op_put, "pin": _op_pin, "unpin": _op_unpin,
         "stats": _op_stats, "ls": _op_ls, "clear": _op_clear, "report": _op_report,

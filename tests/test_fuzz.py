@@ -168,6 +168,7 @@ HOSTILE: dict[str, st.SearchStrategy] = {
         st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=3).map(b"".join)),
     "wait": st.sampled_from([601, -1, 1e308, math.inf, -math.inf, math.nan, 1 << 63, "1"]),
 }
+VALID["digest"], HOSTILE["digest"] = VALID["key"], HOSTILE["key"]  # a chunk prefix digest
 FIELD_NAMES = sorted(VALID)
 
 
@@ -182,7 +183,8 @@ OP_FIELDS: dict[str, tuple[str, ...]] = {
     "acquire": ("offset", "gen"), "release": ("lease", "tokens_restored"),
     "put": ("root", "tokens", "fingerprint", "payload_len", "checksum", "pin"),
     "pin": ("key",), "unpin": ("key",), "report": ("counters",), "worker_exit": ("pid",),
-    "claim": ("digests", "wait"), "unclaim": ("digests",),
+    "claim": ("digests", "wait"), "unclaim": ("digests",), "suspect": ("offset", "gen"),
+    "diverge": ("digest", "tokens"),
 }
 # relative weights: clear and worker_exit reset a lot (keep them rare, so that the small
 # arena fills and evicts); puts and leases do the most

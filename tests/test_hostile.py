@@ -345,9 +345,10 @@ def test_token_ids_not_matching_the_digest_are_detected_and_counted(supervisor, 
     tokens = tokenize(models["seed0"], prompt)
     fd = os.open(supervisor.arena, os.O_RDWR)
     try:
-        for rec in records(supervisor.arena):  # every record of this prompt
-            raw = os.pread(fd, 4 * rec.n_tokens, rec.tokens_off)
-            if raw != np.asarray(tokens[: rec.n_tokens], dtype="<i4").tobytes():
+        for rec in records(supervisor.arena):  # every record of this prompt (and completion)
+            n = min(rec.n_tokens, len(tokens))
+            raw = os.pread(fd, 4 * n, rec.tokens_off)
+            if raw != np.asarray(tokens[:n], dtype="<i4").tobytes():
                 continue
             pos = rec.tokens_off + 4 * where
             (t,) = np.frombuffer(os.pread(fd, 4, pos), dtype="<i4")

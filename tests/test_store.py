@@ -665,3 +665,38 @@ def test_put_with_too_few_tokens_is_a_bad_request(small_arena: ArenaFile) -> Non
     with pytest.raises(BadRequest, match="chunk_tokens"):
         put_bytes(small_arena.store, ROOTS[0], BASES[0][: 3].copy(), b"x" * 10)
     assert small_arena.store.bytes_used() == 0 and small_arena.view.scan() == []
+
+
+def test_index_prefers_the_longest_record_ending_in_a_chunk_and_diverge(supervisor):
+    """A chunk prefix points at the longest record whose last full chunk it is (a
+    sliding-window model can restore only whole records), else at the shortest; the
+    ``diverge`` op tells how far a prompt matches the records behind a chunk prefix."""
+    from shmkv.arena import chain_digests
+
+    root, fp = b"r" * 16, b"fp"
+    rng = np.random.default_rng(5)
+    with supervisor.client() as c:
+        view = c.ensure()
+        chunk = view.geometry.chunk_tokens
+        base = rng.integers(0, 30000, 3 * chunk + 40, dtype=np.int32)
+        short, mid, long = base[: 3 * chunk + 5], base[: 3 * chunk + 30], base
+        longer = np.concatenate([base, rng.integers(0, 30000, chunk, dtype=np.int32)])
+        for toks in (longer, short, long, mid):
+            c.put_bytes(root, toks, fp, bytes(64))
+        digests = chain_digests(root, base, chunk)
+        k, slot = view.find_longest(digests)
+        assert k == 3
+        # `short`, `mid` and `long` all end inside chunk 4: the longest of them
+        assert view.read_record(slot.rec_offset, slot.rec_gen).n_tokens == len(long)
+        # chunk 2: no record ends inside chunk 3, so the shortest owner
+        slot2 = view.probe(digests[1])
+        assert view.read_record(slot2.rec_offset, slot2.rec_gen).n_tokens == len(short)
+        prompt = np.concatenate([base[: 3 * chunk + 20], [-1, -2]]).astype(np.int32)
+        assert c.diverge(digests[2], prompt) == 3 * chunk + 20
+        assert c.diverge(digests[2], base[:10]) == 10
+        assert c.diverge(b"\0" * 16, prompt) == 0  # nothing indexed there
+        for bad in ({"digest": b"x" * 15}, {"tokens": b"abc"}, {"digest": "not bytes"}):
+            msg = {"op": "diverge", "digest": digests[2], "tokens": prompt.tobytes(), **bad}
+            with pytest.raises(BadRequest):
+                c.request(msg)
+    assert supervisor.proc.poll() is None
