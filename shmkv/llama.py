@@ -191,6 +191,8 @@ class SharedPrefixCache:
         #: sliding-window width (0: none); such states keep only the window of those layers
         self.n_swa = max(0, int(C.llama_model_n_swa(llm.model)))
         self._checkpoint_at = 0
+        #: this call met a corrupt record: publish a good copy even if one seems cached
+        self._republish = False
         self.root = key_root(self.fingerprint, self.namespace)
         self.reader = Client(settings=settings)
         self.writer = Client(settings=settings, populate=False)
@@ -407,6 +409,7 @@ class SharedPrefixCache:
             self._fail("corrupt record", e)
             self.totals.restore_failures += 1
             self._count(restore_failures=1)
+            self._republish = True
             self._suspect(hit)
             return local
         except ShmkvError as e:
@@ -472,6 +475,7 @@ class SharedPrefixCache:
         finally:
             lease.finish(restored)
             if suspect:
+                self._republish = True
                 self._suspect(hit)
         dt = time.perf_counter() - t0
         if restored:
@@ -517,7 +521,7 @@ class SharedPrefixCache:
         if chunk is None or n < self.min_publish_tokens(chunk) or n != llm.n_tokens:
             return False
         tokens = np.array(llm.input_ids[:n], dtype=np.int32)
-        if not checkpoint and n - self._coverage(tokens, chunk) < min_new:
+        if not (checkpoint or self._republish) and n - self._coverage(tokens, chunk) < min_new:
             return False  # (nearly) all of it is cached already
         try:
             mem = C.llama_get_memory(llm.ctx)
@@ -627,6 +631,7 @@ class SharedPrefixCache:
         tokens = list(tokens)
         self.last = CallStats(prompt_tokens=len(tokens))
         self.totals.calls += 1
+        self._republish = False
         reused = 0
         if reset and tokens:
             try:

@@ -325,6 +325,12 @@ class Store:
         tok_bytes = tokens.astype("<i4", copy=False).tobytes()
         content = hashlib.blake2b(root + fingerprint + tok_bytes, digest_size=16).digest()
         dup = self.by_content.get(content)
+        if dup is not None and not self._payload_intact(self.entries[dup]):
+            # a worker that found the old copy corrupt publishes a good one: take it
+            log.warning("replacing corrupt record %d with a new copy", dup)
+            self.remove(self.entries[dup])
+            self.counters.corrupt_removed += 1
+            dup = None
         if dup is not None:
             e = self.entries[dup]
             self._touch(e)
@@ -389,6 +395,18 @@ class Store:
         return e
 
     # ------------------------------------------------------------------ leases
+    def _payload_intact(self, e: Entry) -> bool:
+        """Whether a record's payload still matches the checksum in its header."""
+        fields = A._REC.unpack_from(self.mm, e.offset)
+        pay_off, pay_len, pay_csum = fields[10], fields[11], fields[12]
+        if pay_len != e.payload_len:
+            return False
+        view = memoryview(self.mm)[e.offset + pay_off : e.offset + pay_off + pay_len]
+        try:
+            return xxhash.xxh3_64_intdigest(view) == pay_csum
+        finally:
+            view.release()
+
     def _touch(self, e: Entry) -> None:
         e.last_used = self.clock()
         if e.gen in self.lru:

@@ -700,3 +700,25 @@ def test_index_prefers_the_longest_record_ending_in_a_chunk_and_diverge(supervis
             with pytest.raises(BadRequest):
                 c.request(msg)
     assert supervisor.proc.poll() is None
+
+
+def test_a_duplicate_put_replaces_a_corrupt_copy(supervisor):
+    """The same tokens put again: kept once if intact, replaced if its payload rotted."""
+    root, fp = b"q" * 16, b"fp"
+    toks = np.arange(200, dtype=np.int32)
+    data = np.random.default_rng(2).bytes(50_000)
+    with supervisor.client() as c:
+        first = c.put_bytes(root, toks, fp, data)
+        assert c.put_bytes(root, toks, fp, data)["gen"] == first["gen"]  # a duplicate
+        view = c.ensure()
+        rec = view.read_record(*next((s.rec_offset, s.rec_gen) for s in view.scan()))
+        with open(supervisor.arena, "r+b") as f:  # a stray writer flips payload bytes
+            f.seek(rec.payload_off + 100)
+            f.write(b"\xff" * 8)
+        again = c.put_bytes(root, toks, fp, data)
+        assert again["gen"] != first["gen"]
+        st = c.stats()
+        assert st["corrupt_removed"] == 1 and st["entries"] == 1
+        view = c.ensure()
+        slot = next(iter(view.scan()))
+        assert view.verify_payload(view.read_record(slot.rec_offset, slot.rec_gen))
