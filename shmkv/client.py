@@ -547,14 +547,22 @@ class Client:
     def unclaim(self, digests: Sequence[bytes]) -> None:
         self.request({"op": "unclaim", "digests": b"".join(digests[:4096])})
 
-    def diverge(self, digest: bytes, tokens: np.ndarray) -> int:
-        """How many leading ``tokens`` the records indexed under ``digest`` share."""
-        reply = self.request({"op": "diverge", "digest": digest,
+    def owners(self, digest: bytes, tokens: np.ndarray) -> list[tuple[int, int, int, int]]:
+        """Records under chunk prefix ``digest``: (offset, gen, n_tokens, tokens matched)."""
+        reply = self.request({"op": "owners", "digest": digest,
                               "tokens": np.ascontiguousarray(tokens, dtype="<i4").tobytes()})
-        common = reply.get("common")
-        if not isinstance(common, int) or isinstance(common, bool) or common < 0:
-            raise ProtocolError("malformed diverge reply")
-        return min(common, len(tokens))
+        rows = reply.get("owners")
+        if not isinstance(rows, list):
+            raise ProtocolError("malformed owners reply")
+        out = []
+        for row in rows[:64]:
+            if (not isinstance(row, list) or len(row) != 4
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                               for x in row)):
+                raise ProtocolError("malformed owners reply")
+            off, gen, n, common = row
+            out.append((off, gen, n, min(common, n, len(tokens))))
+        return out
 
     def worker_exit(self, pid: int) -> int:
         return int(self.request({"op": "worker_exit", "pid": pid}).get("released", 0))

@@ -208,6 +208,12 @@ SETTINGS: dict[str, Setting] = {
         Setting("min_tokens", _non_negative_int, 0,
                 "Publish a state only if it has at least this many tokens (0: one chunk).",
                 frozenset({"client", "serve"}), "N"),
+        Setting("exact", parse_bool, False,
+                "Restore only at multiples of the context's n_batch, from states computed "
+                "in whole batches, so that every hit gives bit for bit the tokens of a cold "
+                "run (llama.cpp's results depend on how a prompt is split into batches); "
+                "hits then evaluate up to n_batch - 1 more tokens.",
+                frozenset({"client", "serve"}), is_flag=True),
         Setting("checkpoint_tail", _non_negative_int, 64,
                 "Sliding-window models (Gemma 2/3, Mistral, ...), whose states cannot be cut "
                 "back: also publish the state this many tokens before the end of a new prompt, "

@@ -180,10 +180,12 @@ class SharedPrefixCache:
     def __init__(self, llm: llama_cpp.Llama, name: str | None = None,
                  namespace: str | None = None, socket_path: str | None = None,
                  min_tokens: int | None = None, settings: Settings | None = None,
-                 publish: bool = True, verify: bool = True, max_pending: int = 2) -> None:
+                 publish: bool = True, verify: bool = True, max_pending: int = 2,
+                 exact: bool | None = None) -> None:
         if settings is None:
             settings = resolve("client", {"name": name, "socket": socket_path,
-                                          "namespace": namespace, "min_tokens": min_tokens})
+                                          "namespace": namespace, "min_tokens": min_tokens,
+                                          "exact": exact})
         self.llm = llm
         self.settings = settings
         self.namespace: str = settings.namespace
@@ -193,7 +195,15 @@ class SharedPrefixCache:
         self._checkpoint_at = 0
         #: this call met a corrupt record: publish a good copy even if one seems cached
         self._republish = False
-        self.root = key_root(self.fingerprint, self.namespace)
+        #: exact mode: restore only at multiples of n_batch (see ``_exact_hit``)
+        self.exact: bool = bool(settings.exact)
+        self.align = max(1, int(llm.n_batch))
+        # exact-mode states live under their own keys: fast-mode ones were not computed in
+        # whole batches
+        self.root = key_root(self.fingerprint + (b"|exact|%d" % self.align if self.exact
+                                                 else b""), self.namespace)
+        #: leading context tokens computed in whole, aligned batches (exact mode)
+        self._aligned = 0
         self.reader = Client(settings=settings)
         self.writer = Client(settings=settings, populate=False)
         self.publish_enabled = publish
@@ -270,38 +280,92 @@ class SharedPrefixCache:
 
     def _usable_hit(self, view: Any, hit: Any, digests: list[bytes], prompt: np.ndarray,
                     chunk: int) -> tuple[Any, int]:
-        """For a sliding-window model: the longest hit whose state can be cut to fit.
+        """For a sliding-window model: the best record it can restore, and the divergence.
 
-        The index points each chunk prefix at the longest record that ends within
-        it, else at its shortest, so walking down from the longest finds the
-        checkpoints published at a divergence or near a prompt's end. Returns the
-        hit (or None) and how far the prompt matched a record it could not use.
+        1. The record the longest chunk prefix points at, if the prompt runs to its
+           end (all but its last token): nothing can beat it.
+        2. Else every record under that prefix (``owners``, one round trip): the one
+           the prompt matches furthest among those it can restore whole, and how far
+           the prompt goes along with any of them (where a checkpoint would help).
+        3. Else shorter chunk prefixes, whose slots point at the records ending in
+           them (the checkpoints published near a prompt's end), by lease-free peeks.
+
+        Returns (hit or None, divergence); the lease path re-checks everything.
         """
-        if self.n_swa <= 0:
-            return hit, 0
+        from .arena import Slot
         from .client import Hit  # (the class lives with the client)
 
-        diverge = 0
-        rejected: set[tuple[int, int]] = set()
-        k, slot = hit.chunks, hit.slot
-        for _ in range(SWA_MAX_PROBES):
-            if slot is not None and (slot.rec_offset, slot.rec_gen) not in rejected:
+        n = len(prompt)
+
+        def fits(slot: Any, k: int) -> tuple[bool | None, int]:
+            """(restorable whole? None if it looks corrupt, tokens matched)."""
+            try:
+                rec = view.read_record(slot.rec_offset, slot.rec_gen)
+                common = _common_prefix(view.tokens(rec), prompt)
+            except (ArenaCorruptError, ValueError):
+                return None, 0
+            if common < k * chunk:  # ids contradict their digests
+                return None, 0
+            return self._swa_cut_ok(rec.n_tokens, min(common, n - 1)), common
+
+        top = hit.chunks
+        ok, common = fits(hit.slot, top)
+        if ok is None or (ok and common >= n - 1):
+            return hit, 0  # (a corrupt-looking record: the lease path detects and counts it)
+        diverge = common
+        best_hit, best_common = (hit, common) if ok else (None, 0)
+        for off, gen, n_rec, c in self.reader.owners(digests[top - 1], prompt):
+            diverge = max(diverge, c)
+            if c > best_common and c >= top * chunk and self._swa_cut_ok(n_rec, min(c, n - 1)):
+                best_hit, best_common = Hit(top, Slot(digests[top - 1], off, gen, top)), c
+        if best_hit is not None:
+            return best_hit, diverge
+        self.totals.swa_unusable += 1
+        rejected = {(hit.slot.rec_offset, hit.slot.rec_gen)}
+        for k in range(top - 1, max(0, top - 1 - SWA_MAX_PROBES), -1):
+            slot = view.probe(digests[k - 1])
+            if slot is None or (slot.rec_offset, slot.rec_gen) in rejected:
+                continue
+            ok, common = fits(slot, k)
+            if ok is None or ok:
+                return Hit(k, slot), diverge
+            rejected.add((slot.rec_offset, slot.rec_gen))
+            diverge = max(diverge, common)
+        return None, diverge
+
+    def _exact_hit(self, view: Any, hit: Any, digests: list[bytes], prompt: np.ndarray,
+                   chunk: int, local: int) -> tuple[Any, int]:
+        """Exact mode: the longest multiple of n_batch that a cached state gives.
+
+        A cold run evaluates a prompt in batches [0, B), [B, 2B), ...; a state cut at
+        a multiple of B and computed in those same batches (exact-mode states are:
+        they live under their own keys), followed by the rest evaluated from there,
+        repeats the cold run's batches exactly, so its numbers are the same bit for
+        bit. Returns (hit or None, how many tokens to keep).
+        """
+        from .client import Hit  # (the class lives with the client)
+
+        a = self.align
+        if a % chunk:
+            self._fail("exact mode unavailable",
+                       f"n_batch {a} is not a multiple of the arena's chunk_tokens {chunk}")
+            return None, 0
+        if hit is None:
+            return None, 0
+        n = len(prompt)
+        p = min(hit.chunks * chunk, n - 1) // a * a
+        while p > local:
+            slot = hit.slot if p == hit.chunks * chunk else view.probe(digests[p // chunk - 1])
+            if slot is not None:
                 try:
                     rec = view.read_record(slot.rec_offset, slot.rec_gen)
                     common = _common_prefix(view.tokens(rec), prompt)
                 except (ArenaCorruptError, ValueError):
-                    return Hit(k, slot), diverge  # the lease path detects and counts it
-                if common < k * chunk:  # ids contradict their digests: likewise
-                    return Hit(k, slot), diverge
-                if self._swa_cut_ok(rec.n_tokens, min(common, len(prompt) - 1)):
-                    return Hit(k, slot), diverge
-                rejected.add((slot.rec_offset, slot.rec_gen))
-                diverge = max(diverge, common)
-            k -= 1
-            if k < 1:
-                break
-            slot = view.probe(digests[k - 1])
-        return None, diverge
+                    return Hit(p // chunk, slot), p  # the lease path detects and counts it
+                if common >= p and self._swa_cut_ok(rec.n_tokens, p):
+                    return Hit(p // chunk, slot), p
+            p -= a
+        return None, 0
 
     def _usable_len(self, view: Any, hit: Any, prompt: np.ndarray) -> int:
         """Tokens of ``prompt`` that restoring ``hit`` gives (a lease-free peek)."""
@@ -352,6 +416,11 @@ class SharedPrefixCache:
             # (this context was restored from a state): start from scratch instead
             llm.n_tokens = 0
             local = 0
+        if self.exact:  # reuse only whole batches, as a cold run would have computed them
+            local = min(local, self._aligned, len(prompt) - 1) // self.align * self.align
+            if local < llm.n_tokens:
+                llm.n_tokens = local
+        cap = len(prompt)
         t0 = time.perf_counter()
         try:
             view = self.reader.ensure()
@@ -370,16 +439,16 @@ class SharedPrefixCache:
             return local
         if len(prompt) < chunk:
             return local
-        if hit is not None and self.n_swa > 0 and hit.chunks * chunk + chunk > local:
+        if self.exact:
             try:
-                top = hit.chunks
+                hit, cap = self._exact_hit(view, hit, digests, prompt, chunk, local)
+            except ShmkvError as e:
+                self._fail("supervisor unavailable", e)
+                return local
+        elif hit is not None and self.n_swa > 0 and hit.chunks * chunk + chunk > local:
+            try:
                 hit, diverge = self._usable_hit(view, hit, digests, prompt, chunk)
                 usable = 0 if hit is None else self._usable_len(view, hit, prompt)
-                if diverge:
-                    self.totals.swa_unusable += 1
-                elif usable and usable + SWA_MIN_GAIN < len(prompt) - 1:
-                    # a checkpoint: do longer records go on matching this prompt?
-                    diverge = self.reader.diverge(digests[top - 1], prompt)
             except ShmkvError as e:
                 self._fail("supervisor unavailable", e)
                 return local
@@ -425,9 +494,9 @@ class SharedPrefixCache:
             need = hit.chunks * chunk
             if rec.n_tokens < need or not np.array_equal(cached[:need], prompt[:need]):
                 raise ArenaCorruptError("cached token ids do not match their key digest")
-            common = _common_prefix(cached, prompt)
-            if common <= local:
-                return local
+            common = min(_common_prefix(cached, prompt), cap)
+            if common <= local or not self._swa_cut_ok(rec.n_tokens, min(common, len(prompt) - 1)):
+                return local  # (nothing gained, or a window state that cannot be cut this far)
             lease.view.check()
             if self.verify and not lease.view.verify_payload(rec):
                 raise ArenaCorruptError("blob payload fails its checksum")
@@ -507,15 +576,15 @@ class SharedPrefixCache:
 
     def capture(self, n_tokens: int | None = None, pin: bool = False,
                 claimed: list[bytes] | None = None, min_new: int = 1,
-                checkpoint: bool = False) -> bool:
+                checkpoint: bool = False, boundary: bool = False) -> bool:
         """Copy the context's current sequence state and queue it for the supervisor.
 
         ``checkpoint``: publish even if a longer record covers these tokens (a
         sliding-window state cannot be cut back to them).
         """
         llm = self.llm
-        if not self.publish_enabled:
-            return False
+        if not self.publish_enabled or (self.exact and not boundary):
+            return False  # (exact mode publishes batch boundaries only)
         n = llm.n_tokens if n_tokens is None else n_tokens
         chunk = self.chunk_tokens
         if chunk is None or n < self.min_publish_tokens(chunk) or n != llm.n_tokens:
@@ -643,7 +712,9 @@ class SharedPrefixCache:
         self.last.tokens_reused_local = max(0, reused - self.last.tokens_restored)
         at, self._checkpoint_at = self._checkpoint_at, 0
         in_context = reused  # (what the checkpoint prefill evaluates counts as evaluated)
-        if reset and tokens:
+        if reset and tokens and self.exact:
+            reused = self._prefill_boundaries(tokens, reused)
+        elif reset and tokens:
             at = at or self._tail_checkpoint(len(tokens), reused)
             if at:
                 got = self._prefill_checkpoint(tokens, reused, at)
@@ -686,6 +757,39 @@ class SharedPrefixCache:
                 claimed, self._claimed = self._claimed, None
                 self._unclaim(claimed)
             self._queue_report()
+
+    def _prefill_boundaries(self, tokens: list[int], reused: int) -> int:
+        """Exact mode: prefill batch by batch, publishing the state at batch boundaries.
+
+        Only these states are published in exact mode (a prompt's own end is not a
+        boundary a longer prompt's cold run shares). A model that can cut a state
+        back needs only the last boundary; a sliding-window one needs each.
+        """
+        llm, a, n = self.llm, self.align, len(tokens)
+        chunk = self.chunk_tokens
+        last = (n - 1) // a * a  # the start of a cold run's last batch
+        # once prefilled from an aligned point, everything before `last` was computed in
+        # the cold run's own batches (the rest and the completion were not)
+        self._aligned = last if reused % a == 0 else 0
+        if chunk is None or not self.publish_enabled or last <= reused or a % chunk:
+            return reused
+        wanted = range(last, reused, -a) if self.n_swa > 0 else [last]
+        wanted = [b for b in sorted(wanted) if b >= self.min_publish_tokens(chunk)]
+        try:
+            llm.n_tokens = min(reused, n - 1)
+            for b in wanted:
+                llm.eval(tokens[llm.n_tokens : b])  # whole batches from a boundary
+                self._aligned = b
+                if self.capture(n_tokens=b, boundary=True):
+                    self.last.checkpoint = b
+                    self.totals.checkpoints += 1
+            return llm.n_tokens
+        except Exception as e:  # never break generation: go cold
+            self._fail("checkpoint failed", e)
+            llm.n_tokens = 0
+            llm._requires_eval = True
+            self._aligned = 0
+            return 0
 
     def _prefill_checkpoint(self, tokens: list[int], reused: int, at: int) -> int:
         """Evaluate the prompt up to ``at`` and publish that state; returns tokens now in."""
@@ -814,15 +918,18 @@ class SharedCacheLlama(llama_cpp.Llama):
     """A drop-in ``llama_cpp.Llama`` whose prompts are shared through a shmkv arena.
 
     Extra keyword arguments: ``shmkv_name``, ``shmkv_namespace``, ``shmkv_socket``,
-    ``shmkv_min_tokens``. ``self.shmkv.last`` tells what the last call restored.
+    ``shmkv_min_tokens``, ``shmkv_exact``. ``self.shmkv.last`` tells what the last call
+    restored.
     """
 
     def __init__(self, *args: Any, shmkv_name: str | None = None,
                  shmkv_namespace: str | None = None, shmkv_socket: str | None = None,
-                 shmkv_min_tokens: int | None = None, **kwargs: Any) -> None:
+                 shmkv_min_tokens: int | None = None, shmkv_exact: bool | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.shmkv = SharedPrefixCache(self, name=shmkv_name, namespace=shmkv_namespace,
-                                       socket_path=shmkv_socket, min_tokens=shmkv_min_tokens)
+                                       socket_path=shmkv_socket, min_tokens=shmkv_min_tokens,
+                                       exact=shmkv_exact)
 
     def generate(self, tokens: Sequence[int], reset: bool = True,  # type: ignore[override]
                  **kwargs: Any) -> Iterator[int]:

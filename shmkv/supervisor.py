@@ -65,8 +65,8 @@ EXIT_ARENA_LOST = 7
 _PEERCRED = struct.Struct("3i")
 MAX_OUT = 16 << 20
 MAX_PENDING_FDS = 4
-#: records compared per ``diverge`` request (the longest first)
-DIVERGE_MAX_OWNERS = 64
+#: records returned (and, of each kind, compared) per ``owners`` request
+OWNERS_MAX = 32
 
 
 def arena_path(settings: Settings) -> Path:
@@ -553,7 +553,7 @@ class Supervisor:
             if handler is None:
                 raise BadRequest(f"unknown op {op!r:.40}")
             if op in ("acquire", "release", "put", "report", "claim", "unclaim", "suspect",
-                      "diverge") \
+                      "owners") \
                     and not conn.attached:
                 raise BadRequest(f"op {op!r} before attach")
             if self._lost or not self.arena_intact():  # writing to it now would SIGBUS
@@ -658,31 +658,41 @@ class Supervisor:
                         offset, conn.pid)
         return {"removed": not intact}, None
 
-    def _op_diverge(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
-        """How many leading ``tokens`` the records indexed under ``digest`` share.
+    def _op_owners(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
+        """The records indexed under chunk prefix ``digest``, and how far ``tokens`` match each.
 
-        The index points a chunk prefix at one record; a worker of a sliding-window
-        model that found a checkpoint there asks this to learn where its prompt
-        leaves the longer records (which it cannot cut back), and publishes a state
-        at that point for the prompts after it. Reads token ids only.
+        The index points a chunk prefix at one record. A worker of a sliding-window
+        model can restore a record only whole, so when that one does not fit its
+        prompt it asks for the others: every record that ends within the next chunk
+        (the only ones a prompt can match to their end) and the most recent longer
+        ones (how far the prompt goes along with them is where a checkpoint helps).
+        Reads token ids only; the worker checks everything again under its lease.
         """
         assert self.store is not None and self.view is not None
         digest = P.get_digest(msg, "digest")
         tokens = np.frombuffer(P.get_tokens(msg), dtype="<i4")
         owners = self.store.owners.get(digest) or {}
-        best = 0
-        for gen in sorted(owners, key=lambda g: owners[g], reverse=True)[:DIVERGE_MAX_OWNERS]:
-            e = self.store.entries.get(gen)
-            if e is None or e.doomed:
-                continue
+        live = [e for e in map(self.store.entries.get, owners) if e is not None and not e.doomed]
+        if not live:
+            return {"owners": []}, None
+        # the digest is chunk prefix k of every record that owns it
+        end = (live[0].digests.index(digest) + 2) * self.store.g.chunk_tokens
+        ending = [e.gen for e in live if e.n_tokens < end]
+        longer = sorted((e.gen for e in live if e.n_tokens >= end), reverse=True)
+        picked = ending[:OWNERS_MAX] + longer[:OWNERS_MAX]
+        out = []
+        for gen in picked:
+            e = self.store.entries[gen]
             try:
                 cached = self.view.tokens(self.view.read_record(e.offset, gen))
             except (ArenaCorruptError, ValueError):
                 continue
             n = min(len(cached), len(tokens))
             diff = np.flatnonzero(cached[:n] != tokens[:n])
-            best = max(best, int(diff[0]) if len(diff) else n)
-        return {"common": best}, None
+            common = int(diff[0]) if len(diff) else n
+            out.append((common, e.n_tokens, e.offset, gen))
+        out.sort(reverse=True)
+        return {"owners": [[off, gen, n, c] for c, n, off, gen in out[:OWNERS_MAX]]}, None
 
     def _op_release(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
         assert self.store is not None
@@ -809,7 +819,7 @@ class Supervisor:
 
     _HANDLERS = {
         "claim": _op_claim, "unclaim": _op_unclaim, "suspect": _op_suspect,
-        "diverge": _op_diverge,
+        "owners": _op_owners,
         "attach": _op_attach, "ping": _op_ping, "acquire": _op_acquire,
         "release": _op_release, "put": _op_put, "pin": _op_pin, "unpin": _op_unpin,
         "stats": _op_stats, "ls": _op_ls, "clear": _op_clear, "report": _op_report,

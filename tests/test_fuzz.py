@@ -184,7 +184,7 @@ OP_FIELDS: dict[str, tuple[str, ...]] = {
     "put": ("root", "tokens", "fingerprint", "payload_len", "checksum", "pin"),
     "pin": ("key",), "unpin": ("key",), "report": ("counters",), "worker_exit": ("pid",),
     "claim": ("digests", "wait"), "unclaim": ("digests",), "suspect": ("offset", "gen"),
-    "diverge": ("digest", "tokens"),
+    "owners": ("digest", "tokens"),
 }
 # relative weights: clear and worker_exit reset a lot (keep them rare, so that the small
 # arena fills and evicts); puts and leases do the most

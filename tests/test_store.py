@@ -670,7 +670,7 @@ def test_put_with_too_few_tokens_is_a_bad_request(small_arena: ArenaFile) -> Non
 def test_index_prefers_the_longest_record_ending_in_a_chunk_and_diverge(supervisor):
     """A chunk prefix points at the longest record whose last full chunk it is (a
     sliding-window model can restore only whole records), else at the shortest; the
-    ``diverge`` op tells how far a prompt matches the records behind a chunk prefix."""
+    ``owners`` op lists the records behind a chunk prefix and how far a prompt matches each."""
     from shmkv.arena import chain_digests
 
     root, fp = b"r" * 16, b"fp"
@@ -692,11 +692,14 @@ def test_index_prefers_the_longest_record_ending_in_a_chunk_and_diverge(supervis
         slot2 = view.probe(digests[1])
         assert view.read_record(slot2.rec_offset, slot2.rec_gen).n_tokens == len(short)
         prompt = np.concatenate([base[: 3 * chunk + 20], [-1, -2]]).astype(np.int32)
-        assert c.diverge(digests[2], prompt) == 3 * chunk + 20
-        assert c.diverge(digests[2], base[:10]) == 10
-        assert c.diverge(b"\0" * 16, prompt) == 0  # nothing indexed there
+        rows = c.owners(digests[2], prompt)  # all four own chunk 3; sorted by tokens matched
+        assert sorted(n for _, _, n, _ in rows) == sorted(map(len, (short, mid, long, longer)))
+        assert [m for *_, m in rows] == [3 * chunk + 20] * 3 + [3 * chunk + 5]
+        off, gen, n, _ = rows[-1]
+        assert view.read_record(off, gen).n_tokens == n == len(short)
+        assert c.owners(b"\0" * 16, prompt) == []  # nothing indexed there
         for bad in ({"digest": b"x" * 15}, {"tokens": b"abc"}, {"digest": "not bytes"}):
-            msg = {"op": "diverge", "digest": digests[2], "tokens": prompt.tobytes(), **bad}
+            msg = {"op": "owners", "digest": digests[2], "tokens": prompt.tobytes(), **bad}
             with pytest.raises(BadRequest):
                 c.request(msg)
     assert supervisor.proc.poll() is None
