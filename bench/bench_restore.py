@@ -22,7 +22,10 @@ supervise`` subprocess owns the arena.
    in its own process and again inside process B, interleaved with its hits (the
    hit / floor ratio uses the latter: same context, same KV history); beside it
    llama-cpp-python's own same-process prefix reuse (no reset);
-4. llama-cpp-python's ``LlamaRAMCache`` (2 GiB cap): one request warms it, then
+4. exact mode (``shmkv_exact=True``): a process A' publishes prefix + suffix 0
+   (its states at n_batch boundaries), a process B' serves the other suffixes,
+   restoring at the last boundary before each (bit for bit a cold run's numbers);
+5. llama-cpp-python's ``LlamaRAMCache`` (2 GiB cap): one request warms it, then
    ``reset()`` and the same prefix with new suffixes (memory is watched).
 
 It also measures what publishing costs a request (time inside ``capture()``,
@@ -345,11 +348,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     prefix_n = spec["prefix_tokens"]
     res: dict[str, Any] = {"arm": arm, "requests": []}
     t_load = time.perf_counter()
-    if arm in ("publisher", "hit"):
+    if arm in ("publisher", "hit", "publisher_exact", "hit_exact"):
         from shmkv.llama import SharedCacheLlama
 
         llm = SharedCacheLlama(model_path=spec["model"], **ctx, shmkv_name=spec["name"],
-                               shmkv_socket=spec["socket"], shmkv_namespace="bench")
+                               shmkv_socket=spec["socket"], shmkv_namespace="bench",
+                               shmkv_exact=arm.endswith("_exact"))
         cache = llm.shmkv
     else:
         llm = llama_cpp.Llama(model_path=spec["model"], **ctx)
@@ -379,7 +383,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         for i, s in spec["suffixes"]:
             llm.reset()
             run(s, suffix=i, evaluated=None)
-    elif arm == "publisher":
+    elif arm in ("publisher", "publisher_exact"):
         timer = CaptureTimer(cache)
         for n, (i, s) in enumerate(spec["suffixes"]):
             llm.reset()
@@ -445,6 +449,16 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             res["breakdown"].append({"suffix": i, **r, "steps": steps, "captures": caps,
                                      "last": dataclasses.asdict(cache.last)})
         probes.remove()
+        res["totals"] = dataclasses.asdict(cache.totals)
+        cache.close()
+    elif arm == "hit_exact":
+        for i, s in spec["suffixes"]:
+            llm.reset()
+            r = run(s, suffix=i)
+            cache.flush(60)
+            r["last"] = dataclasses.asdict(cache.last)
+            if cache.last.tokens_restored < spec["prefix_tokens"] - spec["ctx"]["n_batch"]:
+                raise RuntimeError(f"exact hit {i}: restored {cache.last.tokens_restored}")
         res["totals"] = dataclasses.asdict(cache.totals)
         cache.close()
     elif arm == "floor":
@@ -684,6 +698,10 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
                       [r for r in pub["requests"] if not r["second"]]),
         "publisher_second": ("process A, 2nd suffix: tail checkpoint + divergence publish",
                              [r for r in pub["requests"] if r["second"]]),
+        "hit_exact": ("shmkv --exact hit, 2nd process (restores at n_batch boundaries)",
+                      arms["hit_exact"]["requests"]),
+        "publisher_exact": ("process A --exact: miss + publish at batch boundaries",
+                            arms["publisher_exact"]["requests"]),
     }
     ttft = {k: {"label": lab, "ttft": summary([r["ttft"] for r in rs]),
                 "total": summary([r["total"] for r in rs])} for k, (lab, rs) in rows.items()}
@@ -706,6 +724,7 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "cold_over_hit_mean": mean("cold") / mean("hit"),
         "ramcache_over_cold_p50": p50("ramcache") / p50("cold") if ram_hits else None,
         "cold_over_floor_p50": p50("cold") / p50("floor"),
+        "cold_over_hit_exact_p50": p50("cold") / p50("hit_exact"),
     }
     goals_met = {"hit_over_floor": ratios["hit_over_floor_p50"] <= GOAL_HIT_OVER_FLOOR,
                  "cold_over_hit": ratios["cold_over_hit_p50"] >= GOAL_COLD_OVER_HIT}
@@ -768,7 +787,8 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
     # correctness: greedy text of every cached arm vs cold, suffix by suffix
     cold_text = {r["suffix"]: r["text"] for r in cold["requests"]}
     same = {}
-    for k, rs in (("hit", on), ("floor_b", fb), ("floor", floor["requests"]),
+    for k, rs in (("hit", on), ("hit_exact", arms["hit_exact"]["requests"]),
+                  ("floor_b", fb), ("floor", floor["requests"]),
                   ("ramcache", ram_hits), ("local", floor["local"])):
         pairs = [(r["text"], cold_text[r["suffix"]]) for r in rs if r["suffix"] in cold_text]
         same[k] = f"{sum(a == c for a, c in pairs)}/{len(pairs)}"
@@ -839,6 +859,7 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     out.append(f"cold / hit   (p50) {r['cold_over_hit_p50']:.1f}    mean "
                f"{r['cold_over_hit_mean']:.1f}    goal >= {GOAL_COLD_OVER_HIT:.0f}: "
                f"{'met' if g['cold_over_hit'] else 'MISSED'}")
+    out.append(f"cold / exact-mode hit (p50) {r['cold_over_hit_exact_p50']:.1f}")
     if r["ramcache_over_cold_p50"] is not None:
         out.append(f"LlamaRAMCache / cold (p50) {r['ramcache_over_cold_p50']:.2f}")
     h = a["hit"]
@@ -1102,6 +1123,8 @@ def main(out_dir: str, prefix_tokens: int | None, suffix_tokens: int, repeats: i
         specs = [
             {**sp, "arm": "cold", "suffixes": S[1:]},
             {**sp, "arm": "publisher", "suffixes": [*S[:1], V]},
+            {**sp, "arm": "publisher_exact", "suffixes": S[:1]},
+            {**sp, "arm": "hit_exact", "suffixes": S[1:]},
             {**sp, "arm": "hit", "suffixes": S[1:], "suffixes_off": T, "suffixes_breakdown": U},
             {**sp, "arm": "floor", "suffixes": S[1:], "suffixes_local": S},
             {**sp, "arm": "ramcache", "suffixes": S},

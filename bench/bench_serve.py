@@ -10,6 +10,8 @@ llama.cpp threads per worker):
   ``--max-rss`` (llama-cpp-python does not count the ``scores`` copy of an
   entry against ``CACHE_SIZE``, see NOTES.md);
 * ``shmkv``: ``shmkv supervise`` plus gunicorn with ``workers/gunicorn_conf.py``;
+* ``shmkv-exact`` (not run by default): ``shmkv`` with ``--exact`` (restores only
+  at n_batch boundaries, so every hit gives a cold run's tokens bit for bit);
 * ``shmkv-logits-all`` (diagnostic, not run by default): the same with logits
   kept for every prompt token (``SHMKV_LOGITS_ALL=true``; ``LOGITS_ALL=true``
   for versions of workers/ that inherit llama-cpp-python's server default,
@@ -88,6 +90,7 @@ ARMS: dict[str, str] = {
     "ramcache": "llama_cpp.server + LlamaRAMCache",
     "shmkv": "shmkv (supervisor + workers/)",
     "shmkv-logits-all": "shmkv, logits_all=True (diagnostic)",
+    "shmkv-exact": "shmkv --exact (hits bit for bit a cold run's)",
 }
 DEFAULT_ARMS = "nocache,ramcache,shmkv"
 
@@ -359,6 +362,8 @@ class Server:
         extra: dict[str, str] = {}
         if spec.logits_all is not None:  # shmkv's setting, and llama_cpp.server's variable
             extra["SHMKV_LOGITS_ALL"] = extra["LOGITS_ALL"] = str(spec.logits_all).lower()
+        if spec.arm == "shmkv-exact":
+            extra["SHMKV_EXACT"] = "true"
         gunicorn = [sys.executable, "-m", "gunicorn"]
         if spec.arm.startswith("shmkv"):
             assert sup is not None
@@ -1085,7 +1090,7 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     concs = sorted({c["concurrency"] for c in cells})
     by = {(c["arm"], c["concurrency"]): c for c in cells}
     colors = {"nocache": "#888888", "ramcache": "#cc8844", "shmkv": "#33aa77",
-              "shmkv-logits-all": "#3377aa"}
+              "shmkv-logits-all": "#3377aa", "shmkv-exact": "#2266cc"}
     fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
     width = 0.8 / max(1, len(arms))
 
