@@ -576,11 +576,12 @@ class SharedPrefixCache:
 
     def capture(self, n_tokens: int | None = None, pin: bool = False,
                 claimed: list[bytes] | None = None, min_new: int = 1,
-                checkpoint: bool = False, boundary: bool = False) -> bool:
+                checkpoint: bool = False, boundary: bool = False, covered: int = 0) -> bool:
         """Copy the context's current sequence state and queue it for the supervisor.
 
         ``checkpoint``: publish even if a longer record covers these tokens (a
-        sliding-window state cannot be cut back to them).
+        sliding-window state cannot be cut back to them). ``covered``: leading tokens
+        known to be published already (the prompt, when its completion is captured).
         """
         llm = self.llm
         if not self.publish_enabled or (self.exact and not boundary):
@@ -590,7 +591,8 @@ class SharedPrefixCache:
         if chunk is None or n < self.min_publish_tokens(chunk) or n != llm.n_tokens:
             return False
         tokens = np.array(llm.input_ids[:n], dtype=np.int32)
-        if not (checkpoint or self._republish) and n - self._coverage(tokens, chunk) < min_new:
+        if not (checkpoint or self._republish) and (
+                n - max(covered, self._coverage(tokens, chunk)) < min_new):
             return False  # (nearly) all of it is cached already
         try:
             mem = C.llama_get_memory(llm.ctx)
@@ -752,7 +754,7 @@ class SharedPrefixCache:
             if prompt_capture:  # stopped right after the first token: the KV is the prompt
                 self._capture_prompt(len(tokens))
             elif not first:  # prompt + completion: worth a blob if it adds a chunk or more
-                self._safe_capture(min_new=self.chunk_tokens or 1)
+                self._safe_capture(min_new=self.chunk_tokens or 1, covered=len(tokens))
             elif self._claimed:  # ended before the prompt was evaluated
                 claimed, self._claimed = self._claimed, None
                 self._unclaim(claimed)
@@ -830,9 +832,10 @@ class SharedPrefixCache:
             with self._cv:
                 self._pending -= 1
 
-    def _safe_capture(self, claimed: list[bytes] | None = None, min_new: int = 1) -> bool:
+    def _safe_capture(self, claimed: list[bytes] | None = None, min_new: int = 1,
+                      covered: int = 0) -> bool:
         try:
-            return self.capture(claimed=claimed, min_new=min_new)
+            return self.capture(claimed=claimed, min_new=min_new, covered=covered)
         except Exception as e:
             self._fail("publish failed", e)
             return False

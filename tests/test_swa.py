@@ -70,6 +70,9 @@ def test_shared_system_prompt_on_a_window_model(supervisor, models):
     for r in later:  # (a question may share one token less: a one-token cut is fine)
         assert r["hit"] and r["tokens_restored"] >= b["checkpoint"] - 1
         assert r["checkpoint"] == 0
+    # A: prompt + tail checkpoint; B: prompt + divergence; C, D: their prompt only (a
+    # 16-token completion adds less than a chunk to a prompt just published)
+    assert [r["totals"]["publishes"] for r in runs] == [2, 2, 1, 1]
     st = supervisor.stats_json()
     assert st["hits"] >= 3 and st["tokens_restored"] >= 3 * a["checkpoint"]
 
