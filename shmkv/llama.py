@@ -398,8 +398,9 @@ class SharedPrefixCache:
         if self.n_swa <= 0 or tail <= 0 or chunk is None or not self.publish_enabled:
             return 0
         at = n_prompt - tail
-        if at <= have or at < self.min_publish_tokens(chunk) or self._swa_cut_ok(n_prompt, at):
-            return 0
+        if (at < have + SWA_MIN_GAIN or at < self.min_publish_tokens(chunk)
+                or self._swa_cut_ok(n_prompt, at)):
+            return 0  # (a state a few tokens past one just restored helps nobody)
         return at
 
     # ---------------------------------------------------------------- restore
