@@ -87,6 +87,28 @@ def _build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int], list[
     return pieces, scores, [int(t) for t in types], suppress
 
 
+def _finish(w, pieces: list[str], scores: list[float], types: list[int],
+            tensors: dict[str, np.ndarray]) -> None:
+    """The tokenizer (SPM, ChatML template), the tensors, and write the file."""
+    w.add_tokenizer_model("llama")
+    w.add_token_list(pieces)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(True)
+    w.add_chat_template(CHATML_TEMPLATE)
+    for name, arr in tensors.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_tiny_llama(
     path: str | os.PathLike[str],
     *,
@@ -155,23 +177,7 @@ def write_tiny_llama(
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(pieces)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_add_space_prefix(True)
-    w.add_chat_template(CHATML_TEMPLATE)
-    for name, arr in tensors.items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w, pieces, scores, types, tensors)
     logger.debug(
         "wrote tiny llama seed=%d vocab=%d embd=%d layers=%d to %s",
         seed,
@@ -254,20 +260,4 @@ def write_tiny_gemma3(
     w.add_sliding_window(n_swa)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(pieces)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_add_space_prefix(True)
-    w.add_chat_template(CHATML_TEMPLATE)
-    for name, arr in tensors.items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w, pieces, scores, types, tensors)
