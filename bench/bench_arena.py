@@ -686,13 +686,8 @@ def table(rows: list[dict[str, Any]], baseline: dict[str, Any] | None) -> str:
 
 
 def plot(res: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib not installed (pip install -e '.[bench]'): no chart")
+    plt = common.pyplot()
+    if plt is None:
         return False
     L, P, R = res["lookup"], res["put"], res["read"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
@@ -825,14 +820,8 @@ def main(out_dir: str, quick: bool, entries: int | None, size: str | None,
            **res}
     res["rows"] = rows_of(res)
     res["goals_met"] = {r["key"]: r["met"] for r in res["rows"] if r["goal"]}
-    base = None
     bpath = Path(baseline)
-    if bpath.exists():
-        base = json.loads(bpath.read_text())
-        if base.get("config", {}).get("quick") != quick:
-            log.info("baseline %s is a %s run: not compared", bpath,
-                     "quick" if base.get("config", {}).get("quick") else "full")
-            base = None
+    base = common.load_baseline(bpath, quick)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jpath = out / "arena.json"

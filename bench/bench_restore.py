@@ -847,7 +847,7 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
         if base:
             row.append(fmt_s(base.get(k, {}).get("ttft", {}).get("p50")))
         lines.append(row)
-    out = [_grid(lines)]
+    out = [common.grid(lines)]
     r, g = a["ratios"], a["goals_met"]
     out.append("")
     out.append(f"hit / floor  (p50) {r['hit_over_floor_p50']:.2f}   mean "
@@ -896,7 +896,7 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
           ["TTFT, publish off", fmt_s(p["ttft_off"]["p50"]), fmt_s(p["ttft_off"]["mean"])],
           ["flush wait after request", fmt_s(p["flush_after_request"]["p50"]),
            fmt_s(p["flush_after_request"]["mean"])]]
-    out.append(_grid(pl))
+    out.append(common.grid(pl))
 
     out.append("")
     out.append("where a hit's time goes (instrumented requests, publish on; inclusive times, "
@@ -924,7 +924,7 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
                  fmt_s(d["floor_rest"]["mean"])])
     rows.append(["hit (publish off) TTFT - restore", fmt_s(d["hit_nopublish_rest"]["p50"]),
                  fmt_s(d["hit_nopublish_rest"]["mean"])])
-    out.append(_grid(rows))
+    out.append(common.grid(rows))
     cp = a["capture_paths"]
     out.append("")
     out.append("get_data of the prefix state (p50): through Client.prepare as capture() does "
@@ -944,26 +944,9 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     return "\n".join(out)
 
 
-def _grid(lines: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in lines) for i in range(len(lines[0]))]
-    out = []
-    for n, line in enumerate(lines):
-        cells = [c.ljust(w) if i == 0 else c.rjust(w)
-                 for i, (c, w) in enumerate(zip(line, widths, strict=True))]
-        out.append("  ".join(cells).rstrip())
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
 def plot(res: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib not installed (pip install -e '.[bench]'): no chart")
+    plt = common.pyplot()
+    if plt is None:
         return False
     a = res["analysis"]
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
@@ -1164,14 +1147,8 @@ def main(out_dir: str, prefix_tokens: int | None, suffix_tokens: int, repeats: i
     noisy = {k: round(v["foreign_cores"], 2) for k, v in res["noise"].items()
              if v["foreign_cores"] > 0.25}
     res["noisy_arms"] = noisy
-    base = None
     bpath = Path(baseline)
-    if bpath.exists():
-        base = json.loads(bpath.read_text())
-        if base.get("config", {}).get("quick") != quick:
-            log.info("baseline %s is a %s run: not compared", bpath,
-                     "quick" if base.get("config", {}).get("quick") else "full")
-            base = None
+    base = common.load_baseline(bpath, quick)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jpath, ppath = out / "restore.json", out / "restore.png"

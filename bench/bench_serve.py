@@ -1034,17 +1034,6 @@ def fmt_b(n: float | None) -> str:
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 * 0.95 else f"{n / 2**20:.0f} MiB"
 
 
-def render(lines: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in lines) for i in range(len(lines[0]))]
-    out = []
-    for n, line in enumerate(lines):
-        out.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                             for i, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip())
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     cells = res["cells"]
     ref = {c["concurrency"]: c for c in cells if c["arm"] == "nocache"}
@@ -1073,17 +1062,12 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
             b = base.get((c["arm"], c["concurrency"]))
             line.append(fmt_s(b["ttft"].get("mean")) if b else "-")
         lines.append(line)
-    return render(lines)
+    return common.grid(lines, left=2)
 
 
 def plot(res: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib not installed (pip install -e '.[bench]'): no chart")
+    plt = common.pyplot()
+    if plt is None:
         return False
     cells = res["cells"]
     arms = [a for a in ARMS if any(c["arm"] == a for c in cells)]

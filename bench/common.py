@@ -6,6 +6,7 @@ Runs in the benchmark's orchestrating process only (workers get a model path).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import platform
@@ -183,3 +184,42 @@ def supervisor_process(args: list[str], env: dict[str, str], log_path: Path, nam
                       log_path.read_text()[-4000:])
             for p in leftovers:
                 p.unlink(missing_ok=True)
+
+
+def grid(lines: list[list[str]], left: int = 1) -> str:
+    """A text table: the first row is the header; the first ``left`` columns are
+    left-aligned, the rest right-aligned."""
+    widths = [max(len(r[i]) for r in lines) for i in range(len(lines[0]))]
+    out = []
+    for n, line in enumerate(lines):
+        out.append("  ".join(c.ljust(w) if i < left else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or None (with a warning) if not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib not installed (pip install -e '.[bench]'): no chart")
+        return None
+    return plt
+
+
+def load_baseline(path: str | Path, quick: bool) -> dict[str, Any] | None:
+    """A committed baseline run to compare with, if there is one of the same mode."""
+    bpath = Path(path)
+    if not bpath.exists():
+        return None
+    base = json.loads(bpath.read_text())
+    if base.get("config", {}).get("quick") != quick:
+        log.info("baseline %s is a %s run: not compared", bpath,
+                 "quick" if base.get("config", {}).get("quick") else "full")
+        return None
+    return base

@@ -278,8 +278,20 @@ class SharedPrefixCache:
         pos_min = C.llama_memory_seq_pos_min(C.llama_get_memory(self.llm.ctx), SEQ)
         return pos_min <= max(0, keep - self.n_swa + 1)
 
+    @staticmethod
+    def _peek(view: Any, slot: Any, prompt: np.ndarray) -> tuple[int, int] | None:
+        """A lease-free look at a record: (its tokens, how many of ``prompt`` it matches).
+
+        None if it does not parse; the lease path re-checks whatever is then used.
+        """
+        try:
+            rec = view.read_record(slot.rec_offset, slot.rec_gen)
+            return rec.n_tokens, _common_prefix(view.tokens(rec), prompt)
+        except (ArenaCorruptError, ValueError):
+            return None
+
     def _usable_hit(self, view: Any, hit: Any, digests: list[bytes], prompt: np.ndarray,
-                    chunk: int) -> tuple[Any, int]:
+                    chunk: int) -> tuple[Any, int, int]:
         """For a sliding-window model: the best record it can restore, and the divergence.
 
         1. The record the longest chunk prefix points at, if the prompt runs to its
@@ -290,7 +302,8 @@ class SharedPrefixCache:
         3. Else shorter chunk prefixes, whose slots point at the records ending in
            them (the checkpoints published near a prompt's end), by lease-free peeks.
 
-        Returns (hit or None, divergence); the lease path re-checks everything.
+        Returns (hit or None, tokens it matches, divergence); the lease path re-checks
+        everything.
         """
         from .arena import Slot
         from .client import Hit  # (the class lives with the client)
@@ -299,19 +312,16 @@ class SharedPrefixCache:
 
         def fits(slot: Any, k: int) -> tuple[bool | None, int]:
             """(restorable whole? None if it looks corrupt, tokens matched)."""
-            try:
-                rec = view.read_record(slot.rec_offset, slot.rec_gen)
-                common = _common_prefix(view.tokens(rec), prompt)
-            except (ArenaCorruptError, ValueError):
+            peek = self._peek(view, slot, prompt)
+            if peek is None or peek[1] < k * chunk:  # (ids contradicting their digests)
                 return None, 0
-            if common < k * chunk:  # ids contradict their digests
-                return None, 0
-            return self._swa_cut_ok(rec.n_tokens, min(common, n - 1)), common
+            n_rec, common = peek
+            return self._swa_cut_ok(n_rec, min(common, n - 1)), common
 
         top = hit.chunks
         ok, common = fits(hit.slot, top)
         if ok is None or (ok and common >= n - 1):
-            return hit, 0  # (a corrupt-looking record: the lease path detects and counts it)
+            return hit, common, 0  # (corrupt-looking: the lease path detects and counts it)
         diverge = common
         best_hit, best_common = (hit, common) if ok else (None, 0)
         for off, gen, n_rec, c in self.reader.owners(digests[top - 1], prompt):
@@ -319,7 +329,7 @@ class SharedPrefixCache:
             if c > best_common and c >= top * chunk and self._swa_cut_ok(n_rec, min(c, n - 1)):
                 best_hit, best_common = Hit(top, Slot(digests[top - 1], off, gen, top)), c
         if best_hit is not None:
-            return best_hit, diverge
+            return best_hit, best_common, diverge
         self.totals.swa_unusable += 1
         rejected = {(hit.slot.rec_offset, hit.slot.rec_gen)}
         for k in range(top - 1, max(0, top - 1 - SWA_MAX_PROBES), -1):
@@ -328,10 +338,10 @@ class SharedPrefixCache:
                 continue
             ok, common = fits(slot, k)
             if ok is None or ok:
-                return Hit(k, slot), diverge
+                return Hit(k, slot), common, diverge
             rejected.add((slot.rec_offset, slot.rec_gen))
             diverge = max(diverge, common)
-        return None, diverge
+        return None, 0, diverge
 
     def _exact_hit(self, view: Any, hit: Any, digests: list[bytes], prompt: np.ndarray,
                    chunk: int, local: int) -> tuple[Any, int]:
@@ -357,23 +367,13 @@ class SharedPrefixCache:
         while p > local:
             slot = hit.slot if p == hit.chunks * chunk else view.probe(digests[p // chunk - 1])
             if slot is not None:
-                try:
-                    rec = view.read_record(slot.rec_offset, slot.rec_gen)
-                    common = _common_prefix(view.tokens(rec), prompt)
-                except (ArenaCorruptError, ValueError):
+                peek = self._peek(view, slot, prompt)
+                if peek is None:
                     return Hit(p // chunk, slot), p  # the lease path detects and counts it
-                if common >= p and self._swa_cut_ok(rec.n_tokens, p):
+                if peek[1] >= p and self._swa_cut_ok(peek[0], p):
                     return Hit(p // chunk, slot), p
             p -= a
         return None, 0
-
-    def _usable_len(self, view: Any, hit: Any, prompt: np.ndarray) -> int:
-        """Tokens of ``prompt`` that restoring ``hit`` gives (a lease-free peek)."""
-        try:
-            rec = view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
-            return _common_prefix(view.tokens(rec), prompt)
-        except (ArenaCorruptError, ValueError):
-            return 0
 
     def _plan_checkpoint(self, diverge: int, have: int, n_prompt: int, chunk: int) -> None:
         """Publish the state of the first ``diverge`` tokens during this prefill.
@@ -422,6 +422,7 @@ class SharedPrefixCache:
             if local < llm.n_tokens:
                 llm.n_tokens = local
         cap = len(prompt)
+        known: int | None = None  # tokens the chosen record matches, if already peeked
         t0 = time.perf_counter()
         try:
             view = self.reader.ensure()
@@ -448,27 +449,25 @@ class SharedPrefixCache:
                 return local
         elif hit is not None and self.n_swa > 0 and hit.chunks * chunk + chunk > local:
             try:
-                hit, diverge = self._usable_hit(view, hit, digests, prompt, chunk)
-                usable = 0 if hit is None else self._usable_len(view, hit, prompt)
+                hit, known, diverge = self._usable_hit(view, hit, digests, prompt, chunk)
             except ShmkvError as e:
                 self._fail("supervisor unavailable", e)
                 return local
-            if diverge >= max(local, usable) + SWA_MIN_GAIN:
-                self._plan_checkpoint(diverge, max(local, usable), len(prompt), chunk)
+            if diverge >= max(local, known) + SWA_MIN_GAIN:
+                self._plan_checkpoint(diverge, max(local, known), len(prompt), chunk)
         if hit is None or hit.chunks * chunk + chunk <= local:
             if hit is None and local < chunk:
                 self.totals.misses += 1
                 self._count(misses=1)
             return local
-        try:  # a lease-free peek: skip the round trip when the record cannot beat `local`
-            peek = view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
-            common = _common_prefix(view.tokens(peek), prompt)
-            # (token ids contradicting the digests that found them are corruption: the
-            # lease path below detects and counts that, so do not skip it)
-            if common <= local and common >= hit.chunks * chunk:
-                return local
-        except (ArenaCorruptError, ValueError):
-            pass  # checked properly under the lease below
+        # a lease-free peek: skip the round trip when the record cannot beat `local`
+        # (token ids contradicting the digests that found them are corruption: the lease
+        # path below detects and counts that, so do not skip it)
+        if known is None:
+            peek = self._peek(view, hit.slot, prompt)
+            known = None if peek is None else peek[1]
+        if known is not None and hit.chunks * chunk <= known <= local:
+            return local
         try:
             lease = self.reader.acquire(hit)
         except NotFound:  # evicted between lookup and lease
@@ -566,34 +565,33 @@ class SharedPrefixCache:
             view = self.writer.ensure()
             digests = chain_digests(self.root, tokens, chunk)
             hit = view.find_longest(digests)
-            if hit is None:
-                return 0
-            rec = view.read_record(hit[1].rec_offset, hit[1].rec_gen)
-            common = _common_prefix(view.tokens(rec), tokens)
-            # a longer sliding-window state that cannot be cut back covers nothing
-            return common if self._swa_cut_ok(rec.n_tokens, common) else 0
         except (ShmkvError, ValueError):
             return 0
+        peek = None if hit is None else self._peek(view, hit[1], tokens)
+        if peek is None:
+            return 0
+        # a longer sliding-window state that cannot be cut back covers nothing
+        return peek[1] if self._swa_cut_ok(*peek) else 0
 
     def capture(self, n_tokens: int | None = None, pin: bool = False,
                 claimed: list[bytes] | None = None, min_new: int = 1,
-                checkpoint: bool = False, boundary: bool = False, covered: int = 0) -> bool:
+                covered: int = 0) -> bool:
         """Copy the context's current sequence state and queue it for the supervisor.
 
-        ``checkpoint``: publish even if a longer record covers these tokens (a
-        sliding-window state cannot be cut back to them). ``covered``: leading tokens
-        known to be published already (the prompt, when its completion is captured).
+        Only if it adds ``min_new`` tokens to what is cached (0: always, e.g. a
+        sliding-window checkpoint that a longer record cannot stand in for) and to
+        ``covered``, the leading tokens known to be published already (the prompt,
+        when its completion is captured).
         """
         llm = self.llm
-        if not self.publish_enabled or (self.exact and not boundary):
-            return False  # (exact mode publishes batch boundaries only)
         n = llm.n_tokens if n_tokens is None else n_tokens
+        if not self.publish_enabled or (self.exact and (n % self.align or n > self._aligned)):
+            return False  # (exact mode: only states of whole batches, see _exact_hit)
         chunk = self.chunk_tokens
         if chunk is None or n < self.min_publish_tokens(chunk) or n != llm.n_tokens:
             return False
         tokens = np.array(llm.input_ids[:n], dtype=np.int32)
-        if not (checkpoint or self._republish) and (
-                n - max(covered, self._coverage(tokens, chunk)) < min_new):
+        if not self._republish and n - max(covered, self._coverage(tokens, chunk)) < min_new:
             return False  # (nearly) all of it is cached already
         try:
             mem = C.llama_get_memory(llm.ctx)
@@ -719,10 +717,9 @@ class SharedPrefixCache:
             reused = self._prefill_boundaries(tokens, reused)
         elif reset and tokens:
             at = at or self._tail_checkpoint(len(tokens), reused)
-            if at:
-                got = self._prefill_checkpoint(tokens, reused, at)
-                in_context = min(in_context, got)
-                reused = got
+            if reused < at < len(tokens) - 1:
+                reused = self._prefill_publishing(tokens, reused, [at], min_new=0)
+                in_context = min(in_context, reused)
         gen = orig_generate(tokens, reset=reset, **kwargs)
         first = True
         prompt_capture = False  # due once the first token is out (off the TTFT path)
@@ -768,7 +765,7 @@ class SharedPrefixCache:
         boundary a longer prompt's cold run shares). A model that can cut a state
         back needs only the last boundary; a sliding-window one needs each.
         """
-        llm, a, n = self.llm, self.align, len(tokens)
+        a, n = self.align, len(tokens)
         chunk = self.chunk_tokens
         last = (n - 1) // a * a  # the start of a cold run's last batch
         # once prefilled from an aligned point, everything before `last` was computed in
@@ -778,39 +775,27 @@ class SharedPrefixCache:
             return reused
         wanted = range(last, reused, -a) if self.n_swa > 0 else [last]
         wanted = [b for b in sorted(wanted) if b >= self.min_publish_tokens(chunk)]
+        return self._prefill_publishing(tokens, reused, wanted, min_new=1)
+
+    def _prefill_publishing(self, tokens: list[int], reused: int, points: Sequence[int],
+                            min_new: int) -> int:
+        """Evaluate the prompt up to each of ``points`` (ascending), publishing the state
+        at each; returns the tokens now in the context. llama-cpp-python's own batching,
+        from where its own prefix match would start, so the numbers are one eval's."""
+        llm = self.llm
         try:
-            llm.n_tokens = min(reused, n - 1)
-            for b in wanted:
-                llm.eval(tokens[llm.n_tokens : b])  # whole batches from a boundary
-                self._aligned = b
-                if self.capture(n_tokens=b, boundary=True):
-                    self.last.checkpoint = b
+            llm.n_tokens = min(reused, len(tokens) - 1)
+            for p in points:
+                llm.eval(tokens[llm.n_tokens : p])
+                if self.capture(n_tokens=p, min_new=min_new):
                     self.totals.checkpoints += 1
+                    self.last.checkpoint = p
             return llm.n_tokens
         except Exception as e:  # never break generation: go cold
             self._fail("checkpoint failed", e)
             llm.n_tokens = 0
             llm._requires_eval = True
             self._aligned = 0
-            return 0
-
-    def _prefill_checkpoint(self, tokens: list[int], reused: int, at: int) -> int:
-        """Evaluate the prompt up to ``at`` and publish that state; returns tokens now in."""
-        llm = self.llm
-        keep = min(reused, len(tokens) - 1)
-        if not reused < at < len(tokens) - 1:
-            return reused
-        try:
-            llm.n_tokens = keep  # as llama-cpp-python's own prefix match would
-            llm.eval(tokens[keep:at])  # (its own batching: same numbers as one eval)
-            if self.capture(n_tokens=at, checkpoint=True):
-                self.totals.checkpoints += 1
-                self.last.checkpoint = at
-            return at
-        except Exception as e:  # never break generation: go cold
-            self._fail("checkpoint failed", e)
-            llm.n_tokens = 0
-            llm._requires_eval = True
             return 0
 
     def _capture_prompt(self, n_prompt: int) -> None:

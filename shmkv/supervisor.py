@@ -256,7 +256,8 @@ class Supervisor:
         os.close(fd)
         # the read-only descriptor handed to every worker: it cannot be mapped writable
         self.ro_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        self.store = Store(self.mm, geom, lease_timeout=self.s.lease_timeout)
+        self.store = Store(self.mm, geom, lease_timeout=self.s.lease_timeout,
+                           intact=self._intact)
         self.view = A.ArenaView(self.ro_fd, populate=False)  # to re-check suspect records
         log.info("arena %s: %s, %d index slots, data %s, chunk %d tokens", self.path,
                  format_size(size), geom.index_slots, format_size(geom.data_size),
@@ -644,13 +645,7 @@ class Supervisor:
         e = self.store.entries.get(gen)
         if e is None or e.doomed or e.offset != offset:
             return {"removed": False}, None
-        try:
-            assert self.view is not None
-            rec = self.view.read_record(offset, gen)
-            self.view.verify_meta(rec)
-            intact = self.view.verify_payload(rec)
-        except ArenaCorruptError:
-            intact = False
+        intact = self._intact(e)
         if not intact:
             self.store.remove(e)
             self.store.counters.corrupt_removed += 1
@@ -693,6 +688,16 @@ class Supervisor:
             out.append((common, e.n_tokens, e.offset, gen))
         out.sort(reverse=True)
         return {"owners": [[off, gen, n, c] for c, n, off, gen in out[:OWNERS_MAX]]}, None
+
+    def _intact(self, e: Any) -> bool:
+        """Whether a stored record still passes every check a worker makes."""
+        assert self.view is not None
+        try:
+            rec = self.view.read_record(e.offset, e.gen)
+            self.view.verify_meta(rec)
+            return self.view.verify_payload(rec)
+        except ArenaCorruptError:
+            return False
 
     def _op_release(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
         assert self.store is not None

@@ -50,6 +50,8 @@ import numpy as np
 import pytest
 from chaos_worker import COUNT_OFF, FLAG, FLAGS_SIZE, PHASES, READY, STOP
 from conftest import SHM, start_supervisor
+from test_crash import _try_stats
+from test_crash import wait_until as _wait_until
 
 from shmkv import ArenaFullError, Client, NotFound, SupervisorUnavailable
 from shmkv.arena import chain_digests
@@ -83,14 +85,7 @@ TOTALS: collections.Counter[str] = collections.Counter()
 
 # ------------------------------------------------------------------------- helpers
 def wait_until(pred, timeout: float = 10.0, what: str = "condition", step: float = 0.01) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(step)
+    return _wait_until(pred, timeout, what, step)
 
 
 def shm_files(name: str) -> set[str]:
@@ -903,13 +898,6 @@ def _blob64(seed: int) -> tuple[bytes, np.ndarray, bytes, list[bytes]]:
     root = hashlib.blake2b(b"repro-%d" % seed, digest_size=16).digest()
     tokens = np.random.default_rng(seed).integers(0, 30_000, 128).astype("<i4")
     return root, tokens, os.urandom(200_000), chain_digests(root, tokens, 64)
-
-
-def _try_stats(c: Client) -> dict | None:
-    try:
-        return c.stats()
-    except SupervisorUnavailable:
-        return None
 
 
 @pytest.mark.timeout(120)

@@ -36,7 +36,8 @@ MiB = 1 << 20
 
 
 # ------------------------------------------------------------------------- helpers
-def wait_until(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+def wait_until(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition",
+               step: float = 0.02) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         got = pred()
@@ -44,7 +45,7 @@ def wait_until(pred: Callable[[], Any], timeout: float = 10.0, what: str = "cond
             return got
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(step)
 
 
 def blob(seed: int, size: int, n_tokens: int = 2 * CHUNK) -> tuple[bytes, np.ndarray, bytes]:

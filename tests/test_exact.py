@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from llama_cpp import llama_cpp as C
 from test_llama import SYSTEM, completion, run_worker, texts
+from test_swa import _logits
 
 EXACT = {"SHMKV_EXACT": "true"}
 BATCH = {"n_batch": 128, "n_ubatch": 128}
@@ -81,11 +82,6 @@ def test_exact_multi_turn_chat_in_another_process(supervisor, models):
     assert texts(a) == [reply] and texts(b) == texts(cold2)
     last = b["results"][0]["last"]
     assert last["hit"] and last["tokens_restored"] % 128 == 0 and last["tokens_restored"] > 300
-
-
-def _logits(llm: llama_cpp.Llama) -> np.ndarray:
-    ptr = C.llama_get_logits_ith(llm.ctx, -1)
-    return np.array(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)), copy=True)
 
 
 def test_exact_mode_on_gemma_gives_a_cold_runs_logits_bit_for_bit(supervisor, caplog):
