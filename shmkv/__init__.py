@@ -4,7 +4,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .client import Client, Hit, Lease  # noqa: E402
+from .arena import Hit  # noqa: E402
+from .client import Client, Lease  # noqa: E402
 from .errors import *  # noqa: E402,F403
 from .errors import __all__ as _errors_all  # noqa: E402
 

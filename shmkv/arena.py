@@ -175,6 +175,23 @@ class Slot:
 
 
 @dataclass(frozen=True)
+class Hit:
+    """A cached chunk prefix: ``chunks`` full chunks, found at ``slot``."""
+
+    chunks: int
+    slot: Slot
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+@dataclass(frozen=True)
 class Record:
     """A validated record header: where its parts are, what it claims to be."""
 

@@ -50,14 +50,6 @@ log = logging.getLogger(__name__)
 _BACKOFF_MIN, _BACKOFF_MAX = 0.5, 5.0
 
 
-@dataclass(frozen=True)
-class Hit:
-    """The longest cached chunk prefix: ``chunks`` full chunks, found at ``slot``."""
-
-    chunks: int
-    slot: A.Slot
-
-
 class _Memfd:
     """A memfd and a writable mapping of it, reused across puts (no page faults once warm)."""
 
@@ -439,13 +431,13 @@ class Client:
         self.close()
 
     # ------------------------------------------------------------------ reads
-    def lookup(self, digests: Sequence[bytes]) -> Hit | None:
+    def lookup(self, digests: Sequence[bytes]) -> A.Hit | None:
         """Longest indexed chunk prefix among ``digests`` (lock-free, no round trip)."""
         view = self.ensure()
         found = view.find_longest(digests)
-        return None if found is None else Hit(found[0], found[1])
+        return None if found is None else A.Hit(found[0], found[1])
 
-    def acquire(self, hit: Hit) -> Lease:
+    def acquire(self, hit: A.Hit) -> Lease:
         """Lease the record behind ``hit`` and validate its header and metadata."""
         with self._lock:
             view = self.ensure()

@@ -40,7 +40,7 @@ import msgpack
 import numpy as np
 from llama_cpp import llama_cpp as C
 
-from .arena import DIGEST_SIZE, chain_digests
+from .arena import DIGEST_SIZE, Hit, Slot, chain_digests, common_prefix
 from .client import Client
 from .config import Settings, resolve
 from .errors import ArenaCorruptError, ModelMismatchError, NotFound, ShmkvError
@@ -126,14 +126,6 @@ def key_root(fingerprint: bytes, namespace: str) -> bytes:
     h = hashlib.blake2b(fingerprint, digest_size=DIGEST_SIZE, person=b"shmkv-root")
     h.update(namespace.encode())
     return h.digest()
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
 
 
 @dataclass
@@ -286,7 +278,7 @@ class SharedPrefixCache:
         """
         try:
             rec = view.read_record(slot.rec_offset, slot.rec_gen)
-            return rec.n_tokens, _common_prefix(view.tokens(rec), prompt)
+            return rec.n_tokens, common_prefix(view.tokens(rec), prompt)
         except (ArenaCorruptError, ValueError):
             return None
 
@@ -305,8 +297,6 @@ class SharedPrefixCache:
         Returns (hit or None, tokens it matches, divergence); the lease path re-checks
         everything.
         """
-        from .arena import Slot
-        from .client import Hit  # (the class lives with the client)
 
         n = len(prompt)
 
@@ -353,7 +343,6 @@ class SharedPrefixCache:
         repeats the cold run's batches exactly, so its numbers are the same bit for
         bit. Returns (hit or None, how many tokens to keep).
         """
-        from .client import Hit  # (the class lives with the client)
 
         a = self.align
         if a % chunk:
@@ -411,7 +400,7 @@ class SharedPrefixCache:
         """
         llm = self.llm
         prompt = np.asarray(tokens, dtype=np.int32)
-        local = _common_prefix(np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32), prompt)
+        local = common_prefix(np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32), prompt)
         if local and not self._live_cut_ok(min(local, len(prompt) - 1)):
             # llama-cpp-python would keep `local` tokens whose window cells are gone
             # (this context was restored from a state): start from scratch instead
@@ -494,7 +483,7 @@ class SharedPrefixCache:
             need = hit.chunks * chunk
             if rec.n_tokens < need or not np.array_equal(cached[:need], prompt[:need]):
                 raise ArenaCorruptError("cached token ids do not match their key digest")
-            common = min(_common_prefix(cached, prompt), cap)
+            common = min(common_prefix(cached, prompt), cap)
             if common <= local or not self._swa_cut_ok(rec.n_tokens, min(common, len(prompt) - 1)):
                 return local  # (nothing gained, or a window state that cannot be cut this far)
             lease.view.check()

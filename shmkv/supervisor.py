@@ -682,9 +682,7 @@ class Supervisor:
                 cached = self.view.tokens(self.view.read_record(e.offset, gen))
             except (ArenaCorruptError, ValueError):
                 continue
-            n = min(len(cached), len(tokens))
-            diff = np.flatnonzero(cached[:n] != tokens[:n])
-            common = int(diff[0]) if len(diff) else n
+            common = A.common_prefix(cached, tokens)
             out.append((common, e.n_tokens, e.offset, gen))
         out.sort(reverse=True)
         return {"owners": [[off, gen, n, c] for c, n, off, gen in out[:OWNERS_MAX]]}, None
