@@ -49,9 +49,9 @@ import llama_cpp
 import numpy as np
 import pytest
 from chaos_worker import COUNT_OFF, FLAG, FLAGS_SIZE, PHASES, READY, STOP
-from conftest import SHM, start_supervisor
-from test_crash import _try_stats
-from test_crash import wait_until as _wait_until
+from helpers import SHM, start_supervisor
+from helpers import try_stats as _try_stats
+from helpers import wait_until as _wait_until
 
 from shmkv import ArenaFullError, Client, NotFound, SupervisorUnavailable
 from shmkv.arena import chain_digests
@@ -807,7 +807,7 @@ def test_serving_through_worker_and_supervisor_kills(make_supervisor, models, re
     failed requests are those in flight on a killed worker."""
     import httpx
     import openai
-    from test_serve import Server
+    from helpers import Server
 
     t_start = time.monotonic()
     rnd = random.Random(4)
