@@ -82,3 +82,20 @@ def serve_reference(serve_model) -> Callable[..., str]:
         return llm.create_completion(prompt, **params)["choices"][0]["text"]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def chaos_refs(models):
+    """Cold greedy outputs of the chaos prompts, computed on demand (chaos_harness.Refs)."""
+    from chaos_harness import Refs
+
+    return Refs(models["seed0"])
+
+
+@pytest.fixture(scope="session")
+def chaos_summary() -> Iterator[None]:
+    """One summary line of every chaos test that ran, logged when the session ends."""
+    yield
+    from chaos_harness import log_summary
+
+    log_summary()

@@ -2,7 +2,7 @@
 llama worker processes and a gunicorn server.
 
 Runs in the pytest process. Test modules import from here (and take the fixtures of
-conftest.py), never from one another.
+conftest.py), never from one another; the chaos files also share chaos_harness.py.
 """
 
 from __future__ import annotations
