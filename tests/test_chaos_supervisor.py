@@ -320,6 +320,7 @@ def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
     assert not problems, problems[:10]
     assert not left, f"left behind after a clean stop: {left}"
     assert counts.get("reads verified", 0) > 0 and counts.get("clears", 0) > 0
+    assert kills["put"] and evict and kills["clear"], dict(kills)  # the kills the name says
 
 
 # ------------------------------------------- reproducers of bugs this harness found

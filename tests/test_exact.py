@@ -65,6 +65,14 @@ def test_exact_and_fast_mode_states_never_mix(supervisor, models):
     got = run_worker(supervisor, models["seed0"], [completion(SYSTEM + QUESTIONS[1])],
                      kw=BATCH, env=EXACT)
     assert got["results"][0]["last"]["tokens_restored"] == 0
+    # and the other way round: fast mode restores nothing exact mode published
+    with supervisor.client(attach=False) as c:
+        c.clear()
+    exact = run_worker(supervisor, models["seed0"], jobs, kw=BATCH, env=EXACT)
+    assert exact["totals"]["publishes"] >= 1
+    got = run_worker(supervisor, models["seed0"], [completion(SYSTEM + QUESTIONS[1])],
+                     kw=BATCH)
+    assert got["results"][0]["last"]["tokens_restored"] == 0
 
 
 def test_exact_multi_turn_chat_in_another_process(supervisor, models):

@@ -85,7 +85,7 @@ def test_arena_ten_times_smaller_than_the_working_set(make_supervisor, models) -
              restored, errors)
     assert not wrong, wrong[:3]
     assert outputs == WORKERS * len(prompts)
-    assert working_set > 5 * st["bytes_capacity"], st
+    assert working_set > 10 * st["bytes_capacity"], st  # the ten times of the name
     assert st["evictions"] > 50, st
     assert worker_hits > 0 and restored > 0 and st["hits"] > 0
     assert st["restore_failures"] == 0, st

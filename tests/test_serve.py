@@ -157,9 +157,10 @@ def test_kill9_supervisor_workers_answer_cold_then_reattach(server, serve_refere
         new.stop()
 
 
-def test_concurrent_streams_on_one_worker_all_complete(server, serve_reference):
-    """More streams than workers: none is cut short (llama-cpp-python's server interrupts
-    a stream when another request waits for the model unless interrupt_requests=False)."""
+def test_more_concurrent_streams_than_workers_all_complete(server, serve_reference):
+    """More streams at once than workers: none is cut short (a busy worker accepts no new
+    connection, and llama-cpp-python's server, which interrupts a stream when another
+    request waits for the model, runs with interrupt_requests=False)."""
     prompts = [SYSTEM + f" Concurrent {i}." for i in range(8)]
     out: dict[str, str] = {}
     errors: list[BaseException] = []
