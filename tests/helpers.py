@@ -23,10 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import httpx
 import msgpack
 import numpy as np
-import openai
 import xxhash
 
 from shmkv import Client, SupervisorUnavailable
@@ -435,9 +433,16 @@ def free_port() -> int:
 
 
 class Server:
-    """gunicorn with workers/gunicorn_conf.py, as `shmkv serve` or systemd runs it."""
+    """gunicorn with workers/gunicorn_conf.py, as `shmkv serve` or systemd runs it.
+
+    (httpx and openai are imported here, not at the top: the child processes of the
+    crash tests import this module too, and openai alone takes a third of a second.)
+    """
 
     def __init__(self, sup: Sup, model: str, workers: int, tmp_path: Path) -> None:
+        import httpx
+        import openai
+
         self.sup, self.port = sup, free_port()
         self.env = {**sup.env, "SHMKV_MODEL": model, "SHMKV_WORKERS": str(workers),
                     "SHMKV_PORT": str(self.port), "SHMKV_THREADS": "1",
@@ -463,6 +468,8 @@ class Server:
             return set()
 
     def wait_workers(self, n: int, timeout: float = 60) -> None:
+        import httpx
+
         deadline = time.monotonic() + timeout
         seen: set[int] = set()
         while time.monotonic() < deadline:
