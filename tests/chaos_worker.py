@@ -29,7 +29,7 @@ import shmkv.client as SC
 import shmkv.llama as SL
 from shmkv.arena import ArenaView
 
-# flag bytes (shared with test_chaos.py)
+# flag bytes (read by chaos_harness.Worker in the test process)
 PHASES = ["request", "restore", "lease", "set_data", "prefill", "capture", "get_data", "put",
           "decode", "claim"]
 FLAG = {name: i for i, name in enumerate(PHASES)}

@@ -1,89 +1,13 @@
-"""Shared fixtures: a real `shmkv supervise` process on a private name and socket."""
+"""Shared fixtures: real `shmkv supervise` processes on private names and sockets, and the
+tiny models the test session writes. Plain helpers live in helpers.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from shmkv import Client
-
-SHM = Path("/dev/shm")
-
-
-@dataclass
-class Sup:
-    """A running supervisor started by a test."""
-
-    name: str
-    socket: str
-    dir: str
-    proc: subprocess.Popen
-    env: dict[str, str] = field(default_factory=dict)
-    log_path: Path | None = None
-
-    @property
-    def arena(self) -> Path:
-        return Path(self.dir) / f"shmkv-{self.name}"
-
-    def client(self, **kw) -> Client:
-        return Client(name=self.name, socket_path=self.socket, **kw)
-
-    def stats(self) -> dict:
-        with self.client(populate=False, attach=False) as c:
-            return c.stats()
-
-    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "shmkv.cli", *args], env=self.env,
-                              capture_output=True, text=True, timeout=60, check=check)
-
-    def stats_json(self) -> dict:
-        return json.loads(self.cli("stats", "--json").stdout)
-
-    def log(self) -> str:
-        return self.log_path.read_text() if self.log_path else ""
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
-
-
-def wait_for_socket(path: str, proc: subprocess.Popen, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if os.path.exists(path):
-            return
-        if proc.poll() is not None:
-            raise RuntimeError(f"supervisor exited with {proc.returncode}")
-        time.sleep(0.02)
-    raise TimeoutError(f"supervisor socket {path} did not appear")
-
-
-def start_supervisor(tmp_path: Path, *args: str, name: str | None = None,
-                     env_extra: dict[str, str] | None = None, wait: bool = True) -> Sup:
-    """Start `shmkv supervise` with a unique name and socket under tmp_path."""
-    name = name or f"t{uuid.uuid4().hex[:10]}"
-    sock = str(tmp_path / f"{name}.sock")
-    env = {**os.environ, "SHMKV_NAME": name, "SHMKV_SOCKET": sock, "PYTHONUNBUFFERED": "1"}
-    env.update(env_extra or {})
-    log_path = tmp_path / f"{name}.log"
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "supervise", *args],
-                                env=env, stdout=logf, stderr=subprocess.STDOUT)
-    sup = Sup(name, sock, env.get("SHMKV_DIR", "/dev/shm"), proc, env, log_path)
-    if wait:
-        wait_for_socket(sock, proc)
-    return sup
+from helpers import EXTRA, N_CTX, SAMPLING, SHM, Sup, start_supervisor
 
 
 @pytest.fixture
@@ -128,3 +52,50 @@ def models(tmp_path_factory) -> dict[str, str]:
     write_tiny_gemma3(d / "tiny-swa.gguf", n_swa=32)
     out["swa"] = str(d / "tiny-swa.gguf")
     return out
+
+
+@pytest.fixture(scope="session")
+def serve_model(tmp_path_factory) -> str:
+    """The tiny llama the gunicorn tests serve (its own weights: seed 3)."""
+    from tinymodel import write_tiny_llama
+
+    path = tmp_path_factory.mktemp("serve-model") / "tiny.gguf"
+    write_tiny_llama(path, seed=3)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def serve_reference(serve_model) -> Callable[..., str]:
+    """Cold greedy output from a fresh plain Llama with the gunicorn workers' settings:
+    ``run(prompt)`` or ``run(messages=[...])``, sampling overrides as keywords."""
+    import llama_cpp
+
+    kw = dict(model_path=serve_model, n_ctx=N_CTX, n_threads=1, n_threads_batch=1,
+              verbose=False)
+
+    def run(prompt: str | None = None, messages: list | None = None, **over) -> str:
+        llm = llama_cpp.Llama(**kw)
+        params = {**SAMPLING, **EXTRA, **over}
+        if messages is not None:
+            return llm.create_chat_completion(messages, **params)["choices"][0]["message"][
+                "content"]
+        return llm.create_completion(prompt, **params)["choices"][0]["text"]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def chaos_refs(models):
+    """Cold greedy outputs of the chaos prompts, computed on demand (chaos_harness.Refs)."""
+    from chaos_harness import Refs
+
+    return Refs(models["seed0"])
+
+
+@pytest.fixture(scope="session")
+def chaos_summary() -> Iterator[None]:
+    """One summary line of every chaos test that ran, logged when the session ends."""
+    yield
+    from chaos_harness import log_summary
+
+    log_summary()

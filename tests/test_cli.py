@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SHM, Sup, wait_for_socket
+from helpers import SHM, Sup, wait_for_socket
 
 from shmkv import Client, __version__
 from shmkv import arena as A

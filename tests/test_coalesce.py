@@ -3,22 +3,15 @@ for that worker's publish instead of computing it again."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import numpy as np
 import pytest
-from test_llama import KW, SYSTEM, completion, run_worker, texts
+from helpers import KW, SYSTEM, blob, completion, run_worker, texts
 
 from shmkv.arena import chain_digests
 from shmkv.claims import Claims
-
-
-def digests(seed: int, n_chunks: int = 4, chunk: int = 64) -> tuple[bytes, np.ndarray, list]:
-    root = seed.to_bytes(16, "little")
-    tokens = np.arange(n_chunks * chunk, dtype=np.int32) + seed
-    return root, tokens, chain_digests(root, tokens, chunk)
 
 
 def test_claims_table_rules():
@@ -39,7 +32,8 @@ def test_claims_table_rules():
 
 
 def test_waiter_is_woken_by_the_put_that_indexes_the_claimed_digest(supervisor):
-    root, tokens, ds = digests(1)
+    root, tokens, data = blob(1, 50_000, n_tokens=4 * 64)
+    ds = chain_digests(root, tokens, 64)
     with supervisor.client() as a, supervisor.client() as b:
         assert a.claim(ds, wait=5) == "go"
         result = {}
@@ -53,7 +47,7 @@ def test_waiter_is_woken_by_the_put_that_indexes_the_claimed_digest(supervisor):
         t.start()
         time.sleep(0.3)
         assert t.is_alive()  # b waits for a
-        a.put_bytes(root, tokens, b"fp", os.urandom(50_000))
+        a.put_bytes(root, tokens, b"fp", data)
         t.join(5)
         assert result["status"] == "ready" and result["waited"] >= 0.25
         hit = b.lookup(ds)
@@ -61,7 +55,7 @@ def test_waiter_is_woken_by_the_put_that_indexes_the_claimed_digest(supervisor):
 
 
 def test_waiter_gets_retry_when_the_claimer_dies_and_timeout_on_its_deadline(supervisor):
-    root, tokens, ds = digests(2)
+    ds = blob(2, 0, n_tokens=4 * 64).digests()
     a = supervisor.client()
     with supervisor.client() as b:
         assert a.claim(ds, wait=5) == "go"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import logging
 import mmap
 import multiprocessing as mp
@@ -25,37 +24,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import CHUNK, MiB, blob, try_stats, wait_until
 
 from shmkv import ArenaCorruptError, Client, SupervisorUnavailable
 from shmkv.arena import chain_digests
 
 log = logging.getLogger(__name__)
 
-CHUNK = 64  # the supervisor's default --chunk-tokens
-MiB = 1 << 20
-
 
 # ------------------------------------------------------------------------- helpers
-def wait_until(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition",
-               step: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(step)
-
-
-def blob(seed: int, size: int, n_tokens: int = 2 * CHUNK) -> tuple[bytes, np.ndarray, bytes]:
-    """(root, tokens, payload), all derived from ``seed``."""
-    root = hashlib.blake2b(b"crash-%d" % seed, digest_size=16).digest()
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 30_000, n_tokens).astype("<i4")
-    return root, tokens, rng.bytes(size)
-
-
 def put(client: Client, seed: int, size: int) -> tuple[bytes, np.ndarray, bytes]:
     root, tokens, data = blob(seed, size)
     client.put_bytes(root, tokens, b"fp", data)
@@ -408,7 +385,7 @@ def test_supervisor_killed_client_fails_fast_then_reconnects(make_supervisor, tm
 
         new = make_supervisor("--size", "16M", name=sup.name)
         assert new.socket == sup.socket
-        st = wait_until(lambda: _try_stats(c), timeout=15, what="the client to reconnect")
+        st = wait_until(lambda: try_stats(c), timeout=15, what="the client to reconnect")
         assert st["pid"] == new.proc.pid and st["entries"] == 0
         assert c.view.geometry.arena_id != old_id
         assert c.lookup(chain_digests(root, tokens, CHUNK)) is None  # a fresh arena
@@ -441,17 +418,10 @@ def test_lease_of_a_dropped_connection_fails_finish_once_its_space_is_reused(mak
             put(other, seed, 4 * MiB)
         assert bytes(lease.payload) != data  # the lease's mapping is still readable...
         assert lease.finish() is False  # ...but its bytes were reused: the read is void
-        wait_until(lambda: _try_stats(c), timeout=15, what="the client to reconnect")
+        wait_until(lambda: try_stats(c), timeout=15, what="the client to reconnect")
         assert_round_trip(c, 20)
     assert sup.proc.poll() is None
     assert_clean_log(sup)
-
-
-def _try_stats(c: Client) -> dict | None:
-    try:
-        return c.stats()
-    except SupervisorUnavailable:
-        return None
 
 
 @pytest.mark.timeout(60)
@@ -469,7 +439,7 @@ def test_frozen_supervisor_costs_a_client_its_timeout_not_a_hang(make_supervisor
             assert 0.9 <= elapsed < 3.0, elapsed
         finally:
             os.kill(sup.proc.pid, signal.SIGCONT)
-        st = wait_until(lambda: _try_stats(c), timeout=15, what="the client to reconnect")
+        st = wait_until(lambda: try_stats(c), timeout=15, what="the client to reconnect")
         assert st["entries"] == 1
         assert_round_trip(c, 16)
     finally:

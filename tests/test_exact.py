@@ -15,9 +15,8 @@ import logging
 import llama_cpp
 import numpy as np
 import pytest
+from helpers import SYSTEM, completion, last_logits, run_worker, texts
 from llama_cpp import llama_cpp as C
-from test_llama import SYSTEM, completion, run_worker, texts
-from test_swa import _logits
 
 EXACT = {"SHMKV_EXACT": "true"}
 BATCH = {"n_batch": 128, "n_ubatch": 128}
@@ -66,6 +65,14 @@ def test_exact_and_fast_mode_states_never_mix(supervisor, models):
     got = run_worker(supervisor, models["seed0"], [completion(SYSTEM + QUESTIONS[1])],
                      kw=BATCH, env=EXACT)
     assert got["results"][0]["last"]["tokens_restored"] == 0
+    # and the other way round: fast mode restores nothing exact mode published
+    with supervisor.client(attach=False) as c:
+        c.clear()
+    exact = run_worker(supervisor, models["seed0"], jobs, kw=BATCH, env=EXACT)
+    assert exact["totals"]["publishes"] >= 1
+    got = run_worker(supervisor, models["seed0"], [completion(SYSTEM + QUESTIONS[1])],
+                     kw=BATCH)
+    assert got["results"][0]["last"]["tokens_restored"] == 0
 
 
 def test_exact_multi_turn_chat_in_another_process(supervisor, models):
@@ -100,13 +107,13 @@ def test_exact_mode_on_gemma_gives_a_cold_runs_logits_bit_for_bit(supervisor, ca
         plain.reset()
         C.llama_memory_clear(C.llama_get_memory(plain.ctx), True)
         plain.eval(plain.tokenize((text + q).encode()))
-        cold[q] = _logits(plain)
+        cold[q] = last_logits(plain)
     del plain
     got, restored = {}, []
     for q in QUESTIONS:  # a fresh context (a new worker) each time
         llm = SharedCacheLlama(**kw, shmkv_name=supervisor.name, shmkv_socket=supervisor.socket,
                                shmkv_exact=True)
-        llm.shmkv.on_prefill = lambda cache, q=q: got.__setitem__(q, _logits(cache.llm))
+        llm.shmkv.on_prefill = lambda cache, q=q: got.__setitem__(q, last_logits(cache.llm))
         llm.create_completion(text + q, max_tokens=2, temperature=0.0)
         assert llm.shmkv.flush()
         restored.append(llm.shmkv.last.tokens_restored)

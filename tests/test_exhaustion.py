@@ -12,22 +12,16 @@ test_shm_too_small_is_one_line_and_leaves_nothing, test_peer_of_another_uid_is_r
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from test_hostile import BarrierWorker, no_signal_deaths
-from test_llama import KW, completion, run_worker, texts
+from helpers import BarrierWorker, completion, finish_worker, run_worker, start_worker, texts
 
 log = logging.getLogger(__name__)
-HERE = Path(__file__).parent
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,27 +35,6 @@ def family_prompt(f: int, s: int) -> str:
     rules = " ".join(f"Rule {i}: the cat {(i * (f + 3)) % 7} sits on mat {(i + f) % 5}."
                      for i in range(50))
     return f"Family {f}. {rules} Question {s}: which cat sits where?"
-
-
-def start_worker(sup, model: str, jobs: list[dict]) -> subprocess.Popen:
-    """A tests/llama_worker.py process through shmkv; finish() collects its JSON."""
-    spec = {"model": model, "kw": KW, "name": sup.name, "socket": sup.socket, "namespace": "",
-            "mode": "shmkv", "jobs": jobs}
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    proc = subprocess.Popen([sys.executable, str(HERE / "llama_worker.py")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    proc.spec = json.dumps(spec)  # type: ignore[attr-defined]
-    return proc
-
-
-def finish(proc: subprocess.Popen, timeout: float = 240) -> dict:
-    out, err = proc.communicate(proc.spec, timeout=timeout)  # type: ignore[attr-defined]
-    no_signal_deaths(proc)
-    assert proc.returncode == 0, err[-3000:]
-    result = json.loads(out)
-    result["stderr"] = err
-    return result
 
 
 # ----------------------------------------------------------- a tiny arena
@@ -86,7 +59,7 @@ def test_arena_ten_times_smaller_than_the_working_set(make_supervisor, models) -
                           [completion(p, stream=i % 2 == w % 2) for i, p in enumerate(order)])
              for w, order in enumerate(orders)]
     with ThreadPoolExecutor(WORKERS) as pool:
-        results = list(pool.map(finish, procs))
+        results = list(pool.map(finish_worker, procs))
     wall = time.monotonic() - t0
     st = sup.stats_json()
     wrong = [(p, r["text"]) for order, res in zip(orders, results, strict=True)
@@ -112,7 +85,7 @@ def test_arena_ten_times_smaller_than_the_working_set(make_supervisor, models) -
              restored, errors)
     assert not wrong, wrong[:3]
     assert outputs == WORKERS * len(prompts)
-    assert working_set > 5 * st["bytes_capacity"], st
+    assert working_set > 10 * st["bytes_capacity"], st  # the ten times of the name
     assert st["evictions"] > 50, st
     assert worker_hits > 0 and restored > 0 and st["hits"] > 0
     assert st["restore_failures"] == 0, st
@@ -136,7 +109,7 @@ def test_more_workers_than_the_connection_limit_run_cold_and_say_why(make_superv
     t0 = time.monotonic()
     extra = [start_worker(sup, models["seed0"], jobs) for _ in range(4)]
     with ThreadPoolExecutor(len(extra)) as pool:
-        results = list(pool.map(lambda p: finish(p, timeout=120), extra))
+        results = list(pool.map(lambda p: finish_worker(p, timeout=120), extra))
     wall = time.monotonic() - t0
     for r in results:
         assert texts(r) == cold

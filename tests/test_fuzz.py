@@ -40,9 +40,9 @@ import msgpack
 import numpy as np
 import pytest
 import xxhash
+from helpers import Raw, assert_healthy, fd_count, memfd_with, put_msg, wait_until
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
-from test_protocol import Raw, assert_healthy, fd_count, memfd_with, put_msg, wait_until
 
 from shmkv import arena as A
 from shmkv import protocol as P
@@ -740,7 +740,8 @@ def test_fuzz_ten_thousand_hostile_messages_over_many_connections(make_superviso
     assert fuzz_counts["worker_roundtrips"] >= TARGET_MESSAGES // BATCH
     assert fz.rss_max - fz.rss0 < 256 << 20, "supervisor memory grew without bound"
     # every hostile connection is gone: no lease is left, and a clear frees every byte
-    assert wait_until(lambda: sup.stats()["connections"] == 1)  # just the asking client
+    wait_until(lambda: sup.stats()["connections"] == 1,  # just the asking client
+               what="the hostile connections to close")
     st_ = sup.stats()
     log.info("supervisor after the fuzz: %s", {k: st_[k] for k in (
         "puts", "duplicate_puts", "rejected_puts", "evictions", "hits", "stale_acquires",

@@ -8,12 +8,10 @@ and read it back.
 
 from __future__ import annotations
 
-import array
 import os
 import socket
 import struct
 import tempfile
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 import xxhash
+from helpers import Raw, assert_healthy, fd_count, memfd_with, put_msg, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,128 +31,11 @@ from shmkv.supervisor import Supervisor
 pytestmark = pytest.mark.timeout(30)
 
 
-class Raw:
-    """A raw connection to the supervisor: frames in and out by hand."""
-
-    def __init__(self, path: str, timeout: float = 5.0) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        self.sock.connect(path)
-        self.next_id = 1
-        self.geometry: A.Geometry | None = None
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send_raw(self, data: bytes, fds: list[int] | None = None) -> None:
-        if fds:
-            sent = self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                               array.array("i", fds))])
-            data = data[sent:]
-        if data:
-            self.sock.sendall(data)
-
-    def send_body(self, body: bytes, fds: list[int] | None = None) -> None:
-        self.send_raw(struct.pack(">I", len(body)) + body, fds)
-
-    def send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
-        msg = dict(msg)
-        if "id" not in msg:
-            msg["id"] = self.next_id
-            self.next_id += 1
-        self.send_body(msgpack.packb(msg, use_bin_type=True), fds)
-
-    def recv(self) -> dict[str, Any] | None:
-        """One reply, or None if the supervisor closed the connection."""
-        try:
-            msg, fds = P.recv_msg(self.sock)
-        except (ConnectionResetError, BrokenPipeError):
-            return None
-        for fd in fds:
-            os.close(fd)
-        return msg
-
-    def call(self, msg: dict[str, Any], fds: list[int] | None = None) -> dict[str, Any]:
-        self.send(msg, fds)
-        reply = self.recv()
-        assert reply is not None, f"connection closed on {msg!r:.200}"
-        return reply
-
-    def attach(self) -> dict[str, Any]:
-        self.send({"op": "attach", "pid": os.getpid()})
-        msg, fds = P.recv_msg(self.sock)
-        assert msg["ok"] and len(fds) == 1
-        try:
-            self.geometry = A.ArenaView(fds[0], populate=False).geometry
-        finally:
-            for fd in fds:
-                os.close(fd)
-        return msg
-
-    def closed_by_peer(self) -> bool:
-        """True once the supervisor has closed its end (EOF), reading any pending replies."""
-        try:
-            while True:
-                data = self.sock.recv(65536)
-                if not data:
-                    return True
-        except (ConnectionResetError, BrokenPipeError):
-            return True
-        except TimeoutError:
-            return False
-
-
 def error_code(reply: dict[str, Any] | None) -> str | None:
     assert reply is not None, "expected an error reply, got a closed connection"
     assert reply["ok"] is False, f"expected an error, got {reply!r}"
     assert isinstance(reply["error"]["message"], str) and reply["error"]["message"]
     return reply["error"]["code"]
-
-
-def memfd_with(data: bytes) -> int:
-    fd = os.memfd_create("test-put", os.MFD_CLOEXEC)
-    os.write(fd, data)
-    return fd
-
-
-def put_msg(toks: np.ndarray, data: bytes, **over: Any) -> dict[str, Any]:
-    msg = {"op": "put", "root": b"r" * 16, "tokens": toks.astype("<i4").tobytes(),
-           "fingerprint": b"fp", "payload_len": len(data),
-           "checksum": xxhash.xxh3_64_intdigest(data), "pin": False}
-    msg.update(over)
-    return msg
-
-
-def fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def wait_until(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
-def assert_healthy(sup) -> None:
-    """The supervisor is up and a well-behaved client can put a blob and read it back."""
-    assert sup.proc.poll() is None, f"supervisor died:\n{sup.log()}"
-    data = os.urandom(5000 + int.from_bytes(os.urandom(2), "little"))
-    root = os.urandom(16)
-    with sup.client() as c:
-        chunk = c.view.geometry.chunk_tokens
-        tokens = np.arange(2 * chunk, dtype=np.int32)
-        c.put_bytes(root, tokens, b"fp", data)
-        hit = c.lookup(A.chain_digests(root, tokens, chunk))
-        assert hit is not None and hit.chunks == 2
-        with c.acquire(hit) as lease:
-            assert bytes(lease.payload) == data
-            assert np.array_equal(lease.tokens(), tokens)
-            assert lease.finish(len(tokens))
-    assert sup.proc.poll() is None
-    assert "internal error" not in sup.log() and "Traceback" not in sup.log(), sup.log()
 
 
 @pytest.fixture
@@ -505,7 +387,7 @@ def test_leases_of_a_closed_raw_connection_are_released(supervisor, attached: Ra
                               "gen": slot.rec_gen})["ok"]
     assert supervisor.stats()["leases_active"] == 3
     attached.close()
-    assert wait_until(lambda: supervisor.stats()["leases_active"] == 0)
+    wait_until(lambda: supervisor.stats()["leases_active"] == 0, what="the leases' release")
     assert_healthy(supervisor)
 
 
@@ -548,7 +430,7 @@ def test_too_many_fds_at_once_close_the_connection_and_leak_nothing(supervisor) 
             for fd in fds:
                 os.close(fd)
             r.close()
-    assert wait_until(lambda: fd_count(pid) <= base)
+    wait_until(lambda: fd_count(pid) <= base, what="the descriptors to be closed")
     assert_healthy(supervisor)
 
 
@@ -566,7 +448,7 @@ def test_fds_sent_with_a_truncated_frame_are_closed_at_disconnect(supervisor) ->
         r.sock.shutdown(socket.SHUT_WR)
         assert r.closed_by_peer()
         r.close()
-    assert wait_until(lambda: fd_count(pid) <= base)
+    wait_until(lambda: fd_count(pid) <= base, what="the descriptors to be closed")
     assert_healthy(supervisor)
 
 

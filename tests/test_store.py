@@ -667,7 +667,8 @@ def test_put_with_too_few_tokens_is_a_bad_request(small_arena: ArenaFile) -> Non
     assert small_arena.store.bytes_used() == 0 and small_arena.view.scan() == []
 
 
-def test_index_prefers_the_longest_record_ending_in_a_chunk_and_diverge(supervisor):
+def test_index_prefers_the_longest_record_ending_in_a_chunk_and_owners_tell_each_match(
+        supervisor):
     """A chunk prefix points at the longest record whose last full chunk it is (a
     sliding-window model can restore only whole records), else at the shortest; the
     ``owners`` op lists the records behind a chunk prefix and how far a prompt matches each."""

@@ -13,16 +13,11 @@ import ctypes
 
 import llama_cpp
 import numpy as np
+from helpers import KW, SYSTEM, completion, last_logits, run_worker, texts
 from llama_cpp import llama_cpp as C
-from test_llama import KW, SYSTEM, completion, run_worker, texts
 
 QUESTIONS = [" Question: who sits?", " Question: where is the mat?",
              " Question: how many cats are there?", " Question: why?"]
-
-
-def _logits(llm: llama_cpp.Llama) -> np.ndarray:
-    ptr = C.llama_get_logits_ith(llm.ctx, -1)
-    return np.array(np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)), copy=True)
 
 
 def test_cutting_a_window_state_back_changes_the_output(models):
@@ -34,7 +29,7 @@ def test_cutting_a_window_state_back_changes_the_output(models):
     shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     assert shared > 200
     llm.eval(b)
-    cold = _logits(llm)
+    cold = last_logits(llm)
     llm.reset()
     C.llama_memory_clear(C.llama_get_memory(llm.ctx), True)
     llm.eval(a)
@@ -49,7 +44,7 @@ def test_cutting_a_window_state_back_changes_the_output(models):
     llm.input_ids[:shared] = b[:shared]
     llm.n_tokens = shared
     llm.eval(b[shared:])
-    assert not np.allclose(_logits(llm), cold, atol=1e-3)  # ...and gets it wrong
+    assert not np.allclose(last_logits(llm), cold, atol=1e-3)  # ...and gets it wrong
 
 
 def test_shared_system_prompt_on_a_window_model(supervisor, models):
