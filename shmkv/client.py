@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import arena as A
-from . import protocol as P
+from .arena import ArenaView, Hit, Record
 from .config import Settings, resolve
 from .errors import (
     ArenaCorruptError,
+    BadRequest,
     ClosedError,
     PermissionDenied,
     ProtocolError,
@@ -43,6 +43,7 @@ from .errors import (
     SupervisorUnavailable,
     from_wire,
 )
+from .protocol import recv_msg, send_msg
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +166,8 @@ class _MemfdPool:
 class Lease:
     """A granted read lease on one record; use as a context manager."""
 
-    def __init__(self, client: Client, view: A.ArenaView, lease_id: int, epoch: int,
-                 record: A.Record) -> None:
+    def __init__(self, client: Client, view: ArenaView, lease_id: int, epoch: int,
+                 record: Record) -> None:
         self.client, self.view, self.id, self.epoch, self.record = (
             client, view, lease_id, epoch, record)
         self._done = False
@@ -230,7 +231,7 @@ class Client:
         self.attach = attach
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
-        self._view: A.ArenaView | None = None
+        self._view: ArenaView | None = None
         self._pid = os.getpid()
         self._next_id = 1
         self._retry_at = 0.0
@@ -278,7 +279,7 @@ class Client:
             if not fds:
                 raise ProtocolError("attach reply carried no arena descriptor")
             try:
-                view = A.ArenaView(fds[0], populate=self.populate)
+                view = ArenaView(fds[0], populate=self.populate)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -320,13 +321,13 @@ class Client:
         msg["id"] = rid
         try:
             try:
-                P.send_msg(self._sock, msg, fds)
+                send_msg(self._sock, msg, fds)
             except (BrokenPipeError, ConnectionResetError):
                 # refused at accept (permission, connection limit): the reason is
                 # already waiting in our receive buffer; read it rather than lose it
                 self._sock.settimeout(min(self.timeout, 1.0))
             while True:
-                reply, rfds = P.recv_msg(self._sock)
+                reply, rfds = recv_msg(self._sock)
                 if reply.get("id") in (rid, 0):
                     break
                 for fd in rfds:
@@ -342,7 +343,7 @@ class Client:
             for fd in rfds:
                 os.close(fd)
             err = from_wire(reply.get("error"))
-            if reply.get("id") == 0 and not isinstance(err, P.BadRequest):
+            if reply.get("id") == 0 and not isinstance(err, BadRequest):
                 self._drop()  # refused at accept (permission, connection limit)
             try:
                 raise err
@@ -350,7 +351,7 @@ class Client:
                 del err
         return reply, rfds
 
-    def ensure(self) -> A.ArenaView:
+    def ensure(self) -> ArenaView:
         """Connect and attach if needed; returns the arena view."""
         with self._lock:
             if self._closed:
@@ -412,7 +413,7 @@ class Client:
         return self._sock is not None and os.getpid() == self._pid
 
     @property
-    def view(self) -> A.ArenaView:
+    def view(self) -> ArenaView:
         return self.ensure()
 
     def close(self) -> None:
@@ -430,13 +431,13 @@ class Client:
         self.close()
 
     # ------------------------------------------------------------------ reads
-    def lookup(self, digests: Sequence[bytes]) -> A.Hit | None:
+    def lookup(self, digests: Sequence[bytes]) -> Hit | None:
         """Longest indexed chunk prefix among ``digests`` (lock-free, no round trip)."""
         view = self.ensure()
         found = view.find_longest(digests)
-        return None if found is None else A.Hit(found[0], found[1])
+        return None if found is None else Hit(found[0], found[1])
 
-    def acquire(self, hit: A.Hit) -> Lease:
+    def acquire(self, hit: Hit) -> Lease:
         """Lease the record behind ``hit`` and validate its header and metadata."""
         with self._lock:
             view = self.ensure()
