@@ -38,6 +38,7 @@ from shmkv.config import Settings, resolve
 from shmkv.errors import ShmkvError
 from shmkv.llama import SharedPrefixCache, attach, live_caches
 from shmkv.models import DEFAULT_MODEL_FILE, default_model_path
+from shmkv.stats import numbers
 
 log = logging.getLogger("shmkv.worker")
 
@@ -302,9 +303,7 @@ def create_app(settings: Settings | None = None):
             "status": "ok", "worker_pid": os.getpid(),
             "models": [Path(m).stem for m in models],
             "shmkv": [{"connected": c.reader.connected, "namespace": c.namespace,
-                       "calls": c.totals.calls, "hits": c.totals.hits,
-                       "tokens_restored": c.totals.tokens_restored,
-                       "tokens_evaluated": c.totals.tokens_evaluated} for c in caches],
+                       **numbers(c.totals)} for c in caches],
         }
 
     return app
