@@ -18,6 +18,7 @@ Reading a blob (see ``store.py`` for why it is safe)::
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -102,7 +103,8 @@ class Blob:
     """A payload written into a memfd, ready to be handed over by :meth:`Client.put_blob`."""
 
     def __init__(self, memfd: _Memfd, size: int, pool: _MemfdPool) -> None:
-        self.memfd, self.size, self._pool = memfd, size, pool
+        self.memfd: _Memfd | None = memfd  # None once given back
+        self.size, self._pool = size, pool
 
     @property
     def fd(self) -> int:
@@ -501,8 +503,7 @@ class Client:
         src = np.frombuffer(data, dtype=np.uint8)
 
         def fill(addr: int, size: int) -> None:
-            np.copyto(np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * size).from_address(
-                addr)), src)
+            np.copyto(np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr)), src)
 
         return self.put(root, tokens, fingerprint, len(src), fill, pin=pin)
 

@@ -107,8 +107,8 @@ class Call:
         """The digest chain of other ``tokens`` (a prefix of the prompt, or the prompt
         and its completion), reusing the prompt's as far as they agree."""
         known = self._chains.get(chunk)
-        shared = 0 if known is None else common_prefix(tokens, self.prompt) // chunk
-        if not shared:
+        shared = common_prefix(tokens, self.prompt) // chunk if known is not None else 0
+        if known is None or not shared:
             return chain_digests(self.cache.root, tokens, chunk)
         head = known[:shared]  # (each digest chains from the one before it)
         return head + chain_digests(head[-1], tokens[shared * chunk :], chunk)
@@ -471,7 +471,8 @@ class SharedPrefixCache:
         return (yield from self.call.run(orig_generate, reset, kwargs))
 
 
-def _hooked_generate(cache: SharedPrefixCache, orig: Any):
+def _hooked_generate(cache: SharedPrefixCache,
+                     orig: Any) -> Callable[..., Iterator[int]]:
     def generate(tokens: Sequence[int], reset: bool = True, **kwargs: Any) -> Iterator[int]:
         return cache.generate(orig, tokens, reset=reset, **kwargs)
 
@@ -491,7 +492,7 @@ def attach(llm: llama_cpp.Llama, name: str | None = None, namespace: str | None 
         return existing
     cache = SharedPrefixCache(llm, name=name, namespace=namespace, socket_path=socket_path,
                               **kwargs)
-    llm.generate = _hooked_generate(cache, llm.generate)  # type: ignore[method-assign]
+    llm.generate = _hooked_generate(cache, llm.generate)  # type: ignore[method-assign,assignment]
     llm.shmkv = cache  # type: ignore[attr-defined]
     return cache
 

@@ -285,7 +285,7 @@ def create_app(settings: Settings | None = None):
     # (with a truncated body) whenever another request waits for this worker's model
     server_settings = ServerSettings(host=settings.host, port=settings.port,
                                      api_key=settings.api_key, interrupt_requests=False)
-    LlamaProxy.load_llama_from_model_settings = staticmethod(make_loader(settings))
+    LlamaProxy.load_llama_from_model_settings = staticmethod(make_loader(settings))  # type: ignore[method-assign]
     _client_errors_are_4xx()
     app = server_app.create_app(server_settings=server_settings,
                                 model_settings=model_settings)
