@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import xxhash
@@ -215,8 +215,14 @@ class Lease:
         self.finish()
 
 
-class Client:
-    """A worker's handle on one supervisor and its arena."""
+class Connection:
+    """One fork-safe, thread-safe connection to a supervisor, and the arena view it attached.
+
+    Requests run one at a time under a lock. After a fork the child drops its copy of
+    the socket (never shutting down the parent's) and connects anew. A supervisor
+    that cannot be reached costs :class:`SupervisorUnavailable` at once, then a
+    growing back-off before the next try.
+    """
 
     def __init__(self, name: str | None = None, socket_path: str | None = None,
                  timeout: float | None = None, settings: Settings | None = None,
@@ -240,7 +246,6 @@ class Client:
         self._backoff = _BACKOFF_MIN
         self._closed = False
         self.attach_info: dict[str, Any] = {}
-        self._pool = _MemfdPool()
         self.last_error: ShmkvError | None = None
 
     # ------------------------------------------------------------- connection
@@ -423,14 +428,28 @@ class Client:
             if os.getpid() == self._pid:
                 self._drop()
             self._closed = True
-            self._pool.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         self._ensure_connected()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Client(Connection):
+    """A worker's handle on one supervisor and its arena: reads, writes and admin ops."""
+
+    def __init__(self, name: str | None = None, socket_path: str | None = None,
+                 timeout: float | None = None, settings: Settings | None = None,
+                 populate: bool = True, attach: bool = True) -> None:
+        super().__init__(name, socket_path, timeout, settings, populate, attach)
+        self._pool = _MemfdPool()
+
+    def close(self) -> None:
+        with self._lock:
+            super().close()
+            self._pool.close()
 
     # ------------------------------------------------------------------ reads
     def lookup(self, digests: Sequence[bytes]) -> Hit | None:
