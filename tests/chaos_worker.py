@@ -57,7 +57,7 @@ def main() -> None:
 
         setattr(obj, attr, wrapped)
 
-    C = SL.C
+    C = llama_cpp.llama_cpp
     hook(C, "llama_state_seq_set_data", "set_data")
     hook(C, "llama_state_seq_get_data", "get_data")
     orig_finish = SC.Lease.finish
@@ -88,14 +88,14 @@ def main() -> None:
             raise
 
     cache.reader.acquire = acquire
-    orig_prepare = cache.prepare
+    orig_restore_or_claim = cache.restore_or_claim
 
-    def prepare(tokens):
-        n = orig_prepare(tokens)
+    def restore_or_claim(tokens):
+        n = orig_restore_or_claim(tokens)
         flags[FLAG["prefill"]] = 1
         return n
 
-    cache.prepare = prepare
+    cache.restore_or_claim = restore_or_claim
 
     def on_prefill(_cache) -> None:
         flags[FLAG["prefill"]] = 0

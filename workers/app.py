@@ -38,6 +38,7 @@ from shmkv.config import Settings, resolve
 from shmkv.errors import ShmkvError
 from shmkv.llama import SharedPrefixCache, attach, live_caches
 from shmkv.models import DEFAULT_MODEL_FILE, default_model_path
+from shmkv.stats import numbers
 
 log = logging.getLogger("shmkv.worker")
 
@@ -284,7 +285,7 @@ def create_app(settings: Settings | None = None):
     # (with a truncated body) whenever another request waits for this worker's model
     server_settings = ServerSettings(host=settings.host, port=settings.port,
                                      api_key=settings.api_key, interrupt_requests=False)
-    LlamaProxy.load_llama_from_model_settings = staticmethod(make_loader(settings))
+    LlamaProxy.load_llama_from_model_settings = staticmethod(make_loader(settings))  # type: ignore[method-assign]
     _client_errors_are_4xx()
     app = server_app.create_app(server_settings=server_settings,
                                 model_settings=model_settings)
@@ -302,9 +303,7 @@ def create_app(settings: Settings | None = None):
             "status": "ok", "worker_pid": os.getpid(),
             "models": [Path(m).stem for m in models],
             "shmkv": [{"connected": c.reader.connected, "namespace": c.namespace,
-                       "calls": c.totals.calls, "hits": c.totals.hits,
-                       "tokens_restored": c.totals.tokens_restored,
-                       "tokens_evaluated": c.totals.tokens_evaluated} for c in caches],
+                       **numbers(c.totals)} for c in caches],
         }
 
     return app

@@ -4,8 +4,7 @@ Runs inside each gunicorn worker. A worker has one llama.cpp context, so it
 serves one completion at a time; but a uvicorn worker keeps accepting
 connections while it computes, and the kernel hands a new connection to any
 worker waiting in accept, busy or not. Requests then queue behind a busy
-worker while others sit idle (bench_serve measured half of all requests
-landing on a busy worker with another idle). Here a worker stops listening
+worker while others sit idle. Here a worker stops listening
 for new connections while it has a request in flight and starts again when
 it is done: new connections wait in the shared listen backlog for the first
 idle worker instead. Connections already accepted (keep-alive) still reach

@@ -1,0 +1,78 @@
+"""What makes a sequence blob restorable here: the model fingerprint and the key root.
+
+Runs inside a worker, once, when its cache attaches. A blob restores
+correctly only into a context with the same weights, KV types, flash
+attention, sliding-window and RoPE settings, LoRA and llama.cpp version; the
+fingerprint covers all of these and is stored beside every blob. Every key
+chain starts from a root digest of the fingerprint and the tenant namespace,
+so different models, setups or tenants never share a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import llama_cpp
+import msgpack
+from llama_cpp import llama_cpp as lc
+
+from .arena import DIGEST_SIZE
+
+_SAMPLE_BYTES = 1 << 16
+_SAMPLES = 16
+_HEAD_BYTES = 1 << 20
+# context parameters that do not change what a sequence blob means
+_CTX_IGNORED = {"n_ctx", "n_batch", "n_ubatch", "n_threads", "n_threads_batch",
+                "n_outputs_max", "n_outputs_max_per_seq", "no_perf", "defrag_thold",
+                "cb_eval", "cb_eval_user_data", "abort_callback", "abort_callback_data",
+                "samplers", "n_samplers", "ctx_other"}
+
+
+def file_identity(path: str | os.PathLike[str]) -> bytes:
+    """Cheap identity of a (possibly 10 GB) model file: size, head, and spread samples."""
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(size.to_bytes(8, "little"))
+        h.update(f.read(_HEAD_BYTES))  # GGUF header and metadata
+        for i in range(_SAMPLES):
+            f.seek(size * i // _SAMPLES)
+            h.update(f.read(_SAMPLE_BYTES))
+        f.seek(max(0, size - _SAMPLE_BYTES))
+        h.update(f.read(_SAMPLE_BYTES))
+    return h.digest()
+
+
+def context_description(llm: llama_cpp.Llama) -> dict[str, Any]:
+    """Everything besides the weights that decides whether a blob restores correctly."""
+    params = llm.context_params
+    ctx = {name: getattr(params, name) for name, _t in params._fields_
+           if name not in _CTX_IGNORED}
+    ctx = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in ctx.items()
+           if isinstance(v, (int, float, bool))}
+    return {
+        "llama_cpp_python": llama_cpp.__version__,
+        "state_seq_version": getattr(lc, "LLAMA_STATE_SEQ_VERSION", None),
+        "session_version": getattr(lc, "LLAMA_SESSION_VERSION", None),
+        "n_vocab": llm.n_vocab(), "n_embd": llm.n_embd(),
+        "context": ctx,
+        "lora": [llm.lora_path, llm.lora_base, float(llm.lora_scale)],
+        "kv_overrides": sorted((str(k), str(v)) for k, v in (llm.kv_overrides or {}).items()),
+    }
+
+
+def model_fingerprint(llm: llama_cpp.Llama) -> bytes:
+    """32-byte fingerprint of model file identity plus context description."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(file_identity(llm.model_path))
+    h.update(msgpack.packb(context_description(llm), use_bin_type=True))
+    return h.digest()
+
+
+def key_root(fingerprint: bytes, namespace: str) -> bytes:
+    """Root digest of every key chain: fingerprint plus tenant namespace."""
+    h = hashlib.blake2b(fingerprint, digest_size=DIGEST_SIZE, person=b"shmkv-root")
+    h.update(namespace.encode())
+    return h.digest()
