@@ -1,7 +1,8 @@
-"""The supervisor's side of the arena: allocator, index writes, LRU, pins, leases.
+"""The supervisor's side of the arena: allocator, index owners, LRU, pins, leases.
 
 Runs only in the supervisor, the arena's single writer, on its one thread;
-nothing here takes a lock. What workers may read concurrently is published
+nothing here takes a lock. The bytes are written through
+:class:`~shmkv.arena.ArenaWriter`. What workers may read concurrently is published
 in an order that keeps their reads safe:
 
 * a record is written in full (payload, checksum verified, then token ids,
@@ -151,7 +152,7 @@ class Store:
     def __init__(self, mm, geometry: A.Geometry, lease_timeout: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  intact: Callable[[Entry], bool] | None = None) -> None:
-        self.mm = mm
+        self.arena = A.ArenaWriter(mm, geometry)
         #: re-checks a stored record (header, metadata and payload checksums); a put of
         #: the same content replaces a copy that fails it
         self.intact = intact
@@ -173,64 +174,9 @@ class Store:
     # ------------------------------------------------------------------ header
     def _bump_epoch(self) -> None:
         self._epoch += 1
-        A._U64.pack_into(self.mm, A._EPOCH_OFF, self._epoch)
+        self.arena.set_epoch(self._epoch)
 
     # ------------------------------------------------------------------- index
-    def _slot_off(self, i: int) -> int:
-        return self.g.index_offset + i * A.SLOT_SIZE
-
-    def _slot_write(self, i: int, used: int, digest: bytes, roff: int, rgen: int, nch: int) -> None:
-        off = self._slot_off(i)
-        seq = A._SEQ.unpack_from(self.mm, off)[0]
-        A._SEQ.pack_into(self.mm, off, (seq + 1) & 0xFFFFFFFF)
-        A._SLOT.pack_into(self.mm, off, (seq + 1) & 0xFFFFFFFF, used, digest, roff, rgen, nch)
-        A._SEQ.pack_into(self.mm, off, (seq + 2) & 0xFFFFFFFF)
-
-    def _slot_read(self, i: int) -> tuple[int, bytes, int, int, int]:
-        _seq, used, digest, roff, rgen, nch = A._SLOT.unpack_from(self.mm, self._slot_off(i))
-        return used, digest, roff, rgen, nch
-
-    def _find_slot(self, digest: bytes) -> tuple[int | None, int | None]:
-        """(slot holding digest, first empty slot on its probe path)."""
-        n = self.g.index_slots
-        i = A.slot_home(digest, n)
-        for _ in range(min(A.MAX_PROBE, n)):
-            used, d, *_ = self._slot_read(i)
-            if not used:
-                return None, i
-            if d == digest:
-                return i, None
-            i = (i + 1) & (n - 1)
-        return None, None
-
-    def _index_set(self, digest: bytes, entry: Entry, nch: int) -> bool:
-        found, empty = self._find_slot(digest)
-        target = found if found is not None else empty
-        if target is None:
-            return False
-        self._slot_write(target, 1, digest, entry.offset, entry.gen, nch)
-        return True
-
-    def _index_del(self, digest: bytes) -> None:
-        found, _ = self._find_slot(digest)
-        if found is None:
-            return
-        n = self.g.index_slots
-        hole = found
-        self._slot_write(hole, 0, b"\0" * A.DIGEST_SIZE, 0, 0, 0)
-        j = (hole + 1) & (n - 1)
-        while True:
-            used, d, roff, rgen, nch = self._slot_read(j)
-            if not used:
-                return
-            home = A.slot_home(d, n)
-            # can the entry at j move into the hole? (its home is not in (hole, j])
-            if (j - home) % n >= (j - hole) % n:
-                self._slot_write(hole, 1, d, roff, rgen, nch)
-                self._slot_write(j, 0, b"\0" * A.DIGEST_SIZE, 0, 0, 0)
-                hole = j
-            j = (j + 1) & (n - 1)
-
     def _point(self, digest: bytes, nch: int) -> bool:
         """Point the slot of chunk prefix ``nch`` at the owner a lookup should try first.
 
@@ -241,7 +187,7 @@ class Store:
         """
         owners = self.owners.get(digest)
         if not owners:
-            self._index_del(digest)
+            self.arena.index_del(digest)
             return True
         limit = (nch + 1) * self.g.chunk_tokens
         ending = [g for g, n in owners.items() if n < limit]
@@ -249,7 +195,8 @@ class Store:
             gen = max(ending, key=lambda g: (owners[g], -g))
         else:
             gen = min(owners, key=lambda g: (owners[g], g))
-        return self._index_set(digest, self.entries[gen], nch)
+        e = self.entries[gen]
+        return self.arena.index_set(A.Slot(digest, e.offset, e.gen, nch))
 
     # ---------------------------------------------------------------- eviction
     def _evictable(self) -> Iterable[Entry]:
@@ -297,7 +244,7 @@ class Store:
             self.counters.evictions += 1
 
     def _free(self, e: Entry) -> None:
-        self.mm[e.offset : e.offset + 4] = b"\0\0\0\0"  # stale lookups fail fast
+        self.arena.zap_record(e.offset)
         self.alloc.release(e.offset, e.extent)
         del self.entries[e.gen]
 
@@ -342,7 +289,7 @@ class Store:
                 self.set_pinned(e, True)
             self.counters.duplicate_puts += 1
             return e
-        fp_off, tok_off, pay_off, extent = A.record_layout(n_tokens, len(fingerprint), payload_len)
+        *_, extent = A.record_layout(n_tokens, len(fingerprint), payload_len)
         if extent > g.data_size:
             self.counters.rejected_puts += 1
             raise ArenaFullError(
@@ -359,7 +306,7 @@ class Store:
         assert offset is not None
         gen = self._next_gen
         try:
-            view = memoryview(self.mm)[offset + pay_off : offset + pay_off + payload_len]
+            view = self.arena.payload(offset, n_tokens, len(fingerprint), payload_len)
             try:
                 fill(view)
                 ok = xxhash.xxh3_64_intdigest(view) == payload_xxh3
@@ -374,15 +321,9 @@ class Store:
             raise
         self._next_gen += 1
         now = self.clock()
-        self.mm[offset + fp_off : offset + fp_off + len(fingerprint)] = fingerprint
-        self.mm[offset + tok_off : offset + tok_off + len(tok_bytes)] = tok_bytes
         created = time.time()
-        hdr = A.pack_record_header(gen, digests[-1], root, n_tokens, len(digests),
-                                   len(fingerprint), tok_off, pay_off, payload_len,
-                                   payload_xxh3, created)
-        meta = A.meta_checksum(hdr, fingerprint, tok_bytes)
-        self.mm[offset : offset + len(hdr)] = hdr
-        A._U64.pack_into(self.mm, offset + A._META_CSUM_OFF, meta)
+        self.arena.write_record(offset, gen, digests[-1], root, len(digests), fingerprint,
+                                tok_bytes, payload_len, payload_xxh3, created)
         e = Entry(gen, offset, extent, digests[-1], root, n_tokens, payload_len, digests,
                   content, created, pinned=pin, last_used=now)
         self.entries[gen] = e

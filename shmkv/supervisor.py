@@ -243,11 +243,7 @@ class Supervisor:
                 raise
             self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            head = geom.pack()
-            self.mm[: len(head)] = head
-            A._U64.pack_into(self.mm, A._HDR_CSUM_OFF, A.header_checksum(head))
-            A._U64.pack_into(self.mm, A._EPOCH_OFF, 0)
-            A._SEQ.pack_into(self.mm, A._STATE_OFF, A.STATE_LIVE)
+            A.ArenaWriter(self.mm, geom).format()
             os.rename(tmp, self.path)
         except BaseException:
             os.close(fd)
@@ -690,12 +686,7 @@ class Supervisor:
     def _intact(self, e: Any) -> bool:
         """Whether a stored record still passes every check a worker makes."""
         assert self.view is not None
-        try:
-            rec = self.view.read_record(e.offset, e.gen)
-            self.view.verify_meta(rec)
-            return self.view.verify_payload(rec)
-        except ArenaCorruptError:
-            return False
+        return self.view.intact(e.offset, e.gen)
 
     def _op_release(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
         assert self.store is not None
@@ -869,8 +860,8 @@ class Supervisor:
                 self.socket_path.unlink(missing_ok=True)
         if self.mm is not None:
             try:
-                if not self._lost:  # a truncated file would SIGBUS here
-                    A._SEQ.pack_into(self.mm, A._STATE_OFF, A.STATE_CLOSED)
+                if not self._lost and self.store is not None:  # truncated: would SIGBUS
+                    A.ArenaWriter(self.mm, self.store.g).set_state(A.STATE_CLOSED)
             except (ValueError, TypeError):
                 pass
             self.store = None
