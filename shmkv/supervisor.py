@@ -51,6 +51,7 @@ from .errors import (
     ShmSpaceError,
     SupervisorBusy,
 )
+from .stats import ArenaGauges, SupervisorStats, WorkerCounters, add_reported
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,8 @@ class Supervisor:
         self.store: Store | None = None
         self.view: A.ArenaView | None = None
         self.claims = Claims(ttl=settings.claim_timeout)
+        #: sums of the counters workers reported
+        self.reported = WorkerCounters()
         self._wake_r = self._wake_w = -1
         self._old_wakeup: int | None = None
 
@@ -399,7 +402,7 @@ class Supervisor:
             size = os.fstat(self.ro_fd).st_size
         except OSError:
             size = -1
-        if self.store is not None and size < self.store.g.arena_size:
+        if self.store is not None and size < self.store.geometry.arena_size:
             self._lost = True
             log.critical("arena %s was truncated to %d bytes behind our back: exiting so that "
                          "a fresh arena replaces it", self.path, size)
@@ -612,7 +615,7 @@ class Supervisor:
         P.get_int(msg, "pid", 0, 1 << 31, required=False)
         conn.attached = True
         assert self.store is not None
-        g = self.store.g
+        g = self.store.geometry
         return ({"name": self.s.name, "path": str(self.path), "arena_id": g.arena_id,
                  "version": __version__, "supervisor_pid": os.getpid(),
                  "epoch": self.store.epoch}, [self.ro_fd])
@@ -622,7 +625,7 @@ class Supervisor:
 
     def _op_acquire(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
         assert self.store is not None
-        g = self.store.g
+        g = self.store.geometry
         offset = P.get_int(msg, "offset", g.data_offset, g.data_offset + g.data_size)
         gen = P.get_int(msg, "gen", 1)
         lease = self.store.acquire(offset, gen, conn.id)
@@ -635,7 +638,7 @@ class Supervisor:
         stop workers from publishing a good copy over it.
         """
         assert self.store is not None
-        g = self.store.g
+        g = self.store.geometry
         offset = P.get_int(msg, "offset", g.data_offset, g.data_offset + g.data_size)
         gen = P.get_int(msg, "gen", 1)
         e = self.store.entries.get(gen)
@@ -667,7 +670,7 @@ class Supervisor:
         if not live:
             return {"owners": []}, None
         # the digest is chunk prefix k of every record that owns it
-        end = (live[0].digests.index(digest) + 2) * self.store.g.chunk_tokens
+        end = (live[0].digests.index(digest) + 2) * self.store.geometry.chunk_tokens
         ending = [e.gen for e in live if e.n_tokens < end]
         longer = sorted((e.gen for e in live if e.n_tokens >= end), reverse=True)
         picked = ending[:OWNERS_MAX] + longer[:OWNERS_MAX]
@@ -694,7 +697,7 @@ class Supervisor:
         restored = P.get_int(msg, "tokens_restored", 0, A.MAX_TOKENS, required=False, default=0)
         valid = self.store.release(lease, conn.id)
         if valid:
-            self.store.counters.tokens_restored += restored
+            self.reported.tokens_restored += restored
         return {"valid": valid}, None
 
     def _op_put(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
@@ -776,8 +779,7 @@ class Supervisor:
 
     def _op_report(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
         assert self.store is not None
-        for k, v in P.get_counters(msg).items():
-            setattr(self.store.counters, k, getattr(self.store.counters, k) + v)
+        add_reported(self.reported, P.get_counters(msg))
         return {}, None
 
     def _op_worker_exit(self, conn: Conn, msg: dict[str, Any]) -> tuple[dict, None]:
@@ -823,27 +825,20 @@ class Supervisor:
     # ------------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
         assert self.store is not None
-        st, c, g = self.store, self.store.counters, self.store.g
-        live = st.live_entries()
-        return {
-            "name": self.s.name, "pid": os.getpid(), "version": __version__,
-            "arena": str(self.path), "socket": str(self.socket_path),
-            "uptime": round(time.time() - self.started, 3),
-            "entries": len(live), "pinned": sum(1 for e in live if e.pinned),
-            "bytes_used": st.bytes_used(), "bytes_capacity": g.data_size,
-            "bytes_free_largest": st.alloc.largest(), "free_extents": len(st.alloc.extents()),
-            "index_used": len(st.owners), "index_capacity": st.index_capacity,
-            "chunk_tokens": g.chunk_tokens,
-            "hits": c.hits, "misses": c.misses, "tokens_restored": c.tokens_restored,
-            "tokens_evaluated": c.tokens_evaluated, "restore_failures": c.restore_failures,
-            "evictions": c.evictions, "puts": c.puts, "rejected_puts": c.rejected_puts,
-            "duplicate_puts": c.duplicate_puts, "bytes_put": c.bytes_put,
-            "revocations": c.revocations, "stale_acquires": c.stale_acquires,
-            "corrupt_removed": c.corrupt_removed,
-            "leases_active": sum(1 for ls in st.leases.values() if not ls.revoked),
-            "workers_attached": sum(1 for x in self.conns.values() if x.attached),
-            "connections": len(self.conns),
-        }
+        store, g = self.store, self.store.geometry
+        live = store.live_entries()
+        gauges = ArenaGauges(
+            entries=len(live), pinned=sum(1 for e in live if e.pinned),
+            bytes_used=store.bytes_used(), bytes_capacity=g.data_size,
+            bytes_free_largest=store.alloc.largest(), free_extents=len(store.alloc.extents()),
+            index_used=len(store.owners), index_capacity=store.index_capacity,
+            chunk_tokens=g.chunk_tokens, leases_active=store.leases.active(),
+            workers_attached=sum(1 for c in self.conns.values() if c.attached),
+            connections=len(self.conns))
+        return SupervisorStats(
+            name=self.s.name, pid=os.getpid(), version=__version__, arena=str(self.path),
+            socket=str(self.socket_path), uptime=round(time.time() - self.started, 3),
+            gauges=gauges, counters=store.counters, reported=self.reported).to_dict()
 
     # ----------------------------------------------------------------- cleanup
     def cleanup(self, remove: bool = True) -> None:
@@ -861,7 +856,7 @@ class Supervisor:
         if self.mm is not None:
             try:
                 if not self._lost and self.store is not None:  # truncated: would SIGBUS
-                    A.ArenaWriter(self.mm, self.store.g).set_state(A.STATE_CLOSED)
+                    A.ArenaWriter(self.mm, self.store.geometry).set_state(A.STATE_CLOSED)
             except (ValueError, TypeError):
                 pass
             self.store = None
