@@ -282,10 +282,10 @@ class ArenaView:
 
     # -- mutable header words -------------------------------------------------
     def epoch(self) -> int:
-        return _U64.unpack_from(self.mm, _EPOCH_OFF)[0]
+        return int(_U64.unpack_from(self.mm, _EPOCH_OFF)[0])
 
     def state(self) -> int:
-        return _SEQ.unpack_from(self.mm, _STATE_OFF)[0]
+        return int(_SEQ.unpack_from(self.mm, _STATE_OFF)[0])
 
     # -- index ------------------------------------------------------------------
     def read_slot(self, i: int) -> tuple[int, Slot | None]:

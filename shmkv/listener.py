@@ -21,6 +21,7 @@ import struct
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .config import Settings
 from .errors import (
@@ -51,7 +52,7 @@ class Conn:
     #: descriptors received (SCM_RIGHTS) and not yet taken by a put
     fds: list[int] = field(default_factory=list)
     #: replies not yet sent: [data, fds or None] each
-    out: deque = field(default_factory=deque)
+    out: deque[list[Any]] = field(default_factory=deque)
     out_bytes: int = 0
     attached: bool = False
     closing: bool = False
