@@ -1,8 +1,10 @@
-"""The arena: one file in /dev/shm, its byte layout, and the read-only view.
+"""The arena: one file in /dev/shm, its byte layout, read and written.
 
-This module is shared by both sides. The supervisor (``store.py``) is the only
-process that writes these bytes; workers map the file PROT_READ through
-:class:`ArenaView` and never write.
+Imported by every process, and the only module that knows the layout, in both
+directions. Workers (and the supervisor, to re-check records) map the file
+PROT_READ through :class:`ArenaView` and never write. The supervisor, the one
+writer, writes through :class:`ArenaWriter` (``store.py`` for the index and
+records, ``arenafile.py`` for the header); nothing else packs these structs.
 
 Layout (all integers little-endian)::
 
@@ -36,7 +38,7 @@ import hashlib
 import mmap
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +95,7 @@ def chain_digests(root: bytes, tokens: np.ndarray | Sequence[int], chunk: int) -
 
 
 def slot_home(digest: bytes, n_slots: int) -> int:
+    """The slot a digest's linear-probing path starts at."""
     return int.from_bytes(digest[:8], "little") & (n_slots - 1)
 
 
@@ -191,6 +194,25 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+def probe_path(read_slot: Callable[[int], tuple[int, Slot | None]], digest: bytes,
+               n_slots: int) -> tuple[int | None, Slot | None]:
+    """Walk ``digest``'s probe path; the one lookup the view and the writer share.
+
+    ``read_slot(i)`` gives (used flag, slot or None). Returns (i, slot) for the
+    slot holding ``digest``; (i, None) for the first empty slot when it is absent
+    (where an insert goes); (None, None) when the walk hit ``MAX_PROBE``.
+    """
+    i = slot_home(digest, n_slots)
+    for _ in range(min(MAX_PROBE, n_slots)):
+        used, slot = read_slot(i)
+        if not used:
+            return i, None
+        if slot is not None and slot.digest == digest:
+            return i, slot
+        i = (i + 1) & (n_slots - 1)
+    return None, None
+
+
 @dataclass(frozen=True)
 class Record:
     """A validated record header: where its parts are, what it claims to be."""
@@ -220,14 +242,6 @@ def record_layout(n_tokens: int, fp_len: int, payload_len: int) -> tuple[int, in
     tok_off = align(fp_off + fp_len, 8)
     pay_off = align(tok_off + 4 * n_tokens, 64)
     return fp_off, tok_off, pay_off, align(pay_off + payload_len, PAGE)
-
-
-def pack_record_header(gen: int, key: bytes, root: bytes, n_tokens: int, n_chunks: int,
-                       fp_len: int, tok_off: int, pay_off: int, payload_len: int,
-                       payload_xxh3: int, created: float) -> bytes:
-    """Record header without its trailing meta checksum (``meta_checksum`` adds it)."""
-    return _REC.pack(REC_MAGIC, FORMAT_VERSION, 0, gen, key, root, n_tokens, n_chunks,
-                     fp_len, tok_off, pay_off, payload_len, payload_xxh3, 0, created)
 
 
 _META_CSUM_OFF = _REC.size - 16  # the u64 before `created`
@@ -268,10 +282,10 @@ class ArenaView:
 
     # -- mutable header words -------------------------------------------------
     def epoch(self) -> int:
-        return _U64.unpack_from(self.mm, _EPOCH_OFF)[0]
+        return int(_U64.unpack_from(self.mm, _EPOCH_OFF)[0])
 
     def state(self) -> int:
-        return _SEQ.unpack_from(self.mm, _STATE_OFF)[0]
+        return int(_SEQ.unpack_from(self.mm, _STATE_OFF)[0])
 
     # -- index ------------------------------------------------------------------
     def read_slot(self, i: int) -> tuple[int, Slot | None]:
@@ -289,16 +303,7 @@ class ArenaView:
 
     def probe(self, digest: bytes) -> Slot | None:
         """Find ``digest`` in the index; None if absent."""
-        n = self.geometry.index_slots
-        i = slot_home(digest, n)
-        for _ in range(min(MAX_PROBE, n)):
-            used, slot = self.read_slot(i)
-            if not used:
-                return None
-            if slot is not None and slot.digest == digest:
-                return slot
-            i = (i + 1) & (n - 1)
-        return None
+        return probe_path(self.read_slot, digest, self.geometry.index_slots)[1]
 
     def check(self) -> None:
         """Raise ArenaCorruptError if the file shrank under the mapping.
@@ -368,6 +373,15 @@ class ArenaView:
     def verify_payload(self, rec: Record) -> bool:
         return xxhash.xxh3_64_intdigest(self.payload(rec)) == rec.payload_xxh3
 
+    def intact(self, offset: int, gen: int) -> bool:
+        """Whether the record (offset, gen) passes every check a worker makes."""
+        try:
+            rec = self.read_record(offset, gen)
+            self.verify_meta(rec)
+            return self.verify_payload(rec)
+        except ArenaCorruptError:
+            return False
+
     def scan(self) -> list[Slot]:
         """Every used slot (for diagnostics and tests; O(index size))."""
         out = []
@@ -376,3 +390,108 @@ class ArenaView:
             if used and slot is not None:
                 out.append(slot)
         return out
+
+
+class ArenaWriter:
+    """The supervisor's writable side of the layout; runs only there, on its one thread.
+
+    Writes in an order that keeps lock-free readers safe: an index slot changes
+    under its seqlock (odd while written); a record's parts are written before
+    its header, and ``store.py`` points no slot at a record before that.
+    """
+
+    def __init__(self, mm: mmap.mmap, geometry: Geometry) -> None:
+        self.mm = mm
+        self.geometry = geometry
+
+    # -- header -----------------------------------------------------------------
+    def format(self) -> None:
+        """Write a fresh header: the geometry, its checksum, epoch 0, state live."""
+        head = self.geometry.pack()
+        self.mm[: len(head)] = head
+        _U64.pack_into(self.mm, _HDR_CSUM_OFF, header_checksum(head))
+        self.set_epoch(0)
+        self.set_state(STATE_LIVE)
+
+    def set_epoch(self, epoch: int) -> None:
+        _U64.pack_into(self.mm, _EPOCH_OFF, epoch)
+
+    def set_state(self, state: int) -> None:
+        _SEQ.pack_into(self.mm, _STATE_OFF, state)
+
+    # -- index ------------------------------------------------------------------
+    def _slot_off(self, i: int) -> int:
+        return self.geometry.index_offset + i * SLOT_SIZE
+
+    def read_slot(self, i: int) -> tuple[int, Slot | None]:
+        """Slot i as last written (no seqlock: this is the only process writing it)."""
+        _seq, used, digest, roff, rgen, nch = _SLOT.unpack_from(self.mm, self._slot_off(i))
+        return used, (Slot(digest, roff, rgen, nch) if used else None)
+
+    def _write_slot(self, i: int, slot: Slot | None) -> None:
+        off = self._slot_off(i)
+        seq = _SEQ.unpack_from(self.mm, off)[0]
+        odd = (seq + 1) & 0xFFFFFFFF
+        _SEQ.pack_into(self.mm, off, odd)
+        if slot is None:
+            _SLOT.pack_into(self.mm, off, odd, 0, b"\0" * DIGEST_SIZE, 0, 0, 0)
+        else:
+            _SLOT.pack_into(self.mm, off, odd, 1, slot.digest, slot.rec_offset, slot.rec_gen,
+                            slot.n_chunks)
+        _SEQ.pack_into(self.mm, off, (seq + 2) & 0xFFFFFFFF)
+
+    def index_set(self, slot: Slot) -> bool:
+        """Point ``slot.digest`` at its record; False if its probe path has no room."""
+        i, _ = probe_path(self.read_slot, slot.digest, self.geometry.index_slots)
+        if i is None:
+            return False
+        self._write_slot(i, slot)
+        return True
+
+    def index_del(self, digest: bytes) -> None:
+        """Remove ``digest``; later slots of its run move back into the hole (no tombstones)."""
+        n = self.geometry.index_slots
+        hole, found = probe_path(self.read_slot, digest, n)
+        if hole is None or found is None:
+            return
+        self._write_slot(hole, None)
+        j = (hole + 1) & (n - 1)
+        while True:
+            used, slot = self.read_slot(j)
+            if not used or slot is None:
+                return
+            home = slot_home(slot.digest, n)
+            # can the entry at j move into the hole? (its home is not in (hole, j])
+            if (j - home) % n >= (j - hole) % n:
+                self._write_slot(hole, slot)
+                self._write_slot(j, None)
+                hole = j
+            j = (j + 1) & (n - 1)
+
+    # -- records ----------------------------------------------------------------
+    def payload(self, offset: int, n_tokens: int, fp_len: int, payload_len: int) -> memoryview:
+        """Where the payload of the record at ``offset`` goes; filled before ``write_record``."""
+        _, _, pay_off, _ = record_layout(n_tokens, fp_len, payload_len)
+        return memoryview(self.mm)[offset + pay_off : offset + pay_off + payload_len]
+
+    def write_record(self, offset: int, gen: int, key: bytes, root: bytes, n_chunks: int,
+                     fingerprint: bytes, tokens: bytes, payload_len: int, payload_xxh3: int,
+                     created: float) -> None:
+        """Write the fingerprint, token ids and header of a record whose payload is in place.
+
+        ``tokens`` are the raw little-endian int32 ids. The header goes last, with
+        its metadata checksum over header, fingerprint and token ids.
+        """
+        n_tokens = len(tokens) // 4
+        fp_off, tok_off, pay_off, _ = record_layout(n_tokens, len(fingerprint), payload_len)
+        self.mm[offset + fp_off : offset + fp_off + len(fingerprint)] = fingerprint
+        self.mm[offset + tok_off : offset + tok_off + len(tokens)] = tokens
+        hdr = bytearray(_REC.pack(REC_MAGIC, FORMAT_VERSION, 0, gen, key, root, n_tokens,
+                                  n_chunks, len(fingerprint), tok_off, pay_off, payload_len,
+                                  payload_xxh3, 0, created))
+        _U64.pack_into(hdr, _META_CSUM_OFF, meta_checksum(bytes(hdr), fingerprint, tokens))
+        self.mm[offset : offset + len(hdr)] = hdr
+
+    def zap_record(self, offset: int) -> None:
+        """Clear a freed record's magic: a stale lookup fails at the header, not at a checksum."""
+        self.mm[offset : offset + 4] = b"\0\0\0\0"

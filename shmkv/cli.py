@@ -1,4 +1,8 @@
-"""The ``shmkv`` command line (click). Options come from ``config.SETTINGS``."""
+"""The ``shmkv`` command line (click), run in the user's process.
+
+Options come from ``config.SETTINGS``; the numbers ``shmkv stats`` shows are
+the fields of ``stats.SupervisorStats`` (the ``stats`` reply).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,19 @@ from . import __version__
 from .config import SETTINGS, format_size, resolve
 from .errors import ShmkvError
 
-log = logging.getLogger("shmkv")
+#: the rows of `shmkv stats`: a label, and a template over the fields of
+#: ``stats.SupervisorStats`` (plus ``hit_rate``; ``bytes_*`` fields as sizes)
+STATS_ROWS = (
+    ("arena", "{name} ({arena}), supervisor pid {pid}"),
+    ("entries", "{entries} ({pinned} pinned)"),
+    ("used", "{bytes_used} of {bytes_capacity}"),
+    ("hits / misses", "{hits} / {misses} (hit rate {hit_rate})"),
+    ("tokens restored", "{tokens_restored} (evaluated {tokens_evaluated})"),
+    ("puts", "{puts} ({rejected_puts} rejected, {duplicate_puts} dup)"),
+    ("evictions", "{evictions}"),
+    ("workers attached", "{workers_attached}"),
+    ("leases active", "{leases_active}"),
+)
 
 
 def setup_logging(level: str) -> None:
@@ -137,18 +153,9 @@ def stats(config_file: str | None, as_json: bool, **cli: Any) -> None:
         click.echo(json.dumps(st, indent=2, sort_keys=True))
         return
     lookups = st["hits"] + st["misses"]
-    rate = f"{100 * st['hits'] / lookups:.1f}%" if lookups else "n/a"
-    rows = [
-        ("arena", f"{st['name']} ({st['arena']}), supervisor pid {st['pid']}"),
-        ("entries", f"{st['entries']} ({st['pinned']} pinned)"),
-        ("used", f"{format_size(st['bytes_used'])} of {format_size(st['bytes_capacity'])}"),
-        ("hits / misses", f"{st['hits']} / {st['misses']} (hit rate {rate})"),
-        ("tokens restored", f"{st['tokens_restored']} (evaluated {st['tokens_evaluated']})"),
-        ("puts", f"{st['puts']} ({st['rejected_puts']} rejected, {st['duplicate_puts']} dup)"),
-        ("evictions", str(st["evictions"])),
-        ("workers attached", str(st["workers_attached"])),
-        ("leases active", str(st["leases_active"])),
-    ]
+    values = {k: format_size(v) if k.startswith("bytes_") else v for k, v in st.items()}
+    values["hit_rate"] = f"{100 * st['hits'] / lookups:.1f}%" if lookups else "n/a"
+    rows = [(label, template.format_map(values)) for label, template in STATS_ROWS]
     for k, v in rows:
         click.echo(f"{k:>17}: {v}")
 

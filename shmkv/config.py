@@ -1,4 +1,4 @@
-"""The one source of settings.
+"""The one source of settings, read by every shmkv process.
 
 Each setting is declared once below (name, parser, default, help); the CLI
 options, the ``SHMKV_*`` environment variables and the config file keys are
@@ -12,6 +12,7 @@ and never from their own settings.
 
 from __future__ import annotations
 
+import grp
 import os
 import re
 import tomllib
@@ -265,6 +266,16 @@ class Settings:
     @property
     def socket_path(self) -> str:
         return self.values.get("socket") or default_socket_path(self.values["name"])
+
+
+def group_id(group: str | None) -> int | None:
+    """The gid of a ``--group`` value (a group name or number); None without one."""
+    if group is None:
+        return None
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"--group {group!r}: no such group (see `getent group`)") from None
 
 
 def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -1,14 +1,28 @@
-"""The one error tree of shmkv.
+"""The one error tree of shmkv, shared by every process.
 
 Every failure a user can meet is a leaf of :class:`ShmkvError` whose message
 names the setting or command that fixes it. Errors cross the supervisor's
 socket as ``{"code": ..., "message": ...}`` and are rebuilt on the other side
 by :func:`from_wire`, so a worker sees the same class the supervisor raised.
+Each class carries the exit code a command ends with when it fails with it;
+the codes are named once, here.
 """
 
 from __future__ import annotations
 
+import errno
+from pathlib import Path
 from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+EXIT_ARENA_EXISTS = 3
+EXIT_NO_SPACE = 4
+EXIT_UNAVAILABLE = 5
+EXIT_PERMISSION = 6
+#: the supervisor's arena file was truncated under it: restart it with a fresh arena
+EXIT_ARENA_LOST = 7
 
 __all__ = [
     "ShmkvError",
@@ -25,7 +39,6 @@ __all__ = [
     "BadRequest",
     "ChecksumMismatch",
     "NotFound",
-    "LeaseLost",
     "ModelMismatchError",
     "ClosedError",
     "from_wire",
@@ -36,7 +49,7 @@ class ShmkvError(Exception):
     """Root of every shmkv error; ``code`` is its stable wire name."""
 
     code = "error"
-    exit_code = 1
+    exit_code = EXIT_FAILURE
 
     def to_wire(self) -> dict[str, Any]:
         return {"code": self.code, "message": str(self)}
@@ -46,7 +59,7 @@ class ConfigError(ShmkvError):
     """A setting has a value that cannot work."""
 
     code = "config"
-    exit_code = 2
+    exit_code = EXIT_CONFIG
 
 
 class ArenaError(ShmkvError):
@@ -59,7 +72,7 @@ class ArenaExistsError(ArenaError):
     """Another live supervisor already owns this arena name."""
 
     code = "arena_exists"
-    exit_code = 3
+    exit_code = EXIT_ARENA_EXISTS
 
 
 class ArenaFullError(ArenaError):
@@ -78,14 +91,14 @@ class ShmSpaceError(ArenaError):
     """The shared-memory filesystem has less free space than ``--size``."""
 
     code = "shm_space"
-    exit_code = 4
+    exit_code = EXIT_NO_SPACE
 
 
 class SupervisorUnavailable(ShmkvError):
     """No supervisor answers on the socket."""
 
     code = "unavailable"
-    exit_code = 5
+    exit_code = EXIT_UNAVAILABLE
 
 
 class SupervisorBusy(SupervisorUnavailable):
@@ -98,7 +111,7 @@ class PermissionDenied(ShmkvError):
     """The peer may not use this supervisor, or a file mode forbids access."""
 
     code = "permission"
-    exit_code = 6
+    exit_code = EXIT_PERMISSION
 
 
 class ProtocolError(ShmkvError):
@@ -125,12 +138,6 @@ class NotFound(ShmkvError):
     code = "not_found"
 
 
-class LeaseLost(ShmkvError):
-    """A read lease was revoked while the blob was in use: the read is void."""
-
-    code = "lease_lost"
-
-
 class ModelMismatchError(ShmkvError):
     """A cached blob belongs to another model or context configuration."""
 
@@ -153,6 +160,13 @@ def _register(cls: type[ShmkvError]) -> None:
 
 
 _register(ShmkvError)
+
+
+def setup_error(e: OSError, path: Path, setting: str) -> ShmkvError:
+    """An OSError met while creating a file or socket, as one line naming the fix."""
+    msg = (f"cannot create {e.filename or path}: {e.strerror or e}: fix {setting} or the "
+           f"permissions there")
+    return PermissionDenied(msg) if e.errno in (errno.EACCES, errno.EPERM) else ConfigError(msg)
 
 
 def from_wire(obj: Any) -> ShmkvError:

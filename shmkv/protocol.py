@@ -1,4 +1,4 @@
-"""Wire protocol between workers and the supervisor.
+"""Wire protocol between workers and the supervisor; imported on both sides.
 
 Framing, on a SOCK_STREAM Unix socket::
 
@@ -30,14 +30,15 @@ import msgpack
 
 from .arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
 from .errors import BadRequest, ProtocolError
+from .stats import REPORTED
 
 MAX_FRAME = 4 << 20
 _LEN = struct.Struct(">I")
 MAX_U64 = (1 << 64) - 1
 MAX_COUNTER = 1 << 48
 
-#: Counters a worker may report, added to the supervisor's stats.
-REPORTABLE = ("misses", "tokens_restored", "tokens_evaluated", "restore_failures")
+#: Counters a worker may report, added to the supervisor's stats (declared in ``stats.py``).
+REPORTABLE = REPORTED
 
 
 def encode(msg: dict[str, Any]) -> bytes:

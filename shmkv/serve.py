@@ -69,7 +69,7 @@ class Serve:
     """Runs and watches the supervisor and gunicorn."""
 
     def __init__(self, settings: Settings) -> None:
-        self.s = settings
+        self.settings = settings
         self.sup: subprocess.Popen | None = None
         self.gunicorn: subprocess.Popen | None = None
         self.owns_supervisor = False
@@ -83,17 +83,17 @@ class Serve:
             if self.sup.poll() is not None:
                 raise SupervisorUnavailable(
                     f"the supervisor exited with code {self.sup.returncode} (see the line above)")
-            if supervisor_running(self.s):
+            if supervisor_running(self.settings):
                 return
             time.sleep(0.05)
         raise SupervisorUnavailable("the supervisor did not come up within 30 s")
 
     def run(self) -> int:
-        if not self.s.model:
-            self.s.values["model"] = [default_model_path()]
-        env = settings_env(self.s)
-        if supervisor_running(self.s):
-            log.info("using the running supervisor on %s", self.s.socket_path)
+        if not self.settings.model:
+            self.settings.values["model"] = [default_model_path()]
+        env = settings_env(self.settings)
+        if supervisor_running(self.settings):
+            log.info("using the running supervisor on %s", self.settings.socket_path)
         else:
             self._start_supervisor(env)
             self.owns_supervisor = True
@@ -106,8 +106,10 @@ class Serve:
             signal.signal(sig, lambda signum, _f: setattr(self, "_stop", signum))
         self.gunicorn = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", str(conf)],
                                          env=env, preexec_fn=_child_setup)
-        log.info("serving %s on http://%s:%d with %d workers", ", ".join(
-            Path(m).name for m in self.s.model), self.s.host, self.s.port, self.s.workers)
+        settings = self.settings
+        log.info("serving %s on http://%s:%d with %d workers",
+                 ", ".join(Path(m).name for m in settings.model), settings.host, settings.port,
+                 settings.workers)
         backoff = 0.5
         try:
             while self._stop is None:

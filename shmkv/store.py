@@ -1,7 +1,10 @@
-"""The supervisor's side of the arena: allocator, index writes, LRU, pins, leases.
+"""The supervisor's bookkeeping of the arena: records, index owners, LRU, pins, leases.
 
 Runs only in the supervisor, the arena's single writer, on its one thread;
-nothing here takes a lock. What workers may read concurrently is published
+nothing here takes a lock. The bytes are written through
+:class:`~shmkv.arena.ArenaWriter`, space comes from
+:class:`~shmkv.allocator.Allocator`, leases are kept in
+:class:`~shmkv.leases.Leases`. What workers may read concurrently is published
 in an order that keeps their reads safe:
 
 * a record is written in full (payload, checksum verified, then token ids,
@@ -23,79 +26,25 @@ a put or a lease (a hit by any worker).
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from mmap import mmap
 
 import numpy as np
 import xxhash
 
-from . import arena as A
+from .allocator import Allocator
+from .arena import ArenaWriter, Geometry, Slot, chain_digests, record_layout
 from .config import format_size
 from .errors import ArenaFullError, BadRequest, ChecksumMismatch, NotFound
+from .leases import Leases
+from .stats import ArenaCounters
 
 log = logging.getLogger(__name__)
-
-
-class Allocator:
-    """Best-fit allocator over [start, start+size) with address-ordered coalescing."""
-
-    def __init__(self, start: int, size: int) -> None:
-        self.start, self.size = start, size
-        self._starts: list[int] = [start]
-        self._len: dict[int, int] = {start: size}
-        self.free_bytes = size
-
-    def alloc(self, n: int) -> int | None:
-        best, best_len = None, None
-        for off in self._starts:
-            ln = self._len[off]
-            if ln >= n and (best_len is None or ln < best_len):
-                best, best_len = off, ln
-                if ln == n:
-                    break
-        if best is None or best_len is None:
-            return None
-        i = bisect.bisect_left(self._starts, best)
-        del self._starts[i]
-        del self._len[best]
-        if best_len > n:
-            self._starts.insert(i, best + n)
-            self._len[best + n] = best_len - n
-        self.free_bytes -= n
-        return best
-
-    def release(self, off: int, n: int) -> None:
-        if not (self.start <= off and off + n <= self.start + self.size) or n <= 0:
-            raise ValueError(f"release of [{off}, {off + n}) outside the heap")
-        i = bisect.bisect_left(self._starts, off)
-        if i < len(self._starts) and self._starts[i] < off + n:
-            raise ValueError(f"double free of [{off}, {off + n})")
-        if i > 0:
-            prev = self._starts[i - 1]
-            if prev + self._len[prev] > off:
-                raise ValueError(f"double free of [{off}, {off + n})")
-        self.free_bytes += n
-        # merge with the next extent
-        if i < len(self._starts) and self._starts[i] == off + n:
-            n += self._len.pop(self._starts[i])
-            del self._starts[i]
-        # merge with the previous extent
-        if i > 0 and self._starts[i - 1] + self._len[self._starts[i - 1]] == off:
-            self._len[self._starts[i - 1]] += n
-            return
-        self._starts.insert(i, off)
-        self._len[off] = n
-
-    def largest(self) -> int:
-        return max(self._len.values(), default=0)
-
-    def extents(self) -> list[tuple[int, int]]:
-        return [(o, self._len[o]) for o in self._starts]
 
 
 @dataclass
@@ -119,118 +68,40 @@ class Entry:
     doomed: bool = False
 
 
-@dataclass
-class Lease:
-    gen: int
-    owner: int
-    granted: float
-    revoked: bool = False
-
-
-@dataclass
-class Counters:
-    puts: int = 0
-    rejected_puts: int = 0
-    duplicate_puts: int = 0
-    evictions: int = 0
-    hits: int = 0
-    misses: int = 0
-    tokens_restored: int = 0
-    tokens_evaluated: int = 0
-    restore_failures: int = 0
-    revocations: int = 0
-    stale_acquires: int = 0
-    corrupt_removed: int = 0
-    bytes_put: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
-
-
 class Store:
     """Single-writer state of one arena mapping (writable, supervisor only)."""
 
-    def __init__(self, mm, geometry: A.Geometry, lease_timeout: float = 30.0,
+    def __init__(self, mm: mmap, geometry: Geometry, lease_timeout: float = 30.0,
                  clock: Callable[[], float] = time.monotonic,
                  intact: Callable[[Entry], bool] | None = None) -> None:
-        self.mm = mm
+        self.arena = ArenaWriter(mm, geometry)
         #: re-checks a stored record (header, metadata and payload checksums); a put of
         #: the same content replaces a copy that fails it
         self.intact = intact
-        self.g = geometry
+        self.geometry = geometry
         self.lease_timeout = lease_timeout
         self.clock = clock
         self.alloc = Allocator(geometry.data_offset, geometry.data_size)
         self.entries: dict[int, Entry] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()
+        #: chunk digest -> {gen: n_tokens} of every live record indexed under it
         self.owners: dict[bytes, dict[int, int]] = {}
         self.by_content: dict[bytes, int] = {}
-        self.leases: dict[int, Lease] = {}
+        self.leases = Leases()
         self.index_capacity = geometry.index_slots // 2
-        self.counters = Counters()
+        self.counters = ArenaCounters()
         self._next_gen = 1
-        self._next_lease = 1
         self._epoch = 0
 
-    # ------------------------------------------------------------------ header
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
     def _bump_epoch(self) -> None:
         self._epoch += 1
-        A._U64.pack_into(self.mm, A._EPOCH_OFF, self._epoch)
+        self.arena.set_epoch(self._epoch)
 
     # ------------------------------------------------------------------- index
-    def _slot_off(self, i: int) -> int:
-        return self.g.index_offset + i * A.SLOT_SIZE
-
-    def _slot_write(self, i: int, used: int, digest: bytes, roff: int, rgen: int, nch: int) -> None:
-        off = self._slot_off(i)
-        seq = A._SEQ.unpack_from(self.mm, off)[0]
-        A._SEQ.pack_into(self.mm, off, (seq + 1) & 0xFFFFFFFF)
-        A._SLOT.pack_into(self.mm, off, (seq + 1) & 0xFFFFFFFF, used, digest, roff, rgen, nch)
-        A._SEQ.pack_into(self.mm, off, (seq + 2) & 0xFFFFFFFF)
-
-    def _slot_read(self, i: int) -> tuple[int, bytes, int, int, int]:
-        _seq, used, digest, roff, rgen, nch = A._SLOT.unpack_from(self.mm, self._slot_off(i))
-        return used, digest, roff, rgen, nch
-
-    def _find_slot(self, digest: bytes) -> tuple[int | None, int | None]:
-        """(slot holding digest, first empty slot on its probe path)."""
-        n = self.g.index_slots
-        i = A.slot_home(digest, n)
-        for _ in range(min(A.MAX_PROBE, n)):
-            used, d, *_ = self._slot_read(i)
-            if not used:
-                return None, i
-            if d == digest:
-                return i, None
-            i = (i + 1) & (n - 1)
-        return None, None
-
-    def _index_set(self, digest: bytes, entry: Entry, nch: int) -> bool:
-        found, empty = self._find_slot(digest)
-        target = found if found is not None else empty
-        if target is None:
-            return False
-        self._slot_write(target, 1, digest, entry.offset, entry.gen, nch)
-        return True
-
-    def _index_del(self, digest: bytes) -> None:
-        found, _ = self._find_slot(digest)
-        if found is None:
-            return
-        n = self.g.index_slots
-        hole = found
-        self._slot_write(hole, 0, b"\0" * A.DIGEST_SIZE, 0, 0, 0)
-        j = (hole + 1) & (n - 1)
-        while True:
-            used, d, roff, rgen, nch = self._slot_read(j)
-            if not used:
-                return
-            home = A.slot_home(d, n)
-            # can the entry at j move into the hole? (its home is not in (hole, j])
-            if (j - home) % n >= (j - hole) % n:
-                self._slot_write(hole, 1, d, roff, rgen, nch)
-                self._slot_write(j, 0, b"\0" * A.DIGEST_SIZE, 0, 0, 0)
-                hole = j
-            j = (j + 1) & (n - 1)
-
     def _point(self, digest: bytes, nch: int) -> bool:
         """Point the slot of chunk prefix ``nch`` at the owner a lookup should try first.
 
@@ -241,15 +112,16 @@ class Store:
         """
         owners = self.owners.get(digest)
         if not owners:
-            self._index_del(digest)
+            self.arena.index_del(digest)
             return True
-        limit = (nch + 1) * self.g.chunk_tokens
+        limit = (nch + 1) * self.geometry.chunk_tokens
         ending = [g for g, n in owners.items() if n < limit]
         if ending:
             gen = max(ending, key=lambda g: (owners[g], -g))
         else:
             gen = min(owners, key=lambda g: (owners[g], g))
-        return self._index_set(digest, self.entries[gen], nch)
+        e = self.entries[gen]
+        return self.arena.index_set(Slot(digest, e.offset, e.gen, nch))
 
     # ---------------------------------------------------------------- eviction
     def _evictable(self) -> Iterable[Entry]:
@@ -260,20 +132,13 @@ class Store:
 
     def _revoke_stale_leases(self) -> bool:
         """Revoke leases older than lease_timeout; True if any was revoked."""
-        now = self.clock()
-        stale = [lid for lid, ls in self.leases.items()
-                 if not ls.revoked and now - ls.granted > self.lease_timeout]
+        stale = self.leases.stale(self.clock(), self.lease_timeout)
         if not stale:
             return False
         self._bump_epoch()  # before any revoked space can be written
-        for lid in stale:
-            ls = self.leases[lid]
-            ls.revoked = True
-            e = self.entries.get(ls.gen)
-            if e is not None:
-                e.leases -= 1
-                if e.doomed and e.leases == 0:
-                    self._free(e)
+        for grant in stale:
+            grant.revoked = True
+            self._unlease(grant.gen)
         self.counters.revocations += len(stale)
         log.warning("revoked %d read lease(s) held longer than %.0fs", len(stale),
                     self.lease_timeout)
@@ -297,7 +162,7 @@ class Store:
             self.counters.evictions += 1
 
     def _free(self, e: Entry) -> None:
-        self.mm[e.offset : e.offset + 4] = b"\0\0\0\0"  # stale lookups fail fast
+        self.arena.zap_record(e.offset)
         self.alloc.release(e.offset, e.extent)
         del self.entries[e.gen]
 
@@ -318,48 +183,54 @@ class Store:
             self._free(e)
 
     # --------------------------------------------------------------------- put
+    def _duplicate(self, content: bytes, pin: bool) -> Entry | None:
+        """The live, intact record of the same content (touched), if there is one."""
+        dup = self.by_content.get(content)
+        if dup is None:
+            return None
+        e = self.entries[dup]
+        if self.intact is not None and not self.intact(e):
+            # a worker that found the old copy corrupt publishes a good one: take it
+            log.warning("replacing corrupt record %d with a new copy", dup)
+            self.remove(e)
+            self.counters.corrupt_removed += 1
+            return None
+        self._touch(e)
+        if pin:
+            self.set_pinned(e, True)
+        self.counters.duplicate_puts += 1
+        return e
+
     def put(self, root: bytes, tokens: np.ndarray, fingerprint: bytes, payload_len: int,
             payload_xxh3: int, fill: Callable[[memoryview], None], pin: bool = False) -> Entry:
         """Store one blob; ``fill`` writes exactly ``payload_len`` bytes into the view."""
-        g = self.g
+        g = self.geometry
         n_tokens = len(tokens)
         if n_tokens < g.chunk_tokens:
             raise BadRequest(f"a blob needs at least chunk_tokens={g.chunk_tokens} tokens, "
                              f"got {n_tokens}")
         tok_bytes = tokens.astype("<i4", copy=False).tobytes()
         content = hashlib.blake2b(root + fingerprint + tok_bytes, digest_size=16).digest()
-        dup = self.by_content.get(content)
-        if dup is not None and self.intact is not None and not self.intact(self.entries[dup]):
-            # a worker that found the old copy corrupt publishes a good one: take it
-            log.warning("replacing corrupt record %d with a new copy", dup)
-            self.remove(self.entries[dup])
-            self.counters.corrupt_removed += 1
-            dup = None
+        dup = self._duplicate(content, pin)
         if dup is not None:
-            e = self.entries[dup]
-            self._touch(e)
-            if pin:
-                self.set_pinned(e, True)
-            self.counters.duplicate_puts += 1
-            return e
-        fp_off, tok_off, pay_off, extent = A.record_layout(n_tokens, len(fingerprint), payload_len)
+            return dup
+        *_, extent = record_layout(n_tokens, len(fingerprint), payload_len)
         if extent > g.data_size:
             self.counters.rejected_puts += 1
             raise ArenaFullError(
                 f"a {format_size(payload_len)} blob can never fit in this arena's "
                 f"{format_size(g.data_size)} data region: restart `shmkv supervise` "
                 f"with a larger --size")
-        digests = A.chain_digests(root, tokens, g.chunk_tokens)
+        digests = chain_digests(root, tokens, g.chunk_tokens)
         if len(digests) > self.index_capacity or not self._make_room(extent, digests):
             self.counters.rejected_puts += 1
             raise ArenaFullError(
                 "the arena is full of pinned or in-use entries: unpin some, or restart "
                 "`shmkv supervise` with a larger --size (or --index-slots)")
         offset = self.alloc.alloc(extent)
-        assert offset is not None
-        gen = self._next_gen
+        assert offset is not None  # _make_room made room
         try:
-            view = memoryview(self.mm)[offset + pay_off : offset + pay_off + payload_len]
+            view = self.arena.payload(offset, n_tokens, len(fingerprint), payload_len)
             try:
                 fill(view)
                 ok = xxhash.xxh3_64_intdigest(view) == payload_xxh3
@@ -372,19 +243,13 @@ class Store:
             self.counters.rejected_puts += 1
             self.alloc.release(offset, extent)
             raise
+        gen = self._next_gen
         self._next_gen += 1
-        now = self.clock()
-        self.mm[offset + fp_off : offset + fp_off + len(fingerprint)] = fingerprint
-        self.mm[offset + tok_off : offset + tok_off + len(tok_bytes)] = tok_bytes
         created = time.time()
-        hdr = A.pack_record_header(gen, digests[-1], root, n_tokens, len(digests),
-                                   len(fingerprint), tok_off, pay_off, payload_len,
-                                   payload_xxh3, created)
-        meta = A.meta_checksum(hdr, fingerprint, tok_bytes)
-        self.mm[offset : offset + len(hdr)] = hdr
-        A._U64.pack_into(self.mm, offset + A._META_CSUM_OFF, meta)
+        self.arena.write_record(offset, gen, digests[-1], root, len(digests), fingerprint,
+                                tok_bytes, payload_len, payload_xxh3, created)
         e = Entry(gen, offset, extent, digests[-1], root, n_tokens, payload_len, digests,
-                  content, created, pinned=pin, last_used=now)
+                  content, created, pinned=pin, last_used=self.clock())
         self.entries[gen] = e
         self.by_content[content] = gen
         for k, d in enumerate(digests, 1):
@@ -404,15 +269,21 @@ class Store:
         if e.gen in self.lru:
             self.lru.move_to_end(e.gen)
 
+    def _unlease(self, gen: int) -> None:
+        """One lease of record ``gen`` ended: free it if it was doomed and that was the last."""
+        e = self.entries.get(gen)
+        if e is not None:
+            e.leases -= 1
+            if e.doomed and e.leases == 0:
+                self._free(e)
+
     def acquire(self, offset: int, gen: int, owner: int) -> int:
         """Grant a read lease on the live record (offset, gen); returns the lease id."""
         e = self.entries.get(gen)
         if e is None or e.doomed or e.offset != offset:
             self.counters.stale_acquires += 1
             raise NotFound(f"record {gen} at {offset} is no longer in the arena")
-        lid = self._next_lease
-        self._next_lease += 1
-        self.leases[lid] = Lease(gen, owner, self.clock())
+        lid = self.leases.grant(gen, owner, self.clock())
         e.leases += 1
         e.hits += 1
         self.counters.hits += 1
@@ -421,22 +292,18 @@ class Store:
 
     def release(self, lid: int, owner: int) -> bool:
         """End a lease; False if it was revoked meanwhile (the read must be discarded)."""
-        ls = self.leases.get(lid)
-        if ls is None or ls.owner != owner:
+        grant = self.leases.get(lid)
+        if grant is None or grant.owner != owner:
             raise NotFound(f"no lease {lid} held by this connection")
         del self.leases[lid]
-        if ls.revoked:
+        if grant.revoked:
             return False
-        e = self.entries.get(ls.gen)
-        if e is not None:
-            e.leases -= 1
-            if e.doomed and e.leases == 0:
-                self._free(e)
+        self._unlease(grant.gen)
         return True
 
     def release_owner(self, owner: int) -> int:
         """Drop every lease of ``owner`` (its connection closed); returns how many."""
-        lids = [lid for lid, ls in self.leases.items() if ls.owner == owner]
+        lids = self.leases.of_owner(owner)
         if any(not self.leases[lid].revoked for lid in lids):
             # The owner's process may still be reading (another thread, or a client that
             # dropped this connection after a timeout): like a revocation, bump the epoch
@@ -445,10 +312,6 @@ class Store:
         for lid in lids:
             self.release(lid, owner)
         return len(lids)
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
 
     # ----------------------------------------------------------- pins & clear
     def set_pinned(self, e: Entry, pinned: bool) -> None:
@@ -469,9 +332,9 @@ class Store:
             self.remove(e)
         return len(live)
 
-    # ------------------------------------------------------------------- stats
+    # ------------------------------------------------------------------ gauges
     def bytes_used(self) -> int:
-        return self.g.data_size - self.alloc.free_bytes
+        return self.geometry.data_size - self.alloc.free_bytes
 
     def live_entries(self) -> list[Entry]:
         return [e for e in self.entries.values() if not e.doomed]

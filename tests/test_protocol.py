@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from shmkv import arena as A
 from shmkv import protocol as P
 from shmkv.errors import ArenaFullError, BadRequest, NotFound
-from shmkv.supervisor import Supervisor
+from shmkv.ops import OPS
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -487,7 +487,7 @@ _values = st.one_of(
                     st.one_of(st.integers(-5, 1 << 50), st.text(max_size=3)), max_size=3),
 )
 _requests = st.fixed_dictionaries(
-    {"op": st.one_of(st.sampled_from(sorted(Supervisor._HANDLERS)), st.text(max_size=8))},
+    {"op": st.one_of(st.sampled_from(sorted(OPS)), st.text(max_size=8))},
     optional={"id": st.one_of(st.integers(0, 1 << 20), _values),
               **{f: _values for f in _FIELDS}},
 )

@@ -92,12 +92,8 @@ class ArenaFile:
 
 
 def write_header(mm: mmap.mmap, geometry: A.Geometry) -> None:
-    """The header the supervisor writes (Supervisor._create_arena), checksum included."""
-    head = geometry.pack()
-    mm[: len(head)] = head
-    A._U64.pack_into(mm, A._HDR_CSUM_OFF, A.header_checksum(head))
-    A._U64.pack_into(mm, A._EPOCH_OFF, 0)
-    A._SEQ.pack_into(mm, A._STATE_OFF, A.STATE_LIVE)
+    """The header the supervisor writes (ArenaFile.create), checksum included."""
+    A.ArenaWriter(mm, geometry).format()
 
 
 def payload_for(root: bytes, tokens: np.ndarray, size: int) -> bytes:

@@ -1,0 +1,198 @@
+"""The arena file's life in the supervisor: name lock, leftovers, creation, removal.
+
+Runs in the supervisor only. Start-up order: take the name's lock file (flock,
+released by the kernel if we die, so a killed supervisor's name is simply
+taken over), remove the arena and temporary files a killed predecessor left,
+check and reserve the arena's space with ``posix_fallocate`` (a full tmpfs
+fails here, never with SIGBUS later), write the header, publish the file by
+rename, and open the read-only descriptor every worker is handed. The bytes
+are written through :class:`~shmkv.arena.ArenaWriter`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import time
+from pathlib import Path
+
+from .arena import STATE_CLOSED, ArenaWriter, Geometry
+from .config import Settings, format_size
+from .errors import ArenaExistsError, ConfigError, ShmSpaceError, setup_error
+
+log = logging.getLogger(__name__)
+
+
+def arena_path(settings: Settings) -> Path:
+    """Where the arena of ``settings.name`` lives: ``--dir``/shmkv-NAME."""
+    return Path(settings.dir) / f"shmkv-{settings.name}"
+
+
+class ArenaFile:
+    """The lock file, the arena file with its writable mapping, and the read-only fd."""
+
+    def __init__(self, settings: Settings, gid: int | None) -> None:
+        self.settings = settings
+        self.path = arena_path(settings)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self.gid = gid
+        self.file_mode = 0o660 if gid is not None else 0o600
+        self.lock_fd = -1
+        #: the descriptor handed to every worker: it cannot be mapped writable
+        self.ro_fd = -1
+        self.mm: mmap.mmap | None = None
+        self.geometry: Geometry | None = None
+        #: the file was truncated under the mapping: never write to it again
+        self.lost = False
+
+    # ------------------------------------------------------------------ set-up
+    def lock(self) -> None:
+        """Take the name's lock; ArenaExistsError if a live supervisor holds it."""
+        try:
+            self._take_lock()
+        except OSError as e:
+            raise setup_error(e, self.lock_path, "--dir") from None
+
+    def _take_lock(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.file_mode)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    other = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                finally:
+                    os.close(fd)
+                raise ArenaExistsError(
+                    f"a supervisor (pid {other}) already owns arena {self.settings.name!r}: "
+                    f"stop it, or pick another --name/SHMKV_NAME") from None
+            # the lock file may have been unlinked and recreated between open and flock
+            try:
+                same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                self.lock_fd = fd
+                return
+            os.close(fd)
+
+    def _remove_leftovers(self) -> None:
+        """Remove the arena and half-made arena files of a killed predecessor.
+
+        We hold the name's lock, so no live supervisor owns them. Unlinking the stale
+        arena before the space check means a restart needs room for one arena, not two
+        (workers still mapping it keep its pages only until they reattach).
+        """
+        tmp = re.compile(rf"{re.escape(self.path.name)}\.\d+\.tmp")
+        for p in self.path.parent.iterdir():
+            if p == self.path or tmp.fullmatch(p.name):
+                p.unlink(missing_ok=True)
+                log.info("removed %s, left by a supervisor that did not stop cleanly", p)
+
+    def create(self) -> Geometry:
+        """Create, reserve, format and publish the arena (we hold the lock)."""
+        try:
+            return self._create()
+        except OSError as e:
+            raise setup_error(e, self.path, "--dir") from None
+
+    def _create(self) -> Geometry:
+        self._remove_leftovers()
+        size = self.settings.size
+        st = os.statvfs(self.path.parent)
+        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+        if size > free:
+            raise ShmSpaceError(
+                f"--size {format_size(size)} does not fit in {self.path.parent}: only "
+                f"{format_size(free)} free of {format_size(total)}. Lower --size, free space "
+                f"there, or enlarge the tmpfs (Docker: --shm-size)")
+        try:
+            geom = Geometry.plan(size, self.settings.chunk_tokens, self.settings.index_slots)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        geom = dataclasses.replace(geom, created=time.time())
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.file_mode)
+        try:
+            if self.gid is not None:
+                os.fchown(fd, -1, self.gid)
+                os.fchmod(fd, self.file_mode)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                    st = os.statvfs(self.path.parent)
+                    raise ShmSpaceError(
+                        f"cannot reserve --size {format_size(size)} in {self.path.parent} "
+                        f"({format_size(st.f_bavail * st.f_frsize)} free): lower --size or "
+                        f"enlarge the tmpfs (Docker: --shm-size)") from None
+                raise
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            ArenaWriter(self.mm, geom).format()
+            self.geometry = geom
+            os.rename(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.ro_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        log.info("arena %s: %s, %d index slots, data %s, chunk %d tokens", self.path,
+                 format_size(size), geom.index_slots, format_size(geom.data_size),
+                 geom.chunk_tokens)
+        return geom
+
+    # ------------------------------------------------------------------- watch
+    def intact(self) -> bool:
+        """False (and a log line) if the arena file shrank: writing to it would SIGBUS.
+
+        The supervisor then exits with EXIT_ARENA_LOST; systemd or `shmkv serve`
+        restarts it with a fresh arena and workers reattach (cold meanwhile).
+        """
+        try:
+            size = os.fstat(self.ro_fd).st_size
+        except OSError:
+            size = -1
+        if self.geometry is not None and size < self.geometry.arena_size:
+            self.lost = True
+            log.critical("arena %s was truncated to %d bytes behind our back: exiting so that "
+                         "a fresh arena replaces it", self.path, size)
+            return False
+        return True
+
+    # ----------------------------------------------------------------- cleanup
+    def close(self, remove: bool = True) -> None:
+        """Mark the arena closed for its readers, unmap it, release the name.
+
+        ``remove``: also unlink the arena and lock files (not with ``--keep``).
+        """
+        if self.mm is not None:
+            try:
+                if not self.lost and self.geometry is not None:  # truncated: would SIGBUS
+                    ArenaWriter(self.mm, self.geometry).set_state(STATE_CLOSED)
+            except (ValueError, TypeError):
+                pass
+            try:
+                self.mm.close()
+            except BufferError:
+                pass
+            self.mm = None
+            if remove:
+                self.path.unlink(missing_ok=True)
+        if self.ro_fd >= 0:
+            os.close(self.ro_fd)
+            self.ro_fd = -1
+        if self.lock_fd >= 0:
+            if remove:
+                self.lock_path.unlink(missing_ok=True)
+            os.close(self.lock_fd)
+            self.lock_fd = -1

@@ -1,0 +1,208 @@
+"""The supervisor's Unix socket: bind, stale-socket takeover, accept, peer credentials.
+
+Runs in the supervisor only. ``bind`` creates the socket's directory, takes
+over a socket nobody answers on (a killed supervisor's), refuses to start over
+a live one, and binds under a temporary name renamed into place once
+listening, with mode 0600 (0660 and the group with ``--group``). ``accept``
+checks each peer's credentials with SO_PEERCRED before anything is read from
+it; a refused peer gets one error frame and is closed. What a peer may do once
+accepted is declared per op in ``ops.py``.
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import pwd
+import socket
+import stat
+import struct
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import Settings
+from .errors import (
+    ArenaExistsError,
+    ConfigError,
+    PermissionDenied,
+    ShmkvError,
+    SupervisorBusy,
+    setup_error,
+)
+from .protocol import FrameBuffer, send_msg
+
+log = logging.getLogger(__name__)
+
+_PEERCRED = struct.Struct("3i")
+
+
+@dataclass
+class Conn:
+    """One accepted peer: who it is (SO_PEERCRED) and its connection's I/O state."""
+
+    sock: socket.socket
+    id: int
+    pid: int
+    uid: int
+    gid: int
+    frames: FrameBuffer = field(default_factory=FrameBuffer)
+    #: descriptors received (SCM_RIGHTS) and not yet taken by a put
+    fds: list[int] = field(default_factory=list)
+    #: replies not yet sent: [data, fds or None] each
+    out: deque[list[Any]] = field(default_factory=deque)
+    out_bytes: int = 0
+    attached: bool = False
+    closing: bool = False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class Listener:
+    """The listening socket, and the credential check of every peer it accepts."""
+
+    def __init__(self, settings: Settings, gid: int | None) -> None:
+        self.path = Path(settings.socket_path)
+        self.name = settings.name
+        self.max_connections = settings.max_connections
+        self.gid = gid
+        self.file_mode = 0o660 if gid is not None else 0o600
+        self.sock: socket.socket | None = None
+        self._next_id = 1
+
+    def bind(self) -> socket.socket:
+        """Bind and listen (non-blocking); ShmkvError naming the fix on failure."""
+        try:
+            self.sock = self._bind()
+        except OSError as e:
+            raise setup_error(e, self.path, "--socket") from None
+        return self.sock
+
+    def _take_over_stale(self) -> None:
+        path = self.path
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ConfigError(f"{path} exists and is not a socket: remove it or set --socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            log.info("taking over stale socket %s", path)
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot check existing socket {path}: {e}") from None
+        else:
+            raise ArenaExistsError(
+                f"another supervisor is listening on {path}: stop it, or set a different "
+                f"--socket/SHMKV_SOCKET")
+        finally:
+            probe.close()
+
+    def _bind(self) -> socket.socket:
+        path = self.path
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True, mode=0o750 if self.gid is not None else 0o700)
+            if self.gid is not None:
+                os.chown(path.parent, -1, self.gid)
+        if path.exists() or path.is_symlink():
+            self._take_over_stale()
+        for p in path.parent.iterdir():  # temporary sockets of killed supervisors
+            pid = p.name[len(path.name) + 2:]
+            if p.name.startswith(f".{path.name}.") and pid.isdigit() and not _alive(int(pid)):
+                p.unlink(missing_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        # Bind under a temporary name and rename it into place once listening, so the
+        # path never names a socket that refuses connections (a worker racing start-up,
+        # or another supervisor probing for a stale socket, would see ECONNREFUSED).
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        if len(os.fsencode(str(tmp))) > 107:  # AF_UNIX path limit: bind in place
+            tmp = path
+        old = os.umask(0o777 ^ self.file_mode)
+        bound = False
+        try:
+            sock.bind(str(tmp))
+            bound = True
+            if self.gid is not None:
+                os.chown(tmp, -1, self.gid)
+            os.chmod(tmp, self.file_mode)
+            sock.listen(128)
+            if tmp != path:
+                os.rename(tmp, path)
+        except BaseException:
+            sock.close()
+            if bound:
+                tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            os.umask(old)
+        sock.setblocking(False)
+        return sock
+
+    def accept(self, n_open: int) -> Conn | None:
+        """Accept one peer if it may connect (``n_open``: connections already open)."""
+        assert self.sock is not None, "accept before bind"
+        try:
+            sock, _ = self.sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as e:  # EMFILE and friends: keep serving the others
+            log.error("accept failed: %s", e)
+            return None
+        sock.setblocking(False)
+        pid, uid, gid = _PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        refusal: ShmkvError | None = None
+        if not self.allowed(uid, gid):
+            refusal = PermissionDenied(
+                f"uid {uid} may not use shmkv arena {self.name!r} (owned by uid "
+                f"{os.geteuid()}): run as that user or start the supervisor with --group")
+            log.warning("refused pid %d uid %d: not allowed", pid, uid)
+        elif n_open >= self.max_connections:
+            refusal = SupervisorBusy(
+                f"supervisor connection limit ({self.max_connections}) reached: this worker "
+                f"runs without the cache; raise --max-connections")
+            log.warning("refused pid %d: connection limit %d reached", pid,
+                        self.max_connections)
+        if refusal is not None:
+            try:
+                sock.setblocking(True)
+                sock.settimeout(0.5)
+                send_msg(sock, {"ok": False, "id": 0, "error": refusal.to_wire()})
+            except OSError:
+                pass
+            sock.close()
+            return None
+        conn = Conn(sock, self._next_id, pid, uid, gid)
+        self._next_id += 1
+        return conn
+
+    def allowed(self, uid: int, gid: int) -> bool:
+        """Whether a peer of these credentials may connect: our uid, or ``--group``."""
+        if uid == os.geteuid():
+            return True
+        if self.gid is None:
+            return False
+        if gid == self.gid:
+            return True
+        try:
+            return pwd.getpwuid(uid).pw_name in grp.getgrgid(self.gid).gr_mem
+        except KeyError:
+            return False
+
+    def close(self, remove: bool = True) -> None:
+        if self.sock is None:
+            return
+        self.sock.close()
+        self.sock = None
+        if remove:
+            self.path.unlink(missing_ok=True)

@@ -1,0 +1,352 @@
+"""The supervisor's ops: every request a peer can make, declared once.
+
+Runs in the supervisor, on its one thread. Each op is registered with
+:func:`op`: its name on the wire, its handler, whether the peer must have
+attached first, and the :class:`Privilege` it needs. ``Supervisor`` looks the
+op up, enforces those two, checks the arena is still intact, and calls the
+handler with the :class:`Context` (what the supervisor owns) and the
+connection. A handler validates every field it reads (``protocol.get_*``) and
+returns ``(reply, fds)``: the reply fields and the descriptors to send with
+them, or ``(None, None)`` when the reply comes later (a claim that waits).
+
+A new op is one function here.
+"""
+
+from __future__ import annotations
+
+import enum
+import fcntl
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from .arena import MAX_TOKENS, ArenaView, common_prefix
+from .arenafile import ArenaFile
+from .claims import GO, Claims, Waiter
+from .config import Settings
+from .errors import ArenaCorruptError, BadRequest
+from .listener import Conn
+from .protocol import (
+    MAX_U64,
+    get_bool,
+    get_counters,
+    get_digest,
+    get_digests,
+    get_fingerprint,
+    get_float,
+    get_int,
+    get_tokens,
+)
+from .stats import ArenaGauges, SupervisorStats, WorkerCounters, add_reported
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+#: records returned (and, of each kind, compared) per ``owners`` request
+OWNERS_MAX = 32
+
+Reply = tuple[dict[str, Any] | None, list[int] | None]
+
+
+class Privilege(enum.Enum):
+    """What a peer must be to use an op, on top of the listener's credential check."""
+
+    #: any peer the listener accepted (our uid, or a member of ``--group``)
+    ANY = "any"
+
+    def permits(self, conn: Conn) -> bool:
+        return self is Privilege.ANY
+
+
+@dataclass
+class Context:
+    """What handlers work with: built once the arena exists, so the store is always there."""
+
+    settings: Settings
+    arena: ArenaFile
+    store: Store
+    #: a read-only view of the arena, to check records as a worker would
+    view: ArenaView
+    claims: Claims
+    #: sums of the counters workers reported
+    reported: WorkerCounters
+    socket_path: Path
+    started: float
+    conns: dict[int, Conn]
+    #: send the replies of waiters whose claims ended
+    wake: Callable[[list[tuple[Waiter, str]]], None]
+    close: Callable[[Conn, str], None]
+    #: raise ArenaCorruptError (and stop the supervisor) if the arena file was truncated
+    check_arena: Callable[[], None]
+
+    def stats(self) -> SupervisorStats:
+        store, g = self.store, self.store.geometry
+        live = store.live_entries()
+        gauges = ArenaGauges(
+            entries=len(live), pinned=sum(1 for e in live if e.pinned),
+            bytes_used=store.bytes_used(), bytes_capacity=g.data_size,
+            bytes_free_largest=store.alloc.largest(), free_extents=len(store.alloc.extents()),
+            index_used=len(store.owners), index_capacity=store.index_capacity,
+            chunk_tokens=g.chunk_tokens, leases_active=store.leases.active(),
+            workers_attached=sum(1 for c in self.conns.values() if c.attached),
+            connections=len(self.conns))
+        return SupervisorStats(
+            name=self.settings.name, pid=os.getpid(), version=__version__,
+            arena=str(self.arena.path), socket=str(self.socket_path),
+            uptime=round(time.time() - self.started, 3), gauges=gauges,
+            counters=store.counters, reported=self.reported)
+
+
+Handler = Callable[[Context, Conn, dict[str, Any]], Reply]
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    handler: Handler
+    #: the peer must have sent ``attach`` on this connection first
+    attached: bool
+    privilege: Privilege
+
+
+OPS: dict[str, Op] = {}
+
+
+def op(name: str, *, attached: bool, privilege: Privilege) -> Callable[[Handler], Handler]:
+    """Register the decorated function as the handler of op ``name``."""
+
+    def register(fn: Handler) -> Handler:
+        OPS[name] = Op(name, fn, attached, privilege)
+        return fn
+
+    return register
+
+
+# ------------------------------------------------------------------ admin and info
+@op("ping", attached=False, privilege=Privilege.ANY)
+def ping(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    return {"version": __version__}, None
+
+
+@op("attach", attached=False, privilege=Privilege.ANY)
+def attach(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    """Make this connection a worker's: it gets the arena's read-only descriptor."""
+    get_int(msg, "pid", 0, 1 << 31, required=False)
+    conn.attached = True
+    return ({"name": ctx.settings.name, "path": str(ctx.arena.path),
+             "arena_id": ctx.store.geometry.arena_id, "version": __version__,
+             "supervisor_pid": os.getpid(), "epoch": ctx.store.epoch}, [ctx.arena.ro_fd])
+
+
+@op("stats", attached=False, privilege=Privilege.ANY)
+def stats(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    return ctx.stats().to_dict(), None
+
+
+@op("ls", attached=False, privilege=Privilege.ANY)
+def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    limit = get_int(msg, "limit", 1, 100_000, required=False, default=1000)
+    now_mono, now = time.monotonic(), time.time()
+    live = ctx.store.live_entries()
+    rows = []
+    for e in sorted(live, key=lambda e: -e.last_used)[:limit]:
+        rows.append({"key": e.key.hex(), "root": e.root.hex(), "tokens": e.n_tokens,
+                     "bytes": e.payload_len, "extent": e.extent, "pinned": e.pinned,
+                     "hits": e.hits, "leases": e.leases, "created": e.created,
+                     "last_used": now - (now_mono - e.last_used)})
+    return {"entries": rows, "total": len(live)}, None
+
+
+def _set_pinned(ctx: Context, msg: dict[str, Any], pinned: bool) -> Reply:
+    entries = ctx.store.by_key(get_digest(msg, "key"))
+    for e in entries:
+        ctx.store.set_pinned(e, pinned)
+    return {"count": len(entries)}, None
+
+
+@op("pin", attached=False, privilege=Privilege.ANY)
+def pin(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    return _set_pinned(ctx, msg, True)
+
+
+@op("unpin", attached=False, privilege=Privilege.ANY)
+def unpin(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    return _set_pinned(ctx, msg, False)
+
+
+@op("clear", attached=False, privilege=Privilege.ANY)
+def clear(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    removed = ctx.store.clear()
+    log.info("cleared %d entries at the request of pid %d", removed, conn.pid)
+    return {"removed": removed}, None
+
+
+@op("worker_exit", attached=False, privilege=Privilege.ANY)
+def worker_exit(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    """A worker process exited (gunicorn's master says so): drop its connections now."""
+    pid = get_int(msg, "pid", 1, 1 << 31)
+    released = 0
+    for other in [c for c in ctx.conns.values() if c.pid == pid and c is not conn]:
+        released += ctx.store.release_owner(other.id)
+        ctx.close(other, "worker exited (reported)")
+    return {"released": released}, None
+
+
+# ----------------------------------------------------------------------- reads
+@op("acquire", attached=True, privilege=Privilege.ANY)
+def acquire(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    g = ctx.store.geometry
+    offset = get_int(msg, "offset", g.data_offset, g.data_offset + g.data_size)
+    gen = get_int(msg, "gen", 1)
+    lease = ctx.store.acquire(offset, gen, conn.id)
+    return {"lease": lease, "epoch": ctx.store.epoch}, None
+
+
+@op("release", attached=True, privilege=Privilege.ANY)
+def release(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    lease = get_int(msg, "lease", 1)
+    restored = get_int(msg, "tokens_restored", 0, MAX_TOKENS, required=False, default=0)
+    valid = ctx.store.release(lease, conn.id)
+    if valid:
+        ctx.reported.tokens_restored += restored
+    return {"valid": valid}, None
+
+
+@op("suspect", attached=True, privilege=Privilege.ANY)
+def suspect(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    """A worker found a record corrupt: check it ourselves; remove it if it is.
+
+    A corrupt record would otherwise cost a miss on every lookup until evicted, and
+    stop workers from publishing a good copy over it.
+    """
+    g = ctx.store.geometry
+    offset = get_int(msg, "offset", g.data_offset, g.data_offset + g.data_size)
+    gen = get_int(msg, "gen", 1)
+    e = ctx.store.entries.get(gen)
+    if e is None or e.doomed or e.offset != offset:
+        return {"removed": False}, None
+    intact = ctx.view.intact(e.offset, e.gen)
+    if not intact:
+        ctx.store.remove(e)
+        ctx.store.counters.corrupt_removed += 1
+        log.warning("removed corrupt record %d at offset %d (reported by pid %d)", gen,
+                    offset, conn.pid)
+    return {"removed": not intact}, None
+
+
+@op("owners", attached=True, privilege=Privilege.ANY)
+def owners(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    """The records indexed under chunk prefix ``digest``, and how far ``tokens`` match each.
+
+    The index points a chunk prefix at one record. A worker of a sliding-window
+    model can restore a record only whole, so when that one does not fit its
+    prompt it asks for the others: every record that ends within the next chunk
+    (the only ones a prompt can match to their end) and the most recent longer
+    ones (how far the prompt goes along with them is where a checkpoint helps).
+    Reads token ids only; the worker checks everything again under its lease.
+    """
+    store = ctx.store
+    digest = get_digest(msg, "digest")
+    tokens = np.frombuffer(get_tokens(msg), dtype="<i4")
+    gens = store.owners.get(digest) or {}
+    live = [e for e in map(store.entries.get, gens) if e is not None and not e.doomed]
+    if not live:
+        return {"owners": []}, None
+    # the digest is chunk prefix k of every record that owns it
+    end = (live[0].digests.index(digest) + 2) * store.geometry.chunk_tokens
+    ending = [e.gen for e in live if e.n_tokens < end]
+    longer = sorted((e.gen for e in live if e.n_tokens >= end), reverse=True)
+    out = []
+    for gen in ending[:OWNERS_MAX] + longer[:OWNERS_MAX]:
+        e = store.entries[gen]
+        try:
+            cached = ctx.view.tokens(ctx.view.read_record(e.offset, gen))
+        except (ArenaCorruptError, ValueError):
+            continue
+        out.append((common_prefix(cached, tokens), e.n_tokens, e.offset, gen))
+    out.sort(reverse=True)
+    return {"owners": [[off, gen, n, c] for c, n, off, gen in out[:OWNERS_MAX]]}, None
+
+
+@op("report", attached=True, privilege=Privilege.ANY)
+def report(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    add_reported(ctx.reported, get_counters(msg))
+    return {}, None
+
+
+# ---------------------------------------------------------------------- writes
+def _read_memfd(fd: int) -> Callable[[memoryview], None]:
+    """A ``Store.put`` filler that copies the payload from the worker's memfd."""
+
+    def fill(view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            try:
+                n = os.preadv(fd, [view[done:]], done)
+            except OSError as e:  # e.g. a write-only descriptor of a memfd
+                raise BadRequest(f"cannot read the put descriptor: {e.strerror}; "
+                                 "send a readable memfd") from None
+            if n <= 0:
+                raise BadRequest("memfd shrank while being read")
+            done += n
+
+    return fill
+
+
+@op("put", attached=True, privilege=Privilege.ANY)
+def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    """Store a blob the worker sent as a memfd (SCM_RIGHTS), never as bytes."""
+    root = get_digest(msg, "root")
+    tokens = np.frombuffer(get_tokens(msg), dtype="<i4")
+    fingerprint = get_fingerprint(msg)
+    # no upper bound here: Store.put refuses a blob that can never fit with an
+    # ArenaFullError naming --size (the memfd size check below bounds the read)
+    payload_len = get_int(msg, "payload_len", 1)
+    checksum = get_int(msg, "checksum", 0, MAX_U64)
+    pinned = get_bool(msg, "pin")
+    if not conn.fds:
+        raise BadRequest("put without a memfd: send the payload fd with SCM_RIGHTS")
+    fd = conn.fds.pop(0)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadRequest("the put descriptor is not a regular file (send a memfd)")
+        try:
+            fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # only shmem files (memfd) answer this
+        except OSError:
+            raise BadRequest("the put descriptor is not a memfd") from None
+        if st.st_size < payload_len:
+            raise BadRequest(f"memfd holds {st.st_size} bytes, put says {payload_len}")
+        ctx.check_arena()
+        e = ctx.store.put(root, tokens, fingerprint, payload_len, checksum, _read_memfd(fd),
+                          pin=pinned)
+    finally:
+        os.close(fd)
+    ctx.wake(ctx.claims.indexed(e.digests))
+    return {"gen": e.gen, "key": e.key, "n_tokens": e.n_tokens}, None
+
+
+# ---------------------------------------------------------------------- claims
+@op("claim", attached=True, privilege=Privilege.ANY)
+def claim(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    """Claim digests this worker will prefill, or wait for the worker that already does."""
+    digests = get_digests(msg, "digests")
+    wait = get_float(msg, "wait", 0.0, 600.0)
+    status, _ = ctx.claims.claim(conn.id, msg.get("id", 0), digests, time.monotonic(), wait)
+    if status == GO:
+        return {"status": GO}, None
+    return None, None
+
+
+@op("unclaim", attached=True, privilege=Privilege.ANY)
+def unclaim(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    ctx.wake(ctx.claims.unclaim(conn.id, get_digests(msg, "digests")))
+    return {}, None
