@@ -39,6 +39,7 @@ __all__ = [
     "BadRequest",
     "ChecksumMismatch",
     "NotFound",
+    "LeaseLost",
     "ModelMismatchError",
     "ClosedError",
     "from_wire",
@@ -136,6 +137,12 @@ class NotFound(ShmkvError):
     """The entry asked for is not (or no longer) in the arena."""
 
     code = "not_found"
+
+
+class LeaseLost(ShmkvError):
+    """A read lease was revoked while the blob was in use: the read is void."""
+
+    code = "lease_lost"
 
 
 class ModelMismatchError(ShmkvError):
