@@ -12,13 +12,16 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from . import __version__
 from .config import SETTINGS, format_size, resolve
 from .errors import ShmkvError
+
+if TYPE_CHECKING:
+    from .client import Client
 
 #: the rows of `shmkv stats`: a label, and a template over the fields of
 #: ``stats.SupervisorStats`` (plus ``hit_rate``; ``bytes_*`` fields as sizes)
@@ -108,7 +111,7 @@ def supervise(config_file: str | None, **cli: Any) -> None:
     sys.exit(sup.serve_forever())
 
 
-def _client(config_file: str | None, cli: dict[str, Any]):
+def _client(config_file: str | None, cli: dict[str, Any]) -> Client:
     from .client import Client
 
     settings = resolve("client", cli, config_file=config_file)

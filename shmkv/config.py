@@ -99,7 +99,7 @@ def _port(text: str | int) -> int:
     return value
 
 
-def _models(value: str | list | tuple) -> list[str]:
+def _models(value: str | list[str] | tuple[str, ...]) -> list[str]:
     items = value.split(",") if isinstance(value, str) else list(value)
     out = [str(x).strip() for x in items if str(x).strip()]
     for path in out:

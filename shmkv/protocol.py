@@ -42,7 +42,7 @@ REPORTABLE = REPORTED
 
 
 def encode(msg: dict[str, Any]) -> bytes:
-    body = msgpack.packb(msg, use_bin_type=True)
+    body: bytes = msgpack.packb(msg, use_bin_type=True)
     if len(body) > MAX_FRAME:
         raise ProtocolError(f"message of {len(body)} bytes exceeds the {MAX_FRAME}-byte cap")
     return _LEN.pack(len(body)) + body
@@ -137,7 +137,7 @@ def _get(msg: dict[str, Any], name: str, typ: type | tuple[type, ...], required:
 
 def get_int(msg: dict[str, Any], name: str, lo: int = 0, hi: int = MAX_U64,
             required: bool = True, default: int | None = None) -> int:
-    v = _get(msg, name, int, required, default)
+    v: int | None = _get(msg, name, int, required, default)
     if v is None:
         return v  # type: ignore[return-value]
     if not lo <= v <= hi:
@@ -147,7 +147,7 @@ def get_int(msg: dict[str, Any], name: str, lo: int = 0, hi: int = MAX_U64,
 
 def get_bytes(msg: dict[str, Any], name: str, min_len: int = 0, max_len: int = MAX_FRAME,
               multiple: int = 1, required: bool = True) -> bytes:
-    v = _get(msg, name, bytes, required, b"")
+    v: bytes = _get(msg, name, bytes, required, b"")
     if not min_len <= len(v) <= max_len or len(v) % multiple:
         raise BadRequest(f"field {name!r} has {len(v)} bytes; expected {min_len}..{max_len}"
                          + (f" in multiples of {multiple}" if multiple > 1 else ""))
@@ -160,7 +160,7 @@ def get_bool(msg: dict[str, Any], name: str, default: bool = False) -> bool:
 
 def get_str(msg: dict[str, Any], name: str, max_len: int = 256, required: bool = True,
             default: str | None = None) -> str:
-    v = _get(msg, name, str, required, default)
+    v: str | None = _get(msg, name, str, required, default)
     if v is not None and len(v) > max_len:
         raise BadRequest(f"field {name!r} longer than {max_len} characters")
     return v  # type: ignore[return-value]

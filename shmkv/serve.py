@@ -70,8 +70,8 @@ class Serve:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.sup: subprocess.Popen | None = None
-        self.gunicorn: subprocess.Popen | None = None
+        self.sup: subprocess.Popen[bytes] | None = None
+        self.gunicorn: subprocess.Popen[bytes] | None = None
         self.owns_supervisor = False
         self._stop: int | None = None
 
