@@ -65,4 +65,3 @@ class Allocator:
 
     def extents(self) -> list[tuple[int, int]]:
         return [(o, self._len[o]) for o in self._starts]
-

@@ -127,13 +127,34 @@ class Geometry:
                 f"arena size {arena_size} leaves no room for data after a "
                 f"{index_slots}-slot index: raise --size or lower --index-slots"
             )
-        return cls(arena_size, HEADER_SIZE, index_slots, data_offset, data_size, chunk_tokens,
-                   os.getpid(), 0.0, os.urandom(16))
+        return cls(
+            arena_size,
+            HEADER_SIZE,
+            index_slots,
+            data_offset,
+            data_size,
+            chunk_tokens,
+            os.getpid(),
+            0.0,
+            os.urandom(16),
+        )
 
     def pack(self) -> bytes:
-        body = _HDR.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, self.arena_size, self.index_offset,
-                         self.index_slots, self.data_offset, self.data_size, self.chunk_tokens,
-                         SLOT_SIZE, self.supervisor_pid, self.arena_id, self.created)
+        body = _HDR.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_SIZE,
+            self.arena_size,
+            self.index_offset,
+            self.index_slots,
+            self.data_offset,
+            self.data_size,
+            self.chunk_tokens,
+            SLOT_SIZE,
+            self.supervisor_pid,
+            self.arena_id,
+            self.created,
+        )
         return body + b"\0" * (_HDR_CSUM_OFF - len(body))
 
     @classmethod
@@ -145,8 +166,9 @@ class Geometry:
         (csum,) = _U64.unpack_from(buf, _HDR_CSUM_OFF)
         if xxhash.xxh3_64_intdigest(head) != csum:
             raise ArenaCorruptError("arena header checksum mismatch: restart the supervisor")
-        (magic, version, hsize, size, ioff, slots, doff, dsize, chunk, ssize, pid, aid,
-         created) = _HDR.unpack_from(head)
+        (magic, version, hsize, size, ioff, slots, doff, dsize, chunk, ssize, pid, aid, created) = (
+            _HDR.unpack_from(head)
+        )
         if magic != MAGIC:
             raise ArenaCorruptError("not a shmkv arena (bad magic)")
         if version != FORMAT_VERSION:
@@ -154,10 +176,16 @@ class Geometry:
                 f"arena format {version}, this shmkv reads {FORMAT_VERSION}: "
                 "run the same shmkv version as the supervisor"
             )
-        ok = (hsize == HEADER_SIZE and ssize == SLOT_SIZE and ioff == HEADER_SIZE
-              and slots > 0 and slots & (slots - 1) == 0
-              and doff == align(ioff + slots * SLOT_SIZE, PAGE)
-              and doff + dsize <= size <= file_size and 0 < chunk <= MAX_TOKENS)
+        ok = (
+            hsize == HEADER_SIZE
+            and ssize == SLOT_SIZE
+            and ioff == HEADER_SIZE
+            and slots > 0
+            and slots & (slots - 1) == 0
+            and doff == align(ioff + slots * SLOT_SIZE, PAGE)
+            and doff + dsize <= size <= file_size
+            and 0 < chunk <= MAX_TOKENS
+        )
         if not ok:
             raise ArenaCorruptError(
                 f"arena geometry is inconsistent (file {file_size} bytes): restart the supervisor"
@@ -194,8 +222,9 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def probe_path(read_slot: Callable[[int], tuple[int, Slot | None]], digest: bytes,
-               n_slots: int) -> tuple[int | None, Slot | None]:
+def probe_path(
+    read_slot: Callable[[int], tuple[int, Slot | None]], digest: bytes, n_slots: int
+) -> tuple[int | None, Slot | None]:
     """Walk ``digest``'s probe path; the one lookup the view and the writer share.
 
     ``read_slot(i)`` gives (used flag, slot or None). Returns (i, slot) for the
@@ -247,8 +276,9 @@ def record_layout(n_tokens: int, fp_len: int, payload_len: int) -> tuple[int, in
 _META_CSUM_OFF = _REC.size - 16  # the u64 before `created`
 
 
-def meta_checksum(header: bytes, fingerprint: bytes | memoryview,
-                  tokens: bytes | memoryview) -> int:
+def meta_checksum(
+    header: bytes, fingerprint: bytes | memoryview, tokens: bytes | memoryview
+) -> int:
     h = xxhash.xxh3_64()
     h.update(header[:_META_CSUM_OFF])
     h.update(header[_META_CSUM_OFF + 8 : _REC.size])
@@ -314,7 +344,8 @@ class ArenaView:
         """
         if self.mm.size() < self.file_size:
             raise ArenaCorruptError(
-                "the arena file was truncated under its mapping: restart `shmkv supervise`")
+                "the arena file was truncated under its mapping: restart `shmkv supervise`"
+            )
 
     def find_longest(self, digests: Sequence[bytes]) -> tuple[int, Slot] | None:
         """Longest k such that digests[k-1] is indexed, by binary search; (k, slot)."""
@@ -333,22 +364,58 @@ class ArenaView:
     def read_record(self, offset: int, gen: int) -> Record:
         """Parse and bounds-check the record at ``offset``; ArenaCorruptError if invalid."""
         g = self.geometry
-        if not (g.data_offset <= offset and offset + REC_HEADER_SIZE <= g.data_offset + g.data_size
-                and offset % PAGE == g.data_offset % PAGE):
+        if not (
+            g.data_offset <= offset
+            and offset + REC_HEADER_SIZE <= g.data_offset + g.data_size
+            and offset % PAGE == g.data_offset % PAGE
+        ):
             raise ArenaCorruptError(f"record offset {offset} outside the data region")
-        (magic, version, _flags, rgen, key, root, n_tok, n_ch, fp_len, tok_off, pay_off,
-         pay_len, pay_csum, _meta, created) = _REC.unpack_from(self.mm, offset)
+        (
+            magic,
+            version,
+            _flags,
+            rgen,
+            key,
+            root,
+            n_tok,
+            n_ch,
+            fp_len,
+            tok_off,
+            pay_off,
+            pay_len,
+            pay_csum,
+            _meta,
+            created,
+        ) = _REC.unpack_from(self.mm, offset)
         if magic != REC_MAGIC or version != FORMAT_VERSION:
             raise ArenaCorruptError(f"no record at offset {offset}")
         if rgen != gen:
             raise ArenaCorruptError(f"record at {offset} is generation {rgen}, expected {gen}")
         fp_o, tok_o, pay_o, extent = record_layout(n_tok, fp_len, pay_len)
-        if (n_tok > MAX_TOKENS or fp_len > MAX_FINGERPRINT or tok_off != tok_o
-                or pay_off != pay_o or n_ch != n_tok // g.chunk_tokens
-                or offset + extent > g.data_offset + g.data_size):
+        if (
+            n_tok > MAX_TOKENS
+            or fp_len > MAX_FINGERPRINT
+            or tok_off != tok_o
+            or pay_off != pay_o
+            or n_ch != n_tok // g.chunk_tokens
+            or offset + extent > g.data_offset + g.data_size
+        ):
             raise ArenaCorruptError(f"record at {offset} has inconsistent lengths")
-        return Record(offset, rgen, key, root, n_tok, n_ch, offset + fp_o, fp_len,
-                      offset + tok_o, offset + pay_o, pay_len, pay_csum, created)
+        return Record(
+            offset,
+            rgen,
+            key,
+            root,
+            n_tok,
+            n_ch,
+            offset + fp_o,
+            fp_len,
+            offset + tok_o,
+            offset + pay_o,
+            pay_len,
+            pay_csum,
+            created,
+        )
 
     def verify_meta(self, rec: Record) -> None:
         hdr = bytes(self.mm[rec.offset : rec.offset + REC_HEADER_SIZE])
@@ -436,8 +503,9 @@ class ArenaWriter:
         if slot is None:
             _SLOT.pack_into(self.mm, off, odd, 0, b"\0" * DIGEST_SIZE, 0, 0, 0)
         else:
-            _SLOT.pack_into(self.mm, off, odd, 1, slot.digest, slot.rec_offset, slot.rec_gen,
-                            slot.n_chunks)
+            _SLOT.pack_into(
+                self.mm, off, odd, 1, slot.digest, slot.rec_offset, slot.rec_gen, slot.n_chunks
+            )
         _SEQ.pack_into(self.mm, off, (seq + 2) & 0xFFFFFFFF)
 
     def index_set(self, slot: Slot) -> bool:
@@ -474,9 +542,19 @@ class ArenaWriter:
         _, _, pay_off, _ = record_layout(n_tokens, fp_len, payload_len)
         return memoryview(self.mm)[offset + pay_off : offset + pay_off + payload_len]
 
-    def write_record(self, offset: int, gen: int, key: bytes, root: bytes, n_chunks: int,
-                     fingerprint: bytes, tokens: bytes, payload_len: int, payload_xxh3: int,
-                     created: float) -> None:
+    def write_record(
+        self,
+        offset: int,
+        gen: int,
+        key: bytes,
+        root: bytes,
+        n_chunks: int,
+        fingerprint: bytes,
+        tokens: bytes,
+        payload_len: int,
+        payload_xxh3: int,
+        created: float,
+    ) -> None:
         """Write the fingerprint, token ids and header of a record whose payload is in place.
 
         ``tokens`` are the raw little-endian int32 ids. The header goes last, with
@@ -486,9 +564,25 @@ class ArenaWriter:
         fp_off, tok_off, pay_off, _ = record_layout(n_tokens, len(fingerprint), payload_len)
         self.mm[offset + fp_off : offset + fp_off + len(fingerprint)] = fingerprint
         self.mm[offset + tok_off : offset + tok_off + len(tokens)] = tokens
-        hdr = bytearray(_REC.pack(REC_MAGIC, FORMAT_VERSION, 0, gen, key, root, n_tokens,
-                                  n_chunks, len(fingerprint), tok_off, pay_off, payload_len,
-                                  payload_xxh3, 0, created))
+        hdr = bytearray(
+            _REC.pack(
+                REC_MAGIC,
+                FORMAT_VERSION,
+                0,
+                gen,
+                key,
+                root,
+                n_tokens,
+                n_chunks,
+                len(fingerprint),
+                tok_off,
+                pay_off,
+                payload_len,
+                payload_xxh3,
+                0,
+                created,
+            )
+        )
         _U64.pack_into(hdr, _META_CSUM_OFF, meta_checksum(bytes(hdr), fingerprint, tokens))
         self.mm[offset : offset + len(hdr)] = hdr
 

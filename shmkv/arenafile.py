@@ -71,7 +71,8 @@ class ArenaFile:
                     os.close(fd)
                 raise ArenaExistsError(
                     f"a supervisor (pid {other}) already owns arena {self.settings.name!r}: "
-                    f"stop it, or pick another --name/SHMKV_NAME") from None
+                    f"stop it, or pick another --name/SHMKV_NAME"
+                ) from None
             # the lock file may have been unlinked and recreated between open and flock
             try:
                 same = os.stat(self.lock_path).st_ino == os.fstat(fd).st_ino
@@ -113,7 +114,8 @@ class ArenaFile:
             raise ShmSpaceError(
                 f"--size {format_size(size)} does not fit in {self.path.parent}: only "
                 f"{format_size(free)} free of {format_size(total)}. Lower --size, free space "
-                f"there, or enlarge the tmpfs (Docker: --shm-size)")
+                f"there, or enlarge the tmpfs (Docker: --shm-size)"
+            )
         try:
             geom = Geometry.plan(size, self.settings.chunk_tokens, self.settings.index_slots)
         except ValueError as e:
@@ -133,10 +135,15 @@ class ArenaFile:
                     raise ShmSpaceError(
                         f"cannot reserve --size {format_size(size)} in {self.path.parent} "
                         f"({format_size(st.f_bavail * st.f_frsize)} free): lower --size or "
-                        f"enlarge the tmpfs (Docker: --shm-size)") from None
+                        f"enlarge the tmpfs (Docker: --shm-size)"
+                    ) from None
                 raise
-            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.mm = mmap.mmap(
+                fd,
+                size,
+                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
             ArenaWriter(self.mm, geom).format()
             self.geometry = geom
             os.rename(tmp, self.path)
@@ -146,9 +153,14 @@ class ArenaFile:
             raise
         os.close(fd)
         self.ro_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        log.info("arena %s: %s, %d index slots, data %s, chunk %d tokens", self.path,
-                 format_size(size), geom.index_slots, format_size(geom.data_size),
-                 geom.chunk_tokens)
+        log.info(
+            "arena %s: %s, %d index slots, data %s, chunk %d tokens",
+            self.path,
+            format_size(size),
+            geom.index_slots,
+            format_size(geom.data_size),
+            geom.chunk_tokens,
+        )
         return geom
 
     # ------------------------------------------------------------------- watch
@@ -164,8 +176,12 @@ class ArenaFile:
             size = -1
         if self.geometry is not None and size < self.geometry.arena_size:
             self.lost = True
-            log.critical("arena %s was truncated to %d bytes behind our back: exiting so that "
-                         "a fresh arena replaces it", self.path, size)
+            log.critical(
+                "arena %s was truncated to %d bytes behind our back: exiting so that "
+                "a fresh arena replaces it",
+                self.path,
+                size,
+            )
             return False
         return True
 

@@ -37,8 +37,9 @@ class Claims:
     by_owner: dict[int, set[bytes]] = field(default_factory=dict)
     waiters: dict[bytes, list[Waiter]] = field(default_factory=dict)
 
-    def claim(self, owner: int, rid: int, digests: list[bytes], now: float,
-              wait: float) -> tuple[str, Waiter | None]:
+    def claim(
+        self, owner: int, rid: int, digests: list[bytes], now: float, wait: float
+    ) -> tuple[str, Waiter | None]:
         """GO (claims granted), or ("wait", waiter) if another owner computes digests[0]."""
         held = self.claims.get(digests[0])
         if held is not None and held[0] != owner and held[1] > now and wait > 0:

@@ -39,8 +39,11 @@ STATS_ROWS = (
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
 
 
 def settings_options(scope: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -52,17 +55,26 @@ def settings_options(scope: str) -> Callable[[Callable[..., Any]], Callable[...,
                 continue
             help_text = f"{s.help} [env: {s.env}]"
             if s.is_flag:
-                fn = click.option(s.flag, s.name, is_flag=True, default=None,
-                                  help=help_text)(fn)
+                fn = click.option(s.flag, s.name, is_flag=True, default=None, help=help_text)(fn)
             else:
-                default = (format_size(s.default) if s.name == "size" else s.default)
+                default = format_size(s.default) if s.name == "size" else s.default
                 if default is not None:
                     help_text += f" [default: {default}]"
-                fn = click.option(s.flag, s.name, default=None, metavar=s.metavar,
-                                  multiple=s.multiple, help=help_text)(fn)
-        fn = click.option("--config", "config_file", default=None, metavar="FILE",
-                          help="TOML file of settings (keys as the long options). "
-                          "[env: SHMKV_CONFIG]")(fn)
+                fn = click.option(
+                    s.flag,
+                    s.name,
+                    default=None,
+                    metavar=s.metavar,
+                    multiple=s.multiple,
+                    help=help_text,
+                )(fn)
+        fn = click.option(
+            "--config",
+            "config_file",
+            default=None,
+            metavar="FILE",
+            help="TOML file of settings (keys as the long options). [env: SHMKV_CONFIG]",
+        )(fn)
         return fn
 
     return deco
@@ -179,9 +191,11 @@ def ls_cmd(config_file: str | None, as_json: bool, limit: int, **cli: Any) -> No
     click.echo(f"{'KEY':16}  {'TOKENS':>7}  {'SIZE':>10}  {'HITS':>6}  PIN  LAST USED")
     now = time.time()
     for r in rows:
-        click.echo(f"{r['key'][:16]}  {r['tokens']:>7}  {format_size(r['bytes']):>10}  "
-                   f"{r['hits']:>6}  {'yes' if r['pinned'] else '   '}  "
-                   f"{now - r['last_used']:.0f}s ago")
+        click.echo(
+            f"{r['key'][:16]}  {r['tokens']:>7}  {format_size(r['bytes']):>10}  "
+            f"{r['hits']:>6}  {'yes' if r['pinned'] else '   '}  "
+            f"{now - r['last_used']:.0f}s ago"
+        )
     click.echo(f"{len(rows)} of {res['total']} entries")
 
 

@@ -66,8 +66,12 @@ class _Memfd:
         if self.mm is not None:
             self.mm.close()
         os.ftruncate(self.fd, capacity)
-        self.mm = mmap.mmap(self.fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.mm = mmap.mmap(
+            self.fd,
+            capacity,
+            flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
         self.capacity = capacity
 
     def address(self) -> int:
@@ -138,8 +142,11 @@ class _MemfdPool:
             if os.getpid() != self._pid:  # forked: these belong to the parent
                 self._free, self._pid = [], os.getpid()
             fits = [m for m in self._free if m.capacity >= size]
-            m = min(fits, key=lambda m: m.capacity) if fits else (
-                self._free[-1] if self._free else None)
+            m = (
+                min(fits, key=lambda m: m.capacity)
+                if fits
+                else (self._free[-1] if self._free else None)
+            )
             if m is not None:
                 self._free.remove(m)
         if m is None:
@@ -168,10 +175,16 @@ class _MemfdPool:
 class Lease:
     """A granted read lease on one record; use as a context manager."""
 
-    def __init__(self, client: Client, view: ArenaView, lease_id: int, epoch: int,
-                 record: Record) -> None:
+    def __init__(
+        self, client: Client, view: ArenaView, lease_id: int, epoch: int, record: Record
+    ) -> None:
         self.client, self.view, self.id, self.epoch, self.record = (
-            client, view, lease_id, epoch, record)
+            client,
+            view,
+            lease_id,
+            epoch,
+            record,
+        )
         self._done = False
         self.valid: bool | None = None
 
@@ -200,8 +213,13 @@ class Lease:
         self._done = True
         intact = self.intact()
         try:
-            reply = self.client.request({"op": "release", "lease": self.id,
-                                         "tokens_restored": tokens_restored if intact else 0})
+            reply = self.client.request(
+                {
+                    "op": "release",
+                    "lease": self.id,
+                    "tokens_restored": tokens_restored if intact else 0,
+                }
+            )
             self.valid = intact and bool(reply.get("valid"))
         except ShmkvError:
             # the supervisor died: it reuses nothing any more, so the epoch check decides
@@ -224,12 +242,17 @@ class Connection:
     growing back-off before the next try.
     """
 
-    def __init__(self, name: str | None = None, socket_path: str | None = None,
-                 timeout: float | None = None, settings: Settings | None = None,
-                 populate: bool = True, attach: bool = True) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        socket_path: str | None = None,
+        timeout: float | None = None,
+        settings: Settings | None = None,
+        populate: bool = True,
+        attach: bool = True,
+    ) -> None:
         if settings is None:
-            settings = resolve("client", {"name": name, "socket": socket_path,
-                                          "timeout": timeout})
+            settings = resolve("client", {"name": name, "socket": socket_path, "timeout": timeout})
         self.settings = settings
         self.name: str = settings.name
         self.socket_path = settings.socket_path
@@ -258,8 +281,11 @@ class Connection:
     def _connect(self) -> None:
         now = time.monotonic()
         if now < self._retry_at:
-            raise _fresh(self.last_error) if self.last_error else SupervisorUnavailable(
-                "supervisor unavailable")
+            raise (
+                _fresh(self.last_error)
+                if self.last_error
+                else SupervisorUnavailable("supervisor unavailable")
+            )
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(self.timeout)
         try:
@@ -273,7 +299,8 @@ class Connection:
             except PermissionError:
                 raise PermissionDenied(
                     f"no permission to connect to {self.socket_path}: run as the supervisor's "
-                    f"user or a member of its --group") from None
+                    f"user or a member of its --group"
+                ) from None
             except OSError as e:
                 raise SupervisorUnavailable(
                     f"cannot connect to the shmkv supervisor at {self.socket_path}: "
@@ -296,8 +323,11 @@ class Connection:
             self._view = view
             self.attach_info = reply
             self._backoff = _BACKOFF_MIN
-            log.info("attached to shmkv arena %r (supervisor pid %s)", self.name,
-                     reply.get("supervisor_pid"))
+            log.info(
+                "attached to shmkv arena %r (supervisor pid %s)",
+                self.name,
+                reply.get("supervisor_pid"),
+            )
         except ShmkvError as e:
             self._drop()
             sock.close()
@@ -320,8 +350,9 @@ class Connection:
         # mapping goes away with the last reference to it.
         self._view = None
 
-    def _roundtrip(self, msg: dict[str, Any], fds: list[int] | None = None
-                   ) -> tuple[dict[str, Any], list[int]]:
+    def _roundtrip(
+        self, msg: dict[str, Any], fds: list[int] | None = None
+    ) -> tuple[dict[str, Any], list[int]]:
         assert self._sock is not None
         rid = self._next_id
         self._next_id += 1
@@ -344,7 +375,8 @@ class Connection:
             self._retry_at = time.monotonic() + _BACKOFF_MIN
             self.last_error = SupervisorUnavailable(
                 f"lost the shmkv supervisor at {self.socket_path}: {e}; workers run "
-                f"without the cache until it is back")
+                f"without the cache until it is back"
+            )
             raise _fresh(self.last_error) from None
         if not reply.get("ok"):
             for fd in rfds:
@@ -395,8 +427,9 @@ class Connection:
             if self._closed or self._sock is None:
                 raise
 
-    def request(self, msg: dict[str, Any], fds: list[int] | None = None,
-                timeout: float | None = None) -> dict[str, Any]:
+    def request(
+        self, msg: dict[str, Any], fds: list[int] | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
         """Send one request and return its reply; raises the supervisor's error.
 
         ``timeout`` replaces the client's timeout for this request only (for a claim
@@ -440,9 +473,15 @@ class Connection:
 class Client(Connection):
     """A worker's handle on one supervisor and its arena: reads, writes and admin ops."""
 
-    def __init__(self, name: str | None = None, socket_path: str | None = None,
-                 timeout: float | None = None, settings: Settings | None = None,
-                 populate: bool = True, attach: bool = True) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        socket_path: str | None = None,
+        timeout: float | None = None,
+        settings: Settings | None = None,
+        populate: bool = True,
+        attach: bool = True,
+    ) -> None:
         super().__init__(name, socket_path, timeout, settings, populate, attach)
         self._pool = _MemfdPool()
 
@@ -462,8 +501,9 @@ class Client(Connection):
         """Lease the record behind ``hit`` and validate its header and metadata."""
         with self._lock:
             view = self.ensure()
-            reply = self.request({"op": "acquire", "offset": hit.slot.rec_offset,
-                                  "gen": hit.slot.rec_gen})
+            reply = self.request(
+                {"op": "acquire", "offset": hit.slot.rec_offset, "gen": hit.slot.rec_gen}
+            )
             lease_id, epoch = reply.get("lease"), reply.get("epoch")
             if not isinstance(lease_id, int) or not isinstance(epoch, int):
                 raise ProtocolError("malformed acquire reply")
@@ -491,8 +531,14 @@ class Client(Connection):
             raise
         return Blob(memfd, size, self._pool)
 
-    def put_blob(self, root: bytes, tokens: np.ndarray | Sequence[int], fingerprint: bytes,
-                 blob: Blob, pin: bool = False) -> dict[str, Any]:
+    def put_blob(
+        self,
+        root: bytes,
+        tokens: np.ndarray | Sequence[int],
+        fingerprint: bytes,
+        blob: Blob,
+        pin: bool = False,
+    ) -> dict[str, Any]:
         """Hand a prepared blob to the supervisor (its fd, not its bytes); closes the blob.
 
         The supervisor copies the bytes and checks them against the checksum before
@@ -500,14 +546,30 @@ class Client(Connection):
         """
         tok = np.ascontiguousarray(tokens, dtype="<i4")
         try:
-            return self.request({"op": "put", "root": root, "tokens": tok.tobytes(),
-                                 "fingerprint": fingerprint, "payload_len": blob.size,
-                                 "checksum": blob.checksum(), "pin": pin}, [blob.fd])
+            return self.request(
+                {
+                    "op": "put",
+                    "root": root,
+                    "tokens": tok.tobytes(),
+                    "fingerprint": fingerprint,
+                    "payload_len": blob.size,
+                    "checksum": blob.checksum(),
+                    "pin": pin,
+                },
+                [blob.fd],
+            )
         finally:
             blob.close()
 
-    def put(self, root: bytes, tokens: np.ndarray | Sequence[int], fingerprint: bytes,
-            size: int, fill: Callable[[int, int], None], pin: bool = False) -> dict[str, Any]:
+    def put(
+        self,
+        root: bytes,
+        tokens: np.ndarray | Sequence[int],
+        fingerprint: bytes,
+        size: int,
+        fill: Callable[[int, int], None],
+        pin: bool = False,
+    ) -> dict[str, Any]:
         """Publish a blob of ``size`` bytes that ``fill(address, size)`` writes in place.
 
         The bytes go into a memfd whose descriptor is passed to the supervisor; they
@@ -516,8 +578,14 @@ class Client(Connection):
         self.ensure()
         return self.put_blob(root, tokens, fingerprint, self.prepare(size, fill), pin=pin)
 
-    def put_bytes(self, root: bytes, tokens: np.ndarray | Sequence[int], fingerprint: bytes,
-                  data: bytes | memoryview, pin: bool = False) -> dict[str, Any]:
+    def put_bytes(
+        self,
+        root: bytes,
+        tokens: np.ndarray | Sequence[int],
+        fingerprint: bytes,
+        data: bytes | memoryview,
+        pin: bool = False,
+    ) -> dict[str, Any]:
         """Publish a blob held in Python memory (tests, tools)."""
         src = np.frombuffer(data, dtype=np.uint8)
 
@@ -551,8 +619,10 @@ class Client(Connection):
         waiting up to ``wait`` seconds for another worker that claimed ``digests[0]``
         first: "ready" (look up again), "retry" or "timeout".
         """
-        reply = self.request({"op": "claim", "digests": b"".join(digests[:4096]),
-                              "wait": float(wait)}, timeout=wait + self.timeout)
+        reply = self.request(
+            {"op": "claim", "digests": b"".join(digests[:4096]), "wait": float(wait)},
+            timeout=wait + self.timeout,
+        )
         status = reply.get("status")
         return status if isinstance(status, str) else "go"
 
@@ -561,16 +631,23 @@ class Client(Connection):
 
     def owners(self, digest: bytes, tokens: np.ndarray) -> list[tuple[int, int, int, int]]:
         """Records under chunk prefix ``digest``: (offset, gen, n_tokens, tokens matched)."""
-        reply = self.request({"op": "owners", "digest": digest,
-                              "tokens": np.ascontiguousarray(tokens, dtype="<i4").tobytes()})
+        reply = self.request(
+            {
+                "op": "owners",
+                "digest": digest,
+                "tokens": np.ascontiguousarray(tokens, dtype="<i4").tobytes(),
+            }
+        )
         rows = reply.get("owners")
         if not isinstance(rows, list):
             raise ProtocolError("malformed owners reply")
         out = []
         for row in rows[:64]:
-            if (not isinstance(row, list) or len(row) != 4
-                    or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                               for x in row)):
+            if (
+                not isinstance(row, list)
+                or len(row) != 4
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row)
+            ):
                 raise ProtocolError("malformed owners reply")
             off, gen, n, common = row
             out.append((off, gen, n, min(common, n, len(tokens))))

@@ -171,8 +171,10 @@ _register(ShmkvError)
 
 def setup_error(e: OSError, path: Path, setting: str) -> ShmkvError:
     """An OSError met while creating a file or socket, as one line naming the fix."""
-    msg = (f"cannot create {e.filename or path}: {e.strerror or e}: fix {setting} or the "
-           f"permissions there")
+    msg = (
+        f"cannot create {e.filename or path}: {e.strerror or e}: fix {setting} or the "
+        f"permissions there"
+    )
     return PermissionDenied(msg) if e.errno in (errno.EACCES, errno.EPERM) else ConfigError(msg)
 
 

@@ -24,10 +24,24 @@ _SAMPLE_BYTES = 1 << 16
 _SAMPLES = 16
 _HEAD_BYTES = 1 << 20
 # context parameters that do not change what a sequence blob means
-_CTX_IGNORED = {"n_ctx", "n_batch", "n_ubatch", "n_threads", "n_threads_batch",
-                "n_outputs_max", "n_outputs_max_per_seq", "no_perf", "defrag_thold",
-                "cb_eval", "cb_eval_user_data", "abort_callback", "abort_callback_data",
-                "samplers", "n_samplers", "ctx_other"}
+_CTX_IGNORED = {
+    "n_ctx",
+    "n_batch",
+    "n_ubatch",
+    "n_threads",
+    "n_threads_batch",
+    "n_outputs_max",
+    "n_outputs_max_per_seq",
+    "no_perf",
+    "defrag_thold",
+    "cb_eval",
+    "cb_eval_user_data",
+    "abort_callback",
+    "abort_callback_data",
+    "samplers",
+    "n_samplers",
+    "ctx_other",
+}
 
 
 def file_identity(path: str | os.PathLike[str]) -> bytes:
@@ -48,15 +62,18 @@ def file_identity(path: str | os.PathLike[str]) -> bytes:
 def context_description(llm: llama_cpp.Llama) -> dict[str, Any]:
     """Everything besides the weights that decides whether a blob restores correctly."""
     params = llm.context_params
-    ctx = {name: getattr(params, name) for name, _t in params._fields_
-           if name not in _CTX_IGNORED}
-    ctx = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in ctx.items()
-           if isinstance(v, (int, float, bool))}
+    ctx = {name: getattr(params, name) for name, _t in params._fields_ if name not in _CTX_IGNORED}
+    ctx = {
+        k: (round(v, 6) if isinstance(v, float) else v)
+        for k, v in ctx.items()
+        if isinstance(v, (int, float, bool))
+    }
     return {
         "llama_cpp_python": llama_cpp.__version__,
         "state_seq_version": getattr(lc, "LLAMA_STATE_SEQ_VERSION", None),
         "session_version": getattr(lc, "LLAMA_SESSION_VERSION", None),
-        "n_vocab": llm.n_vocab(), "n_embd": llm.n_embd(),
+        "n_vocab": llm.n_vocab(),
+        "n_embd": llm.n_embd(),
         "context": ctx,
         "lora": [llm.lora_path, llm.lora_base, float(llm.lora_scale)],
         "kv_overrides": sorted((str(k), str(v)) for k, v in (llm.kv_overrides or {}).items()),

@@ -62,8 +62,19 @@ class Applied:
     evicted: bool = False
 
 
-def apply(llm: llama_cpp.Llama, reader: Client, hit: Hit, prompt: np.ndarray, *, chunk: int,
-          local: int, keep: int, n_swa: int, fingerprint: bytes, verify: bool = True) -> Applied:
+def apply(
+    llm: llama_cpp.Llama,
+    reader: Client,
+    hit: Hit,
+    prompt: np.ndarray,
+    *,
+    chunk: int,
+    local: int,
+    keep: int,
+    n_swa: int,
+    fingerprint: bytes,
+    verify: bool = True,
+) -> Applied:
     """Lease the record behind ``hit`` and :func:`load` it; never raises a ShmkvError."""
     try:
         lease = reader.acquire(hit)
@@ -77,8 +88,17 @@ def apply(llm: llama_cpp.Llama, reader: Client, hit: Hit, prompt: np.ndarray, *,
     restored = 0
     try:
         try:
-            restored = load(llm, lease, prompt, need=hit.chunks * chunk, local=local,
-                            keep=keep, n_swa=n_swa, fingerprint=fingerprint, verify=verify)
+            restored = load(
+                llm,
+                lease,
+                prompt,
+                need=hit.chunks * chunk,
+                local=local,
+                keep=keep,
+                n_swa=n_swa,
+                fingerprint=fingerprint,
+                verify=verify,
+            )
         finally:
             lease.finish(restored)
     except LeaseLost as e:  # (the bytes may have changed under the copy: not a bad record)
@@ -101,8 +121,18 @@ def _suspect(reader: Client, hit: Hit) -> None:
         log.debug("suspect report failed: %s", e)
 
 
-def load(llm: llama_cpp.Llama, lease: Lease, prompt: np.ndarray, *, need: int, local: int,
-         keep: int, n_swa: int, fingerprint: bytes, verify: bool = True) -> int:
+def load(
+    llm: llama_cpp.Llama,
+    lease: Lease,
+    prompt: np.ndarray,
+    *,
+    need: int,
+    local: int,
+    keep: int,
+    n_swa: int,
+    fingerprint: bytes,
+    verify: bool = True,
+) -> int:
     """Restore the leased record into the context if it gives more than ``local`` tokens.
 
     ``need``: the leading tokens its key promised; ``keep``: keep at most these.
@@ -132,13 +162,15 @@ def load(llm: llama_cpp.Llama, lease: Lease, prompt: np.ndarray, *, need: int, l
     try:
         n = lc.llama_state_seq_set_data(llm.ctx, ptr, rec.payload_len, SEQ)
         if n != rec.payload_len:
-            raise ArenaCorruptError(f"llama_state_seq_set_data accepted {n} of "
-                                    f"{rec.payload_len} bytes")
+            raise ArenaCorruptError(
+                f"llama_state_seq_set_data accepted {n} of {rec.payload_len} bytes"
+            )
         if common < rec.n_tokens and not lc.llama_memory_seq_rm(mem, SEQ, common, -1):
             raise ModelMismatchError("the context cannot cut a restored state back")
         if not context_allows_cut(n_swa, pos_min(llm), cut):  # (planning prevents this)
-            raise ModelMismatchError("a restored sliding-window state lacks the window "
-                                     "its cut needs")
+            raise ModelMismatchError(
+                "a restored sliding-window state lacks the window its cut needs"
+            )
         if not lease.finish(common):
             raise LeaseLost("a read lease was revoked during the restore")
     except BaseException:
@@ -161,7 +193,8 @@ def copy_out(llm: llama_cpp.Llama, n_tokens: int, writer: Client) -> Blob | None
 
     def fill(addr: int, sz: int) -> None:
         got = lc.llama_state_seq_get_data(
-            llm.ctx, ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), sz, SEQ)
+            llm.ctx, ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), sz, SEQ
+        )
         if got != sz:
             raise ShmkvError(f"llama_state_seq_get_data wrote {got} of {sz} bytes")
 

@@ -46,8 +46,9 @@ class Ledger:
         self.totals.errors[kind] = self.totals.errors.get(kind, 0) + 1
         if kind not in self._warned:
             self._warned.add(kind)
-            self.log.warning("shmkv %s (falling back to a cold prefill; logged once): %s",
-                             kind, err)
+            self.log.warning(
+                "shmkv %s (falling back to a cold prefill; logged once): %s", kind, err
+            )
         else:
             self.log.debug("shmkv %s: %s", kind, err)
 

@@ -104,7 +104,8 @@ class Listener:
         else:
             raise ArenaExistsError(
                 f"another supervisor is listening on {path}: stop it, or set a different "
-                f"--socket/SHMKV_SOCKET")
+                f"--socket/SHMKV_SOCKET"
+            )
         finally:
             probe.close()
 
@@ -117,7 +118,7 @@ class Listener:
         if path.exists() or path.is_symlink():
             self._take_over_stale()
         for p in path.parent.iterdir():  # temporary sockets of killed supervisors
-            pid = p.name[len(path.name) + 2:]
+            pid = p.name[len(path.name) + 2 :]
             if p.name.startswith(f".{path.name}.") and pid.isdigit() and not _alive(int(pid)):
                 p.unlink(missing_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -160,19 +161,21 @@ class Listener:
             return None
         sock.setblocking(False)
         pid, uid, gid = _PEERCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
         refusal: ShmkvError | None = None
         if not self.allowed(uid, gid):
             refusal = PermissionDenied(
                 f"uid {uid} may not use shmkv arena {self.name!r} (owned by uid "
-                f"{os.geteuid()}): run as that user or start the supervisor with --group")
+                f"{os.geteuid()}): run as that user or start the supervisor with --group"
+            )
             log.warning("refused pid %d uid %d: not allowed", pid, uid)
         elif n_open >= self.max_connections:
             refusal = SupervisorBusy(
                 f"supervisor connection limit ({self.max_connections}) reached: this worker "
-                f"runs without the cache; raise --max-connections")
-            log.warning("refused pid %d: connection limit %d reached", pid,
-                        self.max_connections)
+                f"runs without the cache; raise --max-connections"
+            )
+            log.warning("refused pid %d: connection limit %d reached", pid, self.max_connections)
         if refusal is not None:
             try:
                 sock.setblocking(True)

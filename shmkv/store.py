@@ -71,9 +71,14 @@ class Entry:
 class Store:
     """Single-writer state of one arena mapping (writable, supervisor only)."""
 
-    def __init__(self, mm: mmap, geometry: Geometry, lease_timeout: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 intact: Callable[[Entry], bool] | None = None) -> None:
+    def __init__(
+        self,
+        mm: mmap,
+        geometry: Geometry,
+        lease_timeout: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        intact: Callable[[Entry], bool] | None = None,
+    ) -> None:
         self.arena = ArenaWriter(mm, geometry)
         #: re-checks a stored record (header, metadata and payload checksums); a put of
         #: the same content replaces a copy that fails it
@@ -140,8 +145,9 @@ class Store:
             grant.revoked = True
             self._unlease(grant.gen)
         self.counters.revocations += len(stale)
-        log.warning("revoked %d read lease(s) held longer than %.0fs", len(stale),
-                    self.lease_timeout)
+        log.warning(
+            "revoked %d read lease(s) held longer than %.0fs", len(stale), self.lease_timeout
+        )
         return True
 
     def _make_room(self, extent: int, digests: list[bytes]) -> bool:
@@ -149,8 +155,7 @@ class Store:
         revoked = False
         while True:
             new = sum(1 for d in digests if d not in self.owners)
-            if (len(self.owners) + new <= self.index_capacity
-                    and self.alloc.largest() >= extent):
+            if len(self.owners) + new <= self.index_capacity and self.alloc.largest() >= extent:
                 return True
             victim = next(iter(self._evictable()), None)
             if victim is None:
@@ -201,14 +206,23 @@ class Store:
         self.counters.duplicate_puts += 1
         return e
 
-    def put(self, root: bytes, tokens: np.ndarray, fingerprint: bytes, payload_len: int,
-            payload_xxh3: int, fill: Callable[[memoryview], None], pin: bool = False) -> Entry:
+    def put(
+        self,
+        root: bytes,
+        tokens: np.ndarray,
+        fingerprint: bytes,
+        payload_len: int,
+        payload_xxh3: int,
+        fill: Callable[[memoryview], None],
+        pin: bool = False,
+    ) -> Entry:
         """Store one blob; ``fill`` writes exactly ``payload_len`` bytes into the view."""
         g = self.geometry
         n_tokens = len(tokens)
         if n_tokens < g.chunk_tokens:
-            raise BadRequest(f"a blob needs at least chunk_tokens={g.chunk_tokens} tokens, "
-                             f"got {n_tokens}")
+            raise BadRequest(
+                f"a blob needs at least chunk_tokens={g.chunk_tokens} tokens, got {n_tokens}"
+            )
         tok_bytes = tokens.astype("<i4", copy=False).tobytes()
         content = hashlib.blake2b(root + fingerprint + tok_bytes, digest_size=16).digest()
         dup = self._duplicate(content, pin)
@@ -220,13 +234,15 @@ class Store:
             raise ArenaFullError(
                 f"a {format_size(payload_len)} blob can never fit in this arena's "
                 f"{format_size(g.data_size)} data region: restart `shmkv supervise` "
-                f"with a larger --size")
+                f"with a larger --size"
+            )
         digests = chain_digests(root, tokens, g.chunk_tokens)
         if len(digests) > self.index_capacity or not self._make_room(extent, digests):
             self.counters.rejected_puts += 1
             raise ArenaFullError(
                 "the arena is full of pinned or in-use entries: unpin some, or restart "
-                "`shmkv supervise` with a larger --size (or --index-slots)")
+                "`shmkv supervise` with a larger --size (or --index-slots)"
+            )
         offset = self.alloc.alloc(extent)
         assert offset is not None  # _make_room made room
         try:
@@ -237,8 +253,10 @@ class Store:
             finally:
                 view.release()
             if not ok:
-                raise ChecksumMismatch("payload does not match its checksum: the blob was "
-                                       "changed or truncated in transit; not stored")
+                raise ChecksumMismatch(
+                    "payload does not match its checksum: the blob was "
+                    "changed or truncated in transit; not stored"
+                )
         except BaseException:
             self.counters.rejected_puts += 1
             self.alloc.release(offset, extent)
@@ -246,17 +264,38 @@ class Store:
         gen = self._next_gen
         self._next_gen += 1
         created = time.time()
-        self.arena.write_record(offset, gen, digests[-1], root, len(digests), fingerprint,
-                                tok_bytes, payload_len, payload_xxh3, created)
-        e = Entry(gen, offset, extent, digests[-1], root, n_tokens, payload_len, digests,
-                  content, created, pinned=pin, last_used=self.clock())
+        self.arena.write_record(
+            offset,
+            gen,
+            digests[-1],
+            root,
+            len(digests),
+            fingerprint,
+            tok_bytes,
+            payload_len,
+            payload_xxh3,
+            created,
+        )
+        e = Entry(
+            gen,
+            offset,
+            extent,
+            digests[-1],
+            root,
+            n_tokens,
+            payload_len,
+            digests,
+            content,
+            created,
+            pinned=pin,
+            last_used=self.clock(),
+        )
         self.entries[gen] = e
         self.by_content[content] = gen
         for k, d in enumerate(digests, 1):
             self.owners.setdefault(d, {})[gen] = n_tokens
             if not self._point(d, k):
-                log.warning("index probe limit reached; entry %s only partly indexed",
-                            d.hex()[:12])
+                log.warning("index probe limit reached; entry %s only partly indexed", d.hex()[:12])
         if not pin:
             self.lru[gen] = None
         self.counters.puts += 1

@@ -86,13 +86,26 @@ class Supervisor:
             geometry = self.arena.create()
             assert self.arena.mm is not None
             view = ArenaView(self.arena.ro_fd, populate=False)  # to re-check records
-            store = Store(self.arena.mm, geometry, lease_timeout=self.settings.lease_timeout,
-                          intact=lambda e: view.intact(e.offset, e.gen))
+            store = Store(
+                self.arena.mm,
+                geometry,
+                lease_timeout=self.settings.lease_timeout,
+                intact=lambda e: view.intact(e.offset, e.gen),
+            )
             self._ctx = Context(
-                settings=self.settings, arena=self.arena, store=store, view=view,
-                claims=self.claims, reported=WorkerCounters(),
-                socket_path=self.listener.path, started=self.started, conns=self.conns,
-                wake=self._wake, close=self._close, check_arena=self._check_arena)
+                settings=self.settings,
+                arena=self.arena,
+                store=store,
+                view=view,
+                claims=self.claims,
+                reported=WorkerCounters(),
+                socket_path=self.listener.path,
+                started=self.started,
+                conns=self.conns,
+                wake=self._wake,
+                close=self._close,
+                check_arena=self._check_arena,
+            )
             self.sel.register(self.listener.bind(), selectors.EVENT_READ, None)
         except BaseException:
             self.cleanup(remove=True)
@@ -110,8 +123,13 @@ class Supervisor:
         """Serve until SIGTERM/SIGINT or a lost arena; returns the exit code."""
         self._install_signals()
         sd_notify(f"READY=1\nSTATUS=serving arena {self.settings.name}\nMAINPID={os.getpid()}")
-        log.info("shmkv %s supervising %r on %s (pid %d)", __version__, self.settings.name,
-                 self.listener.path, os.getpid())
+        log.info(
+            "shmkv %s supervising %r on %s (pid %d)",
+            __version__,
+            self.settings.name,
+            self.listener.path,
+            os.getpid(),
+        )
         watchdog = Watchdog()
         next_check = time.monotonic() + 1.0
         try:
@@ -196,8 +214,13 @@ class Supervisor:
         intact = not self.arena.lost and self.arena.intact()
         released = self.ctx.store.release_owner(conn.id) if intact else 0
         self._wake(self.claims.drop_owner(conn.id))
-        log.debug("connection %d (pid %d) closed%s; released %d lease(s)", conn.id, conn.pid,
-                  f": {reason}" if reason else "", released)
+        log.debug(
+            "connection %d (pid %d) closed%s; released %d lease(s)",
+            conn.id,
+            conn.pid,
+            f": {reason}" if reason else "",
+            released,
+        )
 
     def _on_readable(self, conn: Conn) -> None:
         try:
@@ -212,8 +235,9 @@ class Supervisor:
                 n = len(cdata) // 4
                 conn.fds.extend(struct.unpack(f"{n}i", cdata[: 4 * n]))
         if flags & socket.MSG_CTRUNC or len(conn.fds) > MAX_PENDING_FDS:
-            self._reply_error(conn, 0, ProtocolError(
-                f"more than {MAX_PENDING_FDS} file descriptors sent at once"))
+            self._reply_error(
+                conn, 0, ProtocolError(f"more than {MAX_PENDING_FDS} file descriptors sent at once")
+            )
             self._flush(conn)  # the reason, before the close (as for a framing error)
             self._close(conn, "too many fds")
             return
@@ -284,8 +308,10 @@ class Supervisor:
             data, fds = item
             try:
                 if fds:
-                    sent = conn.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                       struct.pack(f"{len(fds)}i", *fds))])
+                    sent = conn.sock.sendmsg(
+                        [data],
+                        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))],
+                    )
                     item[1] = None
                 else:
                     sent = conn.sock.send(data)
@@ -312,8 +338,7 @@ class Supervisor:
         for waiter, status in woken:
             conn = self.conns.get(waiter.owner)
             if conn is not None and not conn.closing:
-                self._queue(conn, encode({"ok": True, "id": waiter.rid, "status": status}),
-                            None)
+                self._queue(conn, encode({"ok": True, "id": waiter.rid, "status": status}), None)
                 self._flush(conn)
 
     # ----------------------------------------------------------------- cleanup

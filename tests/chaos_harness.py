@@ -51,15 +51,26 @@ SUPERVISOR_TRIALS = max(1, TRIALS - WORKER_TRIALS - RESTART_TRIALS)
 
 MAX_TOKENS = 24
 _SYSTEMS = [("Rule", "cat", "mat"), ("Law", "dog", "rug"), ("Clause", "owl", "branch")]
-SYSTEMS = [" ".join(f"{w} {i}: the {a} {i % 7} sits on the {b} {i % 5}." for i in range(60))
-           for w, a, b in _SYSTEMS]
-SUFFIXES = [" Question: who sits?", " Question: where is it?", " Tell a story:",
-            " Summary:", " List the rules in order.", " Why?"]
+SYSTEMS = [
+    " ".join(f"{w} {i}: the {a} {i % 7} sits on the {b} {i % 5}." for i in range(60))
+    for w, a, b in _SYSTEMS
+]
+SUFFIXES = [
+    " Question: who sits?",
+    " Question: where is it?",
+    " Tell a story:",
+    " Summary:",
+    " List the rules in order.",
+    " Why?",
+]
 PROMPTS = [s + q for s in SYSTEMS for q in SUFFIXES]
 
 #: what a kill landed in, by the worker's flags; a kill may count in several phases
-GROUPS = {"restore": ("restore", "lease", "set_data"), "publish": ("capture", "get_data", "put"),
-          "generation": ("prefill", "decode")}
+GROUPS = {
+    "restore": ("restore", "lease", "set_data"),
+    "publish": ("capture", "get_data", "put"),
+    "generation": ("prefill", "decode"),
+}
 
 SUMMARY: dict[str, str] = {}
 TOTALS: collections.Counter[str] = collections.Counter()
@@ -68,10 +79,16 @@ TOTALS: collections.Counter[str] = collections.Counter()
 def log_summary() -> None:
     """One line for every chaos test that ran (nothing if none did)."""
     if SUMMARY:
-        log.info("chaos summary: %d kills, %d outputs compared with cold runs and %d blob reads "
-                 "verified, %d wrong, %d leaks or problems; %s", TOTALS["kills"],
-                 TOTALS["outputs"], TOTALS["reads"], TOTALS["wrong"], TOTALS["leaks"],
-                 "; ".join(f"{k}: {v}" for k, v in SUMMARY.items()))
+        log.info(
+            "chaos summary: %d kills, %d outputs compared with cold runs and %d blob reads "
+            "verified, %d wrong, %d leaks or problems; %s",
+            TOTALS["kills"],
+            TOTALS["outputs"],
+            TOTALS["reads"],
+            TOTALS["wrong"],
+            TOTALS["leaks"],
+            "; ".join(f"{k}: {v}" for k, v in SUMMARY.items()),
+        )
 
 
 def shm_files(name: str) -> set[str]:
@@ -82,8 +99,9 @@ def shm_files(name: str) -> set[str]:
 def socket_litter(sock: str) -> set[str]:
     """The socket and any temporary socket a supervisor binds before renaming it into place."""
     p = Path(sock)
-    return {x.name for x in p.parent.iterdir() if x.name == p.name
-            or x.name.startswith(f".{p.name}.")}
+    return {
+        x.name for x in p.parent.iterdir() if x.name == p.name or x.name.startswith(f".{p.name}.")
+    }
 
 
 def stale_arena_maps(pid: int, name: str) -> list[str]:
@@ -101,8 +119,11 @@ def check_arena(c: Client, conns: int = 1, timeout: float = 10.0) -> tuple[list[
 
     Returns (problems, stats); an empty list means consistent.
     """
-    st = wait_until(lambda: (s := c.stats())["connections"] <= conns and s, timeout,
-                    f"connections to drop to {conns}")
+    st = wait_until(
+        lambda: (s := c.stats())["connections"] <= conns and s,
+        timeout,
+        f"connections to drop to {conns}",
+    )
     ls = c.ls(limit=100_000)
     problems = []
     if st["leases_active"] != 0:
@@ -113,8 +134,10 @@ def check_arena(c: Client, conns: int = 1, timeout: float = 10.0) -> tuple[list[
         problems.append(f"entries {st['entries']} vs listed {ls['total']}/{len(ls['entries'])}")
     extents = sum(e["extent"] for e in ls["entries"])
     if st["bytes_used"] != extents:
-        problems.append(f"bytes_used {st['bytes_used']} != sum of extents {extents} "
-                        f"(leaked {st['bytes_used'] - extents})")
+        problems.append(
+            f"bytes_used {st['bytes_used']} != sum of extents {extents} "
+            f"(leaked {st['bytes_used'] - extents})"
+        )
     if not st["bytes_used"] <= st["bytes_capacity"] or st["index_used"] > st["index_capacity"]:
         problems.append(f"over capacity: {st}")
     keys = {e["key"] for e in ls["entries"]}
@@ -142,8 +165,7 @@ class Refs:
     def __getitem__(self, p: int) -> str:
         if p not in self._text:
             llm = llama_cpp.Llama(model_path=self.model, verbose=False, **KW)
-            out = llm.create_completion(PROMPTS[p], max_tokens=MAX_TOKENS, temperature=0.0,
-                                        seed=0)
+            out = llm.create_completion(PROMPTS[p], max_tokens=MAX_TOKENS, temperature=0.0, seed=0)
             self._text[p] = out["choices"][0]["text"]
             del llm
         return self._text[p]
@@ -162,9 +184,14 @@ class Worker:
         self.err_path = tmp_path / f"worker-{tag}.err"
         env = {**os.environ, "PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}"}
         with open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, str(HERE / "chaos_worker.py")],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=err, env=env, text=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(HERE / "chaos_worker.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+                text=True,
+            )
         self.lines: list[dict] = []
         self.torn = 0
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -179,9 +206,17 @@ class Worker:
                 self.torn += 1  # a line cut by the kill
 
     def go(self, sup, seed: int, requests: int = 0) -> None:
-        spec = {"model": sup.model, "kw": KW, "name": sup.name, "socket": sup.socket,
-                "flags": str(self.flags_path), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                "seed": seed, "requests": requests}
+        spec = {
+            "model": sup.model,
+            "kw": KW,
+            "name": sup.name,
+            "socket": sup.socket,
+            "flags": str(self.flags_path),
+            "prompts": PROMPTS,
+            "max_tokens": MAX_TOKENS,
+            "seed": seed,
+            "requests": requests,
+        }
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(spec) + "\n")
         self.proc.stdin.close()
@@ -196,7 +231,7 @@ class Worker:
 
     @property
     def finished(self) -> int:
-        return int.from_bytes(self.flags[COUNT_OFF:COUNT_OFF + 4], "little")
+        return int.from_bytes(self.flags[COUNT_OFF : COUNT_OFF + 4], "little")
 
     def phases(self) -> list[str]:
         return [p for p in PHASES if self.flags[FLAG[p]]]
@@ -251,8 +286,10 @@ def check_outputs(worker: Worker, refs: Refs, wrong: list[str]) -> int:
     results = worker.results()
     for r in results:
         if r["text"] != refs[r["p"]]:
-            wrong.append(f"worker {worker.tag} request {r['i']} prompt {r['p']}: "
-                         f"{r['text']!r} != cold {refs[r['p']]!r} (last={r['last']})")
+            wrong.append(
+                f"worker {worker.tag} request {r['i']} prompt {r['p']}: "
+                f"{r['text']!r} != cold {refs[r['p']]!r} (last={r['last']})"
+            )
     return len(results)
 
 

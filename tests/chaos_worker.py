@@ -30,8 +30,18 @@ import shmkv.llama as SL
 from shmkv.arena import ArenaView
 
 # flag bytes (read by chaos_harness.Worker in the test process)
-PHASES = ["request", "restore", "lease", "set_data", "prefill", "capture", "get_data", "put",
-          "decode", "claim"]
+PHASES = [
+    "request",
+    "restore",
+    "lease",
+    "set_data",
+    "prefill",
+    "capture",
+    "get_data",
+    "put",
+    "decode",
+    "claim",
+]
 FLAG = {name: i for i, name in enumerate(PHASES)}
 READY, STOP = 14, 15
 COUNT_OFF = 16  # u32: requests finished
@@ -70,8 +80,13 @@ def main() -> None:
 
     SC.Lease.finish = finish
 
-    llm = SL.SharedCacheLlama(model_path=spec["model"], verbose=False, **spec["kw"],
-                              shmkv_name=spec["name"], shmkv_socket=spec["socket"])
+    llm = SL.SharedCacheLlama(
+        model_path=spec["model"],
+        verbose=False,
+        **spec["kw"],
+        shmkv_name=spec["name"],
+        shmkv_socket=spec["socket"],
+    )
     cache = llm.shmkv
     hook(cache, "restore", "restore")
     hook(cache, "capture", "capture")
@@ -112,8 +127,7 @@ def main() -> None:
                 continue
             print(f"old view of arena {v.geometry.arena_id.hex()}:", file=sys.stderr)
             for r in gc.get_referrers(v):
-                print(f"  held by {type(r).__name__} {getattr(r, 'f_code', '')}",
-                      file=sys.stderr)
+                print(f"  held by {type(r).__name__} {getattr(r, 'f_code', '')}", file=sys.stderr)
                 for r2 in gc.get_referrers(r):
                     print(f"    held by {type(r2).__name__} {str(r2)[:160]}", file=sys.stderr)
         sys.stderr.flush()
@@ -129,20 +143,34 @@ def main() -> None:
             break
         p = rnd.randrange(len(prompts))
         flags[FLAG["request"]] = 1
-        out = llm.create_completion(prompts[p], max_tokens=spec["max_tokens"], temperature=0.0,
-                                    seed=0)
+        out = llm.create_completion(
+            prompts[p], max_tokens=spec["max_tokens"], temperature=0.0, seed=0
+        )
         flags[FLAG["decode"]] = flags[FLAG["prefill"]] = flags[FLAG["request"]] = 0
         done += 1
         struct.pack_into("<I", flags, COUNT_OFF, done)
         arena = cache.reader.attach_info.get("arena_id", b"")
-        line = {"i": done, "p": p, "text": out["choices"][0]["text"],
-                "last": dataclasses.asdict(cache.last), "arena": arena.hex(),
-                "pid": os.getpid()}
+        line = {
+            "i": done,
+            "p": p,
+            "text": out["choices"][0]["text"],
+            "last": dataclasses.asdict(cache.last),
+            "arena": arena.hex(),
+            "pid": os.getpid(),
+        }
         sys.stdout.write(json.dumps(line) + "\n")
         sys.stdout.flush()
     cache.close()
-    sys.stdout.write(json.dumps({"done": done, "totals": dataclasses.asdict(cache.totals),
-                                 "llama_cpp": llama_cpp.__version__}) + "\n")
+    sys.stdout.write(
+        json.dumps(
+            {
+                "done": done,
+                "totals": dataclasses.asdict(cache.totals),
+                "llama_cpp": llama_cpp.__version__,
+            }
+        )
+        + "\n"
+    )
     sys.stdout.flush()
 
 

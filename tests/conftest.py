@@ -70,15 +70,15 @@ def serve_reference(serve_model) -> Callable[..., str]:
     ``run(prompt)`` or ``run(messages=[...])``, sampling overrides as keywords."""
     import llama_cpp
 
-    kw = dict(model_path=serve_model, n_ctx=N_CTX, n_threads=1, n_threads_batch=1,
-              verbose=False)
+    kw = dict(model_path=serve_model, n_ctx=N_CTX, n_threads=1, n_threads_batch=1, verbose=False)
 
     def run(prompt: str | None = None, messages: list | None = None, **over) -> str:
         llm = llama_cpp.Llama(**kw)
         params = {**SAMPLING, **EXTRA, **over}
         if messages is not None:
             return llm.create_chat_completion(messages, **params)["choices"][0]["message"][
-                "content"]
+                "content"
+            ]
         return llm.create_completion(prompt, **params)["choices"][0]["text"]
 
     return run

@@ -39,8 +39,9 @@ MiB = 1 << 20
 
 
 # ------------------------------------------------------------- waiting and processes
-def wait_until(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition",
-               step: float = 0.01) -> Any:
+def wait_until(
+    pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition", step: float = 0.01
+) -> Any:
     """Poll ``pred`` until it returns something truthy and return that; after ``timeout``
     seconds raise AssertionError naming ``what``."""
     deadline = time.monotonic() + timeout
@@ -89,8 +90,14 @@ class Sup:
             return c.stats()
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "shmkv.cli", *args], env=self.env,
-                              capture_output=True, text=True, timeout=60, check=check)
+        return subprocess.run(
+            [sys.executable, "-m", "shmkv.cli", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=check,
+        )
 
     def stats_json(self) -> dict:
         return json.loads(self.cli("stats", "--json").stdout)
@@ -116,8 +123,13 @@ def wait_for_socket(path: str, proc: subprocess.Popen, timeout: float = 15) -> N
     raise TimeoutError(f"supervisor socket {path} did not appear")
 
 
-def start_supervisor(tmp_path: Path, *args: str, name: str | None = None,
-                     env_extra: dict[str, str] | None = None, wait: bool = True) -> Sup:
+def start_supervisor(
+    tmp_path: Path,
+    *args: str,
+    name: str | None = None,
+    env_extra: dict[str, str] | None = None,
+    wait: bool = True,
+) -> Sup:
     """Start `shmkv supervise` with a unique name and socket under tmp_path.
 
     Tests that stop it themselves call this; others use the ``make_supervisor`` fixture,
@@ -129,8 +141,12 @@ def start_supervisor(tmp_path: Path, *args: str, name: str | None = None,
     env.update(env_extra or {})
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "shmkv.cli", "supervise", *args],
-                                env=env, stdout=logf, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shmkv.cli", "supervise", *args],
+            env=env,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+        )
     sup = Sup(name, sock, env.get("SHMKV_DIR", "/dev/shm"), proc, env, log_path)
     if wait:
         wait_for_socket(sock, proc)
@@ -200,8 +216,9 @@ class Raw:
 
     def send_raw(self, data: bytes, fds: list[int] | None = None) -> None:
         if fds:
-            sent = self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                               array.array("i", fds))])
+            sent = self.sock.sendmsg(
+                [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+            )
             data = data[sent:]
         if data:
             self.sock.sendall(data)
@@ -264,9 +281,15 @@ def memfd_with(data: bytes) -> int:
 
 def put_msg(toks: np.ndarray, data: bytes, **over: Any) -> dict[str, Any]:
     """A valid put request for ``data`` (its memfd goes with it), with fields ``over``."""
-    msg = {"op": "put", "root": b"r" * 16, "tokens": toks.astype("<i4").tobytes(),
-           "fingerprint": b"fp", "payload_len": len(data),
-           "checksum": xxhash.xxh3_64_intdigest(data), "pin": False}
+    msg = {
+        "op": "put",
+        "root": b"r" * 16,
+        "tokens": toks.astype("<i4").tobytes(),
+        "fingerprint": b"fp",
+        "payload_len": len(data),
+        "checksum": xxhash.xxh3_64_intdigest(data),
+        "pin": False,
+    }
     msg.update(over)
     return msg
 
@@ -305,18 +328,35 @@ def texts(result: dict) -> list[str]:
     return [r["text"] for r in result["results"]]
 
 
-def start_worker(sup: Any, model: str, jobs: list[dict], mode: str = "shmkv",
-                 namespace: str = "", kw: dict | None = None,
-                 env: dict | None = None) -> subprocess.Popen:
+def start_worker(
+    sup: Any,
+    model: str,
+    jobs: list[dict],
+    mode: str = "shmkv",
+    namespace: str = "",
+    kw: dict | None = None,
+    env: dict | None = None,
+) -> subprocess.Popen:
     """A tests/llama_worker.py process (``sup`` None: no supervisor); it loads its modules
     while it waits for the jobs that finish_worker() sends it."""
-    spec = {"model": model, "kw": {**KW, **(kw or {})}, "name": sup.name if sup else "none",
-            "socket": sup.socket if sup else "/nonexistent/shmkv.sock", "namespace": namespace,
-            "mode": mode, "jobs": jobs}
+    spec = {
+        "model": model,
+        "kw": {**KW, **(kw or {})},
+        "name": sup.name if sup else "none",
+        "socket": sup.socket if sup else "/nonexistent/shmkv.sock",
+        "namespace": namespace,
+        "mode": mode,
+        "jobs": jobs,
+    }
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.Popen([sys.executable, str(HERE / "llama_worker.py")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "llama_worker.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     proc.spec = json.dumps(spec)  # type: ignore[attr-defined]
     return proc
 
@@ -336,8 +376,16 @@ def finish_worker(proc: subprocess.Popen, timeout: float = 240) -> dict:
     return result
 
 
-def run_worker(sup: Any, model: str, jobs: list[dict], mode: str = "shmkv", namespace: str = "",
-               kw: dict | None = None, env: dict | None = None, timeout: float = 120) -> dict:
+def run_worker(
+    sup: Any,
+    model: str,
+    jobs: list[dict],
+    mode: str = "shmkv",
+    namespace: str = "",
+    kw: dict | None = None,
+    env: dict | None = None,
+    timeout: float = 120,
+) -> dict:
     """Run ``jobs`` in a fresh llama worker process: ``mode`` "shmkv" (SharedCacheLlama),
     "attach" (a plain Llama with ``attach``) or "cold" (a fresh plain Llama per job, the
     reference); returns its results, totals and stderr."""
@@ -373,14 +421,26 @@ print(json.dumps({"results": results, "totals": dataclasses.asdict(llm.shmkv.tot
 class BarrierWorker:
     """A llama worker that attaches, then waits for go() before it runs its jobs."""
 
-    def __init__(self, sup: Sup, model: str, jobs: list[dict],
-                 before: list[dict] | None = None) -> None:
-        spec = {"model": model, "kw": KW, "name": sup.name, "socket": sup.socket, "jobs": jobs,
-                "before": before or []}
+    def __init__(
+        self, sup: Sup, model: str, jobs: list[dict], before: list[dict] | None = None
+    ) -> None:
+        spec = {
+            "model": model,
+            "kw": KW,
+            "name": sup.name,
+            "socket": sup.socket,
+            "jobs": jobs,
+            "before": before or [],
+        }
         env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{ROOT}"}
-        self.proc = subprocess.Popen([sys.executable, "-c", BARRIER_WORKER, json.dumps(spec)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", BARRIER_WORKER, json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         assert self.proc.stdout is not None and self.proc.stdin is not None
         self.state = self.proc.stdout.readline().strip()
 
@@ -444,21 +504,35 @@ class Server:
         import openai
 
         self.sup, self.port = sup, free_port()
-        self.env = {**sup.env, "SHMKV_MODEL": model, "SHMKV_WORKERS": str(workers),
-                    "SHMKV_PORT": str(self.port), "SHMKV_THREADS": "1",
-                    "SHMKV_N_CTX": str(N_CTX), "SHMKV_LOG_LEVEL": "info",
-                    "SHMKV_TIMEOUT": "2"}
+        self.env = {
+            **sup.env,
+            "SHMKV_MODEL": model,
+            "SHMKV_WORKERS": str(workers),
+            "SHMKV_PORT": str(self.port),
+            "SHMKV_THREADS": "1",
+            "SHMKV_N_CTX": str(N_CTX),
+            "SHMKV_LOG_LEVEL": "info",
+            "SHMKV_TIMEOUT": "2",
+        }
         self.log_path = tmp_path / "gunicorn.log"
         with open(self.log_path, "wb") as f:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gunicorn", "-c", str(ROOT / "workers/gunicorn_conf.py")],
-                env=self.env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path)
+                env=self.env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=tmp_path,
+            )
         self.base = f"http://127.0.0.1:{self.port}"
         self.wait_workers(workers)
         # a new connection per request, so that requests spread over the workers
         self.client = openai.OpenAI(
-            base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60,
-            http_client=httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)))
+            base_url=self.base + "/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=60,
+            http_client=httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)),
+        )
 
     def worker_pids(self) -> set[int]:
         path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
@@ -476,7 +550,7 @@ class Server:
             assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
             pids = self.worker_pids()
             if len(pids) == n:  # every worker answers /health (a worker that is still
-                try:            # loading its model would skew which worker gets what)
+                try:  # loading its model would skew which worker gets what)
                     r = httpx.get(self.base + "/health", timeout=5)
                     if r.status_code == 200:
                         seen.add(r.json()["worker_pid"])
@@ -492,12 +566,18 @@ class Server:
     def complete(self, prompt: str, **kw: Any) -> tuple[str, dict]:
         """A completion and what the cache did for it (the ``x-shmkv-*`` headers)."""
         raw = self.client.completions.with_raw_response.create(
-            model="tiny", prompt=prompt, extra_body=EXTRA, **{**SAMPLING, **kw})
+            model="tiny", prompt=prompt, extra_body=EXTRA, **{**SAMPLING, **kw}
+        )
         body = raw.parse()
-        h = {k[len("x-shmkv-"):].replace("-", "_"): v for k, v in raw.headers.items()
-             if k.startswith("x-shmkv-")}
-        info = {k: (v == "true" if k == "hit" else float(v) if k == "restore_ms" else int(v))
-                for k, v in h.items()}
+        h = {
+            k[len("x-shmkv-") :].replace("-", "_"): v
+            for k, v in raw.headers.items()
+            if k.startswith("x-shmkv-")
+        }
+        info = {
+            k: (v == "true" if k == "hit" else float(v) if k == "restore_ms" else int(v))
+            for k, v in h.items()
+        }
         return body.choices[0].text, info
 
     def stop(self) -> None:

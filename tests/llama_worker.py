@@ -38,26 +38,45 @@ def main() -> None:
     kw = dict(model_path=spec["model"], verbose=False, **spec.get("kw", {}))
     mode = spec.get("mode", "shmkv")
     if mode == "shmkv":
-        llm = SharedCacheLlama(**kw, shmkv_name=spec["name"], shmkv_socket=spec["socket"],
-                               shmkv_namespace=spec.get("namespace", ""))
+        llm = SharedCacheLlama(
+            **kw,
+            shmkv_name=spec["name"],
+            shmkv_socket=spec["socket"],
+            shmkv_namespace=spec.get("namespace", ""),
+        )
         cache = llm.shmkv
     else:
         llm = llama_cpp.Llama(**kw)
-        cache = (attach(llm, name=spec["name"], socket_path=spec["socket"],
-                        namespace=spec.get("namespace", "")) if mode == "attach" else None)
+        cache = (
+            attach(
+                llm,
+                name=spec["name"],
+                socket_path=spec["socket"],
+                namespace=spec.get("namespace", ""),
+            )
+            if mode == "attach"
+            else None
+        )
     results = []
     for job in spec["jobs"]:
         if mode == "cold":  # a fresh Llama per job: the reference a cached run must equal
             llm = llama_cpp.Llama(**kw)
         text = run_job(llm, job)
-        results.append({"text": text, "context": [int(t) for t in llm.input_ids[: llm.n_tokens]],
-                        "last": dataclasses.asdict(cache.last) if cache else None})
+        results.append(
+            {
+                "text": text,
+                "context": [int(t) for t in llm.input_ids[: llm.n_tokens]],
+                "last": dataclasses.asdict(cache.last) if cache else None,
+            }
+        )
         if cache is not None:
             cache.flush()
     if cache is not None:
         cache.close()
-    json.dump({"results": results,
-               "totals": dataclasses.asdict(cache.totals) if cache else None}, sys.stdout)
+    json.dump(
+        {"results": results, "totals": dataclasses.asdict(cache.totals) if cache else None},
+        sys.stdout,
+    )
 
 
 if __name__ == "__main__":

@@ -80,15 +80,22 @@ def test_supervisor_restart_under_running_workers(make_supervisor, models, chaos
             def done(arena: str = new_id, n0: list[int] = before) -> bool:
                 if any(x.proc.poll() is not None for x in workers):
                     return True
-                return all(any(r["arena"] == arena and r["last"]["hit"]
-                               for r in x.results()[n:]) for x, n in zip(workers, n0, strict=True))
+                return all(
+                    any(r["arena"] == arena and r["last"]["hit"] for r in x.results()[n:])
+                    for x, n in zip(workers, n0, strict=True)
+                )
 
             wait_until(done, 30, "both workers to restore from the new arena")
             for x in workers:
                 assert x.proc.poll() is None, f"worker {x.tag} died: {x.stderr()}"
             reattach_s.append(time.monotonic() - t_kill)
-            log.debug("restart %d: supervisor killed in %s; workers restore from the new arena "
-                      "%.2f s after the kill", t, phases, reattach_s[-1])
+            log.debug(
+                "restart %d: supervisor killed in %s; workers restore from the new arena "
+                "%.2f s after the kill",
+                t,
+                phases,
+                reattach_s[-1],
+            )
             # the old arena is unlinked: a worker still mapping it would pin its tmpfs space
             time.sleep(0.2)
             for x in workers:
@@ -97,8 +104,9 @@ def test_supervisor_restart_under_running_workers(make_supervisor, models, chaos
                     os.kill(x.pid, signal.SIGUSR1)  # the worker prints who holds it
                     time.sleep(0.5)
                     log.warning("worker %s holds a replaced arena: %s", x.tag, x.stderr())
-                    problems.append(f"trial {t}: worker {x.tag} still maps a replaced arena: "
-                                    f"{stale[:2]}")
+                    problems.append(
+                        f"trial {t}: worker {x.tag} still maps a replaced arena: {stale[:2]}"
+                    )
         for w in workers:
             assert w.stop() == 0, w.stderr()
         outputs = sum(check_outputs(w, chaos_refs, wrong) for w in workers)
@@ -117,22 +125,35 @@ def test_supervisor_restart_under_running_workers(make_supervisor, models, chaos
         errors.update(tt["errors"])
     per_phase, groups = kill_phase_counts(kills)
     wall = time.monotonic() - t_start
-    log.info("restarts under load: %d supervisor kills while workers were in %s (by group %s); "
-             "%d outputs compared with cold, %d wrong; worker errors seen and absorbed: %s; "
-             "reattached within %.2f s (max); %d problems; %.1f s", len(kills), per_phase,
-             groups, outputs, len(wrong), dict(errors), max(reattach_s, default=math.nan),
-             len(problems), wall)
+    log.info(
+        "restarts under load: %d supervisor kills while workers were in %s (by group %s); "
+        "%d outputs compared with cold, %d wrong; worker errors seen and absorbed: %s; "
+        "reattached within %.2f s (max); %d problems; %.1f s",
+        len(kills),
+        per_phase,
+        groups,
+        outputs,
+        len(wrong),
+        dict(errors),
+        max(reattach_s, default=math.nan),
+        len(problems),
+        wall,
+    )
     TOTALS.update(kills=len(kills), outputs=outputs, wrong=len(wrong), leaks=len(problems))
-    SUMMARY["restarts under load"] = (f"{len(kills)} trials {groups}, {outputs} outputs, "
-                                      f"{len(wrong)} wrong, {len(problems)} problems, "
-                                      f"reattach <= {max(reattach_s, default=0):.1f} s, "
-                                      f"{wall:.0f} s")
+    SUMMARY["restarts under load"] = (
+        f"{len(kills)} trials {groups}, {outputs} outputs, "
+        f"{len(wrong)} wrong, {len(problems)} problems, "
+        f"reattach <= {max(reattach_s, default=0):.1f} s, "
+        f"{wall:.0f} s"
+    )
     assert not wrong, wrong[:5]
     assert not problems, problems[:10]
     assert not left, f"left behind: {left}"
-    bad = {k: v for k, v in errors.items()
-           if k not in ("supervisor unavailable", "publish failed", "claim failed",
-                        "cache error")}
+    bad = {
+        k: v
+        for k, v in errors.items()
+        if k not in ("supervisor unavailable", "publish failed", "claim failed", "cache error")
+    }
     assert not bad, errors
 
 

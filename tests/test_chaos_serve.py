@@ -77,8 +77,13 @@ def test_serving_through_worker_and_supervisor_kills(make_supervisor, models, ch
                 sup = wait_ready(make_supervisor("--size", "16M", name=sup.name, wait=False))
                 srv.sup = sup
                 n0 = len(done)
-                wait_until(lambda n0=n0: {i["worker_pid"] for *_, i in done[n0:] if i["hit"]}
-                           >= srv.worker_pids(), 60, "every worker to restore from the new arena")
+                wait_until(
+                    lambda n0=n0: (
+                        {i["worker_pid"] for *_, i in done[n0:] if i["hit"]} >= srv.worker_pids()
+                    ),
+                    60,
+                    "every worker to restore from the new arena",
+                )
                 reattach_s.append(time.monotonic() - sup_kills[-1])
             else:
                 victim = rnd.choice(sorted(srv.worker_pids()))
@@ -100,24 +105,44 @@ def test_serving_through_worker_and_supervisor_kills(make_supervisor, models, ch
         problems += found
     assert sup.stop() == 0
     left = shm_files(sup.name) | socket_litter(sup.socket)
-    wrong = [f"prompt {p}: {text!r} != {chaos_refs[p]!r}" for _, _, p, text, _ in done
-             if text != chaos_refs[p]]
+    wrong = [
+        f"prompt {p}: {text!r} != {chaos_refs[p]!r}"
+        for _, _, p, text, _ in done
+        if text != chaos_refs[p]
+    ]
     # a request fails only if a worker was killed while it was in flight
-    unexplained = [f for f in failed if not any(f[0] - 0.1 <= k <= f[1] + 0.1
-                                                for k in worker_kills)]
+    unexplained = [
+        f for f in failed if not any(f[0] - 0.1 <= k <= f[1] + 0.1 for k in worker_kills)
+    ]
     hits = sum(1 for *_, i in done if i["hit"])
     wall = time.monotonic() - t_start
-    log.info("serving: %d gunicorn worker kills and %d supervisor kills under 2 HTTP clients; "
-             "%d responses compared with cold runs (%d restored from the arena), %d wrong; %d "
-             "requests failed, all in flight on a killed worker: %s; workers restored from the "
-             "new arena within %.1f s of a supervisor kill; %d problems; %.1f s",
-             len(worker_kills), len(sup_kills), len(done), hits, len(wrong), len(failed),
-             not unexplained, max(reattach_s, default=math.nan), len(problems), wall)
-    TOTALS.update(kills=len(worker_kills) + len(sup_kills), outputs=len(done), wrong=len(wrong),
-                  leaks=len(problems) + len(unexplained))
-    SUMMARY["serving"] = (f"{len(worker_kills)} worker + {len(sup_kills)} supervisor kills, "
-                          f"{len(done)} responses, {len(wrong)} wrong, {len(unexplained)} "
-                          f"unexplained errors, {len(problems)} problems, {wall:.0f} s")
+    log.info(
+        "serving: %d gunicorn worker kills and %d supervisor kills under 2 HTTP clients; "
+        "%d responses compared with cold runs (%d restored from the arena), %d wrong; %d "
+        "requests failed, all in flight on a killed worker: %s; workers restored from the "
+        "new arena within %.1f s of a supervisor kill; %d problems; %.1f s",
+        len(worker_kills),
+        len(sup_kills),
+        len(done),
+        hits,
+        len(wrong),
+        len(failed),
+        not unexplained,
+        max(reattach_s, default=math.nan),
+        len(problems),
+        wall,
+    )
+    TOTALS.update(
+        kills=len(worker_kills) + len(sup_kills),
+        outputs=len(done),
+        wrong=len(wrong),
+        leaks=len(problems) + len(unexplained),
+    )
+    SUMMARY["serving"] = (
+        f"{len(worker_kills)} worker + {len(sup_kills)} supervisor kills, "
+        f"{len(done)} responses, {len(wrong)} wrong, {len(unexplained)} "
+        f"unexplained errors, {len(problems)} problems, {wall:.0f} s"
+    )
     assert not wrong, wrong[:5]
     assert not unexplained, unexplained[:5]
     assert not problems, problems[:10]

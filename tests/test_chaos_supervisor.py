@@ -49,9 +49,9 @@ def hammer_blob(seed: int) -> Blob:
     """A blob of 4 to 64 chunks of CHUNK2 tokens and BLOB_MIN to BLOB_MAX bytes (log-uniform),
     all a function of ``seed``."""
     rnd = random.Random(seed)
-    return blob(seed, int(BLOB_MIN * (BLOB_MAX / BLOB_MIN) ** rnd.random()),
-                CHUNK2 * rnd.randint(4, 64))
-
+    return blob(
+        seed, int(BLOB_MIN * (BLOB_MAX / BLOB_MIN) ** rnd.random()), CHUNK2 * rnd.randint(4, 64)
+    )
 
 
 class Hammer:
@@ -64,15 +64,16 @@ class Hammer:
         self.quit = False
         self.idle = {"writer": threading.Event(), "reader": threading.Event()}
         self.op = {"writer": "idle", "reader": "idle"}
-        self.entered = {op: threading.Event() for op in ("put", "put+evict", "clear",
-                                                         "acquire")}
+        self.entered = {op: threading.Event() for op in ("put", "put+evict", "clear", "acquire")}
         self.filled = 0
         self.recent: collections.deque[int] = collections.deque(maxlen=6)
         self.counts: collections.Counter[str] = collections.Counter()
         self.unexpected: list[str] = []
         self.wrong: list[str] = []
-        self.threads = [threading.Thread(target=self._loop, args=(role,), daemon=True)
-                        for role in ("writer", "reader")]
+        self.threads = [
+            threading.Thread(target=self._loop, args=(role,), daemon=True)
+            for role in ("writer", "reader")
+        ]
         for t in self.threads:
             t.start()
 
@@ -231,15 +232,17 @@ def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
                 label = SUP_START[(t // len(SUP_TARGETS)) % len(SUP_START)]
                 s2 = start_supervisor(tmp_path, *args, name=name, wait=False)
                 procs.append(s2.proc)
-                want = {"start:arena": SHM / f"shmkv-{name}.{s2.proc.pid}.tmp",
-                        "start:socket": Path(sock).with_name(f".{Path(sock).name}."
-                                                             f"{s2.proc.pid}")}.get(label)
+                want = {
+                    "start:arena": SHM / f"shmkv-{name}.{s2.proc.pid}.tmp",
+                    "start:socket": Path(sock).with_name(f".{Path(sock).name}.{s2.proc.pid}"),
+                }.get(label)
                 if want is None:
                     time.sleep(rnd.uniform(0.05, 0.4))
                 else:
                     deadline = time.monotonic() + 20
-                    while (not want.exists() and s2.proc.poll() is None
-                           and time.monotonic() < deadline):
+                    while (
+                        not want.exists() and s2.proc.poll() is None and time.monotonic() < deadline
+                    ):
                         pass
                 s2.proc.kill()
                 s2.proc.wait(10)
@@ -258,8 +261,10 @@ def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
             procs.append(sup.proc)
             files = shm_files(name)
             if files != {f"shmkv-{name}", f"shmkv-{name}.lock"}:
-                problems.append(f"trial {t} ({label}): after restart {sorted(files)} "
-                                f"(left by the kill: {sorted(stray)})")
+                problems.append(
+                    f"trial {t} ({label}): after restart {sorted(files)} "
+                    f"(left by the kill: {sorted(stray)})"
+                )
             if socket_litter(sock) != {Path(sock).name}:
                 problems.append(f"trial {t} ({label}): socket dir holds {socket_litter(sock)}")
             if os.stat(SHM / f"shmkv-{name}").st_ino != old_inode:
@@ -269,7 +274,11 @@ def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
             with sup.client() as c:
                 st = c.stats()
                 if (st["entries"], st["bytes_used"], st["leases_active"], st["puts"]) != (
-                        0, 0, 0, 0) or st["pid"] != sup.proc.pid:
+                    0,
+                    0,
+                    0,
+                    0,
+                ) or st["pid"] != sup.proc.pid:
                     problems.append(f"trial {t} ({label}): restarted supervisor not clean: {st}")
             if t % 20 == 19:
                 llama_outputs += llama_check(sup, chaos_refs, tmp_path, f"sup{t}", wrong)
@@ -296,25 +305,46 @@ def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
         p.unlink()
     wall = time.monotonic() - t_start
     counts = {k: v for k, v in hammer.counts.items() if k != "puts since resume"}
-    log.info("supervisor kills: %d trials; client requests in flight at the kills (a kill may "
-             "count twice, put+evict = a put into a full arena): %s; %d stale arenas and %d "
-             "stale sockets taken over by the next supervisor", n_kills, dict(kills), takeovers,
-             socket_takeovers)
-    log.info("supervisor kills: a restart took %.2f s on average (%.2f s at most)",
-             sum(restart_s) / max(1, len(restart_s)), max(restart_s, default=0.0))
-    log.info("supervisor kills: client ops %s; %d unexpected client errors, %d wrong reads, "
-             "%d llama outputs compared with cold (%d wrong); %d problems; %.1f s", counts,
-             len(hammer.unexpected), len(hammer.wrong), llama_outputs, len(wrong),
-             len(problems), wall)
-    TOTALS.update(kills=n_kills, outputs=llama_outputs, reads=counts.get("reads verified", 0),
-                  wrong=len(hammer.wrong) + len(wrong), leaks=len(problems))
+    log.info(
+        "supervisor kills: %d trials; client requests in flight at the kills (a kill may "
+        "count twice, put+evict = a put into a full arena): %s; %d stale arenas and %d "
+        "stale sockets taken over by the next supervisor",
+        n_kills,
+        dict(kills),
+        takeovers,
+        socket_takeovers,
+    )
+    log.info(
+        "supervisor kills: a restart took %.2f s on average (%.2f s at most)",
+        sum(restart_s) / max(1, len(restart_s)),
+        max(restart_s, default=0.0),
+    )
+    log.info(
+        "supervisor kills: client ops %s; %d unexpected client errors, %d wrong reads, "
+        "%d llama outputs compared with cold (%d wrong); %d problems; %.1f s",
+        counts,
+        len(hammer.unexpected),
+        len(hammer.wrong),
+        llama_outputs,
+        len(wrong),
+        len(problems),
+        wall,
+    )
+    TOTALS.update(
+        kills=n_kills,
+        outputs=llama_outputs,
+        reads=counts.get("reads verified", 0),
+        wrong=len(hammer.wrong) + len(wrong),
+        leaks=len(problems),
+    )
     evict = kills["put+evict"]
     SUMMARY["supervisor kills"] = (
         f"{n_kills} trials (put {kills['put'] + evict}, evicting {evict}, clear "
         f"{kills['clear']}, lease ops {kills['acquire'] + kills['read'] + kills['release']}, "
         f"start-up {sum(v for k, v in kills.items() if k.startswith('start'))}), "
         f"{counts.get('reads verified', 0)} verified reads, {llama_outputs} llama outputs, "
-        f"{len(hammer.wrong) + len(wrong)} wrong, {len(problems)} leaks/problems, {wall:.0f} s")
+        f"{len(hammer.wrong) + len(wrong)} wrong, {len(problems)} leaks/problems, {wall:.0f} s"
+    )
     assert not hammer.unexpected, hammer.unexpected[:5]
     assert not hammer.wrong and not wrong, (hammer.wrong + wrong)[:5]
     assert not problems, problems[:10]
@@ -372,8 +402,9 @@ def test_supervisor_restarts_after_a_kill_when_its_arena_fills_most_of_the_tmpfs
         pytest.skip("mounting a small tmpfs needs root")
     mnt = tmp_path / "shm"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
-                      capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here")
     procs = []
     try:
@@ -383,8 +414,7 @@ def test_supervisor_restarts_after_a_kill_when_its_arena_fills_most_of_the_tmpfs
         sup.proc.kill()
         sup.proc.wait(10)
         assert (mnt / f"shmkv-{sup.name}").exists()
-        new = start_supervisor(tmp_path, "--size", "32M", name=sup.name, env_extra=env,
-                               wait=False)
+        new = start_supervisor(tmp_path, "--size", "32M", name=sup.name, env_extra=env, wait=False)
         procs.append(new.proc)
         wait_ready(new)
         with new.client() as c:
@@ -399,4 +429,3 @@ def test_supervisor_restarts_after_a_kill_when_its_arena_fills_most_of_the_tmpfs
                 p.kill()
                 p.wait(10)
         subprocess.run(["umount", str(mnt)], capture_output=True)
-

@@ -33,13 +33,24 @@ log = logging.getLogger(__name__)
 
 pytestmark = [pytest.mark.stress, pytest.mark.usefixtures("chaos_summary")]
 
-WORKER_TARGETS = ["restore", "lease", "set_data", "prefill", "capture", "get_data", "put",
-                  "decode", "random", "claim"]
+WORKER_TARGETS = [
+    "restore",
+    "lease",
+    "set_data",
+    "prefill",
+    "capture",
+    "get_data",
+    "put",
+    "decode",
+    "random",
+    "claim",
+]
 
 
 @pytest.mark.timeout(600)
-def test_workers_killed_in_restore_publish_and_generation(make_supervisor, models, chaos_refs,
-                                                           tmp_path):
+def test_workers_killed_in_restore_publish_and_generation(
+    make_supervisor, models, chaos_refs, tmp_path
+):
     t_start = time.monotonic()
     sup = make_supervisor("--size", "8M")  # ~9 blobs of ~0.75 MB: constant eviction
     sup.model = models["seed0"]
@@ -80,8 +91,15 @@ def test_workers_killed_in_restore_publish_and_generation(make_supervisor, model
                 torn += w.torn
                 problems, st = check_arena(c)
                 leaks += [f"trial {t} ({phases}): {p}" for p in problems]
-                log.debug("trial %d: target %s, died in %s after %d requests; %d entries, %d bytes",
-                          t, target, phases, len(w.results()), st["entries"], st["bytes_used"])
+                log.debug(
+                    "trial %d: target %s, died in %s after %d requests; %d entries, %d bytes",
+                    t,
+                    target,
+                    phases,
+                    len(w.results()),
+                    st["entries"],
+                    st["bytes_used"],
+                )
                 w.discard()
             # a fresh worker after all that: clean requests, every output equal to a cold run
             spare.go(sup, seed=10_000, requests=8)
@@ -112,16 +130,35 @@ def test_workers_killed_in_restore_publish_and_generation(make_supervisor, model
     left = shm_files(sup.name) | socket_litter(sup.socket)
     per_phase, groups = kill_phase_counts(kills)
     wall = time.monotonic() - t_start
-    log.info("worker kills: %d trials (%d targeted kills missed their phase); kills by phase "
-             "%s; by group %s", len(kills), target_missed, per_phase, groups)
-    log.info("worker kills: %d outputs compared with cold runs (%d of them the first request "
-             "of the fresh worker after a kill), %d restored from the arena, %d wrong; %d leaks; "
-             "supervisor stats at the end: puts %d, evictions %d, hits %d, restore_failures %d; "
-             "%.1f s", outputs, firsts, hits, len(wrong), len(leaks), st["puts"],
-             st["evictions"], st["hits"], st["restore_failures"], wall)
+    log.info(
+        "worker kills: %d trials (%d targeted kills missed their phase); kills by phase "
+        "%s; by group %s",
+        len(kills),
+        target_missed,
+        per_phase,
+        groups,
+    )
+    log.info(
+        "worker kills: %d outputs compared with cold runs (%d of them the first request "
+        "of the fresh worker after a kill), %d restored from the arena, %d wrong; %d leaks; "
+        "supervisor stats at the end: puts %d, evictions %d, hits %d, restore_failures %d; "
+        "%.1f s",
+        outputs,
+        firsts,
+        hits,
+        len(wrong),
+        len(leaks),
+        st["puts"],
+        st["evictions"],
+        st["hits"],
+        st["restore_failures"],
+        wall,
+    )
     TOTALS.update(kills=len(kills), outputs=outputs, wrong=len(wrong), leaks=len(leaks))
-    SUMMARY["worker kills"] = (f"{len(kills)} trials {groups}, {outputs} outputs, "
-                               f"{len(wrong)} wrong, {len(leaks)} leaks, {wall:.0f} s")
+    SUMMARY["worker kills"] = (
+        f"{len(kills)} trials {groups}, {outputs} outputs, "
+        f"{len(wrong)} wrong, {len(leaks)} leaks, {wall:.0f} s"
+    )
     assert not wrong, wrong[:5]
     assert not leaks, leaks[:10]
     assert not left, f"left behind: {left}"

@@ -33,29 +33,48 @@ log = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.timeout(60)
 
-STATS_KEYS = ("entries", "bytes_used", "bytes_capacity", "hits", "misses", "tokens_restored",
-              "evictions", "puts", "rejected_puts", "workers_attached")
+STATS_KEYS = (
+    "entries",
+    "bytes_used",
+    "bytes_capacity",
+    "hits",
+    "misses",
+    "tokens_restored",
+    "evictions",
+    "puts",
+    "rejected_puts",
+    "workers_attached",
+)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment without any SHMKV_* or systemd variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SHMKV_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC",
-                                                       "WATCHDOG_PID", "RUNTIME_DIRECTORY")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SHMKV_")
+        and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "RUNTIME_DIRECTORY")
+    }
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
 
 
-def shmkv(*args: str, env: dict[str, str] | None = None,
-          timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shmkv.cli", *args],
-                          env=env if env is not None else clean_env(), capture_output=True,
-                          text=True, timeout=timeout)
+def shmkv(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shmkv.cli", *args],
+        env=env if env is not None else clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def assert_one_error_line(res: subprocess.CompletedProcess, *needles: str,
-                          ignore_logs: bool = False) -> str:
+def assert_one_error_line(
+    res: subprocess.CompletedProcess, *needles: str, ignore_logs: bool = False
+) -> str:
     """A CLI failure: non-zero exit, no traceback, exactly one 'shmkv: error:' line.
 
     ``ignore_logs`` drops the supervisor's own log lines (a supervisor that got as far
@@ -121,8 +140,15 @@ def test_version() -> None:
 def test_supervise_help_mentions_env_vars() -> None:
     res = shmkv("supervise", "--help")
     assert res.returncode == 0
-    for var in ("SHMKV_NAME", "SHMKV_SOCKET", "SHMKV_SIZE", "SHMKV_DIR", "SHMKV_GROUP",
-                "SHMKV_KEEP", "SHMKV_CONFIG"):
+    for var in (
+        "SHMKV_NAME",
+        "SHMKV_SOCKET",
+        "SHMKV_SIZE",
+        "SHMKV_DIR",
+        "SHMKV_GROUP",
+        "SHMKV_KEEP",
+        "SHMKV_CONFIG",
+    ):
         assert var in res.stdout, var
     for cmd in ("stats", "ls", "clear"):
         res = shmkv(cmd, "--help")
@@ -137,18 +163,35 @@ def test_stats_json_values_after_put_and_hit(make_supervisor) -> None:
         c.report(misses=3)
         st = sup.stats_json()  # the CLI connects without attaching: not a worker
         *_, extent = A.record_layout(n_tok, 2, 10_000)
-        want = {"entries": 1, "bytes_used": extent, "bytes_capacity": g.data_size, "hits": 1,
-                "misses": 3, "tokens_restored": n_tok, "evictions": 0, "puts": 1,
-                "rejected_puts": 0, "workers_attached": 1}
+        want = {
+            "entries": 1,
+            "bytes_used": extent,
+            "bytes_capacity": g.data_size,
+            "hits": 1,
+            "misses": 3,
+            "tokens_restored": n_tok,
+            "evictions": 0,
+            "puts": 1,
+            "rejected_puts": 0,
+            "workers_attached": 1,
+        }
         assert {k: st[k] for k in STATS_KEYS} == want
         assert st["name"] == sup.name and st["pid"] == sup.proc.pid
         # a blob that can never fit is rejected and counted; big ones evict old ones
         with pytest.raises(ArenaFullError, match="--size"):
-            c.put_bytes(os.urandom(16), np.arange(g.chunk_tokens, dtype=np.int32), b"fp",
-                        b"x" * (g.data_size + 1))
+            c.put_bytes(
+                os.urandom(16),
+                np.arange(g.chunk_tokens, dtype=np.int32),
+                b"fp",
+                b"x" * (g.data_size + 1),
+            )
         for _ in range(4):
-            c.put_bytes(os.urandom(16), np.arange(g.chunk_tokens, dtype=np.int32), b"fp",
-                        b"y" * (g.data_size // 3))
+            c.put_bytes(
+                os.urandom(16),
+                np.arange(g.chunk_tokens, dtype=np.int32),
+                b"fp",
+                b"y" * (g.data_size // 3),
+            )
         st = sup.stats_json()
         assert st["rejected_puts"] == 1 and st["puts"] == 5
         assert st["evictions"] >= 2 and st["evictions"] == st["puts"] - st["entries"]
@@ -185,18 +228,27 @@ def test_env_vars_are_honoured(make_supervisor, tmp_path: Path) -> None:
     """SHMKV_NAME/SHMKV_SOCKET/SHMKV_SIZE select the supervisor and the CLI's target."""
     name = f"t{uuid.uuid4().hex[:10]}"
     sock = str(tmp_path / "env.sock")
-    sup = make_supervisor(name=name, env_extra={"SHMKV_SOCKET": sock, "SHMKV_SIZE": "24M",
-                                                "SHMKV_CHUNK_TOKENS": "32"}, wait=False)
+    sup = make_supervisor(
+        name=name,
+        env_extra={"SHMKV_SOCKET": sock, "SHMKV_SIZE": "24M", "SHMKV_CHUNK_TOKENS": "32"},
+        wait=False,
+    )
     assert sup.socket != sock  # the fixture's own socket was overridden by the env
     wait_serving(sup, sock)
     assert (SHM / f"shmkv-{name}").exists()
-    st = json.loads(shmkv("stats", "--json",
-                          env=clean_env(SHMKV_NAME=name, SHMKV_SOCKET=sock)).stdout)
+    st = json.loads(
+        shmkv("stats", "--json", env=clean_env(SHMKV_NAME=name, SHMKV_SOCKET=sock)).stdout
+    )
     assert st["name"] == name and st["socket"] == sock and st["chunk_tokens"] == 32
     assert st["bytes_capacity"] == A.Geometry.plan(24 << 20, 32).data_size
     # --socket on the command line beats SHMKV_SOCKET
-    res = shmkv("stats", "--json", "--socket", sock,
-                env=clean_env(SHMKV_NAME=name, SHMKV_SOCKET=str(tmp_path / "nope.sock")))
+    res = shmkv(
+        "stats",
+        "--json",
+        "--socket",
+        sock,
+        env=clean_env(SHMKV_NAME=name, SHMKV_SOCKET=str(tmp_path / "nope.sock")),
+    )
     assert res.returncode == 0 and json.loads(res.stdout)["name"] == name
     # and a wrong SHMKV_SOCKET is what the CLI uses (and names in its error)
     res = shmkv("stats", env=clean_env(SHMKV_SOCKET=str(tmp_path / "nope.sock")))
@@ -206,8 +258,9 @@ def test_env_vars_are_honoured(make_supervisor, tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ error lines
-@pytest.mark.parametrize("cmd", [["stats"], ["stats", "--json"], ["ls"], ["ls", "--json"],
-                                 ["clear"]])
+@pytest.mark.parametrize(
+    "cmd", [["stats"], ["stats", "--json"], ["ls"], ["ls", "--json"], ["clear"]]
+)
 def test_missing_supervisor_is_one_line(tmp_path: Path, cmd: list[str]) -> None:
     sock = str(tmp_path / "absent.sock")
     res = shmkv(*cmd, env=clean_env(SHMKV_SOCKET=sock, SHMKV_NAME="absent"))
@@ -245,21 +298,34 @@ def test_silent_supervisor_times_out_in_one_line(tmp_path: Path) -> None:
         lsn.close()
 
 
-@pytest.mark.parametrize("args,env,needle,code", [
-    (["--size", "abc"], {}, "--size", 2),
-    ([], {"SHMKV_SIZE": "lots"}, "SHMKV_SIZE", 2),
-    (["--size", "1K"], {}, "--size", 2),
-    (["--name", "../etc"], {}, "name", 2),
-    (["--group", "no-such-group-xyz"], {}, "--group", 2),
-    (["--log-level", "loud"], {}, "--log-level", 2),
-    (["--dir", "/proc/self", "--size", "8M"], {}, "--dir", 2),
-    (["--dir", "/dev/null/sub", "--size", "8M"], {}, "--dir", 2),
-    (["--socket", "/proc/self/x.sock", "--size", "8M"], {}, "--socket", 2),
-], ids=["bad-size", "bad-env-size", "tiny-size", "bad-name", "bad-group", "bad-log-level",
-        "unwritable-dir", "dir-under-a-file", "unbindable-socket"])
-def test_supervise_bad_settings_are_one_line(tmp_path: Path, args: list[str],
-                                             env: dict[str, str], needle: str,
-                                             code: int) -> None:
+@pytest.mark.parametrize(
+    "args,env,needle,code",
+    [
+        (["--size", "abc"], {}, "--size", 2),
+        ([], {"SHMKV_SIZE": "lots"}, "SHMKV_SIZE", 2),
+        (["--size", "1K"], {}, "--size", 2),
+        (["--name", "../etc"], {}, "name", 2),
+        (["--group", "no-such-group-xyz"], {}, "--group", 2),
+        (["--log-level", "loud"], {}, "--log-level", 2),
+        (["--dir", "/proc/self", "--size", "8M"], {}, "--dir", 2),
+        (["--dir", "/dev/null/sub", "--size", "8M"], {}, "--dir", 2),
+        (["--socket", "/proc/self/x.sock", "--size", "8M"], {}, "--socket", 2),
+    ],
+    ids=[
+        "bad-size",
+        "bad-env-size",
+        "tiny-size",
+        "bad-name",
+        "bad-group",
+        "bad-log-level",
+        "unwritable-dir",
+        "dir-under-a-file",
+        "unbindable-socket",
+    ],
+)
+def test_supervise_bad_settings_are_one_line(
+    tmp_path: Path, args: list[str], env: dict[str, str], needle: str, code: int
+) -> None:
     name = f"t{uuid.uuid4().hex[:10]}"
     full_env = clean_env(SHMKV_NAME=name, SHMKV_SOCKET=str(tmp_path / "s.sock"), **env)
     res = shmkv("supervise", *args, env=full_env)
@@ -276,8 +342,9 @@ def test_config_file_errors_are_one_line(tmp_path: Path) -> None:
     assert_one_error_line(shmkv("stats", "--config", str(bad)), "nmae")
     bad.write_text("this is = not toml [\n")
     assert_one_error_line(shmkv("stats", env=clean_env(SHMKV_CONFIG=str(bad))), str(bad))
-    assert_one_error_line(shmkv("stats", "--config", str(tmp_path / "missing.toml")),
-                          "missing.toml")
+    assert_one_error_line(
+        shmkv("stats", "--config", str(tmp_path / "missing.toml")), "missing.toml"
+    )
 
 
 # --------------------------------------------------------------- process life
@@ -297,8 +364,9 @@ def test_second_supervisor_on_the_same_name_is_refused(make_supervisor) -> None:
 def test_second_supervisor_on_the_same_socket_is_refused(make_supervisor) -> None:
     first = make_supervisor("--size", "16M")
     other = f"t{uuid.uuid4().hex[:10]}"
-    res = shmkv("supervise", "--size", "16M",
-                env=clean_env(SHMKV_NAME=other, SHMKV_SOCKET=first.socket))
+    res = shmkv(
+        "supervise", "--size", "16M", env=clean_env(SHMKV_NAME=other, SHMKV_SOCKET=first.socket)
+    )
     assert_one_error_line(res, first.socket, "--socket", ignore_logs=True)
     assert res.returncode == 3
     assert not leftovers(other), "the refused supervisor left its arena behind"
@@ -393,8 +461,9 @@ def _test_group() -> grp.struct_group:
 def test_group_makes_files_0660(make_supervisor, tmp_path: Path) -> None:
     group = _test_group()
     sock = tmp_path / "gsub" / "s.sock"
-    sup = make_supervisor("--size", "16M", "--group", group.gr_name,
-                          env_extra={"SHMKV_SOCKET": str(sock)}, wait=False)
+    sup = make_supervisor(
+        "--size", "16M", "--group", group.gr_name, env_extra={"SHMKV_SOCKET": str(sock)}, wait=False
+    )
     wait_for_socket(str(sock), sup.proc)
     for p in (sup.arena, sock):
         st = os.stat(p)
@@ -409,13 +478,15 @@ def test_group_makes_files_0660(make_supervisor, tmp_path: Path) -> None:
 # --------------------------------------------------------------------- settings
 def test_config_precedence_cli_env_file_default(tmp_path: Path) -> None:
     cfg = tmp_path / "shmkv.toml"
-    cfg.write_text(textwrap.dedent("""
+    cfg.write_text(
+        textwrap.dedent("""
         name = "from-file"
         size = "32M"
         chunk-tokens = 16
         log_level = "debug"
         socket = "/tmp/from-file.sock"
-    """))
+    """)
+    )
     env = {"SHMKV_NAME": "from-env", "SHMKV_SIZE": "64M", "SHMKV_SOCKET": "/tmp/from-env.sock"}
     s = resolve("supervise", {"name": "from-cli", "size": None}, env=env, config_file=str(cfg))
     assert s.name == "from-cli" and s.sources["name"] == "--name"
@@ -448,16 +519,24 @@ def test_config_file_reaches_a_real_supervisor(make_supervisor, tmp_path: Path) 
     cfg = tmp_path / "sup.toml"
     cfg.write_text('size = "16M"\nchunk_tokens = 16\nlease_timeout = 5.0\n')
     # file: size 16M and chunk 16; env: size 24M; command line: chunk 32
-    sup = make_supervisor("--config", str(cfg), "--chunk-tokens", "32",
-                          env_extra={"SHMKV_SIZE": "24M", "SHMKV_CHUNK_TOKENS": "8"})
+    sup = make_supervisor(
+        "--config",
+        str(cfg),
+        "--chunk-tokens",
+        "32",
+        env_extra={"SHMKV_SIZE": "24M", "SHMKV_CHUNK_TOKENS": "8"},
+    )
     st = sup.stats_json()
     assert st["chunk_tokens"] == 32
     assert st["bytes_capacity"] == A.Geometry.plan(24 << 20, 32).data_size
 
 
 def _mounted_tmpfs(path: Path, size: str) -> bool:
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if res.returncode != 0:
         log.warning("cannot mount a tmpfs: %s", res.stderr.strip())
     return res.returncode == 0
@@ -475,8 +554,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(d)], check=False, capture_output=True)
 
 
-def test_shm_too_small_is_one_line_and_leaves_nothing(small_tmpfs: Path,
-                                                     tmp_path: Path) -> None:
+def test_shm_too_small_is_one_line_and_leaves_nothing(small_tmpfs: Path, tmp_path: Path) -> None:
     name = f"t{uuid.uuid4().hex[:10]}"
     sock = tmp_path / "small.sock"
     env = clean_env(SHMKV_NAME=name, SHMKV_SOCKET=str(sock))
@@ -551,19 +629,27 @@ def _nobody() -> tuple[int, int]:
     try:
         pw = pwd.getpwnam("nobody")
     except KeyError:
-        subprocess.run(["useradd", "-r", "-s", "/usr/sbin/nologin", "shmkvpeer"], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["useradd", "-r", "-s", "/usr/sbin/nologin", "shmkvpeer"],
+            check=True,
+            capture_output=True,
+        )
         pw = pwd.getpwnam("shmkvpeer")
     return pw.pw_uid, pw.pw_gid
 
 
-def run_as(uid: int, gid: int, mode: str, sock: str,
-           connect_delay: float = 0.0) -> subprocess.CompletedProcess:
+def run_as(
+    uid: int, gid: int, mode: str, sock: str, connect_delay: float = 0.0
+) -> subprocess.CompletedProcess:
     """Run a client, the CLI or a raw socket that drops to uid/gid after its imports."""
-    return subprocess.run([sys.executable, "-c", _AS_NOBODY, str(uid), str(gid), mode, sock,
-                           str(connect_delay)],
-                          capture_output=True, text=True, timeout=30, env=clean_env(),
-                          cwd="/")
+    return subprocess.run(
+        [sys.executable, "-c", _AS_NOBODY, str(uid), str(gid), mode, sock, str(connect_delay)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+        cwd="/",
+    )
 
 
 @pytest.fixture
@@ -589,14 +675,14 @@ def other_user() -> tuple[int, int]:
 
 def _peer_supervisor(make_supervisor, public_dir: Path, *args: str) -> tuple[Sup, Path]:
     sock = public_dir / "peer.sock"
-    sup = make_supervisor("--size", "16M", *args, env_extra={"SHMKV_SOCKET": str(sock)},
-                          wait=False)
+    sup = make_supervisor("--size", "16M", *args, env_extra={"SHMKV_SOCKET": str(sock)}, wait=False)
     wait_for_socket(str(sock), sup.proc)
     return sup, sock
 
 
-def test_peer_of_another_uid_is_refused(public_dir: Path, make_supervisor,
-                                        other_user: tuple[int, int]) -> None:
+def test_peer_of_another_uid_is_refused(
+    public_dir: Path, make_supervisor, other_user: tuple[int, int]
+) -> None:
     uid, gid = other_user
     sup, sock = _peer_supervisor(make_supervisor, public_dir)
     sock.chmod(0o666)  # reachable: only SO_PEERCRED stands in the way
@@ -619,8 +705,9 @@ def test_peer_of_another_uid_is_refused(public_dir: Path, make_supervisor,
         assert st["connections"] == 1 and st["workers_attached"] == 1
 
 
-def test_refused_client_and_cli_see_permission_denied(public_dir: Path, make_supervisor,
-                                                      other_user: tuple[int, int]) -> None:
+def test_refused_client_and_cli_see_permission_denied(
+    public_dir: Path, make_supervisor, other_user: tuple[int, int]
+) -> None:
     uid, gid = other_user
     _, sock = _peer_supervisor(make_supervisor, public_dir)
     sock.chmod(0o666)
@@ -632,8 +719,9 @@ def test_refused_client_and_cli_see_permission_denied(public_dir: Path, make_sup
     assert_one_error_line(res, f"uid {uid}", "--group")
 
 
-def test_socket_mode_keeps_other_users_out(public_dir: Path, make_supervisor,
-                                           other_user: tuple[int, int]) -> None:
+def test_socket_mode_keeps_other_users_out(
+    public_dir: Path, make_supervisor, other_user: tuple[int, int]
+) -> None:
     uid, gid = other_user
     sup, sock = _peer_supervisor(make_supervisor, public_dir)
     res = run_as(uid, gid, "cli", str(sock))  # socket is 0600: connect() itself fails
@@ -642,8 +730,9 @@ def test_socket_mode_keeps_other_users_out(public_dir: Path, make_supervisor,
     assert sup.proc.poll() is None
 
 
-def test_group_member_is_let_in(public_dir: Path, make_supervisor,
-                                other_user: tuple[int, int]) -> None:
+def test_group_member_is_let_in(
+    public_dir: Path, make_supervisor, other_user: tuple[int, int]
+) -> None:
     uid, gid = other_user
     sup, sock = _peer_supervisor(make_supervisor, public_dir, "--group", str(gid))
     res = run_as(uid, gid, "client", str(sock))
@@ -685,8 +774,12 @@ def test_ready_is_sent_once_accepting(make_supervisor, tmp_path: Path, abstract:
 def test_watchdog_is_sent_repeatedly(make_supervisor, tmp_path: Path) -> None:
     ns, addr = _notify_socket(tmp_path, False)
     with ns:
-        sup = make_supervisor("--size", "16M", wait=False,
-                              env_extra={"NOTIFY_SOCKET": addr, "WATCHDOG_USEC": "200000"})
+        sup = make_supervisor(
+            "--size",
+            "16M",
+            wait=False,
+            env_extra={"NOTIFY_SOCKET": addr, "WATCHDOG_USEC": "200000"},
+        )
         assert "READY=1" in ns.recv(4096).decode()
         times = []
         deadline = time.monotonic() + 1.5
@@ -711,9 +804,12 @@ def test_watchdog_is_sent_repeatedly(make_supervisor, tmp_path: Path) -> None:
 def test_no_watchdog_for_another_pid(make_supervisor, tmp_path: Path) -> None:
     ns, addr = _notify_socket(tmp_path, False)
     with ns:
-        make_supervisor("--size", "16M", wait=False,
-                        env_extra={"NOTIFY_SOCKET": addr, "WATCHDOG_USEC": "100000",
-                                   "WATCHDOG_PID": "1"})
+        make_supervisor(
+            "--size",
+            "16M",
+            wait=False,
+            env_extra={"NOTIFY_SOCKET": addr, "WATCHDOG_USEC": "100000", "WATCHDOG_PID": "1"},
+        )
         assert "READY=1" in ns.recv(4096).decode()
         ns.settimeout(0.6)
         with pytest.raises(TimeoutError):

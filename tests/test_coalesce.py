@@ -85,9 +85,12 @@ def test_llama_worker_waits_for_a_prefill_in_flight(supervisor, models, publishe
     claimer = supervisor.client()
     assert claimer.claim(ds, wait=5) == "go"  # a slow worker prefilling this prompt
     if publisher:  # another worker, not coalescing, computes and publishes it meanwhile
-        env_timer = threading.Timer(1.0, lambda: run_worker(
-            supervisor, models["seed0"], [completion(prompt)],
-            env={"SHMKV_COALESCE_WAIT": "0"}))
+        env_timer = threading.Timer(
+            1.0,
+            lambda: run_worker(
+                supervisor, models["seed0"], [completion(prompt)], env={"SHMKV_COALESCE_WAIT": "0"}
+            ),
+        )
     else:  # the slow worker dies without publishing
         env_timer = threading.Timer(1.0, claimer.close)
     env_timer.start()

@@ -221,8 +221,9 @@ def test_readers_killed_at_random_points_leak_nothing(make_supervisor):
         for s in seeds:
             put(c, s, 2 * MiB)
         for _ in range(6):
-            readers = [spawn(read_loop_main, sup.name, sup.socket, seeds, 2 * MiB)[0]
-                       for _ in range(3)]
+            readers = [
+                spawn(read_loop_main, sup.name, sup.socket, seeds, 2 * MiB)[0] for _ in range(3)
+            ]
             time.sleep(rnd.uniform(0.05, 0.5))
             for p in readers:
                 kill9(p)
@@ -230,8 +231,9 @@ def test_readers_killed_at_random_points_leak_nothing(make_supervisor):
         st = assert_consistent(c)
         assert st["hits"] > 0 and st["entries"] == len(seeds)
         assert idle_fds(c, sup) == base_fds
-        log.info("killed 18 readers mid-loop after %d leases: no lease or descriptor leaked",
-                 st["hits"])
+        log.info(
+            "killed 18 readers mid-loop after %d leases: no lease or descriptor leaked", st["hits"]
+        )
         assert c.clear() == len(seeds)
         assert c.stats()["bytes_used"] == 0
     assert sup.proc.poll() is None
@@ -257,16 +259,26 @@ def test_writer_killed_mid_put_leaves_arena_consistent(make_supervisor):
             kill9(writer)
             wait_until(lambda: c.stats()["connections"] == 1, what="the writer's connection")
             st = assert_consistent(c)
-            log.info("writer round %d: killed after %d completed puts; %d entries, %d bytes",
-                     r, done.value - before, st["entries"], st["bytes_used"])
+            log.info(
+                "writer round %d: killed after %d completed puts; %d entries, %d bytes",
+                r,
+                done.value - before,
+                st["entries"],
+                st["bytes_used"],
+            )
         st = assert_consistent(c)
         # a put the supervisor finished but whose reply the writer never read is stored too
         assert done.value <= st["puts"] <= done.value + rounds, (done.value, st)
         assert st["rejected_puts"] == 0
         assert st["evictions"] > 0
         assert idle_fds(c, sup) == base_fds
-        log.info("killed %d writers mid-put: %d puts done, %d stored, %d evictions", rounds,
-                 done.value, st["puts"], st["evictions"])
+        log.info(
+            "killed %d writers mid-put: %d puts done, %d stored, %d evictions",
+            rounds,
+            done.value,
+            st["puts"],
+            st["evictions"],
+        )
     with sup.client() as fresh:
         assert_round_trip(fresh, 9, 4 * MiB)
         assert_consistent(fresh)
@@ -323,13 +335,19 @@ def test_raw_write_into_worker_mapping_segfaults_and_changes_nothing(supervisor,
         hit = c.lookup(chain_digests(root, tokens, CHUNK))
         view = c.view
         with c.acquire(hit) as lease:
-            offset = {"header": 0, "index": view.geometry.index_offset,
-                      "payload": lease.record.payload_off}[where]
+            offset = {
+                "header": 0,
+                "index": view.geometry.index_offset,
+                "payload": lease.record.payload_off,
+            }[where]
             assert lease.finish()
         before = bytes(view.mm[:])
-        proc = subprocess.run([sys.executable, "-c", _SEGV_WRITER, supervisor.name,
-                               supervisor.socket, str(offset)], capture_output=True, text=True,
-                              timeout=30)
+        proc = subprocess.run(
+            [sys.executable, "-c", _SEGV_WRITER, supervisor.name, supervisor.socket, str(offset)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stdout, proc.stderr)
         assert "writing" in proc.stdout and "survived" not in proc.stdout
         assert bytes(view.mm[:]) == before
@@ -509,8 +527,11 @@ def test_corrupted_tokens_or_metadata_are_detected_by_verify_meta(supervisor, ar
             finally:
                 undo()
         # header fields read_record checks itself: magic, generation, lengths
-        for what, off in {"magic": rec.offset, "generation": rec.offset + 8,
-                          "token count": rec.offset + 48}.items():
+        for what, off in {
+            "magic": rec.offset,
+            "generation": rec.offset + 8,
+            "token count": rec.offset + 48,
+        }.items():
             undo = flip(arena_rw, off)
             try:
                 with pytest.raises(ArenaCorruptError):

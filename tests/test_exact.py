@@ -20,8 +20,11 @@ from llama_cpp import llama_cpp as C
 
 EXACT = {"SHMKV_EXACT": "true"}
 BATCH = {"n_batch": 128, "n_ubatch": 128}
-QUESTIONS = [" Question: who sits?", " Question: where is the mat?",
-             " Question: how many cats are there?"]
+QUESTIONS = [
+    " Question: who sits?",
+    " Question: where is the mat?",
+    " Question: how many cats are there?",
+]
 
 
 @pytest.mark.parametrize("model", ["seed0", "swa"])
@@ -62,16 +65,16 @@ def test_exact_local_reuse_stops_at_a_boundary(supervisor, models):
 def test_exact_and_fast_mode_states_never_mix(supervisor, models):
     jobs = [completion(SYSTEM + QUESTIONS[0])]
     run_worker(supervisor, models["seed0"], jobs, kw=BATCH)  # fast mode publishes
-    got = run_worker(supervisor, models["seed0"], [completion(SYSTEM + QUESTIONS[1])],
-                     kw=BATCH, env=EXACT)
+    got = run_worker(
+        supervisor, models["seed0"], [completion(SYSTEM + QUESTIONS[1])], kw=BATCH, env=EXACT
+    )
     assert got["results"][0]["last"]["tokens_restored"] == 0
     # and the other way round: fast mode restores nothing exact mode published
     with supervisor.client(attach=False) as c:
         c.clear()
     exact = run_worker(supervisor, models["seed0"], jobs, kw=BATCH, env=EXACT)
     assert exact["totals"]["publishes"] >= 1
-    got = run_worker(supervisor, models["seed0"], [completion(SYSTEM + QUESTIONS[1])],
-                     kw=BATCH)
+    got = run_worker(supervisor, models["seed0"], [completion(SYSTEM + QUESTIONS[1])], kw=BATCH)
     assert got["results"][0]["last"]["tokens_restored"] == 0
 
 
@@ -80,8 +83,11 @@ def test_exact_multi_turn_chat_in_another_process(supervisor, models):
     turn1 = [sys_msg, {"role": "user", "content": "Tell me about the cats."}]
     chat1 = {"kind": "chat", "messages": turn1, "max_tokens": 60}
     reply = texts(run_worker(None, models["swa"], [chat1], mode="cold", kw=BATCH))[0]
-    turn2 = [*turn1, {"role": "assistant", "content": reply},
-             {"role": "user", "content": "And the mats?"}]
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And the mats?"},
+    ]
     chat2 = {"kind": "chat", "messages": turn2, "max_tokens": 16}
     cold2 = run_worker(None, models["swa"], [chat2], mode="cold", kw=BATCH)
     a = run_worker(supervisor, models["swa"], [chat1], kw=BATCH, env=EXACT)
@@ -98,8 +104,15 @@ def test_exact_mode_on_gemma_gives_a_cold_runs_logits_bit_for_bit(supervisor, ca
     from shmkv.models import default_model_path
 
     caplog.set_level(logging.WARNING)
-    kw = {"model_path": default_model_path(), "n_ctx": 2048, "n_threads": 2, "seed": 0,
-          "verbose": False, "n_batch": 256, "n_ubatch": 256}
+    kw = {
+        "model_path": default_model_path(),
+        "n_ctx": 2048,
+        "n_threads": 2,
+        "seed": 0,
+        "verbose": False,
+        "n_batch": 256,
+        "n_ubatch": 256,
+    }
     text = " ".join(f"Rule {i}: the fox {i * 7 % 13} jumps over dog {i % 5}." for i in range(40))
     plain = llama_cpp.Llama(**kw)
     cold = {}
@@ -111,8 +124,9 @@ def test_exact_mode_on_gemma_gives_a_cold_runs_logits_bit_for_bit(supervisor, ca
     del plain
     got, restored = {}, []
     for q in QUESTIONS:  # a fresh context (a new worker) each time
-        llm = SharedCacheLlama(**kw, shmkv_name=supervisor.name, shmkv_socket=supervisor.socket,
-                               shmkv_exact=True)
+        llm = SharedCacheLlama(
+            **kw, shmkv_name=supervisor.name, shmkv_socket=supervisor.socket, shmkv_exact=True
+        )
         llm.shmkv.on_prefill = lambda cache, q=q: got.__setitem__(q, last_logits(cache.llm))
         llm.create_completion(text + q, max_tokens=2, temperature=0.0)
         assert llm.shmkv.flush()

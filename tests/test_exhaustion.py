@@ -32,8 +32,9 @@ WORKERS = 4
 
 def family_prompt(f: int, s: int) -> str:
     """~1,150 tokens of a per-family system prompt, then a short per-request suffix."""
-    rules = " ".join(f"Rule {i}: the cat {(i * (f + 3)) % 7} sits on mat {(i + f) % 5}."
-                     for i in range(50))
+    rules = " ".join(
+        f"Rule {i}: the cat {(i * (f + 3)) % 7} sits on mat {(i + f) % 5}." for i in range(50)
+    )
     return f"Family {f}. {rules} Question {s}: which cat sits where?"
 
 
@@ -43,9 +44,13 @@ def test_arena_ten_times_smaller_than_the_working_set(make_supervisor, models) -
     sup = make_supervisor("--size", "8M")
     prompts = [family_prompt(f, s) for f in range(FAMILIES) for s in range(SUFFIXES)]
     t0 = time.monotonic()
-    cold = dict(zip(prompts, texts(run_worker(None, models["seed0"],
-                                              [completion(p) for p in prompts], mode="cold")),
-                    strict=True))
+    cold = dict(
+        zip(
+            prompts,
+            texts(run_worker(None, models["seed0"], [completion(p) for p in prompts], mode="cold")),
+            strict=True,
+        )
+    )
     t_cold = time.monotonic() - t0
     # every worker runs every prompt, in its own order: families recur (hits) while the
     # arena holds about a dozen of the ~130 blobs published (evictions)
@@ -55,15 +60,24 @@ def test_arena_ten_times_smaller_than_the_working_set(make_supervisor, models) -
         random.Random(w).shuffle(order)
         orders.append(order)
     t0 = time.monotonic()
-    procs = [start_worker(sup, models["seed0"],
-                          [completion(p, stream=i % 2 == w % 2) for i, p in enumerate(order)])
-             for w, order in enumerate(orders)]
+    procs = [
+        start_worker(
+            sup,
+            models["seed0"],
+            [completion(p, stream=i % 2 == w % 2) for i, p in enumerate(order)],
+        )
+        for w, order in enumerate(orders)
+    ]
     with ThreadPoolExecutor(WORKERS) as pool:
         results = list(pool.map(finish_worker, procs))
     wall = time.monotonic() - t0
     st = sup.stats_json()
-    wrong = [(p, r["text"]) for order, res in zip(orders, results, strict=True)
-             for p, r in zip(order, res["results"], strict=True) if r["text"] != cold[p]]
+    wrong = [
+        (p, r["text"])
+        for order, res in zip(orders, results, strict=True)
+        for p, r in zip(order, res["results"], strict=True)
+        if r["text"] != cold[p]
+    ]
     outputs = sum(len(r["results"]) for r in results)
     worker_hits = sum(r["totals"]["hits"] for r in results)
     restored = sum(r["totals"]["tokens_restored"] for r in results)
@@ -74,15 +88,30 @@ def test_arena_ten_times_smaller_than_the_working_set(make_supervisor, models) -
     lookups = st["hits"] + st["misses"]
     hit_rate = st["hits"] / lookups if lookups else 0.0
     working_set = st["bytes_put"]
-    log.info("tiny arena: %d workers x %d prompts = %d outputs in %.1fs (cold reference "
-             "%.1fs), %d wrong; arena %.1f MiB data, %.1f MiB published (%.0fx), "
-             "%d puts, %d evictions, %d rejected puts; supervisor hits %d misses %d "
-             "(hit rate %.0f%%), worker hits %d restoring %d tokens; worker errors %s",
-             WORKERS, len(prompts), outputs, wall, t_cold, len(wrong),
-             st["bytes_capacity"] / 2**20, working_set / 2**20,
-             working_set / st["bytes_capacity"], st["puts"], st["evictions"],
-             st["rejected_puts"], st["hits"], st["misses"], 100 * hit_rate, worker_hits,
-             restored, errors)
+    log.info(
+        "tiny arena: %d workers x %d prompts = %d outputs in %.1fs (cold reference "
+        "%.1fs), %d wrong; arena %.1f MiB data, %.1f MiB published (%.0fx), "
+        "%d puts, %d evictions, %d rejected puts; supervisor hits %d misses %d "
+        "(hit rate %.0f%%), worker hits %d restoring %d tokens; worker errors %s",
+        WORKERS,
+        len(prompts),
+        outputs,
+        wall,
+        t_cold,
+        len(wrong),
+        st["bytes_capacity"] / 2**20,
+        working_set / 2**20,
+        working_set / st["bytes_capacity"],
+        st["puts"],
+        st["evictions"],
+        st["rejected_puts"],
+        st["hits"],
+        st["misses"],
+        100 * hit_rate,
+        worker_hits,
+        restored,
+        errors,
+    )
     assert not wrong, wrong[:3]
     assert outputs == WORKERS * len(prompts)
     assert working_set > 10 * st["bytes_capacity"], st  # the ten times of the name
@@ -96,8 +125,9 @@ def test_arena_ten_times_smaller_than_the_working_set(make_supervisor, models) -
 
 
 # ------------------------------------------------------ the connection limit
-def test_more_workers_than_the_connection_limit_run_cold_and_say_why(make_supervisor,
-                                                                      models) -> None:
+def test_more_workers_than_the_connection_limit_run_cold_and_say_why(
+    make_supervisor, models
+) -> None:
     sup = make_supervisor("--size", "32M", "--max-connections", "2")
     prompt = family_prompt(0, 0)
     jobs = [completion(prompt), completion(family_prompt(0, 1)), completion(family_prompt(1, 0))]
@@ -135,7 +165,12 @@ def test_more_workers_than_the_connection_limit_run_cold_and_say_why(make_superv
     assert texts(later) == cold
     assert later["totals"]["hits"] >= 1, later["totals"]  # attached, and used the arena
     refused = sup.log().count("connection limit 2 reached")
-    log.info("connection limit 2: %d refusals, %d extra workers ran cold in %.1fs with equal "
-             "outputs; after the holder left a new worker restored %d tokens", refused,
-             len(results), wall, later["totals"]["tokens_restored"])
+    log.info(
+        "connection limit 2: %d refusals, %d extra workers ran cold in %.1fs with equal "
+        "outputs; after the holder left a new worker restored %d tokens",
+        refused,
+        len(results),
+        wall,
+        later["totals"]["tokens_restored"],
+    )
     assert sup.proc.poll() is None and "Traceback" not in sup.log()

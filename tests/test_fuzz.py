@@ -90,14 +90,32 @@ class Toks:
 
 
 def _ints() -> st.SearchStrategy:
-    edges = [-1, 0, 1, -(1 << 63), (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 1 << 32, 1 << 31,
-             (1 << 31) - 1, A.MAX_TOKENS, A.MAX_TOKENS + 1, P.MAX_FRAME, P.MAX_COUNTER + 1]
+    edges = [
+        -1,
+        0,
+        1,
+        -(1 << 63),
+        (1 << 63) - 1,
+        1 << 63,
+        (1 << 64) - 1,
+        1 << 32,
+        1 << 31,
+        (1 << 31) - 1,
+        A.MAX_TOKENS,
+        A.MAX_TOKENS + 1,
+        P.MAX_FRAME,
+        P.MAX_COUNTER + 1,
+    ]
     return st.one_of(st.sampled_from(edges), st.integers(-(1 << 63), (1 << 64) - 1))
 
 
 JUNK = st.one_of(
-    st.none(), st.booleans(), _ints(), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12), st.binary(max_size=40),
+    st.none(),
+    st.booleans(),
+    _ints(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.binary(max_size=40),
     st.sampled_from([b"\0" * 15, b"\0" * 17, b"\xff" * 16 * 4097, "x" * 5000, b"", ""]),
     st.lists(st.integers(-3, 3), max_size=3),
     st.dictionaries(st.text(max_size=4), st.integers(-2, 2), max_size=2),
@@ -118,54 +136,84 @@ VALID: dict[str, st.SearchStrategy] = {
     "tokens_restored": st.integers(0, 2000),
     "root": st.sampled_from(ROOTS),
     "key": st.one_of(st.builds(Ref, st.just("key"), st.integers(0, 50)), st.sampled_from(ROOTS)),
-    "tokens": st.builds(Toks, st.sampled_from([64, 65, 128, 130, 192, 256, 640]),
-                        st.integers(0, 30)),
+    "tokens": st.builds(
+        Toks, st.sampled_from([64, 65, 128, 130, 192, 256, 640]), st.integers(0, 30)
+    ),
     "fingerprint": st.sampled_from([b"fp", b"fp", b"", b"x" * A.MAX_FINGERPRINT]),
     "payload_len": st.just(Ref("payload_len")),
     "checksum": st.just(Ref("checksum")),
     "pin": st.sampled_from([False] * 7 + [True]),
     "limit": st.integers(1, 100_000),
-    "counters": st.dictionaries(st.sampled_from(P.REPORTABLE), st.integers(0, 1000),
-                                max_size=4),
+    "counters": st.dictionaries(st.sampled_from(P.REPORTABLE), st.integers(0, 1000), max_size=4),
     "pid": st.one_of(st.builds(Ref, st.just("pid")), st.integers(1 << 29, 1 << 30)),
     "digests": st.lists(st.sampled_from(CLAIM_DIGESTS), min_size=1, max_size=6).map(b"".join),
     "wait": st.sampled_from([0, 0.0, 0.05, 0.2, 1, 600, 600.0]),
 }
 HOSTILE: dict[str, st.SearchStrategy] = {
     "offset": st.one_of(
-        st.builds(Ref, st.just("rec_offset"), st.integers(0, 50),
-                  st.sampled_from([1, 4096, -4096, 128, -1, 1 << 40])),
-        st.builds(Ref, st.just("data_offset"), st.just(0),
-                  st.sampled_from([0, -1, -4096, 4096, 1 << 24, 1 << 25]))),
-    "gen": st.one_of(st.builds(Ref, st.just("rec_gen"), st.integers(0, 50),
-                               st.sampled_from([1, -1, 1000, -(1 << 20)])),  # stale, future
-                     st.integers(0, 5)),
+        st.builds(
+            Ref,
+            st.just("rec_offset"),
+            st.integers(0, 50),
+            st.sampled_from([1, 4096, -4096, 128, -1, 1 << 40]),
+        ),
+        st.builds(
+            Ref,
+            st.just("data_offset"),
+            st.just(0),
+            st.sampled_from([0, -1, -4096, 4096, 1 << 24, 1 << 25]),
+        ),
+    ),
+    "gen": st.one_of(
+        st.builds(
+            Ref, st.just("rec_gen"), st.integers(0, 50), st.sampled_from([1, -1, 1000, -(1 << 20)])
+        ),  # stale, future
+        st.integers(0, 5),
+    ),
     "lease": st.integers(0, 40),  # not ours, long released, never granted
     "tokens_restored": st.sampled_from([-1, A.MAX_TOKENS + 1, 1 << 63]),
     "root": st.sampled_from([b"", b"k" * 15, b"k" * 17, b"k" * 32, "k" * 16, b"k" * 4096]),
     "key": st.sampled_from([b"", b"k" * 15, b"k" * 17, "k" * 16, b"\0" * 16]),
     "tokens": st.one_of(
         st.builds(Toks, st.sampled_from([0, 1, 63, 4096]), st.integers(0, 5)),
-        st.sampled_from([Big(4 * 900_000), Big(4 * A.MAX_TOKENS), Big(4 * A.MAX_TOKENS + 4),
-                         b"\0" * 10, [1, 2, 3], "tokens"])),
+        st.sampled_from(
+            [
+                Big(4 * 900_000),
+                Big(4 * A.MAX_TOKENS),
+                Big(4 * A.MAX_TOKENS + 4),
+                b"\0" * 10,
+                [1, 2, 3],
+                "tokens",
+            ]
+        ),
+    ),
     "fingerprint": st.sampled_from([b"x" * (A.MAX_FINGERPRINT + 1), "fp", 7]),
-    "payload_len": st.one_of(st.builds(Ref, st.just("payload_len"), st.just(0),
-                                       st.sampled_from([1, -1, 1 << 20])),
-                             st.sampled_from([0, -1, 1 << 40, (1 << 64) - 1])),
-    "checksum": st.one_of(st.builds(Ref, st.just("checksum"), st.sampled_from([1, 1 << 63])),
-                          st.sampled_from([-1, 1 << 64 - 1, 1.5])),
+    "payload_len": st.one_of(
+        st.builds(Ref, st.just("payload_len"), st.just(0), st.sampled_from([1, -1, 1 << 20])),
+        st.sampled_from([0, -1, 1 << 40, (1 << 64) - 1]),
+    ),
+    "checksum": st.one_of(
+        st.builds(Ref, st.just("checksum"), st.sampled_from([1, 1 << 63])),
+        st.sampled_from([-1, 1 << 64 - 1, 1.5]),
+    ),
     "pin": st.sampled_from([1, "yes", None]),
     "limit": st.sampled_from([0, -1, 100_001, 1 << 63]),
     "counters": st.one_of(
-        st.dictionaries(st.sampled_from([*P.REPORTABLE, "hits", "evictions", "x" * 300]),
-                        st.sampled_from([-1, P.MAX_COUNTER + 1, True, "1", 1.0]),
-                        min_size=1, max_size=3),
-        st.sampled_from([[], {"misses": {"nested": 1}}])),
+        st.dictionaries(
+            st.sampled_from([*P.REPORTABLE, "hits", "evictions", "x" * 300]),
+            st.sampled_from([-1, P.MAX_COUNTER + 1, True, "1", 1.0]),
+            min_size=1,
+            max_size=3,
+        ),
+        st.sampled_from([[], {"misses": {"nested": 1}}]),
+    ),
     "pid": st.sampled_from([0, -1, 1 << 31 + 1, (1 << 64) - 1]),
     "digests": st.one_of(
-        st.sampled_from([b"", b"d" * 15, b"d" * 33, b"d" * 16 * 4096, b"d" * 16 * 4097,
-                         Big(16 * 200_000)]),
-        st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=3).map(b"".join)),
+        st.sampled_from(
+            [b"", b"d" * 15, b"d" * 33, b"d" * 16 * 4096, b"d" * 16 * 4097, Big(16 * 200_000)]
+        ),
+        st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=3).map(b"".join),
+    ),
     "wait": st.sampled_from([601, -1, 1e308, math.inf, -math.inf, math.nan, 1 << 63, "1"]),
 }
 VALID["digest"], HOSTILE["digest"] = VALID["key"], HOSTILE["key"]  # a chunk prefix digest
@@ -175,26 +223,55 @@ FIELD_NAMES = sorted(VALID)
 def field_value(name: str) -> st.SearchStrategy:
     """Valid 70% of the time (one_of would flatten JUNK's branches and drown it)."""
     return st.integers(0, 9).flatmap(
-        lambda k: VALID[name] if k < 7 else HOSTILE[name] if k < 9 else JUNK)
+        lambda k: VALID[name] if k < 7 else HOSTILE[name] if k < 9 else JUNK
+    )
 
 
 OP_FIELDS: dict[str, tuple[str, ...]] = {
-    "attach": ("pid",), "ping": (), "stats": (), "clear": (), "ls": ("limit",),
-    "acquire": ("offset", "gen"), "release": ("lease", "tokens_restored"),
+    "attach": ("pid",),
+    "ping": (),
+    "stats": (),
+    "clear": (),
+    "ls": ("limit",),
+    "acquire": ("offset", "gen"),
+    "release": ("lease", "tokens_restored"),
     "put": ("root", "tokens", "fingerprint", "payload_len", "checksum", "pin"),
-    "pin": ("key",), "unpin": ("key",), "report": ("counters",), "worker_exit": ("pid",),
-    "claim": ("digests", "wait"), "unclaim": ("digests",), "suspect": ("offset", "gen"),
+    "pin": ("key",),
+    "unpin": ("key",),
+    "report": ("counters",),
+    "worker_exit": ("pid",),
+    "claim": ("digests", "wait"),
+    "unclaim": ("digests",),
+    "suspect": ("offset", "gen"),
     "owners": ("digest", "tokens"),
 }
 # relative weights: clear and worker_exit reset a lot (keep them rare, so that the small
 # arena fills and evicts); puts and leases do the most
 WEIGHTS = {"clear": 1, "worker_exit": 3, "put": 60, "acquire": 40, "release": 30, "claim": 25}
 OPS = [op for op in OP_FIELDS for _ in range(WEIGHTS.get(op, 20))]
-UNKNOWN_OPS = st.one_of(st.text(max_size=10), st.sampled_from(["ATTACH", "put ", "x" * 1000]),
-                        st.binary(max_size=6), st.integers(-(1 << 63), (1 << 64) - 1),
-                        st.none(), st.just(["put"]))
-WRONG_FDS = ["pipe", "socket", "devnull", "dir", "arena", "wronly", "opath", "diskfile",
-             "eventfd", "sparse", "two", "four", "five"]
+UNKNOWN_OPS = st.one_of(
+    st.text(max_size=10),
+    st.sampled_from(["ATTACH", "put ", "x" * 1000]),
+    st.binary(max_size=6),
+    st.integers(-(1 << 63), (1 << 64) - 1),
+    st.none(),
+    st.just(["put"]),
+)
+WRONG_FDS = [
+    "pipe",
+    "socket",
+    "devnull",
+    "dir",
+    "arena",
+    "wronly",
+    "opath",
+    "diskfile",
+    "eventfd",
+    "sparse",
+    "two",
+    "four",
+    "five",
+]
 ID_MODE = "\0fresh-id"  # template key: False sends the request without an id
 
 
@@ -239,25 +316,42 @@ class Action:
 
 @st.composite
 def action(draw) -> Action:
-    kind = draw(st.sampled_from(["msg"] * 14 + ["burst", "burst", "split", "split", "badlen",
-                                                "stream", "mutant", "mutant"]))
+    kind = draw(
+        st.sampled_from(
+            ["msg"] * 14
+            + ["burst", "burst", "split", "split", "badlen", "stream", "mutant", "mutant"]
+        )
+    )
     conn = draw(st.integers(0, POOL - 1))
     n = draw(st.integers(2, 8)) if kind == "burst" else 1
     msgs = [draw(request()) for _ in range(n)]
     # the put payload as a memfd, mostly; sometimes a descriptor of the wrong kind, or
     # descriptors on ops that take none
     wants_fd = msgs[0].get("op") == "put"
-    fd = draw(st.sampled_from(["memfd"] * 12 + ["none"] + WRONG_FDS if wants_fd
-                              else ["none"] * 40 + ["memfd"] * 2 + WRONG_FDS))
+    fd = draw(
+        st.sampled_from(
+            ["memfd"] * 12 + ["none"] + WRONG_FDS
+            if wants_fd
+            else ["none"] * 40 + ["memfd"] * 2 + WRONG_FDS
+        )
+    )
     payload = draw(st.sampled_from([1, 100, 4096, 20_000, 100_000, 1 << 20, 3 << 20]))
     raw = b""
     if kind == "badlen":
-        raw = draw(st.sampled_from([b"\0\0\0\0", struct.pack(">I", P.MAX_FRAME + 1),
-                                    b"\xff\xff\xff\xff"]))
+        raw = draw(
+            st.sampled_from([b"\0\0\0\0", struct.pack(">I", P.MAX_FRAME + 1), b"\xff\xff\xff\xff"])
+        )
     elif kind == "stream":
         raw = draw(st.binary(max_size=300))
-    edits = draw(st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)),
-                          min_size=1, max_size=4)) if kind in ("mutant", "split") else []
+    edits = (
+        draw(
+            st.lists(
+                st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), min_size=1, max_size=4
+            )
+        )
+        if kind in ("mutant", "split")
+        else []
+    )
     return Action(kind, conn, msgs, fd, payload, raw, edits)
 
 
@@ -293,8 +387,9 @@ def check_reply(reply: dict[str, Any], what: Any) -> None:
         fuzz_counts["ok"] += 1
         return
     err = reply.get("error")
-    assert isinstance(err, dict) and err.get("code") in KNOWN_CODES, \
+    assert isinstance(err, dict) and err.get("code") in KNOWN_CODES, (
         f"{reply!r:.500} for {what!r:.500}"
+    )
     assert isinstance(err.get("message"), str) and 0 < len(err["message"]) < 1000, reply
     fuzz_counts["error:" + err["code"]] += 1
 
@@ -376,8 +471,9 @@ class Fuzzer:
     def resolve(self, v: Any, ctx: dict[str, Any]) -> Any:
         if isinstance(v, Ref):
             if v.kind == "rec_offset":
-                return (self.records[v.i % len(self.records)][0] if self.records
-                        else self.g.data_offset) + v.delta
+                return (
+                    self.records[v.i % len(self.records)][0] if self.records else self.g.data_offset
+                ) + v.delta
             if v.kind == "rec_gen":
                 return (self.records[v.i % len(self.records)][1] if self.records else 1) + v.delta
             if v.kind == "data_offset":
@@ -453,12 +549,14 @@ class Fuzzer:
             return [m], data
         raise AssertionError(kind)
 
-    def encode(self, template: dict[str, Any], ctx: dict[str, Any],
-               pool_conn: bool) -> tuple[bytes, dict[str, Any]]:
+    def encode(
+        self, template: dict[str, Any], ctx: dict[str, Any], pool_conn: bool
+    ) -> tuple[bytes, dict[str, Any]]:
         ctx = {**ctx, "pool": pool_conn}
         fresh_id = template.get(ID_MODE, True)
-        msg = {self.resolve(k, ctx): self.resolve(v, ctx) for k, v in template.items()
-               if k != ID_MODE}
+        msg = {
+            self.resolve(k, ctx): self.resolve(v, ctx) for k, v in template.items() if k != ID_MODE
+        }
         if msg.get("op") == "claim" and pool_conn and valid_id(msg.get("id", 0)):
             msg["id"] = self.next_id  # our own id, so a late reply is recognised
             self.next_id += 1
@@ -519,8 +617,7 @@ class Fuzzer:
             self.send(self.pool[i], tail, [])
             self.read_replies(i, sent, 0)
 
-    def read_replies(self, i: int, sent: list[tuple[dict[str, Any], bytes]], n_fds: int
-                     ) -> None:
+    def read_replies(self, i: int, sent: list[tuple[dict[str, Any], bytes]], n_fds: int) -> None:
         peer = self.pool[i]
         self.messages += len(sent)
         fuzz_counts["frames_pool"] += len(sent)
@@ -533,8 +630,9 @@ class Fuzzer:
                 check_reply(reply, "refused stream")
                 last = reply
             assert last is not None and last["error"]["code"] == "protocol", last
-            fuzz_counts["closed_too_many_fds" if n_fds > MAX_PENDING_FDS
-                        else "closed_oversize_frame"] += 1
+            fuzz_counts[
+                "closed_too_many_fds" if n_fds > MAX_PENDING_FDS else "closed_oversize_frame"
+            ] += 1
             self.reopen(i)
             return
         for msg, _body in sent:
@@ -633,9 +731,15 @@ class Fuzzer:
         self.rss_max = max(self.rss_max, self.rss())
         self.refresh()
         if self.batches % 20 == 0:
-            log.info("fuzz: %d messages, %d batches, %.1fs, supervisor fds %d (base %d), "
-                     "RSS %.1f MiB", self.messages, self.batches, time.monotonic() - self.t0,
-                     n_fds, self.fd_base, self.rss_max / 2**20)
+            log.info(
+                "fuzz: %d messages, %d batches, %.1fs, supervisor fds %d (base %d), RSS %.1f MiB",
+                self.messages,
+                self.batches,
+                time.monotonic() - self.t0,
+                n_fds,
+                self.fd_base,
+                self.rss_max / 2**20,
+            )
 
 
 def worker_roundtrip(sup) -> None:
@@ -709,8 +813,13 @@ def test_fuzz_ten_thousand_hostile_messages_over_many_connections(make_superviso
     fz = Fuzzer(sup)
     t0 = time.monotonic()
 
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(a=action())
     def one(a: Action) -> None:
         if fz.failure is not None:  # Hypothesis replays a failing example: against a
@@ -730,22 +839,46 @@ def test_fuzz_ten_thousand_hostile_messages_over_many_connections(make_superviso
     finally:
         fz.close()
     elapsed = time.monotonic() - t0
-    log.info("fuzz: %d messages in %d batches over %d pooled connections + %d throw-away, "
-             "%.1fs; supervisor RSS %.1f -> max %.1f MiB, fds <= %d",
-             fz.messages, fz.batches, POOL,
-             fuzz_counts["frames_mutant"] + fuzz_counts["raw_streams"], elapsed,
-             fz.rss0 / 2**20, fz.rss_max / 2**20, fz.fd_base + FD_SLACK)
+    log.info(
+        "fuzz: %d messages in %d batches over %d pooled connections + %d throw-away, "
+        "%.1fs; supervisor RSS %.1f -> max %.1f MiB, fds <= %d",
+        fz.messages,
+        fz.batches,
+        POOL,
+        fuzz_counts["frames_mutant"] + fuzz_counts["raw_streams"],
+        elapsed,
+        fz.rss0 / 2**20,
+        fz.rss_max / 2**20,
+        fz.fd_base + FD_SLACK,
+    )
     log.info("fuzz outcome counts: %s", dict(sorted(fuzz_counts.items())))
     assert fz.messages >= TARGET_MESSAGES
     assert fuzz_counts["worker_roundtrips"] >= TARGET_MESSAGES // BATCH
     assert fz.rss_max - fz.rss0 < 256 << 20, "supervisor memory grew without bound"
     # every hostile connection is gone: no lease is left, and a clear frees every byte
-    wait_until(lambda: sup.stats()["connections"] == 1,  # just the asking client
-               what="the hostile connections to close")
+    wait_until(
+        lambda: sup.stats()["connections"] == 1,  # just the asking client
+        what="the hostile connections to close",
+    )
     st_ = sup.stats()
-    log.info("supervisor after the fuzz: %s", {k: st_[k] for k in (
-        "puts", "duplicate_puts", "rejected_puts", "evictions", "hits", "stale_acquires",
-        "revocations", "entries", "pinned", "leases_active")})
+    log.info(
+        "supervisor after the fuzz: %s",
+        {
+            k: st_[k]
+            for k in (
+                "puts",
+                "duplicate_puts",
+                "rejected_puts",
+                "evictions",
+                "hits",
+                "stale_acquires",
+                "revocations",
+                "entries",
+                "pinned",
+                "leases_active",
+            )
+        },
+    )
     assert st_["leases_active"] == 0
     with sup.client(attach=False) as c:
         c.clear()

@@ -130,8 +130,9 @@ def test_corrupted_header_new_worker_runs_cold_and_counts_it(supervisor, models)
 
 # ---------------------------------------------------------- arena: truncated
 @pytest.mark.parametrize("keep", ["nothing", "header", "half"])
-def test_truncated_arena_worker_runs_cold_supervisor_exits_7_no_sigbus(make_supervisor, models,
-                                                                        keep: str) -> None:
+def test_truncated_arena_worker_runs_cold_supervisor_exits_7_no_sigbus(
+    make_supervisor, models, keep: str
+) -> None:
     sup = make_supervisor("--size", "32M")
     prompt = SYSTEM + " Question: where did the arena go?"
     jobs = [completion(prompt), completion(prompt + " And now?", stream=True)]
@@ -160,8 +161,13 @@ def test_truncated_arena_worker_runs_cold_supervisor_exits_7_no_sigbus(make_supe
     assert totals["tokens_restored"] == 0 and totals["hits"] == 0
     assert totals["errors"].get("corrupt arena", 0) >= 1, totals["errors"]
     assert "truncated" in sup.log() and "Traceback" not in sup.log()
-    log.info("truncated to %s: supervisor exited %d after %.2fs; worker errors %s",
-             keep, rc, exit_after, totals["errors"])
+    log.info(
+        "truncated to %s: supervisor exited %d after %.2fs; worker errors %s",
+        keep,
+        rc,
+        exit_after,
+        totals["errors"],
+    )
     assert not list(SHM.glob(f"shmkv-{sup.name}*"))
 
 
@@ -180,8 +186,9 @@ def test_truncated_arena_idle_supervisor_exits_7_within_2s(make_supervisor) -> N
 
 
 @pytest.mark.parametrize("then", ["close-with-lease", "clear", "release-doomed"])
-def test_arena_writes_after_truncation_never_sigbus_the_supervisor(make_supervisor,
-                                                                   then: str) -> None:
+def test_arena_writes_after_truncation_never_sigbus_the_supervisor(
+    make_supervisor, then: str
+) -> None:
     """Within the second before its periodic check, a request or a closing connection made
     the supervisor write to the truncated mapping: it died of SIGBUS instead of exit 7."""
     sup = make_supervisor("--size", "16M")
@@ -225,8 +232,13 @@ def test_flipped_blob_bytes_are_counted_in_shmkv_stats_and_never_restored(superv
     assert fails >= 1, got["totals"]
     assert got["totals"]["errors"].get("corrupt record", 0) == fails
     assert after["restore_failures"] - before["restore_failures"] == fails
-    log.info("flipped %d record(s): %d restores refused, shmkv stats restore_failures %d -> %d",
-             flipped, fails, before["restore_failures"], after["restore_failures"])
+    log.info(
+        "flipped %d record(s): %d restores refused, shmkv stats restore_failures %d -> %d",
+        flipped,
+        fails,
+        before["restore_failures"],
+        after["restore_failures"],
+    )
 
 
 # ------------------------------------------------------ arena: another model
@@ -289,8 +301,9 @@ def test_record_of_other_token_ids_is_never_found(supervisor, models):
 
 @pytest.mark.parametrize("where", [0, 5, 70])
 @pytest.mark.parametrize("reseal", [False, True], ids=["meta-checksum-broken", "resealed"])
-def test_token_ids_not_matching_the_digest_are_detected_and_counted(supervisor, models,
-                                                                    where: int, reseal: bool):
+def test_token_ids_not_matching_the_digest_are_detected_and_counted(
+    supervisor, models, where: int, reseal: bool
+):
     """Flip a stored token id of a real record (first or second chunk). Plain, the
     metadata checksum catches it; resealed (the checksum rewritten, as a stray writer that
     knows the format would), the token comparison does. Never restored, always counted."""
@@ -335,8 +348,9 @@ MAX_BODY = 64 << 10
 @pytest.fixture(scope="module")
 def http(tmp_path_factory, serve_model) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("hostile-http")
-    sup = start_supervisor(tmp, "--size", "64M",
-                           env_extra={"SHMKV_MAX_REQUEST_BYTES": str(MAX_BODY)})
+    sup = start_supervisor(
+        tmp, "--size", "64M", env_extra={"SHMKV_MAX_REQUEST_BYTES": str(MAX_BODY)}
+    )
     srv = Server(sup, serve_model, workers=2, tmp_path=tmp)
     try:
         yield srv
@@ -380,37 +394,95 @@ def test_http_hostile_requests_get_a_clear_4xx_and_workers_stay_healthy(http, se
     long_text = (SYSTEM + " ") * 8  # well over n_ctx tokens, under the body cap
     assert len(long_text.encode()) < MAX_BODY
     cases: list[tuple[str, str, dict, set[int], str]] = [
-        ("oversize body", "/v1/completions",
-         {"json": {"prompt": "x" * (MAX_BODY + 10), "max_tokens": 4}}, {413},
-         "max-request-bytes"),
-        ("oversize chunked body", "/v1/completions",
-         {"content": iter([b'{"prompt": "', b"x" * (MAX_BODY + 10), b'"}']),
-          "headers": {"content-type": "application/json"}}, {413}, "max-request-bytes"),
-        ("invalid JSON", "/v1/completions",
-         {"content": b'{"prompt": "hi", ', "headers": {"content-type": "application/json"}},
-         {422}, "json"),
+        (
+            "oversize body",
+            "/v1/completions",
+            {"json": {"prompt": "x" * (MAX_BODY + 10), "max_tokens": 4}},
+            {413},
+            "max-request-bytes",
+        ),
+        (
+            "oversize chunked body",
+            "/v1/completions",
+            {
+                "content": iter([b'{"prompt": "', b"x" * (MAX_BODY + 10), b'"}']),
+                "headers": {"content-type": "application/json"},
+            },
+            {413},
+            "max-request-bytes",
+        ),
+        (
+            "invalid JSON",
+            "/v1/completions",
+            {"content": b'{"prompt": "hi", ', "headers": {"content-type": "application/json"}},
+            {422},
+            "json",
+        ),
         ("JSON array", "/v1/completions", {"json": [1, 2, 3]}, {422}, ""),
-        ("wrong field types", "/v1/completions",
-         {"json": {"prompt": "hi", "max_tokens": "many", "temperature": "hot"}}, {422}, ""),
-        ("invalid JSON (chat)", "/v1/chat/completions",
-         {"content": b"\xff\xfe not json", "headers": {"content-type": "application/json"}},
-         {422}, ""),
-        ("prompt longer than the context (text)", "/v1/completions",
-         {"json": {"prompt": long_text, "max_tokens": 4}}, {400}, "context"),
-        ("prompt longer than the context (stream)", "/v1/completions",
-         {"json": {"prompt": long_text, "max_tokens": 4, "stream": True}}, {400}, "context"),
-        ("chat longer than the context", "/v1/chat/completions",
-         {"json": {"messages": [{"role": "user", "content": long_text}], "max_tokens": 4}},
-         {400}, "context"),
+        (
+            "wrong field types",
+            "/v1/completions",
+            {"json": {"prompt": "hi", "max_tokens": "many", "temperature": "hot"}},
+            {422},
+            "",
+        ),
+        (
+            "invalid JSON (chat)",
+            "/v1/chat/completions",
+            {"content": b"\xff\xfe not json", "headers": {"content-type": "application/json"}},
+            {422},
+            "",
+        ),
+        (
+            "prompt longer than the context (text)",
+            "/v1/completions",
+            {"json": {"prompt": long_text, "max_tokens": 4}},
+            {400},
+            "context",
+        ),
+        (
+            "prompt longer than the context (stream)",
+            "/v1/completions",
+            {"json": {"prompt": long_text, "max_tokens": 4, "stream": True}},
+            {400},
+            "context",
+        ),
+        (
+            "chat longer than the context",
+            "/v1/chat/completions",
+            {"json": {"messages": [{"role": "user", "content": long_text}], "max_tokens": 4}},
+            {400},
+            "context",
+        ),
         # the server takes text prompts only: token ids (even out-of-vocabulary ones,
         # which llama.cpp would refuse) never reach the model
-        ("token ids as the prompt", "/v1/completions",
-         {"json": {"prompt": [5, 6, 10**6], "max_tokens": 4}}, {422}, "prompt"),
-        ("chat longer than the context (stream)", "/v1/chat/completions",
-         {"json": {"messages": [{"role": "user", "content": long_text}], "max_tokens": 4,
-                   "stream": True}}, {400}, "context"),
-        ("huge max_tokens (clamped to the context)", "/v1/completions",
-         {"json": {"prompt": "hi", "max_tokens": 10**12, "temperature": 0}}, {200}, ""),
+        (
+            "token ids as the prompt",
+            "/v1/completions",
+            {"json": {"prompt": [5, 6, 10**6], "max_tokens": 4}},
+            {422},
+            "prompt",
+        ),
+        (
+            "chat longer than the context (stream)",
+            "/v1/chat/completions",
+            {
+                "json": {
+                    "messages": [{"role": "user", "content": long_text}],
+                    "max_tokens": 4,
+                    "stream": True,
+                }
+            },
+            {400},
+            "context",
+        ),
+        (
+            "huge max_tokens (clamped to the context)",
+            "/v1/completions",
+            {"json": {"prompt": "hi", "max_tokens": 10**12, "temperature": 0}},
+            {200},
+            "",
+        ),
     ]
     for i, (what, path, kw, want, needle) in enumerate(cases, 1):
         r = post(srv, path, **kw)
@@ -422,10 +494,12 @@ def test_http_hostile_requests_get_a_clear_4xx_and_workers_stay_healthy(http, se
     # a normal stream still works (its headers are held until its first event now), and
     # its first chunk still carries what the cache did
     prompt = SYSTEM + " A normal stream at the end."
-    chunks = list(srv.client.completions.create(model="tiny", prompt=prompt, stream=True,
-                                                extra_body=EXTRA, **SAMPLING))
+    chunks = list(
+        srv.client.completions.create(
+            model="tiny", prompt=prompt, stream=True, extra_body=EXTRA, **SAMPLING
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == serve_reference(prompt)
     assert chunks[0].model_extra["shmkv"]["prompt_tokens"] > 500
     text = srv.log_path.read_text()
     assert "Traceback" not in text, text[-4000:]
-

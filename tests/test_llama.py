@@ -12,8 +12,10 @@ from helpers import KW, SYSTEM, completion, flip_payload_bytes, run_worker, text
 
 def test_shared_system_prompt_different_suffixes_across_processes(supervisor, models):
     jobs_a = [completion(SYSTEM + " Question: who sits?")]
-    jobs_b = [completion(SYSTEM + " Question: where is the mat?"),
-              completion(SYSTEM + " Question: how many cats?", stream=True)]
+    jobs_b = [
+        completion(SYSTEM + " Question: where is the mat?"),
+        completion(SYSTEM + " Question: how many cats?", stream=True),
+    ]
     cold = run_worker(None, models["seed0"], jobs_a + jobs_b, mode="cold")
     a = run_worker(supervisor, models["seed0"], jobs_a)
     assert a["results"][0]["last"]["tokens_restored"] == 0
@@ -40,22 +42,30 @@ def test_exact_same_prompt_and_shorter_prompt(supervisor, models):
     exact, shorter = (r["last"] for r in b["results"])
     assert exact["hit"] and exact["tokens_evaluated"] == 1
     assert exact["tokens_restored"] == exact["prompt_tokens"]
-    assert shorter["tokens_restored"] + shorter["tokens_reused_local"] >= shorter[
-        "prompt_tokens"] - 1
+    assert (
+        shorter["tokens_restored"] + shorter["tokens_reused_local"] >= shorter["prompt_tokens"] - 1
+    )
 
 
 def test_multi_turn_chat_second_turn_in_another_process(supervisor, models):
     sys_msg = {"role": "system", "content": SYSTEM}
     turn1 = [sys_msg, {"role": "user", "content": "Tell me about the cats."}]
-    cold1 = run_worker(None, models["seed0"], [{"kind": "chat", "messages": turn1,
-                                                  "max_tokens": 24}], mode="cold")
+    cold1 = run_worker(
+        None, models["seed0"], [{"kind": "chat", "messages": turn1, "max_tokens": 24}], mode="cold"
+    )
     reply = texts(cold1)[0]
-    turn2 = turn1 + [{"role": "assistant", "content": reply},
-                     {"role": "user", "content": "And the mats?"}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And the mats?"},
+    ]
     jobs2 = [{"kind": "chat", "messages": turn2, "max_tokens": 16, "stream": True}]
     cold2 = run_worker(None, models["seed0"], jobs2, mode="cold")
-    a = run_worker(supervisor, models["seed0"], [{"kind": "chat", "messages": turn1,
-                                                    "max_tokens": 24}], mode="attach")
+    a = run_worker(
+        supervisor,
+        models["seed0"],
+        [{"kind": "chat", "messages": turn1, "max_tokens": 24}],
+        mode="attach",
+    )
     assert texts(a) == texts(cold1)
     b = run_worker(supervisor, models["seed0"], jobs2, mode="attach")
     assert texts(b) == texts(cold2)
@@ -83,9 +93,11 @@ def test_prompt_plus_completion_is_published_for_the_next_turn(supervisor, model
 def test_models_and_kv_types_and_namespaces_never_mix(supervisor, models):
     prompt = SYSTEM + " Question: which model am I?"
     run_worker(supervisor, models["seed0"], [completion(prompt)])
-    for model, ns, kw in [(models["seed1"], "", None),          # other weights, same shapes
-                          (models["seed0"], "", {"type_k": 0, "type_v": 0}),  # f32 KV
-                          (models["seed0"], "tenant-b", None)]:  # other namespace
+    for model, ns, kw in [
+        (models["seed1"], "", None),  # other weights, same shapes
+        (models["seed0"], "", {"type_k": 0, "type_v": 0}),  # f32 KV
+        (models["seed0"], "tenant-b", None),
+    ]:  # other namespace
         cold = run_worker(None, model, [completion(prompt)], mode="cold", kw=kw)
         got = run_worker(supervisor, model, [completion(prompt)], namespace=ns, kw=kw)
         assert texts(got) == texts(cold)
@@ -123,8 +135,12 @@ def test_set_data_rejecting_a_blob_falls_back_cold(supervisor, models):
     tokens = llm.tokenize(prompt.encode())
     fp = model_fingerprint(llm)
     with supervisor.client() as c:
-        c.put_bytes(key_root(fp, ""), np.array(tokens, dtype=np.int32), fp,
-                    np.random.default_rng(1).bytes(200_000))
+        c.put_bytes(
+            key_root(fp, ""),
+            np.array(tokens, dtype=np.int32),
+            fp,
+            np.random.default_rng(1).bytes(200_000),
+        )
     del llm
     cold = run_worker(None, models["seed0"], [completion(prompt)], mode="cold")
     got = run_worker(supervisor, models["seed0"], [completion(prompt)])
@@ -146,7 +162,8 @@ def test_no_supervisor_runs_cold_and_logs_once(models):
     assert got["totals"]["errors"].get("supervisor unavailable", 0) >= len(prompts)
     # ...and the worker's log says so once, not once per request: the cache's own warning
     # once, and each of its two connections (reader, writer) at most once
-    warnings = [ln for ln in got["stderr"].splitlines()
-                if ln.startswith("WARNING") and missing.socket in ln]
+    warnings = [
+        ln for ln in got["stderr"].splitlines() if ln.startswith("WARNING") and missing.socket in ln
+    ]
     assert sum("cold prefill" in ln for ln in warnings) == 1, got["stderr"]
     assert len(warnings) <= 3, got["stderr"]

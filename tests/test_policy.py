@@ -72,13 +72,20 @@ class FakeArena:
         self.owners_of = owners
         self.index: dict[bytes, Slot] = {}
         for d, own in owners.items():
-            nch = next(k for (off, g), r in self.recs.items() if g in own
-                       for k, dd in enumerate(chain_digests(ROOT, r.tokens, CHUNK), 1)
-                       if dd == d)
+            nch = next(
+                k
+                for (off, g), r in self.recs.items()
+                if g in own
+                for k, dd in enumerate(chain_digests(ROOT, r.tokens, CHUNK), 1)
+                if dd == d
+            )
             limit = (nch + 1) * CHUNK
             ending = [g for g, n in own.items() if n < limit]
-            gen = (max(ending, key=lambda g: (own[g], -g)) if ending
-                   else min(own, key=lambda g: (own[g], g)))
+            gen = (
+                max(ending, key=lambda g: (own[g], -g))
+                if ending
+                else min(own, key=lambda g: (own[g], g))
+            )
             self.index[d] = Slot(d, gen * 4096, gen, nch)
         self.owner_calls = 0
 
@@ -117,8 +124,7 @@ class FakeArena:
 
     def sharing(self, prompt: np.ndarray, chunks: int) -> list[Rec]:
         """Records that share at least ``chunks`` full chunks with ``prompt``."""
-        return [r for r in self.recs.values()
-                if common_prefix(r.tokens, prompt) >= chunks * CHUNK]
+        return [r for r in self.recs.values() if common_prefix(r.tokens, prompt) >= chunks * CHUNK]
 
 
 # ----------------------------------------------------------------------- strategies
@@ -172,12 +178,14 @@ def test_strategy_is_chosen_by_exact_mode_then_window() -> None:
     assert type(strategy(Rules(exact=True, n_swa=4))) is Exact
 
 
-@pytest.mark.parametrize("strat", [PLAIN, WINDOW, EXACT, EXACT_WINDOW],
-                         ids=["plain", "window", "exact", "exact-window"])
+@pytest.mark.parametrize(
+    "strat", [PLAIN, WINDOW, EXACT, EXACT_WINDOW], ids=["plain", "window", "exact", "exact-window"]
+)
 @CHECK
 @given(scene=scenes(max_local=None))
 def test_a_leased_record_shares_its_key_chunks_with_the_prompt_and_beats_the_context(
-        strat, scene) -> None:
+    strat, scene
+) -> None:
     arena, prompt, local = scene
     plan = plan_for(strat, arena, prompt, local)
     if plan.hit is None or (plan.hit.slot.rec_offset, plan.hit.slot.rec_gen) in arena.corrupt:
@@ -205,8 +213,7 @@ def test_a_miss_means_no_lease_and_less_than_a_chunk_in_the_context(strat, scene
 def test_plain_leases_the_longest_cached_chunk_prefix_and_never_asks_owners(scene) -> None:
     arena, prompt, _ = scene
     plan = plan_for(PLAIN, arena, prompt, 0)
-    best = max((common_prefix(r.tokens, prompt) // CHUNK for r in arena.recs.values()),
-               default=0)
+    best = max((common_prefix(r.tokens, prompt) // CHUNK for r in arena.recs.values()), default=0)
     assert (plan.hit.chunks if plan.hit else 0) == best
     assert plan.keep == (len(prompt) if plan.hit else 0) or plan.hit is None
     assert arena.owner_calls == 0 and plan.checkpoint == 0 and not plan.window_unusable
@@ -246,7 +253,8 @@ def test_a_record_that_does_not_parse_is_still_leased_so_the_lease_path_counts_i
 @CHECK
 @given(n_swa=st.integers(1, 16), n_state=st.integers(0, 64), keep=st.integers(0, 64))
 def test_window_cut_is_allowed_only_if_the_state_holds_every_position_the_cut_needs(
-        n_swa, n_state, keep) -> None:
+    n_swa, n_state, keep
+) -> None:
     """A state of n tokens keeps positions n - n_swa .. n - 1; evaluating after `keep`
     needs keep - n_swa + 1 .. keep - 1. A state is always usable whole."""
     held = set(range(max(0, n_state - n_swa), n_state))
@@ -279,8 +287,11 @@ def test_window_plan_restores_the_best_whole_state_under_the_longest_prefix(scen
     if not k or arena.corrupt:
         return
     n = len(prompt)
-    fitting = [common_prefix(r.tokens, prompt) for r in arena.sharing(prompt, k)
-               if window_allows_cut(N_SWA, r.n_tokens, min(common_prefix(r.tokens, prompt), n - 1))]
+    fitting = [
+        common_prefix(r.tokens, prompt)
+        for r in arena.sharing(prompt, k)
+        if window_allows_cut(N_SWA, r.n_tokens, min(common_prefix(r.tokens, prompt), n - 1))
+    ]
     plan = plan_for(WINDOW, arena, prompt, 0)
     if fitting:
         assert plan.hit is not None and plan.hit.chunks == k and not plan.window_unusable
@@ -322,8 +333,7 @@ def test_window_plan_falls_back_to_the_longest_shorter_prefix_whose_state_fits(s
         if slot is None:
             return False
         rec = arena.recs[(slot.rec_offset, slot.rec_gen)]
-        return window_allows_cut(N_SWA, rec.n_tokens,
-                                 min(common_prefix(rec.tokens, prompt), n - 1))
+        return window_allows_cut(N_SWA, rec.n_tokens, min(common_prefix(rec.tokens, prompt), n - 1))
 
     shorter = [j for j in range(k - 1, max(0, k - 1 - SWA_MAX_PROBES), -1) if fits(j)]
     if plan.hit is None:
@@ -347,11 +357,14 @@ def test_window_checkpoint_is_where_the_prompt_leaves_a_cached_state(scene) -> N
 
 
 @CHECK
-@given(system=st.lists(TOKEN, min_size=SWA_MIN_GAIN, max_size=60),
-       cached=st.lists(TOKEN, min_size=N_SWA + 2, max_size=20),
-       asked=st.lists(TOKEN, min_size=2, max_size=20))
+@given(
+    system=st.lists(TOKEN, min_size=SWA_MIN_GAIN, max_size=60),
+    cached=st.lists(TOKEN, min_size=N_SWA + 2, max_size=20),
+    asked=st.lists(TOKEN, min_size=2, max_size=20),
+)
 def test_window_prompt_sharing_only_a_system_prompt_checkpoints_where_they_part(
-        system, cached, asked) -> None:
+    system, cached, asked
+) -> None:
     """A cached prompt (system + question) cannot be cut back to the system prompt: the
     next prompt with another question restores nothing and publishes that state."""
     if asked[0] == cached[0]:
@@ -366,7 +379,8 @@ def test_window_prompt_sharing_only_a_system_prompt_checkpoints_where_they_part(
 @CHECK
 @given(n=st.integers(1, 80), common=st.integers(0, 80), pos_min=st.integers(-1, 80))
 def test_window_context_keeps_its_own_tokens_only_if_it_still_holds_their_window(
-        n, common, pos_min) -> None:
+    n, common, pos_min
+) -> None:
     common = min(common, n)
     keep, cut = WINDOW.keep_local(Local(common, pos_min), n)
     if keep:
@@ -379,7 +393,8 @@ def test_window_context_keeps_its_own_tokens_only_if_it_still_holds_their_window
 @CHECK
 @given(n=st.integers(1, 120), reused=st.integers(0, 120), divergence=st.integers(0, 120))
 def test_window_prefill_checkpoint_is_the_divergence_else_a_tail_the_prompt_cannot_cut(
-        n, reused, divergence) -> None:
+    n, reused, divergence
+) -> None:
     reused, divergence = min(reused, n), min(divergence, n)
     points = WINDOW.checkpoints(n, reused, divergence, CHUNK).points
     assert len(points) <= 1 and all(reused < p < n - 1 for p in points)
@@ -421,8 +436,9 @@ def test_exact_plan_takes_the_longest_boundary_an_indexed_state_gives(strat, sce
         slot = arena.index.get(digests[p // CHUNK - 1])
         if p > local and slot is not None:
             rec = arena.recs[(slot.rec_offset, slot.rec_gen)]
-            if (common_prefix(rec.tokens, prompt) >= p
-                    and window_allows_cut(strat.n_swa, rec.n_tokens, p)):
+            if common_prefix(rec.tokens, prompt) >= p and window_allows_cut(
+                strat.n_swa, rec.n_tokens, p
+            ):
                 usable.append(p)
     plan = plan_for(strat, arena, prompt, local)
     assert (plan.keep if plan.hit else 0) == max(usable, default=0)
@@ -440,7 +456,8 @@ def test_exact_context_keeps_only_whole_batches_it_computed_aligned(n, common, a
 @CHECK
 @given(scene=scenes())
 def test_exact_mode_with_n_batch_not_a_multiple_of_the_chunk_restores_nothing_and_says_so(
-        scene) -> None:
+    scene,
+) -> None:
     arena, prompt, _ = scene
     plan = plan_for(Exact(Rules(exact=True, align=6)), arena, prompt, 0)
     assert plan.hit is None and plan.problem and plan.problem[0] == "exact mode unavailable"
@@ -450,7 +467,8 @@ def test_exact_mode_with_n_batch_not_a_multiple_of_the_chunk_restores_nothing_an
 @CHECK
 @given(n=st.integers(1, 120), reused=st.integers(0, 120))
 def test_exact_checkpoints_are_boundaries_each_on_a_window_model_else_the_last(
-        strat, n, reused) -> None:
+    strat, n, reused
+) -> None:
     reused = min(reused, n)
     cps = strat.checkpoints(n, reused, 0, CHUNK)
     last = (n - 1) // ALIGN * ALIGN

@@ -77,8 +77,7 @@ def test_truncated_length_prefix_then_close(supervisor, raw: Raw) -> None:
 
 
 @pytest.mark.parametrize("length", [P.MAX_FRAME + 1, 0xFFFFFFFF, 0])
-def test_bad_length_prefix_gets_protocol_error_and_close(supervisor, raw: Raw,
-                                                          length: int) -> None:
+def test_bad_length_prefix_gets_protocol_error_and_close(supervisor, raw: Raw, length: int) -> None:
     raw.send_raw(struct.pack(">I", length) + b"\x80")
     assert error_code(raw.recv()) == "protocol"
     assert raw.closed_by_peer()
@@ -89,8 +88,9 @@ def test_max_size_frame_is_accepted(supervisor, raw: Raw) -> None:
     """A frame of exactly MAX_FRAME bytes is within the cap (and is an unknown-op error)."""
     pad = b"x" * (P.MAX_FRAME - 64)
     body = msgpack.packb({"op": "nope", "id": 5, "pad": pad}, use_bin_type=True)
-    body = msgpack.packb({"op": "nope", "id": 5, "pad": pad + b"x" * (P.MAX_FRAME - len(body))},
-                         use_bin_type=True)
+    body = msgpack.packb(
+        {"op": "nope", "id": 5, "pad": pad + b"x" * (P.MAX_FRAME - len(body))}, use_bin_type=True
+    )
     assert len(body) == P.MAX_FRAME
     raw.send_body(body)
     reply = raw.recv()
@@ -98,14 +98,18 @@ def test_max_size_frame_is_accepted(supervisor, raw: Raw) -> None:
     assert_healthy(supervisor)
 
 
-@pytest.mark.parametrize("body", [
-    b"\xc1",  # the one byte msgpack never uses
-    b"\x82\xa2op",  # map of 2 with half a key
-    b"\x91" * 5000 + b"\xc0",  # absurdly deep nesting
-    b"\xdd\xff\xff\xff\xff",  # array claiming 4 G items
-    b"\x81\x01\x02",  # a map with an int key (strict_map_key)
-    b"\xa4ping\xa4ping",  # two objects in one frame
-], ids=["reserved-byte", "truncated-map", "deep-nesting", "huge-array", "int-key", "trailing"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xc1",  # the one byte msgpack never uses
+        b"\x82\xa2op",  # map of 2 with half a key
+        b"\x91" * 5000 + b"\xc0",  # absurdly deep nesting
+        b"\xdd\xff\xff\xff\xff",  # array claiming 4 G items
+        b"\x81\x01\x02",  # a map with an int key (strict_map_key)
+        b"\xa4ping\xa4ping",  # two objects in one frame
+    ],
+    ids=["reserved-byte", "truncated-map", "deep-nesting", "huge-array", "int-key", "trailing"],
+)
 def test_garbage_msgpack_gets_protocol_error(supervisor, raw: Raw, body: bytes) -> None:
     raw.send_body(body)
     assert error_code(raw.recv()) == "protocol"
@@ -114,8 +118,9 @@ def test_garbage_msgpack_gets_protocol_error(supervisor, raw: Raw, body: bytes) 
     assert_healthy(supervisor)
 
 
-@pytest.mark.parametrize("obj", [[1, 2, 3], "ping", 42, None, b"\x00" * 8],
-                         ids=["list", "str", "int", "nil", "bin"])
+@pytest.mark.parametrize(
+    "obj", [[1, 2, 3], "ping", 42, None, b"\x00" * 8], ids=["list", "str", "int", "nil", "bin"]
+)
 def test_non_map_body_gets_protocol_error(supervisor, raw: Raw, obj: Any) -> None:
     raw.send_body(msgpack.packb(obj, use_bin_type=True))
     assert error_code(raw.recv()) == "protocol"
@@ -148,8 +153,17 @@ def test_bad_request_id_gets_bad_request_with_id_zero(supervisor, raw: Raw, rid:
 # that tools and the gunicorn master are not counted as workers
 @pytest.mark.parametrize("op_before", ["acquire", "release", "put", "report"])
 def test_op_before_attach_gets_bad_request(supervisor, raw: Raw, op_before: str) -> None:
-    reply = raw.call({"op": op_before, "offset": 8192, "gen": 1, "lease": 1,
-                      "key": b"k" * 16, "counters": {}, "pid": 1})
+    reply = raw.call(
+        {
+            "op": op_before,
+            "offset": 8192,
+            "gen": 1,
+            "lease": 1,
+            "key": b"k" * 16,
+            "counters": {},
+            "pid": 1,
+        }
+    )
     assert error_code(reply) == "bad_request"
     assert "before attach" in reply["error"]["message"]
     assert_healthy(supervisor)
@@ -172,8 +186,9 @@ def _acquire_cases():
     ]
 
 
-@pytest.mark.parametrize("fields", [c[0] for c in _acquire_cases()],
-                         ids=[c[1] for c in _acquire_cases()])
+@pytest.mark.parametrize(
+    "fields", [c[0] for c in _acquire_cases()], ids=[c[1] for c in _acquire_cases()]
+)
 def test_acquire_wrong_field_types(supervisor, attached: Raw, fields: dict) -> None:
     if fields.get("offset") == "DATA":
         fields = {**fields, "offset": attached.geometry.data_offset}
@@ -216,23 +231,27 @@ def test_put_wrong_field_types(supervisor, attached: Raw, over: dict) -> None:
     assert_healthy(supervisor)
 
 
-@pytest.mark.parametrize("msg", [
-    {"op": "pin", "key": b"k" * 15},
-    {"op": "unpin", "key": 5},
-    {"op": "ls", "limit": 0},
-    {"op": "ls", "limit": "10"},
-    {"op": "release", "lease": "1"},
-    {"op": "release", "lease": 0},
-    {"op": "release", "lease": 1, "tokens_restored": -1},
-    {"op": "report", "counters": []},
-    {"op": "report", "counters": {"misses": -1}},
-    {"op": "report", "counters": {"misses": True}},
-    {"op": "report", "counters": {"misses": 1 << 60}},
-    {"op": "report", "counters": {"misses": "1"}},
-    {"op": "worker_exit", "pid": 0},
-    {"op": "worker_exit", "pid": "1"},
-    {"op": "attach", "pid": "me"},
-], ids=lambda m: f"{m['op']}-{'-'.join(f'{k}={v!r:.12}' for k, v in m.items() if k != 'op')}")
+@pytest.mark.parametrize(
+    "msg",
+    [
+        {"op": "pin", "key": b"k" * 15},
+        {"op": "unpin", "key": 5},
+        {"op": "ls", "limit": 0},
+        {"op": "ls", "limit": "10"},
+        {"op": "release", "lease": "1"},
+        {"op": "release", "lease": 0},
+        {"op": "release", "lease": 1, "tokens_restored": -1},
+        {"op": "report", "counters": []},
+        {"op": "report", "counters": {"misses": -1}},
+        {"op": "report", "counters": {"misses": True}},
+        {"op": "report", "counters": {"misses": 1 << 60}},
+        {"op": "report", "counters": {"misses": "1"}},
+        {"op": "worker_exit", "pid": 0},
+        {"op": "worker_exit", "pid": "1"},
+        {"op": "attach", "pid": "me"},
+    ],
+    ids=lambda m: f"{m['op']}-{'-'.join(f'{k}={v!r:.12}' for k, v in m.items() if k != 'op')}",
+)
 def test_other_ops_wrong_field_types(supervisor, attached: Raw, msg: dict) -> None:
     assert error_code(attached.call(msg)) == "bad_request"
     assert_healthy(supervisor)
@@ -307,8 +326,9 @@ def test_put_whose_checksum_does_not_match(supervisor, attached: Raw) -> None:
     fd = memfd_with(data)
     tokens = tokens_for(attached, 2)
     try:
-        reply = attached.call(put_msg(tokens, data,
-                                      checksum=xxhash.xxh3_64_intdigest(data) ^ 1), [fd])
+        reply = attached.call(
+            put_msg(tokens, data, checksum=xxhash.xxh3_64_intdigest(data) ^ 1), [fd]
+        )
     finally:
         os.close(fd)
     assert error_code(reply) == "checksum"
@@ -339,8 +359,7 @@ def test_put_larger_than_the_arena_names_size(make_supervisor) -> None:
         chunk = c.view.geometry.chunk_tokens
         for size in (data_size - 100, data_size + 1, 2 * data_size):
             with pytest.raises(ArenaFullError, match="--size"):
-                c.put_bytes(os.urandom(16), np.arange(chunk, dtype=np.int32), b"fp",
-                            b"z" * size)
+                c.put_bytes(os.urandom(16), np.arange(chunk, dtype=np.int32), b"fp", b"z" * size)
         assert c.stats()["rejected_puts"] == 3
     assert_healthy(sup)
 
@@ -348,8 +367,11 @@ def test_put_larger_than_the_arena_names_size(make_supervisor) -> None:
 # ------------------------------------------------------------------------- leases
 def test_acquire_of_a_random_offset_and_gen(supervisor, attached: Raw) -> None:
     g = attached.geometry
-    for offset, gen in [(g.data_offset, 1), (g.data_offset + 12345, 99),
-                        (g.data_offset + g.data_size, (1 << 64) - 1)]:
+    for offset, gen in [
+        (g.data_offset, 1),
+        (g.data_offset + 12345, 99),
+        (g.data_offset + g.data_size, (1 << 64) - 1),
+    ]:
         reply = attached.call({"op": "acquire", "offset": offset, "gen": gen})
         assert error_code(reply) == "not_found"
     assert supervisor.stats()["leases_active"] == 0
@@ -383,8 +405,9 @@ def test_leases_of_a_closed_raw_connection_are_released(supervisor, attached: Ra
         c.put_bytes(root, tokens, b"fp", b"q" * 500)
         slot = c.lookup(A.chain_digests(root, tokens, chunk)).slot
     for _ in range(3):
-        assert attached.call({"op": "acquire", "offset": slot.rec_offset,
-                              "gen": slot.rec_gen})["ok"]
+        assert attached.call({"op": "acquire", "offset": slot.rec_offset, "gen": slot.rec_gen})[
+            "ok"
+        ]
     assert supervisor.stats()["leases_active"] == 3
     attached.close()
     wait_until(lambda: supervisor.stats()["leases_active"] == 0, what="the leases' release")
@@ -476,20 +499,41 @@ def test_bad_requests_raise_the_matching_client_error(supervisor) -> None:
 
 # ------------------------------------------------------------------------- fuzzing
 _KNOWN_CODES = {"protocol", "bad_request", "checksum", "not_found", "arena_full"}
-_FIELDS = ["offset", "gen", "lease", "tokens_restored", "root", "tokens", "fingerprint",
-           "payload_len", "checksum", "pin", "key", "limit", "counters", "pid"]
+_FIELDS = [
+    "offset",
+    "gen",
+    "lease",
+    "tokens_restored",
+    "root",
+    "tokens",
+    "fingerprint",
+    "payload_len",
+    "checksum",
+    "pin",
+    "key",
+    "limit",
+    "counters",
+    "pid",
+]
 _values = st.one_of(
-    st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1),
-    st.integers(0, 1 << 24), st.floats(allow_nan=True), st.text(max_size=20),
-    st.binary(max_size=80), st.sampled_from([b"r" * 16, b"\x00" * 64, b"\x01" * 4]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 63), (1 << 64) - 1),
+    st.integers(0, 1 << 24),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=80),
+    st.sampled_from([b"r" * 16, b"\x00" * 64, b"\x01" * 4]),
     st.lists(st.integers(0, 9), max_size=4),
-    st.dictionaries(st.sampled_from(["misses", "hits", "tokens_restored", "x"]),
-                    st.one_of(st.integers(-5, 1 << 50), st.text(max_size=3)), max_size=3),
+    st.dictionaries(
+        st.sampled_from(["misses", "hits", "tokens_restored", "x"]),
+        st.one_of(st.integers(-5, 1 << 50), st.text(max_size=3)),
+        max_size=3,
+    ),
 )
 _requests = st.fixed_dictionaries(
     {"op": st.one_of(st.sampled_from(sorted(OPS)), st.text(max_size=8))},
-    optional={"id": st.one_of(st.integers(0, 1 << 20), _values),
-              **{f: _values for f in _FIELDS}},
+    optional={"id": st.one_of(st.integers(0, 1 << 20), _values), **{f: _values for f in _FIELDS}},
 )
 
 
@@ -498,8 +542,9 @@ def test_fuzzed_requests_never_cause_an_internal_error(supervisor) -> None:
     r = Raw(supervisor.socket)
     r.attach()
 
-    @settings(max_examples=300, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(msg=_requests, with_fd=st.booleans())
     def one(msg: dict, with_fd: bool) -> None:
         if msg.get("op") == "worker_exit":

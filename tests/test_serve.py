@@ -42,7 +42,7 @@ def test_openai_client_cold_then_hits_on_other_workers(server, serve_reference):
             results[p] = server.complete(p)
 
     # two clients at a time, so that requests land on several workers
-    threads = [threading.Thread(target=ask, args=(prompts[1 + k::2],)) for k in range(2)]
+    threads = [threading.Thread(target=ask, args=(prompts[1 + k :: 2],)) for k in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -58,27 +58,40 @@ def test_openai_client_cold_then_hits_on_other_workers(server, serve_reference):
     st = server.sup.stats_json()
     assert st["tokens_restored"] >= sum(restored_by.values())
     assert st["workers_attached"] >= 3
-    log.info("restored by worker: %s; supervisor stats: hits=%d tokens_restored=%d",
-             restored_by, st["hits"], st["tokens_restored"])
+    log.info(
+        "restored by worker: %s; supervisor stats: hits=%d tokens_restored=%d",
+        restored_by,
+        st["hits"],
+        st["tokens_restored"],
+    )
 
 
 def test_streaming_and_chat(server, serve_reference):
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": "Which cat guards mat 3?"}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Which cat guards mat 3?"},
+    ]
     want = serve_reference(messages=messages)
-    got = server.client.chat.completions.create(model="tiny", messages=messages,
-                                                extra_body=EXTRA, **SAMPLING)
+    got = server.client.chat.completions.create(
+        model="tiny", messages=messages, extra_body=EXTRA, **SAMPLING
+    )
     assert got.choices[0].message.content == want
     for _ in range(3):  # stream the same prompt, which some worker now restores
-        chunks = list(server.client.chat.completions.create(
-            model="tiny", messages=messages, stream=True, extra_body=EXTRA, **SAMPLING))
+        chunks = list(
+            server.client.chat.completions.create(
+                model="tiny", messages=messages, stream=True, extra_body=EXTRA, **SAMPLING
+            )
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == want
         info = chunks[0].model_extra["shmkv"]
         assert info["prompt_tokens"] > 500
     prompt = SYSTEM + " Stream me."
-    chunks = list(server.client.completions.create(model="tiny", prompt=prompt, stream=True,
-                                                   extra_body=EXTRA, **SAMPLING))
+    chunks = list(
+        server.client.completions.create(
+            model="tiny", prompt=prompt, stream=True, extra_body=EXTRA, **SAMPLING
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == serve_reference(prompt)
     models = server.client.models.list()
     assert len(models.data) == 1
@@ -87,9 +100,9 @@ def test_streaming_and_chat(server, serve_reference):
 def test_kill9_worker_mid_request(server, serve_reference):
     prompt = SYSTEM + " A long story:"
     server.complete(prompt)  # warm the arena
-    stream = server.client.completions.create(model="tiny", prompt=prompt, stream=True,
-                                              max_tokens=1500, temperature=0.0,
-                                              extra_body=EXTRA)
+    stream = server.client.completions.create(
+        model="tiny", prompt=prompt, stream=True, max_tokens=1500, temperature=0.0, extra_body=EXTRA
+    )
     first = next(iter(stream))
     victim = first.model_extra["shmkv"]["worker_pid"]
     os.kill(victim, signal.SIGKILL)
@@ -167,8 +180,9 @@ def test_more_concurrent_streams_than_workers_all_complete(server, serve_referen
 
     def stream(p: str) -> None:
         try:
-            chunks = server.client.completions.create(model="tiny", prompt=p, stream=True,
-                                                      extra_body=EXTRA, **SAMPLING)
+            chunks = server.client.completions.create(
+                model="tiny", prompt=p, stream=True, extra_body=EXTRA, **SAMPLING
+            )
             out[p] = "".join(c.choices[0].text for c in chunks)
         except BaseException as e:  # collected below
             errors.append(e)
@@ -188,13 +202,19 @@ def test_a_busy_worker_accepts_no_new_connection(tmp_path, serve_model, make_sup
     sup = make_supervisor("--size", "128M")
     srv = Server(sup, serve_model, workers=2, tmp_path=tmp_path)
     try:
-        stream = srv.client.completions.create(model="tiny", prompt=SYSTEM + " Long story:",
-                                               stream=True, max_tokens=1500,
-                                               temperature=0.0, extra_body=EXTRA)
+        stream = srv.client.completions.create(
+            model="tiny",
+            prompt=SYSTEM + " Long story:",
+            stream=True,
+            max_tokens=1500,
+            temperature=0.0,
+            extra_body=EXTRA,
+        )
         it = iter(stream)
         busy = next(it).model_extra["shmkv"]["worker_pid"]
-        pids = [srv.complete(SYSTEM + f" Quick {i}.", max_tokens=2)[1]["worker_pid"]
-                for i in range(6)]
+        pids = [
+            srv.complete(SYSTEM + f" Quick {i}.", max_tokens=2)[1]["worker_pid"] for i in range(6)
+        ]
         assert busy not in pids, (busy, pids)
         for _ in it:  # the long stream still completes
             pass

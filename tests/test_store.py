@@ -49,8 +49,9 @@ PAGE = A.PAGE
 class ArenaFile:
     """A writable arena file in /dev/shm with a valid header, plus a read-only view of it."""
 
-    def __init__(self, data_pages: int, chunk_tokens: int, index_slots: int,
-                 lease_timeout: float = 10.0) -> None:
+    def __init__(
+        self, data_pages: int, chunk_tokens: int, index_slots: int, lease_timeout: float = 10.0
+    ) -> None:
         slots = 1 << (index_slots - 1).bit_length()
         index_bytes = A.align(slots * A.SLOT_SIZE, PAGE)
         size = A.HEADER_SIZE + index_bytes + data_pages * PAGE
@@ -60,13 +61,15 @@ class ArenaFile:
         self.view: A.ArenaView | None = None
         try:
             os.posix_fallocate(self.fd, 0, size)
-            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED,
-                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.mm = mmap.mmap(
+                self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
             self.geometry = A.Geometry.plan(size, chunk_tokens, index_slots)
             write_header(self.mm, self.geometry)
             self.now = 1000.0
-            self.store = Store(self.mm, self.geometry, lease_timeout=lease_timeout,
-                               clock=lambda: self.now)
+            self.store = Store(
+                self.mm, self.geometry, lease_timeout=lease_timeout, clock=lambda: self.now
+            )
             self.ro_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             self.view = A.ArenaView(self.ro_fd, populate=False)
         except BaseException:
@@ -98,8 +101,9 @@ def write_header(mm: mmap.mmap, geometry: A.Geometry) -> None:
 
 def payload_for(root: bytes, tokens: np.ndarray, size: int) -> bytes:
     """Deterministic bytes for a blob, derived from its key, so every read can be verified."""
-    seed = int.from_bytes(hashlib.blake2b(root + tokens.tobytes(), digest_size=8).digest(),
-                          "little")
+    seed = int.from_bytes(
+        hashlib.blake2b(root + tokens.tobytes(), digest_size=8).digest(), "little"
+    )
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
@@ -110,8 +114,15 @@ def filler(data: bytes):
     return fill
 
 
-def put_bytes(store: Store, root: bytes, tokens: np.ndarray, data: bytes, fp: bytes = b"fp",
-              pin: bool = False, checksum: int | None = None):
+def put_bytes(
+    store: Store,
+    root: bytes,
+    tokens: np.ndarray,
+    data: bytes,
+    fp: bytes = b"fp",
+    pin: bool = False,
+    checksum: int | None = None,
+):
     csum = xxhash.xxh3_64_intdigest(data) if checksum is None else checksum
     return store.put(root, tokens, fp, len(data), csum, filler(data), pin=pin)
 
@@ -187,21 +198,31 @@ class StoreMachine(RuleBasedStateMachine):
         return out
 
     # ------------------------------------------------------------------ rules
-    @rule(root=st.sampled_from(range(len(ROOTS))), base=st.sampled_from(range(len(BASES))),
-          n_tokens=st.integers(CHUNK, 24), size=st.integers(1, 6 * PAGE),
-          pin=st.sampled_from([False] * 5 + [True]))
+    @rule(
+        root=st.sampled_from(range(len(ROOTS))),
+        base=st.sampled_from(range(len(BASES))),
+        n_tokens=st.integers(CHUNK, 24),
+        size=st.integers(1, 6 * PAGE),
+        pin=st.sampled_from([False] * 5 + [True]),
+    )
     def put_small(self, root: int, base: int, n_tokens: int, size: int, pin: bool) -> None:
         self.do_put(root, base, n_tokens, size, pin, False)
 
-    @rule(root=st.sampled_from(range(len(ROOTS))), base=st.sampled_from(range(len(BASES))),
-          n_tokens=st.integers(CHUNK, 24),
-          size=st.one_of(st.integers(1, 12 * PAGE),
-                         st.integers(20 * PAGE, (DATA_PAGES - 1) * PAGE),
-                         st.integers(DATA_PAGES * PAGE - 200, DATA_PAGES * PAGE + 5000)),
-          pin=st.sampled_from([False] * 3 + [True]),
-          corrupt=st.sampled_from([False] * 5 + [True]))
-    def put_any(self, root: int, base: int, n_tokens: int, size: int, pin: bool,
-                corrupt: bool) -> None:
+    @rule(
+        root=st.sampled_from(range(len(ROOTS))),
+        base=st.sampled_from(range(len(BASES))),
+        n_tokens=st.integers(CHUNK, 24),
+        size=st.one_of(
+            st.integers(1, 12 * PAGE),
+            st.integers(20 * PAGE, (DATA_PAGES - 1) * PAGE),
+            st.integers(DATA_PAGES * PAGE - 200, DATA_PAGES * PAGE + 5000),
+        ),
+        pin=st.sampled_from([False] * 3 + [True]),
+        corrupt=st.sampled_from([False] * 5 + [True]),
+    )
+    def put_any(
+        self, root: int, base: int, n_tokens: int, size: int, pin: bool, corrupt: bool
+    ) -> None:
         self.do_put(root, base, n_tokens, size, pin, corrupt)
 
     @rule(root=st.sampled_from(range(len(ROOTS))), base=st.sampled_from(range(len(BASES))))
@@ -211,8 +232,9 @@ class StoreMachine(RuleBasedStateMachine):
         _, _, pay_off, _ = A.record_layout(n_tokens, 2, 1)
         self.do_put(root, base, n_tokens, self.af.geometry.data_size - pay_off, False, False)
 
-    def do_put(self, root: int, base: int, n_tokens: int, size: int, pin: bool,
-               corrupt: bool) -> None:
+    def do_put(
+        self, root: int, base: int, n_tokens: int, size: int, pin: bool, corrupt: bool
+    ) -> None:
         """A put that fits, needs evictions, can never fit, or carries a bad checksum."""
         tokens = BASES[base][:n_tokens].copy()
         r = ROOTS[root]
@@ -222,8 +244,14 @@ class StoreMachine(RuleBasedStateMachine):
         pinned = set(self.pinned)
         evictions = self.store.counters.evictions
         checksum = (xxhash.xxh3_64_intdigest(data) ^ 1) if corrupt else None
-        dup = next((g for g in before if self.known[g].root == r
-                    and np.array_equal(self.known[g].tokens, tokens)), None)
+        dup = next(
+            (
+                g
+                for g in before
+                if self.known[g].root == r and np.array_equal(self.known[g].tokens, tokens)
+            ),
+            None,
+        )
         try:
             e = put_bytes(self.store, r, tokens, data, pin=pin, checksum=checksum)
         except ArenaFullError as err:
@@ -245,8 +273,9 @@ class StoreMachine(RuleBasedStateMachine):
                 assert e.gen == dup  # same key: the stored blob is kept, not replaced
             else:
                 assert e.gen not in self.known
-                self.known[e.gen] = Known(r, tokens, data,
-                                          A.chain_digests(r, tokens, CHUNK), e.offset)
+                self.known[e.gen] = Known(
+                    r, tokens, data, A.chain_digests(r, tokens, CHUNK), e.offset
+                )
             if pin:
                 self.pinned.add(e.gen)
         after = set(self.live())
@@ -327,8 +356,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.pinned.discard(e.gen)
         assert e.gen not in self.live()
         # freed now, or at its last release
-        leased = any(h.gen == e.gen and not self.store.leases[h.lid].revoked
-                     for h in self.held.values())
+        leased = any(
+            h.gen == e.gen and not self.store.leases[h.lid].revoked for h in self.held.values()
+        )
         assert (e.gen in self.store.entries) is leased
 
     @rule()
@@ -447,7 +477,9 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=60, deadline=None,
+    max_examples=150,
+    stateful_step_count=60,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestStoreMachine = StoreMachine.TestCase
@@ -604,20 +636,36 @@ def _resign(buf: bytearray) -> bytes:
     return bytes(buf)
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("magic", b"NOTSHMKV", "magic"),
-    ("version", A.FORMAT_VERSION + 1, "format"),
-    ("index_slots", 1000, "inconsistent"),  # not a power of two
-    ("data_size", 1 << 40, "inconsistent"),  # beyond the file
-    ("chunk_tokens", 0, "inconsistent"),
-    ("header_size", 8192, "inconsistent"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("magic", b"NOTSHMKV", "magic"),
+        ("version", A.FORMAT_VERSION + 1, "format"),
+        ("index_slots", 1000, "inconsistent"),  # not a power of two
+        ("data_size", 1 << 40, "inconsistent"),  # beyond the file
+        ("chunk_tokens", 0, "inconsistent"),
+        ("header_size", 8192, "inconsistent"),
+    ],
+)
 def test_geometry_unpack_rejects_bad_fields_even_with_a_valid_checksum(
-        header_bytes, field: str, value, match: str) -> None:
+    header_bytes, field: str, value, match: str
+) -> None:
     buf, size = header_bytes
-    names = ["magic", "version", "header_size", "arena_size", "index_offset", "index_slots",
-             "data_offset", "data_size", "chunk_tokens", "slot_size", "pid", "arena_id",
-             "created"]
+    names = [
+        "magic",
+        "version",
+        "header_size",
+        "arena_size",
+        "index_offset",
+        "index_slots",
+        "data_offset",
+        "data_size",
+        "chunk_tokens",
+        "slot_size",
+        "pid",
+        "arena_id",
+        "created",
+    ]
     vals = list(A._HDR.unpack_from(buf))
     vals[names.index(field)] = value
     bad = bytearray(buf)
@@ -659,12 +707,11 @@ def test_read_record_rejects_bad_offsets_and_generations(small_arena: ArenaFile)
 
 def test_put_with_too_few_tokens_is_a_bad_request(small_arena: ArenaFile) -> None:
     with pytest.raises(BadRequest, match="chunk_tokens"):
-        put_bytes(small_arena.store, ROOTS[0], BASES[0][: 3].copy(), b"x" * 10)
+        put_bytes(small_arena.store, ROOTS[0], BASES[0][:3].copy(), b"x" * 10)
     assert small_arena.store.bytes_used() == 0 and small_arena.view.scan() == []
 
 
-def test_index_prefers_the_longest_record_ending_in_a_chunk_and_owners_tell_each_match(
-        supervisor):
+def test_index_prefers_the_longest_record_ending_in_a_chunk_and_owners_tell_each_match(supervisor):
     """A chunk prefix points at the longest record whose last full chunk it is (a
     sliding-window model can restore only whole records), else at the shortest; the
     ``owners`` op lists the records behind a chunk prefix and how far a prompt matches each."""

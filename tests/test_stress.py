@@ -74,8 +74,9 @@ class KeySpace:
     def __init__(self) -> None:
         self.tokens = [family_tokens(f) for f in range(FAMILIES)]
         self.roots = [family_root(f) for f in range(FAMILIES)]
-        self.lengths = [{record_len(f, c): c for c in range(1, MAX_CHUNKS + 1)}
-                        for f in range(FAMILIES)]
+        self.lengths = [
+            {record_len(f, c): c for c in range(1, MAX_CHUNKS + 1)} for f in range(FAMILIES)
+        ]
         self._payloads: dict[tuple[int, int], np.ndarray] = {}
 
     def record(self, f: int, c: int) -> tuple[bytes, np.ndarray]:
@@ -114,12 +115,34 @@ def writer_main(name: str, socket_path: str, seed: int, stop: Any, results: Any)
     results.put(out)
 
 
-def reader_main(name: str, socket_path: str, seed: int, target: int, deadline: float,
-                hold_prob: float, hold_time: float, total: Any, results: Any) -> None:
+def reader_main(
+    name: str,
+    socket_path: str,
+    seed: int,
+    target: int,
+    deadline: float,
+    hold_prob: float,
+    hold_time: float,
+    total: Any,
+    results: Any,
+) -> None:
     """Look up random prompts; verify tokens and the whole payload of every hit."""
-    out = {"role": "reader", "lookups": 0, "misses": 0, "acquired": 0, "verified": 0,
-           "stale": 0, "corrupt_acquire": 0, "discarded": 0, "discarded_mismatch": 0,
-           "held": 0, "bytes_verified": 0, "wrong": 0, "wrong_details": [], "errors": []}
+    out = {
+        "role": "reader",
+        "lookups": 0,
+        "misses": 0,
+        "acquired": 0,
+        "verified": 0,
+        "stale": 0,
+        "corrupt_acquire": 0,
+        "discarded": 0,
+        "discarded_mismatch": 0,
+        "held": 0,
+        "bytes_verified": 0,
+        "wrong": 0,
+        "wrong_details": [],
+        "errors": [],
+    }
     pending = 0
     try:
         rnd = random.Random(seed)
@@ -137,7 +160,7 @@ def reader_main(name: str, socket_path: str, seed: int, target: int, deadline: f
                 query = ks.tokens[f][: k * CHUNK + rnd.randrange(CHUNK)].copy()
                 if rnd.random() < 0.25:  # a prompt that leaves the family after j chunks
                     j = rnd.randrange(k)
-                    query[j * CHUNK:] = rnd.randrange(50_000, 60_000)
+                    query[j * CHUNK :] = rnd.randrange(50_000, 60_000)
                 digests = chain_digests(ks.roots[f], query, CHUNK)
                 out["lookups"] += 1
                 hit = client.lookup(digests)
@@ -163,8 +186,10 @@ def reader_main(name: str, socket_path: str, seed: int, target: int, deadline: f
                     got_tokens = lease.tokens()
                     m = hit.chunks * CHUNK
                     if hit.chunks > len(digests) or rec.n_chunks < hit.chunks:
-                        problems.append(f"hit of {hit.chunks} chunks on a {rec.n_chunks}-chunk "
-                                        f"record for a {len(digests)}-chunk query")
+                        problems.append(
+                            f"hit of {hit.chunks} chunks on a {rec.n_chunks}-chunk "
+                            f"record for a {len(digests)}-chunk query"
+                        )
                     if n not in ks.lengths[f]:
                         problems.append(f"family {f}: no record has {n} tokens")
                     elif not np.array_equal(got_tokens, ks.tokens[f][:n]):
@@ -182,8 +207,10 @@ def reader_main(name: str, socket_path: str, seed: int, target: int, deadline: f
                             problems.append(f"payload is {len(got)} bytes, expected {len(want)}")
                         elif not np.array_equal(got, want):
                             bad = np.flatnonzero(got != want)
-                            problems.append(f"{len(bad)} payload bytes differ, first at "
-                                            f"{int(bad[0])} of {len(want)}")
+                            problems.append(
+                                f"{len(bad)} payload bytes differ, first at "
+                                f"{int(bad[0])} of {len(want)}"
+                            )
                         del got
                     del got_tokens
                     ok = lease.finish()
@@ -192,7 +219,8 @@ def reader_main(name: str, socket_path: str, seed: int, target: int, deadline: f
                         out["wrong"] += 1
                         if len(out["wrong_details"]) < 10:
                             out["wrong_details"].append(
-                                f"gen {rec.gen} at {rec.offset}: {'; '.join(problems)}")
+                                f"gen {rec.gen} at {rec.offset}: {'; '.join(problems)}"
+                            )
                     else:
                         out["verified"] += 1
                         out["bytes_verified"] += rec.payload_len
@@ -220,19 +248,47 @@ class Outcome:
         return sum(r[key] for r in (self.readers if role == "reader" else self.writers))
 
 
-def run_stress(sup, *, readers: int, writers: int, target: int, budget: float,
-               hold_prob: float = 0.0, hold_time: float = 0.0) -> Outcome:
+def run_stress(
+    sup,
+    *,
+    readers: int,
+    writers: int,
+    target: int,
+    budget: float,
+    hold_prob: float = 0.0,
+    hold_time: float = 0.0,
+) -> Outcome:
     ctx = mp.get_context("spawn")
     stop, total, results = ctx.Event(), ctx.Value("q", 0), ctx.Queue()
     t0 = time.monotonic()
     # children start on the parent's clock: CLOCK_MONOTONIC is system-wide on Linux
     deadline = t0 + budget
-    procs = [ctx.Process(target=writer_main, args=(sup.name, sup.socket, 100 + i, stop, results),
-                         name=f"writer-{i}") for i in range(writers)]
-    procs += [ctx.Process(target=reader_main,
-                          args=(sup.name, sup.socket, 200 + i, target, deadline, hold_prob,
-                                hold_time, total, results), name=f"reader-{i}")
-              for i in range(readers)]
+    procs = [
+        ctx.Process(
+            target=writer_main,
+            args=(sup.name, sup.socket, 100 + i, stop, results),
+            name=f"writer-{i}",
+        )
+        for i in range(writers)
+    ]
+    procs += [
+        ctx.Process(
+            target=reader_main,
+            args=(
+                sup.name,
+                sup.socket,
+                200 + i,
+                target,
+                deadline,
+                hold_prob,
+                hold_time,
+                total,
+                results,
+            ),
+            name=f"reader-{i}",
+        )
+        for i in range(readers)
+    ]
     got: list[dict] = []
     try:
         for p in procs:
@@ -260,8 +316,13 @@ def run_stress(sup, *, readers: int, writers: int, target: int, budget: float,
     assert all(p.exitcode == 0 for p in procs), [(p.name, p.exitcode) for p in procs]
     with sup.client(populate=False) as c:
         stats, ls = c.stats(), c.ls(limit=100_000)
-    return Outcome([r for r in got if r["role"] == "reader"],
-                   [r for r in got if r["role"] == "writer"], stats, ls, wall)
+    return Outcome(
+        [r for r in got if r["role"] == "reader"],
+        [r for r in got if r["role"] == "writer"],
+        stats,
+        ls,
+        wall,
+    )
 
 
 def check_consistent(sup, out: Outcome) -> None:
@@ -289,10 +350,14 @@ def check_consistent(sup, out: Outcome) -> None:
             assert view.verify_payload(rec)
             assert rec.n_chunks >= slot.n_chunks
             tokens = view.tokens(rec)
-            f = next(f for f in range(FAMILIES) if rec.root == ks.roots[f]
-                     and np.array_equal(tokens, ks.tokens[f][: rec.n_tokens]))
-            assert np.array_equal(np.frombuffer(view.payload(rec), np.uint8),
-                                  ks.payload(f, rec.n_tokens))
+            f = next(
+                f
+                for f in range(FAMILIES)
+                if rec.root == ks.roots[f] and np.array_equal(tokens, ks.tokens[f][: rec.n_tokens])
+            )
+            assert np.array_equal(
+                np.frombuffer(view.payload(rec), np.uint8), ks.payload(f, rec.n_tokens)
+            )
             del tokens
 
 
@@ -304,14 +369,29 @@ def log_outcome(label: str, out: Outcome) -> None:
         "%d acquire-time corrupt), %d wrong; %d puts by writers (%d stored, %d duplicate, "
         "%d refused full); supervisor: %d evictions, %d revocations, %d hits, %d entries, "
         "%.1f of %.1f MiB used; wall %.1f s",
-        label, out.sum("reader", "verified"), out.sum("reader", "bytes_verified") / 2**30,
-        out.sum("reader", "lookups"), out.sum("reader", "misses"), out.sum("reader", "stale"),
-        out.sum("reader", "discarded"), out.sum("reader", "discarded_mismatch"),
-        out.sum("reader", "held"), out.sum("reader", "corrupt_acquire"),
-        out.sum("reader", "wrong"), out.sum("writer", "puts"), st["puts"],
-        st["duplicate_puts"], out.sum("writer", "full"), st["evictions"], st["revocations"],
-        st["hits"], st["entries"], st["bytes_used"] / 2**20, st["bytes_capacity"] / 2**20,
-        out.wall)
+        label,
+        out.sum("reader", "verified"),
+        out.sum("reader", "bytes_verified") / 2**30,
+        out.sum("reader", "lookups"),
+        out.sum("reader", "misses"),
+        out.sum("reader", "stale"),
+        out.sum("reader", "discarded"),
+        out.sum("reader", "discarded_mismatch"),
+        out.sum("reader", "held"),
+        out.sum("reader", "corrupt_acquire"),
+        out.sum("reader", "wrong"),
+        out.sum("writer", "puts"),
+        st["puts"],
+        st["duplicate_puts"],
+        out.sum("writer", "full"),
+        st["evictions"],
+        st["revocations"],
+        st["hits"],
+        st["entries"],
+        st["bytes_used"] / 2**20,
+        st["bytes_capacity"] / 2**20,
+        out.wall,
+    )
 
 
 def wrong_reads(out: Outcome) -> list[str]:
@@ -343,11 +423,20 @@ def test_stress_every_read_verified_under_constant_eviction(make_supervisor):
 def test_stress_revoked_leases_are_discarded_never_wrong(make_supervisor):
     # A small arena and readers that sleep past a 0.2 s lease timeout: writers run
     # out of unleased space, so the supervisor revokes leases and reuses their bytes.
-    sup = make_supervisor("--size", "6M", "--chunk-tokens", str(CHUNK), "--lease-timeout",
-                          "0.2", "--log-level", "error")
+    sup = make_supervisor(
+        "--size",
+        "6M",
+        "--chunk-tokens",
+        str(CHUNK),
+        "--lease-timeout",
+        "0.2",
+        "--log-level",
+        "error",
+    )
     target = int(os.environ.get("SHMKV_STRESS_REVOKE_READS", "4000"))
-    out = run_stress(sup, readers=4, writers=2, target=target, budget=60, hold_prob=0.04,
-                     hold_time=0.25)
+    out = run_stress(
+        sup, readers=4, writers=2, target=target, budget=60, hold_prob=0.04, hold_time=0.25
+    )
     log_outcome("stress with revocation", out)
 
     assert out.sum("reader", "wrong") == 0, wrong_reads(out)

@@ -16,8 +16,12 @@ import numpy as np
 from helpers import KW, SYSTEM, completion, last_logits, run_worker, texts
 from llama_cpp import llama_cpp as C
 
-QUESTIONS = [" Question: who sits?", " Question: where is the mat?",
-             " Question: how many cats are there?", " Question: why?"]
+QUESTIONS = [
+    " Question: who sits?",
+    " Question: where is the mat?",
+    " Question: how many cats are there?",
+    " Question: why?",
+]
 
 
 def test_cutting_a_window_state_back_changes_the_output(models):
@@ -91,8 +95,11 @@ def test_same_prompt_again_then_local_reuse_on_a_window_model(supervisor, models
     """A restore cut by the one token llama-cpp-python re-evaluates is exact; the same
     process's next prompt must not reuse cells of a restored state that it lacks."""
     first = [completion(SYSTEM + QUESTIONS[0])]
-    again = [completion(SYSTEM + QUESTIONS[0]), completion(SYSTEM + QUESTIONS[1]),
-             completion(SYSTEM + QUESTIONS[1] + " Answer briefly.", stream=True)]
+    again = [
+        completion(SYSTEM + QUESTIONS[0]),
+        completion(SYSTEM + QUESTIONS[1]),
+        completion(SYSTEM + QUESTIONS[1] + " Answer briefly.", stream=True),
+    ]
     cold = run_worker(None, models["swa"], first + again, mode="cold")
     run_worker(supervisor, models["swa"], first)
     b = run_worker(supervisor, models["swa"], again)
@@ -111,8 +118,11 @@ def test_multi_turn_chat_on_a_window_model(supervisor, models):
     chat1 = {"kind": "chat", "messages": turn1, "max_tokens": 80}
     cold1 = run_worker(None, models["swa"], [chat1], mode="cold")
     reply = texts(cold1)[0]
-    turn2 = [*turn1, {"role": "assistant", "content": reply},
-             {"role": "user", "content": "And the mats?"}]
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And the mats?"},
+    ]
     chat2 = {"kind": "chat", "messages": turn2, "max_tokens": 16}
     cold2 = run_worker(None, models["swa"], [chat2], mode="cold")
     a = run_worker(supervisor, models["swa"], [chat1])

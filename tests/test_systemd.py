@@ -19,8 +19,9 @@ def installed_units(tmp_path: Path) -> list[Path]:
     venv = Path(sys.executable).parent.parent
     out = []
     for unit in sorted(UNITS.glob("*@.service")):
-        text = unit.read_text().replace("/opt/shmkv/.venv", str(venv)).replace(
-            "/opt/shmkv", str(ROOT))
+        text = (
+            unit.read_text().replace("/opt/shmkv/.venv", str(venv)).replace("/opt/shmkv", str(ROOT))
+        )
         instance = tmp_path / unit.name.replace("@.", "@main.")
         instance.write_text(text)
         (tmp_path / unit.name).write_text(text)
@@ -33,18 +34,32 @@ def test_units_verify_clean(installed_units):
     if tool is None:
         pytest.fail("systemd-analyze is missing: apt-get install systemd (.ci/run does)")
     assert len(installed_units) == 2
-    proc = subprocess.run([tool, "verify", "--man=no", *map(str, installed_units)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [tool, "verify", "--man=no", *map(str, installed_units)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "" and proc.stderr.strip() == "", proc.stdout + proc.stderr
 
 
 def test_supervisor_unit_is_notify_with_watchdog_and_keeps_dev_shm():
     text = (UNITS / "shmkv-supervise@.service").read_text()
-    for line in ("Type=notify", "WatchdogSec=", "RuntimeDirectory=shmkv", "User=shmkv",
-                 "RemoveIPC=no", "ReadWritePaths=/dev/shm"):
+    for line in (
+        "Type=notify",
+        "WatchdogSec=",
+        "RuntimeDirectory=shmkv",
+        "User=shmkv",
+        "RemoveIPC=no",
+        "ReadWritePaths=/dev/shm",
+    ):
         assert line in text, line
     app = (UNITS / "shmkv-serve@.service").read_text()
-    for line in ("After=shmkv-supervise@%i.service", "BindsTo=shmkv-supervise@%i.service",
-                 "User=shmkv", "RemoveIPC=no"):
+    for line in (
+        "After=shmkv-supervise@%i.service",
+        "BindsTo=shmkv-supervise@%i.service",
+        "User=shmkv",
+        "RemoveIPC=no",
+    ):
         assert line in app, line

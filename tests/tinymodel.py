@@ -87,8 +87,9 @@ def _build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int], list[
     return pieces, scores, [int(t) for t in types], suppress
 
 
-def _finish(w, pieces: list[str], scores: list[float], types: list[int],
-            tensors: dict[str, np.ndarray]) -> None:
+def _finish(
+    w, pieces: list[str], scores: list[float], types: list[int], tensors: dict[str, np.ndarray]
+) -> None:
     """The tokenizer (SPM, ChatML template), the tensors, and write the file."""
     w.add_tokenizer_model("llama")
     w.add_token_list(pieces)

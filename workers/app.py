@@ -45,11 +45,15 @@ log = logging.getLogger("shmkv.worker")
 
 def cache_field(cache: SharedPrefixCache) -> dict[str, Any]:
     last = cache.last
-    return {"prompt_tokens": last.prompt_tokens, "restored_tokens": last.tokens_restored,
-            "reused_local_tokens": last.tokens_reused_local,
-            "evaluated_tokens": last.tokens_evaluated,
-            "restore_ms": round(last.restore_seconds * 1000, 3), "hit": last.hit,
-            "worker_pid": os.getpid()}
+    return {
+        "prompt_tokens": last.prompt_tokens,
+        "restored_tokens": last.tokens_restored,
+        "reused_local_tokens": last.tokens_reused_local,
+        "evaluated_tokens": last.tokens_evaluated,
+        "restore_ms": round(last.restore_seconds * 1000, 3),
+        "hit": last.hit,
+        "worker_pid": os.getpid(),
+    }
 
 
 def _record(cache: SharedPrefixCache) -> None:
@@ -86,8 +90,10 @@ class CacheHeaders:
             field = context.get("shmkv") if context.exists() else None
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
-                streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                                for k, v in headers)
+                streaming = any(
+                    k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                    for k, v in headers
+                )
                 if streaming:  # hold a stream's 200 until its first event: a prompt the
                     held = message  # model refuses (too long) can still get its 400
                     return
@@ -117,15 +123,28 @@ class CacheHeaders:
             if match is None:
                 raise
             log.info("refused a stream: %s", e)
-            body = json.dumps({"error": {
-                "message": f"This model's maximum context length is {match[2]} tokens, "
-                           f"however the prompt has {match[1]} tokens. Please reduce the "
-                           "length of the prompt or messages.",
-                "type": "invalid_request_error", "param": "messages",
-                "code": "context_length_exceeded"}}).encode()
-            await send({"type": "http.response.start", "status": 400,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
+            body = json.dumps(
+                {
+                    "error": {
+                        "message": f"This model's maximum context length is {match[2]} tokens, "
+                        f"however the prompt has {match[1]} tokens. Please reduce the "
+                        "length of the prompt or messages.",
+                        "type": "invalid_request_error",
+                        "param": "messages",
+                        "code": "context_length_exceeded",
+                    }
+                }
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 400,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         if held is not None:  # a stream that ended without a single event
@@ -151,7 +170,7 @@ def _with_field(event: bytes, field: dict[str, Any]) -> bytes:
     """Add ``"shmkv": field`` to the JSON of one server-sent ``data:`` event."""
     head, sep, tail = event.partition(b"\n")
     try:
-        chunk = json.loads(head[len(b"data: "):])
+        chunk = json.loads(head[len(b"data: ") :])
     except ValueError:
         return event
     if not isinstance(chunk, dict):
@@ -203,12 +222,25 @@ class BodyLimit:
                 raise
 
     async def _refuse(self, send: Any) -> None:
-        body = json.dumps({"error": {
-            "message": f"request body over {self.limit} bytes (--max-request-bytes)",
-            "type": "invalid_request_error", "code": "request_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"request body over {self.limit} bytes (--max-request-bytes)",
+                    "type": "invalid_request_error",
+                    "code": "request_too_large",
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -227,8 +259,10 @@ def _client_errors_are_4xx() -> None:
 
     def error_message_wrapper(self, error: Exception, body: Any = None):
         if isinstance(error, RequestValidationError):
-            problems = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}"
-                                 for e in error.errors()[:5])
+            problems = "; ".join(
+                f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}"
+                for e in error.errors()[:5]
+            )
             return 422, _invalid(f"invalid request: {problems}", "invalid_request")
         return plain(self, error, body)
 
@@ -238,8 +272,10 @@ def _client_errors_are_4xx() -> None:
 
 async def _invalid_json(request: Any, exc: Exception) -> JSONResponse:
     """The route handler re-reads a body that failed validation: not JSON at all."""
-    return JSONResponse({"error": _invalid(f"request body is not valid JSON: {exc}",
-                                           "invalid_json")}, status_code=422)
+    return JSONResponse(
+        {"error": _invalid(f"request body is not valid JSON: {exc}", "invalid_json")},
+        status_code=422,
+    )
 
 
 def make_loader(settings: Settings):
@@ -254,8 +290,12 @@ def make_loader(settings: Settings):
             log.warning("serving %s without shmkv: %s", model_settings.model, e)
             return llm
         cache.on_prefill = _record
-        log.info("worker %d loaded %s with shmkv arena %r", os.getpid(),
-                 Path(model_settings.model).name, settings.name)
+        log.info(
+            "worker %d loaded %s with shmkv arena %r",
+            os.getpid(),
+            Path(model_settings.model).name,
+            settings.name,
+        )
         return llm
 
     return load
@@ -270,25 +310,33 @@ def _default_chat_format(model: str) -> str | None:
 def create_app(settings: Settings | None = None):
     """Build the app for one worker (gunicorn calls this after fork)."""
     settings = settings or resolve("serve")
-    logging.basicConfig(level=getattr(logging, settings.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, settings.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
     models = settings.model or [default_model_path()]
     threads = settings.threads or max(1, (os.cpu_count() or 1) // settings.workers)
     model_settings = [
-        ModelSettings(model=m, model_alias=Path(m).stem, n_ctx=settings.n_ctx,
-                      n_threads=threads, n_threads_batch=threads,
-                      chat_format=settings.chat_format or _default_chat_format(m),
-                      logits_all=settings.logits_all, verbose=False)
+        ModelSettings(
+            model=m,
+            model_alias=Path(m).stem,
+            n_ctx=settings.n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
+            chat_format=settings.chat_format or _default_chat_format(m),
+            logits_all=settings.logits_all,
+            verbose=False,
+        )
         for m in models
     ]
     # interrupt_requests=False: llama-cpp-python would otherwise end a stream in flight
     # (with a truncated body) whenever another request waits for this worker's model
-    server_settings = ServerSettings(host=settings.host, port=settings.port,
-                                     api_key=settings.api_key, interrupt_requests=False)
+    server_settings = ServerSettings(
+        host=settings.host, port=settings.port, api_key=settings.api_key, interrupt_requests=False
+    )
     LlamaProxy.load_llama_from_model_settings = staticmethod(make_loader(settings))  # type: ignore[method-assign]
     _client_errors_are_4xx()
-    app = server_app.create_app(server_settings=server_settings,
-                                model_settings=model_settings)
+    app = server_app.create_app(server_settings=server_settings, model_settings=model_settings)
 
     app.user_middleware.append(Middleware(CacheHeaders))  # innermost: inside the context
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
@@ -300,10 +348,13 @@ def create_app(settings: Settings | None = None):
     def health() -> dict[str, Any]:
         caches = list(live_caches())
         return {
-            "status": "ok", "worker_pid": os.getpid(),
+            "status": "ok",
+            "worker_pid": os.getpid(),
             "models": [Path(m).stem for m in models],
-            "shmkv": [{"connected": c.reader.connected, "namespace": c.namespace,
-                       **numbers(c.totals)} for c in caches],
+            "shmkv": [
+                {"connected": c.reader.connected, "namespace": c.namespace, **numbers(c.totals)}
+                for c in caches
+            ],
         }
 
     return app
