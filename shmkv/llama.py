@@ -578,10 +578,10 @@ class SharedCacheLlama(llama_cpp.Llama):
             exact=shmkv_exact,
         )
 
-    def generate(
+    def generate(  # type: ignore[override]
         self,
         tokens: Sequence[int],
-        reset: bool = True,  # type: ignore[override]
+        reset: bool = True,
         **kwargs: Any,
     ) -> Iterator[int]:
         return self.shmkv.generate(super().generate, tokens, reset=reset, **kwargs)
