@@ -98,6 +98,16 @@ def us(ns: Any, nbytes: int = 0) -> dict[str, Any]:
     return out
 
 
+def timed(fn: Any, reps: int) -> list[int]:
+    """Nanoseconds of ``reps`` calls of ``fn``."""
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn()
+        out.append(time.perf_counter_ns() - t0)
+    return out
+
+
 def random_tokens(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(0, 256_000, n, dtype=np.int32)
 
@@ -204,7 +214,7 @@ def bench_lookup(client: Client, plan: Plan, rng: np.random.Generator, chunk: in
         "slots_read_per_lookup": {"mean": round(float(np.mean(slots)), 2),
                                   "max": int(max(slots))},
         "prompts": len(prompts),
-        "chain_digests": us(common.timed(lambda: arena.chain_digests(ROOT, toks, chunk), 2000)),
+        "chain_digests": us(timed(lambda: arena.chain_digests(ROOT, toks, chunk), 2000)),
         "private_set": us(run(set_lookup)),
         "ramcache": bench_ramcache(plan, rng, chunk, prompts),
     }
@@ -223,7 +233,7 @@ def bench_ramcache(plan: Plan, rng: np.random.Generator, chunk: int,
         cache.cache_state[tuple(random_tokens(rng, plan.depth(i) * chunk).tolist())] = None
     keys = [tuple(p[2].tolist()) for p in prompts[:: max(1, len(prompts) // 50)]]
     it = iter(range(plan.ramcache_lookups))
-    return us(common.timed(lambda: keys[next(it) % len(keys)] in cache, plan.ramcache_lookups))
+    return us(timed(lambda: keys[next(it) % len(keys)] in cache, plan.ramcache_lookups))
 
 
 # ---------------------------------------------------------------------- 2. puts
@@ -277,8 +287,8 @@ def put_floors(src: np.ndarray) -> dict[str, Any]:
     """What the put path is made of, measured alone: memcpy, xxh3, memfd -> /dev/shm copy."""
     dst = np.empty_like(src)
     dst[:] = 1
-    out = {"memcpy": us(common.timed(lambda: np.copyto(dst, src), 30), BLOB),
-           "xxh3": us(common.timed(lambda: xxhash.xxh3_64_intdigest(src), 30), BLOB)}
+    out = {"memcpy": us(timed(lambda: np.copyto(dst, src), 30), BLOB),
+           "xxh3": us(timed(lambda: xxhash.xxh3_64_intdigest(src), 30), BLOB)}
     fd = os.memfd_create("bench-floor", os.MFD_CLOEXEC)
     shm = tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="shmkv-benchfloor-")
     try:
@@ -287,7 +297,7 @@ def put_floors(src: np.ndarray) -> dict[str, Any]:
         os.posix_fallocate(shm.fileno(), 0, BLOB)
         with mmap.mmap(shm.fileno(), BLOB, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as mm:
             view = memoryview(mm)
-            out["preadv_memfd_to_shm"] = us(common.timed(lambda: os.preadv(fd, [view], 0), 30),
+            out["preadv_memfd_to_shm"] = us(timed(lambda: os.preadv(fd, [view], 0), 30),
                                             BLOB)
             view.release()
     finally:
@@ -352,7 +362,7 @@ def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]
     dst = np.empty(rec.payload_len, dtype=np.uint8)
     dst[:] = 1
     src = np.frombuffer(view.mm, dtype=np.uint8, count=rec.payload_len, offset=rec.payload_off)
-    res["memcpy"] = us(common.timed(lambda: np.copyto(dst, src), max(30, plan.reads // 2)), BLOB)
+    res["memcpy"] = us(timed(lambda: np.copyto(dst, src), max(30, plan.reads // 2)), BLOB)
     payload = view.payload(rec)
     try:
         res["unix_socket"] = us(socket_copy(payload, dst, max(10, plan.reads // 10)), BLOB)

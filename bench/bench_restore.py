@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
@@ -303,7 +304,8 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
             res["requests"].append({
                 **r, "entries": len(ramcache.cache_state), "cache_size": ramcache.cache_size,
                 "scores_bytes_uncounted": int(last_state.scores.nbytes),
-                "rss_bytes": _rss(), "mem_available": common.meminfo("MemAvailable")})
+                "rss_bytes": psutil.Process().memory_info().rss,
+                "mem_available": common.meminfo("MemAvailable")})
     else:
         raise ValueError(f"unknown arm {kind}")
     if cache is not None:
@@ -311,12 +313,6 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         cache.close()
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return res
-
-
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
 
 
 # ============================================================ orchestrator

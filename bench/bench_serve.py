@@ -1,20 +1,14 @@
 """Serving benchmark: gunicorn workers, shared system prompts, streaming TTFT, per arm.
 
-On 127.0.0.1, Gemma 3 270M Q4_K_M, the same gunicorn settings, n_ctx and llama.cpp threads
-per worker in every arm:
-
-* ``nocache``: llama-cpp-python's ``llama_cpp.server.app:create_app()`` under gunicorn;
-* ``ramcache``: the same with its per-worker ``LlamaRAMCache`` (``CACHE=true``), stopped
-  above ``--max-rss`` (it does not count an entry's ``scores`` copy against its cap);
-* ``shmkv``: ``shmkv serve`` on a supervisor of its own; ``shmkv-exact`` the same with
-  ``--exact``; ``shmkv-logits-all`` (diagnostic) with logits kept for every prompt token.
-
-Each request is one of ``--prompts`` system prompts of ~``--prompt-tokens`` tokens plus a short
-question in Gemma's turn format, streamed from ``/v1/completions`` on a new connection; the
-sequence is the same in every cell. Each (arm, concurrency) cell starts fresh servers, warms
-every worker up, waits for a quiet machine and runs the sequence closed-loop. Measured: time
-to the first chunk with text (TTFT), which worker served each request and what the cache did,
-the memory of every server process (PSS, the arena counted once), the CPU others used.
+Arms, with the same gunicorn settings, n_ctx and llama.cpp threads per worker: ``nocache``
+(llama-cpp-python's ``llama_cpp.server`` app), ``ramcache`` (the same with its per-worker
+``LlamaRAMCache``, stopped above ``--max-rss``), ``shmkv`` (``shmkv serve`` on a supervisor of
+its own), ``shmkv-exact`` (with ``--exact``), ``shmkv-logits-all`` (diagnostic: logits kept for
+every prompt token). Each request is one of ``--prompts`` system prompts plus a short question
+in Gemma's turn format, streamed from ``/v1/completions`` on a new connection, the same
+sequence in every cell. A cell (arm, concurrency) starts fresh servers, warms every worker up,
+waits for a quiet machine and runs the sequence closed-loop, recording each request's TTFT,
+worker and cache use, and the memory and CPU of every server process.
 
     python bench/bench_serve.py                    # full run (~30-40 min)
     python bench/bench_serve.py --quick            # smoke run (~3 min)
@@ -24,8 +18,6 @@ the memory of every server process (PSS, the arena counted once), the CPU others
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import logging
 import os
 import random
@@ -35,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -105,14 +97,15 @@ def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: i
     early requests may share a prompt: concurrent cold prefills are part of the workload)."""
     tok = common.tokenizer(model)
     rng = random.Random(SEED)
+
+    def lines(template: str) -> Any:
+        return lambda n: template.format(*rng.sample(common.WORDS, 6), n=n, m=rng.randint(1, 12))
+
     system = []
     for p in range(n_prompts):
         head, line = THEMES[p % len(THEMES)]
-        if p >= len(THEMES):
-            head = f"(Edition {p // len(THEMES) + 1}) " + head
-        system.append(common.fill_to(prompt_tokens, lambda t: len(tok(t)), head, functools.partial(
-            lambda n, line: line.format(*rng.sample(common.WORDS, 6), n=n, m=rng.randint(1, 12)),
-            line=line)))
+        head = f"(Edition {p // len(THEMES) + 1}) " * (p >= len(THEMES)) + head
+        system.append(common.fill_to(prompt_tokens, lambda t: len(tok(t)), head, lines(line)))
     order = [k % n_prompts for k in range(n_requests)]
     rng.shuffle(order)
     return Workload(system, [len(tok(s)) for s in system],
@@ -188,42 +181,38 @@ class MemoryWatch(threading.Thread):
     model and the arena are shared). The machine's available memory is a second limit.
     """
 
-    def __init__(self, pids: Any, noise: common.Noise, max_rss: int, min_available: int,
-                 on_abort: Any) -> None:
+    def __init__(self, pids: Any, noise: common.Noise, cfg: dict[str, Any], on_abort: Any
+                 ) -> None:
         super().__init__(name="memory-watch", daemon=True)
         self.pids, self.noise, self.on_abort = pids, noise, on_abort
-        self.max_rss, self.min_available = max_rss, min_available
+        self.max_rss, self.min_available = cfg["max_rss"], cfg["min_available"]
         self.abort, self.done = threading.Event(), threading.Event()
         self.abort_at: float | None = None  # perf_counter
         self.reason: str | None = None
         self.peak_rss = self.peak_footprint = self.peak_pss = 0
         self.samples: list[tuple[float, int, int]] = []
-        self.t0 = time.monotonic()
 
     def run(self) -> None:
-        n = 0
-        while not self.done.is_set():
+        t0, n = time.monotonic(), 0
+        while not self.done.wait(0 if n == 0 else 0.25):
             self.noise.sample()  # a worker that is killed keeps its last CPU figure
-            anon = file_max = shmem_max = rss = pss = 0
+            rss: list[dict[str, int]] = []
             for pid in self.pids():
-                st = {k: 0 for k in ("RssAnon:", "RssFile:", "RssShmem:")}
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                        if line.split(maxsplit=1)[0] in st:
-                            st[line.split()[0]] = int(line.split()[1]) * 1024
-                anon += st["RssAnon:"]
-                rss += sum(st.values())
-                file_max, shmem_max = max(file_max, st["RssFile:"]), max(shmem_max,
-                                                                          st["RssShmem:"])
-                if n % 8 == 0:  # smaps_rollup walks page tables: every 2 s only
-                    with contextlib.suppress(psutil.Error):
-                        pss += psutil.Process(pid).memory_full_info().pss
-            footprint = anon + file_max + shmem_max
-            self.peak_rss, self.peak_footprint = max(self.peak_rss, rss), max(
+                with contextlib.suppress(OSError, ValueError):
+                    rss.append({f[0]: int(f[1]) * 1024 for f in map(str.split, Path(
+                        f"/proc/{pid}/status").read_text().splitlines()) if f[0] in (
+                        "RssAnon:", "RssFile:", "RssShmem:")})
+            if n % 8 == 0:  # smaps_rollup walks page tables: every 2 s only
+                with contextlib.suppress(psutil.Error):
+                    self.peak_pss = max(self.peak_pss, sum(
+                        psutil.Process(p).memory_full_info().pss for p in self.pids()))
+            footprint = sum(r.get("RssAnon:", 0) for r in rss) + sum(
+                max((r.get(k, 0) for r in rss), default=0) for k in ("RssFile:", "RssShmem:"))
+            total = sum(sum(r.values()) for r in rss)
+            self.peak_rss, self.peak_footprint = max(self.peak_rss, total), max(
                 self.peak_footprint, footprint)
-            self.peak_pss = max(self.peak_pss, pss)
             if n % 4 == 0:
-                self.samples.append((round(time.monotonic() - self.t0, 2), footprint, rss))
+                self.samples.append((round(time.monotonic() - t0, 2), footprint, total))
             avail = common.meminfo("MemAvailable")
             if not self.abort.is_set():
                 if footprint > self.max_rss:
@@ -240,82 +229,13 @@ class MemoryWatch(threading.Thread):
                     except Exception:  # the watch must keep its promise: no hang
                         log.exception("stopping the server failed")
             n += 1
-            self.done.wait(0.25)
-
-
-@dataclass
-class Result:
-    k: int
-    prompt: int
-    t_send: float = 0.0
-    ttft: float | None = None  # first chunk with text
-    first_chunk: float | None = None  # first data event of any kind
-    total: float | None = None
-    chunks: int = 0
-    text_chunks: int = 0
-    finish_reason: str | None = None
-    status: int | None = None
-    error: str | None = None
-    worker_pid: int | None = None
-    shmkv: dict[str, Any] | None = None
-    client_thread: int = 0
-
-
-def connection_worker(client_port: int, server_port: int, workers: list[int]) -> int | None:
-    """The worker process holding the server side of our TCP connection."""
-    for pid in workers:
-        with contextlib.suppress(psutil.Error):
-            for c in psutil.Process(pid).net_connections(kind="tcp"):
-                if c.laddr and c.laddr.port == server_port and c.raddr and \
-                        c.raddr.port == client_port:
-                    return pid
-    return None
-
-
-def one_request(client: httpx.Client, url: str, body: dict[str, Any], r: Result,
-                server_port: int = 0, workers: list[int] | None = None) -> None:
-    """Stream one completion; fill ``r`` with its times and what the server said."""
-    r.t_send = time.perf_counter()
-    try:
-        with client.stream("POST", url, json=body) as resp:
-            r.status = resp.status_code
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
-                return
-            stream = resp.extensions.get("network_stream")
-            if workers and stream is not None:  # the worker holds it while it prefills
-                port = stream.get_extra_info("client_addr")[1]
-                r.worker_pid = connection_worker(port, server_port, workers)
-            for line in resp.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                if (data := line[5:].strip()) == "[DONE]":
-                    break
-                now = time.perf_counter() - r.t_send
-                chunk = json.loads(data)
-                r.chunks += 1
-                if r.first_chunk is None:
-                    r.first_chunk, r.shmkv = now, chunk.get("shmkv")
-                    if r.shmkv:
-                        r.worker_pid = r.shmkv.get("worker_pid")
-                choice = (chunk.get("choices") or [{}])[0]
-                if choice.get("text"):
-                    r.text_chunks += 1
-                    r.ttft = now if r.ttft is None else r.ttft
-                r.finish_reason = choice.get("finish_reason") or r.finish_reason
-        r.total = time.perf_counter() - r.t_send
-        if r.ttft is None:
-            r.error = f"no text in {r.chunks} chunks"
-    except (httpx.HTTPError, ValueError, OSError) as e:
-        r.error = f"{type(e).__name__}: {e}"
-        r.total = time.perf_counter() - r.t_send
 
 
 def run_load(srv: common.Server, wl: Workload, n: int, concurrency: int, max_tokens: int,
-             abort: threading.Event, workers: list[int] | None, timeout: float
-             ) -> tuple[list[Result], float]:
+             abort: threading.Event, timeout: float) -> tuple[list[dict[str, Any]], float]:
     """Closed loop: ``concurrency`` clients take the next request of the sequence in turn."""
-    results = [Result(k, wl.requests[k][0]) for k in range(n)]
+    results: list[dict[str, Any]] = [{"k": k, "prompt": wl.requests[k][0], "t_send": 0.0}
+                                     for k in range(n)]
     nxt, lock = iter(range(n)), threading.Lock()
 
     def client_loop(c: int) -> None:
@@ -325,11 +245,13 @@ def run_load(srv: common.Server, wl: Workload, n: int, concurrency: int, max_tok
                 with lock:
                     if (k := next(nxt, None)) is None:
                         return
-                results[k].client_thread = c
-                one_request(cl, srv.base + "/v1/completions", {
+                r = common.stream_completion(cl, srv.base + "/v1/completions", {
                     "model": "gemma", "prompt": wl.prompt(k), "max_tokens": max_tokens,
-                    "temperature": 0.0, "stream": True, "seed": SEED}, results[k], srv.port,
-                    workers)
+                    "temperature": 0.0, "stream": True, "seed": SEED})
+                r.update(worker_pid=(r["shmkv"] or {}).get("worker_pid"), client_thread=c,
+                         error=r["error"] or (None if r["ttft"] is not None
+                                              else f"no text in {r['chunks']} chunks"))
+                results[k].update(r)
 
     threads = [threading.Thread(target=client_loop, args=(c,), daemon=True)
                for c in range(concurrency)]
@@ -340,20 +262,19 @@ def run_load(srv: common.Server, wl: Workload, n: int, concurrency: int, max_tok
         while t.is_alive():
             t.join(0.5)
     for r in results:  # relative to the start of the cell
-        r.t_send = r.t_send - t0 if r.t_send else 0.0
+        r["t_send"] = r["t_send"] - t0 if r["t_send"] else 0.0
     return results, time.perf_counter() - t0
 
 
 def warm_up(srv: common.Server, rounds: int = 3) -> None:
     """Short unrelated prompts (under one cache chunk) on every worker, untimed."""
     def go(i: int) -> None:
-        r = Result(i, 0)
         with httpx.Client(timeout=300, limits=httpx.Limits(max_keepalive_connections=0)) as c:
-            one_request(c, srv.base + "/v1/completions", {
+            r = common.stream_completion(c, srv.base + "/v1/completions", {
                 "model": "gemma", "prompt": TURN.format(f"Warm-up {i}: name a colour."),
-                "max_tokens": 2, "temperature": 0.0, "stream": True}, r)
-        if r.error:
-            raise click.ClickException(f"warm-up request failed: {r.error}")
+                "max_tokens": 2, "temperature": 0.0, "stream": True})
+        if r["error"] or r["ttft"] is None:
+            raise click.ClickException(f"warm-up request failed: {r['error']}")
 
     for rnd in range(rounds):
         ts = [threading.Thread(target=go, args=(rnd * srv.workers + w,))
@@ -378,7 +299,7 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
         stack.push(lambda exc_type, _e, _tb: srv.stop(kill=exc_type is not None))
         srv.wait_ready(logged="Application startup complete")
         cell["startup_s"] = time.monotonic() - t
-        cell["worker_pids"] = workers = srv.worker_pids()
+        cell["worker_pids"] = srv.worker_pids()
         warm_up(srv)
         if sup is not None:
             time.sleep(0.5)  # the warm-up's counters reach the supervisor off the token path
@@ -400,12 +321,12 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
             srv.stop(kill=True)
 
         noise = common.Noise(flat)
-        watch = MemoryWatch(flat, noise, cfg["max_rss"], cfg["min_available"], abort_now)
+        watch = MemoryWatch(flat, noise, cfg, abort_now)
         watch.start()
         t0 = time.perf_counter()
         try:
             results, cell["wall_s"] = run_load(srv, wl, n, cc, cfg["max_tokens"], watch.abort,
-                                               None if sup else workers, cfg["timeout"])
+                                               cfg["timeout"])
         finally:
             watch.done.set()
             watch.join(5)
@@ -421,7 +342,7 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
         cell["memory"] = {"after_warmup": mem0, "end": mem1, "peak_rss_sum": watch.peak_rss,
                           "peak_footprint": watch.peak_footprint, "peak_pss": watch.peak_pss,
                           "samples_t_footprint_rsssum": watch.samples}
-        cell["results"] = [asdict(r) for r in results]
+        cell["results"] = results
     return cell
 
 
@@ -677,35 +598,14 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
     return fig
 
 
-def report(res: dict[str, Any], out_dir: Path, baseline: Path, write_baseline: bool) -> None:
-    cfg, m = res["config"], res["machine"]
-    click.echo(f"\nshmkv {m['versions']['shmkv']} serving benchmark: {cfg['workers']} workers x "
-               f"{cfg['threads']} thread, {cfg['prompts']} system prompts of "
-               f"{min(cfg['system_tokens'])}-{max(cfg['system_tokens'])} tokens, "
-               f"{cfg['requests']} requests (first {cfg['cacheless_requests']} for nocache/"
-               f"ramcache); 1-min load at each cell's start: "
-               f"{[c['quiet']['loadavg'][0] for c in res['cells']]}"
-               + (" (quick run)" if cfg["quick"] else ""))
-    click.echo(table(res, common.load_baseline(baseline, cfg["quick"])))
-    if "met" in res["goal"]:
-        click.echo(f"goal (shmkv mean TTFT <= {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}): "
-                   f"{'met' if res['goal']['met'] else 'MISSED'} "
-                   f"({common.fmt_s(res['goal']['shmkv_mean_ttft_s'])})")
-    common.write_report(res, out_dir, "serve", plot, baseline if write_baseline else None)
-
-
-# ===================================================================== main
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--arms", default="nocache,ramcache,shmkv", show_default=True,
               help=f"Comma-separated arms, in order: {', '.join(ARMS)}.")
-@click.option("--requests", "n_requests", type=int, default=None,
-              help="Requests per (arm, concurrency) [60; quick 8].")
+@click.option("--requests", type=int, default=None, help="Requests per cell [60; quick 8].")
 @click.option("--cacheless-requests", type=int, default=None,
               help="Run only the first N of the sequence for nocache/ramcache [= --requests].")
 @click.option("--concurrency", default=None, help="Comma-separated levels [4,10; quick 4].")
-@click.option("--prompts", "n_prompts", type=int, default=None,
-              help="System prompts [6; quick 2].")
+@click.option("--prompts", type=int, default=None, help="System prompts [6; quick 2].")
 @click.option("--prompt-tokens", type=int, default=None,
               help="Tokens per system prompt [1000; quick 400].")
 @click.option("--max-tokens", type=int, default=16, show_default=True)
@@ -732,101 +632,75 @@ def report(res: dict[str, Any], out_dir: Path, baseline: Path, write_baseline: b
               help="How often a noisy cell is re-run (the last attempt is kept).")
 @click.option("--timeout", type=float, default=900.0, show_default=True,
               help="Per-request read timeout, seconds.")
-@click.option("--model", type=click.Path(dir_okay=False), default=None,
-              help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
+@click.option("--model", default=None, help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
 @click.option("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
-@click.option("--out", "out_dir", default=str(HERE / "out"), show_default=True,
-              type=click.Path(file_okay=False), help="Where serve.json and serve.png go.")
+@click.option("--out", default=str(HERE / "out"), show_default=True,
+              help="Where serve.json and serve.png go.")
 @click.option("--baseline", default=str(HERE / "baseline" / "serve.json"), show_default=True,
               help="Committed baseline to compare with (same mode only).")
 @click.option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def main(arms: str, n_requests: int | None, cacheless_requests: int | None,
-         concurrency: str | None, n_prompts: int | None, prompt_tokens: int | None,
-         max_tokens: int, workers: int, threads: int, n_ctx: int, arena_size: str,
-         ramcache_size: str, max_rss: str, min_available: str, max_load: float,
-         max_wait: float, max_foreign: float, noisy_retries: int, timeout: float,
-         model: str | None, quick: bool, out_dir: str, baseline: str, write_baseline: bool,
-         verbose: bool) -> None:
+def main(**o: Any) -> None:
     """Serve shared system prompts from gunicorn workers: no cache vs LlamaRAMCache vs shmkv."""
-    from shmkv.config import SETTINGS, parse_size
-
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    arm_list = [a.strip() for a in arms.split(",") if a.strip()]
-    if unknown := [a for a in arm_list if a not in ARMS]:
-        raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}",
-                                 param_hint="--arms")
-    n_requests = n_requests or (8 if quick else 60)
-    n_prompts = n_prompts or (2 if quick else 6)
-    prompt_tokens = prompt_tokens or (400 if quick else 1000)
-    concs = [int(x) for x in (concurrency or ("4" if quick else "4,10")).split(",")]
-    if prompt_tokens + max_tokens + 64 > n_ctx:
-        raise click.BadParameter("prompt + max tokens must fit --n-ctx")
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    for k in [k for k in os.environ if k.upper() in {"CONFIG_FILE", *map(str.upper, (
-            *ModelSettings.model_fields, *ServerSettings.model_fields))}]:
-        del os.environ[k]  # llama_cpp.server would read them; every arm gets only ours
-    started = time.time()
-    model_path = common.model_path(model)
-    wl = make_workload(model_path, n_prompts, prompt_tokens, n_requests)
+    from shmkv.config import SETTINGS, parse_size
+
+    logging.basicConfig(level=logging.DEBUG if o["verbose"] else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    quick, started = o["quick"], time.time()
+    arms = [a.strip() for a in o["arms"].split(",") if a.strip()]
+    if unknown := [a for a in arms if a not in ARMS]:
+        raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}")
+    n = o["requests"] or (8 if quick else 60)
+    model = common.model_path(o["model"])
+    cfg = {"quick": quick, "model": str(model), "model_bytes": model.stat().st_size,
+           "workers": o["workers"], "threads": o["threads"], "n_ctx": o["n_ctx"],
+           "prompts": o["prompts"] or (2 if quick else 6),
+           "prompt_tokens_target": o["prompt_tokens"] or (400 if quick else 1000),
+           "requests": n, "cacheless_requests": min(o["cacheless_requests"] or n, n),
+           "concurrency": [int(x) for x in (o["concurrency"] or ("4" if quick else "4,10"))
+                           .split(",")], "max_tokens": o["max_tokens"], "arms": arms,
+           "arena_size": o["arena_size"],
+           "ramcache_size_per_worker": parse_size(o["ramcache_size"]),
+           "max_rss": parse_size(o["max_rss"]), "min_available": parse_size(o["min_available"]),
+           **{k: o[k] for k in ("max_load", "max_wait", "noisy_retries", "timeout")},
+           "max_foreign_cores": o["max_foreign"], "endpoint": "/v1/completions", "stream": True,
+           "temperature": 0.0, "prompt_format": TURN.format("{system}\n{question}"),
+           "new_connection_per_request": True,
+           "shmkv_logits_all_default": SETTINGS["logits_all"].default}
+    if cfg["prompt_tokens_target"] + cfg["max_tokens"] + 64 > cfg["n_ctx"]:
+        raise click.BadParameter("prompt + max tokens must fit --n-ctx")
+    wl = make_workload(model, cfg["prompts"], cfg["prompt_tokens_target"], n)
+    cfg.update(system_tokens=wl.system_tokens, request_prompts=[p for p, _ in wl.requests])
     log.info("%d system prompts of %s tokens; %d requests; concurrency %s; arms %s",
-             n_prompts, wl.system_tokens, n_requests, concs, arm_list)
-    cfg = {
-        "quick": quick, "model": str(model_path), "model_bytes": model_path.stat().st_size,
-        "workers": workers, "threads": threads, "n_ctx": n_ctx, "prompts": n_prompts,
-        "prompt_tokens_target": prompt_tokens, "system_tokens": wl.system_tokens,
-        "requests": n_requests, "cacheless_requests": min(cacheless_requests or n_requests,
-                                                          n_requests),
-        "concurrency": concs, "max_tokens": max_tokens, "arms": arm_list,
-        "arena_size": arena_size, "ramcache_size_per_worker": parse_size(ramcache_size),
-        "max_rss": parse_size(max_rss), "min_available": parse_size(min_available),
-        "max_load": max_load, "max_wait": max_wait, "max_foreign_cores": max_foreign,
-        "noisy_retries": noisy_retries, "timeout": timeout, "endpoint": "/v1/completions",
-        "stream": True, "temperature": 0.0, "request_prompts": [p for p, _q in wl.requests],
-        "prompt_format": TURN.format("{system}\n{question}"), "new_connection_per_request": True,
-        "shmkv_logits_all_default": SETTINGS["logits_all"].default}
+             cfg["prompts"], wl.system_tokens, n, cfg["concurrency"], arms)
+    llama_settings = {"CONFIG_FILE", *(f.upper() for f in (*ModelSettings.model_fields,
+                                                           *ServerSettings.model_fields))}
+    for k in [k for k in os.environ if k.upper() in llama_settings]:
+        del os.environ[k]  # llama_cpp.server would read them: every arm gets only ours
     code = common.code_state()
     signal.signal(signal.SIGTERM, _sigterm)
     cells: list[dict[str, Any]] = []
     analysed: list[dict[str, Any]] = []
-    mem_nocache: dict[int, dict[str, Any]] = {}
     interrupted = False
     try:
         with tempfile.TemporaryDirectory(prefix="shmkv-bench-serve-") as tmp:
-            for arm in arm_list:
-                for cc in concs:
-                    n = cfg["cacheless_requests"] if arm in ("nocache", "ramcache") else n_requests
-                    discarded = []
-                    for attempt in range(noisy_retries + 1):
-                        log.info("cell %s, concurrency %d, %d requests (attempt %d)", arm, cc, n,
-                                 attempt + 1)
-                        cell = run_cell(arm, cc, n, cfg, wl, Path(tmp))
-                        foreign = cell["noise"]["foreign_cores"]
-                        if cell["aborted"] or foreign <= max_foreign or attempt == noisy_retries:
-                            break
-                        discarded.append({"attempt": attempt + 1, "noise": cell["noise"],
-                                          "quiet": cell["quiet"], "ttft_mean": common.summary(
-                                              [r["ttft"] for r in cell["results"] if r["ttft"]]
-                                          ).get("mean")})
-                        log.warning("other processes used %.2f cores during the cell (> "
-                                    "--max-foreign): measuring it again", foreign)
+            for arm in arms:
+                for cc in cfg["concurrency"]:
+                    cell, discarded = run_cell_quietly(arm, cc, cfg, wl, Path(tmp))
                     cells.append(cell)
-                    if arm == "nocache":
-                        mem_nocache[cc] = cell["memory"]
-                    a = analyse_cell(cell, min(wl.system_tokens), mem_nocache.get(cc))
+                    nocache = next((c["memory"] for c in cells if c["arm"] == "nocache"
+                                    and c["concurrency"] == cc), None)
+                    a = analyse_cell(cell, min(wl.system_tokens), nocache)
                     analysed.append({**a, "discarded_noisy_attempts": discarded})
                     log.info("  %s c=%d: %d ok, %d errors, mean TTFT %s, p99 %s, %.2f req/s%s",
                              arm, cc, a["ok"], a["errors"], common.fmt_s(a["ttft"].get("mean")),
                              common.fmt_s(a["ttft"].get("p99")), a["requests_per_s"],
                              f" (stopped: {a['aborted']})" if a["aborted"] else "")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the cell's servers were stopped on the way out
         interrupted = True
-        log.warning("interrupted: stopping every server")
-    finally:
-        common.Child.stop_all()
     if interrupted and not analysed:
         raise SystemExit(130)
     code["working_tree_changed_during_run"] = (common.code_state()["code_digest"]
@@ -843,9 +717,43 @@ def main(arms: str, n_requests: int | None, cacheless_requests: int | None,
         "goal": goal, "cells": analysed, "code": code,
         "requests": {f"{c['arm']}@{c['concurrency']}": c["results"] for c in cells},
         "memory_detail": {f"{c['arm']}@{c['concurrency']}": c["memory"] for c in cells}}
-    report(res, Path(out_dir), Path(baseline), write_baseline and not interrupted)
+    m = res["machine"]
+    click.echo(f"\nshmkv {m['versions']['shmkv']} serving benchmark: {cfg['workers']} workers x "
+               f"{cfg['threads']} thread, {cfg['prompts']} system prompts of "
+               f"{min(wl.system_tokens)}-{max(wl.system_tokens)} tokens, {n} requests (first "
+               f"{cfg['cacheless_requests']} for nocache/ramcache); 1-min load at each cell's "
+               f"start: {[c['quiet']['loadavg'][0] for c in analysed]}"
+               + (" (quick run)" if quick else ""))
+    click.echo(table(res, common.load_baseline(Path(o["baseline"]), quick)))
+    if "met" in goal:
+        click.echo(f"goal (shmkv mean TTFT <= {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}): "
+                   f"{'met' if goal['met'] else 'MISSED'} "
+                   f"({common.fmt_s(goal['shmkv_mean_ttft_s'])})")
+    common.write_report(res, Path(o["out"]), "serve", plot, Path(o["baseline"])
+                        if o["write_baseline"] and not interrupted else None)
     if interrupted:
         raise SystemExit(130)
+
+
+def run_cell_quietly(arm: str, cc: int, cfg: dict[str, Any], wl: Workload, workdir: Path
+                     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A cell, run again (up to --noisy-retries times) while other processes used more than
+    --max-foreign cores during it; the cell kept and the attempts discarded."""
+    n = cfg["cacheless_requests"] if arm in ("nocache", "ramcache") else cfg["requests"]
+    discarded = []
+    for attempt in range(cfg["noisy_retries"] + 1):
+        log.info("cell %s, concurrency %d, %d requests (attempt %d)", arm, cc, n, attempt + 1)
+        cell = run_cell(arm, cc, n, cfg, wl, workdir)
+        foreign = cell["noise"]["foreign_cores"]
+        if cell["aborted"] or foreign <= cfg["max_foreign_cores"] or \
+                attempt == cfg["noisy_retries"]:
+            return cell, discarded
+        discarded.append({"attempt": attempt + 1, "noise": cell["noise"], "quiet": cell["quiet"],
+                          "ttft_mean": common.summary([r["ttft"] for r in cell["results"]
+                                                       if r["ttft"]]).get("mean")})
+        log.warning("other processes used %.2f cores during the cell (> --max-foreign): "
+                    "measuring it again", foreign)
+    raise AssertionError("unreachable")
 
 
 def _sigterm(_signum: int, _frame: Any) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import click
 import numpy as np
@@ -49,16 +49,6 @@ def summary(xs: Any, scale: float = 1.0) -> dict[str, Any]:
     return {"n": int(a.size), "mean": float(a.mean()), "p50": float(p50), "p90": float(p90),
             "p99": float(p99), "min": float(a.min()), "max": float(a.max()),
             "stdev": float(a.std(ddof=1)) if a.size > 1 else 0.0}
-
-
-def timed(fn: Callable[[], Any], reps: int) -> list[int]:
-    """Nanoseconds of ``reps`` calls of ``fn``."""
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        out.append(time.perf_counter_ns() - t0)
-    return out
 
 
 class Probes:
@@ -85,14 +75,13 @@ class Probes:
             stack.append(label(*a, **k) if callable(label) else label or attr)
             key = "/".join(stack)
             self.acc.setdefault(key, 0.0)  # keys in the order the calls start
-            t = time.perf_counter()
-            out = None
+            t, out = time.perf_counter(), None
             try:
                 out = orig(*a, **k)
                 return out
             finally:
                 d = time.perf_counter() - t
-                self.acc[key] += d
+                self.acc[key] = self.acc.get(key, 0.0) + d
                 self.calls.append((key, t, d, out if isinstance(out, bool) else None))
                 stack.pop()
 
@@ -161,10 +150,6 @@ def meminfo(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def mem_available() -> int:
-    return meminfo("MemAvailable")
 
 
 def loadavg() -> list[float]:
@@ -276,15 +261,12 @@ def child_env(extra: dict[str, str] | None = None, drop: Callable[[str], bool] |
 class Child:
     """A child process in its own session with its output in a file; stop() ends its tree."""
 
-    live: ClassVar[list[Child]] = []
-
     def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path,
                  cwd: Path | None = None) -> None:
         self.name, self.log_path = name, log_path
         with open(log_path, "wb") as f:
             self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=f,
                                          stderr=subprocess.STDOUT, start_new_session=True)
-        Child.live.append(self)
 
     @property
     def pid(self) -> int:
@@ -322,18 +304,7 @@ class Child:
                 p.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
-        if self in Child.live:
-            Child.live.remove(self)
         return self.proc.returncode
-
-    @classmethod
-    def stop_all(cls) -> None:
-        """Stop every child still running, the last started first."""
-        for c in reversed(list(cls.live)):
-            try:
-                c.stop(timeout=20, kill=True)
-            except Exception:  # cleaning up: keep stopping the others
-                log.exception("stopping %s failed", c.name)
 
 
 def wait_for(ready: Callable[[], bool], child: Child, timeout: float, what: str) -> None:
@@ -462,6 +433,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST one streaming OpenAI request: when it was sent, when its first chunk and its first
+    text came (seconds after sending), its text, and the ``shmkv`` field of its first chunk."""
+    import httpx
+
+    r: dict[str, Any] = {"t_send": time.perf_counter(), "ttft": None, "first_chunk": None,
+                         "total": None, "chunks": 0, "text_chunks": 0, "finish_reason": None,
+                         "status": None, "error": None, "shmkv": None, "text": ""}
+    try:
+        with client.stream("POST", url, json=body) as resp:
+            r["status"] = resp.status_code
+            if resp.status_code != 200:
+                r["error"] = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
+                return r
+            for line in resp.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                if (data := line[5:].strip()) == "[DONE]":
+                    break
+                now, chunk = time.perf_counter() - r["t_send"], json.loads(data)
+                r["chunks"] += 1
+                if r["first_chunk"] is None:
+                    r["first_chunk"], r["shmkv"] = now, chunk.get("shmkv")
+                choice = (chunk.get("choices") or [{}])[0]
+                if text := choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    r["text_chunks"] += 1
+                    r["text"] += text
+                    r["ttft"] = now if r["ttft"] is None else r["ttft"]
+                r["finish_reason"] = choice.get("finish_reason") or r["finish_reason"]
+    except (httpx.HTTPError, ValueError, OSError) as e:
+        r["error"] = f"{type(e).__name__}: {e}"
+    r["total"] = time.perf_counter() - r["t_send"]
+    return r
 
 
 # ---------------------------------------------------------------------- reports

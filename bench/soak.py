@@ -10,7 +10,6 @@ and TTFT. Not a CI test: run it by hand.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import sys
@@ -73,26 +72,17 @@ class Load:
         ev: dict[str, Any] = {"t": t0, "ok": False, "ttft": None, "restored": 0}
         try:
             if body["stream"]:
-                with client.stream("POST", self.base + url, json=body, timeout=300) as r:
-                    r.raise_for_status()
-                    text = []
-                    for line in r.iter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        chunk = json.loads(line[6:])
-                        if ev["ttft"] is None:
-                            ev["ttft"] = time.monotonic() - t0
-                            ev["restored"] = chunk.get("shmkv", {}).get("restored_tokens", 0)
-                        ch = chunk["choices"][0] if chunk.get("choices") else {}
-                        text.append((ch.get("delta") or {}).get("content") or ch.get("text")
-                                    or "")
-                    reply = "".join(text)
+                r = common.stream_completion(client, self.base + url, body)
+                if r["error"]:
+                    raise ValueError(r["error"])
+                ev["ttft"], reply = r["first_chunk"], r["text"]
+                ev["restored"] = (r["shmkv"] or {}).get("restored_tokens", 0)
             else:
-                r = client.post(self.base + url, json=body, timeout=300)
-                r.raise_for_status()
+                resp = client.post(self.base + url, json=body)
+                resp.raise_for_status()
                 ev["ttft"] = time.monotonic() - t0  # the whole request: an upper bound
-                ev["restored"] = int(r.headers.get("x-shmkv-restored-tokens", 0))
-                ch = r.json()["choices"][0]
+                ev["restored"] = int(resp.headers.get("x-shmkv-restored-tokens", 0))
+                ch = resp.json()["choices"][0]
                 reply = (ch.get("message") or {}).get("content") or ch.get("text") or ""
             ev["ok"] = True
             if "chat" in job:
@@ -105,7 +95,7 @@ class Load:
             self.events.append(ev)
 
     def run(self) -> None:
-        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=300) as client:
             while time.monotonic() < self.stop_at:
                 self.one(client)
 
@@ -174,6 +164,7 @@ def main(duration: float, concurrency: int, workers: int, size: str, prompts: in
          write_baseline: bool) -> None:
     """Run `shmkv serve` under a mixed load and record its health over time."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     started, model_path = time.time(), common.model_path(model)
     with tempfile.TemporaryDirectory(prefix="shmkv-soak-") as tmp, \
             common.supervisor(Path(tmp), "--size", size) as sup:
