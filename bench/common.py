@@ -1,9 +1,9 @@
 """The benchmarks' shared harness: statistics, machine and processes, reports, prompts.
 
 Runs in a benchmark's orchestrating process (bench_restore's arm processes import it too).
-Every percentile in bench/ (and so in the README) is numpy's default definition: linear
-interpolation between the two closest ranks, so p50 is the median and a p99 of 60 values
-lies between the 59th and the 60th.
+Every percentile bench/ reports is numpy's default definition: linear interpolation between
+the two closest ranks, so p50 is the median and a p99 of 60 values lies between the 59th and
+the 60th.
 """
 
 from __future__ import annotations
