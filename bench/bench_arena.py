@@ -58,11 +58,31 @@ PUT_PHASES = ("total", "memfd", "fill", "unmap", "checksum", "roundtrip", "free"
 
 
 PLANS = {  # what one run does; --quick shrinks every count
-    False: dict(entries=100_000, deep_every=200, index_slots=524_288, size=4 << 30,
-                lookups=30_000, prompts_per_depth=100, put_warmup=4, puts=64, reads=300,
-                ramcache_lookups=10),
-    True: dict(entries=5_000, deep_every=50, index_slots=32_768, size=512 << 20, lookups=3_000,
-               prompts_per_depth=20, put_warmup=1, puts=8, reads=40, ramcache_lookups=3)}
+    False: dict(
+        entries=100_000,
+        deep_every=200,
+        index_slots=524_288,
+        size=4 << 30,
+        lookups=30_000,
+        prompts_per_depth=100,
+        put_warmup=4,
+        puts=64,
+        reads=300,
+        ramcache_lookups=10,
+    ),
+    True: dict(
+        entries=5_000,
+        deep_every=50,
+        index_slots=32_768,
+        size=512 << 20,
+        lookups=3_000,
+        prompts_per_depth=20,
+        put_warmup=1,
+        puts=8,
+        reads=40,
+        ramcache_lookups=3,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -90,8 +110,10 @@ class Plan:
 def us(ns: Any, nbytes: int = 0) -> dict[str, Any]:
     """The summary of nanosecond timings in µs (``p50_us``...), GB/s if ``nbytes`` per op."""
     s = common.summary(ns, 1e-3)
-    out: dict[str, Any] = {"n": s["n"], **{f"{k}_us": round(v, 3) for k, v in s.items()
-                                           if k != "n"}}
+    out: dict[str, Any] = {
+        "n": s["n"],
+        **{f"{k}_us": round(v, 3) for k, v in s.items() if k != "n"},
+    }
     if nbytes:
         out["gbps_p50"] = round(nbytes / (s["p50"] * 1e3), 3)
         out["gbps_mean"] = round(nbytes / (s["mean"] * 1e3), 3)
@@ -137,8 +159,9 @@ def slots_touched(view: arena.ArenaView, digest: bytes) -> int:
 
 
 # ------------------------------------------------------------------- 1. lookups
-def fill_small(client: Client, plan: Plan, rng: np.random.Generator, chunk: int
-               ) -> dict[int, list[np.ndarray]]:
+def fill_small(
+    client: Client, plan: Plan, rng: np.random.Generator, chunk: int
+) -> dict[int, list[np.ndarray]]:
     """Put ``plan.entries`` small entries; returns the tokens of some entries of each depth."""
     keep: dict[int, list[np.ndarray]] = {}
     payload = bytearray(rng.bytes(SMALL_PAYLOAD))
@@ -151,13 +174,22 @@ def fill_small(client: Client, plan: Plan, rng: np.random.Generator, chunk: int
         if len(bucket := keep.setdefault(d, [])) < plan.prompts_per_depth:
             bucket.append(tokens)
         if (i + 1) % 10_000 == 0 or i + 1 == plan.entries:
-            log.info("filled %d/%d entries (%.0f puts/s)", i + 1, plan.entries,
-                     (i + 1) / (time.perf_counter() - t0))
+            log.info(
+                "filled %d/%d entries (%.0f puts/s)",
+                i + 1,
+                plan.entries,
+                (i + 1) / (time.perf_counter() - t0),
+            )
     return keep
 
 
-def bench_lookup(client: Client, plan: Plan, rng: np.random.Generator, chunk: int,
-                 keep: dict[int, list[np.ndarray]]) -> dict[str, Any]:
+def bench_lookup(
+    client: Client,
+    plan: Plan,
+    rng: np.random.Generator,
+    chunk: int,
+    keep: dict[int, list[np.ndarray]],
+) -> dict[str, Any]:
     """Time ``client.lookup`` for 32-chunk prompts with cached prefixes of 0-32 chunks."""
     prompts: list[tuple[int, list[bytes], np.ndarray]] = []
     for _ in range(plan.prompts_per_depth):  # misses: nothing of it is cached
@@ -192,8 +224,12 @@ def bench_lookup(client: Client, plan: Plan, rng: np.random.Generator, chunk: in
 
     times = run(client.lookup)
     depths = np.array([prompts[i][0] for i in order])
-    classes = {"miss": depths == 0, "1-4": (depths >= 1) & (depths <= 4),
-               "5-16": (depths >= 5) & (depths <= 16), "17-32": depths >= 17}
+    classes = {
+        "miss": depths == 0,
+        "1-4": (depths >= 1) & (depths <= 4),
+        "5-16": (depths >= 5) & (depths <= 16),
+        "17-32": depths >= 17,
+    }
     toks = prompts[-1][2]
     private = {s.digest for s in view.scan()}
 
@@ -208,11 +244,14 @@ def bench_lookup(client: Client, plan: Plan, rng: np.random.Generator, chunk: in
         return best
 
     return {
-        "all": us(times), "by_depth": {k: us(times[m]) for k, m in classes.items() if m.any()},
-        "probes_per_lookup": {"mean": round(float(np.mean(probes)), 2), "max": int(max(probes)),
-                              "log2_chunks": round(float(np.log2(PROMPT_CHUNKS)), 2)},
-        "slots_read_per_lookup": {"mean": round(float(np.mean(slots)), 2),
-                                  "max": int(max(slots))},
+        "all": us(times),
+        "by_depth": {k: us(times[m]) for k, m in classes.items() if m.any()},
+        "probes_per_lookup": {
+            "mean": round(float(np.mean(probes)), 2),
+            "max": int(max(probes)),
+            "log2_chunks": round(float(np.log2(PROMPT_CHUNKS)), 2),
+        },
+        "slots_read_per_lookup": {"mean": round(float(np.mean(slots)), 2), "max": int(max(slots))},
         "prompts": len(prompts),
         "chain_digests": us(timed(lambda: arena.chain_digests(ROOT, toks, chunk), 2000)),
         "private_set": us(run(set_lookup)),
@@ -220,8 +259,12 @@ def bench_lookup(client: Client, plan: Plan, rng: np.random.Generator, chunk: in
     }
 
 
-def bench_ramcache(plan: Plan, rng: np.random.Generator, chunk: int,
-                   prompts: list[tuple[int, list[bytes], np.ndarray]]) -> dict[str, Any] | None:
+def bench_ramcache(
+    plan: Plan,
+    rng: np.random.Generator,
+    chunk: int,
+    prompts: list[tuple[int, list[bytes], np.ndarray]],
+) -> dict[str, Any] | None:
     """llama-cpp-python's LlamaRAMCache prefix search (``key in cache``) over as many keys."""
     try:
         from llama_cpp.llama_cache import LlamaRAMCache
@@ -237,8 +280,9 @@ def bench_ramcache(plan: Plan, rng: np.random.Generator, chunk: int,
 
 
 # ---------------------------------------------------------------------- 2. puts
-def bench_put(client: Client, plan: Plan, rng: np.random.Generator, chunk: int
-              ) -> tuple[dict[str, Any], list[np.ndarray]]:
+def bench_put(
+    client: Client, plan: Plan, rng: np.random.Generator, chunk: int
+) -> tuple[dict[str, Any], list[np.ndarray]]:
     """``Client.prepare`` then ``Client.put_blob`` of 16 MiB blobs (what ``Client.put`` does),
     timed between its calls, inside ``fill`` and around the client's ``request``."""
     src = np.frombuffer(rng.bytes(BLOB), dtype=np.uint8).copy()
@@ -269,15 +313,26 @@ def bench_put(client: Client, plan: Plan, rng: np.random.Generator, chunk: int
             _key, start, secs, _ok = probes.calls[-1]
             rq0, rq1 = int(start * 1e9), int((start + secs) * 1e9)  # perf_counter's clock
             if k >= plan.put_warmup:
-                for key, v in zip(PUT_PHASES, (t1 - t0, marks["fill0"] - t0,
-                                               marks["fill1"] - marks["fill0"],
-                                               t_blob - marks["fill1"], rq0 - t_blob, rq1 - rq0,
-                                               t1 - rq1), strict=True):
+                for key, v in zip(
+                    PUT_PHASES,
+                    (
+                        t1 - t0,
+                        marks["fill0"] - t0,
+                        marks["fill1"] - marks["fill0"],
+                        t_blob - marks["fill1"],
+                        rq0 - t_blob,
+                        rq1 - rq0,
+                        t1 - rq1,
+                    ),
+                    strict=True,
+                ):
                     rows[key].append(v)
     finally:
         probes.remove()
-    res: dict[str, Any] = {k: us(v, BLOB if k in ("total", "fill", "checksum", "roundtrip")
-                                 else 0) for k, v in rows.items()}
+    res: dict[str, Any] = {
+        k: us(v, BLOB if k in ("total", "fill", "checksum", "roundtrip") else 0)
+        for k, v in rows.items()
+    }
     res["throughput_gbps"] = round(plan.puts * BLOB / (sum(rows["total"]) / 1e9) / 1e9, 3)
     res["floors"] = put_floors(src)
     return res, stored
@@ -287,8 +342,10 @@ def put_floors(src: np.ndarray) -> dict[str, Any]:
     """What the put path is made of, measured alone: memcpy, xxh3, memfd -> /dev/shm copy."""
     dst = np.empty_like(src)
     dst[:] = 1
-    out = {"memcpy": us(timed(lambda: np.copyto(dst, src), 30), BLOB),
-           "xxh3": us(timed(lambda: xxhash.xxh3_64_intdigest(src), 30), BLOB)}
+    out = {
+        "memcpy": us(timed(lambda: np.copyto(dst, src), 30), BLOB),
+        "xxh3": us(timed(lambda: xxhash.xxh3_64_intdigest(src), 30), BLOB),
+    }
     fd = os.memfd_create("bench-floor", os.MFD_CLOEXEC)
     shm = tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="shmkv-benchfloor-")
     try:
@@ -297,8 +354,7 @@ def put_floors(src: np.ndarray) -> dict[str, Any]:
         os.posix_fallocate(shm.fileno(), 0, BLOB)
         with mmap.mmap(shm.fileno(), BLOB, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as mm:
             view = memoryview(mm)
-            out["preadv_memfd_to_shm"] = us(timed(lambda: os.preadv(fd, [view], 0), 30),
-                                            BLOB)
+            out["preadv_memfd_to_shm"] = us(timed(lambda: os.preadv(fd, [view], 0), 30), BLOB)
             view.release()
     finally:
         os.close(fd)
@@ -307,8 +363,7 @@ def put_floors(src: np.ndarray) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------ 3. lookup -> pointer
-def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]
-               ) -> dict[str, Any]:
+def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]) -> dict[str, Any]:
     """Lookup + lease + record/meta check (+ payload checksum) of a 16 MiB blob, vs memcpy."""
     digests = [arena.chain_digests(ROOT, t, chunk) for t in blobs[-8:]]
     view = client.view
@@ -321,8 +376,17 @@ def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]
                 raise click.ClickException("a stored 16 MiB blob failed its checksum")
     pc = time.perf_counter_ns
     full, bare, fin = [], [], []
-    parts: dict[str, list[int]] = {k: [] for k in ("lookup", "acquire_roundtrip", "read_record",
-                                                   "verify_meta", "verify_payload", "release")}
+    parts: dict[str, list[int]] = {
+        k: []
+        for k in (
+            "lookup",
+            "acquire_roundtrip",
+            "read_record",
+            "verify_meta",
+            "verify_payload",
+            "release",
+        )
+    }
     for k in range(plan.reads):
         d = digests[k % len(digests)]
         t0 = pc()  # the public API, as a worker uses it
@@ -343,8 +407,9 @@ def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]
         t = [pc()]  # step by step, the work Client.acquire does
         hit = client.lookup(d)
         t.append(pc())
-        reply = client.request({"op": "acquire", "offset": hit.slot.rec_offset,
-                                "gen": hit.slot.rec_gen})
+        reply = client.request(
+            {"op": "acquire", "offset": hit.slot.rec_offset, "gen": hit.slot.rec_gen}
+        )
         t.append(pc())
         rec = view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
         t.append(pc())
@@ -356,8 +421,12 @@ def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]
         t.append(pc())
         for key, a, b in zip(parts, t, t[1:], strict=False):
             parts[key].append(b - a)
-    res: dict[str, Any] = {"pointer_verified": us(full, BLOB), "pointer_unverified": us(bare, BLOB),
-                           "finish": us(fin), "steps": {k: us(v) for k, v in parts.items()}}
+    res: dict[str, Any] = {
+        "pointer_verified": us(full, BLOB),
+        "pointer_unverified": us(bare, BLOB),
+        "finish": us(fin),
+        "steps": {k: us(v) for k, v in parts.items()},
+    }
     # floors: copy the payload out of the mapping; push it through a Unix socket
     dst = np.empty(rec.payload_len, dtype=np.uint8)
     dst[:] = 1
@@ -406,28 +475,61 @@ def socket_copy(payload: memoryview, dst: np.ndarray, reps: int) -> list[int]:
 def plot(plt: Any, res: dict[str, Any]) -> Any:
     lk, put, rd = res["lookup"], res["put"], res["read"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    lookups = [("private set (floor)", lk["private_set"]),
-               *((f"shmkv, prefix {k}", v) for k, v in lk["by_depth"].items()),
-               ("shmkv, all", lk["all"]), *([("LlamaRAMCache", lk["ramcache"])] * bool(
-                   lk["ramcache"]))]
-    common.hbars(axes[0], [(n, v["p50_us"], v["p99_us"]) for n, v in lookups],
-                 lambda v: common.fmt_s(v / 1e6), f"lookup, {PROMPT_CHUNKS}-chunk prompts, "
-                 f"{res['config']['entries']:,} entries", "µs per lookup (log)", True,
-                 GOAL_LOOKUP_P50_US)
+    lookups = [
+        ("private set (floor)", lk["private_set"]),
+        *((f"shmkv, prefix {k}", v) for k, v in lk["by_depth"].items()),
+        ("shmkv, all", lk["all"]),
+        *([("LlamaRAMCache", lk["ramcache"])] * bool(lk["ramcache"])),
+    ]
+    common.hbars(
+        axes[0],
+        [(n, v["p50_us"], v["p99_us"]) for n, v in lookups],
+        lambda v: common.fmt_s(v / 1e6),
+        f"lookup, {PROMPT_CHUNKS}-chunk prompts, {res['config']['entries']:,} entries",
+        "µs per lookup (log)",
+        True,
+        GOAL_LOOKUP_P50_US,
+    )
     fl = put["floors"]
-    common.hbars(axes[1], [("Client.put", put["throughput_gbps"], None),
-                           *((n, fl[k]["gbps_p50"], None) for n, k in (
-                               ("memcpy", "memcpy"), ("xxh3", "xxh3"),
-                               ("preadv memfd→/dev/shm", "preadv_memfd_to_shm")))],
-                 lambda v: f"{v:.3g} GB/s", "put, 16 MiB blobs", "GB/s (log)", True,
-                 GOAL_PUT_GBPS)
-    common.hbars(axes[2], [(n, rd[k]["p50_us"] / 1e3, rd[k]["p99_us"] / 1e3) for n, k in (
-        ("memcpy out (floor)", "memcpy"), ("pointer, no checksum", "pointer_unverified"),
-        ("pointer, verified", "pointer_verified"), ("Unix socket", "unix_socket"))],
-        lambda v: common.fmt_s(v / 1e3), "lookup to usable pointer, 16 MiB blob", "ms")
+    common.hbars(
+        axes[1],
+        [
+            ("Client.put", put["throughput_gbps"], None),
+            *(
+                (n, fl[k]["gbps_p50"], None)
+                for n, k in (
+                    ("memcpy", "memcpy"),
+                    ("xxh3", "xxh3"),
+                    ("preadv memfd→/dev/shm", "preadv_memfd_to_shm"),
+                )
+            ),
+        ],
+        lambda v: f"{v:.3g} GB/s",
+        "put, 16 MiB blobs",
+        "GB/s (log)",
+        True,
+        GOAL_PUT_GBPS,
+    )
+    common.hbars(
+        axes[2],
+        [
+            (n, rd[k]["p50_us"] / 1e3, rd[k]["p99_us"] / 1e3)
+            for n, k in (
+                ("memcpy out (floor)", "memcpy"),
+                ("pointer, no checksum", "pointer_unverified"),
+                ("pointer, verified", "pointer_verified"),
+                ("Unix socket", "unix_socket"),
+            )
+        ],
+        lambda v: common.fmt_s(v / 1e3),
+        "lookup to usable pointer, 16 MiB blob",
+        "ms",
+    )
     m = res["machine"]
-    fig.suptitle(f"shmkv {m['versions']['shmkv']} arena benchmark — {m['cpu']}, {m['cores']} "
-                 f"cores" + (" (quick)" if res["config"]["quick"] else ""))
+    fig.suptitle(
+        f"shmkv {m['versions']['shmkv']} arena benchmark — {m['cpu']}, {m['cores']} "
+        f"cores" + (" (quick)" if res["config"]["quick"] else "")
+    )
     fig.tight_layout()
     return fig
 
@@ -435,19 +537,27 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
 # ------------------------------------------------------------------------ main
 def run(plan: Plan) -> dict[str, Any]:
     rng = np.random.default_rng(plan.seed)
-    with tempfile.TemporaryDirectory(prefix="shmkv-bench-") as tmp, common.supervisor(
-            Path(tmp), "--size", str(plan.size), "--index-slots", str(plan.index_slots)) as sup:
+    with (
+        tempfile.TemporaryDirectory(prefix="shmkv-bench-") as tmp,
+        common.supervisor(
+            Path(tmp), "--size", str(plan.size), "--index-slots", str(plan.index_slots)
+        ) as sup,
+    ):
         client = sup.client(timeout=60)
         try:
             t0 = time.perf_counter()
             view = client.ensure()
-            log.info("attached (%.2f s, %s mapping)", time.perf_counter() - t0,
-                     format_size(view.file_size))
+            log.info(
+                "attached (%.2f s, %s mapping)",
+                time.perf_counter() - t0,
+                format_size(view.file_size),
+            )
             chunk = view.geometry.chunk_tokens
             keep = fill_small(client, plan, rng, chunk)
             if (st := client.stats())["entries"] != plan.entries or st["evictions"]:
-                raise click.ClickException(f"the arena did not keep every entry (raise --size "
-                                           f"or --index-slots): {st}")
+                raise click.ClickException(
+                    f"the arena did not keep every entry (raise --size or --index-slots): {st}"
+                )
             gc.collect()
             gc.freeze()  # the fill's objects are not what a worker's GC would scan
             log.info("1/3 lookups (%d timed)", plan.lookups)
@@ -460,15 +570,35 @@ def run(plan: Plan) -> dict[str, Any]:
         finally:
             client.close()
             gc.unfreeze()
-    keys = ("entries", "bytes_used", "bytes_capacity", "index_used", "index_capacity", "puts",
-            "evictions", "hits", "rejected_puts", "chunk_tokens")
-    return {"lookup": lookup, "put": put, "read": read,
-            "supervisor_stats": {k: stats.get(k) for k in keys}}
+    keys = (
+        "entries",
+        "bytes_used",
+        "bytes_capacity",
+        "index_used",
+        "index_capacity",
+        "puts",
+        "evictions",
+        "hits",
+        "rejected_puts",
+        "chunk_tokens",
+    )
+    return {
+        "lookup": lookup,
+        "put": put,
+        "read": read,
+        "supervisor_stats": {k: stats.get(k) for k in keys},
+    }
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--out", "out_dir", default=str(HERE / "out"), show_default=True,
-              type=click.Path(file_okay=False), help="Where arena.json and arena.png go.")
+@click.option(
+    "--out",
+    "out_dir",
+    default=str(HERE / "out"),
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where arena.json and arena.png go.",
+)
 @click.option("--quick", is_flag=True, help="Smoke run of a few seconds (small counts).")
 @click.option("--entries", type=int, default=None, help="Small entries to fill [100000].")
 @click.option("--size", default=None, help="Arena --size [4G; quick 512M].")
@@ -477,40 +607,59 @@ def run(plan: Plan) -> dict[str, Any]:
 @click.option("--reads", type=int, default=None, help="Timed lookup-to-pointer reads [300].")
 @click.option("--lookups", type=int, default=None, help="Timed lookups [30000].")
 @click.option("--seed", type=int, default=1, show_default=True)
-@click.option("--baseline", default=str(HERE / "baseline" / "arena.json"), show_default=True,
-              help="Committed baseline to compare with (same mode only).")
+@click.option(
+    "--baseline",
+    default=str(HERE / "baseline" / "arena.json"),
+    show_default=True,
+    help="Committed baseline to compare with (same mode only).",
+)
 @click.option("--write-baseline", is_flag=True, help="Also copy the result to --baseline.")
-def main(out_dir: str, quick: bool, size: str | None, baseline: str, write_baseline: bool,
-         **over: Any) -> None:
+def main(
+    out_dir: str, quick: bool, size: str | None, baseline: str, write_baseline: bool, **over: Any
+) -> None:
     """Benchmark shmkv's arena against a real supervisor; print a table, write JSON and PNG."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     over["size"] = parse_size(size) if size else None
     plan = Plan(quick=quick, **{**PLANS[quick], **{k: v for k, v in over.items() if v}})
     started, load_before = time.time(), common.loadavg()
     res = run(plan)
-    res = {**common.header("arena", started),
-           "config": {**asdict(plan), "blob_bytes": BLOB, "small_payload": SMALL_PAYLOAD,
-                      "prompt_chunks": PROMPT_CHUNKS,
-                      "chunk_tokens": res["supervisor_stats"]["chunk_tokens"]},
-           "goals": {"lookup_p50_us": GOAL_LOOKUP_P50_US, "put_gbps": GOAL_PUT_GBPS}, **res,
-           "load_average": {"before": load_before, "after": common.loadavg()}}
-    res["goals_met"] = {"lookup.all": res["lookup"]["all"]["p50_us"] <= GOAL_LOOKUP_P50_US,
-                        "put.total": res["put"]["throughput_gbps"] >= GOAL_PUT_GBPS}
+    res = {
+        **common.header("arena", started),
+        "config": {
+            **asdict(plan),
+            "blob_bytes": BLOB,
+            "small_payload": SMALL_PAYLOAD,
+            "prompt_chunks": PROMPT_CHUNKS,
+            "chunk_tokens": res["supervisor_stats"]["chunk_tokens"],
+        },
+        "goals": {"lookup_p50_us": GOAL_LOOKUP_P50_US, "put_gbps": GOAL_PUT_GBPS},
+        **res,
+        "load_average": {"before": load_before, "after": common.loadavg()},
+    }
+    res["goals_met"] = {
+        "lookup.all": res["lookup"]["all"]["p50_us"] <= GOAL_LOOKUP_P50_US,
+        "put.total": res["put"]["throughput_gbps"] >= GOAL_PUT_GBPS,
+    }
     base = common.load_baseline(Path(baseline), quick) or {}
     rows: list[tuple[str, Any, Any]] = []
     for part in ("lookup", "put", "read"):
         rows += [(f"[{part}]", None, None), *common.walk(res[part], base.get(part))]
     m, pr = res["machine"], res["lookup"]["probes_per_lookup"]
-    click.echo(f"\nshmkv {m['versions']['shmkv']} arena benchmark: {m['cpu']}, {m['cores']} "
-               f"cores; load {load_before[0]} before, {res['load_average']['after'][0]} after"
-               + (" (quick run)" if quick else ""))
+    click.echo(
+        f"\nshmkv {m['versions']['shmkv']} arena benchmark: {m['cpu']}, {m['cores']} "
+        f"cores; load {load_before[0]} before, {res['load_average']['after'][0]} after"
+        + (" (quick run)" if quick else "")
+    )
     click.echo(common.summary_table(rows, 1e-6, "_us"))
-    click.echo(f"lookup: {pr['mean']} probes (max {pr['max']}), "
-               f"{res['lookup']['slots_read_per_lookup']['mean']} index slots read; put: "
-               f"{res['put']['throughput_gbps']} GB/s; goals (lookup p50 <= "
-               f"{GOAL_LOOKUP_P50_US:g} us, put >= {GOAL_PUT_GBPS:g} GB/s): {res['goals_met']}")
-    common.write_report(res, Path(out_dir), "arena", plot,
-                        Path(baseline) if write_baseline else None)
+    click.echo(
+        f"lookup: {pr['mean']} probes (max {pr['max']}), "
+        f"{res['lookup']['slots_read_per_lookup']['mean']} index slots read; put: "
+        f"{res['put']['throughput_gbps']} GB/s; goals (lookup p50 <= "
+        f"{GOAL_LOOKUP_P50_US:g} us, put >= {GOAL_PUT_GBPS:g} GB/s): {res['goals_met']}"
+    )
+    common.write_report(
+        res, Path(out_dir), "arena", plot, Path(baseline) if write_baseline else None
+    )
 
 
 if __name__ == "__main__":

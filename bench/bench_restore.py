@@ -70,8 +70,10 @@ Where Who Give Write Compare Choose Find Count Check""".split()
 
 # ==================================================== arms (`bench_restore.py _arm SPEC`)
 
-def stream(llm: Any, prompt: str, gen: dict[str, Any], before: Callable[[], None] | None = None
-           ) -> dict[str, Any]:
+
+def stream(
+    llm: Any, prompt: str, gen: dict[str, Any], before: Callable[[], None] | None = None
+) -> dict[str, Any]:
     """One streaming completion: seconds to its first chunk, between the first two, in all.
 
     ``before`` runs first inside the timed region (the floor's set_data); ``t0`` is the
@@ -86,9 +88,13 @@ def stream(llm: Any, prompt: str, gen: dict[str, Any], before: Callable[[], None
             stamps.append(time.perf_counter() - t0)
         parts.append(chunk["choices"][0]["text"])
     total = time.perf_counter() - t0
-    return {"ttft": stamps[0] if stamps else total, "total": total,
-            "gap12": stamps[1] - stamps[0] if len(stamps) > 1 else None, "t0": t0,
-            "text": "".join(parts)}
+    return {
+        "ttft": stamps[0] if stamps else total,
+        "total": total,
+        "gap12": stamps[1] - stamps[0] if len(stamps) > 1 else None,
+        "t0": t0,
+        "text": "".join(parts),
+    }
 
 
 def instrument(cache: Any, p: common.Probes) -> None:
@@ -100,22 +106,29 @@ def instrument(cache: Any, p: common.Probes) -> None:
     from shmkv.client import Lease
 
     p.wrap(cache, "restore")
-    for client, attr, label in ((cache.reader, "lookup", None), (cache.reader, "acquire", None),
-                                (cache.writer, "prepare", "prepare_memfd")):
+    for client, attr, label in (
+        (cache.reader, "lookup", None),
+        (cache.reader, "acquire", None),
+        (cache.writer, "prepare", "prepare_memfd"),
+    ):
         p.wrap(client, attr, label)
     p.wrap(cache.reader, "request", lambda msg, *a, **k: f"rtt_{msg.get('op')}")
     for attr in ("read_record", "verify_meta", "verify_payload", "tokens"):
         p.wrap(ArenaView, attr)
     for attr in ("fingerprint", "finish"):
         p.wrap(Lease, attr)
-    for fn, label in (("llama_state_seq_set_data", "set_data"), ("llama_memory_seq_rm", "seq_rm"),
-                      ("llama_state_seq_get_data", "get_data"),
-                      ("llama_state_seq_get_size", "get_size")):
+    for fn, label in (
+        ("llama_state_seq_set_data", "set_data"),
+        ("llama_memory_seq_rm", "seq_rm"),
+        ("llama_state_seq_get_data", "get_data"),
+        ("llama_state_seq_get_size", "get_size"),
+    ):
         p.wrap(llama_c, fn, label)
 
 
-def floor_restorer(llm: Any, prefix: str, prefix_n: int, res: dict[str, Any]
-                   ) -> tuple[Callable[[], None], list[float]]:
+def floor_restorer(
+    llm: Any, prefix: str, prefix_n: int, res: dict[str, Any]
+) -> tuple[Callable[[], None], list[float]]:
     """Evaluate the prefix (``Llama.eval``: no hook, no publish), keep its sequence state in a
     private buffer; return the floor: ``set_data`` from it, then the token bookkeeping shmkv
     does, and the list its set_data times go to."""
@@ -162,8 +175,11 @@ def capture_paths(llm: Any, spec: dict[str, Any], reps: int) -> dict[str, list[f
     size = llama_c.llama_state_seq_get_size(llm.ctx, 0)
 
     def fill(addr: int, sz: int) -> None:
-        if (got := llama_c.llama_state_seq_get_data(
-                llm.ctx, ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), sz, 0)) != sz:
+        if (
+            got := llama_c.llama_state_seq_get_data(
+                llm.ctx, ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), sz, 0
+            )
+        ) != sz:
             raise RuntimeError(f"get_data wrote {got} of {sz} bytes")
 
     def fresh_memfd() -> None:
@@ -181,9 +197,11 @@ def capture_paths(llm: Any, spec: dict[str, Any], reps: int) -> dict[str, list[f
     out: dict[str, list[float]] = {"client_prepare": [], "fresh_memfd": [], "private_buffer": []}
     with Client(name=spec["name"], socket_path=spec["socket"], populate=False) as client:
         for _ in range(reps):
-            for key, fn in (("client_prepare", lambda: client.prepare(size, fill).close()),
-                            ("fresh_memfd", fresh_memfd),
-                            ("private_buffer", lambda: fill(private.ctypes.data, size))):
+            for key, fn in (
+                ("client_prepare", lambda: client.prepare(size, fill).close()),
+                ("fresh_memfd", fresh_memfd),
+                ("private_buffer", lambda: fill(private.ctypes.data, size)),
+            ):
                 t = time.perf_counter()
                 fn()
                 out[key].append(time.perf_counter() - t)
@@ -200,16 +218,22 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     if kind in ("publisher", "hit", "publisher_exact", "hit_exact"):
         from shmkv.llama import SharedCacheLlama
 
-        llm = SharedCacheLlama(model_path=spec["model"], **spec["ctx"], shmkv_name=spec["name"],
-                               shmkv_socket=spec["socket"], shmkv_namespace="bench",
-                               shmkv_exact=kind.endswith("_exact"))
+        llm = SharedCacheLlama(
+            model_path=spec["model"],
+            **spec["ctx"],
+            shmkv_name=spec["name"],
+            shmkv_socket=spec["socket"],
+            shmkv_namespace="bench",
+            shmkv_exact=kind.endswith("_exact"),
+        )
         cache = llm.shmkv
     else:
         llm, cache = llama_cpp.Llama(model_path=spec["model"], **spec["ctx"]), None
     res["load_seconds"] = time.perf_counter() - t
     cp = llm.context_params
-    res["context_params"] = {n: getattr(cp, n) for n, _t in cp._fields_
-                             if isinstance(getattr(cp, n), (int, float, bool))}
+    res["context_params"] = {
+        n: getattr(cp, n) for n, _t in cp._fields_ if isinstance(getattr(cp, n), (int, float, bool))
+    }
     probes = common.Probes()
     if cache is not None:
         from shmkv.client import Client
@@ -224,27 +248,40 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     if cache is not None:
         cache.flush()
 
-    def run(text: str, before: Any = None, keep_steps: bool = False, **extra: Any
-            ) -> dict[str, Any]:
+    def run(
+        text: str, before: Any = None, keep_steps: bool = False, **extra: Any
+    ) -> dict[str, Any]:
         llm.reset()
         probes.take()
         r = {**stream(llm, prefix + text, gen, before=before), **extra}
         steps, calls = probes.take()
         if kind == "ramcache":
-            r.update(load_state_seconds=steps.get("load_state", 0.0),
-                     save_state_seconds=steps.get("save_state", 0.0))
+            r.update(
+                load_state_seconds=steps.get("load_state", 0.0),
+                save_state_seconds=steps.get("save_state", 0.0),
+            )
         if cache is None or before is not None:  # the floor does not go through the cache
             return r
         t = time.perf_counter()
         flushed = cache.flush(60)
-        r.update(flush_seconds=time.perf_counter() - t, flushed=flushed,
-                 captures=[(s - r["t0"], d, ok) for k, s, d, ok in calls if k == "capture"],
-                 last=dataclasses.asdict(cache.last), **({"steps": steps} if keep_steps else {}))
+        r.update(
+            flush_seconds=time.perf_counter() - t,
+            flushed=flushed,
+            captures=[(s - r["t0"], d, ok) for k, s, d, ok in calls if k == "capture"],
+            last=dataclasses.asdict(cache.last),
+            **({"steps": steps} if keep_steps else {}),
+        )
         restored = cache.last.tokens_restored
-        if kind == "hit" and restored < prefix_n - 64 or kind == "hit_exact" and (
-                restored < prefix_n - spec["ctx"]["n_batch"]):
-            raise RuntimeError(f"{kind} request {extra.get('suffix')}: restored {restored} "
-                               f"(last={r['last']}, errors={cache.totals.errors})")
+        if (
+            kind == "hit"
+            and restored < prefix_n - 64
+            or kind == "hit_exact"
+            and (restored < prefix_n - spec["ctx"]["n_batch"])
+        ):
+            raise RuntimeError(
+                f"{kind} request {extra.get('suffix')}: restored {restored} "
+                f"(last={r['last']}, errors={cache.totals.errors})"
+            )
         if keep_steps and "restore" not in steps:
             raise RuntimeError("the hook did not call SharedPrefixCache.restore: no breakdown")
         return r
@@ -261,8 +298,9 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         floor_restore, floor_set = floor_restorer(llm, prefix, prefix_n, floor_b)
         res["floor_b"] = floor_b
         for k in range(len(on)):  # the three kinds interleaved, in a rotating order
-            for what in (("on", "off", "floor"), ("off", "floor", "on"), ("floor", "on", "off")
-                         )[k % 3]:
+            for what in (("on", "off", "floor"), ("off", "floor", "on"), ("floor", "on", "off"))[
+                k % 3
+            ]:
                 if what == "floor":  # bypass the shmkv hook: Llama's own generate
                     llm.generate = functools.partial(llama_cpp.Llama.generate, llm)
                     try:
@@ -276,14 +314,16 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
                 res["requests"].append(run(s, suffix=i, publish=what == "on"))
         cache.publish_enabled = True
         instrument(cache, probes)
-        res["breakdown"] = [run(s, suffix=i, keep_steps=True)
-                            for i, s in spec["suffixes_breakdown"]]
+        res["breakdown"] = [
+            run(s, suffix=i, keep_steps=True) for i, s in spec["suffixes_breakdown"]
+        ]
         probes.remove()
     elif kind == "floor":
         restore, set_times = floor_restorer(llm, prefix, prefix_n, res)
         for i, s in spec["suffixes"]:
-            res["requests"].append({**run(s, before=restore, suffix=i),
-                                    "set_data_seconds": set_times[-1]})
+            res["requests"].append(
+                {**run(s, before=restore, suffix=i), "set_data_seconds": set_times[-1]}
+            )
         res["capture_paths"] = capture_paths(llm, spec, max(5, 3 * len(spec["suffixes"])))
         llm.reset()  # llama-cpp-python's own same-process prefix reuse: no reset from here on
         (_, s0), *rest = spec["suffixes_local"]
@@ -301,11 +341,16 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
                 break
             r = run(s, suffix=i, warm=n == 0)
             last_state = next(reversed(ramcache.cache_state.values()))
-            res["requests"].append({
-                **r, "entries": len(ramcache.cache_state), "cache_size": ramcache.cache_size,
-                "scores_bytes_uncounted": int(last_state.scores.nbytes),
-                "rss_bytes": psutil.Process().memory_info().rss,
-                "mem_available": common.meminfo("MemAvailable")})
+            res["requests"].append(
+                {
+                    **r,
+                    "entries": len(ramcache.cache_state),
+                    "cache_size": ramcache.cache_size,
+                    "scores_bytes_uncounted": int(last_state.scores.nbytes),
+                    "rss_bytes": psutil.Process().memory_info().rss,
+                    "mem_available": common.meminfo("MemAvailable"),
+                }
+            )
     else:
         raise ValueError(f"unknown arm {kind}")
     if cache is not None:
@@ -317,8 +362,10 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
 
 # ============================================================ orchestrator
 
-def make_prompts(model: Path, prefix_target: int, suffix_target: int, n_suffixes: int
-                 ) -> dict[str, Any]:
+
+def make_prompts(
+    model: Path, prefix_target: int, suffix_target: int, n_suffixes: int
+) -> dict[str, Any]:
     """A ~prefix_target-token shared prefix and n_suffixes ~suffix_target-token suffixes.
 
     Every suffix starts with a different first token, so no two requests share more than
@@ -332,20 +379,26 @@ def make_prompts(model: Path, prefix_target: int, suffix_target: int, n_suffixes
     rng = random.Random(SEED)
 
     def document(head: str, line: str) -> str:
-        return common.fill_to(prefix_target, count, head,
-                              lambda n: line.format(*rng.sample(WORDS, 8), n=n)) + "\n"
+        return (
+            common.fill_to(
+                prefix_target, count, head, lambda n: line.format(*rng.sample(WORDS, 8), n=n)
+            )
+            + "\n"
+        )
 
     prefix = document(
         "You are the archivist of a large museum. Below are the catalogue rules you must "
         "follow when answering visitors. Answer briefly.\n\n",
         "Rule {n}: the {0} room holds {1} and {2} items; visitors who ask about the {3} must "
-        "be sent to the {4} desk, never to the {5} hall.\n")
+        "be sent to the {4} desk, never to the {5} hall.\n",
+    )
     # as long, nothing in common: each arm warms up on it before anything is timed
     warmup = document(
         "Shipping log of the cargo vessel Northern Star. Each entry lists the cargo and the "
         "weather.\n\n",
         "Day {n}. Loaded {0} crates of {1} and a barrel of {2}; the wind came from the {3}, "
-        "and the {4} was stored below the {5}.\n")
+        "and the {4} was stored below the {5}.\n",
+    )
     ptoks = tok(prefix)
     firsts: set[int] = set()
     suffixes: list[str] = []
@@ -366,10 +419,16 @@ def make_prompts(model: Path, prefix_target: int, suffix_target: int, n_suffixes
             break
     else:
         raise click.ClickException(
-            f"only {len(suffixes)} suffixes with distinct first tokens: lower --repeats")
-    return {"prefix": prefix, "prefix_tokens": len(ptoks) + 1, "suffixes": suffixes,
-            "suffix_tokens": [len(tok(prefix + s)) - len(ptoks) for s in suffixes],
-            "warmup": warmup + "Summary:", "warmup_tokens": count(warmup)}
+            f"only {len(suffixes)} suffixes with distinct first tokens: lower --repeats"
+        )
+    return {
+        "prefix": prefix,
+        "prefix_tokens": len(ptoks) + 1,
+        "suffixes": suffixes,
+        "suffix_tokens": [len(tok(prefix + s)) - len(ptoks) for s in suffixes],
+        "warmup": warmup + "Summary:",
+        "warmup_tokens": count(warmup),
+    }
 
 
 def run_arm(spec: dict[str, Any], workdir: Path, sup: common.Supervisor) -> dict[str, Any]:
@@ -379,16 +438,25 @@ def run_arm(spec: dict[str, Any], workdir: Path, sup: common.Supervisor) -> dict
     (spec_path := workdir / f"{name}.spec.json").write_text(json.dumps(spec))
     noise = common.Noise(lambda: [sup.child.pid])
     with open(err_path := workdir / f"{name}.stderr", "wb") as errf:
-        rc = subprocess.run([sys.executable, __file__, "_arm", str(spec_path)],
-                            env=common.child_env(), stdout=errf, stderr=subprocess.STDOUT,
-                            timeout=1800).returncode
+        rc = subprocess.run(
+            [sys.executable, __file__, "_arm", str(spec_path)],
+            env=common.child_env(),
+            stdout=errf,
+            stderr=subprocess.STDOUT,
+            timeout=1800,
+        ).returncode
     if rc != 0:
-        raise click.ClickException(f"arm {name} failed (exit {rc}):\n"
-                                   f"{err_path.read_text()[-4000:]}")
+        raise click.ClickException(
+            f"arm {name} failed (exit {rc}):\n{err_path.read_text()[-4000:]}"
+        )
     res = json.loads(Path(spec["out"]).read_text())
     res["process"] = noise.result()
-    log.info("arm %-15s done in %5.1f s (other processes used %.2f cores meanwhile)", name,
-             res["process"]["wall_seconds"], res["process"]["foreign_cores"])
+    log.info(
+        "arm %-15s done in %5.1f s (other processes used %.2f cores meanwhile)",
+        name,
+        res["process"]["wall_seconds"],
+        res["process"]["foreign_cores"],
+    )
     return res
 
 
@@ -411,14 +479,15 @@ def restore_steps(b: list[dict[str, Any]]) -> dict[str, Any]:
             out[k] = common.summary([r["steps"].get(k, 0.0) for r in b])
         if direct := [k for k in keys if k.count("/") == 1]:
             out[f"{top}/(not wrapped)"] = common.summary(
-                [r["steps"].get(top, 0.0) - sum(r["steps"].get(k, 0.0) for k in direct)
-                 for r in b])
+                [r["steps"].get(top, 0.0) - sum(r["steps"].get(k, 0.0) for k in direct) for r in b]
+            )
     return out
 
 
 def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
-    cold, hit, floor, ram, pub = (arms[k] for k in ("cold", "hit", "floor", "ramcache",
-                                                    "publisher"))
+    cold, hit, floor, ram, pub = (
+        arms[k] for k in ("cold", "hit", "floor", "ramcache", "publisher")
+    )
     S = common.summary
     on = [r for r in hit["requests"] if r["publish"]]
     off = [r for r in hit["requests"] if not r["publish"]]
@@ -432,19 +501,31 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "floor": ("floor, its own process", floor["requests"]),
         "local": ("llama-cpp-python same-process prefix reuse", floor["local"]),
         "ramcache": ("LlamaRAMCache, reset() per request", ram_hits),
-        "ramcache_warm": ("LlamaRAMCache, 1st request (warms it)",
-                          [r for r in ram["requests"] if r["warm"]]),
-        "publisher": ("process A: miss + publish (SharedCacheLlama)",
-                      [r for r in pub["requests"] if not r["second"]]),
-        "publisher_second": ("process A, 2nd suffix: tail checkpoint + divergence publish",
-                             [r for r in pub["requests"] if r["second"]]),
-        "hit_exact": ("shmkv --exact hit, 2nd process (restores at n_batch boundaries)",
-                      arms["hit_exact"]["requests"]),
-        "publisher_exact": ("process A --exact: miss + publish at batch boundaries",
-                            arms["publisher_exact"]["requests"]),
+        "ramcache_warm": (
+            "LlamaRAMCache, 1st request (warms it)",
+            [r for r in ram["requests"] if r["warm"]],
+        ),
+        "publisher": (
+            "process A: miss + publish (SharedCacheLlama)",
+            [r for r in pub["requests"] if not r["second"]],
+        ),
+        "publisher_second": (
+            "process A, 2nd suffix: tail checkpoint + divergence publish",
+            [r for r in pub["requests"] if r["second"]],
+        ),
+        "hit_exact": (
+            "shmkv --exact hit, 2nd process (restores at n_batch boundaries)",
+            arms["hit_exact"]["requests"],
+        ),
+        "publisher_exact": (
+            "process A --exact: miss + publish at batch boundaries",
+            arms["publisher_exact"]["requests"],
+        ),
     }
-    ttft = {k: {"label": lab, "ttft": S([r["ttft"] for r in rs]),
-                "total": S([r["total"] for r in rs])} for k, (lab, rs) in rows.items()}
+    ttft = {
+        k: {"label": lab, "ttft": S([r["ttft"] for r in rs]), "total": S([r["total"] for r in rs])}
+        for k, (lab, rs) in rows.items()
+    }
 
     def ratio(a: str, b: str, stat: str = "p50") -> float | None:
         x, y = ttft[a]["ttft"].get(stat), ttft[b]["ttft"].get(stat)
@@ -452,25 +533,28 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
 
     # hit / floor against the floor in the same process, interleaved with the hits (same
     # context and KV history); two processes differ by a few percent in suffix-eval alone
-    ratios = {"hit_over_floor_p50": ratio("hit", "floor_b"),
-              "hit_over_floor_mean": ratio("hit", "floor_b", "mean"),
-              "hit_nopublish_over_floor_p50": ratio("hit_nopublish", "floor_b"),
-              "hit_over_floor_separate_process_p50": ratio("hit", "floor"),
-              "cold_over_hit_p50": ratio("cold", "hit"),
-              "cold_over_hit_mean": ratio("cold", "hit", "mean"),
-              "ramcache_over_cold_p50": ratio("ramcache", "cold"),
-              "cold_over_floor_p50": ratio("cold", "floor"),
-              "cold_over_hit_exact_p50": ratio("cold", "hit_exact")}
+    ratios = {
+        "hit_over_floor_p50": ratio("hit", "floor_b"),
+        "hit_over_floor_mean": ratio("hit", "floor_b", "mean"),
+        "hit_nopublish_over_floor_p50": ratio("hit_nopublish", "floor_b"),
+        "hit_over_floor_separate_process_p50": ratio("hit", "floor"),
+        "cold_over_hit_p50": ratio("cold", "hit"),
+        "cold_over_hit_mean": ratio("cold", "hit", "mean"),
+        "ramcache_over_cold_p50": ratio("ramcache", "cold"),
+        "cold_over_floor_p50": ratio("cold", "floor"),
+        "cold_over_hit_exact_p50": ratio("cold", "hit_exact"),
+    }
 
     def cap(r: dict[str, Any], before_first: bool = False) -> float:
         """Seconds in capture() calls (only those that started before the first chunk)."""
-        return sum(d for start, d, _ok in r["captures"]
-                   if not before_first or start < r["ttft"])
+        return sum(d for start, d, _ok in r["captures"] if not before_first or start < r["ttft"])
 
     publish = {
         "max_tokens": plan["gen"]["max_tokens"],
-        "request_on": S([r["total"] for r in on]), "request_off": S([r["total"] for r in off]),
-        "ttft_on": S([r["ttft"] for r in on]), "ttft_off": S([r["ttft"] for r in off]),
+        "request_on": S([r["total"] for r in on]),
+        "request_off": S([r["total"] for r in off]),
+        "ttft_on": S([r["ttft"] for r in on]),
+        "ttft_off": S([r["ttft"] for r in off]),
         "capture_per_request": S([cap(r) for r in on]),
         "capture_fraction": S([cap(r) / r["total"] for r in on]),
         "capture_before_first_chunk": S([cap(r, True) for r in on]),
@@ -484,8 +568,9 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "capture_off_calls": sum(len(r["captures"]) for r in off),
     }
     for stat in ("p50", "mean"):
-        publish[f"request_on_over_off_{stat}"] = (publish["request_on"][stat]
-                                                  / publish["request_off"][stat])
+        publish[f"request_on_over_off_{stat}"] = (
+            publish["request_on"][stat] / publish["request_off"][stat]
+        )
     b = hit["breakdown"]  # hit = restore + capture() before the first chunk + the rest
     decomposition = {
         "hit_ttft": S([r["ttft"] for r in b]),
@@ -499,81 +584,117 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
     }
     cold_text = {r["suffix"]: r["text"] for r in cold["requests"]}
     same = {}  # greedy text of every cached arm vs cold, suffix by suffix
-    for k, rs in (("hit", on), ("hit_exact", arms["hit_exact"]["requests"]), ("floor_b", fb),
-                  ("floor", floor["requests"]), ("ramcache", ram_hits),
-                  ("local", floor["local"])):
+    for k, rs in (
+        ("hit", on),
+        ("hit_exact", arms["hit_exact"]["requests"]),
+        ("floor_b", fb),
+        ("floor", floor["requests"]),
+        ("ramcache", ram_hits),
+        ("local", floor["local"]),
+    ):
         pairs = [(r["text"], cold_text[r["suffix"]]) for r in rs if r["suffix"] in cold_text]
         same[k] = f"{sum(a == c for a, c in pairs)}/{len(pairs)}"
     last_ram = ram["requests"][-1] if ram["requests"] else {}
     return {
-        "ttft": ttft, "ratios": ratios, "publish": publish,
-        "goals_met": {"hit_over_floor": ratios["hit_over_floor_p50"] <= GOAL_HIT_OVER_FLOOR,
-                      "cold_over_hit": ratios["cold_over_hit_p50"] >= GOAL_COLD_OVER_HIT},
-        "hit": {"restore_seconds": S([r["last"]["restore_seconds"] for r in on + off]),
-                "tokens_restored": sorted({r["last"]["tokens_restored"] for r in on + off}),
-                "tokens_evaluated": sorted({r["last"]["tokens_evaluated"] for r in on + off}),
-                "attach_seconds": hit["attach_seconds"], "totals": hit["totals"]},
-        "floor": {"set_data": S([r["set_data_seconds"] for r in floor["requests"]]),
-                  "get_data_seconds": floor["get_data_seconds"],
-                  "prefix_eval_seconds": floor["prefix_eval_seconds"]},
+        "ttft": ttft,
+        "ratios": ratios,
+        "publish": publish,
+        "goals_met": {
+            "hit_over_floor": ratios["hit_over_floor_p50"] <= GOAL_HIT_OVER_FLOOR,
+            "cold_over_hit": ratios["cold_over_hit_p50"] >= GOAL_COLD_OVER_HIT,
+        },
+        "hit": {
+            "restore_seconds": S([r["last"]["restore_seconds"] for r in on + off]),
+            "tokens_restored": sorted({r["last"]["tokens_restored"] for r in on + off}),
+            "tokens_evaluated": sorted({r["last"]["tokens_evaluated"] for r in on + off}),
+            "attach_seconds": hit["attach_seconds"],
+            "totals": hit["totals"],
+        },
+        "floor": {
+            "set_data": S([r["set_data_seconds"] for r in floor["requests"]]),
+            "get_data_seconds": floor["get_data_seconds"],
+            "prefix_eval_seconds": floor["prefix_eval_seconds"],
+        },
         "capture_paths": {k: S(v) for k, v in floor["capture_paths"].items()},
-        "decomposition": decomposition, "restore_steps": restore_steps(b),
+        "decomposition": decomposition,
+        "restore_steps": restore_steps(b),
         "same_text_as_cold": same,
         "memory": {
             "ramcache_peak_rss_bytes": ram["peak_rss_bytes"],
             "ramcache_counted_bytes": last_ram.get("cache_size", 0),
             "ramcache_uncounted_scores_bytes_per_entry": last_ram.get("scores_bytes_uncounted", 0),
-            "ramcache_entries": last_ram.get("entries", 0), "ramcache_aborted": ram.get("aborted"),
+            "ramcache_entries": last_ram.get("entries", 0),
+            "ramcache_aborted": ram.get("aborted"),
             "ramcache_load_state": S([r["load_state_seconds"] for r in ram_hits]),
             "ramcache_save_state": S([r["save_state_seconds"] for r in ram["requests"]]),
             "hit_peak_rss_bytes": hit["peak_rss_bytes"],
             "cold_peak_rss_bytes": cold["peak_rss_bytes"],
-            "floor_peak_rss_bytes": floor["peak_rss_bytes"], "blob_bytes": floor["blob_bytes"]},
+            "floor_peak_rss_bytes": floor["peak_rss_bytes"],
+            "blob_bytes": floor["blob_bytes"],
+        },
     }
 
 
 # ================================================================== reports
+
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     a, f = res["analysis"], common.fmt_s
     b = (baseline or {}).get("analysis", {})
     counts = ("capture_fraction", "captures_per_request", "captures_published_per_request")
     rows: list[tuple[str, Any, Any]] = [("[TTFT]", None, None)]
-    rows += [(v["label"], v["ttft"], b.get("ttft", {}).get(k, {}).get("ttft"))
-             for k, v in a["ttft"].items()]
+    rows += [
+        (v["label"], v["ttft"], b.get("ttft", {}).get(k, {}).get("ttft"))
+        for k, v in a["ttft"].items()
+    ]
     for part in ("publish", "decomposition", "restore_steps", "capture_paths"):
-        rows += [(f"[{part}]", None, None), *common.walk(
-            {k: v for k, v in a[part].items() if k not in counts}, b.get(part))]
+        rows += [
+            (f"[{part}]", None, None),
+            *common.walk({k: v for k, v in a[part].items() if k not in counts}, b.get(part)),
+        ]
     r, g, h, m, p = a["ratios"], a["goals_met"], a["hit"], a["memory"], a["publish"]
-    return "\n".join([
-        common.summary_table(rows),
-        "ratios of TTFT p50: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if v),
-        f"goals: hit/floor <= {GOAL_HIT_OVER_FLOOR}, cold/hit >= {GOAL_COLD_OVER_HIT:g}: {g}",
-        f"hit: tokens restored {h['tokens_restored']}, evaluated {h['tokens_evaluated']}; blob "
-        f"{m['blob_bytes'] / 1e6:.1f} MB; attach {f(h['attach_seconds'])}; capture() "
-        f"{p['capture_fraction'].get('p50', 0) * 100:.1f} % of a request; blobs published per "
-        f"request {p['captures_published_per_request'].get('mean', 0):.2f}",
-        f"greedy text equal to cold: {a['same_text_as_cold']}",
-        f"LlamaRAMCache: {m['ramcache_entries']} entries, counted "
-        f"{m['ramcache_counted_bytes'] / 1e6:.0f} MB + uncounted "
-        f"{m['ramcache_uncounted_scores_bytes_per_entry'] / 1e6:.0f} MB of scores per entry; "
-        f"peak RSS {m['ramcache_peak_rss_bytes'] / 1e9:.2f} GB (cold "
-        f"{m['cold_peak_rss_bytes'] / 1e9:.2f} GB)"
-        + (f"; ABORTED: {m['ramcache_aborted']}" if m["ramcache_aborted"] else "")])
+    return "\n".join(
+        [
+            common.summary_table(rows),
+            "ratios of TTFT p50: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if v),
+            f"goals: hit/floor <= {GOAL_HIT_OVER_FLOOR}, cold/hit >= {GOAL_COLD_OVER_HIT:g}: {g}",
+            f"hit: tokens restored {h['tokens_restored']}, evaluated {h['tokens_evaluated']}; blob "
+            f"{m['blob_bytes'] / 1e6:.1f} MB; attach {f(h['attach_seconds'])}; capture() "
+            f"{p['capture_fraction'].get('p50', 0) * 100:.1f} % of a request; blobs published per "
+            f"request {p['captures_published_per_request'].get('mean', 0):.2f}",
+            f"greedy text equal to cold: {a['same_text_as_cold']}",
+            f"LlamaRAMCache: {m['ramcache_entries']} entries, counted "
+            f"{m['ramcache_counted_bytes'] / 1e6:.0f} MB + uncounted "
+            f"{m['ramcache_uncounted_scores_bytes_per_entry'] / 1e6:.0f} MB of scores per entry; "
+            f"peak RSS {m['ramcache_peak_rss_bytes'] / 1e9:.2f} GB (cold "
+            f"{m['cold_peak_rss_bytes'] / 1e9:.2f} GB)"
+            + (f"; ABORTED: {m['ramcache_aborted']}" if m["ramcache_aborted"] else ""),
+        ]
+    )
 
 
 def plot(plt: Any, res: dict[str, Any]) -> Any:
     a = res["analysis"]
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
     r, t = a["ratios"], a["ttft"]
-    common.hbars(axes[0], [(t[k]["label"].replace(", ", ",\n", 1), t[k]["ttft"]["p50"] * 1e3,
-                            t[k]["ttft"]["p99"] * 1e3) for k in (
-        "cold", "ramcache", "hit", "hit_nopublish", "floor_b", "floor", "local")
-        if t[k]["ttft"].get("n")], lambda v: common.fmt_s(v / 1e3),
+    common.hbars(
+        axes[0],
+        [
+            (
+                t[k]["label"].replace(", ", ",\n", 1),
+                t[k]["ttft"]["p50"] * 1e3,
+                t[k]["ttft"]["p99"] * 1e3,
+            )
+            for k in ("cold", "ramcache", "hit", "hit_nopublish", "floor_b", "floor", "local")
+            if t[k]["ttft"].get("n")
+        ],
+        lambda v: common.fmt_s(v / 1e3),
         f"TTFT, {res['config']['prefix_tokens']}-token shared prefix\ncold/hit "
         f"{r['cold_over_hit_p50']:.0f}x (goal ≥{GOAL_COLD_OVER_HIT:.0f}), hit/floor "
         f"{r['hit_over_floor_p50']:.2f} (goal ≤{GOAL_HIT_OVER_FLOOR:.2f})",
-        "time to first token, ms (log)", log=True)
+        "time to first token, ms (log)",
+        log=True,
+    )
     ax = axes[1]
     d, st = a["decomposition"], a["restore_steps"]
 
@@ -581,15 +702,24 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         return (s or {}).get("p50", 0.0) * 1e3
 
     restore, cap = p50(d["hit_restore"]), p50(d["hit_capture_before_first_chunk"])
-    groups = [("restore: round trips (acquire, finish)",
-               p50(st.get("restore/acquire")) + p50(st.get("restore/finish")), "#e9a"),
-              ("restore: verify_payload (XXH3)", p50(st.get("restore/verify_payload")), "#c6c"),
-              ("restore: set_data", p50(st.get("restore/set_data")), "#37a")]
-    groups += [("restore: the rest (digests, lookup, checks)",
-                max(0.0, restore - sum(g[1] for g in groups)), "#fc6"),
-               ("capture() before the 1st chunk", cap, "#d44"),
-               ("the rest (tokenize, eval suffix, sample)", p50(d["hit_ttft"]) - restore - cap,
-                "#bbb")]
+    groups = [
+        (
+            "restore: round trips (acquire, finish)",
+            p50(st.get("restore/acquire")) + p50(st.get("restore/finish")),
+            "#e9a",
+        ),
+        ("restore: verify_payload (XXH3)", p50(st.get("restore/verify_payload")), "#c6c"),
+        ("restore: set_data", p50(st.get("restore/set_data")), "#37a"),
+    ]
+    groups += [
+        (
+            "restore: the rest (digests, lookup, checks)",
+            max(0.0, restore - sum(g[1] for g in groups)),
+            "#fc6",
+        ),
+        ("capture() before the 1st chunk", cap, "#d44"),
+        ("the rest (tokenize, eval suffix, sample)", p50(d["hit_ttft"]) - restore - cap, "#bbb"),
+    ]
     left = 0.0
     for name, v, color in groups:
         ax.barh(["shmkv hit"], [v], left=left, color=color, label=name)
@@ -603,59 +733,126 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
     p = a["publish"]
     vals = [p50(p["request_off"]), p50(p["request_on"])]
     ax.bar(["publish off", "publish on"], vals, color=["#7b9", "#3a7"])
-    ax.bar(["publish on"], [p50(p["capture_per_request"])], color="#d44",
-           label="inside capture()")
+    ax.bar(["publish on"], [p50(p["capture_per_request"])], color="#d44", label="inside capture()")
     for x, v in enumerate(vals):
         ax.text(x, v, f"{v:.0f} ms", ha="center", va="bottom", fontsize=9)
-    ax.set(ylabel=f"request time, ms (p50, {p['max_tokens']} tokens generated)",
-           ylim=(0, max(vals) * 1.15))
-    ax.set_title(f"publish cost: request on/off {p['request_on_over_off_p50']:.3f},\n"
-                 f"time in capture() {p['capture_fraction']['p50'] * 100:.1f} % of a request",
-                 fontsize=10)
+    ax.set(
+        ylabel=f"request time, ms (p50, {p['max_tokens']} tokens generated)",
+        ylim=(0, max(vals) * 1.15),
+    )
+    ax.set_title(
+        f"publish cost: request on/off {p['request_on_over_off_p50']:.3f},\n"
+        f"time in capture() {p['capture_fraction']['p50'] * 100:.1f} % of a request",
+        fontsize=10,
+    )
     ax.legend(fontsize=8)
     m, c = res["machine"], res["config"]
-    fig.suptitle(f"shmkv {m['versions']['shmkv']} restore benchmark — Gemma 3 270M Q4_K_M, "
-                 f"n_ctx {c['ctx']['n_ctx']}, {c['ctx']['n_threads']} threads — {m['cpu']}, "
-                 f"{m['cores']} cores — load {res['quiet']['loadavg'][0]:.2f} at start"
-                 + (" (quick)" if c["quick"] else ""), fontsize=10)
+    fig.suptitle(
+        f"shmkv {m['versions']['shmkv']} restore benchmark — Gemma 3 270M Q4_K_M, "
+        f"n_ctx {c['ctx']['n_ctx']}, {c['ctx']['n_threads']} threads — {m['cpu']}, "
+        f"{m['cores']} cores — load {res['quiet']['loadavg'][0]:.2f} at start"
+        + (" (quick)" if c["quick"] else ""),
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
 
 
 # ===================================================================== main
 
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--out", "out_dir", default=str(HERE / "out"), show_default=True,
-              type=click.Path(file_okay=False), help="Where restore.json and restore.png go.")
-@click.option("--prefix-tokens", type=int, default=None,
-              help="Shared prefix length in tokens [2000; quick 600].")
-@click.option("--suffix-tokens", type=int, default=10, show_default=True,
-              help="Suffix length in tokens (a different suffix per request).")
+@click.option(
+    "--out",
+    "out_dir",
+    default=str(HERE / "out"),
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where restore.json and restore.png go.",
+)
+@click.option(
+    "--prefix-tokens",
+    type=int,
+    default=None,
+    help="Shared prefix length in tokens [2000; quick 600].",
+)
+@click.option(
+    "--suffix-tokens",
+    type=int,
+    default=10,
+    show_default=True,
+    help="Suffix length in tokens (a different suffix per request).",
+)
 @click.option("--repeats", type=int, default=None, help="Timed requests per arm [7; quick 2].")
-@click.option("--max-tokens", type=int, default=16, show_default=True,
-              help="Tokens generated per request (request time, publish cost).")
-@click.option("--threads", type=int, default=2, show_default=True,
-              help="n_threads and n_threads_batch of every context.")
-@click.option("--model", type=click.Path(dir_okay=False), default=None,
-              help="GGUF to use [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
+@click.option(
+    "--max-tokens",
+    type=int,
+    default=16,
+    show_default=True,
+    help="Tokens generated per request (request time, publish cost).",
+)
+@click.option(
+    "--threads",
+    type=int,
+    default=2,
+    show_default=True,
+    help="n_threads and n_threads_batch of every context.",
+)
+@click.option(
+    "--model",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="GGUF to use [Gemma 3 270M Q4_K_M, as `shmkv serve`].",
+)
 @click.option("--quick", is_flag=True, help="Smoke run (short prefix, 2 repeats).")
-@click.option("--max-load", type=float, default=0.5, show_default=True,
-              help="Wait until the 1-minute load average is below this before timing.")
-@click.option("--max-wait", type=float, default=300.0, show_default=True,
-              help="Seconds to wait for --max-load; then run anyway and say so in the JSON.")
-@click.option("--baseline", default=str(HERE / "baseline" / "restore.json"), show_default=True,
-              help="Committed baseline to compare with (same mode only).")
-@click.option("--write-baseline", is_flag=True,
-              help="Also copy JSON and PNG to --baseline (only after a quiet run).")
+@click.option(
+    "--max-load",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="Wait until the 1-minute load average is below this before timing.",
+)
+@click.option(
+    "--max-wait",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for --max-load; then run anyway and say so in the JSON.",
+)
+@click.option(
+    "--baseline",
+    default=str(HERE / "baseline" / "restore.json"),
+    show_default=True,
+    help="Committed baseline to compare with (same mode only).",
+)
+@click.option(
+    "--write-baseline",
+    is_flag=True,
+    help="Also copy JSON and PNG to --baseline (only after a quiet run).",
+)
 @click.option("--force-baseline", is_flag=True, help="Write the baseline even after a busy run.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def main(out_dir: str, prefix_tokens: int | None, suffix_tokens: int, repeats: int | None,
-         max_tokens: int, threads: int, model: str | None, quick: bool, max_load: float,
-         max_wait: float, baseline: str, write_baseline: bool, force_baseline: bool,
-         verbose: bool) -> None:
+def main(
+    out_dir: str,
+    prefix_tokens: int | None,
+    suffix_tokens: int,
+    repeats: int | None,
+    max_tokens: int,
+    threads: int,
+    model: str | None,
+    quick: bool,
+    max_load: float,
+    max_wait: float,
+    baseline: str,
+    write_baseline: bool,
+    force_baseline: bool,
+    verbose: bool,
+) -> None:
     """Benchmark TTFT of a shmkv cross-process hit against cold, the floor and LlamaRAMCache."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s",
+    )
     prefix_tokens = prefix_tokens or (600 if quick else 2000)
     repeats = repeats or (2 if quick else 7)
     if not quick and repeats < 5:
@@ -671,74 +868,140 @@ def main(out_dir: str, prefix_tokens: int | None, suffix_tokens: int, repeats: i
     suf = list(enumerate(prompts["suffixes"]))
     S, T = suf[: repeats + 1], suf[repeats + 1 : 2 * repeats + 1]
     U, V = suf[2 * repeats + 1 : -1], suf[-1]
-    log.info("prefix %d tokens, suffixes %s tokens", prompts["prefix_tokens"],
-             sorted(set(prompts["suffix_tokens"])))
-    ctx = dict(n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512,
-               n_ubatch=512, seed=0, verbose=False)
+    log.info(
+        "prefix %d tokens, suffixes %s tokens",
+        prompts["prefix_tokens"],
+        sorted(set(prompts["suffix_tokens"])),
+    )
+    ctx = dict(
+        n_ctx=4096,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=512,
+        n_ubatch=512,
+        seed=0,
+        verbose=False,
+    )
     gen = dict(max_tokens=max_tokens, temperature=0.0, seed=0)
-    plan = {"quick": quick, "model": str(model_path), "model_bytes": model_path.stat().st_size,
-            "ctx": ctx, "gen": gen, "prefix_tokens": prompts["prefix_tokens"],
-            "prefix_target": prefix_tokens, "suffix_tokens": prompts["suffix_tokens"],
-            "suffix_target": suffix_tokens, "repeats": repeats,
-            "warmup_tokens": prompts["warmup_tokens"], "arena_size": ARENA_SIZE,
-            "ramcache_capacity": RAMCACHE_CAPACITY}
+    plan = {
+        "quick": quick,
+        "model": str(model_path),
+        "model_bytes": model_path.stat().st_size,
+        "ctx": ctx,
+        "gen": gen,
+        "prefix_tokens": prompts["prefix_tokens"],
+        "prefix_target": prefix_tokens,
+        "suffix_tokens": prompts["suffix_tokens"],
+        "suffix_target": suffix_tokens,
+        "repeats": repeats,
+        "warmup_tokens": prompts["warmup_tokens"],
+        "arena_size": ARENA_SIZE,
+        "ramcache_capacity": RAMCACHE_CAPACITY,
+    }
     quiet = common.wait_until_quiet(max_load, max_wait)
     arms: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="shmkv-bench-restore-") as tmp, \
-            common.supervisor(Path(tmp), "--size", ARENA_SIZE) as sup:
-        sp = {"model": str(model_path), "ctx": ctx, "gen": gen, "prefix": prompts["prefix"],
-              "prefix_tokens": prompts["prefix_tokens"], "warmup": prompts["warmup"],
-              "name": sup.name, "socket": sup.socket}
-        for spec in ({"arm": "cold", "suffixes": S[1:]},
-                     {"arm": "publisher", "suffixes": [*S[:1], V]},
-                     {"arm": "publisher_exact", "suffixes": S[:1]},
-                     {"arm": "hit_exact", "suffixes": S[1:]},
-                     {"arm": "hit", "suffixes": S[1:], "suffixes_off": T,
-                      "suffixes_breakdown": U},
-                     {"arm": "floor", "suffixes": S[1:], "suffixes_local": S},
-                     {"arm": "ramcache", "suffixes": S}):
+    with (
+        tempfile.TemporaryDirectory(prefix="shmkv-bench-restore-") as tmp,
+        common.supervisor(Path(tmp), "--size", ARENA_SIZE) as sup,
+    ):
+        sp = {
+            "model": str(model_path),
+            "ctx": ctx,
+            "gen": gen,
+            "prefix": prompts["prefix"],
+            "prefix_tokens": prompts["prefix_tokens"],
+            "warmup": prompts["warmup"],
+            "name": sup.name,
+            "socket": sup.socket,
+        }
+        for spec in (
+            {"arm": "cold", "suffixes": S[1:]},
+            {"arm": "publisher", "suffixes": [*S[:1], V]},
+            {"arm": "publisher_exact", "suffixes": S[:1]},
+            {"arm": "hit_exact", "suffixes": S[1:]},
+            {"arm": "hit", "suffixes": S[1:], "suffixes_off": T, "suffixes_breakdown": U},
+            {"arm": "floor", "suffixes": S[1:], "suffixes_local": S},
+            {"arm": "ramcache", "suffixes": S},
+        ):
             arms[spec["arm"]] = run_arm({**sp, **spec}, Path(tmp), sup)
         sup_stats = sup.stats()
     ref = arms["cold"]["context_params"]
-    if differ := {k: d for k, v in arms.items()
-                  if (d := sorted(f for f in ref if v["context_params"].get(f) != ref[f]))}:
+    if differ := {
+        k: d
+        for k, v in arms.items()
+        if (d := sorted(f for f in ref if v["context_params"].get(f) != ref[f]))
+    }:
         raise click.ClickException(f"arms ran with different context settings: {differ}")
     res: dict[str, Any] = {
         **common.header("restore", started, common.llama_versions()),
-        "git": common.code_state(), "quiet": quiet, "loadavg_end": common.loadavg(),
+        "git": common.code_state(),
+        "quiet": quiet,
+        "loadavg_end": common.loadavg(),
         "config": {**plan, "context_params": ref},
-        "goals": {"hit_over_floor_max": GOAL_HIT_OVER_FLOOR,
-                  "cold_over_hit_min": GOAL_COLD_OVER_HIT},
+        "goals": {
+            "hit_over_floor_max": GOAL_HIT_OVER_FLOOR,
+            "cold_over_hit_min": GOAL_COLD_OVER_HIT,
+        },
         "noise": {k: v["process"] for k, v in arms.items()},
-        "supervisor_stats": {k: sup_stats.get(k) for k in (
-            "entries", "bytes_used", "hits", "misses", "tokens_restored", "tokens_evaluated",
-            "restore_failures", "puts", "duplicate_puts", "rejected_puts", "evictions",
-            "chunk_tokens")},
-        "analysis": analyse(arms, plan), "arms": arms}
-    res["noisy_arms"] = noisy = {k: round(v["foreign_cores"], 2) for k, v in res["noise"].items()
-                                 if v["foreign_cores"] > 0.25}
+        "supervisor_stats": {
+            k: sup_stats.get(k)
+            for k in (
+                "entries",
+                "bytes_used",
+                "hits",
+                "misses",
+                "tokens_restored",
+                "tokens_evaluated",
+                "restore_failures",
+                "puts",
+                "duplicate_puts",
+                "rejected_puts",
+                "evictions",
+                "chunk_tokens",
+            )
+        },
+        "analysis": analyse(arms, plan),
+        "arms": arms,
+    }
+    res["noisy_arms"] = noisy = {
+        k: round(v["foreign_cores"], 2)
+        for k, v in res["noise"].items()
+        if v["foreign_cores"] > 0.25
+    }
     m = res["machine"]
-    click.echo(f"\nshmkv {m['versions']['shmkv']} restore benchmark: prefix "
-               f"{plan['prefix_tokens']} tokens, {threads} threads; {m['cpu']}, {m['cores']} "
-               f"cores; load {quiet['loadavg'][0]:.2f} at start"
-               + ("" if quiet["quiet"] else " (NOT quiet)") + (" (quick run)" if quick else ""))
+    click.echo(
+        f"\nshmkv {m['versions']['shmkv']} restore benchmark: prefix "
+        f"{plan['prefix_tokens']} tokens, {threads} threads; {m['cpu']}, {m['cores']} "
+        f"cores; load {quiet['loadavg'][0]:.2f} at start"
+        + ("" if quiet["quiet"] else " (NOT quiet)")
+        + (" (quick run)" if quick else "")
+    )
     click.echo(table(res, common.load_baseline(Path(baseline), quick)))
     if noisy:
         click.echo(f"\nother processes used CPU during: {noisy} (cores, average)")
     busy = not quiet["quiet"] or noisy
     if write_baseline and busy and not force_baseline:
-        click.echo("not writing the baseline: the machine was busy; rerun when quiet or pass "
-                   "--force-baseline")
-    common.write_report(res, Path(out_dir), "restore", plot, Path(baseline) if write_baseline
-                        and (force_baseline or not busy) else None)
+        click.echo(
+            "not writing the baseline: the machine was busy; rerun when quiet or pass "
+            "--force-baseline"
+        )
+    common.write_report(
+        res,
+        Path(out_dir),
+        "restore",
+        plot,
+        Path(baseline) if write_baseline and (force_baseline or not busy) else None,
+    )
     if missed := [k for k, ok in res["analysis"]["goals_met"].items() if not ok]:
         click.echo(f"goals missed: {', '.join(missed)}")
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "_arm":
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s "
-                            "%(name)s[%(process)d]: %(message)s")
+        logging.basicConfig(
+            level=logging.WARNING,
+            format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+        )
         spec = json.loads(Path(sys.argv[2]).read_text())
         Path(spec["out"]).write_text(json.dumps(arm(spec)))
     else:

