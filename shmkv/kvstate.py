@@ -52,8 +52,10 @@ class Applied:
     """What applying a restore plan did: the tokens restored, or why none."""
 
     restored: int = 0
-    #: (kind, error) of a failure, for the worker's error counts and its log
-    failure: tuple[str, BaseException] | None = None
+    #: (kind, message): the message only, never the exception, whose traceback would
+    #: tie the caller's frame (and the arena view in it) into a reference cycle that
+    #: keeps a replaced arena mapped until the cyclic GC runs
+    failure: tuple[str, str] | None = None
     #: the failure is a restore failure (counted, and reported to the supervisor)
     failed: bool = False
     #: the record failed our checks; the supervisor was asked to re-check it
@@ -82,9 +84,9 @@ def apply(
         return Applied(evicted=True)
     except ArenaCorruptError as e:
         _suspect(reader, hit)
-        return Applied(failure=("corrupt record", e), failed=True, corrupt=True)
+        return Applied(failure=("corrupt record", str(e)), failed=True, corrupt=True)
     except ShmkvError as e:
-        return Applied(failure=("supervisor unavailable", e))
+        return Applied(failure=("supervisor unavailable", str(e)))
     restored = 0
     try:
         try:
@@ -102,14 +104,14 @@ def apply(
         finally:
             lease.finish(restored)
     except LeaseLost as e:  # (the bytes may have changed under the copy: not a bad record)
-        return Applied(failure=("lease revoked", e))
+        return Applied(failure=("lease revoked", str(e)))
     except ArenaCorruptError as e:
         _suspect(reader, hit)
-        return Applied(failure=("corrupt record", e), failed=True, corrupt=True)
+        return Applied(failure=("corrupt record", str(e)), failed=True, corrupt=True)
     except ModelMismatchError as e:
-        return Applied(failure=("model mismatch", e), failed=True)
+        return Applied(failure=("model mismatch", str(e)), failed=True)
     except ShmkvError as e:
-        return Applied(failure=("cache error", e), failed=True)
+        return Applied(failure=("cache error", str(e)), failed=True)
     return Applied(restored=restored)
 
 
