@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import random
 import resource
 import subprocess
@@ -162,52 +161,6 @@ def floor_restorer(
     return restore, set_times
 
 
-def capture_paths(llm: Any, spec: dict[str, Any], reps: int) -> dict[str, list[float]]:
-    """``get_data`` of the prefix state through ``Client.prepare`` (as ``capture()``), into a
-    memfd created, mapped and unmapped per blob, and into a private buffer (the floor)."""
-    import mmap
-
-    import llama_cpp.llama_cpp as llama_c
-    import numpy as np
-
-    from shmkv.client import Client
-
-    size = llama_c.llama_state_seq_get_size(llm.ctx, 0)
-
-    def fill(addr: int, sz: int) -> None:
-        if (
-            got := llama_c.llama_state_seq_get_data(
-                llm.ctx, ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), sz, 0
-            )
-        ) != sz:
-            raise RuntimeError(f"get_data wrote {got} of {sz} bytes")
-
-    def fresh_memfd() -> None:
-        fd = os.memfd_create("bench-fresh", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-            with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as mm:
-                buf = np.frombuffer(mm, dtype=np.uint8)
-                fill(buf.ctypes.data, size)
-                del buf
-        finally:
-            os.close(fd)
-
-    private = np.zeros(size, dtype=np.uint8)
-    out: dict[str, list[float]] = {"client_prepare": [], "fresh_memfd": [], "private_buffer": []}
-    with Client(name=spec["name"], socket_path=spec["socket"], populate=False) as client:
-        for _ in range(reps):
-            for key, fn in (
-                ("client_prepare", lambda: client.prepare(size, fill).close()),
-                ("fresh_memfd", fresh_memfd),
-                ("private_buffer", lambda: fill(private.ctypes.data, size)),
-            ):
-                t = time.perf_counter()
-                fn()
-                out[key].append(time.perf_counter() - t)
-    return out
-
-
 def arm(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one arm; returns its JSON-able result."""
     import llama_cpp
@@ -324,7 +277,6 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
             res["requests"].append(
                 {**run(s, before=restore, suffix=i), "set_data_seconds": set_times[-1]}
             )
-        res["capture_paths"] = capture_paths(llm, spec, max(5, 3 * len(spec["suffixes"])))
         llm.reset()  # llama-cpp-python's own same-process prefix reuse: no reset from here on
         (_, s0), *rest = spec["suffixes_local"]
         res["local_first"] = stream(llm, prefix + s0, gen)
@@ -615,7 +567,6 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
             "get_data_seconds": floor["get_data_seconds"],
             "prefix_eval_seconds": floor["prefix_eval_seconds"],
         },
-        "capture_paths": {k: S(v) for k, v in floor["capture_paths"].items()},
         "decomposition": decomposition,
         "restore_steps": restore_steps(b),
         "same_text_as_cold": same,
@@ -647,7 +598,7 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
         (v["label"], v["ttft"], b.get("ttft", {}).get(k, {}).get("ttft"))
         for k, v in a["ttft"].items()
     ]
-    for part in ("publish", "decomposition", "restore_steps", "capture_paths"):
+    for part in ("publish", "decomposition", "restore_steps"):
         rows += [
             (f"[{part}]", None, None),
             *common.walk({k: v for k, v in a[part].items() if k not in counts}, b.get(part)),
