@@ -3,12 +3,12 @@
 Arms, with the same gunicorn settings, n_ctx and llama.cpp threads per worker: ``nocache``
 (llama-cpp-python's ``llama_cpp.server`` app), ``ramcache`` (the same with its per-worker
 ``LlamaRAMCache``, stopped above ``--max-rss``), ``shmkv`` (``shmkv serve`` on a supervisor of
-its own), ``shmkv-exact`` (with ``--exact``), ``shmkv-logits-all`` (diagnostic: logits kept for
-every prompt token). Each request is one of ``--prompts`` system prompts plus a short question
-in Gemma's turn format, streamed from ``/v1/completions`` on a new connection, the same
-sequence in every cell. A cell (arm, concurrency) starts fresh servers, warms every worker up,
-waits for a quiet machine and runs the sequence closed-loop, recording each request's TTFT,
-worker and cache use, and the memory and CPU of every server process.
+its own), ``shmkv-exact`` (with ``--exact``). Each request is one of ``--prompts`` system
+prompts plus a short question in Gemma's turn format, streamed from ``/v1/completions`` on a
+new connection, the same sequence in every cell. A cell (arm, concurrency) starts fresh
+servers, warms every worker up, waits for a quiet machine and runs the sequence closed-loop,
+recording each request's TTFT, worker and cache use, and the memory and CPU of every server
+process (and the CPU other processes used meanwhile).
 
     python bench/bench_serve.py                    # full run (~30-40 min)
     python bench/bench_serve.py --quick            # smoke run (~3 min)
@@ -47,14 +47,12 @@ ARMS = {
     "nocache": "llama_cpp.server, no cache",
     "ramcache": "llama_cpp.server + LlamaRAMCache",
     "shmkv": "shmkv serve",
-    "shmkv-logits-all": "shmkv serve, logits_all=True (diagnostic)",
     "shmkv-exact": "shmkv serve --exact (hits bit for bit a cold run's)",
 }
 COLORS = {
     "nocache": "#888888",
     "ramcache": "#cc8844",
     "shmkv": "#33aa77",
-    "shmkv-logits-all": "#3377aa",
     "shmkv-exact": "#2266cc",
 }
 THEMES = [  # deterministic, varied system prompts: an opening and a line generator
@@ -139,13 +137,11 @@ def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: i
 def start_server(
     arm: str, cfg: dict[str, Any], workdir: Path, sup: common.Supervisor | None
 ) -> common.Server:
-    extra = {"SHMKV_LOGITS_ALL": "true", "LOGITS_ALL": "true"} if arm.endswith("logits-all") else {}
     port, n = common.free_port(), cfg["workers"]
     if sup is not None:
         return common.Server.shmkv(
             sup,
             {
-                **extra,
                 "SHMKV_MODEL": cfg["model"],
                 "SHMKV_THREADS": str(cfg["threads"]),
                 "SHMKV_N_CTX": str(cfg["n_ctx"]),
@@ -159,7 +155,6 @@ def start_server(
         )
     env = common.child_env(
         {
-            **extra,
             "MODEL": cfg["model"],
             "N_CTX": str(cfg["n_ctx"]),
             "N_THREADS": str(cfg["threads"]),
@@ -496,7 +491,7 @@ def cache_class(r: dict[str, Any], sys_tokens: int) -> str:
     return "local" if k["reused_local_tokens"] >= sys_tokens // 2 else "cold"
 
 
-def queueing(done: list[dict[str, Any]], workers: list[int], sys_tokens: int) -> dict[str, Any]:
+def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
     """Requests sent while the worker that served them was busy with another one.
 
     A uvicorn worker keeps accepting connections while its one llama context is busy, so a
@@ -515,8 +510,7 @@ def queueing(done: list[dict[str, Any]], workers: list[int], sys_tokens: int) ->
         }
         busy.append(r["worker_pid"] in inflight)
         misrouted.append(busy[-1] and any(w not in inflight for w in known))
-    idle = [r for r, b in zip(done, busy, strict=True) if not b]
-    out = {
+    return {
         "n": len(done),
         "landed_on_busy": sum(busy),
         "landed_on_busy_while_another_idle": sum(misrouted),
@@ -524,22 +518,10 @@ def queueing(done: list[dict[str, Any]], workers: list[int], sys_tokens: int) ->
         "ttft_landed_on_busy": common.summary(
             [r["ttft"] for r, b in zip(done, busy, strict=True) if b]
         ),
-        "ttft_landed_on_idle": common.summary([r["ttft"] for r in idle]),
+        "ttft_landed_on_idle": common.summary(
+            [r["ttft"] for r, b in zip(done, busy, strict=True) if not b]
+        ),
     }
-    if all(r["shmkv"] for r in done) and any(misrouted):
-        # the mean had no request waited while a worker idled: each such request gets the
-        # mean TTFT of its cache class among the requests that found their worker idle
-        by_class: dict[str, list[float]] = {}
-        for r in idle:
-            by_class.setdefault(cache_class(r, sys_tokens), []).append(r["ttft"])
-        means = {k: sum(v) / len(v) for k, v in by_class.items()}
-        est = [
-            means.get(cache_class(r, sys_tokens), r["ttft"]) if m else r["ttft"]
-            for r, m in zip(done, misrouted, strict=True)
-        ]
-        out["ttft_idle_by_class"] = {k: common.summary(v) for k, v in by_class.items()}
-        out["estimated_mean_ttft_without_misrouting"] = sum(est) / len(est)
-    return out
 
 
 def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]:
@@ -662,7 +644,7 @@ def analyse_cell(
         "quiet": c["quiet"],
         "noise": c["noise"],
         "startup_s": c["startup_s"],
-        "queueing": queueing(ok, c["worker_pids"], sys_tokens),
+        "queueing": queueing(ok, c["worker_pids"]),
     }
     if c["arm"].startswith("shmkv"):
         out["cache"] = shmkv_breakdown(ok, sys_tokens)
@@ -766,7 +748,6 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
             "cold share",
             "on busy",
             "busy+idle",
-            "no-misroute mean",
             "puts",
             "dup puts",
             "evictions",
@@ -792,7 +773,6 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
                 f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
                 str(q.get("landed_on_busy", "-")),
                 str(q.get("landed_on_busy_while_another_idle", "-")),
-                f(q.get("estimated_mean_ttft_without_misrouting")),
                 str(d.get("puts", "-")),
                 str(d.get("duplicate_puts", "-")),
                 str(d.get("evictions", "-")),
@@ -993,20 +973,6 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
     help="Seconds to wait for --max-load; then run anyway and say so in the JSON.",
 )
 @click.option(
-    "--max-foreign",
-    type=float,
-    default=0.3,
-    show_default=True,
-    help="Re-run a cell when other processes used more cores than this during it.",
-)
-@click.option(
-    "--noisy-retries",
-    type=int,
-    default=2,
-    show_default=True,
-    help="How often a noisy cell is re-run (the last attempt is kept).",
-)
-@click.option(
     "--timeout",
     type=float,
     default=900.0,
@@ -1030,7 +996,7 @@ def main(**o: Any) -> None:
     """Serve shared system prompts from gunicorn workers: no cache vs LlamaRAMCache vs shmkv."""
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    from shmkv.config import SETTINGS, parse_size
+    from shmkv.config import parse_size
 
     logging.basicConfig(
         level=logging.DEBUG if o["verbose"] else logging.INFO,
@@ -1063,14 +1029,12 @@ def main(**o: Any) -> None:
         "ramcache_size_per_worker": parse_size(o["ramcache_size"]),
         "max_rss": parse_size(o["max_rss"]),
         "min_available": parse_size(o["min_available"]),
-        **{k: o[k] for k in ("max_load", "max_wait", "noisy_retries", "timeout")},
-        "max_foreign_cores": o["max_foreign"],
+        **{k: o[k] for k in ("max_load", "max_wait", "timeout")},
         "endpoint": "/v1/completions",
         "stream": True,
         "temperature": 0.0,
         "prompt_format": TURN.format("{system}\n{question}"),
         "new_connection_per_request": True,
-        "shmkv_logits_all_default": SETTINGS["logits_all"].default,
     }
     if cfg["prompt_tokens_target"] + cfg["max_tokens"] + 64 > cfg["n_ctx"]:
         raise click.BadParameter("prompt + max tokens must fit --n-ctx")
@@ -1099,7 +1063,9 @@ def main(**o: Any) -> None:
         with tempfile.TemporaryDirectory(prefix="shmkv-bench-serve-") as tmp:
             for arm in arms:
                 for cc in cfg["concurrency"]:
-                    cell, discarded = run_cell_quietly(arm, cc, cfg, wl, Path(tmp))
+                    n_cell = cfg["cacheless_requests"] if arm in ("nocache", "ramcache") else n
+                    log.info("cell %s, concurrency %d, %d requests", arm, cc, n_cell)
+                    cell = run_cell(arm, cc, n_cell, cfg, wl, Path(tmp))
                     cells.append(cell)
                     nocache = next(
                         (
@@ -1110,7 +1076,7 @@ def main(**o: Any) -> None:
                         None,
                     )
                     a = analyse_cell(cell, min(wl.system_tokens), nocache)
-                    analysed.append({**a, "discarded_noisy_attempts": discarded})
+                    analysed.append(a)
                     log.info(
                         "  %s c=%d: %d ok, %d errors, mean TTFT %s, p99 %s, %.2f req/s%s",
                         arm,
@@ -1181,40 +1147,6 @@ def main(**o: Any) -> None:
     )
     if interrupted:
         raise SystemExit(130)
-
-
-def run_cell_quietly(
-    arm: str, cc: int, cfg: dict[str, Any], wl: Workload, workdir: Path
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A cell, run again (up to --noisy-retries times) while other processes used more than
-    --max-foreign cores during it; the cell kept and the attempts discarded."""
-    n = cfg["cacheless_requests"] if arm in ("nocache", "ramcache") else cfg["requests"]
-    discarded = []
-    for attempt in range(cfg["noisy_retries"] + 1):
-        log.info("cell %s, concurrency %d, %d requests (attempt %d)", arm, cc, n, attempt + 1)
-        cell = run_cell(arm, cc, n, cfg, wl, workdir)
-        foreign = cell["noise"]["foreign_cores"]
-        if (
-            cell["aborted"]
-            or foreign <= cfg["max_foreign_cores"]
-            or attempt == cfg["noisy_retries"]
-        ):
-            return cell, discarded
-        discarded.append(
-            {
-                "attempt": attempt + 1,
-                "noise": cell["noise"],
-                "quiet": cell["quiet"],
-                "ttft_mean": common.summary([r["ttft"] for r in cell["results"] if r["ttft"]]).get(
-                    "mean"
-                ),
-            }
-        )
-        log.warning(
-            "other processes used %.2f cores during the cell (> --max-foreign): measuring it again",
-            foreign,
-        )
-    raise AssertionError("unreachable")
 
 
 def _sigterm(_signum: int, _frame: Any) -> None:
