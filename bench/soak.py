@@ -200,7 +200,7 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
     "--baseline",
     default=str(HERE / "baseline" / "soak.json"),
     show_default=True,
-    help="Committed run to compare with.",
+    help="Where --write-baseline copies the run.",
 )
 @click.option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline.")
 def main(
@@ -293,23 +293,12 @@ def main(
         },
         "samples": samples,
     }
-    base = (common.load_baseline(Path(baseline), None) or {}).get("summary", {})
-    s = res["summary"]
-    rows = [["", "this run", "baseline"]] + [
-        [k, str(s[k]), str(base.get(k, "-"))]
-        for k in ("requests", "errors", "ttft_p50", "ttft_p99", "rss_first", "rss_last")
-    ]
-    for k in (
-        "hits",
-        "misses",
-        "tokens_restored",
-        "restore_failures",
-        "evictions",
-        "puts",
-        "rejected_puts",
-    ):
-        rows.append([k, str(final.get(k)), str(base.get("final_stats", {}).get(k, "-"))])
-    click.echo(common.grid(rows))
+    s, keys = res["summary"], "hits misses tokens_restored restore_failures puts evictions"
+    click.echo(
+        f"\n{s['requests']} requests, {s['errors']} errors; TTFT p50 {s['ttft_p50']} s, p99 "
+        f"{s['ttft_p99']} s; "
+        + ", ".join(f"{k} {final.get(k)}" for k in (*keys.split(), "rejected_puts"))
+    )
     common.write_report(
         res, Path(out_dir), "soak", plot, Path(baseline) if write_baseline else None
     )
