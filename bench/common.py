@@ -289,22 +289,12 @@ def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
 # -------------------------------------------------------------------- processes
 
 
-def child_env(
-    extra: dict[str, str] | None = None, drop: Callable[[str], bool] | None = None
-) -> dict[str, str]:
-    """Our environment for a child: no SHMKV_* (nor what ``drop`` picks), this checkout first
-    on PYTHONPATH (so children run the code measured, as ``shmkv`` and ``shmkv_workers``)."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("SHMKV_") and not (drop and drop(k))
-    }
-    pkg = HERE / "out" / "pkg"
-    if not (pkg / "shmkv_workers").exists():  # workers/ installs as shmkv_workers
-        pkg.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            (pkg / "shmkv_workers").symlink_to(ROOT / "workers", target_is_directory=True)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(pkg), *filter(None, [os.environ.get("PYTHONPATH")])]
-    )
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Our environment for a child, without SHMKV_*, with this checkout first on PYTHONPATH so
+    that children run the ``shmkv`` measured (``shmkv_workers``, the gunicorn side, is where
+    the editable install maps it: `pip install -e .`)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMKV_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
