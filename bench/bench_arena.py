@@ -405,11 +405,7 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         "lookup to usable pointer, 16 MiB blob",
         "ms",
     )
-    m = res["machine"]
-    fig.suptitle(
-        f"shmkv {m['versions']['shmkv']} arena benchmark — {m['cpu']}, {m['cores']} "
-        f"cores" + (" (quick)" if res["config"]["quick"] else "")
-    )
+    fig.suptitle(common.title(res, "arena"))
     fig.tight_layout()
     return fig
 
@@ -470,15 +466,7 @@ def run(plan: Plan) -> dict[str, Any]:
     }
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--out",
-    "out_dir",
-    default=str(HERE / "out"),
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Where arena.json and arena.png go.",
-)
+@common.command("arena")
 @click.option("--quick", is_flag=True, help="Smoke run of a few seconds (small counts).")
 @click.option("--entries", type=int, default=None, help="Small entries to fill [100000].")
 @click.option("--size", default=None, help="Arena --size [4G; quick 512M].")
@@ -487,24 +475,14 @@ def run(plan: Plan) -> dict[str, Any]:
 @click.option("--reads", type=int, default=None, help="Timed lookup-to-pointer reads [300].")
 @click.option("--lookups", type=int, default=None, help="Timed lookups [30000].")
 @click.option("--seed", type=int, default=1, show_default=True)
-@click.option(
-    "--baseline",
-    default=str(HERE / "baseline" / "arena.json"),
-    show_default=True,
-    help="Committed baseline to compare with (same mode only).",
-)
-@click.option("--write-baseline", is_flag=True, help="Also copy the result to --baseline.")
-def main(
-    out_dir: str, quick: bool, size: str | None, baseline: str, write_baseline: bool, **over: Any
-) -> None:
+def main(report: common.Report, quick: bool, size: str | None, **over: Any) -> None:
     """Benchmark shmkv's arena against a real supervisor; print a table, write JSON and PNG."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     over["size"] = parse_size(size) if size else None
     plan = Plan(quick=quick, **{**PLANS[quick], **{k: v for k, v in over.items() if v}})
-    started, load_before = time.time(), common.loadavg()
+    load_before = common.loadavg()
     res = run(plan)
     res = {
-        **common.header("arena", started),
+        **report.header(),
         "config": {
             **asdict(plan),
             "blob_bytes": BLOB,
@@ -520,15 +498,13 @@ def main(
         "lookup.all": res["lookup"]["all"]["p50_us"] <= GOAL_LOOKUP_P50_US,
         "put.total": res["put"]["throughput_gbps"] >= GOAL_PUT_GBPS,
     }
-    base = common.load_baseline(Path(baseline), quick) or {}
+    base = report.baseline(quick) or {}
     rows: list[tuple[str, Any, Any]] = []
     for part in ("lookup", "put", "read"):
         rows += [(f"[{part}]", None, None), *common.walk(res[part], base.get(part))]
-    m, pr = res["machine"], res["lookup"]["probes_per_lookup"]
+    pr, load_after = res["lookup"]["probes_per_lookup"], res["load_average"]["after"]
     click.echo(
-        f"\nshmkv {m['versions']['shmkv']} arena benchmark: {m['cpu']}, {m['cores']} "
-        f"cores; load {load_before[0]} before, {res['load_average']['after'][0]} after"
-        + (" (quick run)" if quick else "")
+        f"\n{common.title(res, 'arena')}; load {load_before[0]} before, {load_after[0]} after"
     )
     click.echo(common.summary_table(rows, 1e-6, "_us"))
     click.echo(
@@ -536,9 +512,7 @@ def main(
         f"{res['put']['throughput_gbps']} GB/s; goals (lookup p50 <= "
         f"{GOAL_LOOKUP_P50_US:g} us, put >= {GOAL_PUT_GBPS:g} GB/s): {res['goals_met']}"
     )
-    common.write_report(
-        res, Path(out_dir), "arena", plot, Path(baseline) if write_baseline else None
-    )
+    report.write(res, plot)
 
 
 if __name__ == "__main__":

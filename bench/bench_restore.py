@@ -697,12 +697,10 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         fontsize=10,
     )
     ax.legend(fontsize=8)
-    m, c = res["machine"], res["config"]
+    ctx = res["config"]["ctx"]
     fig.suptitle(
-        f"shmkv {m['versions']['shmkv']} restore benchmark — Gemma 3 270M Q4_K_M, "
-        f"n_ctx {c['ctx']['n_ctx']}, {c['ctx']['n_threads']} threads — {m['cpu']}, "
-        f"{m['cores']} cores — load {res['quiet']['loadavg'][0]:.2f} at start"
-        + (" (quick)" if c["quick"] else ""),
+        f"{common.title(res, 'restore')}; Gemma 3 270M Q4_K_M, n_ctx {ctx['n_ctx']}, "
+        f"{ctx['n_threads']} threads; load {res['quiet']['loadavg'][0]:.2f} at start",
         fontsize=10,
     )
     fig.tight_layout()
@@ -712,79 +710,22 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
 # ===================================================================== main
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--out",
-    "out_dir",
-    default=str(HERE / "out"),
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Where restore.json and restore.png go.",
-)
-@click.option(
-    "--prefix-tokens",
-    type=int,
-    default=None,
-    help="Shared prefix length in tokens [2000; quick 600].",
-)
-@click.option(
-    "--suffix-tokens",
-    type=int,
-    default=10,
-    show_default=True,
-    help="Suffix length in tokens (a different suffix per request).",
-)
-@click.option("--repeats", type=int, default=None, help="Timed requests per arm [7; quick 2].")
-@click.option(
-    "--max-tokens",
-    type=int,
-    default=16,
-    show_default=True,
-    help="Tokens generated per request (request time, publish cost).",
-)
-@click.option(
-    "--threads",
-    type=int,
-    default=2,
-    show_default=True,
-    help="n_threads and n_threads_batch of every context.",
-)
-@click.option(
-    "--model",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="GGUF to use [Gemma 3 270M Q4_K_M, as `shmkv serve`].",
-)
-@click.option("--quick", is_flag=True, help="Smoke run (short prefix, 2 repeats).")
-@click.option(
-    "--max-load",
-    type=float,
-    default=0.5,
-    show_default=True,
-    help="Wait until the 1-minute load average is below this before timing.",
-)
-@click.option(
-    "--max-wait",
-    type=float,
-    default=300.0,
-    show_default=True,
-    help="Seconds to wait for --max-load; then run anyway and say so in the JSON.",
-)
-@click.option(
-    "--baseline",
-    default=str(HERE / "baseline" / "restore.json"),
-    show_default=True,
-    help="Committed baseline to compare with (same mode only).",
-)
-@click.option(
-    "--write-baseline",
-    is_flag=True,
-    help="Also copy JSON and PNG to --baseline (only after a quiet run).",
-)
-@click.option("--force-baseline", is_flag=True, help="Write the baseline even after a busy run.")
-@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+opt = common.option
+
+
+@common.command("restore")
+@opt("--prefix-tokens", type=int, help="Shared prefix length in tokens [2000; quick 600].")
+@opt("--suffix-tokens", default=10, help="Suffix length in tokens (one suffix per request).")
+@opt("--repeats", type=int, help="Timed requests per arm [7; quick 2].")
+@opt("--max-tokens", default=16, help="Tokens generated per request (publish cost).")
+@opt("--threads", default=2, help="n_threads and n_threads_batch of every context.")
+@opt("--model", help="GGUF to use [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
+@opt("--quick", is_flag=True, help="Smoke run (short prefix, 2 repeats).")
+@opt("--max-load", default=0.5, help="Wait until the 1-minute load average is below this.")
+@opt("--max-wait", default=300.0, help="Seconds to wait for --max-load, then run anyway.")
+@opt("--force-baseline", is_flag=True, help="--write-baseline even after a busy run.")
 def main(
-    out_dir: str,
+    report: common.Report,
     prefix_tokens: int | None,
     suffix_tokens: int,
     repeats: int | None,
@@ -794,23 +735,15 @@ def main(
     quick: bool,
     max_load: float,
     max_wait: float,
-    baseline: str,
-    write_baseline: bool,
     force_baseline: bool,
-    verbose: bool,
 ) -> None:
     """Benchmark TTFT of a shmkv cross-process hit against cold, the floor and LlamaRAMCache."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(message)s",
-    )
     prefix_tokens = prefix_tokens or (600 if quick else 2000)
     repeats = repeats or (2 if quick else 7)
     if not quick and repeats < 5:
         raise click.BadParameter("use at least 5 repeats for a full run", param_hint="--repeats")
     if prefix_tokens + suffix_tokens + max_tokens + 64 > 4096:
         raise click.BadParameter("prefix + suffix + max tokens must fit n_ctx 4096")
-    started = time.time()
     model_path = common.model_path(model)
     # S0..SR: cold, A (S0), B publish on, floor, local reuse, LlamaRAMCache (the same texts,
     # so outputs compare with cold); T1..TR: B publish off; U1..UR: B instrumented; V: A's
@@ -819,20 +752,10 @@ def main(
     suf = list(enumerate(prompts["suffixes"]))
     S, T = suf[: repeats + 1], suf[repeats + 1 : 2 * repeats + 1]
     U, V = suf[2 * repeats + 1 : -1], suf[-1]
-    log.info(
-        "prefix %d tokens, suffixes %s tokens",
-        prompts["prefix_tokens"],
-        sorted(set(prompts["suffix_tokens"])),
-    )
-    ctx = dict(
-        n_ctx=4096,
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_batch=512,
-        n_ubatch=512,
-        seed=0,
-        verbose=False,
-    )
+    ptoks, stoks = prompts["prefix_tokens"], sorted(set(prompts["suffix_tokens"]))
+    log.info("prefix %d tokens, suffixes %s tokens", ptoks, stoks)
+    ctx = dict(n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, n_ubatch=512)
+    ctx |= dict(seed=0, verbose=False)
     gen = dict(max_tokens=max_tokens, temperature=0.0, seed=0)
     plan = {
         "quick": quick,
@@ -884,7 +807,7 @@ def main(
     }:
         raise click.ClickException(f"arms ran with different context settings: {differ}")
     res: dict[str, Any] = {
-        **common.header("restore", started, common.llama_versions()),
+        **report.header(common.llama_versions()),
         "git": common.code_state(),
         "quiet": quiet,
         "loadavg_end": common.loadavg(),
@@ -894,23 +817,11 @@ def main(
             "cold_over_hit_min": GOAL_COLD_OVER_HIT,
         },
         "noise": {k: v["process"] for k, v in arms.items()},
-        "supervisor_stats": {
-            k: sup_stats.get(k)
-            for k in (
-                "entries",
-                "bytes_used",
-                "hits",
-                "misses",
-                "tokens_restored",
-                "tokens_evaluated",
-                "restore_failures",
-                "puts",
-                "duplicate_puts",
-                "rejected_puts",
-                "evictions",
-                "chunk_tokens",
-            )
-        },
+        "supervisor_stats": common.pick(
+            sup_stats,
+            "entries bytes_used hits misses tokens_restored tokens_evaluated restore_failures "
+            "puts duplicate_puts rejected_puts evictions chunk_tokens",
+        ),
         "analysis": analyse(arms, plan),
         "arms": arms,
     }
@@ -919,30 +830,17 @@ def main(
         for k, v in res["noise"].items()
         if v["foreign_cores"] > 0.25
     }
-    m = res["machine"]
     click.echo(
-        f"\nshmkv {m['versions']['shmkv']} restore benchmark: prefix "
-        f"{plan['prefix_tokens']} tokens, {threads} threads; {m['cpu']}, {m['cores']} "
-        f"cores; load {quiet['loadavg'][0]:.2f} at start"
-        + ("" if quiet["quiet"] else " (NOT quiet)")
-        + (" (quick run)" if quick else "")
+        f"\n{common.title(res, 'restore')}; prefix {ptoks} tokens, {threads} threads; load "
+        f"{quiet['loadavg'][0]:.2f} at start" + ("" if quiet["quiet"] else " (NOT quiet)")
     )
-    click.echo(table(res, common.load_baseline(Path(baseline), quick)))
+    click.echo(table(res, report.baseline(quick)))
     if noisy:
         click.echo(f"\nother processes used CPU during: {noisy} (cores, average)")
-    busy = not quiet["quiet"] or noisy
-    if write_baseline and busy and not force_baseline:
-        click.echo(
-            "not writing the baseline: the machine was busy; rerun when quiet or pass "
-            "--force-baseline"
-        )
-    common.write_report(
-        res,
-        Path(out_dir),
-        "restore",
-        plot,
-        Path(baseline) if write_baseline and (force_baseline or not busy) else None,
-    )
+    refuse = ""
+    if (not quiet["quiet"] or noisy) and not force_baseline:
+        refuse = "the machine was busy; rerun when quiet or pass --force-baseline"
+    report.write(res, plot, refuse)
     if missed := [k for k, ok in res["analysis"]["goals_met"].items() if not ok]:
         click.echo(f"goals missed: {', '.join(missed)}")
 

@@ -18,6 +18,7 @@ process (and the CPU other processes used meanwhile).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -137,68 +138,18 @@ def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: i
 def start_server(
     arm: str, cfg: dict[str, Any], workdir: Path, sup: common.Supervisor | None
 ) -> common.Server:
-    port, n = common.free_port(), cfg["workers"]
+    model, threads, n_ctx = cfg["model"], str(cfg["threads"]), str(cfg["n_ctx"])
     if sup is not None:
-        return common.Server.shmkv(
-            sup,
-            {
-                "SHMKV_MODEL": cfg["model"],
-                "SHMKV_THREADS": str(cfg["threads"]),
-                "SHMKV_N_CTX": str(cfg["n_ctx"]),
-                "SHMKV_LOG_LEVEL": "info",
-                "SHMKV_WORKER_TIMEOUT": "900",
-                "SHMKV_EXACT": str(arm == "shmkv-exact").lower(),
-            },
-            workdir,
-            port,
-            n,
-        )
-    env = common.child_env(
-        {
-            "MODEL": cfg["model"],
-            "N_CTX": str(cfg["n_ctx"]),
-            "N_THREADS": str(cfg["threads"]),
-            "N_THREADS_BATCH": str(cfg["threads"]),
-            "VERBOSE": "false",
-            **(
-                {
-                    "CACHE": "true",
-                    "CACHE_TYPE": "ram",
-                    "CACHE_SIZE": str(cfg["ramcache_size_per_worker"]),
-                }
-                if arm == "ramcache"
-                else {}
-            ),
-        }
-    )
-    # the gunicorn settings of workers/gunicorn_conf.py
-    return common.Server(
-        f"gunicorn-{arm}",
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "-w",
-            str(n),
-            "-k",
-            "uvicorn_worker.UvicornWorker",
-            "-b",
-            f"127.0.0.1:{port}",
-            "--timeout",
-            "900",
-            "--graceful-timeout",
-            "30",
-            "--keep-alive",
-            "5",
-            "--log-level",
-            "info",
-            "llama_cpp.server.app:create_app()",
-        ],
-        env,
-        workdir,
-        port,
-        n,
-    )
+        env = {"SHMKV_MODEL": model, "SHMKV_THREADS": threads, "SHMKV_N_CTX": n_ctx}
+        env |= {"SHMKV_LOG_LEVEL": "info", "SHMKV_WORKER_TIMEOUT": "900"}
+        env["SHMKV_EXACT"] = str(arm == "shmkv-exact").lower()
+        return common.Server.shmkv(sup, env, workdir, cfg["workers"])
+    env = {"MODEL": model, "N_CTX": n_ctx, "N_THREADS": threads, "N_THREADS_BATCH": threads}
+    env["VERBOSE"] = "false"
+    if arm == "ramcache":
+        env |= {"CACHE": "true", "CACHE_TYPE": "ram"}
+        env["CACHE_SIZE"] = str(cfg["ramcache_size_per_worker"])
+    return common.Server.llama_cpp(f"gunicorn-{arm}", env, workdir, cfg["workers"])
 
 
 def smaps_pss(pid: int, path: str) -> int:
@@ -650,33 +601,12 @@ def analyse_cell(
         out["cache"] = shmkv_breakdown(ok, sys_tokens)
         if c["shmkv_stats"]:
             a, b = c["shmkv_stats"]["before"], c["shmkv_stats"]["after"]
+            counters = "hits misses tokens_restored tokens_evaluated puts duplicate_puts"
+            counters += " rejected_puts evictions restore_failures"
+            ends = "entries bytes_used bytes_capacity workers_attached chunk_tokens"
             out["supervisor"] = {
-                "delta": {
-                    k: b[k] - a.get(k, 0)
-                    for k in (
-                        "hits",
-                        "misses",
-                        "tokens_restored",
-                        "tokens_evaluated",
-                        "puts",
-                        "duplicate_puts",
-                        "rejected_puts",
-                        "evictions",
-                        "restore_failures",
-                    )
-                    if k in b
-                },
-                "end": {
-                    k: b[k]
-                    for k in (
-                        "entries",
-                        "bytes_used",
-                        "bytes_capacity",
-                        "workers_attached",
-                        "chunk_tokens",
-                    )
-                    if k in b
-                },
+                "delta": {k: v - a.get(k, 0) for k, v in common.pick(b, counters).items()},
+                "end": common.pick(b, ends),
             }
     return out
 
@@ -685,195 +615,108 @@ def analyse_cell(
 
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
-    f, b = common.fmt_s, common.fmt_b
-    cells = res["cells"]
+    f, b, cells = common.fmt_s, common.fmt_b, res["cells"]
     ref = {c["concurrency"]: c["ttft"] for c in cells if c["arm"] == "nocache"}
-    base = {(c["arm"], c["concurrency"]): c for c in (baseline or {}).get("cells", [])}
-    lines = [
-        [
-            "arm",
-            "conc",
-            "ok/err",
-            "cut",
-            "TTFT mean",
-            "p50",
-            "p99",
-            "total mean",
-            "req/s",
-            "vs nocache",
-            "hits",
-            "cache mem",
-            "worker growth",
-            "server PSS",
-            "baseline mean",
-        ]
-    ]
+    base = {(c["arm"], c["concurrency"]): c["ttft"] for c in (baseline or {}).get("cells", [])}
+    rows, detail = [], []
     for c in cells:
-        t, r, k = c["ttft"], ref.get(c["concurrency"], {}), c.get("cache", {})
-        lines.append(
-            [
-                c["label"],
-                str(c["concurrency"]),
-                f"{c['ok']}/{c['errors']}"
-                + (f" (stopped at {c['attempted']})" if c["aborted"] else ""),
-                str(c["interrupted_streams"]),
-                f(t.get("mean")),
-                f(t.get("p50")),
-                f(t.get("p99")),
-                f(c["total"].get("mean")),
-                f"{c['requests_per_s']:.2f}",
-                f"{r['mean'] / t['mean']:.1f}x"
-                if r.get("n") and t.get("n") and c["arm"] != "nocache"
-                else "",
-                f"{k['hits']}/{k['n']}" if k.get("n") else "",
-                b(c["memory"]["cache_bytes"]),
-                b(c["memory"]["workers_pss_growth"]),
-                b(c["memory"]["total_pss_end"]),
-                f(base[(c["arm"], c["concurrency"])]["ttft"].get("mean"))
-                if (c["arm"], c["concurrency"]) in base
-                else "-",
-            ]
+        t, r, k, mem = c["ttft"], ref.get(c["concurrency"], {}), c.get("cache", {}), c["memory"]
+        stopped = f" (stopped at {c['attempted']})" if c["aborted"] else ""
+        rel = r.get("n") and t.get("n") and c["arm"] != "nocache"
+        rows.append(
+            {
+                "arm": c["label"],
+                "conc": c["concurrency"],
+                "ok/err": f"{c['ok']}/{c['errors']}{stopped}",
+                "cut": c["interrupted_streams"],
+                "TTFT mean": f(t.get("mean")),
+                "p50": f(t.get("p50")),
+                "p99": f(t.get("p99")),
+                "total mean": f(c["total"].get("mean")),
+                "req/s": f"{c['requests_per_s']:.2f}",
+                "vs nocache": f"{r['mean'] / t['mean']:.1f}x" if rel else "",
+                "hits": f"{k['hits']}/{k['n']}" if k.get("n") else "",
+                "cache mem": b(mem["cache_bytes"]),
+                "worker growth": b(mem["workers_pss_growth"]),
+                "server PSS": b(mem["total_pss_end"]),
+                "baseline mean": f(base.get((c["arm"], c["concurrency"]), {}).get("mean")),
+            }
         )
-    detail = [
-        [
-            "cell",
-            "hits",
-            "waited",
-            "hit mean",
-            "no-wait mean",
-            "local",
-            "cold",
-            "cold mean",
-            "cold dup",
-            "cold share",
-            "on busy",
-            "busy+idle",
-            "puts",
-            "dup puts",
-            "evictions",
-            "arena used",
-        ]
-    ]
-    for c in cells:
-        k, q, sv = c.get("cache", {}), c["queueing"], c.get("supervisor", {})
-        d, e = sv.get("delta", {}), sv.get("end", {})
         if not k.get("n"):
             continue
+        q, sv = c["queueing"], c.get("supervisor", {})
+        d, e = sv.get("delta", {}), sv.get("end", {})
         detail.append(
-            [
-                f"{c['arm']}@{c['concurrency']}",
-                str(k["hits"]),
-                str(k["hits_after_waiting_for_same_prompt_prefill"]),
-                f(k["ttft_hit"].get("mean")),
-                f(k["ttft_hit_no_wait"].get("mean")),
-                str(k["local_reuse"]),
-                str(k["cold"]),
-                f(k["ttft_cold"].get("mean")),
-                str(k["cold_beyond_one_per_prompt"]),
-                f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
-                str(q.get("landed_on_busy", "-")),
-                str(q.get("landed_on_busy_while_another_idle", "-")),
-                str(d.get("puts", "-")),
-                str(d.get("duplicate_puts", "-")),
-                str(d.get("evictions", "-")),
-                b(e.get("bytes_used")),
-            ]
+            {
+                "cell": f"{c['arm']}@{c['concurrency']}",
+                "hits": k["hits"],
+                "waited": k["hits_after_waiting_for_same_prompt_prefill"],
+                "hit mean": f(k["ttft_hit"].get("mean")),
+                "no-wait mean": f(k["ttft_hit_no_wait"].get("mean")),
+                "local": k["local_reuse"],
+                "cold": k["cold"],
+                "cold mean": f(k["ttft_cold"].get("mean")),
+                "cold dup": k["cold_beyond_one_per_prompt"],
+                "cold share": f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
+                "on busy": q.get("landed_on_busy", "-"),
+                "busy+idle": q.get("landed_on_busy_while_another_idle", "-"),
+                "puts": d.get("puts", "-"),
+                "dup puts": d.get("duplicate_puts", "-"),
+                "evictions": d.get("evictions", "-"),
+                "arena used": b(e.get("bytes_used")),
+            }
         )
-    return common.grid(lines, left=2) + ("\n\n" + common.grid(detail) if len(detail) > 1 else "")
+    return common.dict_table(rows, left=2) + "\n\n" * bool(detail) + common.dict_table(detail)
 
 
 def plot(plt: Any, res: dict[str, Any]) -> Any:
-    cells = res["cells"]
+    cells, cfg = res["cells"], res["config"]
     arms = [a for a in ARMS if any(c["arm"] == a for c in cells)]
     concs = sorted({c["concurrency"] for c in cells})
     by = {(c["arm"], c["concurrency"]): c for c in cells}
     fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
     width = 0.8 / max(1, len(arms))
 
-    def bars(ax: Any, a: str, i: int, value: Any, **kw: Any) -> list[tuple[float, float, Any]]:
-        """One bar per concurrency of arm ``a``; (x, height, cell) of those drawn."""
-        got = [
-            (j + (i - (len(arms) - 1) / 2) * width, value(c), c)
-            for j, cc in enumerate(concs)
-            if (c := by.get((a, cc))) and value(c) is not None
-        ]
-        ax.bar([x for x, _, _ in got], [v for _, v, _ in got], width * 0.95, color=COLORS[a], **kw)
-        return got
+    def bars(ax: Any, i: int, value: Any, label: Any, inside: bool = False, **kw: Any) -> None:
+        """A bar per concurrency for arm ``arms[i]``, ``label(cell, height)`` above or inside."""
+        for j, cc in enumerate(concs):
+            if (c := by.get((arms[i], cc))) is None or (v := value(c)) is None:
+                continue
+            x = j + (i - (len(arms) - 1) / 2) * width
+            ax.bar(x, v, width * 0.95, color=COLORS[arms[i]], **kw)
+            style = dict(va="top", color="white", fontweight="bold") if inside else {"va": "bottom"}
+            ax.text(x, v * 0.8 if inside else v, label(c, v), ha="center", fontsize=7, **style)
+
+    def ttft(stat: str) -> Any:
+        return lambda c: c["ttft"].get(stat)
+
+    def gib(key: str) -> Any:
+        return lambda c: max(0, c["memory"][key]) / 2**30
+
+    def mean(c: dict[str, Any], v: float) -> str:  # a cell stopped at the memory limit: its
+        stopped = "\nstopped\n(memory)" * bool(c["aborted"])  # bars cover its first requests
+        return (f"{v:.2f}" if v < 10 else f"{v:.0f}") + stopped
+
+    def peak(c: dict[str, Any], v: float) -> str:
+        return f"{v:.1f}" + " (limit)" * bool(c["aborted"])
 
     for i, a in enumerate(arms):
-        bars(
-            axes[0],
-            a,
-            i,
-            lambda c: c["ttft"].get("p99"),
-            alpha=0.35,
-            edgecolor=COLORS[a],
-            hatch="//",
-        )
-        for x, m, c in bars(axes[0], a, i, lambda c: c["ttft"].get("mean")):
-            axes[0].text(
-                x,
-                c["ttft"]["p99"] * 1.05,
-                f"{c['ttft']['p99']:.1f}",
-                ha="center",
-                va="bottom",
-                fontsize=7,
-                color="#555",
-            )
-            axes[0].text(
-                x,
-                m * 0.8,
-                f"{m:.2f}" if m < 10 else f"{m:.0f}",
-                ha="center",
-                va="top",
-                fontsize=7,
-                color="white",
-                fontweight="bold",
-            )
-            if c["aborted"]:  # stopped at the memory limit: these cover its first requests
-                axes[0].text(
-                    x,
-                    m * 0.35,
-                    "stopped\n(memory)",
-                    ha="center",
-                    va="top",
-                    fontsize=6,
-                    color="white",
-                )
-        for x, y, _c in bars(axes[1], a, i, lambda c: c["requests_per_s"]):
-            axes[1].text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
-        bars(
-            axes[2],
-            a,
-            i,
-            lambda c: c["memory"]["total_pss_peak"] / 2**30,
-            alpha=0.35,
-            edgecolor=COLORS[a],
-        )
-        for x, t, c in bars(axes[2], a, i, lambda c: max(0, c["memory"]["cache_bytes"]) / 2**30):
-            peak = c["memory"]["total_pss_peak"] / 2**30
-            axes[2].text(
-                x,
-                peak,
-                f"{peak:.1f}" + (" (limit)" if c["aborted"] else ""),
-                ha="center",
-                va="bottom",
-                fontsize=7,
-            )
-            if t:
-                axes[2].text(x, t, f"{t:.2f}", ha="center", va="bottom", fontsize=7)
+        light = dict(alpha=0.35, edgecolor=COLORS[a])
+        bars(axes[0], i, ttft("p99"), lambda c, v: f"{v:.1f}", hatch="//", **light)
+        bars(axes[0], i, ttft("mean"), mean, inside=True)
+        bars(axes[1], i, lambda c: c["requests_per_s"], lambda c, v: f"{v:.2f}")
+        bars(axes[2], i, gib("total_pss_peak"), peak, **light)
+        bars(axes[2], i, gib("cache_bytes"), lambda c, v: f"{v:.2f}" if v else "")
     axes[0].axhline(GOAL_MEAN_TTFT, color="#c33", ls="--", lw=1)
     axes[0].set_yscale("log")
-    axes[0].set_ylim(
-        bottom=min([c["ttft"]["min"] for c in cells if c["ttft"].get("n")] + [GOAL_MEAN_TTFT]) / 2
-    )
+    ttft_min = min([c["ttft"]["min"] for c in cells if c["ttft"].get("n")] + [GOAL_MEAN_TTFT])
+    axes[0].set_ylim(bottom=ttft_min / 2)
     for ax, ylabel, title in (
         (
             axes[0],
             "time to first token, s (log)",
-            "TTFT: mean (solid, value inside), p99 "
-            f"(hatched, value above)\nred line: goal, shmkv mean ≤ {GOAL_MEAN_TTFT} s at "
-            f"c={GOAL_CONCURRENCY}",
+            "TTFT: mean (solid, value inside), p99 (hatched, value above)\nred line: goal, "
+            f"shmkv mean ≤ {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}",
         ),
         (axes[1], "completed requests per second", "throughput"),
         (
@@ -884,131 +727,60 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         ),
     ):
         ax.set_xticks(range(len(concs)), [f"concurrency {c}" for c in concs])
-        ax.set_ylabel(ylabel)
+        ax.set(ylabel=ylabel)
         ax.set_title(title, fontsize=9)
-    m, cfg, code = res["machine"], res["config"], res.get("code", {})
+    code, system = res.get("code", {}), cfg["system_tokens"]
     fig.suptitle(
-        f"shmkv {m['versions']['shmkv']} ({code.get('commit', '?')[:7]}"
-        f"{'+dirty' if code.get('modified', code.get('dirty')) else ''}) serving benchmark — "
-        f"Gemma 3 270M Q4_K_M, {cfg['workers']} gunicorn workers × {cfg['threads']} thread, n_ctx "
-        f"{cfg['n_ctx']}, {cfg['prompts']} system prompts of "
-        f"~{round(sum(cfg['system_tokens']) / len(cfg['system_tokens']))} tokens, "
-        f"{cfg['requests']} streaming requests — {m['cpu']}, {m['cores']} cores"
-        + (" (quick)" if cfg["quick"] else ""),
+        f"{common.title(res, 'serving')} ({code.get('commit', '?')[:7]}"
+        f"{'+dirty' if code.get('modified') else ''}); Gemma 3 270M Q4_K_M, {cfg['workers']} "
+        f"gunicorn workers × {cfg['threads']} thread, n_ctx {cfg['n_ctx']}, {cfg['prompts']} "
+        f"system prompts of ~{round(sum(system) / len(system))} tokens, {cfg['requests']} "
+        "streaming requests",
         fontsize=9,
     )
-    fig.legend(
-        [plt.Rectangle((0, 0), 1, 1, color=COLORS[a]) for a in arms],
-        [ARMS[a] for a in arms],
-        loc="lower center",
-        ncol=len(arms),
-        fontsize=8,
-        frameon=False,
-    )
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[a]) for a in arms]
+    labels = [ARMS[a] for a in arms]
+    fig.legend(handles, labels, loc="lower center", ncol=len(arms), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--arms",
-    default="nocache,ramcache,shmkv",
-    show_default=True,
-    help=f"Comma-separated arms, in order: {', '.join(ARMS)}.",
-)
-@click.option("--requests", type=int, default=None, help="Requests per cell [60; quick 8].")
-@click.option(
-    "--cacheless-requests",
-    type=int,
-    default=None,
-    help="Run only the first N of the sequence for nocache/ramcache [= --requests].",
-)
-@click.option("--concurrency", default=None, help="Comma-separated levels [4,10; quick 4].")
-@click.option("--prompts", type=int, default=None, help="System prompts [6; quick 2].")
-@click.option(
-    "--prompt-tokens", type=int, default=None, help="Tokens per system prompt [1000; quick 400]."
-)
-@click.option("--max-tokens", type=int, default=16, show_default=True)
-@click.option("--workers", type=int, default=4, show_default=True, help="gunicorn workers.")
-@click.option(
-    "--threads",
-    type=int,
-    default=1,
-    show_default=True,
-    help="llama.cpp threads (and batch threads) per worker: 4 workers on 2 cores "
-    "are already 4 runnable threads.",
-)
-@click.option("--n-ctx", type=int, default=4096, show_default=True)
-@click.option("--arena-size", default="1G", show_default=True, help="shmkv arena size.")
-@click.option(
-    "--ramcache-size",
-    default="1G",
-    show_default=True,
-    help="LlamaRAMCache capacity per worker (CACHE_SIZE).",
-)
-@click.option(
-    "--max-rss",
-    default="16G",
-    show_default=True,
-    help="Stop a cell when the server's private RSS summed + shared mappings once exceeds this.",
-)
-@click.option(
-    "--min-available",
-    default="3G",
-    show_default=True,
-    help="Stop a cell when the machine's available memory falls below this.",
-)
-@click.option(
-    "--max-load",
-    type=float,
-    default=0.7,
-    show_default=True,
-    help="Wait before each cell until the 1-minute load average is below this.",
-)
-@click.option(
-    "--max-wait",
-    type=float,
-    default=3600.0,
-    show_default=True,
-    help="Seconds to wait for --max-load; then run anyway and say so in the JSON.",
-)
-@click.option(
-    "--timeout",
-    type=float,
-    default=900.0,
-    show_default=True,
-    help="Per-request read timeout, seconds.",
-)
-@click.option("--model", default=None, help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
-@click.option("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
-@click.option(
-    "--out", default=str(HERE / "out"), show_default=True, help="Where serve.json and serve.png go."
-)
-@click.option(
-    "--baseline",
-    default=str(HERE / "baseline" / "serve.json"),
-    show_default=True,
-    help="Committed baseline to compare with (same mode only).",
-)
-@click.option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline.")
-@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def main(**o: Any) -> None:
+opt = common.option
+
+
+@common.command("serve")
+@opt("--arms", default="nocache,ramcache,shmkv", help=f"Comma-separated, of {', '.join(ARMS)}.")
+@opt("--requests", type=int, help="Requests per cell [60; quick 8].")
+@opt("--cacheless-requests", type=int, help="Only the first N for nocache/ramcache [all].")
+@opt("--concurrency", help="Comma-separated levels [4,10; quick 4].")
+@opt("--prompts", type=int, help="System prompts [6; quick 2].")
+@opt("--prompt-tokens", type=int, help="Tokens per system prompt [1000; quick 400].")
+@opt("--max-tokens", default=16)
+@opt("--workers", default=4, help="gunicorn workers.")
+@opt("--threads", default=1, help="llama.cpp threads (and batch threads) per worker.")
+@opt("--n-ctx", default=4096)
+@opt("--arena-size", default="1G", help="shmkv arena size.")
+@opt("--ramcache-size", default="1G", help="LlamaRAMCache capacity per worker (CACHE_SIZE).")
+@opt("--max-rss", default="16G", help="Stop a cell when the server's memory exceeds this.")
+@opt("--min-available", default="3G", help="Stop a cell when less memory is available.")
+@opt("--max-load", default=0.7, help="Wait before each cell until the 1-min load is below this.")
+@opt("--max-wait", default=3600.0, help="Seconds to wait for --max-load, then run anyway.")
+@opt("--timeout", default=900.0, help="Per-request read timeout, seconds.")
+@opt("--model", help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
+@opt("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
+def main(report: common.Report, **o: Any) -> None:
     """Serve shared system prompts from gunicorn workers: no cache vs LlamaRAMCache vs shmkv."""
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     from shmkv.config import parse_size
 
-    logging.basicConfig(
-        level=logging.DEBUG if o["verbose"] else logging.INFO,
-        format="%(asctime)s %(levelname)s %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    quick, started = o["quick"], time.time()
+    quick = o["quick"]
     arms = [a.strip() for a in o["arms"].split(",") if a.strip()]
     if unknown := [a for a in arms if a not in ARMS]:
         raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}")
     n = o["requests"] or (8 if quick else 60)
     model = common.model_path(o["model"])
+    levels = o["concurrency"] or ("4" if quick else "4,10")
     cfg = {
         "quick": quick,
         "model": str(model),
@@ -1020,9 +792,7 @@ def main(**o: Any) -> None:
         "prompt_tokens_target": o["prompt_tokens"] or (400 if quick else 1000),
         "requests": n,
         "cacheless_requests": min(o["cacheless_requests"] or n, n),
-        "concurrency": [
-            int(x) for x in (o["concurrency"] or ("4" if quick else "4,10")).split(",")
-        ],
+        "concurrency": [int(x) for x in levels.split(",")],
         "max_tokens": o["max_tokens"],
         "arms": arms,
         "arena_size": o["arena_size"],
@@ -1040,14 +810,8 @@ def main(**o: Any) -> None:
         raise click.BadParameter("prompt + max tokens must fit --n-ctx")
     wl = make_workload(model, cfg["prompts"], cfg["prompt_tokens_target"], n)
     cfg.update(system_tokens=wl.system_tokens, request_prompts=[p for p, _ in wl.requests])
-    log.info(
-        "%d system prompts of %s tokens; %d requests; concurrency %s; arms %s",
-        cfg["prompts"],
-        wl.system_tokens,
-        n,
-        cfg["concurrency"],
-        arms,
-    )
+    what = "%d system prompts of %s tokens; %d requests; concurrency %s; arms %s"
+    log.info(what, cfg["prompts"], wl.system_tokens, n, cfg["concurrency"], arms)
     llama_settings = {
         "CONFIG_FILE",
         *(f.upper() for f in (*ModelSettings.model_fields, *ServerSettings.model_fields)),
@@ -1061,33 +825,16 @@ def main(**o: Any) -> None:
     interrupted = False
     try:
         with tempfile.TemporaryDirectory(prefix="shmkv-bench-serve-") as tmp:
-            for arm in arms:
-                for cc in cfg["concurrency"]:
-                    n_cell = cfg["cacheless_requests"] if arm in ("nocache", "ramcache") else n
-                    log.info("cell %s, concurrency %d, %d requests", arm, cc, n_cell)
-                    cell = run_cell(arm, cc, n_cell, cfg, wl, Path(tmp))
-                    cells.append(cell)
-                    nocache = next(
-                        (
-                            c["memory"]
-                            for c in cells
-                            if c["arm"] == "nocache" and c["concurrency"] == cc
-                        ),
-                        None,
-                    )
-                    a = analyse_cell(cell, min(wl.system_tokens), nocache)
-                    analysed.append(a)
-                    log.info(
-                        "  %s c=%d: %d ok, %d errors, mean TTFT %s, p99 %s, %.2f req/s%s",
-                        arm,
-                        cc,
-                        a["ok"],
-                        a["errors"],
-                        common.fmt_s(a["ttft"].get("mean")),
-                        common.fmt_s(a["ttft"].get("p99")),
-                        a["requests_per_s"],
-                        f" (stopped: {a['aborted']})" if a["aborted"] else "",
-                    )
+            for arm, cc in itertools.product(arms, cfg["concurrency"]):
+                n_cell = cfg["cacheless_requests"] if arm in ("nocache", "ramcache") else n
+                log.info("cell %s, concurrency %d, %d requests", arm, cc, n_cell)
+                cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)))
+                nocache = {c["concurrency"]: c["memory"] for c in cells if c["arm"] == "nocache"}
+                a = analyse_cell(cells[-1], min(wl.system_tokens), nocache.get(cc))
+                analysed.append(a)
+                done = f"{a['ok']} ok, {a['errors']} errors, {a['requests_per_s']:.2f} req/s"
+                stopped = f" (stopped: {a['aborted']})" if a["aborted"] else ""
+                log.info("  %s, mean TTFT %s%s", done, common.fmt_s(a["ttft"].get("mean")), stopped)
     except KeyboardInterrupt:  # the cell's servers were stopped on the way out
         interrupted = True
     if interrupted and not analysed:
@@ -1099,21 +846,12 @@ def main(**o: Any) -> None:
         "shmkv_mean_ttft_max_s": GOAL_MEAN_TTFT,
         "at_concurrency": GOAL_CONCURRENCY,
     }
-    if (
-        c := next(
-            (c for c in analysed if c["arm"] == "shmkv" and c["concurrency"] == GOAL_CONCURRENCY),
-            None,
-        )
-    ) and c["ttft"].get("n"):
-        goal.update(shmkv_mean_ttft_s=c["ttft"]["mean"], met=c["ttft"]["mean"] <= GOAL_MEAN_TTFT)
+    for c in analysed:
+        if (c["arm"], c["concurrency"]) == ("shmkv", GOAL_CONCURRENCY) and c["ttft"].get("n"):
+            goal.update(shmkv_mean_ttft_s=(m := c["ttft"]["mean"]), met=m <= GOAL_MEAN_TTFT)
+    dists = "gunicorn uvicorn uvicorn-worker fastapi httpx psutil".split()
     res = {
-        **common.header(
-            "serve",
-            started,
-            common.llama_versions(
-                "gunicorn", "uvicorn", "uvicorn-worker", "fastapi", "httpx", "psutil"
-            ),
-        ),
+        **report.header(common.llama_versions(*dists)),
         "interrupted": interrupted,
         "loadavg_end": common.loadavg(),
         "config": cfg,
@@ -1123,28 +861,20 @@ def main(**o: Any) -> None:
         "requests": {f"{c['arm']}@{c['concurrency']}": c["results"] for c in cells},
         "memory_detail": {f"{c['arm']}@{c['concurrency']}": c["memory"] for c in cells},
     }
-    m = res["machine"]
     click.echo(
-        f"\nshmkv {m['versions']['shmkv']} serving benchmark: {cfg['workers']} workers x "
-        f"{cfg['threads']} thread, {cfg['prompts']} system prompts of "
-        f"{min(wl.system_tokens)}-{max(wl.system_tokens)} tokens, {n} requests (first "
-        f"{cfg['cacheless_requests']} for nocache/ramcache); 1-min load at each cell's "
-        f"start: {[c['quiet']['loadavg'][0] for c in analysed]}" + (" (quick run)" if quick else "")
+        f"\n{common.title(res, 'serving')}; {cfg['workers']} workers x {cfg['threads']} thread, "
+        f"{cfg['prompts']} system prompts of {min(wl.system_tokens)}-{max(wl.system_tokens)} "
+        f"tokens, {n} requests (first {cfg['cacheless_requests']} for nocache/ramcache); 1-min "
+        f"load at each cell's start: {[c['quiet']['loadavg'][0] for c in analysed]}"
     )
-    click.echo(table(res, common.load_baseline(Path(o["baseline"]), quick)))
+    click.echo(table(res, report.baseline(quick)))
     if "met" in goal:
         click.echo(
             f"goal (shmkv mean TTFT <= {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}): "
             f"{'met' if goal['met'] else 'MISSED'} "
             f"({common.fmt_s(goal['shmkv_mean_ttft_s'])})"
         )
-    common.write_report(
-        res,
-        Path(o["out"]),
-        "serve",
-        plot,
-        Path(o["baseline"]) if o["write_baseline"] and not interrupted else None,
-    )
+    report.write(res, plot, "the run was interrupted" * interrupted)
     if interrupted:
         raise SystemExit(130)
 

@@ -182,28 +182,19 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
     return fig
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--duration", default=300.0, show_default=True, help="Seconds of load.")
-@click.option("--concurrency", default=4, show_default=True)
-@click.option("--workers", default=4, show_default=True)
-@click.option(
-    "--size",
-    default="512M",
-    show_default=True,
-    help="Arena size (small on purpose: the soak should evict).",
-)
-@click.option("--prompts", default=8, show_default=True, help="Shared system prompts.")
-@click.option("--interval", default=5.0, show_default=True, help="Seconds between samples.")
-@click.option("--model", default=None, help="GGUF [Gemma 3 270M, as `shmkv serve`].")
-@click.option("--out", "out_dir", default=str(HERE / "out"), show_default=True)
-@click.option(
-    "--baseline",
-    default=str(HERE / "baseline" / "soak.json"),
-    show_default=True,
-    help="Where --write-baseline copies the run.",
-)
-@click.option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline.")
+opt = common.option
+
+
+@common.command("soak")
+@opt("--duration", default=300.0, help="Seconds of load.")
+@opt("--concurrency", default=4)
+@opt("--workers", default=4)
+@opt("--size", default="512M", help="Arena size (small on purpose: the soak should evict).")
+@opt("--prompts", default=8, help="Shared system prompts.")
+@opt("--interval", default=5.0, help="Seconds between samples.")
+@opt("--model", help="GGUF [Gemma 3 270M, as `shmkv serve`].")
 def main(
+    report: common.Report,
     duration: float,
     concurrency: int,
     workers: int,
@@ -211,25 +202,15 @@ def main(
     prompts: int,
     interval: float,
     model: str | None,
-    out_dir: str,
-    baseline: str,
-    write_baseline: bool,
 ) -> None:
     """Run `shmkv serve` under a mixed load and record its health over time."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    started, model_path = time.time(), common.model_path(model)
+    model_path = common.model_path(model)
     with (
         tempfile.TemporaryDirectory(prefix="shmkv-soak-") as tmp,
         common.supervisor(Path(tmp), "--size", size) as sup,
     ):
-        srv = common.Server.shmkv(
-            sup,
-            {"SHMKV_MODEL": str(model_path), "SHMKV_THREADS": "1", "SHMKV_LOG_LEVEL": "warning"},
-            Path(tmp),
-            common.free_port(),
-            workers,
-        )
+        env = {"SHMKV_MODEL": str(model_path), "SHMKV_THREADS": "1", "SHMKV_LOG_LEVEL": "warning"}
+        srv = common.Server.shmkv(sup, env, Path(tmp), workers)
         try:
             srv.wait_ready()
             rng = random.Random(1)
@@ -272,7 +253,7 @@ def main(
         finally:
             srv.stop()
     res = {
-        **common.header("soak", started),
+        **report.header(),
         "config": {
             "duration": duration,
             "concurrency": concurrency,
@@ -293,15 +274,13 @@ def main(
         },
         "samples": samples,
     }
-    s, keys = res["summary"], "hits misses tokens_restored restore_failures puts evictions"
+    s = res["summary"]
+    counters = common.pick(final, "hits misses tokens_restored restore_failures puts evictions")
     click.echo(
         f"\n{s['requests']} requests, {s['errors']} errors; TTFT p50 {s['ttft_p50']} s, p99 "
-        f"{s['ttft_p99']} s; "
-        + ", ".join(f"{k} {final.get(k)}" for k in (*keys.split(), "rejected_puts"))
+        f"{s['ttft_p99']} s; {counters}, rejected puts {final.get('rejected_puts')}"
     )
-    common.write_report(
-        res, Path(out_dir), "soak", plot, Path(baseline) if write_baseline else None
-    )
+    report.write(res, plot)
 
 
 if __name__ == "__main__":
