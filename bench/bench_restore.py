@@ -171,14 +171,9 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     if kind in ("publisher", "hit", "publisher_exact", "hit_exact"):
         from shmkv.llama import SharedCacheLlama
 
-        llm = SharedCacheLlama(
-            model_path=spec["model"],
-            **spec["ctx"],
-            shmkv_name=spec["name"],
-            shmkv_socket=spec["socket"],
-            shmkv_namespace="bench",
-            shmkv_exact=kind.endswith("_exact"),
-        )
+        shmkv = dict(shmkv_name=spec["name"], shmkv_socket=spec["socket"], shmkv_namespace="bench")
+        shmkv["shmkv_exact"] = kind.endswith("_exact")
+        llm = SharedCacheLlama(model_path=spec["model"], **spec["ctx"], **shmkv)
         cache = llm.shmkv
     else:
         llm, cache = llama_cpp.Llama(model_path=spec["model"], **spec["ctx"]), None
@@ -224,13 +219,8 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
             last=dataclasses.asdict(cache.last),
             **({"steps": steps} if keep_steps else {}),
         )
-        restored = cache.last.tokens_restored
-        if (
-            kind == "hit"
-            and restored < prefix_n - 64
-            or kind == "hit_exact"
-            and (restored < prefix_n - spec["ctx"]["n_batch"])
-        ):
+        least = {"hit": prefix_n - 64, "hit_exact": prefix_n - spec["ctx"]["n_batch"]}.get(kind, 0)
+        if (restored := cache.last.tokens_restored) < least:
             raise RuntimeError(
                 f"{kind} request {extra.get('suffix')}: restored {restored} "
                 f"(last={r['last']}, errors={cache.totals.errors})"
@@ -250,10 +240,9 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         floor_b: dict[str, Any] = {"requests": []}
         floor_restore, floor_set = floor_restorer(llm, prefix, prefix_n, floor_b)
         res["floor_b"] = floor_b
-        for k in range(len(on)):  # the three kinds interleaved, in a rotating order
-            for what in (("on", "off", "floor"), ("off", "floor", "on"), ("floor", "on", "off"))[
-                k % 3
-            ]:
+        rotation = ("on", "off", "floor")  # the three kinds interleaved, in a rotating order
+        for k in range(len(on)):
+            for what in rotation[k % 3 :] + rotation[: k % 3]:
                 if what == "floor":  # bypass the shmkv hook: Llama's own generate
                     llm.generate = functools.partial(llama_cpp.Llama.generate, llm)
                     try:
@@ -292,17 +281,11 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
                 res["aborted"] = f"stopped before request {n}: only {free >> 20} MiB available"
                 break
             r = run(s, suffix=i, warm=n == 0)
-            last_state = next(reversed(ramcache.cache_state.values()))
-            res["requests"].append(
-                {
-                    **r,
-                    "entries": len(ramcache.cache_state),
-                    "cache_size": ramcache.cache_size,
-                    "scores_bytes_uncounted": int(last_state.scores.nbytes),
-                    "rss_bytes": psutil.Process().memory_info().rss,
-                    "mem_available": common.meminfo("MemAvailable"),
-                }
-            )
+            scores = next(reversed(ramcache.cache_state.values())).scores.nbytes
+            r |= dict(entries=len(ramcache.cache_state), cache_size=ramcache.cache_size)
+            rss = psutil.Process().memory_info().rss
+            r |= dict(scores_bytes_uncounted=int(scores), rss_bytes=rss)
+            res["requests"].append({**r, "mem_available": common.meminfo("MemAvailable")})
     else:
         raise ValueError(f"unknown arm {kind}")
     if cache is not None:
@@ -437,14 +420,17 @@ def restore_steps(b: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
-    cold, hit, floor, ram, pub = (
-        arms[k] for k in ("cold", "hit", "floor", "ramcache", "publisher")
-    )
+    cold, hit, floor, ram, pub = (arms[k] for k in "cold hit floor ramcache publisher".split())
     S = common.summary
-    on = [r for r in hit["requests"] if r["publish"]]
-    off = [r for r in hit["requests"] if not r["publish"]]
-    fb = hit["floor_b"]["requests"]
-    ram_hits = [r for r in ram["requests"] if not r["warm"]]
+
+    def split(rs: list[dict[str, Any]], key: str) -> tuple[list[Any], list[Any]]:
+        """The requests whose ``key`` is true, and the others."""
+        return [r for r in rs if r[key]], [r for r in rs if not r[key]]
+
+    (on, off), fb = split(hit["requests"], "publish"), hit["floor_b"]["requests"]
+    ram_warm, ram_hits = split(ram["requests"], "warm")
+    pub_second, pub_first = split(pub["requests"], "second")
+    exact, pub_exact = arms["hit_exact"]["requests"], arms["publisher_exact"]["requests"]
     rows = {
         "cold": ("cold: plain Llama, reset() per request", cold["requests"]),
         "hit": ("shmkv hit, 2nd process (publish on, default)", on),
@@ -453,26 +439,14 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "floor": ("floor, its own process", floor["requests"]),
         "local": ("llama-cpp-python same-process prefix reuse", floor["local"]),
         "ramcache": ("LlamaRAMCache, reset() per request", ram_hits),
-        "ramcache_warm": (
-            "LlamaRAMCache, 1st request (warms it)",
-            [r for r in ram["requests"] if r["warm"]],
-        ),
-        "publisher": (
-            "process A: miss + publish (SharedCacheLlama)",
-            [r for r in pub["requests"] if not r["second"]],
-        ),
+        "ramcache_warm": ("LlamaRAMCache, 1st request (warms it)", ram_warm),
+        "publisher": ("process A: miss + publish (SharedCacheLlama)", pub_first),
         "publisher_second": (
             "process A, 2nd suffix: tail checkpoint + divergence publish",
-            [r for r in pub["requests"] if r["second"]],
+            pub_second,
         ),
-        "hit_exact": (
-            "shmkv --exact hit, 2nd process (restores at n_batch boundaries)",
-            arms["hit_exact"]["requests"],
-        ),
-        "publisher_exact": (
-            "process A --exact: miss + publish at batch boundaries",
-            arms["publisher_exact"]["requests"],
-        ),
+        "hit_exact": ("shmkv --exact hit, 2nd process (restores at n_batch boundaries)", exact),
+        "publisher_exact": ("process A --exact: miss + publish at batch boundaries", pub_exact),
     }
     ttft = {
         k: {"label": lab, "ttft": S([r["ttft"] for r in rs]), "total": S([r["total"] for r in rs])}
@@ -520,9 +494,8 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "capture_off_calls": sum(len(r["captures"]) for r in off),
     }
     for stat in ("p50", "mean"):
-        publish[f"request_on_over_off_{stat}"] = (
-            publish["request_on"][stat] / publish["request_off"][stat]
-        )
+        on_off = publish["request_on"][stat] / publish["request_off"][stat]
+        publish[f"request_on_over_off_{stat}"] = on_off
     b = hit["breakdown"]  # hit = restore + capture() before the first chunk + the rest
     decomposition = {
         "hit_ttft": S([r["ttft"] for r in b]),
@@ -536,15 +509,10 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
     }
     cold_text = {r["suffix"]: r["text"] for r in cold["requests"]}
     same = {}  # greedy text of every cached arm vs cold, suffix by suffix
-    for k, rs in (
-        ("hit", on),
-        ("hit_exact", arms["hit_exact"]["requests"]),
-        ("floor_b", fb),
-        ("floor", floor["requests"]),
-        ("ramcache", ram_hits),
-        ("local", floor["local"]),
-    ):
-        pairs = [(r["text"], cold_text[r["suffix"]]) for r in rs if r["suffix"] in cold_text]
+    for k in ("hit", "hit_exact", "floor_b", "floor", "ramcache", "local"):
+        pairs = [
+            (r["text"], cold_text[r["suffix"]]) for r in rows[k][1] if r["suffix"] in cold_text
+        ]
         same[k] = f"{sum(a == c for a, c in pairs)}/{len(pairs)}"
     last_ram = ram["requests"][-1] if ram["requests"] else {}
     return {
@@ -757,37 +725,18 @@ def main(
     ctx = dict(n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, n_ubatch=512)
     ctx |= dict(seed=0, verbose=False)
     gen = dict(max_tokens=max_tokens, temperature=0.0, seed=0)
-    plan = {
-        "quick": quick,
-        "model": str(model_path),
-        "model_bytes": model_path.stat().st_size,
-        "ctx": ctx,
-        "gen": gen,
-        "prefix_tokens": prompts["prefix_tokens"],
-        "prefix_target": prefix_tokens,
-        "suffix_tokens": prompts["suffix_tokens"],
-        "suffix_target": suffix_tokens,
-        "repeats": repeats,
-        "warmup_tokens": prompts["warmup_tokens"],
-        "arena_size": ARENA_SIZE,
-        "ramcache_capacity": RAMCACHE_CAPACITY,
-    }
+    plan = dict(quick=quick, model=str(model_path), model_bytes=model_path.stat().st_size)
+    plan |= dict(ctx=ctx, gen=gen, prefix_target=prefix_tokens, suffix_target=suffix_tokens)
+    plan |= common.pick(prompts, "prefix_tokens suffix_tokens warmup_tokens")
+    plan |= dict(repeats=repeats, arena_size=ARENA_SIZE, ramcache_capacity=RAMCACHE_CAPACITY)
     quiet = common.wait_until_quiet(max_load, max_wait)
     arms: dict[str, dict[str, Any]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="shmkv-bench-restore-") as tmp,
         common.supervisor(Path(tmp), "--size", ARENA_SIZE) as sup,
     ):
-        sp = {
-            "model": str(model_path),
-            "ctx": ctx,
-            "gen": gen,
-            "prefix": prompts["prefix"],
-            "prefix_tokens": prompts["prefix_tokens"],
-            "warmup": prompts["warmup"],
-            "name": sup.name,
-            "socket": sup.socket,
-        }
+        sp = dict(model=str(model_path), ctx=ctx, gen=gen, name=sup.name, socket=sup.socket)
+        sp |= common.pick(prompts, "prefix prefix_tokens warmup")
         for spec in (
             {"arm": "cold", "suffixes": S[1:]},
             {"arm": "publisher", "suffixes": [*S[:1], V]},

@@ -470,19 +470,8 @@ def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
     text came (seconds after sending), its text, and the ``shmkv`` field of its first chunk."""
     import httpx
 
-    r: dict[str, Any] = {
-        "t_send": time.perf_counter(),
-        "ttft": None,
-        "first_chunk": None,
-        "total": None,
-        "chunks": 0,
-        "text_chunks": 0,
-        "finish_reason": None,
-        "status": None,
-        "error": None,
-        "shmkv": None,
-        "text": "",
-    }
+    r: dict[str, Any] = {"t_send": time.perf_counter(), "chunks": 0, "text_chunks": 0, "text": ""}
+    r |= dict.fromkeys("ttft first_chunk total finish_reason status error shmkv".split())
     try:
         with client.stream("POST", url, json=body) as resp:
             r["status"] = resp.status_code
