@@ -475,10 +475,12 @@ def run(plan: Plan) -> dict[str, Any]:
 @click.option("--reads", type=int, default=None, help="Timed lookup-to-pointer reads [300].")
 @click.option("--lookups", type=int, default=None, help="Timed lookups [30000].")
 @click.option("--seed", type=int, default=1, show_default=True)
-def main(report: common.Report, quick: bool, size: str | None, **over: Any) -> None:
+def main(report: common.Report, o: Any) -> None:
     """Benchmark shmkv's arena against a real supervisor; print a table, write JSON and PNG."""
-    over["size"] = parse_size(size) if size else None
-    plan = Plan(quick=quick, **{**PLANS[quick], **{k: v for k, v in over.items() if v}})
+    quick, over = o.quick, {k: v for k, v in vars(o).items() if v and k != "quick"}
+    if o.size:
+        over["size"] = parse_size(o.size)
+    plan = Plan(quick=quick, **{**PLANS[quick], **over})
     load_before = common.loadavg()
     res = run(plan)
     res = {

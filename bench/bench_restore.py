@@ -692,27 +692,16 @@ opt = common.option
 @opt("--max-load", default=0.5, help="Wait until the 1-minute load average is below this.")
 @opt("--max-wait", default=300.0, help="Seconds to wait for --max-load, then run anyway.")
 @opt("--force-baseline", is_flag=True, help="--write-baseline even after a busy run.")
-def main(
-    report: common.Report,
-    prefix_tokens: int | None,
-    suffix_tokens: int,
-    repeats: int | None,
-    max_tokens: int,
-    threads: int,
-    model: str | None,
-    quick: bool,
-    max_load: float,
-    max_wait: float,
-    force_baseline: bool,
-) -> None:
+def main(report: common.Report, o: Any) -> None:
     """Benchmark TTFT of a shmkv cross-process hit against cold, the floor and LlamaRAMCache."""
-    prefix_tokens = prefix_tokens or (600 if quick else 2000)
-    repeats = repeats or (2 if quick else 7)
+    quick, threads, suffix_tokens, max_tokens = o.quick, o.threads, o.suffix_tokens, o.max_tokens
+    prefix_tokens = o.prefix_tokens or (600 if quick else 2000)
+    repeats = o.repeats or (2 if quick else 7)
     if not quick and repeats < 5:
         raise click.BadParameter("use at least 5 repeats for a full run", param_hint="--repeats")
     if prefix_tokens + suffix_tokens + max_tokens + 64 > 4096:
         raise click.BadParameter("prefix + suffix + max tokens must fit n_ctx 4096")
-    model_path = common.model_path(model)
+    model_path = common.model_path(o.model)
     # S0..SR: cold, A (S0), B publish on, floor, local reuse, LlamaRAMCache (the same texts,
     # so outputs compare with cold); T1..TR: B publish off; U1..UR: B instrumented; V: A's
     # second request
@@ -729,7 +718,7 @@ def main(
     plan |= dict(ctx=ctx, gen=gen, prefix_target=prefix_tokens, suffix_target=suffix_tokens)
     plan |= common.pick(prompts, "prefix_tokens suffix_tokens warmup_tokens")
     plan |= dict(repeats=repeats, arena_size=ARENA_SIZE, ramcache_capacity=RAMCACHE_CAPACITY)
-    quiet = common.wait_until_quiet(max_load, max_wait)
+    quiet = common.wait_until_quiet(o.max_load, o.max_wait)
     arms: dict[str, dict[str, Any]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="shmkv-bench-restore-") as tmp,
@@ -787,7 +776,7 @@ def main(
     if noisy:
         click.echo(f"\nother processes used CPU during: {noisy} (cores, average)")
     refuse = ""
-    if (not quiet["quiet"] or noisy) and not force_baseline:
+    if (not quiet["quiet"] or noisy) and not o.force_baseline:
         refuse = "the machine was busy; rerun when quiet or pass --force-baseline"
     report.write(res, plot, refuse)
     if missed := [k for k, ok in res["analysis"]["goals_met"].items() if not ok]:

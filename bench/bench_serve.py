@@ -17,7 +17,9 @@ process (and the CPU other processes used meanwhile).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -44,17 +46,11 @@ log = logging.getLogger("bench_serve")
 
 GOAL_MEAN_TTFT, GOAL_CONCURRENCY = 0.6, 4  # seconds, shmkv's mean TTFT at concurrency 4
 SEED = 11
-ARMS = {
-    "nocache": "llama_cpp.server, no cache",
-    "ramcache": "llama_cpp.server + LlamaRAMCache",
-    "shmkv": "shmkv serve",
-    "shmkv-exact": "shmkv serve --exact (hits bit for bit a cold run's)",
-}
-COLORS = {
-    "nocache": "#888888",
-    "ramcache": "#cc8844",
-    "shmkv": "#33aa77",
-    "shmkv-exact": "#2266cc",
+ARMS = {  # name: (label, colour)
+    "nocache": ("llama_cpp.server, no cache", "#888888"),
+    "ramcache": ("llama_cpp.server + LlamaRAMCache", "#cc8844"),
+    "shmkv": ("shmkv serve", "#33aa77"),
+    "shmkv-exact": ("shmkv serve --exact (hits bit for bit a cold run's)", "#2266cc"),
 }
 THEMES = [  # deterministic, varied system prompts: an opening and a line generator
     (
@@ -238,10 +234,8 @@ class MemoryWatch(threading.Thread):
                 max((r.get(k, 0) for r in rss), default=0) for k in ("RssFile:", "RssShmem:")
             )
             total = sum(sum(r.values()) for r in rss)
-            self.peak_rss, self.peak_footprint = (
-                max(self.peak_rss, total),
-                max(self.peak_footprint, footprint),
-            )
+            self.peak_rss = max(self.peak_rss, total)
+            self.peak_footprint = max(self.peak_footprint, footprint)
             if n % 4 == 0:
                 self.samples.append((round(time.monotonic() - t0, 2), footprint, total))
             avail = common.meminfo("MemAvailable")
@@ -264,59 +258,50 @@ class MemoryWatch(threading.Thread):
             n += 1
 
 
-def run_load(
-    srv: common.Server,
-    wl: Workload,
-    n: int,
-    concurrency: int,
-    max_tokens: int,
-    abort: threading.Event,
-    timeout: float,
-) -> tuple[list[dict[str, Any]], float]:
-    """Closed loop: ``concurrency`` clients take the next request of the sequence in turn."""
-    results: list[dict[str, Any]] = [
-        {"k": k, "prompt": wl.requests[k][0], "t_send": 0.0} for k in range(n)
-    ]
-    nxt, lock = iter(range(n)), threading.Lock()
+def complete(
+    client: httpx.Client, srv: common.Server, prompt: str, max_tokens: int, **kw: Any
+) -> dict[str, Any]:
+    """One streaming /v1/completions request (common.stream_completion)."""
+    body = dict(model="gemma", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True)
+    return common.stream_completion(client, srv.base + "/v1/completions", body | kw)
 
-    def client_loop(c: int) -> None:
-        with httpx.Client(
-            timeout=httpx.Timeout(timeout, connect=30),
-            limits=httpx.Limits(max_keepalive_connections=0),
-        ) as cl:
-            while not abort.is_set():
-                with lock:
-                    if (k := next(nxt, None)) is None:
-                        return
-                r = common.stream_completion(
-                    cl,
-                    srv.base + "/v1/completions",
-                    {
-                        "model": "gemma",
-                        "prompt": wl.prompt(k),
-                        "max_tokens": max_tokens,
-                        "temperature": 0.0,
-                        "stream": True,
-                        "seed": SEED,
-                    },
-                )
-                r.update(
-                    worker_pid=(r["shmkv"] or {}).get("worker_pid"),
-                    client_thread=c,
-                    error=r["error"]
-                    or (None if r["ttft"] is not None else f"no text in {r['chunks']} chunks"),
-                )
-                results[k].update(r)
 
-    threads = [
-        threading.Thread(target=client_loop, args=(c,), daemon=True) for c in range(concurrency)
-    ]
-    t0 = time.perf_counter()
+def http_client(timeout: float) -> httpx.Client:
+    """A client that opens a new connection for every request."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.Client(timeout=httpx.Timeout(timeout, connect=30), limits=limits)
+
+
+def in_threads(n: int, fn: Any) -> None:
+    """``fn(0)`` ... ``fn(n - 1)`` on threads of their own, until all return."""
+    threads = [threading.Thread(target=fn, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         while t.is_alive():
             t.join(0.5)
+
+
+def run_load(
+    srv: common.Server, wl: Workload, n: int, cc: int, cfg: dict[str, Any], abort: threading.Event
+) -> tuple[list[dict[str, Any]], float]:
+    """Closed loop: ``cc`` clients take the next request of the sequence in turn."""
+    results = [{"k": k, "prompt": wl.requests[k][0], "t_send": 0.0} for k in range(n)]
+    nxt, lock = iter(range(n)), threading.Lock()
+
+    def client_loop(c: int) -> None:
+        with http_client(cfg["timeout"]) as client:
+            while not abort.is_set():
+                with lock:
+                    if (k := next(nxt, None)) is None:
+                        return
+                r = complete(client, srv, wl.prompt(k), cfg["max_tokens"], seed=SEED)
+                no_text = None if r["ttft"] is not None else f"no text in {r['chunks']} chunks"
+                r.update(worker_pid=(r["shmkv"] or {}).get("worker_pid"), client_thread=c)
+                results[k].update(r, error=r["error"] or no_text)
+
+    t0 = time.perf_counter()
+    in_threads(cc, client_loop)
     for r in results:  # relative to the start of the cell
         r["t_send"] = r["t_send"] - t0 if r["t_send"] else 0.0
     return results, time.perf_counter() - t0
@@ -325,44 +310,22 @@ def run_load(
 def warm_up(srv: common.Server, rounds: int = 3) -> None:
     """Short unrelated prompts (under one cache chunk) on every worker, untimed."""
 
-    def go(i: int) -> None:
-        with httpx.Client(timeout=300, limits=httpx.Limits(max_keepalive_connections=0)) as c:
-            r = common.stream_completion(
-                c,
-                srv.base + "/v1/completions",
-                {
-                    "model": "gemma",
-                    "prompt": TURN.format(f"Warm-up {i}: name a colour."),
-                    "max_tokens": 2,
-                    "temperature": 0.0,
-                    "stream": True,
-                },
-            )
+    def go(first: int, w: int) -> None:
+        with http_client(300) as client:
+            r = complete(client, srv, TURN.format(f"Warm-up {first + w}: name a colour."), 2)
         if r["error"] or r["ttft"] is None:
             raise click.ClickException(f"warm-up request failed: {r['error']}")
 
     for rnd in range(rounds):
-        ts = [
-            threading.Thread(target=go, args=(rnd * srv.workers + w,)) for w in range(srv.workers)
-        ]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        in_threads(srv.workers, functools.partial(go, rnd * srv.workers))
 
 
 def run_cell(
     arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workdir: Path
 ) -> dict[str, Any]:
     """One (arm, concurrency) cell on fresh servers; its raw record."""
-    cell: dict[str, Any] = {
-        "arm": arm,
-        "concurrency": cc,
-        "planned": n,
-        "aborted": None,
-        "abort_s": None,
-        "shmkv_stats": None,
-    }
+    cell: dict[str, Any] = {"arm": arm, "concurrency": cc, "planned": n}
+    cell |= dict.fromkeys(["aborted", "abort_s", "shmkv_stats"])
     with contextlib.ExitStack() as stack:
         sup = (
             stack.enter_context(common.supervisor(workdir, "--size", cfg["arena_size"]))
@@ -404,9 +367,7 @@ def run_cell(
         watch.start()
         t0 = time.perf_counter()
         try:
-            results, cell["wall_s"] = run_load(
-                srv, wl, n, cc, cfg["max_tokens"], watch.abort, cfg["timeout"]
-            )
+            results, cell["wall_s"] = run_load(srv, wl, n, cc, cfg, watch.abort)
         finally:
             watch.done.set()
             watch.join(5)
@@ -455,23 +416,20 @@ def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
     busy, misrouted = [], []
     for r in done:
         inflight = {
-            o["worker_pid"]
+            o.worker_pid
             for o in done
-            if o is not r and o["t_send"] <= r["t_send"] < o["t_send"] + o["total"]
+            if o is not r and o.t_send <= r["t_send"] < o.t_send + o.total
         }
         busy.append(r["worker_pid"] in inflight)
         misrouted.append(busy[-1] and any(w not in inflight for w in known))
+    on_busy = [r for r, b in zip(done, busy, strict=True) if b]
     return {
         "n": len(done),
         "landed_on_busy": sum(busy),
         "landed_on_busy_while_another_idle": sum(misrouted),
         "requests_per_worker": {str(w): sum(r["worker_pid"] == w for r in done) for w in known},
-        "ttft_landed_on_busy": common.summary(
-            [r["ttft"] for r, b in zip(done, busy, strict=True) if b]
-        ),
-        "ttft_landed_on_idle": common.summary(
-            [r["ttft"] for r, b in zip(done, busy, strict=True) if not b]
-        ),
+        "ttft_landed_on_busy": common.summary([r["ttft"] for r in on_busy]),
+        "ttft_landed_on_idle": common.summary([r["ttft"] for r in done if r not in on_busy]),
     }
 
 
@@ -482,15 +440,13 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     S = common.summary
     by = {c: [r for r in rs if cache_class(r, sys_tokens) == c] for c in ("hit", "cold", "local")}
     hits, cold = by["hit"], by["cold"]
-    cold_per_prompt: dict[str, int] = {}
-    for r in cold:
-        cold_per_prompt[str(r["prompt"])] = cold_per_prompt.get(str(r["prompt"]), 0) + 1
+    cold_per_prompt = dict(collections.Counter(str(r["prompt"]) for r in cold))
 
     def during(r: dict[str, Any], o: dict[str, Any]) -> bool:  # r sent while o prefilled
         return (
             o is not r
-            and o["prompt"] == r["prompt"]
-            and (o["t_send"] <= r["t_send"] < o["t_send"] + (o["ttft"] or o["total"] or 0))
+            and o.prompt == r["prompt"]
+            and (o.t_send <= r["t_send"] < o.t_send + (o.ttft or o.total or 0))
         )
 
     # hits sent while another worker prefilled their prompt waited for its state (coalescing)
@@ -533,13 +489,8 @@ def analyse_cell(
     attempted = [r for r in c["results"] if r["t_send"]]
     ok = [r for r in attempted if r["error"] is None and r["ttft"] is not None]
     errors = [r for r in attempted if r not in ok]
-    cut = (
-        []
-        if c["abort_s"] is None
-        else [  # cut by our stopping the server: not its errors
-            r for r in errors if r["t_send"] + (r["total"] or 0) >= c["abort_s"]
-        ]
-    )
+    stop = float("inf") if c["abort_s"] is None else c["abort_s"]
+    cut = [r for r in errors if r["t_send"] + (r["total"] or 0) >= stop]  # by our stopping it
     errors = [r for r in errors if r not in cut]
     m0, m1 = c["memory"]["after_warmup"], c["memory"]["end"]
     mem: dict[str, Any] = {
@@ -576,7 +527,7 @@ def analyse_cell(
             mem["cache_how"] += ", minus the no-cache arm's growth at the same concurrency"
     out: dict[str, Any] = {
         "arm": c["arm"],
-        "label": ARMS[c["arm"]],
+        "label": ARMS[c["arm"]][0],
         "concurrency": c["concurrency"],
         "planned": c["planned"],
         "attempted": len(attempted),
@@ -683,7 +634,7 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
             if (c := by.get((arms[i], cc))) is None or (v := value(c)) is None:
                 continue
             x = j + (i - (len(arms) - 1) / 2) * width
-            ax.bar(x, v, width * 0.95, color=COLORS[arms[i]], **kw)
+            ax.bar(x, v, width * 0.95, color=ARMS[arms[i]][1], **kw)
             style = dict(va="top", color="white", fontweight="bold") if inside else {"va": "bottom"}
             ax.text(x, v * 0.8 if inside else v, label(c, v), ha="center", fontsize=7, **style)
 
@@ -701,7 +652,7 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         return f"{v:.1f}" + " (limit)" * bool(c["aborted"])
 
     for i, a in enumerate(arms):
-        light = dict(alpha=0.35, edgecolor=COLORS[a])
+        light = dict(alpha=0.35, edgecolor=ARMS[a][1])
         bars(axes[0], i, ttft("p99"), lambda c, v: f"{v:.1f}", hatch="//", **light)
         bars(axes[0], i, ttft("mean"), mean, inside=True)
         bars(axes[1], i, lambda c: c["requests_per_s"], lambda c, v: f"{v:.2f}")
@@ -738,8 +689,8 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         "streaming requests",
         fontsize=9,
     )
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[a]) for a in arms]
-    labels = [ARMS[a] for a in arms]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=ARMS[a][1]) for a in arms]
+    labels = [ARMS[a][0] for a in arms]
     fig.legend(handles, labels, loc="lower center", ncol=len(arms), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
@@ -768,38 +719,38 @@ opt = common.option
 @opt("--timeout", default=900.0, help="Per-request read timeout, seconds.")
 @opt("--model", help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
 @opt("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
-def main(report: common.Report, **o: Any) -> None:
+def main(report: common.Report, o: Any) -> None:
     """Serve shared system prompts from gunicorn workers: no cache vs LlamaRAMCache vs shmkv."""
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     from shmkv.config import parse_size
 
-    quick = o["quick"]
-    arms = [a.strip() for a in o["arms"].split(",") if a.strip()]
+    quick = o.quick
+    arms = [a.strip() for a in o.arms.split(",") if a.strip()]
     if unknown := [a for a in arms if a not in ARMS]:
         raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}")
-    n = o["requests"] or (8 if quick else 60)
-    model = common.model_path(o["model"])
-    levels = o["concurrency"] or ("4" if quick else "4,10")
+    n = o.requests or (8 if quick else 60)
+    model = common.model_path(o.model)
+    levels = o.concurrency or ("4" if quick else "4,10")
     cfg = {
         "quick": quick,
         "model": str(model),
         "model_bytes": model.stat().st_size,
-        "workers": o["workers"],
-        "threads": o["threads"],
-        "n_ctx": o["n_ctx"],
-        "prompts": o["prompts"] or (2 if quick else 6),
-        "prompt_tokens_target": o["prompt_tokens"] or (400 if quick else 1000),
+        "workers": o.workers,
+        "threads": o.threads,
+        "n_ctx": o.n_ctx,
+        "prompts": o.prompts or (2 if quick else 6),
+        "prompt_tokens_target": o.prompt_tokens or (400 if quick else 1000),
         "requests": n,
-        "cacheless_requests": min(o["cacheless_requests"] or n, n),
+        "cacheless_requests": min(o.cacheless_requests or n, n),
         "concurrency": [int(x) for x in levels.split(",")],
-        "max_tokens": o["max_tokens"],
+        "max_tokens": o.max_tokens,
         "arms": arms,
-        "arena_size": o["arena_size"],
-        "ramcache_size_per_worker": parse_size(o["ramcache_size"]),
-        "max_rss": parse_size(o["max_rss"]),
-        "min_available": parse_size(o["min_available"]),
-        **{k: o[k] for k in ("max_load", "max_wait", "timeout")},
+        "arena_size": o.arena_size,
+        "ramcache_size_per_worker": parse_size(o.ramcache_size),
+        "max_rss": parse_size(o.max_rss),
+        "min_available": parse_size(o.min_available),
+        **{k: getattr(o, k) for k in ("max_load", "max_wait", "timeout")},
         "endpoint": "/v1/completions",
         "stream": True,
         "temperature": 0.0,

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -559,14 +560,14 @@ class Report:
 
 def command(name: str) -> Callable[[Callable[..., None]], click.Command]:
     """A benchmark's click command: its own options, then --out, --baseline, --write-baseline
-    and -v; it runs with logging set up, and gets its Report as the first argument."""
+    and -v; it runs with logging set up and gets its Report and its own options (as attributes)."""
 
     def make(fn: Callable[..., None]) -> click.Command:
         def run(out: str, baseline: str, write_baseline: bool, verbose: bool, **kw: Any) -> None:
             level = logging.DEBUG if verbose else logging.INFO
             logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
             logging.getLogger("httpx").setLevel(logging.WARNING)
-            fn(Report(name, Path(out), Path(baseline), write_baseline), **kw)
+            fn(Report(name, Path(out), Path(baseline), write_baseline), types.SimpleNamespace(**kw))
 
         base = HERE / "baseline" / f"{name}.json"
         for opt in (

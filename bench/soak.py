@@ -193,59 +193,40 @@ opt = common.option
 @opt("--prompts", default=8, help="Shared system prompts.")
 @opt("--interval", default=5.0, help="Seconds between samples.")
 @opt("--model", help="GGUF [Gemma 3 270M, as `shmkv serve`].")
-def main(
-    report: common.Report,
-    duration: float,
-    concurrency: int,
-    workers: int,
-    size: str,
-    prompts: int,
-    interval: float,
-    model: str | None,
-) -> None:
+def main(report: common.Report, o: Any) -> None:
     """Run `shmkv serve` under a mixed load and record its health over time."""
-    model_path = common.model_path(model)
+    model_path = common.model_path(o.model)
     with (
         tempfile.TemporaryDirectory(prefix="shmkv-soak-") as tmp,
-        common.supervisor(Path(tmp), "--size", size) as sup,
+        common.supervisor(Path(tmp), "--size", o.size) as sup,
     ):
         env = {"SHMKV_MODEL": str(model_path), "SHMKV_THREADS": "1", "SHMKV_LOG_LEVEL": "warning"}
-        srv = common.Server.shmkv(sup, env, Path(tmp), workers)
+        srv = common.Server.shmkv(sup, env, Path(tmp), o.workers)
         try:
             srv.wait_ready()
             rng = random.Random(1)
             sps = [
                 "You are a support assistant. "
                 + " ".join(rng.choice(WORDS) for _ in range(rng.randint(500, 900)))
-                for _ in range(prompts)
+                for _ in range(o.prompts)
             ]
             t_start = time.monotonic()
-            load = Load(srv.base, 2, sps, t_start + duration)
-            threads = [threading.Thread(target=load.run, daemon=True) for _ in range(concurrency)]
+            load = Load(srv.base, 2, sps, t_start + o.duration)
+            threads = [threading.Thread(target=load.run, daemon=True) for _ in range(o.concurrency)]
             for th in threads:
                 th.start()
             samples = []
             while any(th.is_alive() for th in threads):
-                time.sleep(interval)
-                pids = [
-                    sup.child.pid,
-                    srv.child.pid,
-                    *(p.pid for p in srv.child.children(recursive=True)),
-                ]
+                time.sleep(o.interval)
+                pids = [sup.child.pid, srv.child.pid, *(p.pid for p in srv.child.children(True))]
                 with load.lock:
                     evs = list(load.events)
                 samples.append(s := sample(time.monotonic() - t_start, pids, sup.stats(), evs))
                 log.info(
-                    "t=%5.0fs req=%d err=%d hit=%.0f%% arena=%.0fMiB frag=%.0f%% "
-                    "PSS=%.2fGiB TTFT p50=%.2fs",
-                    s["t"],
-                    s["requests"],
-                    s["errors"],
-                    100 * s["hit_rate"],
-                    s["arena_used"] / 2**20,
-                    100 * s["fragmentation"],
-                    s["pss"] / 2**30,
-                    s["ttft_p50"],
+                    f"t={s['t']:5.0f}s req={s['requests']} err={s['errors']} hit="
+                    f"{100 * s['hit_rate']:.0f}% arena={s['arena_used'] / 2**20:.0f}MiB frag="
+                    f"{100 * s['fragmentation']:.0f}% PSS={s['pss'] / 2**30:.2f}GiB TTFT p50="
+                    f"{s['ttft_p50']:.2f}s"
                 )
             evs = load.events
             ttft = common.summary([e["ttft"] for e in evs if e["ttft"] is not None])
@@ -254,14 +235,7 @@ def main(
             srv.stop()
     res = {
         **report.header(),
-        "config": {
-            "duration": duration,
-            "concurrency": concurrency,
-            "workers": workers,
-            "size": size,
-            "prompts": prompts,
-            "model": model_path.name,
-        },
+        "config": {**vars(o), "model": model_path.name},
         "summary": {
             "requests": len(evs),
             "errors": sum(not e["ok"] for e in evs),
