@@ -10,8 +10,8 @@ process of its own; a real ``shmkv supervise`` owns the arena.
   of exactly the shared prefix);
 * hit (process B): the other suffixes, ``reset()`` before each so that each restores from the
   arena, publish on and off in turn; between them the floor (``llama_state_seq_set_data``
-  from a private buffer, bypassing the hook), and a few requests with the calls inside
-  ``restore``/``capture`` timed;
+  from a private buffer, bypassing the hook), and a few requests with the main calls inside
+  ``restore`` timed;
 * floor: the same in a process of its own, then llama-cpp-python's same-process prefix reuse;
 * exact: a publisher and a hit process with ``shmkv_exact=True``;
 * ramcache: llama-cpp-python's ``LlamaRAMCache`` (2 GiB cap), ``reset()`` per request.
@@ -97,32 +97,16 @@ def stream(
 
 
 def instrument(cache: Any, p: common.Probes) -> None:
-    """Time the stable calls that ``restore`` and ``capture`` make (``capture`` itself is
-    already wrapped)."""
+    """Time the calls inside ``restore`` that the chart shows (``capture`` is already timed)."""
     import llama_cpp.llama_cpp as llama_c
 
     from shmkv.arena import ArenaView
     from shmkv.client import Lease
 
-    p.wrap(cache, "restore")
-    for client, attr, label in (
-        (cache.reader, "lookup", None),
-        (cache.reader, "acquire", None),
-        (cache.writer, "prepare", "prepare_memfd"),
-    ):
-        p.wrap(client, attr, label)
-    p.wrap(cache.reader, "request", lambda msg, *a, **k: f"rtt_{msg.get('op')}")
-    for attr in ("read_record", "verify_meta", "verify_payload", "tokens"):
-        p.wrap(ArenaView, attr)
-    for attr in ("fingerprint", "finish"):
-        p.wrap(Lease, attr)
-    for fn, label in (
-        ("llama_state_seq_set_data", "set_data"),
-        ("llama_memory_seq_rm", "seq_rm"),
-        ("llama_state_seq_get_data", "get_data"),
-        ("llama_state_seq_get_size", "get_size"),
-    ):
-        p.wrap(llama_c, fn, label)
+    for owner, attr in ((cache, "restore"), (cache.reader, "acquire"), (Lease, "finish")):
+        p.wrap(owner, attr)
+    p.wrap(ArenaView, "verify_payload")
+    p.wrap(llama_c, "llama_state_seq_set_data", "set_data")
 
 
 def floor_restorer(
@@ -396,27 +380,9 @@ def run_arm(spec: dict[str, Any], workdir: Path, sup: common.Supervisor) -> dict
 
 
 def restore_steps(b: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-step summaries of the instrumented restore and capture calls, in call-tree order,
-    with what each spends outside the calls wrapped directly under it."""
-    first: dict[str, int] = {}
-    for r in b:
-        for k in r["steps"]:
-            first.setdefault(k, len(first))
-
-    def tree_order(k: str) -> tuple[int, ...]:
-        parts = k.split("/")
-        return tuple(first.get("/".join(parts[: i + 1]), 1 << 30) for i in range(len(parts)))
-
-    out: dict[str, Any] = {}
-    for top in ("restore", "rtt_claim", "capture"):
-        keys = sorted((k for k in first if k == top or k.startswith(top + "/")), key=tree_order)
-        for k in keys:
-            out[k] = common.summary([r["steps"].get(k, 0.0) for r in b])
-        if direct := [k for k in keys if k.count("/") == 1]:
-            out[f"{top}/(not wrapped)"] = common.summary(
-                [r["steps"].get(top, 0.0) - sum(r["steps"].get(k, 0.0) for k in direct) for r in b]
-            )
-    return out
+    """Summaries of the timed calls inside restore and capture, in the order they started."""
+    keys = dict.fromkeys(k for r in b for k in r["steps"] if k.startswith(("restore", "capture")))
+    return {k: common.summary([r["steps"].get(k, 0.0) for r in b]) for k in keys}
 
 
 def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
@@ -596,24 +562,16 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
     a = res["analysis"]
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
     r, t = a["ratios"], a["ttft"]
-    common.hbars(
-        axes[0],
-        [
-            (
-                t[k]["label"].replace(", ", ",\n", 1),
-                t[k]["ttft"]["p50"] * 1e3,
-                t[k]["ttft"]["p99"] * 1e3,
-            )
-            for k in ("cold", "ramcache", "hit", "hit_nopublish", "floor_b", "floor", "local")
-            if t[k]["ttft"].get("n")
-        ],
-        lambda v: common.fmt_s(v / 1e3),
+    arms = [t[k] for k in ("cold", "ramcache", "hit", "hit_nopublish", "floor_b", "floor", "local")]
+    bars = [(v["label"].replace(", ", ",\n", 1), v["ttft"]) for v in arms if v["ttft"].get("n")]
+    title = (
         f"TTFT, {res['config']['prefix_tokens']}-token shared prefix\ncold/hit "
         f"{r['cold_over_hit_p50']:.0f}x (goal ≥{GOAL_COLD_OVER_HIT:.0f}), hit/floor "
-        f"{r['hit_over_floor_p50']:.2f} (goal ≤{GOAL_HIT_OVER_FLOOR:.2f})",
-        "time to first token, ms (log)",
-        log=True,
+        f"{r['hit_over_floor_p50']:.2f} (goal ≤{GOAL_HIT_OVER_FLOOR:.2f})"
     )
+    items = [(n, s["p50"] * 1e3, s["p99"] * 1e3) for n, s in bars]
+    ms = "time to first token, ms (log)"
+    common.hbars(axes[0], items, lambda v: common.fmt_s(v / 1e3), title, ms, log=True)
     ax = axes[1]
     d, st = a["decomposition"], a["restore_steps"]
 
@@ -621,21 +579,15 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         return (s or {}).get("p50", 0.0) * 1e3
 
     restore, cap = p50(d["hit_restore"]), p50(d["hit_capture_before_first_chunk"])
+    rtt = p50(st.get("restore/acquire")) + p50(st.get("restore/finish"))
     groups = [
-        (
-            "restore: round trips (acquire, finish)",
-            p50(st.get("restore/acquire")) + p50(st.get("restore/finish")),
-            "#e9a",
-        ),
+        ("restore: round trips (acquire, finish)", rtt, "#e9a"),
         ("restore: verify_payload (XXH3)", p50(st.get("restore/verify_payload")), "#c6c"),
         ("restore: set_data", p50(st.get("restore/set_data")), "#37a"),
     ]
+    rest = max(0.0, restore - sum(g[1] for g in groups))
     groups += [
-        (
-            "restore: the rest (digests, lookup, checks)",
-            max(0.0, restore - sum(g[1] for g in groups)),
-            "#fc6",
-        ),
+        ("restore: the rest (digests, lookup, checks)", rest, "#fc6"),
         ("capture() before the 1st chunk", cap, "#d44"),
         ("the rest (tokenize, eval suffix, sample)", p50(d["hit_ttft"]) - restore - cap, "#bbb"),
     ]

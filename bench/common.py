@@ -68,7 +68,7 @@ def pick(d: dict[str, Any], keys: str) -> dict[str, Any]:
 
 
 class Probes:
-    """Wall time of wrapped calls, keyed by their nesting ("restore/acquire/rtt_acquire").
+    """Wall time of wrapped calls, keyed by their nesting ("restore/acquire").
 
     Wrap only stable public names (methods of shmkv's Client, Lease and ArenaView,
     llama_cpp.llama_cpp functions, SharedPrefixCache.restore/capture): the wrapper sits on
@@ -82,13 +82,13 @@ class Probes:
         self.calls: list[tuple[str, float, float, bool | None]] = []
         self.undo: list[tuple[Any, str, Any]] = []
 
-    def wrap(self, owner: Any, attr: str, label: str | Callable[..., str] | None = None) -> None:
+    def wrap(self, owner: Any, attr: str, label: str | None = None) -> None:
         orig = getattr(owner, attr)
         own = attr in getattr(owner, "__dict__", {})
 
         def wrapper(*a: Any, **k: Any) -> Any:
             stack = self.local.__dict__.setdefault("stack", [])
-            stack.append(label(*a, **k) if callable(label) else label or attr)
+            stack.append(label or attr)
             key = "/".join(stack)
             self.acc.setdefault(key, 0.0)  # keys in the order the calls start
             t, out = time.perf_counter(), None
