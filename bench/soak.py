@@ -10,6 +10,7 @@ and TTFT. Not a CI test: run it by hand.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import sys
@@ -34,6 +35,10 @@ WORDS = (
 ).split()
 
 
+def msg(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
 class Load:
     """A bounded request mix on its own threads; records TTFT and errors with timestamps."""
 
@@ -51,29 +56,19 @@ class Load:
         with self.lock:
             r = self.rng.random()
             if r < 0.6:  # a shared system prompt, a short question
-                return {
-                    "messages": [
-                        {"role": "system", "content": self.rng.choice(self.prompts)},
-                        {"role": "user", "content": self.words(3, 12)},
-                    ]
-                }
+                system = msg("system", self.rng.choice(self.prompts))
+                return {"messages": [system, msg("user", self.words(3, 12))]}
             if r < 0.85:  # a chat that grows turn by turn
                 if not self.chats or self.rng.random() < 0.2 or len(self.chats[-1]) > 12:
-                    self.chats.append(
-                        [{"role": "system", "content": self.rng.choice(self.prompts)}]
-                    )
+                    self.chats.append([msg("system", self.rng.choice(self.prompts))])
                 chat = self.rng.choice(self.chats)
-                chat.append({"role": "user", "content": self.words(4, 20)})
+                chat.append(msg("user", self.words(4, 20)))
                 return {"messages": list(chat), "chat": chat}
             return {"prompt": self.words(200, 900)}  # a one-off prompt: a miss
 
     def one(self, client: httpx.Client) -> None:
         job = self.pick()
-        body: dict[str, Any] = {
-            "max_tokens": 24,
-            "temperature": 0.7,
-            "stream": self.rng.random() < 0.7,
-        }
+        body = dict(max_tokens=24, temperature=0.7, stream=self.rng.random() < 0.7)
         if "prompt" in job:
             url, body["prompt"] = "/v1/completions", job["prompt"]
         else:
@@ -97,7 +92,7 @@ class Load:
             ev["ok"] = True
             if "chat" in job:
                 with self.lock:
-                    job["chat"].append({"role": "assistant", "content": reply})
+                    job["chat"].append(msg("assistant", reply))
         except (httpx.HTTPError, ValueError, KeyError) as e:
             ev["error"] = f"{type(e).__name__}: {e}"[:200]
         ev["total"] = time.monotonic() - t0
@@ -110,16 +105,13 @@ class Load:
                 self.one(client)
 
 
-def sample(
-    t: float, pids: list[int], st: dict[str, Any], evs: list[dict[str, Any]]
-) -> dict[str, Any]:
+def sample(t: float, pids: list[int], st: dict[str, Any], evs: list[Any]) -> dict[str, Any]:
+    """Memory of the server processes, the arena, the cache and the requests so far."""
     rss = pss = 0
     for pid in pids:
-        try:
+        with contextlib.suppress(psutil.Error):
             mi = psutil.Process(pid).memory_full_info()
             rss, pss = rss + mi.rss, pss + mi.pss
-        except psutil.Error:
-            pass
     free = st.get("bytes_capacity", 0) - st.get("bytes_used", 0)
     lookups = st.get("hits", 0) + st.get("misses", 0)
     window = common.summary(
@@ -143,41 +135,26 @@ def sample(
 
 def plot(plt: Any, res: dict[str, Any]) -> Any:
     s, c = res["samples"], res["config"]
-    t = [x["t"] for x in s]
-    fig, ax = plt.subplots(2, 2, figsize=(12, 7))
-    for a, title, ylabel, lines in (
-        (
-            ax[0][0],
-            "server memory",
-            "GiB",
-            [("RSS (sum)", "rss", 2**-30), ("PSS (sum, arena once)", "pss", 2**-30)],
-        ),
-        (
-            ax[0][1],
-            "arena",
-            "",
-            [("arena used (MiB)", "arena_used", 2**-20), ("fragmentation %", "fragmentation", 100)],
-        ),
-        (
-            ax[1][0],
-            "cache hits and errors",
-            "",
-            [("hit rate % (cumulative)", "hit_rate", 100), ("errors (cumulative)", "errors", 1)],
-        ),
-        (
-            ax[1][1],
-            "time to first token",
-            "s",
-            [("TTFT p50 (last 30 s)", "ttft_p50", 1), ("TTFT p90 (last 30 s)", "ttft_p90", 1)],
-        ),
-    ):
-        for label, key, scale in lines:
-            a.plot(t, [x[key] * scale for x in s], label=label)
-        a.set(title=title, ylabel=ylabel, xlabel="seconds")
-        a.legend()
-    fig.suptitle(
-        f"shmkv soak: {c['duration']} s, {c['workers']} workers, concurrency {c['concurrency']}"
-    )
+    series = [  # panel, label, sample key, scale
+        (0, "RSS (sum)", "rss", 2**-30),
+        (0, "PSS (sum, arena once)", "pss", 2**-30),
+        (1, "arena used (MiB)", "arena_used", 2**-20),
+        (1, "fragmentation %", "fragmentation", 100),
+        (2, "hit rate % (cumulative)", "hit_rate", 100),
+        (2, "errors (cumulative)", "errors", 1),
+        (3, "TTFT p50 (last 30 s)", "ttft_p50", 1),
+        (3, "TTFT p90 (last 30 s)", "ttft_p90", 1),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
+    axes = list(axes.flat)
+    for i, label, key, scale in series:
+        axes[i].plot([x["t"] for x in s], [x[key] * scale for x in s], label=label)
+    panels = [("server memory", "GiB"), ("arena", ""), ("cache hits and errors", "")]
+    for ax, (title, unit) in zip(axes, [*panels, ("time to first token", "s")], strict=True):
+        ax.set(title=title, ylabel=unit, xlabel="seconds")
+        ax.legend()
+    workers, cc = c["workers"], c["concurrency"]
+    fig.suptitle(f"shmkv soak: {c['duration']} s, {workers} workers, concurrency {cc}")
     fig.tight_layout()
     return fig
 
