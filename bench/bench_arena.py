@@ -446,18 +446,8 @@ def run(plan: Plan) -> dict[str, Any]:
         finally:
             client.close()
             gc.unfreeze()
-    keys = (
-        "entries",
-        "bytes_used",
-        "bytes_capacity",
-        "index_used",
-        "index_capacity",
-        "puts",
-        "evictions",
-        "hits",
-        "rejected_puts",
-        "chunk_tokens",
-    )
+    keys = "entries bytes_used bytes_capacity index_used index_capacity puts evictions hits"
+    keys = [*keys.split(), "rejected_puts", "chunk_tokens"]
     return {
         "lookup": lookup,
         "put": put,

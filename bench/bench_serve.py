@@ -91,6 +91,7 @@ THEMES = [  # deterministic, varied system prompts: an opening and a line genera
     ),
 ]
 QUESTION = "Question {i}: what does the plan say about the {0} and the {1}?"
+RSS_KINDS = ("RssAnon:", "RssFile:", "RssShmem:")  # private, file-backed and shared memory
 TURN = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 
 
@@ -166,14 +167,9 @@ def mem_snapshot(pids: dict[str, list[int]], arena: Path | None) -> dict[str, An
     for role, plist in pids.items():
         for pid in plist:
             with contextlib.suppress(psutil.Error):
-                mi = psutil.Process(pid).memory_full_info()
-                procs[str(pid)] = {
-                    "role": role,
-                    "rss": mi.rss,
-                    "pss": mi.pss,
-                    "uss": mi.uss,
-                    "arena_pss": smaps_pss(pid, str(arena)) if arena else 0,
-                }
+                mi, in_arena = psutil.Process(pid).memory_full_info(), arena and str(arena)
+                pss = smaps_pss(pid, in_arena) if in_arena else 0
+                procs[str(pid)] = dict(role=role, rss=mi.rss, pss=mi.pss, uss=mi.uss, arena_pss=pss)
     workers = [r for r in procs.values() if r["role"] == "worker"]
     out = {
         "processes": procs,
@@ -188,6 +184,14 @@ def mem_snapshot(pids: dict[str, list[int]], arena: Path | None) -> dict[str, An
         st = arena.stat()  # type: ignore[union-attr]
         out.update(arena_file_bytes=st.st_size, arena_allocated_bytes=st.st_blocks * 512)
     return out
+
+
+def status_rss(pid: int) -> dict[str, int]:
+    """RssAnon, RssFile and RssShmem of a process in bytes, from /proc (none if it is gone)."""
+    with contextlib.suppress(OSError, ValueError):
+        fields = map(str.split, Path(f"/proc/{pid}/status").read_text().splitlines())
+        return {f[0]: int(f[1]) * 1024 for f in fields if f[0] in RSS_KINDS}
+    return {}
 
 
 class MemoryWatch(threading.Thread):
@@ -212,27 +216,13 @@ class MemoryWatch(threading.Thread):
         t0, n = time.monotonic(), 0
         while not self.done.wait(0 if n == 0 else 0.25):
             self.noise.sample()  # a worker that is killed keeps its last CPU figure
-            rss: list[dict[str, int]] = []
-            for pid in self.pids():
-                with contextlib.suppress(OSError, ValueError):
-                    rss.append(
-                        {
-                            f[0]: int(f[1]) * 1024
-                            for f in map(
-                                str.split, Path(f"/proc/{pid}/status").read_text().splitlines()
-                            )
-                            if f[0] in ("RssAnon:", "RssFile:", "RssShmem:")
-                        }
-                    )
+            rss = [status_rss(pid) for pid in self.pids()]
             if n % 8 == 0:  # smaps_rollup walks page tables: every 2 s only
                 with contextlib.suppress(psutil.Error):
-                    self.peak_pss = max(
-                        self.peak_pss,
-                        sum(psutil.Process(p).memory_full_info().pss for p in self.pids()),
-                    )
-            footprint = sum(r.get("RssAnon:", 0) for r in rss) + sum(
-                max((r.get(k, 0) for r in rss), default=0) for k in ("RssFile:", "RssShmem:")
-            )
+                    pss = sum(psutil.Process(p).memory_full_info().pss for p in self.pids())
+                    self.peak_pss = max(self.peak_pss, pss)
+            shared = sum(max((r.get(k, 0) for r in rss), default=0) for k in RSS_KINDS[1:])
+            footprint = sum(r.get("RssAnon:", 0) for r in rss) + shared
             total = sum(sum(r.values()) for r in rss)
             self.peak_rss = max(self.peak_rss, total)
             self.peak_footprint = max(self.peak_footprint, footprint)
@@ -327,11 +317,9 @@ def run_cell(
     cell: dict[str, Any] = {"arm": arm, "concurrency": cc, "planned": n}
     cell |= dict.fromkeys(["aborted", "abort_s", "shmkv_stats"])
     with contextlib.ExitStack() as stack:
-        sup = (
-            stack.enter_context(common.supervisor(workdir, "--size", cfg["arena_size"]))
-            if arm.startswith("shmkv")
-            else None
-        )
+        sup = None
+        if arm.startswith("shmkv"):
+            sup = stack.enter_context(common.supervisor(workdir, "--size", cfg["arena_size"]))
         t = time.monotonic()
         srv = start_server(arm, cfg, workdir, sup)
         # SIGKILL on errors and Ctrl-C: in-flight prefills would hold SIGTERM up for 30 s
@@ -346,11 +334,8 @@ def run_cell(
         stats0 = sup.stats() if sup else None
 
         def pids() -> dict[str, list[int]]:  # not `shmkv serve` itself: it only watches
-            return {
-                "master": [srv.master_pid()],
-                "worker": srv.worker_pids(),
-                **({"supervisor": [sup.child.pid]} if sup else {}),
-            }
+            roles = {"master": [srv.master_pid()], "worker": srv.worker_pids()}
+            return roles | ({"supervisor": [sup.child.pid]} if sup else {})
 
         def flat() -> list[int]:
             return [p for ps in pids().values() for p in ps]
@@ -470,15 +455,10 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
         "ttft_cold": S([r["ttft"] for r in cold]),
         "ttft_local": S([r["ttft"] for r in by["local"]]),
         "cold_share_of_ttft": sum(r["ttft"] for r in cold) / all_ttft if all_ttft else None,
-        **{
-            f"{k}_tokens{suffix}": S([r["shmkv"][f"{k}_tokens"] for r in group])
-            for k, suffix, group in (
-                ("restored", "", hits),
-                ("evaluated", "_hit", hits),
-                ("evaluated", "_cold", cold),
-                ("prompt", "", rs),
-            )
-        },
+        "restored_tokens": S([r["shmkv"]["restored_tokens"] for r in hits]),
+        "evaluated_tokens_hit": S([r["shmkv"]["evaluated_tokens"] for r in hits]),
+        "evaluated_tokens_cold": S([r["shmkv"]["evaluated_tokens"] for r in cold]),
+        "prompt_tokens": S([r["shmkv"]["prompt_tokens"] for r in rs]),
         "restore_ms": S([r["shmkv"]["restore_ms"] for r in hits]),
     }
 
@@ -732,41 +712,29 @@ def main(report: common.Report, o: Any) -> None:
     n = o.requests or (8 if quick else 60)
     model = common.model_path(o.model)
     levels = o.concurrency or ("4" if quick else "4,10")
-    cfg = {
-        "quick": quick,
-        "model": str(model),
-        "model_bytes": model.stat().st_size,
-        "workers": o.workers,
-        "threads": o.threads,
-        "n_ctx": o.n_ctx,
+    cfg = dict(quick=quick, model=str(model), model_bytes=model.stat().st_size, arms=arms)
+    cfg |= common.pick(vars(o), "workers threads n_ctx max_tokens arena_size max_load max_wait")
+    cfg |= {
+        "timeout": o.timeout,
         "prompts": o.prompts or (2 if quick else 6),
         "prompt_tokens_target": o.prompt_tokens or (400 if quick else 1000),
         "requests": n,
         "cacheless_requests": min(o.cacheless_requests or n, n),
         "concurrency": [int(x) for x in levels.split(",")],
-        "max_tokens": o.max_tokens,
-        "arms": arms,
-        "arena_size": o.arena_size,
         "ramcache_size_per_worker": parse_size(o.ramcache_size),
         "max_rss": parse_size(o.max_rss),
         "min_available": parse_size(o.min_available),
-        **{k: getattr(o, k) for k in ("max_load", "max_wait", "timeout")},
-        "endpoint": "/v1/completions",
-        "stream": True,
-        "temperature": 0.0,
-        "prompt_format": TURN.format("{system}\n{question}"),
-        "new_connection_per_request": True,
     }
+    cfg |= dict(endpoint="/v1/completions", stream=True, temperature=0.0)
+    cfg |= dict(prompt_format=TURN.format("{system}\n{question}"), new_connection_per_request=True)
     if cfg["prompt_tokens_target"] + cfg["max_tokens"] + 64 > cfg["n_ctx"]:
         raise click.BadParameter("prompt + max tokens must fit --n-ctx")
     wl = make_workload(model, cfg["prompts"], cfg["prompt_tokens_target"], n)
     cfg.update(system_tokens=wl.system_tokens, request_prompts=[p for p, _ in wl.requests])
     what = "%d system prompts of %s tokens; %d requests; concurrency %s; arms %s"
     log.info(what, cfg["prompts"], wl.system_tokens, n, cfg["concurrency"], arms)
-    llama_settings = {
-        "CONFIG_FILE",
-        *(f.upper() for f in (*ModelSettings.model_fields, *ServerSettings.model_fields)),
-    }
+    fields = [*ModelSettings.model_fields, *ServerSettings.model_fields, "config_file"]
+    llama_settings = {f.upper() for f in fields}
     for k in [k for k in os.environ if k.upper() in llama_settings]:
         del os.environ[k]  # llama_cpp.server would read them: every arm gets only ours
     code = common.code_state()
@@ -793,10 +761,9 @@ def main(report: common.Report, o: Any) -> None:
     code["working_tree_changed_during_run"] = (
         common.code_state()["code_digest"] != code["code_digest"]
     )
-    goal: dict[str, Any] = {
-        "shmkv_mean_ttft_max_s": GOAL_MEAN_TTFT,
-        "at_concurrency": GOAL_CONCURRENCY,
-    }
+    goal: dict[str, Any] = dict(
+        shmkv_mean_ttft_max_s=GOAL_MEAN_TTFT, at_concurrency=GOAL_CONCURRENCY
+    )
     for c in analysed:
         if (c["arm"], c["concurrency"]) == ("shmkv", GOAL_CONCURRENCY) and c["ttft"].get("n"):
             goal.update(shmkv_mean_ttft_s=(m := c["ttft"]["mean"]), met=m <= GOAL_MEAN_TTFT)
@@ -820,10 +787,9 @@ def main(report: common.Report, o: Any) -> None:
     )
     click.echo(table(res, report.baseline(quick)))
     if "met" in goal:
+        mean, met = common.fmt_s(goal["shmkv_mean_ttft_s"]), "met" if goal["met"] else "MISSED"
         click.echo(
-            f"goal (shmkv mean TTFT <= {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}): "
-            f"{'met' if goal['met'] else 'MISSED'} "
-            f"({common.fmt_s(goal['shmkv_mean_ttft_s'])})"
+            f"goal (shmkv mean TTFT <= {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}): {met} ({mean})"
         )
     report.write(res, plot, "the run was interrupted" * interrupted)
     if interrupted:

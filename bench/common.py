@@ -205,11 +205,11 @@ def cpu_busy_seconds() -> float:
 
 def process_cpu_seconds(pid: int) -> float:
     """utime + stime of one live process (0 if it is gone)."""
-    try:
-        rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return sum(psutil.Process(pid).cpu_times()[:2])
+    return 0.0
 
 
 class Noise:
@@ -233,11 +233,8 @@ class Noise:
     def result(self, wall: float | None = None) -> dict[str, Any]:
         self.sample()
         wall = time.monotonic() - self.t0 if wall is None else wall
-        ours = (
-            sum(os.times()[:4])
-            - self.own0
-            + sum(c - self.cpu0.get(p, 0.0) for p, c in self.cpu.items())
-        )
+        children = sum(c - self.cpu0.get(p, 0.0) for p, c in self.cpu.items())
+        ours = sum(os.times()[:4]) - self.own0 + children
         busy = cpu_busy_seconds() - self.busy0
         return {
             "wall_seconds": round(wall, 3),
@@ -290,14 +287,8 @@ class Child:
     def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.name, self.log_path = name, log_path
         with open(log_path, "wb") as f:
-            self.proc = subprocess.Popen(
-                args,
-                env=env,
-                cwd=log_path.parent,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            out = dict(stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(args, env=env, cwd=log_path.parent, **out)
         self.pid = self.proc.pid
 
     def log_tail(self, n: int = 3000) -> str:
@@ -359,20 +350,13 @@ class Supervisor:
 
         return Client(name=self.name, socket_path=self.socket, **kw)
 
-    def ping(self) -> bool:
-        from shmkv.errors import ShmkvError
-
-        try:
-            with self.client(populate=False, attach=False) as c:
-                c.request({"op": "ping"})
-            return True
-        except ShmkvError:
-            return False
+    def request(self, op: str) -> dict[str, Any]:
+        with self.client(populate=False, attach=False) as c:
+            return c.request({"op": op})
 
     def stats(self) -> dict[str, Any]:
         """The supervisor's counters, as `shmkv stats --json` prints them."""
-        with self.client(populate=False, attach=False) as c:
-            return {k: v for k, v in c.stats().items() if k not in ("ok", "id")}
+        return {k: v for k, v in self.request("stats").items() if k not in ("ok", "id")}
 
 
 @contextlib.contextmanager
@@ -385,8 +369,16 @@ def supervisor(workdir: Path, *args: str) -> Iterator[Supervisor]:
     cmd += ["--log-level", "warning", *args]
     child = Child("the supervisor", cmd, child_env(), workdir / f"{name}.log")
     sup = Supervisor(name, sock, child)
+
+    def ready() -> bool:
+        from shmkv.errors import ShmkvError
+
+        with contextlib.suppress(ShmkvError):
+            return os.path.exists(sock) and bool(sup.request("ping"))
+        return False
+
     try:
-        child.wait_for(lambda: os.path.exists(sock) and sup.ping(), 60)
+        child.wait_for(ready, 60)
         yield sup
     finally:
         rc, leftovers = child.stop(timeout=30), list(SHM.glob(f"shmkv-{name}*"))
@@ -658,15 +650,8 @@ def summary_table(rows: list[tuple[str, Any, Any]], scale: float = 1.0, unit: st
             v = [s.get(k + unit) for k in ("p50", "mean", "p99")]
             bp = (b or {}).get("p50" + unit)
             gbps = f" ({s['gbps_p50']:.2f} GB/s)" if s.get("gbps_p50") else ""
-            lines.append(
-                [
-                    label + gbps,
-                    str(s["n"]),
-                    *(fmt_s(x and x * scale) for x in v),
-                    fmt_s(bp and bp * scale),
-                    f"{v[0] / bp:.2f}x" if bp else "",
-                ]
-            )
+            times = [fmt_s(x and x * scale) for x in (*v, bp)]
+            lines.append([label + gbps, str(s["n"]), *times, f"{v[0] / bp:.2f}x" if bp else ""])
     return grid(lines)
 
 
