@@ -70,9 +70,7 @@ Where Who Give Write Compare Choose Find Count Check""".split()
 # ==================================================== arms (`bench_restore.py _arm SPEC`)
 
 
-def stream(
-    llm: Any, prompt: str, gen: dict[str, Any], before: Callable[[], None] | None = None
-) -> dict[str, Any]:
+def stream(llm: Any, prompt: str, gen: dict[str, Any], before: Any = None) -> dict[str, Any]:
     """One streaming completion: seconds to its first chunk, between the first two, in all.
 
     ``before`` runs first inside the timed region (the floor's set_data); ``t0`` is the
@@ -180,9 +178,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     if cache is not None:
         cache.flush()
 
-    def run(
-        text: str, before: Any = None, keep_steps: bool = False, **extra: Any
-    ) -> dict[str, Any]:
+    def run(text: str, before: Any = None, detail: bool = False, **extra: Any) -> dict[str, Any]:
         llm.reset()
         probes.take()
         r = {**stream(llm, prefix + text, gen, before=before), **extra}
@@ -201,7 +197,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
             flushed=flushed,
             captures=[(s - r["t0"], d, ok) for k, s, d, ok in calls if k == "capture"],
             last=dataclasses.asdict(cache.last),
-            **({"steps": steps} if keep_steps else {}),
+            **({"steps": steps} if detail else {}),
         )
         least = {"hit": prefix_n - 64, "hit_exact": prefix_n - spec["ctx"]["n_batch"]}.get(kind, 0)
         if (restored := cache.last.tokens_restored) < least:
@@ -209,7 +205,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
                 f"{kind} request {extra.get('suffix')}: restored {restored} "
                 f"(last={r['last']}, errors={cache.totals.errors})"
             )
-        if keep_steps and "restore" not in steps:
+        if detail and "restore" not in steps:
             raise RuntimeError("the hook did not call SharedPrefixCache.restore: no breakdown")
         return r
 
@@ -240,9 +236,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
                 res["requests"].append(run(s, suffix=i, publish=what == "on"))
         cache.publish_enabled = True
         instrument(cache, probes)
-        res["breakdown"] = [
-            run(s, suffix=i, keep_steps=True) for i, s in spec["suffixes_breakdown"]
-        ]
+        res["breakdown"] = [run(s, suffix=i, detail=True) for i, s in spec["suffixes_breakdown"]]
         probes.remove()
     elif kind == "floor":
         restore, set_times = floor_restorer(llm, prefix, prefix_n, res)
@@ -369,13 +363,9 @@ def run_arm(spec: dict[str, Any], workdir: Path, sup: common.Supervisor) -> dict
             f"arm {name} failed (exit {rc}):\n{err_path.read_text()[-4000:]}"
         )
     res = json.loads(Path(spec["out"]).read_text())
-    res["process"] = noise.result()
-    log.info(
-        "arm %-15s done in %5.1f s (other processes used %.2f cores meanwhile)",
-        name,
-        res["process"]["wall_seconds"],
-        res["process"]["foreign_cores"],
-    )
+    p = res["process"] = noise.result()
+    done = "arm %-15s done in %5.1f s (other processes used %.2f cores meanwhile)"
+    log.info(done, name, p["wall_seconds"], p["foreign_cores"])
     return res
 
 

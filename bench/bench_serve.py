@@ -463,9 +463,8 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     }
 
 
-def analyse_cell(
-    c: dict[str, Any], sys_tokens: int, nocache: dict[str, Any] | None
-) -> dict[str, Any]:
+def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, Any]:
+    """A cell's figures; ``nocache`` is the memory record of the no-cache cell of its level."""
     attempted = [r for r in c["results"] if r["t_send"]]
     ok = [r for r in attempted if r["error"] is None and r["ttft"] is not None]
     errors = [r for r in attempted if r not in ok]
@@ -487,23 +486,17 @@ def analyse_cell(
         "cache_how": "no cache",
     }
     if c["arm"].startswith("shmkv"):
-        mem.update(
-            cache_bytes=m1["arena_pss"],
-            arena_allocated_bytes=m1.get("arena_allocated_bytes"),
-            cache_how="arena PSS summed over all processes that map it",
-            arena_pss_per_process={
-                pid: p["arena_pss"] for pid, p in m1["processes"].items() if p["arena_pss"]
-            },
-        )
+        mem |= common.pick(m1, "arena_allocated_bytes")
+        mem["cache_bytes"] = m1["arena_pss"]
+        mem["cache_how"] = "arena PSS summed over all processes that map it"
+        procs = m1["processes"].items()
+        mem["arena_pss_per_process"] = {pid: p["arena_pss"] for pid, p in procs if p["arena_pss"]}
     elif c["arm"] == "ramcache":
-        mem.update(
-            cache_bytes=mem["workers_pss_growth"],
-            cache_how="workers' PSS growth from after warm-up to the end",
-        )
+        mem["cache_bytes"] = mem["workers_pss_growth"]
+        mem["cache_how"] = "workers' PSS growth from after warm-up to the end"
         if nocache is not None:  # minus the growth the no-cache arm has too (logits, KV)
-            mem["cache_bytes"] -= (
-                nocache["end"]["workers_pss"] - nocache["after_warmup"]["workers_pss"]
-            )
+            growth = nocache["end"]["workers_pss"] - nocache["after_warmup"]["workers_pss"]
+            mem["cache_bytes"] -= growth
             mem["cache_how"] += ", minus the no-cache arm's growth at the same concurrency"
     out: dict[str, Any] = {
         "arm": c["arm"],

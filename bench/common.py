@@ -625,9 +625,7 @@ def dict_table(rows: list[dict[str, Any]], left: int = 1) -> str:
     return grid([list(rows[0]), *lines], left) if rows else ""
 
 
-def walk(
-    tree: dict[str, Any], base: dict[str, Any] | None, path: str = ""
-) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
+def walk(tree: dict[str, Any], base: Any, path: str = "") -> list[tuple[str, Any, Any]]:
     """(path, summary, the baseline's summary at the same path) for every summary in a tree."""
     rows = []
     for k, v in tree.items():
