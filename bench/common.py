@@ -393,7 +393,10 @@ class Server:
     llama-cpp-python's ``llama_cpp.server`` app."""
 
     def __init__(self, name: str, workdir: Path, workers: int) -> None:
-        self.name, self.workdir, self.workers, self.port = name, workdir, workers, free_port()
+        self.name, self.workdir, self.workers = name, workdir, workers
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
 
     def start(self, args: list[str], env: dict[str, str]) -> Server:
@@ -450,12 +453,6 @@ class Server:
 
     def stop(self, kill: bool = False) -> None:
         self.child.stop(timeout=40, kill=kill)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
