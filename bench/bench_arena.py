@@ -362,49 +362,23 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         ("shmkv, all", lk["all"]),
         *([("LlamaRAMCache", lk["ramcache"])] * bool(lk["ramcache"])),
     ]
-    common.hbars(
-        axes[0],
-        [(n, v["p50_us"], v["p99_us"]) for n, v in lookups],
-        lambda v: common.fmt_s(v / 1e6),
-        f"lookup, {PROMPT_CHUNKS}-chunk prompts, {res['config']['entries']:,} entries",
-        "µs per lookup (log)",
-        True,
-        GOAL_LOOKUP_P50_US,
-    )
-    fl = put["floors"]
-    common.hbars(
-        axes[1],
-        [
-            ("Client.put", put["throughput_gbps"], None),
-            *(
-                (n, fl[k]["gbps_p50"], None)
-                for n, k in (
-                    ("memcpy", "memcpy"),
-                    ("xxh3", "xxh3"),
-                    ("preadv memfd→/dev/shm", "preadv_memfd_to_shm"),
-                )
-            ),
-        ],
-        lambda v: f"{v:.3g} GB/s",
-        "put, 16 MiB blobs",
-        "GB/s (log)",
-        True,
-        GOAL_PUT_GBPS,
-    )
-    common.hbars(
-        axes[2],
-        [
-            (n, rd[k]["p50_us"] / 1e3, rd[k]["p99_us"] / 1e3)
-            for n, k in (
-                ("memcpy out (floor)", "memcpy"),
-                ("pointer, no checksum", "pointer_unverified"),
-                ("pointer, verified", "pointer_verified"),
-            )
-        ],
-        lambda v: common.fmt_s(v / 1e3),
-        "lookup to usable pointer, 16 MiB blob",
-        "ms",
-    )
+    title = f"lookup, {PROMPT_CHUNKS}-chunk prompts, {res['config']['entries']:,} entries"
+    items = [(n, v["p50_us"], v["p99_us"]) for n, v in lookups]
+    label, goal = "µs per lookup (log)", GOAL_LOOKUP_P50_US
+    common.hbars(axes[0], items, lambda v: common.fmt_s(v / 1e6), title, label, True, goal)
+    floors = {"memcpy": "memcpy", "xxh3": "xxh3", "preadv memfd→/dev/shm": "preadv_memfd_to_shm"}
+    items = [("Client.put", put["throughput_gbps"], None)]
+    items += [(n, put["floors"][k]["gbps_p50"], None) for n, k in floors.items()]
+    title, goal = "put, 16 MiB blobs", GOAL_PUT_GBPS
+    common.hbars(axes[1], items, "{:.3g} GB/s".format, title, "GB/s (log)", True, goal)
+    reads = {
+        "memcpy out (floor)": "memcpy",
+        "pointer, no checksum": "pointer_unverified",
+        "pointer, verified": "pointer_verified",
+    }
+    items = [(n, rd[k]["p50_us"] / 1e3, rd[k]["p99_us"] / 1e3) for n, k in reads.items()]
+    title = "lookup to usable pointer, 16 MiB blob"
+    common.hbars(axes[2], items, lambda v: common.fmt_s(v / 1e3), title, "ms")
     fig.suptitle(common.title(res, "arena"))
     fig.tight_layout()
     return fig
