@@ -389,9 +389,9 @@ def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
     busy, misrouted = [], []
     for r in done:
         inflight = {
-            o.worker_pid
+            o["worker_pid"]
             for o in done
-            if o is not r and o.t_send <= r["t_send"] < o.t_send + o.total
+            if o is not r and o["t_send"] <= r["t_send"] < o["t_send"] + o["total"]
         }
         busy.append(r["worker_pid"] in inflight)
         misrouted.append(busy[-1] and any(w not in inflight for w in known))
@@ -418,8 +418,8 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     def during(r: dict[str, Any], o: dict[str, Any]) -> bool:  # r sent while o prefilled
         return (
             o is not r
-            and o.prompt == r["prompt"]
-            and (o.t_send <= r["t_send"] < o.t_send + (o.ttft or o.total or 0))
+            and o["prompt"] == r["prompt"]
+            and (o["t_send"] <= r["t_send"] < o["t_send"] + (o["ttft"] or o["total"] or 0))
         )
 
     # hits sent while another worker prefilled their prompt waited for its state (coalescing)
