@@ -225,11 +225,11 @@ def main(report: common.Report, o: Any) -> None:
         },
         "samples": samples,
     }
-    s = res["summary"]
-    counters = common.pick(final, "hits misses tokens_restored restore_failures puts evictions")
+    s, keys = res["summary"], "hits misses tokens_restored restore_failures puts evictions"
+    counters = ", ".join(f"{k} {v}" for k, v in common.pick(final, keys + " rejected_puts").items())
     click.echo(
         f"\n{s['requests']} requests, {s['errors']} errors; TTFT p50 {s['ttft_p50']} s, p99 "
-        f"{s['ttft_p99']} s; {counters}, rejected puts {final.get('rejected_puts')}"
+        f"{s['ttft_p99']} s; {counters}"
     )
     report.write(res, plot)
 
