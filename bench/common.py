@@ -562,7 +562,7 @@ def command(name: str) -> Callable[[Callable[..., None]], click.Command]:
         for opt in (
             option("-v", "--verbose", is_flag=True, help="Debug logging."),
             option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline."),
-            option("--baseline", default=str(base), help="The committed run (see Report)."),
+            option("--baseline", default=str(base), help="The committed run, to compare with."),
             option("--out", default=str(HERE / "out"), help=f"Where {name}.json and .png go."),
         ):
             run = opt(run)
