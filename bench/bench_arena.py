@@ -5,10 +5,9 @@ A real ``shmkv supervise`` owns the arena; this process is the worker (a ``Clien
 1. lookups of 32-chunk prompts whose cached prefix is 0-32 chunks long among N entries,
    with the index probes each makes; beside the same binary search over a private
    ``set`` (the floor) and llama-cpp-python's ``LlamaRAMCache`` prefix scan;
-2. ``Client.prepare`` + ``Client.put_blob`` of 16 MiB blobs, phase by phase, beside the
-   memcpy, xxh3 and memfd-to-/dev/shm copy floors;
+2. ``Client.put`` of 16 MiB blobs, beside the memcpy, xxh3 and memfd-to-/dev/shm copy floors;
 3. lookup to a leased, verified pointer into a 16 MiB blob, with and without the payload
-   checksum, beside a memcpy out of the mapping and a copy through a Unix socket.
+   checksum, beside a memcpy out of the mapping.
 
     python bench/bench_arena.py            # full run, ~1 minute
     python bench/bench_arena.py --quick    # smoke run, a few seconds
@@ -22,10 +21,8 @@ import logging
 import mmap
 import os
 import random
-import socket
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -54,7 +51,6 @@ FINGERPRINT = b"bench-arena-model-fingerprint"
 ROOT = bytes(16)  # one namespace: every entry chains from the same root
 GOAL_LOOKUP_P50_US = 50.0
 GOAL_PUT_GBPS = 1.0
-PUT_PHASES = ("total", "memfd", "fill", "unmap", "checksum", "roundtrip", "free")
 
 
 PLANS = {  # what one run does; --quick shrinks every count
@@ -146,18 +142,6 @@ class CountingDigests(list):
         return super().__getitem__(i)
 
 
-def slots_touched(view: arena.ArenaView, digest: bytes) -> int:
-    """Index slots a linear-probing search for ``digest`` reads (to a match or an empty slot)."""
-    n = view.geometry.index_slots
-    i = arena.slot_home(digest, n)
-    for k in range(1, min(arena.MAX_PROBE, n) + 1):
-        used, slot = view.read_slot(i)
-        if not used or (slot is not None and slot.digest == digest):
-            return k
-        i = (i + 1) & (n - 1)
-    return arena.MAX_PROBE
-
-
 # ------------------------------------------------------------------- 1. lookups
 def fill_small(
     client: Client, plan: Plan, rng: np.random.Generator, chunk: int
@@ -199,14 +183,12 @@ def bench_lookup(
         for toks in bucket:
             full = np.concatenate([toks, random_tokens(rng, (PROMPT_CHUNKS - d) * chunk)])
             prompts.append((d, arena.chain_digests(ROOT, full, chunk), full))
-    view = client.view
-    probes, slots = [], []  # correctness and probe counts, untimed
+    probes = []  # correctness and probe counts, untimed
     for d, digests, _ in prompts:
         hit = client.lookup(counting := CountingDigests(digests))
         if (got := 0 if hit is None else hit.chunks) != d:
             raise click.ClickException(f"lookup found {got} chunks, expected {d}")
         probes.append(len(counting.seen))
-        slots.append(sum(slots_touched(view, digests[i]) for i in counting.seen))
     rnd = random.Random(plan.seed)
     order = [rnd.randrange(len(prompts)) for _ in range(plan.lookups)]
 
@@ -231,7 +213,7 @@ def bench_lookup(
         "17-32": depths >= 17,
     }
     toks = prompts[-1][2]
-    private = {s.digest for s in view.scan()}
+    private = {s.digest for s in client.view.scan()}
 
     def set_lookup(digests: Sequence[bytes]) -> int:  # the floor for any Python structure
         lo, hi, best = 1, len(digests), 0
@@ -251,7 +233,6 @@ def bench_lookup(
             "max": int(max(probes)),
             "log2_chunks": round(float(np.log2(PROMPT_CHUNKS)), 2),
         },
-        "slots_read_per_lookup": {"mean": round(float(np.mean(slots)), 2), "max": int(max(slots))},
         "prompts": len(prompts),
         "chain_digests": us(timed(lambda: arena.chain_digests(ROOT, toks, chunk), 2000)),
         "private_set": us(run(set_lookup)),
@@ -283,58 +264,30 @@ def bench_ramcache(
 def bench_put(
     client: Client, plan: Plan, rng: np.random.Generator, chunk: int
 ) -> tuple[dict[str, Any], list[np.ndarray]]:
-    """``Client.prepare`` then ``Client.put_blob`` of 16 MiB blobs (what ``Client.put`` does),
-    timed between its calls, inside ``fill`` and around the client's ``request``."""
+    """``Client.prepare`` + ``Client.put_blob`` of 16 MiB blobs (what ``Client.put`` does): a
+    memfd filled in place and checksummed, its fd handed over, copied and verified."""
     src = np.frombuffer(rng.bytes(BLOB), dtype=np.uint8).copy()
-    marks: dict[str, int] = {}
 
     def fill(address: int, size: int) -> None:
-        marks["fill0"] = time.perf_counter_ns()
         np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address))[:] = src
-        marks["fill1"] = time.perf_counter_ns()
 
-    probes = common.Probes()
-    probes.wrap(client, "request")
     stored: list[np.ndarray] = []
-    rows: dict[str, list[int]] = {k: [] for k in PUT_PHASES}
-    try:
-        for k in range(plan.put_warmup + plan.puts):
-            tokens = random_tokens(rng, PROMPT_CHUNKS * chunk)
-            src[:8] = np.frombuffer(k.to_bytes(8, "little"), dtype=np.uint8)
-            probes.take()
-            t0 = time.perf_counter_ns()
-            blob = client.prepare(BLOB, fill)
-            t_blob = time.perf_counter_ns()
-            reply = client.put_blob(ROOT, tokens, FINGERPRINT, blob)
-            t1 = time.perf_counter_ns()
-            if reply.get("n_tokens") != len(tokens):
-                raise click.ClickException(f"unexpected put reply {reply}")
-            stored.append(tokens)
-            _key, start, secs, _ok = probes.calls[-1]
-            rq0, rq1 = int(start * 1e9), int((start + secs) * 1e9)  # perf_counter's clock
-            if k >= plan.put_warmup:
-                for key, v in zip(
-                    PUT_PHASES,
-                    (
-                        t1 - t0,
-                        marks["fill0"] - t0,
-                        marks["fill1"] - marks["fill0"],
-                        t_blob - marks["fill1"],
-                        rq0 - t_blob,
-                        rq1 - rq0,
-                        t1 - rq1,
-                    ),
-                    strict=True,
-                ):
-                    rows[key].append(v)
-    finally:
-        probes.remove()
-    res: dict[str, Any] = {
-        k: us(v, BLOB if k in ("total", "fill", "checksum", "roundtrip") else 0)
-        for k, v in rows.items()
+    times: list[int] = []
+    for k in range(plan.put_warmup + plan.puts):
+        tokens = random_tokens(rng, PROMPT_CHUNKS * chunk)
+        src[:8] = np.frombuffer(k.to_bytes(8, "little"), dtype=np.uint8)
+        t0 = time.perf_counter_ns()
+        reply = client.put_blob(ROOT, tokens, FINGERPRINT, client.prepare(BLOB, fill))
+        if k >= plan.put_warmup:
+            times.append(time.perf_counter_ns() - t0)
+        if reply.get("n_tokens") != len(tokens):
+            raise click.ClickException(f"unexpected put reply {reply}")
+        stored.append(tokens)
+    res = {
+        "total": us(times, BLOB),
+        "throughput_gbps": round(plan.puts * BLOB / (sum(times) / 1e9) / 1e9, 3),
+        "floors": put_floors(src),
     }
-    res["throughput_gbps"] = round(plan.puts * BLOB / (sum(rows["total"]) / 1e9) / 1e9, 3)
-    res["floors"] = put_floors(src)
     return res, stored
 
 
@@ -375,100 +328,28 @@ def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]) 
             if not view.verify_payload(lease.record) or lease.record.payload_len != BLOB:
                 raise click.ClickException("a stored 16 MiB blob failed its checksum")
     pc = time.perf_counter_ns
-    full, bare, fin = [], [], []
-    parts: dict[str, list[int]] = {
-        k: []
-        for k in (
-            "lookup",
-            "acquire_roundtrip",
-            "read_record",
-            "verify_meta",
-            "verify_payload",
-            "release",
-        )
-    }
+    full, bare = [], []
     for k in range(plan.reads):
         d = digests[k % len(digests)]
         t0 = pc()  # the public API, as a worker uses it
         lease = client.acquire(client.lookup(d))  # type: ignore[arg-type]
         ok = view.verify_payload(lease.record) and lease.address > 0
-        t1 = pc()
-        ok = lease.finish(PROMPT_CHUNKS * chunk) and ok
-        t2 = pc()
-        if not ok:
+        full.append(pc() - t0)
+        if not lease.finish(PROMPT_CHUNKS * chunk) or not ok:
             raise click.ClickException("a read was invalid")
-        full.append(t1 - t0)
-        fin.append(t2 - t1)
         t0 = pc()  # without the payload checksum
         lease = client.acquire(client.lookup(d))  # type: ignore[arg-type]
         _ = lease.address
         bare.append(pc() - t0)
         lease.finish(PROMPT_CHUNKS * chunk)
-        t = [pc()]  # step by step, the work Client.acquire does
-        hit = client.lookup(d)
-        t.append(pc())
-        reply = client.request(
-            {"op": "acquire", "offset": hit.slot.rec_offset, "gen": hit.slot.rec_gen}
-        )
-        t.append(pc())
-        rec = view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
-        t.append(pc())
-        view.verify_meta(rec)
-        t.append(pc())
-        view.verify_payload(rec)
-        t.append(pc())
-        client.request({"op": "release", "lease": reply["lease"], "tokens_restored": 0})
-        t.append(pc())
-        for key, a, b in zip(parts, t, t[1:], strict=False):
-            parts[key].append(b - a)
-    res: dict[str, Any] = {
+    rec = lease.record  # the floor: a copy of the payload out of the mapping
+    src = np.frombuffer(view.mm, dtype=np.uint8, count=rec.payload_len, offset=rec.payload_off)
+    dst = np.ones_like(src)
+    return {
         "pointer_verified": us(full, BLOB),
         "pointer_unverified": us(bare, BLOB),
-        "finish": us(fin),
-        "steps": {k: us(v) for k, v in parts.items()},
+        "memcpy": us(timed(lambda: np.copyto(dst, src), max(30, plan.reads // 2)), BLOB),
     }
-    # floors: copy the payload out of the mapping; push it through a Unix socket
-    dst = np.empty(rec.payload_len, dtype=np.uint8)
-    dst[:] = 1
-    src = np.frombuffer(view.mm, dtype=np.uint8, count=rec.payload_len, offset=rec.payload_off)
-    res["memcpy"] = us(timed(lambda: np.copyto(dst, src), max(30, plan.reads // 2)), BLOB)
-    payload = view.payload(rec)
-    try:
-        res["unix_socket"] = us(socket_copy(payload, dst, max(10, plan.reads // 10)), BLOB)
-    finally:
-        payload.release()
-    return res
-
-
-def socket_copy(payload: memoryview, dst: np.ndarray, reps: int) -> list[int]:
-    """Time moving ``payload`` through a Unix socket into ``dst`` (a cache server's floor)."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    for s in (a, b):
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MIB)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MIB)
-    go = threading.Semaphore(0)
-
-    def sender() -> None:
-        for _ in range(reps):
-            go.acquire()
-            a.sendall(payload)
-
-    th = threading.Thread(target=sender, daemon=True)
-    th.start()
-    buf, out = memoryview(dst), []
-    try:
-        for _ in range(reps):
-            t0 = time.perf_counter_ns()
-            go.release()
-            got = 0
-            while got < len(buf):
-                got += b.recv_into(buf[got:])
-            out.append(time.perf_counter_ns() - t0)
-    finally:
-        th.join(10)
-        a.close()
-        b.close()
-    return out
 
 
 # --------------------------------------------------------------------- reports
@@ -481,55 +362,24 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         ("shmkv, all", lk["all"]),
         *([("LlamaRAMCache", lk["ramcache"])] * bool(lk["ramcache"])),
     ]
-    common.hbars(
-        axes[0],
-        [(n, v["p50_us"], v["p99_us"]) for n, v in lookups],
-        lambda v: common.fmt_s(v / 1e6),
-        f"lookup, {PROMPT_CHUNKS}-chunk prompts, {res['config']['entries']:,} entries",
-        "µs per lookup (log)",
-        True,
-        GOAL_LOOKUP_P50_US,
-    )
-    fl = put["floors"]
-    common.hbars(
-        axes[1],
-        [
-            ("Client.put", put["throughput_gbps"], None),
-            *(
-                (n, fl[k]["gbps_p50"], None)
-                for n, k in (
-                    ("memcpy", "memcpy"),
-                    ("xxh3", "xxh3"),
-                    ("preadv memfd→/dev/shm", "preadv_memfd_to_shm"),
-                )
-            ),
-        ],
-        lambda v: f"{v:.3g} GB/s",
-        "put, 16 MiB blobs",
-        "GB/s (log)",
-        True,
-        GOAL_PUT_GBPS,
-    )
-    common.hbars(
-        axes[2],
-        [
-            (n, rd[k]["p50_us"] / 1e3, rd[k]["p99_us"] / 1e3)
-            for n, k in (
-                ("memcpy out (floor)", "memcpy"),
-                ("pointer, no checksum", "pointer_unverified"),
-                ("pointer, verified", "pointer_verified"),
-                ("Unix socket", "unix_socket"),
-            )
-        ],
-        lambda v: common.fmt_s(v / 1e3),
-        "lookup to usable pointer, 16 MiB blob",
-        "ms",
-    )
-    m = res["machine"]
-    fig.suptitle(
-        f"shmkv {m['versions']['shmkv']} arena benchmark — {m['cpu']}, {m['cores']} "
-        f"cores" + (" (quick)" if res["config"]["quick"] else "")
-    )
+    title = f"lookup, {PROMPT_CHUNKS}-chunk prompts, {res['config']['entries']:,} entries"
+    items = [(n, v["p50_us"], v["p99_us"]) for n, v in lookups]
+    label, goal = "µs per lookup (log)", GOAL_LOOKUP_P50_US
+    common.hbars(axes[0], items, lambda v: common.fmt_s(v / 1e6), title, label, True, goal)
+    floors = {"memcpy": "memcpy", "xxh3": "xxh3", "preadv memfd→/dev/shm": "preadv_memfd_to_shm"}
+    items = [("Client.put", put["throughput_gbps"], None)]
+    items += [(n, put["floors"][k]["gbps_p50"], None) for n, k in floors.items()]
+    title, goal = "put, 16 MiB blobs", GOAL_PUT_GBPS
+    common.hbars(axes[1], items, "{:.3g} GB/s".format, title, "GB/s (log)", True, goal)
+    reads = {
+        "memcpy out (floor)": "memcpy",
+        "pointer, no checksum": "pointer_unverified",
+        "pointer, verified": "pointer_verified",
+    }
+    items = [(n, rd[k]["p50_us"] / 1e3, rd[k]["p99_us"] / 1e3) for n, k in reads.items()]
+    title = "lookup to usable pointer, 16 MiB blob"
+    common.hbars(axes[2], items, lambda v: common.fmt_s(v / 1e3), title, "ms")
+    fig.suptitle(common.title(res, "arena"))
     fig.tight_layout()
     return fig
 
@@ -570,18 +420,8 @@ def run(plan: Plan) -> dict[str, Any]:
         finally:
             client.close()
             gc.unfreeze()
-    keys = (
-        "entries",
-        "bytes_used",
-        "bytes_capacity",
-        "index_used",
-        "index_capacity",
-        "puts",
-        "evictions",
-        "hits",
-        "rejected_puts",
-        "chunk_tokens",
-    )
+    keys = "entries bytes_used bytes_capacity index_used index_capacity puts evictions hits"
+    keys = [*keys.split(), "rejected_puts", "chunk_tokens"]
     return {
         "lookup": lookup,
         "put": put,
@@ -590,15 +430,7 @@ def run(plan: Plan) -> dict[str, Any]:
     }
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--out",
-    "out_dir",
-    default=str(HERE / "out"),
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Where arena.json and arena.png go.",
-)
+@common.command("arena")
 @click.option("--quick", is_flag=True, help="Smoke run of a few seconds (small counts).")
 @click.option("--entries", type=int, default=None, help="Small entries to fill [100000].")
 @click.option("--size", default=None, help="Arena --size [4G; quick 512M].")
@@ -607,24 +439,16 @@ def run(plan: Plan) -> dict[str, Any]:
 @click.option("--reads", type=int, default=None, help="Timed lookup-to-pointer reads [300].")
 @click.option("--lookups", type=int, default=None, help="Timed lookups [30000].")
 @click.option("--seed", type=int, default=1, show_default=True)
-@click.option(
-    "--baseline",
-    default=str(HERE / "baseline" / "arena.json"),
-    show_default=True,
-    help="Committed baseline to compare with (same mode only).",
-)
-@click.option("--write-baseline", is_flag=True, help="Also copy the result to --baseline.")
-def main(
-    out_dir: str, quick: bool, size: str | None, baseline: str, write_baseline: bool, **over: Any
-) -> None:
+def main(report: common.Report, o: Any) -> None:
     """Benchmark shmkv's arena against a real supervisor; print a table, write JSON and PNG."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    over["size"] = parse_size(size) if size else None
-    plan = Plan(quick=quick, **{**PLANS[quick], **{k: v for k, v in over.items() if v}})
-    started, load_before = time.time(), common.loadavg()
+    quick, over = o.quick, {k: v for k, v in vars(o).items() if v and k != "quick"}
+    if o.size:
+        over["size"] = parse_size(o.size)
+    plan = Plan(quick=quick, **{**PLANS[quick], **over})
+    load_before = common.loadavg()
     res = run(plan)
     res = {
-        **common.header("arena", started),
+        **report.header(),
         "config": {
             **asdict(plan),
             "blob_bytes": BLOB,
@@ -640,26 +464,21 @@ def main(
         "lookup.all": res["lookup"]["all"]["p50_us"] <= GOAL_LOOKUP_P50_US,
         "put.total": res["put"]["throughput_gbps"] >= GOAL_PUT_GBPS,
     }
-    base = common.load_baseline(Path(baseline), quick) or {}
+    base = report.baseline(quick) or {}
     rows: list[tuple[str, Any, Any]] = []
     for part in ("lookup", "put", "read"):
         rows += [(f"[{part}]", None, None), *common.walk(res[part], base.get(part))]
-    m, pr = res["machine"], res["lookup"]["probes_per_lookup"]
+    pr, load_after = res["lookup"]["probes_per_lookup"], res["load_average"]["after"]
     click.echo(
-        f"\nshmkv {m['versions']['shmkv']} arena benchmark: {m['cpu']}, {m['cores']} "
-        f"cores; load {load_before[0]} before, {res['load_average']['after'][0]} after"
-        + (" (quick run)" if quick else "")
+        f"\n{common.title(res, 'arena')}; load {load_before[0]} before, {load_after[0]} after"
     )
     click.echo(common.summary_table(rows, 1e-6, "_us"))
     click.echo(
-        f"lookup: {pr['mean']} probes (max {pr['max']}), "
-        f"{res['lookup']['slots_read_per_lookup']['mean']} index slots read; put: "
+        f"lookup: {pr['mean']} probes (max {pr['max']}); put: "
         f"{res['put']['throughput_gbps']} GB/s; goals (lookup p50 <= "
         f"{GOAL_LOOKUP_P50_US:g} us, put >= {GOAL_PUT_GBPS:g} GB/s): {res['goals_met']}"
     )
-    common.write_report(
-        res, Path(out_dir), "arena", plot, Path(baseline) if write_baseline else None
-    )
+    report.write(res, plot)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ process of its own; a real ``shmkv supervise`` owns the arena.
   of exactly the shared prefix);
 * hit (process B): the other suffixes, ``reset()`` before each so that each restores from the
   arena, publish on and off in turn; between them the floor (``llama_state_seq_set_data``
-  from a private buffer, bypassing the hook), and a few requests with the calls inside
-  ``restore``/``capture`` timed;
+  from a private buffer, bypassing the hook), and a few requests with the main calls inside
+  ``restore`` timed;
 * floor: the same in a process of its own, then llama-cpp-python's same-process prefix reuse;
 * exact: a publisher and a hit process with ``shmkv_exact=True``;
 * ramcache: llama-cpp-python's ``LlamaRAMCache`` (2 GiB cap), ``reset()`` per request.
@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import random
 import resource
 import subprocess
@@ -71,9 +70,7 @@ Where Who Give Write Compare Choose Find Count Check""".split()
 # ==================================================== arms (`bench_restore.py _arm SPEC`)
 
 
-def stream(
-    llm: Any, prompt: str, gen: dict[str, Any], before: Callable[[], None] | None = None
-) -> dict[str, Any]:
+def stream(llm: Any, prompt: str, gen: dict[str, Any], before: Any = None) -> dict[str, Any]:
     """One streaming completion: seconds to its first chunk, between the first two, in all.
 
     ``before`` runs first inside the timed region (the floor's set_data); ``t0`` is the
@@ -98,32 +95,16 @@ def stream(
 
 
 def instrument(cache: Any, p: common.Probes) -> None:
-    """Time the stable calls that ``restore`` and ``capture`` make (``capture`` itself is
-    already wrapped)."""
+    """Time the calls inside ``restore`` that the chart shows (``capture`` is already timed)."""
     import llama_cpp.llama_cpp as llama_c
 
     from shmkv.arena import ArenaView
     from shmkv.client import Lease
 
-    p.wrap(cache, "restore")
-    for client, attr, label in (
-        (cache.reader, "lookup", None),
-        (cache.reader, "acquire", None),
-        (cache.writer, "prepare", "prepare_memfd"),
-    ):
-        p.wrap(client, attr, label)
-    p.wrap(cache.reader, "request", lambda msg, *a, **k: f"rtt_{msg.get('op')}")
-    for attr in ("read_record", "verify_meta", "verify_payload", "tokens"):
-        p.wrap(ArenaView, attr)
-    for attr in ("fingerprint", "finish"):
-        p.wrap(Lease, attr)
-    for fn, label in (
-        ("llama_state_seq_set_data", "set_data"),
-        ("llama_memory_seq_rm", "seq_rm"),
-        ("llama_state_seq_get_data", "get_data"),
-        ("llama_state_seq_get_size", "get_size"),
-    ):
-        p.wrap(llama_c, fn, label)
+    for owner, attr in ((cache, "restore"), (cache.reader, "acquire"), (Lease, "finish")):
+        p.wrap(owner, attr)
+    p.wrap(ArenaView, "verify_payload")
+    p.wrap(llama_c, "llama_state_seq_set_data", "set_data")
 
 
 def floor_restorer(
@@ -162,52 +143,6 @@ def floor_restorer(
     return restore, set_times
 
 
-def capture_paths(llm: Any, spec: dict[str, Any], reps: int) -> dict[str, list[float]]:
-    """``get_data`` of the prefix state through ``Client.prepare`` (as ``capture()``), into a
-    memfd created, mapped and unmapped per blob, and into a private buffer (the floor)."""
-    import mmap
-
-    import llama_cpp.llama_cpp as llama_c
-    import numpy as np
-
-    from shmkv.client import Client
-
-    size = llama_c.llama_state_seq_get_size(llm.ctx, 0)
-
-    def fill(addr: int, sz: int) -> None:
-        if (
-            got := llama_c.llama_state_seq_get_data(
-                llm.ctx, ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), sz, 0
-            )
-        ) != sz:
-            raise RuntimeError(f"get_data wrote {got} of {sz} bytes")
-
-    def fresh_memfd() -> None:
-        fd = os.memfd_create("bench-fresh", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, size)
-            with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as mm:
-                buf = np.frombuffer(mm, dtype=np.uint8)
-                fill(buf.ctypes.data, size)
-                del buf
-        finally:
-            os.close(fd)
-
-    private = np.zeros(size, dtype=np.uint8)
-    out: dict[str, list[float]] = {"client_prepare": [], "fresh_memfd": [], "private_buffer": []}
-    with Client(name=spec["name"], socket_path=spec["socket"], populate=False) as client:
-        for _ in range(reps):
-            for key, fn in (
-                ("client_prepare", lambda: client.prepare(size, fill).close()),
-                ("fresh_memfd", fresh_memfd),
-                ("private_buffer", lambda: fill(private.ctypes.data, size)),
-            ):
-                t = time.perf_counter()
-                fn()
-                out[key].append(time.perf_counter() - t)
-    return out
-
-
 def arm(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one arm; returns its JSON-able result."""
     import llama_cpp
@@ -218,14 +153,9 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     if kind in ("publisher", "hit", "publisher_exact", "hit_exact"):
         from shmkv.llama import SharedCacheLlama
 
-        llm = SharedCacheLlama(
-            model_path=spec["model"],
-            **spec["ctx"],
-            shmkv_name=spec["name"],
-            shmkv_socket=spec["socket"],
-            shmkv_namespace="bench",
-            shmkv_exact=kind.endswith("_exact"),
-        )
+        shmkv = dict(shmkv_name=spec["name"], shmkv_socket=spec["socket"], shmkv_namespace="bench")
+        shmkv["shmkv_exact"] = kind.endswith("_exact")
+        llm = SharedCacheLlama(model_path=spec["model"], **spec["ctx"], **shmkv)
         cache = llm.shmkv
     else:
         llm, cache = llama_cpp.Llama(model_path=spec["model"], **spec["ctx"]), None
@@ -248,9 +178,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     if cache is not None:
         cache.flush()
 
-    def run(
-        text: str, before: Any = None, keep_steps: bool = False, **extra: Any
-    ) -> dict[str, Any]:
+    def run(text: str, before: Any = None, detail: bool = False, **extra: Any) -> dict[str, Any]:
         llm.reset()
         probes.take()
         r = {**stream(llm, prefix + text, gen, before=before), **extra}
@@ -269,20 +197,15 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
             flushed=flushed,
             captures=[(s - r["t0"], d, ok) for k, s, d, ok in calls if k == "capture"],
             last=dataclasses.asdict(cache.last),
-            **({"steps": steps} if keep_steps else {}),
+            **({"steps": steps} if detail else {}),
         )
-        restored = cache.last.tokens_restored
-        if (
-            kind == "hit"
-            and restored < prefix_n - 64
-            or kind == "hit_exact"
-            and (restored < prefix_n - spec["ctx"]["n_batch"])
-        ):
+        least = {"hit": prefix_n - 64, "hit_exact": prefix_n - spec["ctx"]["n_batch"]}.get(kind, 0)
+        if (restored := cache.last.tokens_restored) < least:
             raise RuntimeError(
                 f"{kind} request {extra.get('suffix')}: restored {restored} "
                 f"(last={r['last']}, errors={cache.totals.errors})"
             )
-        if keep_steps and "restore" not in steps:
+        if detail and "restore" not in steps:
             raise RuntimeError("the hook did not call SharedPrefixCache.restore: no breakdown")
         return r
 
@@ -297,10 +220,9 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         floor_b: dict[str, Any] = {"requests": []}
         floor_restore, floor_set = floor_restorer(llm, prefix, prefix_n, floor_b)
         res["floor_b"] = floor_b
-        for k in range(len(on)):  # the three kinds interleaved, in a rotating order
-            for what in (("on", "off", "floor"), ("off", "floor", "on"), ("floor", "on", "off"))[
-                k % 3
-            ]:
+        rotation = ("on", "off", "floor")  # the three kinds interleaved, in a rotating order
+        for k in range(len(on)):
+            for what in rotation[k % 3 :] + rotation[: k % 3]:
                 if what == "floor":  # bypass the shmkv hook: Llama's own generate
                     llm.generate = functools.partial(llama_cpp.Llama.generate, llm)
                     try:
@@ -314,9 +236,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
                 res["requests"].append(run(s, suffix=i, publish=what == "on"))
         cache.publish_enabled = True
         instrument(cache, probes)
-        res["breakdown"] = [
-            run(s, suffix=i, keep_steps=True) for i, s in spec["suffixes_breakdown"]
-        ]
+        res["breakdown"] = [run(s, suffix=i, detail=True) for i, s in spec["suffixes_breakdown"]]
         probes.remove()
     elif kind == "floor":
         restore, set_times = floor_restorer(llm, prefix, prefix_n, res)
@@ -324,7 +244,6 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
             res["requests"].append(
                 {**run(s, before=restore, suffix=i), "set_data_seconds": set_times[-1]}
             )
-        res["capture_paths"] = capture_paths(llm, spec, max(5, 3 * len(spec["suffixes"])))
         llm.reset()  # llama-cpp-python's own same-process prefix reuse: no reset from here on
         (_, s0), *rest = spec["suffixes_local"]
         res["local_first"] = stream(llm, prefix + s0, gen)
@@ -340,17 +259,11 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
                 res["aborted"] = f"stopped before request {n}: only {free >> 20} MiB available"
                 break
             r = run(s, suffix=i, warm=n == 0)
-            last_state = next(reversed(ramcache.cache_state.values()))
-            res["requests"].append(
-                {
-                    **r,
-                    "entries": len(ramcache.cache_state),
-                    "cache_size": ramcache.cache_size,
-                    "scores_bytes_uncounted": int(last_state.scores.nbytes),
-                    "rss_bytes": psutil.Process().memory_info().rss,
-                    "mem_available": common.meminfo("MemAvailable"),
-                }
-            )
+            scores = next(reversed(ramcache.cache_state.values())).scores.nbytes
+            r |= dict(entries=len(ramcache.cache_state), cache_size=ramcache.cache_size)
+            rss = psutil.Process().memory_info().rss
+            r |= dict(scores_bytes_uncounted=int(scores), rss_bytes=rss)
+            res["requests"].append({**r, "mem_available": common.meminfo("MemAvailable")})
     else:
         raise ValueError(f"unknown arm {kind}")
     if cache is not None:
@@ -450,49 +363,30 @@ def run_arm(spec: dict[str, Any], workdir: Path, sup: common.Supervisor) -> dict
             f"arm {name} failed (exit {rc}):\n{err_path.read_text()[-4000:]}"
         )
     res = json.loads(Path(spec["out"]).read_text())
-    res["process"] = noise.result()
-    log.info(
-        "arm %-15s done in %5.1f s (other processes used %.2f cores meanwhile)",
-        name,
-        res["process"]["wall_seconds"],
-        res["process"]["foreign_cores"],
-    )
+    p = res["process"] = noise.result()
+    done = "arm %-15s done in %5.1f s (other processes used %.2f cores meanwhile)"
+    log.info(done, name, p["wall_seconds"], p["foreign_cores"])
     return res
 
 
 def restore_steps(b: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-step summaries of the instrumented restore and capture calls, in call-tree order,
-    with what each spends outside the calls wrapped directly under it."""
-    first: dict[str, int] = {}
-    for r in b:
-        for k in r["steps"]:
-            first.setdefault(k, len(first))
-
-    def tree_order(k: str) -> tuple[int, ...]:
-        parts = k.split("/")
-        return tuple(first.get("/".join(parts[: i + 1]), 1 << 30) for i in range(len(parts)))
-
-    out: dict[str, Any] = {}
-    for top in ("restore", "rtt_claim", "capture"):
-        keys = sorted((k for k in first if k == top or k.startswith(top + "/")), key=tree_order)
-        for k in keys:
-            out[k] = common.summary([r["steps"].get(k, 0.0) for r in b])
-        if direct := [k for k in keys if k.count("/") == 1]:
-            out[f"{top}/(not wrapped)"] = common.summary(
-                [r["steps"].get(top, 0.0) - sum(r["steps"].get(k, 0.0) for k in direct) for r in b]
-            )
-    return out
+    """Summaries of the timed calls inside restore and capture, in the order they started."""
+    keys = dict.fromkeys(k for r in b for k in r["steps"] if k.startswith(("restore", "capture")))
+    return {k: common.summary([r["steps"].get(k, 0.0) for r in b]) for k in keys}
 
 
 def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
-    cold, hit, floor, ram, pub = (
-        arms[k] for k in ("cold", "hit", "floor", "ramcache", "publisher")
-    )
+    cold, hit, floor, ram, pub = (arms[k] for k in "cold hit floor ramcache publisher".split())
     S = common.summary
-    on = [r for r in hit["requests"] if r["publish"]]
-    off = [r for r in hit["requests"] if not r["publish"]]
-    fb = hit["floor_b"]["requests"]
-    ram_hits = [r for r in ram["requests"] if not r["warm"]]
+
+    def split(rs: list[dict[str, Any]], key: str) -> tuple[list[Any], list[Any]]:
+        """The requests whose ``key`` is true, and the others."""
+        return [r for r in rs if r[key]], [r for r in rs if not r[key]]
+
+    (on, off), fb = split(hit["requests"], "publish"), hit["floor_b"]["requests"]
+    ram_warm, ram_hits = split(ram["requests"], "warm")
+    pub_second, pub_first = split(pub["requests"], "second")
+    exact, pub_exact = arms["hit_exact"]["requests"], arms["publisher_exact"]["requests"]
     rows = {
         "cold": ("cold: plain Llama, reset() per request", cold["requests"]),
         "hit": ("shmkv hit, 2nd process (publish on, default)", on),
@@ -501,26 +395,14 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "floor": ("floor, its own process", floor["requests"]),
         "local": ("llama-cpp-python same-process prefix reuse", floor["local"]),
         "ramcache": ("LlamaRAMCache, reset() per request", ram_hits),
-        "ramcache_warm": (
-            "LlamaRAMCache, 1st request (warms it)",
-            [r for r in ram["requests"] if r["warm"]],
-        ),
-        "publisher": (
-            "process A: miss + publish (SharedCacheLlama)",
-            [r for r in pub["requests"] if not r["second"]],
-        ),
+        "ramcache_warm": ("LlamaRAMCache, 1st request (warms it)", ram_warm),
+        "publisher": ("process A: miss + publish (SharedCacheLlama)", pub_first),
         "publisher_second": (
             "process A, 2nd suffix: tail checkpoint + divergence publish",
-            [r for r in pub["requests"] if r["second"]],
+            pub_second,
         ),
-        "hit_exact": (
-            "shmkv --exact hit, 2nd process (restores at n_batch boundaries)",
-            arms["hit_exact"]["requests"],
-        ),
-        "publisher_exact": (
-            "process A --exact: miss + publish at batch boundaries",
-            arms["publisher_exact"]["requests"],
-        ),
+        "hit_exact": ("shmkv --exact hit, 2nd process (restores at n_batch boundaries)", exact),
+        "publisher_exact": ("process A --exact: miss + publish at batch boundaries", pub_exact),
     }
     ttft = {
         k: {"label": lab, "ttft": S([r["ttft"] for r in rs]), "total": S([r["total"] for r in rs])}
@@ -568,9 +450,8 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "capture_off_calls": sum(len(r["captures"]) for r in off),
     }
     for stat in ("p50", "mean"):
-        publish[f"request_on_over_off_{stat}"] = (
-            publish["request_on"][stat] / publish["request_off"][stat]
-        )
+        on_off = publish["request_on"][stat] / publish["request_off"][stat]
+        publish[f"request_on_over_off_{stat}"] = on_off
     b = hit["breakdown"]  # hit = restore + capture() before the first chunk + the rest
     decomposition = {
         "hit_ttft": S([r["ttft"] for r in b]),
@@ -584,15 +465,10 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
     }
     cold_text = {r["suffix"]: r["text"] for r in cold["requests"]}
     same = {}  # greedy text of every cached arm vs cold, suffix by suffix
-    for k, rs in (
-        ("hit", on),
-        ("hit_exact", arms["hit_exact"]["requests"]),
-        ("floor_b", fb),
-        ("floor", floor["requests"]),
-        ("ramcache", ram_hits),
-        ("local", floor["local"]),
-    ):
-        pairs = [(r["text"], cold_text[r["suffix"]]) for r in rs if r["suffix"] in cold_text]
+    for k in ("hit", "hit_exact", "floor_b", "floor", "ramcache", "local"):
+        pairs = [
+            (r["text"], cold_text[r["suffix"]]) for r in rows[k][1] if r["suffix"] in cold_text
+        ]
         same[k] = f"{sum(a == c for a, c in pairs)}/{len(pairs)}"
     last_ram = ram["requests"][-1] if ram["requests"] else {}
     return {
@@ -615,7 +491,6 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
             "get_data_seconds": floor["get_data_seconds"],
             "prefix_eval_seconds": floor["prefix_eval_seconds"],
         },
-        "capture_paths": {k: S(v) for k, v in floor["capture_paths"].items()},
         "decomposition": decomposition,
         "restore_steps": restore_steps(b),
         "same_text_as_cold": same,
@@ -647,7 +522,7 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
         (v["label"], v["ttft"], b.get("ttft", {}).get(k, {}).get("ttft"))
         for k, v in a["ttft"].items()
     ]
-    for part in ("publish", "decomposition", "restore_steps", "capture_paths"):
+    for part in ("publish", "decomposition", "restore_steps"):
         rows += [
             (f"[{part}]", None, None),
             *common.walk({k: v for k, v in a[part].items() if k not in counts}, b.get(part)),
@@ -677,24 +552,16 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
     a = res["analysis"]
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
     r, t = a["ratios"], a["ttft"]
-    common.hbars(
-        axes[0],
-        [
-            (
-                t[k]["label"].replace(", ", ",\n", 1),
-                t[k]["ttft"]["p50"] * 1e3,
-                t[k]["ttft"]["p99"] * 1e3,
-            )
-            for k in ("cold", "ramcache", "hit", "hit_nopublish", "floor_b", "floor", "local")
-            if t[k]["ttft"].get("n")
-        ],
-        lambda v: common.fmt_s(v / 1e3),
+    arms = [t[k] for k in ("cold", "ramcache", "hit", "hit_nopublish", "floor_b", "floor", "local")]
+    bars = [(v["label"].replace(", ", ",\n", 1), v["ttft"]) for v in arms if v["ttft"].get("n")]
+    title = (
         f"TTFT, {res['config']['prefix_tokens']}-token shared prefix\ncold/hit "
         f"{r['cold_over_hit_p50']:.0f}x (goal ≥{GOAL_COLD_OVER_HIT:.0f}), hit/floor "
-        f"{r['hit_over_floor_p50']:.2f} (goal ≤{GOAL_HIT_OVER_FLOOR:.2f})",
-        "time to first token, ms (log)",
-        log=True,
+        f"{r['hit_over_floor_p50']:.2f} (goal ≤{GOAL_HIT_OVER_FLOOR:.2f})"
     )
+    items = [(n, s["p50"] * 1e3, s["p99"] * 1e3) for n, s in bars]
+    ms = "time to first token, ms (log)"
+    common.hbars(axes[0], items, lambda v: common.fmt_s(v / 1e3), title, ms, log=True)
     ax = axes[1]
     d, st = a["decomposition"], a["restore_steps"]
 
@@ -702,21 +569,15 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         return (s or {}).get("p50", 0.0) * 1e3
 
     restore, cap = p50(d["hit_restore"]), p50(d["hit_capture_before_first_chunk"])
+    rtt = p50(st.get("restore/acquire")) + p50(st.get("restore/finish"))
     groups = [
-        (
-            "restore: round trips (acquire, finish)",
-            p50(st.get("restore/acquire")) + p50(st.get("restore/finish")),
-            "#e9a",
-        ),
+        ("restore: round trips (acquire, finish)", rtt, "#e9a"),
         ("restore: verify_payload (XXH3)", p50(st.get("restore/verify_payload")), "#c6c"),
         ("restore: set_data", p50(st.get("restore/set_data")), "#37a"),
     ]
+    rest = max(0.0, restore - sum(g[1] for g in groups))
     groups += [
-        (
-            "restore: the rest (digests, lookup, checks)",
-            max(0.0, restore - sum(g[1] for g in groups)),
-            "#fc6",
-        ),
+        ("restore: the rest (digests, lookup, checks)", rest, "#fc6"),
         ("capture() before the 1st chunk", cap, "#d44"),
         ("the rest (tokenize, eval suffix, sample)", p50(d["hit_ttft"]) - restore - cap, "#bbb"),
     ]
@@ -746,12 +607,10 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         fontsize=10,
     )
     ax.legend(fontsize=8)
-    m, c = res["machine"], res["config"]
+    ctx = res["config"]["ctx"]
     fig.suptitle(
-        f"shmkv {m['versions']['shmkv']} restore benchmark — Gemma 3 270M Q4_K_M, "
-        f"n_ctx {c['ctx']['n_ctx']}, {c['ctx']['n_threads']} threads — {m['cpu']}, "
-        f"{m['cores']} cores — load {res['quiet']['loadavg'][0]:.2f} at start"
-        + (" (quick)" if c["quick"] else ""),
+        f"{common.title(res, 'restore')}; Gemma 3 270M Q4_K_M, n_ctx {ctx['n_ctx']}, "
+        f"{ctx['n_threads']} threads; load {res['quiet']['loadavg'][0]:.2f} at start",
         fontsize=10,
     )
     fig.tight_layout()
@@ -761,106 +620,30 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
 # ===================================================================== main
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--out",
-    "out_dir",
-    default=str(HERE / "out"),
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="Where restore.json and restore.png go.",
-)
-@click.option(
-    "--prefix-tokens",
-    type=int,
-    default=None,
-    help="Shared prefix length in tokens [2000; quick 600].",
-)
-@click.option(
-    "--suffix-tokens",
-    type=int,
-    default=10,
-    show_default=True,
-    help="Suffix length in tokens (a different suffix per request).",
-)
-@click.option("--repeats", type=int, default=None, help="Timed requests per arm [7; quick 2].")
-@click.option(
-    "--max-tokens",
-    type=int,
-    default=16,
-    show_default=True,
-    help="Tokens generated per request (request time, publish cost).",
-)
-@click.option(
-    "--threads",
-    type=int,
-    default=2,
-    show_default=True,
-    help="n_threads and n_threads_batch of every context.",
-)
-@click.option(
-    "--model",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="GGUF to use [Gemma 3 270M Q4_K_M, as `shmkv serve`].",
-)
-@click.option("--quick", is_flag=True, help="Smoke run (short prefix, 2 repeats).")
-@click.option(
-    "--max-load",
-    type=float,
-    default=0.5,
-    show_default=True,
-    help="Wait until the 1-minute load average is below this before timing.",
-)
-@click.option(
-    "--max-wait",
-    type=float,
-    default=300.0,
-    show_default=True,
-    help="Seconds to wait for --max-load; then run anyway and say so in the JSON.",
-)
-@click.option(
-    "--baseline",
-    default=str(HERE / "baseline" / "restore.json"),
-    show_default=True,
-    help="Committed baseline to compare with (same mode only).",
-)
-@click.option(
-    "--write-baseline",
-    is_flag=True,
-    help="Also copy JSON and PNG to --baseline (only after a quiet run).",
-)
-@click.option("--force-baseline", is_flag=True, help="Write the baseline even after a busy run.")
-@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def main(
-    out_dir: str,
-    prefix_tokens: int | None,
-    suffix_tokens: int,
-    repeats: int | None,
-    max_tokens: int,
-    threads: int,
-    model: str | None,
-    quick: bool,
-    max_load: float,
-    max_wait: float,
-    baseline: str,
-    write_baseline: bool,
-    force_baseline: bool,
-    verbose: bool,
-) -> None:
+opt = common.option
+
+
+@common.command("restore")
+@opt("--prefix-tokens", type=int, help="Shared prefix length in tokens [2000; quick 600].")
+@opt("--suffix-tokens", default=10, help="Suffix length in tokens (one suffix per request).")
+@opt("--repeats", type=int, help="Timed requests per arm [7; quick 2].")
+@opt("--max-tokens", default=16, help="Tokens generated per request (publish cost).")
+@opt("--threads", default=2, help="n_threads and n_threads_batch of every context.")
+@opt("--model", help="GGUF to use [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
+@opt("--quick", is_flag=True, help="Smoke run (short prefix, 2 repeats).")
+@opt("--max-load", default=0.5, help="Wait until the 1-minute load average is below this.")
+@opt("--max-wait", default=300.0, help="Seconds to wait for --max-load, then run anyway.")
+@opt("--force-baseline", is_flag=True, help="--write-baseline even after a busy run.")
+def main(report: common.Report, o: Any) -> None:
     """Benchmark TTFT of a shmkv cross-process hit against cold, the floor and LlamaRAMCache."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(message)s",
-    )
-    prefix_tokens = prefix_tokens or (600 if quick else 2000)
-    repeats = repeats or (2 if quick else 7)
+    quick, threads, suffix_tokens, max_tokens = o.quick, o.threads, o.suffix_tokens, o.max_tokens
+    prefix_tokens = o.prefix_tokens or (600 if quick else 2000)
+    repeats = o.repeats or (2 if quick else 7)
     if not quick and repeats < 5:
         raise click.BadParameter("use at least 5 repeats for a full run", param_hint="--repeats")
     if prefix_tokens + suffix_tokens + max_tokens + 64 > 4096:
         raise click.BadParameter("prefix + suffix + max tokens must fit n_ctx 4096")
-    started = time.time()
-    model_path = common.model_path(model)
+    model_path = common.model_path(o.model)
     # S0..SR: cold, A (S0), B publish on, floor, local reuse, LlamaRAMCache (the same texts,
     # so outputs compare with cold); T1..TR: B publish off; U1..UR: B instrumented; V: A's
     # second request
@@ -868,52 +651,23 @@ def main(
     suf = list(enumerate(prompts["suffixes"]))
     S, T = suf[: repeats + 1], suf[repeats + 1 : 2 * repeats + 1]
     U, V = suf[2 * repeats + 1 : -1], suf[-1]
-    log.info(
-        "prefix %d tokens, suffixes %s tokens",
-        prompts["prefix_tokens"],
-        sorted(set(prompts["suffix_tokens"])),
-    )
-    ctx = dict(
-        n_ctx=4096,
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_batch=512,
-        n_ubatch=512,
-        seed=0,
-        verbose=False,
-    )
+    ptoks, stoks = prompts["prefix_tokens"], sorted(set(prompts["suffix_tokens"]))
+    log.info("prefix %d tokens, suffixes %s tokens", ptoks, stoks)
+    ctx = dict(n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, n_ubatch=512)
+    ctx |= dict(seed=0, verbose=False)
     gen = dict(max_tokens=max_tokens, temperature=0.0, seed=0)
-    plan = {
-        "quick": quick,
-        "model": str(model_path),
-        "model_bytes": model_path.stat().st_size,
-        "ctx": ctx,
-        "gen": gen,
-        "prefix_tokens": prompts["prefix_tokens"],
-        "prefix_target": prefix_tokens,
-        "suffix_tokens": prompts["suffix_tokens"],
-        "suffix_target": suffix_tokens,
-        "repeats": repeats,
-        "warmup_tokens": prompts["warmup_tokens"],
-        "arena_size": ARENA_SIZE,
-        "ramcache_capacity": RAMCACHE_CAPACITY,
-    }
-    quiet = common.wait_until_quiet(max_load, max_wait)
+    plan = dict(quick=quick, model=str(model_path), model_bytes=model_path.stat().st_size)
+    plan |= dict(ctx=ctx, gen=gen, prefix_target=prefix_tokens, suffix_target=suffix_tokens)
+    plan |= common.pick(prompts, "prefix_tokens suffix_tokens warmup_tokens")
+    plan |= dict(repeats=repeats, arena_size=ARENA_SIZE, ramcache_capacity=RAMCACHE_CAPACITY)
+    quiet = common.wait_until_quiet(o.max_load, o.max_wait)
     arms: dict[str, dict[str, Any]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="shmkv-bench-restore-") as tmp,
         common.supervisor(Path(tmp), "--size", ARENA_SIZE) as sup,
     ):
-        sp = {
-            "model": str(model_path),
-            "ctx": ctx,
-            "gen": gen,
-            "prefix": prompts["prefix"],
-            "prefix_tokens": prompts["prefix_tokens"],
-            "warmup": prompts["warmup"],
-            "name": sup.name,
-            "socket": sup.socket,
-        }
+        sp = dict(model=str(model_path), ctx=ctx, gen=gen, name=sup.name, socket=sup.socket)
+        sp |= common.pick(prompts, "prefix prefix_tokens warmup")
         for spec in (
             {"arm": "cold", "suffixes": S[1:]},
             {"arm": "publisher", "suffixes": [*S[:1], V]},
@@ -933,7 +687,7 @@ def main(
     }:
         raise click.ClickException(f"arms ran with different context settings: {differ}")
     res: dict[str, Any] = {
-        **common.header("restore", started, common.llama_versions()),
+        **report.header(common.llama_versions()),
         "git": common.code_state(),
         "quiet": quiet,
         "loadavg_end": common.loadavg(),
@@ -943,23 +697,11 @@ def main(
             "cold_over_hit_min": GOAL_COLD_OVER_HIT,
         },
         "noise": {k: v["process"] for k, v in arms.items()},
-        "supervisor_stats": {
-            k: sup_stats.get(k)
-            for k in (
-                "entries",
-                "bytes_used",
-                "hits",
-                "misses",
-                "tokens_restored",
-                "tokens_evaluated",
-                "restore_failures",
-                "puts",
-                "duplicate_puts",
-                "rejected_puts",
-                "evictions",
-                "chunk_tokens",
-            )
-        },
+        "supervisor_stats": common.pick(
+            sup_stats,
+            "entries bytes_used hits misses tokens_restored tokens_evaluated restore_failures "
+            "puts duplicate_puts rejected_puts evictions chunk_tokens",
+        ),
         "analysis": analyse(arms, plan),
         "arms": arms,
     }
@@ -968,30 +710,17 @@ def main(
         for k, v in res["noise"].items()
         if v["foreign_cores"] > 0.25
     }
-    m = res["machine"]
     click.echo(
-        f"\nshmkv {m['versions']['shmkv']} restore benchmark: prefix "
-        f"{plan['prefix_tokens']} tokens, {threads} threads; {m['cpu']}, {m['cores']} "
-        f"cores; load {quiet['loadavg'][0]:.2f} at start"
-        + ("" if quiet["quiet"] else " (NOT quiet)")
-        + (" (quick run)" if quick else "")
+        f"\n{common.title(res, 'restore')}; prefix {ptoks} tokens, {threads} threads; load "
+        f"{quiet['loadavg'][0]:.2f} at start" + ("" if quiet["quiet"] else " (NOT quiet)")
     )
-    click.echo(table(res, common.load_baseline(Path(baseline), quick)))
+    click.echo(table(res, report.baseline(quick)))
     if noisy:
         click.echo(f"\nother processes used CPU during: {noisy} (cores, average)")
-    busy = not quiet["quiet"] or noisy
-    if write_baseline and busy and not force_baseline:
-        click.echo(
-            "not writing the baseline: the machine was busy; rerun when quiet or pass "
-            "--force-baseline"
-        )
-    common.write_report(
-        res,
-        Path(out_dir),
-        "restore",
-        plot,
-        Path(baseline) if write_baseline and (force_baseline or not busy) else None,
-    )
+    refuse = ""
+    if (not quiet["quiet"] or noisy) and not o.force_baseline:
+        refuse = "the machine was busy; rerun when quiet or pass --force-baseline"
+    report.write(res, plot, refuse)
     if missed := [k for k, ok in res["analysis"]["goals_met"].items() if not ok]:
         click.echo(f"goals missed: {', '.join(missed)}")
 

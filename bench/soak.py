@@ -10,6 +10,7 @@ and TTFT. Not a CI test: run it by hand.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import sys
@@ -34,6 +35,10 @@ WORDS = (
 ).split()
 
 
+def msg(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
 class Load:
     """A bounded request mix on its own threads; records TTFT and errors with timestamps."""
 
@@ -51,29 +56,19 @@ class Load:
         with self.lock:
             r = self.rng.random()
             if r < 0.6:  # a shared system prompt, a short question
-                return {
-                    "messages": [
-                        {"role": "system", "content": self.rng.choice(self.prompts)},
-                        {"role": "user", "content": self.words(3, 12)},
-                    ]
-                }
+                system = msg("system", self.rng.choice(self.prompts))
+                return {"messages": [system, msg("user", self.words(3, 12))]}
             if r < 0.85:  # a chat that grows turn by turn
                 if not self.chats or self.rng.random() < 0.2 or len(self.chats[-1]) > 12:
-                    self.chats.append(
-                        [{"role": "system", "content": self.rng.choice(self.prompts)}]
-                    )
+                    self.chats.append([msg("system", self.rng.choice(self.prompts))])
                 chat = self.rng.choice(self.chats)
-                chat.append({"role": "user", "content": self.words(4, 20)})
+                chat.append(msg("user", self.words(4, 20)))
                 return {"messages": list(chat), "chat": chat}
             return {"prompt": self.words(200, 900)}  # a one-off prompt: a miss
 
     def one(self, client: httpx.Client) -> None:
         job = self.pick()
-        body: dict[str, Any] = {
-            "max_tokens": 24,
-            "temperature": 0.7,
-            "stream": self.rng.random() < 0.7,
-        }
+        body = dict(max_tokens=24, temperature=0.7, stream=self.rng.random() < 0.7)
         if "prompt" in job:
             url, body["prompt"] = "/v1/completions", job["prompt"]
         else:
@@ -97,7 +92,7 @@ class Load:
             ev["ok"] = True
             if "chat" in job:
                 with self.lock:
-                    job["chat"].append({"role": "assistant", "content": reply})
+                    job["chat"].append(msg("assistant", reply))
         except (httpx.HTTPError, ValueError, KeyError) as e:
             ev["error"] = f"{type(e).__name__}: {e}"[:200]
         ev["total"] = time.monotonic() - t0
@@ -110,16 +105,13 @@ class Load:
                 self.one(client)
 
 
-def sample(
-    t: float, pids: list[int], st: dict[str, Any], evs: list[dict[str, Any]]
-) -> dict[str, Any]:
+def sample(t: float, pids: list[int], st: dict[str, Any], evs: list[Any]) -> dict[str, Any]:
+    """Memory of the server processes, the arena, the cache and the requests so far."""
     rss = pss = 0
     for pid in pids:
-        try:
+        with contextlib.suppress(psutil.Error):
             mi = psutil.Process(pid).memory_full_info()
             rss, pss = rss + mi.rss, pss + mi.pss
-        except psutil.Error:
-            pass
     free = st.get("bytes_capacity", 0) - st.get("bytes_used", 0)
     lookups = st.get("hits", 0) + st.get("misses", 0)
     window = common.summary(
@@ -143,128 +135,75 @@ def sample(
 
 def plot(plt: Any, res: dict[str, Any]) -> Any:
     s, c = res["samples"], res["config"]
-    t = [x["t"] for x in s]
-    fig, ax = plt.subplots(2, 2, figsize=(12, 7))
-    for a, title, ylabel, lines in (
-        (
-            ax[0][0],
-            "server memory",
-            "GiB",
-            [("RSS (sum)", "rss", 2**-30), ("PSS (sum, arena once)", "pss", 2**-30)],
-        ),
-        (
-            ax[0][1],
-            "arena",
-            "",
-            [("arena used (MiB)", "arena_used", 2**-20), ("fragmentation %", "fragmentation", 100)],
-        ),
-        (
-            ax[1][0],
-            "cache hits and errors",
-            "",
-            [("hit rate % (cumulative)", "hit_rate", 100), ("errors (cumulative)", "errors", 1)],
-        ),
-        (
-            ax[1][1],
-            "time to first token",
-            "s",
-            [("TTFT p50 (last 30 s)", "ttft_p50", 1), ("TTFT p90 (last 30 s)", "ttft_p90", 1)],
-        ),
-    ):
-        for label, key, scale in lines:
-            a.plot(t, [x[key] * scale for x in s], label=label)
-        a.set(title=title, ylabel=ylabel, xlabel="seconds")
-        a.legend()
-    fig.suptitle(
-        f"shmkv soak: {c['duration']} s, {c['workers']} workers, concurrency {c['concurrency']}"
-    )
+    series = [  # panel, label, sample key, scale
+        (0, "RSS (sum)", "rss", 2**-30),
+        (0, "PSS (sum, arena once)", "pss", 2**-30),
+        (1, "arena used (MiB)", "arena_used", 2**-20),
+        (1, "fragmentation %", "fragmentation", 100),
+        (2, "hit rate % (cumulative)", "hit_rate", 100),
+        (2, "errors (cumulative)", "errors", 1),
+        (3, "TTFT p50 (last 30 s)", "ttft_p50", 1),
+        (3, "TTFT p90 (last 30 s)", "ttft_p90", 1),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
+    axes = list(axes.flat)
+    for i, label, key, scale in series:
+        axes[i].plot([x["t"] for x in s], [x[key] * scale for x in s], label=label)
+    panels = [("server memory", "GiB"), ("arena", ""), ("cache hits and errors", "")]
+    for ax, (title, unit) in zip(axes, [*panels, ("time to first token", "s")], strict=True):
+        ax.set(title=title, ylabel=unit, xlabel="seconds")
+        ax.legend()
+    workers, cc = c["workers"], c["concurrency"]
+    fig.suptitle(f"shmkv soak: {c['duration']} s, {workers} workers, concurrency {cc}")
     fig.tight_layout()
     return fig
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--duration", default=300.0, show_default=True, help="Seconds of load.")
-@click.option("--concurrency", default=4, show_default=True)
-@click.option("--workers", default=4, show_default=True)
-@click.option(
-    "--size",
-    default="512M",
-    show_default=True,
-    help="Arena size (small on purpose: the soak should evict).",
-)
-@click.option("--prompts", default=8, show_default=True, help="Shared system prompts.")
-@click.option("--interval", default=5.0, show_default=True, help="Seconds between samples.")
-@click.option("--model", default=None, help="GGUF [Gemma 3 270M, as `shmkv serve`].")
-@click.option("--out", "out_dir", default=str(HERE / "out"), show_default=True)
-@click.option(
-    "--baseline",
-    default=str(HERE / "baseline" / "soak.json"),
-    show_default=True,
-    help="Committed run to compare with.",
-)
-@click.option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline.")
-def main(
-    duration: float,
-    concurrency: int,
-    workers: int,
-    size: str,
-    prompts: int,
-    interval: float,
-    model: str | None,
-    out_dir: str,
-    baseline: str,
-    write_baseline: bool,
-) -> None:
+opt = common.option
+
+
+@common.command("soak")
+@opt("--duration", default=300.0, help="Seconds of load.")
+@opt("--concurrency", default=4)
+@opt("--workers", default=4)
+@opt("--size", default="512M", help="Arena size (small on purpose: the soak should evict).")
+@opt("--prompts", default=8, help="Shared system prompts.")
+@opt("--interval", default=5.0, help="Seconds between samples.")
+@opt("--model", help="GGUF [Gemma 3 270M, as `shmkv serve`].")
+def main(report: common.Report, o: Any) -> None:
     """Run `shmkv serve` under a mixed load and record its health over time."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    started, model_path = time.time(), common.model_path(model)
+    model_path = common.model_path(o.model)
     with (
         tempfile.TemporaryDirectory(prefix="shmkv-soak-") as tmp,
-        common.supervisor(Path(tmp), "--size", size) as sup,
+        common.supervisor(Path(tmp), "--size", o.size) as sup,
     ):
-        srv = common.Server.shmkv(
-            sup,
-            {"SHMKV_MODEL": str(model_path), "SHMKV_THREADS": "1", "SHMKV_LOG_LEVEL": "warning"},
-            Path(tmp),
-            common.free_port(),
-            workers,
-        )
+        env = {"SHMKV_MODEL": str(model_path), "SHMKV_THREADS": "1", "SHMKV_LOG_LEVEL": "warning"}
+        srv = common.Server.shmkv(sup, env, Path(tmp), o.workers)
         try:
             srv.wait_ready()
             rng = random.Random(1)
             sps = [
                 "You are a support assistant. "
                 + " ".join(rng.choice(WORDS) for _ in range(rng.randint(500, 900)))
-                for _ in range(prompts)
+                for _ in range(o.prompts)
             ]
             t_start = time.monotonic()
-            load = Load(srv.base, 2, sps, t_start + duration)
-            threads = [threading.Thread(target=load.run, daemon=True) for _ in range(concurrency)]
+            load = Load(srv.base, 2, sps, t_start + o.duration)
+            threads = [threading.Thread(target=load.run, daemon=True) for _ in range(o.concurrency)]
             for th in threads:
                 th.start()
             samples = []
             while any(th.is_alive() for th in threads):
-                time.sleep(interval)
-                pids = [
-                    sup.child.pid,
-                    srv.child.pid,
-                    *(p.pid for p in srv.child.children(recursive=True)),
-                ]
+                time.sleep(o.interval)
+                pids = [sup.child.pid, srv.child.pid, *(p.pid for p in srv.child.children(True))]
                 with load.lock:
                     evs = list(load.events)
                 samples.append(s := sample(time.monotonic() - t_start, pids, sup.stats(), evs))
                 log.info(
-                    "t=%5.0fs req=%d err=%d hit=%.0f%% arena=%.0fMiB frag=%.0f%% "
-                    "PSS=%.2fGiB TTFT p50=%.2fs",
-                    s["t"],
-                    s["requests"],
-                    s["errors"],
-                    100 * s["hit_rate"],
-                    s["arena_used"] / 2**20,
-                    100 * s["fragmentation"],
-                    s["pss"] / 2**30,
-                    s["ttft_p50"],
+                    f"t={s['t']:5.0f}s req={s['requests']} err={s['errors']} hit="
+                    f"{100 * s['hit_rate']:.0f}% arena={s['arena_used'] / 2**20:.0f}MiB frag="
+                    f"{100 * s['fragmentation']:.0f}% PSS={s['pss'] / 2**30:.2f}GiB TTFT p50="
+                    f"{s['ttft_p50']:.2f}s"
                 )
             evs = load.events
             ttft = common.summary([e["ttft"] for e in evs if e["ttft"] is not None])
@@ -272,15 +211,8 @@ def main(
         finally:
             srv.stop()
     res = {
-        **common.header("soak", started),
-        "config": {
-            "duration": duration,
-            "concurrency": concurrency,
-            "workers": workers,
-            "size": size,
-            "prompts": prompts,
-            "model": model_path.name,
-        },
+        **report.header(),
+        "config": {**vars(o), "model": model_path.name},
         "summary": {
             "requests": len(evs),
             "errors": sum(not e["ok"] for e in evs),
@@ -293,26 +225,13 @@ def main(
         },
         "samples": samples,
     }
-    base = (common.load_baseline(Path(baseline), None) or {}).get("summary", {})
-    s = res["summary"]
-    rows = [["", "this run", "baseline"]] + [
-        [k, str(s[k]), str(base.get(k, "-"))]
-        for k in ("requests", "errors", "ttft_p50", "ttft_p99", "rss_first", "rss_last")
-    ]
-    for k in (
-        "hits",
-        "misses",
-        "tokens_restored",
-        "restore_failures",
-        "evictions",
-        "puts",
-        "rejected_puts",
-    ):
-        rows.append([k, str(final.get(k)), str(base.get("final_stats", {}).get(k, "-"))])
-    click.echo(common.grid(rows))
-    common.write_report(
-        res, Path(out_dir), "soak", plot, Path(baseline) if write_baseline else None
+    s, keys = res["summary"], "hits misses tokens_restored restore_failures puts evictions"
+    counters = ", ".join(f"{k} {v}" for k, v in common.pick(final, keys + " rejected_puts").items())
+    click.echo(
+        f"\n{s['requests']} requests, {s['errors']} errors; TTFT p50 {s['ttft_p50']} s, p99 "
+        f"{s['ttft_p99']} s; {counters}"
     )
+    report.write(res, plot)
 
 
 if __name__ == "__main__":
