@@ -23,7 +23,14 @@ from llama_cpp import llama_cpp as lc
 
 from .arena import Hit, common_prefix
 from .client import Blob, Client, Lease
-from .errors import ArenaCorruptError, LeaseLost, ModelMismatchError, NotFound, ShmkvError
+from .errors import (
+    ArenaCorruptError,
+    LeaseLost,
+    ModelMismatchError,
+    NotFound,
+    ShmkvError,
+    StateRefused,
+)
 from .policy import context_allows_cut, window_allows_cut
 
 log = logging.getLogger(__name__)
@@ -60,6 +67,8 @@ class Applied:
     corrupt: bool = False
     #: the record was evicted between the lookup and the lease
     evicted: bool = False
+    #: llama.cpp refused the state (it passed our checks): a miss, nobody is told
+    refused: bool = False
 
 
 def apply(
@@ -103,6 +112,8 @@ def apply(
             lease.finish(restored)
     except LeaseLost as e:  # (the bytes may have changed under the copy: not a bad record)
         return Applied(failure=("lease revoked", e))
+    except StateRefused as e:  # (a state made for another context: not a bad record)
+        return Applied(failure=("state refused", e), refused=True)
     except ArenaCorruptError as e:
         _suspect(reader, hit)
         return Applied(failure=("corrupt record", e), failed=True, corrupt=True)
@@ -137,8 +148,9 @@ def load(
 
     ``need``: the leading tokens its key promised; ``keep``: keep at most these.
     Returns the tokens now restored (0: not worth it, the context untouched). Raises
-    ModelMismatchError, ArenaCorruptError or LeaseLost; a context it touched is then
-    cold. The lease is released (``finish``) once the state is in.
+    ModelMismatchError, ArenaCorruptError, StateRefused (llama.cpp does not take the
+    state) or LeaseLost; a context it touched is then cold. The lease is released
+    (``finish``) once the state is in.
     """
     rec = lease.record
     if lease.fingerprint() != fingerprint:
@@ -162,8 +174,9 @@ def load(
     try:
         n = lc.llama_state_seq_set_data(llm.ctx, ptr, rec.payload_len, SEQ)
         if n != rec.payload_len:
-            raise ArenaCorruptError(
-                f"llama_state_seq_set_data accepted {n} of {rec.payload_len} bytes"
+            raise StateRefused(
+                f"llama_state_seq_set_data accepted {n} of {rec.payload_len} bytes: the "
+                "state does not fit this context (published by a worker with other settings?)"
             )
         if common < rec.n_tokens and not lc.llama_memory_seq_rm(mem, SEQ, common, -1):
             raise ModelMismatchError("the context cannot cut a restored state back")

@@ -413,6 +413,8 @@ class SharedPrefixCache:
             call.republish = True
         if done.evicted:
             self.ledger.add(misses=1)
+        if done.refused:
+            self.ledger.add(misses=1, states_refused=1)
         if not done.restored:
             return local if llm.n_tokens else 0  # (0: the context went cold)
         dt = time.perf_counter() - t0

@@ -104,7 +104,10 @@ class WorkerCounters:
     tokens_restored: int = counter("prompt tokens restored from the arena", reported=True)
     tokens_evaluated: int = counter("prompt tokens evaluated (prefilled)", reported=True)
     restore_failures: int = counter(
-        "restores that failed (lease lost, checksum, set_data refused)", reported=True
+        "restores that failed a check (corrupt record, model mismatch)", reported=True
+    )
+    states_refused: int = counter(
+        "cached states llama.cpp's set_data refused (counted as misses too)", reported=True
     )
     publishes: int = counter("states queued for the supervisor")
     publish_dropped: int = counter("states not published because the queue was full")
