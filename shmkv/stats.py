@@ -124,6 +124,16 @@ class WorkerCounters:
     )
 
 
+@dataclass
+class HttpCounters:
+    """What a gunicorn worker's acceptor did with connections (``/health``)."""
+
+    connections_accepted: int = counter("connections accepted")
+    idle_closed: int = counter(
+        "connections closed because they sent no request headers within --request-read-timeout"
+    )
+
+
 #: the worker counters a ``report`` message may carry
 REPORTED: tuple[str, ...] = tuple(
     f.name for f in fields(WorkerCounters) if f.metadata.get("reported")

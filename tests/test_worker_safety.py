@@ -7,13 +7,19 @@ Real llama.cpp on the tiny models, real supervisors, real gunicorn workers on
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import socket
+import threading
+import time
 
+import httpx
 import numpy as np
 from helpers import (
     KW,
     SYSTEM,
+    Server,
     completion,
     run_worker,
     texts,
@@ -42,6 +48,90 @@ def _shared(sup, model: str, **kw):
         shmkv_socket=sup.socket,
         **{**KW, **kw},
     )
+
+
+# ----------------------------------------------------------------- idle connections
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def test_idle_and_slow_connections_do_not_stall_free_workers(
+    tmp_path, serve_model, make_supervisor
+):
+    """20 idle TCP connections a second (and a few that send their headers or body a
+    byte at a time) while /health is polled: p99 stays under 0.5 s, and the idle ones
+    are closed after --request-read-timeout."""
+    sup = make_supervisor("--size", "64M", env_extra={"SHMKV_REQUEST_READ_TIMEOUT": "2"})
+    srv = Server(sup, serve_model, workers=2, tmp_path=tmp_path)
+    stop = threading.Event()
+    idle: list[tuple[float, socket.socket]] = []
+
+    def open_idle() -> None:
+        while not stop.is_set():
+            idle.append((time.monotonic(), socket.create_connection(("127.0.0.1", srv.port))))
+            stop.wait(0.05)
+
+    def trickle(at_once: bytes, slowly: bytes) -> None:
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.sendall(at_once)
+            for b in slowly:
+                if stop.is_set():
+                    return
+                try:
+                    s.sendall(bytes([b]))
+                except OSError:  # closed by the server (slow headers): fine
+                    return
+                stop.wait(0.3)
+
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    slow_head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    full_head = slow_head + b"Content-Length: %d\r\n\r\n" % len(body)
+    loaders = [threading.Thread(target=open_idle)]
+    loaders += [threading.Thread(target=trickle, args=(slow_head, b"")) for _ in range(2)]
+    loaders += [threading.Thread(target=trickle, args=(full_head, body)) for _ in range(2)]
+    latencies: list[float] = []
+    try:
+        for t in loaders:
+            t.start()
+        end = time.monotonic() + 12
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as http:
+            while time.monotonic() < end:
+                t0 = time.monotonic()
+                try:
+                    assert http.get(srv.base + "/health", timeout=5).status_code == 200
+                    latencies.append(time.monotonic() - t0)
+                except httpx.TimeoutException:
+                    latencies.append(5.0)
+                time.sleep(0.05)
+        p50, p99 = _percentile(latencies, 0.5), _percentile(latencies, 0.99)
+        log.info("/health: %d polls, p50 %.3f s, p99 %.3f s", len(latencies), p50, p99)
+        assert p99 < 0.5, (p50, p99)
+        # a completion still goes through at once
+        t0 = time.monotonic()
+        srv.complete("Rule 1: the cat", max_tokens=2)
+        completion_s = time.monotonic() - t0
+        # idle connections opened early are closed by the server by now
+        closed = 0
+        for _, s in idle[:20]:
+            s.settimeout(5)
+            try:
+                closed += s.recv(1) == b""
+            except OSError:
+                closed += 1
+        health = httpx.get(srv.base + "/health", timeout=5).json()
+    finally:
+        stop.set()
+        for t in loaders:
+            t.join(10)
+        for _, s in idle:
+            s.close()
+        srv.stop()
+    log.info("%d idle connections; completion %.2f s; http %s", len(idle), completion_s, health)
+    assert len(idle) >= 150
+    assert completion_s < 5
+    assert closed == 20
+    assert health["http"]["idle_closed"] >= 1
 
 
 # ------------------------------------------------ what a state means; states refused

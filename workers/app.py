@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse
 from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings, ServerSettings
-from shmkv_workers.worker import BusyGate
+from shmkv_workers.worker import ACCEPTOR, BusyGate
 from starlette.middleware import Middleware
 from starlette_context import context
 
@@ -355,6 +355,7 @@ def create_app(settings: Settings | None = None):
                 {"connected": c.reader.connected, "namespace": c.namespace, **numbers(c.totals)}
                 for c in caches
             ],
+            "http": numbers(ACCEPTOR.counters),
         }
 
     return app
