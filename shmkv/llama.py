@@ -90,6 +90,8 @@ class Call:
         self.cache = cache
         self.tokens = tokens
         self.prompt = np.asarray(tokens, dtype=np.int32)
+        #: the guard's number for this call (``ContextGuard.begin``)
+        self.generation = 0
         self._chains: dict[int, list[bytes]] = {}
         #: publish the state of this many prompt tokens during the prefill (0: none)
         self.checkpoint_at = 0
@@ -154,7 +156,43 @@ class Call:
         return reused
 
     def run(self, orig_generate: Any, reset: bool, kwargs: dict[str, Any]) -> Iterator[int]:
-        """Restore, prefill with checkpoints, generate, publish; yields the tokens."""
+        """Restore, prefill with checkpoints, generate, publish; yields the tokens.
+
+        Each step between two tokens holds the cache's context guard; the consumer may
+        run the steps on different threads, one at a time.
+        """
+        cache, tokens = self.cache, self.tokens
+        with cache.guard:
+            self.generation = cache.guard.begin()
+            cache.last = CallStats(prompt_tokens=len(tokens))
+            cache.ledger.add(calls=1)
+            cache.call = self
+            cache._release_orphaned_claims()
+            in_context = self._prepare(reset)
+            gen = orig_generate(tokens, reset=reset, **kwargs)
+        first = True
+        prompt_capture = False  # due once the first token is out (off the TTFT path)
+        try:
+            sent = None
+            while True:
+                with cache.guard:
+                    if prompt_capture:
+                        prompt_capture = False
+                        self._capture_prompt()
+                    try:
+                        tok = gen.send(sent) if sent is not None else next(gen)
+                    except StopIteration:
+                        return
+                    if first:
+                        first = False
+                        self._prefilled(in_context)
+                        prompt_capture = True
+                sent = yield tok
+        finally:
+            self._finish(gen, first, prompt_capture)
+
+    def _prepare(self, reset: bool) -> int:
+        """Restore (or claim) and prefill up to the checkpoints; the tokens in context."""
         cache, tokens = self.cache, self.tokens
         reused = 0
         if reset and tokens:
@@ -167,33 +205,38 @@ class Call:
         in_context = reused  # (what the checkpoint prefill evaluates counts as evaluated)
         if reset and tokens:
             in_context = min(in_context, self._prefill_checkpoints(reused))
-        gen = orig_generate(tokens, reset=reset, **kwargs)
-        first = True
-        prompt_capture = False  # due once the first token is out (off the TTFT path)
-        try:
-            sent = None
-            while True:
-                if prompt_capture:
-                    prompt_capture = False
-                    self._capture_prompt()
-                tok = gen.send(sent) if sent is not None else next(gen)
-                if first:
-                    first = False
-                    self._prefilled(in_context)
-                    prompt_capture = True
-                sent = yield tok
-        except StopIteration:
+        return in_context
+
+    def _finish(self, gen: Any, first: bool, prompt_capture: bool) -> None:
+        """The call ended or was closed: publish what it computed, end its claims.
+
+        Only with the context guard, and only if no other call has started since: a
+        stream its reader abandoned may be closed late, on another thread, while the
+        context is in use or holds another call's cells. Its capture is then dropped
+        (and counted) and its claims are ended by the next call.
+        """
+        cache = self.cache
+        if cache.publisher.on_its_thread() or not cache.guard.try_hold(self.generation):
+            gen.close()  # (llama-cpp-python's generate has no cleanup of its own)
+            if prompt_capture or not first:
+                cache.ledger.add(captures_dropped=1)
+            if self.claimed:
+                cache._orphan_claims(self.claimed)
+                self.claimed = None
+            cache.publisher.report_soon()
             return
-        finally:
+        try:
             gen.close()
             if prompt_capture:  # stopped right after the first token: the KV is the prompt
                 self._capture_prompt()
             elif not first:  # prompt + completion: worth a blob if it adds a chunk or more
-                self._safe_capture(min_new=cache.chunk_tokens or 1, covered=len(tokens))
+                self._safe_capture(min_new=cache.chunk_tokens or 1, covered=len(self.tokens))
             elif self.claimed:  # ended before the prompt was evaluated
                 claimed, self.claimed = self.claimed, None
                 cache._unclaim(claimed)
-            cache.publisher.report_soon()
+        finally:
+            cache.guard.release()
+        cache.publisher.report_soon()
 
     def _prefill_checkpoints(self, reused: int) -> int:
         """Prefill up to each checkpoint the policy wants, publishing the state at each.
@@ -317,6 +360,10 @@ class SharedPrefixCache:
         self.last = CallStats()
         #: the current (or last) call
         self.call: Call | None = None
+        #: one step of one call touches the context at a time (see ``kvstate.ContextGuard``)
+        self.guard = kvstate.ContextGuard()
+        #: claims of calls closed late, for the next call to end (on the reader's thread)
+        self._orphaned: list[list[bytes]] = []
         self._closed = False
         #: called with this cache at the first token of every call (``last`` is filled)
         self.on_prefill: Callable[[SharedPrefixCache], None] | None = None
@@ -437,6 +484,14 @@ class SharedPrefixCache:
         except ShmkvError as e:
             log.debug("unclaim failed: %s", e)
 
+    def _orphan_claims(self, digests: list[bytes]) -> None:
+        """Claims of a call closed late, on any thread: the next call ends them."""
+        self._orphaned.append(digests)  # (list.append is atomic)
+
+    def _release_orphaned_claims(self) -> None:
+        while self._orphaned:
+            self._unclaim(self._orphaned.pop())
+
     # ---------------------------------------------------------------- publish
     def _coverage(self, tokens: np.ndarray, chunk: int) -> int:
         """How many leading ``tokens`` a record in the arena already holds (a hint)."""
@@ -514,11 +569,17 @@ class SharedPrefixCache:
         self, orig_generate: Any, tokens: Sequence[int], reset: bool = True, **kwargs: Any
     ) -> Iterator[int]:
         """The body of the hooked ``Llama.generate``."""
-        tokens = list(tokens)
-        self.last = CallStats(prompt_tokens=len(tokens))
-        self.ledger.add(calls=1)
-        self.call = Call(self, tokens)
-        return (yield from self.call.run(orig_generate, reset, kwargs))
+        call = Call(self, list(tokens))
+        return (yield from call.run(orig_generate, reset, kwargs))
+
+    def eval(self, orig_eval: Any, tokens: Sequence[int]) -> None:
+        """The body of the hooked ``Llama.eval``: under the guard."""
+        guard = self.guard
+        outside = not guard.held_here()
+        with guard:
+            if outside:  # not a step of a call: the cells are nobody's now
+                guard.begin()
+            orig_eval(tokens)
 
 
 def _hooked_generate(cache: SharedPrefixCache, orig: Any) -> Callable[..., Iterator[int]]:
@@ -527,6 +588,14 @@ def _hooked_generate(cache: SharedPrefixCache, orig: Any) -> Callable[..., Itera
 
     generate.__doc__ = orig.__doc__
     return generate
+
+
+def _hooked_eval(cache: SharedPrefixCache, orig: Any) -> Callable[[Sequence[int]], None]:
+    def eval(tokens: Sequence[int]) -> None:
+        cache.eval(orig, tokens)
+
+    eval.__doc__ = orig.__doc__
+    return eval
 
 
 def attach(
@@ -548,6 +617,7 @@ def attach(
         llm, name=name, namespace=namespace, socket_path=socket_path, **kwargs
     )
     llm.generate = _hooked_generate(cache, llm.generate)  # type: ignore[method-assign,assignment]
+    llm.eval = _hooked_eval(cache, llm.eval)  # type: ignore[method-assign,assignment]
     llm.shmkv = cache  # type: ignore[attr-defined]
     return cache
 
@@ -587,3 +657,6 @@ class SharedCacheLlama(llama_cpp.Llama):
         **kwargs: Any,
     ) -> Iterator[int]:
         return self.shmkv.generate(super().generate, tokens, reset=reset, **kwargs)
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        self.shmkv.eval(super().eval, tokens)

@@ -117,6 +117,10 @@ class WorkerCounters:
         "cached prefixes a sliding-window model could not use (cannot be cut back)"
     )
     checkpoints: int = counter("checkpoint states published mid-prefill")
+    captures_dropped: int = counter(
+        "states not captured because their call was closed late (an abandoned stream) while "
+        "the context was in use or had moved on"
+    )
     restore_seconds: float = seconds("seconds spent restoring states")
     errors: dict[str, int] = field(
         default_factory=dict,
