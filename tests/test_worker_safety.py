@@ -348,6 +348,45 @@ def test_idle_and_slow_connections_do_not_stall_free_workers(
     assert health["http"]["idle_closed"] >= 1
 
 
+# ------------------------------------------------------- prompt logits after a restore
+def _prompt_logprobs(out: dict) -> np.ndarray:
+    lp = out["choices"][0]["logprobs"]["token_logprobs"]
+    return np.array([np.nan if x is None else x for x in lp], dtype=np.float64)
+
+
+def test_logits_all_echo_logprobs_after_a_restore_match_a_cold_run(supervisor, models):
+    """With logits_all, a restore brings the prompt's cells but not its logits: a request
+    that reads them (echo + logprobs) must get a cold run's numbers, whether its worker
+    would restore or reuse what an earlier restore left in its context."""
+    prompt = SYSTEM + " Question: how likely is each word?"
+    params = dict(max_tokens=4, temperature=0.0, seed=0)
+    want = _plain(models["seed0"], logits_all=True).create_completion(
+        prompt, echo=True, logprobs=3, **params
+    )
+    want_plain = _plain(models["seed0"], logits_all=True).create_completion(prompt, **params)
+    a = _shared(supervisor, models["seed0"], logits_all=True)
+    a.create_completion(prompt, **params)
+    assert a.shmkv.flush()
+    # a worker that restored the prompt for a plain request, then is asked for its logits
+    b = _shared(supervisor, models["seed0"], logits_all=True)
+    plain = b.create_completion(prompt, **params)
+    assert b.shmkv.last.tokens_restored > 0  # (the cache still serves other requests)
+    reused = b.create_completion(prompt, echo=True, logprobs=3, **params)
+    # a worker whose first request wants them
+    c = _shared(supervisor, models["seed0"], logits_all=True)
+    fresh = c.create_completion(prompt, echo=True, logprobs=3, **params)
+    expected = _prompt_logprobs(want)
+    for name, got in (("reused", reused), ("fresh", fresh)):
+        lp = _prompt_logprobs(got)
+        bad = int(np.sum(~np.isclose(lp, expected, atol=1e-4, equal_nan=True)))
+        assert bad == 0, f"{name}: {bad} of {len(lp)} logprobs differ from a cold run"
+        assert got["choices"][0]["text"] == want["choices"][0]["text"], name
+    assert c.shmkv.last.tokens_restored == 0
+    assert plain["choices"][0]["text"] == want_plain["choices"][0]["text"]
+    for llm in (a, b, c):
+        llm.shmkv.close()
+
+
 # ------------------------------------------------ what a state means; states refused
 def test_workers_with_different_n_ctx_never_restore_each_others_states(supervisor, models):
     prompt = " ".join(RULES[:20]) + " Question: who sits?"
