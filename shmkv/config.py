@@ -363,6 +363,15 @@ SETTINGS: dict[str, Setting] = {
             "SIZE",
         ),
         Setting(
+            "request_read_timeout",
+            _positive_float,
+            10.0,
+            "Seconds a new connection may take to send a request's headers before it is "
+            "closed (a connection that sends nothing never keeps a worker from accepting).",
+            _SERVE,
+            "SECONDS",
+        ),
+        Setting(
             "worker_timeout",
             _positive_float,
             600.0,

@@ -41,6 +41,7 @@ __all__ = [
     "NotFound",
     "LeaseLost",
     "ModelMismatchError",
+    "StateRefused",
     "ClosedError",
     "from_wire",
 ]
@@ -149,6 +150,13 @@ class ModelMismatchError(ShmkvError):
     """A cached blob belongs to another model or context configuration."""
 
     code = "model_mismatch"
+
+
+class StateRefused(ShmkvError):
+    """llama.cpp refused a cached state that passed every check (``set_data`` failed, e.g.
+    the state needs more cells than this context has): a miss, not a corrupt record."""
+
+    code = "state_refused"
 
 
 class ClosedError(ShmkvError):

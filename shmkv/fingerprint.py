@@ -2,10 +2,10 @@
 
 Runs inside a worker, once, when its cache attaches. A blob restores
 correctly only into a context with the same weights, KV types, flash
-attention, sliding-window and RoPE settings, LoRA and llama.cpp version; the
-fingerprint covers all of these and is stored beside every blob. Every key
-chain starts from a root digest of the fingerprint and the tenant namespace,
-so different models, setups or tenants never share a key.
+attention, sliding-window and RoPE settings, context size, LoRA and llama.cpp
+version; the fingerprint covers all of these and is stored beside every blob.
+Every key chain starts from a root digest of the fingerprint and the tenant
+namespace, so different models, setups or tenants never share a key.
 """
 
 from __future__ import annotations
@@ -23,24 +23,36 @@ from .arena import DIGEST_SIZE
 _SAMPLE_BYTES = 1 << 16
 _SAMPLES = 16
 _HEAD_BYTES = 1 << 20
-# context parameters that do not change what a sequence blob means
+# Context parameters left out of the fingerprint: none of them changes what a sequence
+# state means (its cells' positions and K/V rows) or whether llama.cpp can load it.
 _CTX_IGNORED = {
+    # the requested size (0: the model's); the context's actual n_ctx and per-sequence
+    # n_ctx_seq are in the description instead: RoPE scaling (e.g. Phi-3's long or short
+    # factors) is chosen from n_ctx_seq, and a state must fit the context's cells
     "n_ctx",
+    # how a prompt is split into batches: the same cells; the numbers' batch dependence
+    # is exact mode's concern, which keys on n_batch itself (llama.py)
     "n_batch",
     "n_ubatch",
+    # CPU scheduling
     "n_threads",
     "n_threads_batch",
+    # rows of the logits/embeddings output buffer, not of the KV cache
     "n_outputs_max",
     "n_outputs_max_per_seq",
+    # performance counters
     "no_perf",
+    # when llama.cpp compacts its cells; a sequence state holds cells, not their slots
     "defrag_thold",
+    # callbacks and pointers: not values
     "cb_eval",
     "cb_eval_user_data",
     "abort_callback",
     "abort_callback_data",
+    "ctx_other",
+    # sampling, after the KV cache
     "samplers",
     "n_samplers",
-    "ctx_other",
 }
 
 
@@ -75,7 +87,17 @@ def context_description(llm: llama_cpp.Llama) -> dict[str, Any]:
         "n_vocab": llm.n_vocab(),
         "n_embd": llm.n_embd(),
         "context": ctx,
-        "lora": [llm.lora_path, llm.lora_base, float(llm.lora_scale)],
+        # what the context really is (see _CTX_IGNORED): its cells, cells per sequence,
+        # sequences
+        "n_ctx": int(lc.llama_n_ctx(llm.ctx)),
+        "n_ctx_seq": int(lc.llama_n_ctx_seq(llm.ctx)),
+        "n_seq_max": int(lc.llama_n_seq_max(llm.ctx)),
+        # a LoRA by its content, as the model: the same file at two paths is one adapter.
+        # (lora_base is only kept by llama-cpp-python for pickling; it loads nothing.)
+        "lora": [
+            file_identity(llm.lora_path) if llm.lora_path else None,
+            round(float(llm.lora_scale), 6),
+        ],
         "kv_overrides": sorted((str(k), str(v)) for k, v in (llm.kv_overrides or {}).items()),
     }
 

@@ -1,7 +1,7 @@
 """Sequence state in and out of a llama.cpp context: the mechanism under ``policy.py``.
 
-Runs inside a worker, on the thread that owns the ``llama_cpp.Llama``; the
-only module that calls llama.cpp's state API. :func:`apply` carries out a
+Runs inside a worker, on the thread that holds the context's :class:`ContextGuard`;
+the only module that calls llama.cpp's state API. :func:`apply` carries out a
 restore plan: it leases the planned record, checks it (fingerprint, token
 ids, payload checksum, the arena still whole, the lease still intact) and
 hands the payload straight from the read-only mapping to
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from dataclasses import dataclass
+from types import TracebackType
 
 import llama_cpp
 import numpy as np
@@ -23,12 +25,81 @@ from llama_cpp import llama_cpp as lc
 
 from .arena import Hit, common_prefix
 from .client import Blob, Client, Lease
-from .errors import ArenaCorruptError, LeaseLost, ModelMismatchError, NotFound, ShmkvError
+from .errors import (
+    ArenaCorruptError,
+    LeaseLost,
+    ModelMismatchError,
+    NotFound,
+    ShmkvError,
+    StateRefused,
+)
 from .policy import context_allows_cut, window_allows_cut
 
 log = logging.getLogger(__name__)
 
 SEQ = 0
+
+
+class ContextGuard:
+    """Who may touch one llama.cpp context now, and whether its cells are still a call's.
+
+    A thread holds the guard while it runs a step of a call (restore, prefill, a
+    token, a capture); the thread that holds it may enter it again. llama-cpp-python's
+    server runs the steps of one stream on any thread of a pool, one at a time, under
+    its model lock; a stream it abandons is closed later, by the garbage collector,
+    on whatever thread that runs on, maybe while another call decodes. Such a late
+    close asks :meth:`try_hold`, which refuses while anyone holds the guard (that
+    thread included) and once another call has started (``generation``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+        #: bumped by :meth:`begin`: each call, and each evaluation outside a call
+        self.generation = 0
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the guard."""
+        return self._owner == threading.get_ident()
+
+    def __enter__(self) -> ContextGuard:
+        me = threading.get_ident()
+        if self._owner != me:
+            self._lock.acquire()
+            self._owner = me
+        self._depth += 1
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+            self._lock.release()
+
+    def begin(self) -> int:
+        """(Holding the guard.) The context's cells now belong to a new call: its number."""
+        self.generation += 1
+        return self.generation
+
+    def try_hold(self, generation: int) -> bool:
+        """Hold the guard, without waiting, if nobody does and the cells are still those of
+        call ``generation``; the caller then calls :meth:`release`."""
+        if self.held_here() or not self._lock.acquire(blocking=False):
+            return False
+        if self.generation != generation:
+            self._lock.release()
+            return False
+        self._owner, self._depth = threading.get_ident(), 1
+        return True
 
 
 def pos_min(llm: llama_cpp.Llama) -> int:
@@ -62,6 +133,8 @@ class Applied:
     corrupt: bool = False
     #: the record was evicted between the lookup and the lease
     evicted: bool = False
+    #: llama.cpp refused the state (it passed our checks): a miss, nobody is told
+    refused: bool = False
 
 
 def apply(
@@ -105,6 +178,8 @@ def apply(
             lease.finish(restored)
     except LeaseLost as e:  # (the bytes may have changed under the copy: not a bad record)
         return Applied(failure=("lease revoked", str(e)))
+    except StateRefused as e:  # (a state made for another context: not a bad record)
+        return Applied(failure=("state refused", str(e)), refused=True)
     except ArenaCorruptError as e:
         _suspect(reader, hit)
         return Applied(failure=("corrupt record", str(e)), failed=True, corrupt=True)
@@ -139,8 +214,9 @@ def load(
 
     ``need``: the leading tokens its key promised; ``keep``: keep at most these.
     Returns the tokens now restored (0: not worth it, the context untouched). Raises
-    ModelMismatchError, ArenaCorruptError or LeaseLost; a context it touched is then
-    cold. The lease is released (``finish``) once the state is in.
+    ModelMismatchError, ArenaCorruptError, StateRefused (llama.cpp does not take the
+    state) or LeaseLost; a context it touched is then cold. The lease is released
+    (``finish``) once the state is in.
     """
     rec = lease.record
     if lease.fingerprint() != fingerprint:
@@ -164,8 +240,9 @@ def load(
     try:
         n = lc.llama_state_seq_set_data(llm.ctx, ptr, rec.payload_len, SEQ)
         if n != rec.payload_len:
-            raise ArenaCorruptError(
-                f"llama_state_seq_set_data accepted {n} of {rec.payload_len} bytes"
+            raise StateRefused(
+                f"llama_state_seq_set_data accepted {n} of {rec.payload_len} bytes: the "
+                "state does not fit this context (published by a worker with other settings?)"
             )
         if common < rec.n_tokens and not lc.llama_memory_seq_rm(mem, SEQ, common, -1):
             raise ModelMismatchError("the context cannot cut a restored state back")

@@ -26,7 +26,9 @@ counted, and costs a cold prefill: generation never fails because of it.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -86,10 +88,17 @@ class Call:
     Its steps go through the cache's ``restore_or_claim`` and ``capture``.
     """
 
-    def __init__(self, cache: SharedPrefixCache, tokens: Sequence[int]) -> None:
+    def __init__(
+        self, cache: SharedPrefixCache, tokens: Sequence[int], prompt_logits: bool = False
+    ) -> None:
         self.cache = cache
         self.tokens = tokens
         self.prompt = np.asarray(tokens, dtype=np.int32)
+        #: the caller reads the logits of the prompt's tokens (``echo`` with ``logprobs``):
+        #: only tokens this context evaluated itself may be kept, none restored
+        self.prompt_logits = prompt_logits
+        #: the guard's number for this call (``ContextGuard.begin``)
+        self.generation = 0
         self._chains: dict[int, list[bytes]] = {}
         #: publish the state of this many prompt tokens during the prefill (0: none)
         self.checkpoint_at = 0
@@ -125,6 +134,8 @@ class Call:
         """Restore; then, if a long prefill remains, claim it (other workers wait for its
         publish) or wait for whoever claimed it and restore again."""
         cache = self.cache
+        if self.prompt_logits:  # a restore brings cells, not the logits of their tokens
+            return cache.keep_local(self.prompt, limit=cache.scores_valid)
         reused = cache.restore(self.tokens)
         budget = cache.settings.coalesce_wait
         chunk = cache.chunk_tokens if budget > 0 else None
@@ -154,7 +165,43 @@ class Call:
         return reused
 
     def run(self, orig_generate: Any, reset: bool, kwargs: dict[str, Any]) -> Iterator[int]:
-        """Restore, prefill with checkpoints, generate, publish; yields the tokens."""
+        """Restore, prefill with checkpoints, generate, publish; yields the tokens.
+
+        Each step between two tokens holds the cache's context guard; the consumer may
+        run the steps on different threads, one at a time.
+        """
+        cache, tokens = self.cache, self.tokens
+        with cache.guard:
+            self.generation = cache.guard.begin()
+            cache.last = CallStats(prompt_tokens=len(tokens))
+            cache.ledger.add(calls=1)
+            cache.call = self
+            cache._release_orphaned_claims()
+            in_context = self._prepare(reset)
+            gen = orig_generate(tokens, reset=reset, **kwargs)
+        first = True
+        prompt_capture = False  # due once the first token is out (off the TTFT path)
+        try:
+            sent = None
+            while True:
+                with cache.guard:
+                    if prompt_capture:
+                        prompt_capture = False
+                        self._capture_prompt()
+                    try:
+                        tok = gen.send(sent) if sent is not None else next(gen)
+                    except StopIteration:
+                        return
+                    if first:
+                        first = False
+                        self._prefilled(in_context)
+                        prompt_capture = True
+                sent = yield tok
+        finally:
+            self._finish(gen, first, prompt_capture)
+
+    def _prepare(self, reset: bool) -> int:
+        """Restore (or claim) and prefill up to the checkpoints; the tokens in context."""
         cache, tokens = self.cache, self.tokens
         reused = 0
         if reset and tokens:
@@ -167,33 +214,38 @@ class Call:
         in_context = reused  # (what the checkpoint prefill evaluates counts as evaluated)
         if reset and tokens:
             in_context = min(in_context, self._prefill_checkpoints(reused))
-        gen = orig_generate(tokens, reset=reset, **kwargs)
-        first = True
-        prompt_capture = False  # due once the first token is out (off the TTFT path)
-        try:
-            sent = None
-            while True:
-                if prompt_capture:
-                    prompt_capture = False
-                    self._capture_prompt()
-                tok = gen.send(sent) if sent is not None else next(gen)
-                if first:
-                    first = False
-                    self._prefilled(in_context)
-                    prompt_capture = True
-                sent = yield tok
-        except StopIteration:
+        return in_context
+
+    def _finish(self, gen: Any, first: bool, prompt_capture: bool) -> None:
+        """The call ended or was closed: publish what it computed, end its claims.
+
+        Only with the context guard, and only if no other call has started since: a
+        stream its reader abandoned may be closed late, on another thread, while the
+        context is in use or holds another call's cells. Its capture is then dropped
+        (and counted) and its claims are ended by the next call.
+        """
+        cache = self.cache
+        if cache.publisher.on_its_thread() or not cache.guard.try_hold(self.generation):
+            gen.close()  # (llama-cpp-python's generate has no cleanup of its own)
+            if prompt_capture or not first:
+                cache.ledger.add(captures_dropped=1)
+            if self.claimed:
+                cache._orphan_claims(self.claimed)
+                self.claimed = None
+            cache.publisher.report_soon()
             return
-        finally:
+        try:
             gen.close()
             if prompt_capture:  # stopped right after the first token: the KV is the prompt
                 self._capture_prompt()
             elif not first:  # prompt + completion: worth a blob if it adds a chunk or more
-                self._safe_capture(min_new=cache.chunk_tokens or 1, covered=len(tokens))
+                self._safe_capture(min_new=cache.chunk_tokens or 1, covered=len(self.tokens))
             elif self.claimed:  # ended before the prompt was evaluated
                 claimed, self.claimed = self.claimed, None
                 cache._unclaim(claimed)
-            cache.publisher.report_soon()
+        finally:
+            cache.guard.release()
+        cache.publisher.report_soon()
 
     def _prefill_checkpoints(self, reused: int) -> int:
         """Prefill up to each checkpoint the policy wants, publishing the state at each.
@@ -317,6 +369,18 @@ class SharedPrefixCache:
         self.last = CallStats()
         #: the current (or last) call
         self.call: Call | None = None
+        #: one step of one call touches the context at a time (see ``kvstate.ContextGuard``)
+        self.guard = kvstate.ContextGuard()
+        #: claims of calls closed late, for the next call to end (on the reader's thread)
+        self._orphaned: list[list[bytes]] = []
+        #: the context keeps every token's logits (``Llama(logits_all=True)``)
+        self.logits_all = bool(getattr(llm, "_logits_all", False))
+        #: leading rows of ``llm.scores`` that hold the logits of ``llm.input_ids`` (a
+        #: restore sets tokens and cells, not the logits of those tokens)
+        self.scores_valid = 0
+        #: set by the hooked ``_create_completion`` for the generate call it makes, on
+        #: its thread: whether that call reads the prompt's logits (None: not known)
+        self._completion = threading.local()
         self._closed = False
         #: called with this cache at the first token of every call (``last`` is filled)
         self.on_prefill: Callable[[SharedPrefixCache], None] | None = None
@@ -359,10 +423,7 @@ class SharedPrefixCache:
         llm, call = self.llm, self._call_for(tokens)
         prompt = call.prompt
         held = common_prefix(np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32), prompt)
-        pos_min = kvstate.pos_min(llm) if held and self.n_swa > 0 else -1
-        local, cut = self.policy.keep_local(policy.Local(held, pos_min, self._aligned), len(prompt))
-        if cut and local < llm.n_tokens:
-            llm.n_tokens = local
+        local = self.keep_local(prompt, held=held)
         t0 = time.perf_counter()
         try:
             view = self.reader.ensure()
@@ -413,14 +474,35 @@ class SharedPrefixCache:
             call.republish = True
         if done.evicted:
             self.ledger.add(misses=1)
+        if done.refused:
+            self.ledger.add(misses=1, states_refused=1)
         if not done.restored:
             return local if llm.n_tokens else 0  # (0: the context went cold)
+        # the rows past what the context held are another prompt's logits, or none
+        self.scores_valid = min(self.scores_valid, held)
         dt = time.perf_counter() - t0
         self.ledger.add(hits=1, tokens_restored=done.restored, restore_seconds=dt)
         self.last.tokens_restored = done.restored
         self.last.restore_seconds = dt
         self.last.hit = True
         return done.restored
+
+    def keep_local(
+        self, prompt: np.ndarray, held: int | None = None, limit: int | None = None
+    ) -> int:
+        """How many of its own tokens the context keeps for ``prompt``; cuts it to that
+        where the policy (or ``limit``, a cap on what it may keep) says so."""
+        llm = self.llm
+        if held is None:
+            ids = np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32)
+            held = common_prefix(ids, prompt)
+        if limit is not None:
+            held = min(held, limit)
+        pos_min = kvstate.pos_min(llm) if held and self.n_swa > 0 else -1
+        local, cut = self.policy.keep_local(policy.Local(held, pos_min, self._aligned), len(prompt))
+        if (cut or limit is not None) and local < llm.n_tokens:
+            llm.n_tokens = local
+        return local
 
     def restore_or_claim(self, tokens: Sequence[int]) -> int:
         """Restore, and if a long prefill remains, claim it or wait for whoever claimed it.
@@ -434,6 +516,14 @@ class SharedPrefixCache:
             self.reader.unclaim(digests)
         except ShmkvError as e:
             log.debug("unclaim failed: %s", e)
+
+    def _orphan_claims(self, digests: list[bytes]) -> None:
+        """Claims of a call closed late, on any thread: the next call ends them."""
+        self._orphaned.append(digests)  # (list.append is atomic)
+
+    def _release_orphaned_claims(self) -> None:
+        while self._orphaned:
+            self._unclaim(self._orphaned.pop())
 
     # ---------------------------------------------------------------- publish
     def _coverage(self, tokens: np.ndarray, chunk: int) -> int:
@@ -512,11 +602,43 @@ class SharedPrefixCache:
         self, orig_generate: Any, tokens: Sequence[int], reset: bool = True, **kwargs: Any
     ) -> Iterator[int]:
         """The body of the hooked ``Llama.generate``."""
-        tokens = list(tokens)
-        self.last = CallStats(prompt_tokens=len(tokens))
-        self.ledger.add(calls=1)
-        self.call = Call(self, tokens)
-        return (yield from self.call.run(orig_generate, reset, kwargs))
+        wants = getattr(self._completion, "prompt_logits", None)
+        self._completion.prompt_logits = None
+        # (a generate call that did not come through a completion may read any logits)
+        call = Call(self, list(tokens), prompt_logits=self.logits_all and wants is not False)
+        return (yield from call.run(orig_generate, reset, kwargs))
+
+    def eval(self, orig_eval: Any, tokens: Sequence[int]) -> None:
+        """The body of the hooked ``Llama.eval``: under the guard, and keeping count of the
+        logits rows it fills (``scores_valid``)."""
+        llm, guard = self.llm, self.guard
+        outside = not guard.held_here()
+        with guard:
+            if outside:  # not a step of a call: the cells are nobody's now
+                guard.begin()
+            start = llm.n_tokens
+            try:
+                orig_eval(tokens)
+            finally:
+                if self.logits_all and start <= self.scores_valid:
+                    self.scores_valid = llm.n_tokens
+
+    def completion(self, orig: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """The body of the hooked ``Llama._create_completion``: tells the generate call it
+        makes (on this thread) whether it reads the prompt's logits."""
+        try:
+            bound = _COMPLETION_PARAMS.bind_partial(None, *args, **kwargs).arguments
+            wants = bool(bound.get("echo")) and bound.get("logprobs") is not None
+        except TypeError:  # (a signature we do not know: let the generate call assume so)
+            wants = None
+        self._completion.prompt_logits = wants
+        try:
+            yield from orig(*args, **kwargs)
+        finally:
+            self._completion.prompt_logits = None
+
+
+_COMPLETION_PARAMS = inspect.signature(llama_cpp.Llama._create_completion)
 
 
 def _hooked_generate(cache: SharedPrefixCache, orig: Any) -> Callable[..., Iterator[int]]:
@@ -525,6 +647,21 @@ def _hooked_generate(cache: SharedPrefixCache, orig: Any) -> Callable[..., Itera
 
     generate.__doc__ = orig.__doc__
     return generate
+
+
+def _hooked_eval(cache: SharedPrefixCache, orig: Any) -> Callable[[Sequence[int]], None]:
+    def eval(tokens: Sequence[int]) -> None:
+        cache.eval(orig, tokens)
+
+    eval.__doc__ = orig.__doc__
+    return eval
+
+
+def _hooked_completion(cache: SharedPrefixCache, orig: Any) -> Callable[..., Iterator[Any]]:
+    def _create_completion(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        return cache.completion(orig, *args, **kwargs)
+
+    return _create_completion
 
 
 def attach(
@@ -546,6 +683,8 @@ def attach(
         llm, name=name, namespace=namespace, socket_path=socket_path, **kwargs
     )
     llm.generate = _hooked_generate(cache, llm.generate)  # type: ignore[method-assign,assignment]
+    llm.eval = _hooked_eval(cache, llm.eval)  # type: ignore[method-assign,assignment]
+    llm._create_completion = _hooked_completion(cache, llm._create_completion)  # type: ignore[method-assign]
     llm.shmkv = cache  # type: ignore[attr-defined]
     return cache
 
@@ -585,3 +724,9 @@ class SharedCacheLlama(llama_cpp.Llama):
         **kwargs: Any,
     ) -> Iterator[int]:
         return self.shmkv.generate(super().generate, tokens, reset=reset, **kwargs)
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        self.shmkv.eval(super().eval, tokens)
+
+    def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        return self.shmkv.completion(super()._create_completion, *args, **kwargs)

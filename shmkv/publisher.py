@@ -69,6 +69,10 @@ class Publisher:
             return False
         return True
 
+    def on_its_thread(self) -> bool:
+        """Whether the caller runs on this publisher's thread."""
+        return self._thread is threading.current_thread()
+
     def report_soon(self) -> None:
         """Send the ledger's counters from the thread (a queued publish sends them too)."""
         if not self.ledger.unreported():

@@ -104,7 +104,10 @@ class WorkerCounters:
     tokens_restored: int = counter("prompt tokens restored from the arena", reported=True)
     tokens_evaluated: int = counter("prompt tokens evaluated (prefilled)", reported=True)
     restore_failures: int = counter(
-        "restores that failed (lease lost, checksum, set_data refused)", reported=True
+        "restores that failed a check (corrupt record, model mismatch)", reported=True
+    )
+    states_refused: int = counter(
+        "cached states llama.cpp's set_data refused (counted as misses too)", reported=True
     )
     publishes: int = counter("states queued for the supervisor")
     publish_dropped: int = counter("states not published because the queue was full")
@@ -114,10 +117,24 @@ class WorkerCounters:
         "cached prefixes a sliding-window model could not use (cannot be cut back)"
     )
     checkpoints: int = counter("checkpoint states published mid-prefill")
+    captures_dropped: int = counter(
+        "states not captured because their call was closed late (an abandoned stream) while "
+        "the context was in use or had moved on"
+    )
     restore_seconds: float = seconds("seconds spent restoring states")
     errors: dict[str, int] = field(
         default_factory=dict,
         metadata={"kind": COUNTER, "help": "cache failures by kind", "reported": False},
+    )
+
+
+@dataclass
+class HttpCounters:
+    """What a gunicorn worker's acceptor did with connections (``/health``)."""
+
+    connections_accepted: int = counter("connections accepted")
+    idle_closed: int = counter(
+        "connections closed because they sent no request headers within --request-read-timeout"
     )
 
 

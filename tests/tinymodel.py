@@ -262,3 +262,33 @@ def write_tiny_gemma3(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     _finish(w, pieces, scores, types, tensors)
+
+
+def write_tiny_lora(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    rank: int = 4,
+    alpha: float = 8.0,
+) -> None:
+    """Write a random LoRA adapter (f32) for the attention Q and V of ``write_tiny_llama``."""
+    import gguf
+
+    rng = np.random.default_rng(1000 + seed)
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    for i in range(n_layer):
+        for name in ("attn_q", "attn_v"):
+            # (rows, cols): lora_a is (rank, n_in), lora_b is (n_out, rank)
+            a = rng.standard_normal((rank, n_embd)).astype(np.float32) / np.sqrt(n_embd)
+            b = rng.standard_normal((n_embd, rank)).astype(np.float32)
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_a", a)
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_b", b)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -16,6 +16,7 @@ Settings come from ``shmkv.config`` (``SHMKV_*`` variables, set by ``shmkv serve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import anyio
 import llama_cpp
 import llama_cpp.server.app as server_app
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +32,8 @@ from fastapi.responses import JSONResponse
 from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings, ServerSettings
-from shmkv_workers.worker import BusyGate
+from shmkv_workers.worker import ACCEPTOR, BusyGate
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.middleware import Middleware
 from starlette_context import context
 
@@ -244,6 +247,52 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+# ------------------------------------------------------------ streams
+async def _event_publisher(
+    request: Any,
+    inner_send_chan: Any,
+    body: Any,
+    body_model: str | None,
+    llama_call: Any,
+    kwargs: dict[str, Any],
+) -> None:
+    """llama-cpp-python's ``get_event_publisher``, except that the completion's iterator
+    is closed while this request still holds the model lock, on the threadpool, however
+    the stream ends (done, failed, client gone).
+
+    The original leaves an abandoned iterator to the garbage collector, which closes it
+    later on whatever thread it runs on: the generator's cleanup (shmkv's state capture)
+    would then touch the llama context while another request decodes on it.
+    """
+    server_settings = next(server_app.get_server_settings())
+    interrupt_requests = server_settings.interrupt_requests if server_settings else False
+    async with contextlib.asynccontextmanager(server_app.get_llama_proxy)() as llama_proxy:
+        llama = server_app.prepare_request_resources(body, llama_proxy, body_model, kwargs)
+        async with inner_send_chan:
+            iterator = None
+            try:
+                iterator = await run_in_threadpool(llama_call, llama, **kwargs)
+                async for chunk in iterate_in_threadpool(iterator):
+                    await inner_send_chan.send(dict(data=json.dumps(chunk)))
+                    if await request.is_disconnected():
+                        raise anyio.get_cancelled_exc_class()()
+                    if interrupt_requests and server_app.llama_outer_lock.locked():
+                        await inner_send_chan.send(dict(data="[DONE]"))
+                        raise anyio.get_cancelled_exc_class()()
+                await inner_send_chan.send(dict(data="[DONE]"))
+            except anyio.get_cancelled_exc_class():
+                log.info("stream to %s ended early (client gone)", request.client)
+                raise
+            finally:
+                close = getattr(iterator, "close", None)
+                if close is not None:
+                    with anyio.CancelScope(shield=True):
+                        try:
+                            await run_in_threadpool(close)
+                        except Exception as e:  # (a completion that failed as it closed)
+                            log.warning("closing a completion stream failed: %s", e)
+
+
 # ------------------------------------------------------------ client errors
 # llama-cpp-python's route handler answers 500 (and prints a traceback) to a body that
 # is not JSON or whose fields have the wrong types: client errors, so 422 here.
@@ -335,6 +384,7 @@ def create_app(settings: Settings | None = None):
         host=settings.host, port=settings.port, api_key=settings.api_key, interrupt_requests=False
     )
     LlamaProxy.load_llama_from_model_settings = staticmethod(make_loader(settings))  # type: ignore[method-assign]
+    server_app.get_event_publisher = _event_publisher  # (the routes look it up per request)
     _client_errors_are_4xx()
     app = server_app.create_app(server_settings=server_settings, model_settings=model_settings)
 
@@ -355,6 +405,7 @@ def create_app(settings: Settings | None = None):
                 {"connected": c.reader.connected, "namespace": c.namespace, **numbers(c.totals)}
                 for c in caches
             ],
+            "http": numbers(ACCEPTOR.counters),
         }
 
     return app

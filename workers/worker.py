@@ -4,17 +4,23 @@ Runs inside each gunicorn worker. A worker has one llama.cpp context, so it
 serves one completion at a time; but a uvicorn worker keeps accepting
 connections while it computes, and the kernel hands a new connection to any
 worker waiting in accept, busy or not. Requests then queue behind a busy
-worker while others sit idle. Here a worker stops listening
-for new connections while it has a request in flight and starts again when
-it is done: new connections wait in the shared listen backlog for the first
-idle worker instead. Connections already accepted (keep-alive) still reach
-their worker.
+worker while others sit idle. Here a worker stops listening for new
+connections while it has a request in flight (its body received, the model
+at work) and starts again when it is done: new connections wait in the
+shared listen backlog for the first idle worker instead. Connections already
+accepted (keep-alive) still reach their worker.
+
+A connection that has sent no request yet (idle, or slow to send its headers or
+body) never stops a worker from accepting others; one that has not sent its
+request's headers ``--request-read-timeout`` seconds after it was accepted is
+closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 from typing import Any
 
@@ -22,28 +28,33 @@ from gunicorn.arbiter import Arbiter
 from uvicorn.server import Server
 from uvicorn_worker import UvicornWorker
 
+from shmkv.config import resolve
+from shmkv.stats import HttpCounters
+
 log = logging.getLogger("shmkv.worker")
 
 
 class IdleAcceptor:
-    """Accepts one connection at a time, and none while a request is in flight.
+    """Accepts connections while no request is in flight, one per readiness event.
 
     asyncio's own accept loop takes up to `backlog` queued connections at once, so
-    it is replaced on the listening sockets by a reader that takes one, then waits
-    until this worker is idle again (or, if that connection sends no request, a
-    short grace period).
+    it is replaced on the listening sockets by a reader that takes one at a time
+    and is switched off while this worker has a request in flight.
     """
-
-    GRACE = 0.2
 
     def __init__(self) -> None:
         self.busy = 0
         self.listening: list[tuple[Any, Any, Any]] = []  # (loop, socket, protocol factory)
         self.active = False
+        #: seconds a connection may take to send its first request's headers
+        self.read_timeout = 10.0
+        self.counters = HttpCounters()
         self._timer: asyncio.TimerHandle | None = None
+        self._no_cycle_logged = False
 
-    def attach(self, servers: list[Any]) -> None:
+    def attach(self, servers: list[Any], read_timeout: float) -> None:
         """Take over accepting from uvicorn's asyncio servers (best effort)."""
+        self.read_timeout = read_timeout
         try:
             for srv in servers:  # asyncio.base_events.Server: its raw listening sockets
                 for sock in srv._sockets:
@@ -51,7 +62,7 @@ class IdleAcceptor:
             for loop, sock, _ in self.listening:
                 loop.remove_reader(sock.fileno())
             self.active = True
-            self._listen(True)
+            self._listen(self.busy == 0)
         except Exception:  # an event loop without these internals: accept as usual
             log.warning("cannot take over accepting; every worker accepts", exc_info=True)
             self.listening = []
@@ -75,16 +86,44 @@ class IdleAcceptor:
             log.warning("accept failed: %s", e)
             self._pause(1.0)
             return
+        self.counters.connections_accepted += 1
         conn.setblocking(False)
-        loop.create_task(loop.connect_accepted_socket(factory, conn))
-        self._pause(self.GRACE)  # until its request is done, or the grace period
+        made: list[Any] = []
 
-    def _pause(self, grace: float) -> None:
+        def protocol() -> Any:
+            made.append(factory())
+            return made[-1]
+
+        loop.create_task(loop.connect_accepted_socket(protocol, conn))
+        # no pause here: the worker keeps accepting until a request has arrived
+        loop.call_later(self.read_timeout, self._expire, made, conn)
+
+    def _expire(self, made: list[Any], conn: socket.socket) -> None:
+        """``read_timeout`` after the accept: close the connection if no request started."""
+        if not made:  # never got its protocol: the connection went away early
+            if conn.fileno() >= 0:
+                conn.close()
+            return
+        proto = made[0]
+        transport = getattr(proto, "transport", None)
+        if transport is None or transport.is_closing():
+            return
+        if not hasattr(proto, "cycle"):  # not uvicorn's h11/httptools protocol
+            if not self._no_cycle_logged:
+                self._no_cycle_logged = True
+                log.warning("cannot tell idle connections apart: none is timed out")
+            return
+        if proto.cycle is None:  # uvicorn has not parsed a request's headers on it
+            self.counters.idle_closed += 1
+            log.debug("closing a connection that sent no request in %.1f s", self.read_timeout)
+            transport.close()
+
+    def _pause(self, seconds: float) -> None:
         self._listen(False)
         if self._timer is not None:
             self._timer.cancel()
         loop = self.listening[0][0]
-        self._timer = loop.call_later(grace, self._maybe_resume)
+        self._timer = loop.call_later(seconds, self._maybe_resume)
 
     def _maybe_resume(self) -> None:
         self._timer = None
@@ -92,10 +131,13 @@ class IdleAcceptor:
             self._listen(True)
 
     def enter(self) -> None:
+        """A request arrived (its body is in): stop accepting until it is done."""
         self.busy += 1
-        if self._timer is not None:  # the request arrived: now wait for it to finish
-            self._timer.cancel()
-            self._timer = None
+        if self.busy == 1 and self.active:
+            try:
+                self._listen(False)
+            except (OSError, ValueError, RuntimeError) as e:  # loop or socket going away
+                log.debug("not pausing accept: %s", e)
 
     def leave(self) -> None:
         self.busy -= 1
@@ -118,7 +160,11 @@ ACCEPTOR = IdleAcceptor()
 
 
 class BusyGate:
-    """ASGI middleware: counts this worker's requests in flight for :data:`ACCEPTOR`."""
+    """ASGI middleware: counts this worker's requests in flight for :data:`ACCEPTOR`.
+
+    A completion is in flight from the moment its whole body has arrived: a client
+    that sends its body slowly does not keep the worker from accepting others.
+    """
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -127,11 +173,22 @@ class BusyGate:
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)  # health checks, model lists: quick
             return
-        ACCEPTOR.enter()
+        entered = False
+
+        async def receive_counted() -> dict:
+            nonlocal entered
+            message = await receive()
+            body_pending = message["type"] == "http.request" and message.get("more_body")
+            if not entered and not body_pending:
+                entered = True
+                ACCEPTOR.enter()
+            return message
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive_counted, send)
         finally:
-            ACCEPTOR.leave()
+            if entered:
+                ACCEPTOR.leave()
 
 
 class ShmkvWorker(UvicornWorker):
@@ -146,7 +203,7 @@ class ShmkvWorker(UvicornWorker):
         serving = asyncio.ensure_future(server.serve(sockets=self.sockets))
         while not server.started and not serving.done():
             await asyncio.sleep(0.01)
-        ACCEPTOR.attach(getattr(server, "servers", []))
+        ACCEPTOR.attach(getattr(server, "servers", []), resolve("serve").request_read_timeout)
         try:
             await serving
         finally:
