@@ -1,6 +1,7 @@
 """The supervisor's Unix socket: bind, stale-socket takeover, accept, peer credentials.
 
-Runs in the supervisor only. ``bind`` creates the socket's directory, takes
+Runs in the supervisor only. ``bind`` creates the socket's directory, refuses
+one that another user could write to (see :func:`check_socket_dir`), takes
 over a socket nobody answers on (a killed supervisor's), refuses to start over
 a live one, and binds under a temporary name renamed into place once
 listening, with mode 0600 (0660 and the group with ``--group``). ``accept``
@@ -17,7 +18,6 @@ import os
 import pwd
 import socket
 import stat
-import struct
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,13 +30,12 @@ from .errors import (
     PermissionDenied,
     ShmkvError,
     SupervisorBusy,
+    UnsafePathError,
     setup_error,
 )
-from .protocol import FrameBuffer, send_msg
+from .protocol import FrameBuffer, peer_credentials, send_msg
 
 log = logging.getLogger(__name__)
-
-_PEERCRED = struct.Struct("3i")
 
 
 @dataclass
@@ -56,6 +55,58 @@ class Conn:
     out_bytes: int = 0
     attached: bool = False
     closing: bool = False
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _unsafe(st: os.stat_result, leaf: bool) -> tuple[str, str] | None:
+    """Why a directory with this lstat may not hold our socket (``leaf``) or lead to it,
+    and the fix; None if it may."""
+    euid = os.geteuid()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        return kind, "remove it"
+    if st.st_uid not in (euid, 0):
+        return (
+            f"owned by {_owner(st.st_uid)}, not by us ({_owner(euid)}) or root",
+            "remove it (another user may have made it to catch our socket)",
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    # A sticky ancestor (/tmp) is fine: others may add entries to it but not rename ours.
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and (leaf or not mode & stat.S_ISVTX):
+        who = "other users" if mode & stat.S_IWOTH else "its group"
+        return f"writable by {who} (mode {mode:04o})", "make it writable by its owner only"
+    return None
+
+
+def check_socket_dir(directory: Path) -> Path:
+    """The real path of ``directory`` once it is safe to bind our socket in; else UnsafePathError.
+
+    As ssh's StrictModes: the directory and every directory above it must be owned
+    by us or root and writable by nobody else (an ancestor may be world-writable if
+    it is sticky, as /tmp is). Whoever can write to the directory can rename our
+    socket away and put a relay in its place that reads every put and answers every
+    lookup. A group-writable directory is refused too, even the ``--group`` group's:
+    the group needs to reach the socket, never to replace it.
+    """
+    real = Path(os.path.realpath(directory))
+    for d in (real, *real.parents):
+        found = _unsafe(os.lstat(d), leaf=d == real)
+        if found is None:
+            continue
+        problem, fix = found
+        where = f"socket directory {d}" if d == real else f"{d}, above socket directory {real},"
+        raise UnsafePathError(
+            f"{where} is {problem}: another user could put their own socket in place of "
+            f"ours. {fix.capitalize()}, or set --socket/SHMKV_SOCKET to a path in a "
+            f"directory only you (or root) can write, e.g. under $XDG_RUNTIME_DIR"
+        )
+    return real
 
 
 def _alive(pid: int) -> bool:
@@ -110,11 +161,17 @@ class Listener:
             probe.close()
 
     def _bind(self) -> socket.socket:
-        path = self.path
-        if not path.parent.exists():
-            path.parent.mkdir(parents=True, mode=0o750 if self.gid is not None else 0o700)
-            if self.gid is not None:
-                os.chown(path.parent, -1, self.gid)
+        created = False
+        if not self.path.parent.exists():
+            try:
+                self.path.parent.mkdir(parents=True, mode=0o750 if self.gid is not None else 0o700)
+                created = True
+            except FileExistsError:  # made by someone else meanwhile: checked below
+                pass
+        # from here on the path holds no symbolic link that someone could redirect
+        self.path = path = check_socket_dir(self.path.parent) / self.path.name
+        if created and self.gid is not None:
+            os.chown(path.parent, -1, self.gid)
         if path.exists() or path.is_symlink():
             self._take_over_stale()
         for p in path.parent.iterdir():  # temporary sockets of killed supervisors
@@ -160,9 +217,7 @@ class Listener:
             log.error("accept failed: %s", e)
             return None
         sock.setblocking(False)
-        pid, uid, gid = _PEERCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        )
+        pid, uid, gid = peer_credentials(sock)
         refusal: ShmkvError | None = None
         if not self.allowed(uid, gid):
             refusal = PermissionDenied(
