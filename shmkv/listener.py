@@ -258,9 +258,13 @@ class Listener:
             return False
 
     def close(self, remove: bool = True) -> None:
+        """Close the socket and (``remove``) unlink it; never raises."""
         if self.sock is None:
             return
         self.sock.close()
         self.sock = None
         if remove:
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as e:
+                log.warning("could not remove %s: %s", self.path, e)

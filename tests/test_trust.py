@@ -383,3 +383,89 @@ def test_client_trusts_the_supervisor_uid_it_is_given(
             assert json.loads(res.stdout)["pid"] == sup.proc.pid
     finally:
         assert sup.stop() == 0, sup.log()
+
+
+# ----------------------------------------------------------- files in /dev/shm
+def _plant(evil: pwd.struct_passwd, code: str, *args: str) -> None:
+    res = run_as(evil, code, *args)
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("which", ["lock", "arena"])
+def test_symlink_planted_for_lock_or_arena_is_never_followed(
+    tmp_path: Path, public_dir: Path, evil: pwd.struct_passwd, which: str
+) -> None:
+    """A symlink at the lock file's name made the supervisor (root) write its pid into the
+    file of the attacker's choosing."""
+    name = f"t{uuid.uuid4().hex[:10]}"
+    theirs = owned_dir(public_dir, evil)
+    target = theirs / "precious"
+    link = SHM / f"shmkv-{name}{'.lock' if which == 'lock' else ''}"
+    _plant(
+        evil,
+        "import os, sys; open(sys.argv[1], 'w').write('precious\\n'); os.symlink(*sys.argv[1:])",
+        str(target),
+        str(link),
+    )
+    try:
+        sup = start_supervisor(tmp_path, "--size", "16M", name=name, wait=False)
+        assert wait_exit(sup, Path(sup.socket)) == EXIT_UNTRUSTED
+        error_line(sup, str(link), "symbolic link", "sudo rm")
+        assert target.read_text() == "precious\n"
+        assert link.is_symlink()  # another user's: not ours to remove either
+        assert not [p for p in SHM.glob(f"shmkv-{name}*") if p != link]
+    finally:
+        link.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("which", ["lock", "arena"])
+@pytest.mark.parametrize("runs_as", ["root", "user"])
+def test_lock_or_arena_file_of_another_user_is_one_line_and_exit_code(
+    tmp_path: Path,
+    public_dir: Path,
+    evil: pwd.struct_passwd,
+    victim: pwd.struct_passwd,
+    which: str,
+    runs_as: str,
+) -> None:
+    """A lock or arena file another user made first stopped the supervisor with a
+    traceback (or, as root, was taken over)."""
+    name = f"t{uuid.uuid4().hex[:10]}"
+    planted = SHM / f"shmkv-{name}{'.lock' if which == 'lock' else ''}"
+    _plant(evil, "import sys; open(sys.argv[1], 'w').write('mine\\n')", str(planted))
+    user = victim if runs_as == "user" else None
+    sock = owned_dir(public_dir, victim, 0o700) / "s.sock" if user else tmp_path / "s.sock"
+    try:
+        sup = start_supervisor(
+            tmp_path,
+            "--size",
+            "16M",
+            name=name,
+            env_extra={"SHMKV_SOCKET": str(sock)},
+            wait=False,
+            user=user,
+        )
+        assert wait_exit(sup, sock) == EXIT_UNTRUSTED
+        error_line(sup, str(planted), f"owned by uid {evil.pw_uid} ({EVIL})", "sudo rm")
+        assert planted.read_text() == "mine\n" and planted.stat().st_uid == evil.pw_uid
+        assert not [p for p in SHM.glob(f"shmkv-{name}*") if p != planted]
+    finally:
+        planted.unlink(missing_ok=True)
+
+
+def test_cleanup_never_raises_when_its_files_were_replaced(tmp_path: Path) -> None:
+    """cleanup() raised when the arena or lock name no longer held the supervisor's file;
+    it must log, leave what is there now alone, and exit 0."""
+    sup = start_supervisor(tmp_path, "--size", "16M")
+    lock = Path(f"{sup.arena}.lock")
+    try:
+        for p in (sup.arena, lock):
+            p.unlink()
+            p.mkdir()  # someone else's now (here: root's directory)
+        assert sup.stop() == 0, sup.log()
+        assert "Traceback" not in sup.log(), sup.log()
+        assert sup.arena.is_dir() and lock.is_dir()
+    finally:
+        for p in (sup.arena, lock):
+            if p.is_dir():
+                p.rmdir()
