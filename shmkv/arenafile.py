@@ -11,7 +11,9 @@ are written through :class:`~shmkv.arena.ArenaWriter`.
 /dev/shm is shared with every user: no name there is followed if it is a
 symbolic link (``O_NOFOLLOW``, ``O_EXCL``), and a lock or arena file that is not
 a regular file of ours stops the start with :class:`UnsafePathError`. The
-lock file is always 0600, so that nobody else can hold it.
+arena file is writable by our uid only (0600, or 0640 with ``--group``):
+workers get a read-only descriptor over the socket and need no permission on
+the file; the lock file is always 0600, so that nobody else can hold it.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ class ArenaFile:
         self.path = arena_path(settings)
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self.gid = gid
-        self.file_mode = 0o660 if gid is not None else 0o600
+        #: never writable by the group: readers get a read-only descriptor over the socket
+        self.file_mode = 0o640 if gid is not None else 0o600
         self.lock_fd = -1
         #: the descriptor handed to every worker: it cannot be mapped writable
         self.ro_fd = -1

@@ -409,21 +409,22 @@ def _test_group() -> grp.struct_group:
     return grp.getgrnam("shmkvtest")
 
 
-def test_group_makes_files_0660(make_supervisor, tmp_path: Path) -> None:
+def test_group_makes_socket_0660_and_arena_0640(make_supervisor, tmp_path: Path) -> None:
     group = _test_group()
     sock = tmp_path / "gsub" / "s.sock"
     sup = make_supervisor(
         "--size", "16M", "--group", group.gr_name, env_extra={"SHMKV_SOCKET": str(sock)}, wait=False
     )
     wait_for_socket(str(sock), sup.proc)
-    for p in (sup.arena, sock):
+    for p, mode in ((sock, 0o660), (sup.arena, 0o640)):  # the group never writes the arena
         st = os.stat(p)
-        assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == group.gr_gid, p
+        assert stat.S_IMODE(st.st_mode) == mode and st.st_gid == group.gr_gid, p
+    assert _mode(str(sup.arena) + ".lock") == 0o600
     st = os.stat(sock.parent)
     assert stat.S_IMODE(st.st_mode) == 0o750 and st.st_gid == group.gr_gid
     # a numeric gid works too
     sup2 = make_supervisor("--size", "16M", "--group", str(group.gr_gid))
-    assert _mode(sup2.arena) == 0o660 and os.stat(sup2.arena).st_gid == group.gr_gid
+    assert _mode(sup2.arena) == 0o640 and os.stat(sup2.arena).st_gid == group.gr_gid
 
 
 # --------------------------------------------------------------------- settings

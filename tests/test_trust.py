@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    PUT_AND_READ,
     SHM,
     SYSTEM,
     Sup,
@@ -383,6 +384,43 @@ def test_client_trusts_the_supervisor_uid_it_is_given(
             assert json.loads(res.stdout)["pid"] == sup.proc.pid
     finally:
         assert sup.stop() == 0, sup.log()
+
+
+# --------------------------------------------------------- the arena file's mode
+def test_group_member_cannot_open_the_arena_for_writing(
+    make_supervisor, public_dir: Path, member: pwd.struct_passwd
+) -> None:
+    """With --group the arena was 0660: a member opened it O_RDWR, scribbled on the index
+    and truncated it."""
+    sock = public_dir / "s.sock"
+    sup = make_supervisor(
+        "--size", "16M", "--group", GROUP, env_extra={"SHMKV_SOCKET": str(sock)}, wait=False
+    )
+    wait_for_socket(str(sock), sup.proc)
+    probe = r"""
+import json, os, sys
+out = {}
+for name, flags in (("rdwr", os.O_RDWR), ("wronly", os.O_WRONLY), ("rdonly", os.O_RDONLY)):
+    for path in sys.argv[1:]:
+        try:
+            os.close(os.open(path, flags))
+            out[name + ":" + path] = "ok"
+        except OSError as e:
+            out[name + ":" + path] = e.strerror
+print(json.dumps(out))
+"""
+    lock = f"{sup.arena}.lock"
+    out = last_json(run_as(member, probe, str(sup.arena), lock))
+    assert out[f"rdwr:{sup.arena}"] == "Permission denied", out
+    assert out[f"wronly:{sup.arena}"] == "Permission denied", out
+    assert out[f"rdonly:{sup.arena}"] == "ok", out  # reading is what the group may do anyway
+    assert all(out[f"{m}:{lock}"] == "Permission denied" for m in ("rdwr", "rdonly")), out
+    st = os.stat(sup.arena)
+    assert st.st_mode & 0o777 == 0o640 and st.st_uid == os.geteuid()
+    assert os.stat(lock).st_mode & 0o777 == 0o600
+    # the member still reads and writes through the supervisor
+    res = run_as(member, PUT_AND_READ, str(sock))
+    assert last_json(res)["put"] is True
 
 
 # ----------------------------------------------------------- files in /dev/shm
