@@ -47,6 +47,8 @@ class Conn:
     pid: int
     uid: int
     gid: int
+    #: the peer's parent pid when it connected (None: not visible in /proc)
+    ppid: int | None = None
     frames: FrameBuffer = field(default_factory=FrameBuffer)
     #: descriptors received (SCM_RIGHTS) and not yet taken by a put
     fds: list[int] = field(default_factory=list)
@@ -55,6 +57,17 @@ class Conn:
     out_bytes: int = 0
     attached: bool = False
     closing: bool = False
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid`` (/proc/PID/stat), or None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        return int(data[data.rindex(b")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _owner(uid: int) -> str:
@@ -240,7 +253,7 @@ class Listener:
                 pass
             sock.close()
             return None
-        conn = Conn(sock, self._next_id, pid, uid, gid)
+        conn = Conn(sock, self._next_id, pid, uid, gid, ppid=parent_pid(pid))
         self._next_id += 1
         return conn
 

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import (
     PUT_AND_READ,
@@ -507,3 +508,104 @@ def test_cleanup_never_raises_when_its_files_were_replaced(tmp_path: Path) -> No
         for p in (sup.arena, lock):
             if p.is_dir():
                 p.rmdir()
+
+
+# --------------------------------------------------------------- admin ops
+ADMIN_OPS = r"""
+import json, sys
+from shmkv import Client
+from shmkv.errors import ShmkvError
+sock, key, pid = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
+out = {}
+with Client(socket_path=sock, timeout=5) as c:
+    for name, call in (
+        ("clear", lambda: c.clear()),
+        ("pin", lambda: c.pin(key, True)),
+        ("unpin", lambda: c.pin(key, False)),
+        ("worker_exit", lambda: c.worker_exit(pid)),
+        ("stats", lambda: c.stats()["entries"]),
+    ):
+        try:
+            out[name] = ["ok", call()]
+        except ShmkvError as e:
+            out[name] = [e.code, str(e)]
+print(json.dumps(out))
+"""
+
+
+def test_group_member_may_read_and_publish_but_not_administer(
+    make_supervisor, public_dir: Path, member: pwd.struct_passwd
+) -> None:
+    """clear, pin, unpin and worker_exit worked for any connected peer of the group."""
+    sock = public_dir / "s.sock"
+    sup = make_supervisor(
+        "--size", "16M", "--group", GROUP, env_extra={"SHMKV_SOCKET": str(sock)}, wait=False
+    )
+    wait_for_socket(str(sock), sup.proc)
+    with sup.client() as c:  # the owner's entry, and a connection of ours to close
+        chunk = c.view.geometry.chunk_tokens
+        key = c.put_bytes(b"\x01" * 16, np.arange(chunk, dtype=np.int32), b"fp", b"o" * 4000)["key"]
+        assert last_json(run_as(member, PUT_AND_READ, str(sock)))["put"] is True
+        out = last_json(run_as(member, ADMIN_OPS, str(sock), key.hex(), str(os.getpid())))
+        for op in ("clear", "pin", "unpin", "worker_exit"):
+            code, message = out[op]
+            assert code == "permission", out
+            assert f"not uid {member.pw_uid}" in message and "--group member" in message
+        assert out["stats"] == ["ok", 2]
+        st = c.stats()  # our connection is still open, nothing was cleared or pinned
+        assert st["entries"] == 2 and st["pinned"] == 0 and st["ops_denied"] == 4
+    res = shmkv("clear", "--socket", str(sock), env=clean_env(), user=member)
+    assert res.returncode == 6
+    assert_one_error_line(res, "'clear'", f"uid {member.pw_uid}")
+    with sup.client(attach=False) as c:  # the owner may
+        assert c.pin(key) == 1 and c.clear() == 2
+
+
+HOLD = r"""
+import sys
+from shmkv import Client
+c = Client(socket_path=sys.argv[1], timeout=5)
+c.ensure()
+print("attached", flush=True)
+sys.stdin.readline()
+"""
+
+REPORT_EXIT = r"""
+import json, sys
+from shmkv import Client
+from shmkv.errors import ShmkvError
+try:
+    with Client(socket_path=sys.argv[1], attach=False, timeout=5) as c:
+        print(json.dumps(["ok", c.worker_exit(int(sys.argv[2]))]))
+except ShmkvError as e:
+    print(json.dumps([e.code, str(e)]))
+"""
+
+
+def test_worker_exit_only_from_the_workers_parent(supervisor: Sup) -> None:
+    """Any peer could say that any pid exited, and so close that worker's connections."""
+    worker = subprocess.Popen(
+        [sys.executable, "-c", HOLD, supervisor.socket],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None and worker.stdout.readline().strip() == "attached"
+        res = subprocess.run(
+            [sys.executable, "-c", REPORT_EXIT, supervisor.socket, str(worker.pid)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        code, message = last_json(res)  # a sibling, of the same uid
+        assert code == "permission", message
+        assert f"not the parent of pid {worker.pid}" in message
+        st = supervisor.stats()
+        assert st["workers_attached"] == 1 and st["ops_denied"] == 1
+        with supervisor.client(attach=False) as c:  # its parent: us
+            assert c.worker_exit(worker.pid) == 0
+            wait_until(lambda: c.stats()["workers_attached"] == 0, 5, "the worker's close")
+    finally:
+        worker.kill()
+        worker.wait(10)
