@@ -212,8 +212,9 @@ class ArenaFile:
         ro = -1
         try:
             if self.gid is not None:
-                os.fchown(fd, -1, self.gid)
-                os.fchmod(fd, self.file_mode)
+                if os.fstat(fd).st_gid != self.gid:  # (no chown for our own group)
+                    os.fchown(fd, -1, self.gid)
+                os.fchmod(fd, self.file_mode)  # our umask may have masked the group's read
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:

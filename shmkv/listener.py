@@ -183,7 +183,7 @@ class Listener:
                 pass
         # from here on the path holds no symbolic link that someone could redirect
         self.path = path = check_socket_dir(self.path.parent) / self.path.name
-        if created and self.gid is not None:
+        if created and self.gid is not None and os.stat(path.parent).st_gid != self.gid:
             os.chown(path.parent, -1, self.gid)
         if path.exists() or path.is_symlink():
             self._take_over_stale()
@@ -203,7 +203,7 @@ class Listener:
         try:
             sock.bind(str(tmp))
             bound = True
-            if self.gid is not None:
+            if self.gid is not None and os.stat(tmp).st_gid != self.gid:
                 os.chown(tmp, -1, self.gid)
             os.chmod(tmp, self.file_mode)
             sock.listen(128)
