@@ -184,7 +184,7 @@ def test_env_vars_are_honoured(make_supervisor, tmp_path: Path) -> None:
         env_extra={"SHMKV_SOCKET": sock, "SHMKV_SIZE": "24M", "SHMKV_CHUNK_TOKENS": "32"},
         wait=False,
     )
-    assert sup.socket != sock  # the fixture's own socket was overridden by the env
+    assert sup.socket == sock  # the env's, not the fixture's default
     wait_serving(sup, sock)
     assert (SHM / f"shmkv-{name}").exists()
     st = json.loads(
