@@ -120,9 +120,8 @@ def wait_exit(sup: Sup, bound: Path | None = None, timeout: float = 30) -> int:
         )
         assert sup.proc.poll() is not None, f"the supervisor serves on {bound}:\n{sup.log()}"
     finally:
-        if sup.proc.poll() is None:
-            sup.proc.kill()
-            sup.proc.wait(10)
+        if sup.proc.poll() is None:  # (stopped cleanly: it removes its files)
+            sup.stop()
     return sup.proc.returncode
 
 
