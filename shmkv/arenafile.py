@@ -7,6 +7,13 @@ check and reserve the arena's space with ``posix_fallocate`` (a full tmpfs
 fails here, never with SIGBUS later), write the header, publish the file by
 rename, and open the read-only descriptor every worker is handed. The bytes
 are written through :class:`~shmkv.arena.ArenaWriter`.
+
+/dev/shm is shared with every user: no name there is followed if it is a
+symbolic link (``O_NOFOLLOW``, ``O_EXCL``), and a lock or arena file that is not
+a regular file of ours stops the start with :class:`UnsafePathError`. The
+arena file is writable by our uid only (0600, or 0640 with ``--group``):
+workers get a read-only descriptor over the socket and need no permission on
+the file; the lock file is always 0600, so that nobody else can hold it.
 """
 
 from __future__ import annotations
@@ -17,13 +24,15 @@ import fcntl
 import logging
 import mmap
 import os
+import pwd
 import re
+import stat
 import time
 from pathlib import Path
 
 from .arena import STATE_CLOSED, ArenaWriter, Geometry
 from .config import Settings, format_size
-from .errors import ArenaExistsError, ConfigError, ShmSpaceError, setup_error
+from .errors import ArenaExistsError, ConfigError, ShmSpaceError, UnsafePathError, setup_error
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +40,53 @@ log = logging.getLogger(__name__)
 def arena_path(settings: Settings) -> Path:
     """Where the arena of ``settings.name`` lives: ``--dir``/shmkv-NAME."""
     return Path(settings.dir) / f"shmkv-{settings.name}"
+
+
+def check_ours(path: Path, st: os.stat_result, what: str) -> None:
+    """UnsafePathError unless ``st`` (an lstat or fstat of ``path``) is a plain file of ours.
+
+    A symbolic link would make us write where its owner chose; another user's file
+    may be a trap, and is theirs to remove; a second hard link would make us write
+    to whatever file shares the inode.
+    """
+    euid = os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        problem = "a symbolic link"
+    elif not stat.S_ISREG(st.st_mode):
+        problem = "not a regular file"
+    elif st.st_uid != euid:
+        try:
+            who = f"uid {st.st_uid} ({pwd.getpwuid(st.st_uid).pw_name})"
+        except KeyError:
+            who = f"uid {st.st_uid}"
+        problem = f"owned by {who}, not by us (uid {euid})"
+    elif st.st_nlink != 1:
+        problem = f"a file with {st.st_nlink} hard links"
+    else:
+        return
+    raise UnsafePathError(
+        f"{what} {path} is {problem}: it was not made by a shmkv supervisor of this user, "
+        f"and shmkv will not use it. Remove it (`sudo rm {path}`), or pick another "
+        f"--name/SHMKV_NAME or --dir/SHMKV_DIR"
+    )
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` (not followed) still names the file open as ``fd``."""
+    try:
+        a, b = os.lstat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _unlink_if(path: Path, fd: int) -> None:
+    """Unlink ``path`` if it still names our file ``fd``; log, never raise."""
+    try:
+        if _same_file(path, fd):
+            path.unlink()
+    except OSError as e:
+        log.warning("could not remove %s: %s", path, e)
 
 
 class ArenaFile:
@@ -41,7 +97,8 @@ class ArenaFile:
         self.path = arena_path(settings)
         self.lock_path = self.path.with_name(self.path.name + ".lock")
         self.gid = gid
-        self.file_mode = 0o660 if gid is not None else 0o600
+        #: never writable by the group: readers get a read-only descriptor over the socket
+        self.file_mode = 0o640 if gid is not None else 0o600
         self.lock_fd = -1
         #: the descriptor handed to every worker: it cannot be mapped writable
         self.ro_fd = -1
@@ -58,10 +115,33 @@ class ArenaFile:
         except OSError as e:
             raise setup_error(e, self.lock_path, "--dir") from None
 
+    def _open_lock(self) -> int:
+        """Create the lock file, or open an existing one if it is a plain file of ours."""
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+        while True:
+            try:
+                return os.open(self.lock_path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                pass
+            try:  # the lstat first: never open another user's FIFO or device
+                check_ours(self.lock_path, os.lstat(self.lock_path), "lock file")
+                fd = os.open(self.lock_path, flags)
+            except FileNotFoundError:
+                continue  # removed meanwhile: create it
+            try:
+                st = os.fstat(fd)
+                check_ours(self.lock_path, st, "lock file")
+                if stat.S_IMODE(st.st_mode) != 0o600:  # (older versions shared it with --group)
+                    os.fchmod(fd, 0o600)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+
     def _take_lock(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.file_mode)
+            fd = self._open_lock()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -95,6 +175,10 @@ class ArenaFile:
         tmp = re.compile(rf"{re.escape(self.path.name)}\.\d+\.tmp")
         for p in self.path.parent.iterdir():
             if p == self.path or tmp.fullmatch(p.name):
+                try:
+                    check_ours(p, os.lstat(p), "arena file")
+                except FileNotFoundError:
+                    continue
                 p.unlink(missing_ok=True)
                 log.info("removed %s, left by a supervisor that did not stop cleanly", p)
 
@@ -122,11 +206,15 @@ class ArenaFile:
             raise ConfigError(str(e)) from None
         geom = dataclasses.replace(geom, created=time.time())
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.file_mode)
+        fd = os.open(
+            tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, self.file_mode
+        )
+        ro = -1
         try:
             if self.gid is not None:
-                os.fchown(fd, -1, self.gid)
-                os.fchmod(fd, self.file_mode)
+                if os.fstat(fd).st_gid != self.gid:  # (no chown for our own group)
+                    os.fchown(fd, -1, self.gid)
+                os.fchmod(fd, self.file_mode)  # our umask may have masked the group's read
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
@@ -146,13 +234,19 @@ class ArenaFile:
             )
             ArenaWriter(self.mm, geom).format()
             self.geometry = geom
+            # the workers' read-only descriptor, opened before the name is published
+            ro = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            if not _same_file(tmp, fd) or not _same_file(tmp, ro):
+                raise UnsafePathError(f"{tmp} was replaced while being created: check --dir")
             os.rename(tmp, self.path)
         except BaseException:
+            if ro >= 0:
+                os.close(ro)
+            _unlink_if(tmp, fd)
             os.close(fd)
-            tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
-        self.ro_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        self.ro_fd = ro
         log.info(
             "arena %s: %s, %d index slots, data %s, chunk %d tokens",
             self.path,
@@ -187,9 +281,10 @@ class ArenaFile:
 
     # ----------------------------------------------------------------- cleanup
     def close(self, remove: bool = True) -> None:
-        """Mark the arena closed for its readers, unmap it, release the name.
+        """Mark the arena closed for its readers, unmap it, release the name; never raises.
 
-        ``remove``: also unlink the arena and lock files (not with ``--keep``).
+        ``remove``: also unlink the arena and lock files (not with ``--keep``), each
+        only if its name still holds our file.
         """
         if self.mm is not None:
             try:
@@ -202,13 +297,13 @@ class ArenaFile:
             except BufferError:
                 pass
             self.mm = None
-            if remove:
-                self.path.unlink(missing_ok=True)
         if self.ro_fd >= 0:
+            if remove:
+                _unlink_if(self.path, self.ro_fd)
             os.close(self.ro_fd)
             self.ro_fd = -1
         if self.lock_fd >= 0:
             if remove:
-                self.lock_path.unlink(missing_ok=True)
+                _unlink_if(self.lock_path, self.lock_fd)
             os.close(self.lock_fd)
             self.lock_fd = -1

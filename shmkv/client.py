@@ -5,7 +5,9 @@ A :class:`Client` is thread-safe (one lock around each request) and fork-safe
 touching the parent's socket). When the supervisor is unreachable it raises
 :class:`SupervisorUnavailable` at once and waits a short, growing back-off
 before trying again, so a dead supervisor costs a worker a cache miss, not a
-hang.
+hang. Before it sends anything, it checks who listens on the socket
+(SO_PEERCRED): a process of another uid than ours, root's or
+``--supervisor-uid`` is not trusted (:class:`UntrustedSupervisor`).
 
 Reading a blob (see ``store.py`` for why it is safe)::
 
@@ -42,9 +44,10 @@ from .errors import (
     ProtocolError,
     ShmkvError,
     SupervisorUnavailable,
+    UntrustedSupervisor,
     from_wire,
 )
-from .protocol import recv_msg, send_msg
+from .protocol import peer_credentials, recv_msg, send_msg
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +309,7 @@ class Connection:
                     f"cannot connect to the shmkv supervisor at {self.socket_path}: "
                     f"{e.strerror or e}; is `shmkv supervise --name {self.name}` running?"
                 ) from None
+            self._check_supervisor(sock)
             self._sock = sock
             if not self.attach:
                 return
@@ -337,6 +341,25 @@ class Connection:
                 log.warning("shmkv cache unavailable, running without it: %s", e)
             self.last_error = _fresh(e)
             raise
+
+    def _check_supervisor(self, sock: socket.socket) -> None:
+        """Trust the socket's listener only if it runs as our uid, root or --supervisor-uid.
+
+        Anyone who can write to the socket's directory could have put their own socket
+        there, to read our puts and hand us state of their choosing.
+        """
+        pid, uid, _ = peer_credentials(sock)
+        mine, extra = os.geteuid(), self.settings.values.get("supervisor_uid")
+        if uid in (mine, 0, extra):
+            return
+        raise UntrustedSupervisor(
+            f"the process listening on {self.socket_path} (pid {pid}) runs as uid {uid}, "
+            f"not as us (uid {mine}), root or SHMKV_SUPERVISOR_UID "
+            f"({'unset' if extra is None else extra}): not trusted, running without the "
+            f"cache. If uid {uid} runs your supervisor, set SHMKV_SUPERVISOR_UID={uid} "
+            f"(--supervisor-uid); if not, another user took the socket's place: check "
+            f"`ls -ld {os.path.dirname(self.socket_path) or '.'}`"
+        )
 
     def _drop(self) -> None:
         if self._sock is not None:

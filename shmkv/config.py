@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import grp
 import os
+import pwd
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -124,6 +125,18 @@ def _log_level(text: str) -> str:
 
 def _optional_str(text: str | None) -> str | None:
     return None if text in (None, "") else str(text)
+
+
+def _optional_uid(text: str | int | None) -> int | None:
+    """A user name or uid (None: unset)."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, int) or str(text).isdigit():
+        return int(text)
+    try:
+        return pwd.getpwnam(str(text)).pw_uid
+    except KeyError:
+        raise ValueError(f"no such user {text!r} (see `getent passwd`)") from None
 
 
 def default_socket_path(name: str) -> str:
@@ -266,6 +279,15 @@ SETTINGS: dict[str, Setting] = {
             "Seconds a client waits for the supervisor before treating it as down.",
             frozenset({"client", "serve"}),
             "SECONDS",
+        ),
+        Setting(
+            "supervisor_uid",
+            _optional_uid,
+            None,
+            "Also trust a supervisor running as this user (name or uid); a client always "
+            "trusts its own uid and root, and treats any other as unavailable.",
+            frozenset({"client", "serve"}),
+            "USER",
         ),
         Setting(
             "namespace",

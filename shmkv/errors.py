@@ -23,6 +23,8 @@ EXIT_UNAVAILABLE = 5
 EXIT_PERMISSION = 6
 #: the supervisor's arena file was truncated under it: restart it with a fresh arena
 EXIT_ARENA_LOST = 7
+#: a file, directory or supervisor is not owned by whom it must be (another user's trap?)
+EXIT_UNTRUSTED = 8
 
 __all__ = [
     "ShmkvError",
@@ -35,6 +37,8 @@ __all__ = [
     "SupervisorUnavailable",
     "SupervisorBusy",
     "PermissionDenied",
+    "UnsafePathError",
+    "UntrustedSupervisor",
     "ProtocolError",
     "BadRequest",
     "ChecksumMismatch",
@@ -114,6 +118,20 @@ class PermissionDenied(ShmkvError):
 
     code = "permission"
     exit_code = EXIT_PERMISSION
+
+
+class UnsafePathError(PermissionDenied):
+    """A socket directory, lock or arena file that another user owns or could replace."""
+
+    code = "unsafe_path"
+    exit_code = EXIT_UNTRUSTED
+
+
+class UntrustedSupervisor(SupervisorUnavailable):
+    """The process on the socket runs as a uid the client does not trust (SO_PEERCRED)."""
+
+    code = "untrusted_supervisor"
+    exit_code = EXIT_UNTRUSTED
 
 
 class ProtocolError(ShmkvError):

@@ -1,6 +1,7 @@
 """The supervisor's Unix socket: bind, stale-socket takeover, accept, peer credentials.
 
-Runs in the supervisor only. ``bind`` creates the socket's directory, takes
+Runs in the supervisor only. ``bind`` creates the socket's directory, refuses
+one that another user could write to (see :func:`check_socket_dir`), takes
 over a socket nobody answers on (a killed supervisor's), refuses to start over
 a live one, and binds under a temporary name renamed into place once
 listening, with mode 0600 (0660 and the group with ``--group``). ``accept``
@@ -17,7 +18,6 @@ import os
 import pwd
 import socket
 import stat
-import struct
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,13 +30,12 @@ from .errors import (
     PermissionDenied,
     ShmkvError,
     SupervisorBusy,
+    UnsafePathError,
     setup_error,
 )
-from .protocol import FrameBuffer, send_msg
+from .protocol import FrameBuffer, peer_credentials, send_msg
 
 log = logging.getLogger(__name__)
-
-_PEERCRED = struct.Struct("3i")
 
 
 @dataclass
@@ -48,6 +47,8 @@ class Conn:
     pid: int
     uid: int
     gid: int
+    #: the peer's parent pid when it connected (None: not visible in /proc)
+    ppid: int | None = None
     frames: FrameBuffer = field(default_factory=FrameBuffer)
     #: descriptors received (SCM_RIGHTS) and not yet taken by a put
     fds: list[int] = field(default_factory=list)
@@ -56,6 +57,69 @@ class Conn:
     out_bytes: int = 0
     attached: bool = False
     closing: bool = False
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid`` (/proc/PID/stat), or None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        return int(data[data.rindex(b")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _unsafe(st: os.stat_result, leaf: bool) -> tuple[str, str] | None:
+    """Why a directory with this lstat may not hold our socket (``leaf``) or lead to it,
+    and the fix; None if it may."""
+    euid = os.geteuid()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        return kind, "remove it"
+    if st.st_uid not in (euid, 0):
+        return (
+            f"owned by {_owner(st.st_uid)}, not by us ({_owner(euid)}) or root",
+            "remove it (another user may have made it to catch our socket)",
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    # A sticky ancestor (/tmp) is fine: others may add entries to it but not rename ours.
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and (leaf or not mode & stat.S_ISVTX):
+        who = "other users" if mode & stat.S_IWOTH else "its group"
+        return f"writable by {who} (mode {mode:04o})", "make it writable by its owner only"
+    return None
+
+
+def check_socket_dir(directory: Path) -> Path:
+    """The real path of ``directory`` once it is safe to bind our socket in; else UnsafePathError.
+
+    As ssh's StrictModes: the directory and every directory above it must be owned
+    by us or root and writable by nobody else (an ancestor may be world-writable if
+    it is sticky, as /tmp is). Whoever can write to the directory can rename our
+    socket away and put a relay in its place that reads every put and answers every
+    lookup. A group-writable directory is refused too, even the ``--group`` group's:
+    the group needs to reach the socket, never to replace it.
+    """
+    real = Path(os.path.realpath(directory))
+    for d in (real, *real.parents):
+        found = _unsafe(os.lstat(d), leaf=d == real)
+        if found is None:
+            continue
+        problem, fix = found
+        where = f"socket directory {d}" if d == real else f"{d}, above socket directory {real},"
+        raise UnsafePathError(
+            f"{where} is {problem}: another user could put their own socket in place of "
+            f"ours. {fix.capitalize()}, or set --socket/SHMKV_SOCKET to a path in a "
+            f"directory only you (or root) can write, e.g. under $XDG_RUNTIME_DIR"
+        )
+    return real
 
 
 def _alive(pid: int) -> bool:
@@ -110,11 +174,17 @@ class Listener:
             probe.close()
 
     def _bind(self) -> socket.socket:
-        path = self.path
-        if not path.parent.exists():
-            path.parent.mkdir(parents=True, mode=0o750 if self.gid is not None else 0o700)
-            if self.gid is not None:
-                os.chown(path.parent, -1, self.gid)
+        created = False
+        if not self.path.parent.exists():
+            try:
+                self.path.parent.mkdir(parents=True, mode=0o750 if self.gid is not None else 0o700)
+                created = True
+            except FileExistsError:  # made by someone else meanwhile: checked below
+                pass
+        # from here on the path holds no symbolic link that someone could redirect
+        self.path = path = check_socket_dir(self.path.parent) / self.path.name
+        if created and self.gid is not None and os.stat(path.parent).st_gid != self.gid:
+            os.chown(path.parent, -1, self.gid)
         if path.exists() or path.is_symlink():
             self._take_over_stale()
         for p in path.parent.iterdir():  # temporary sockets of killed supervisors
@@ -133,7 +203,7 @@ class Listener:
         try:
             sock.bind(str(tmp))
             bound = True
-            if self.gid is not None:
+            if self.gid is not None and os.stat(tmp).st_gid != self.gid:
                 os.chown(tmp, -1, self.gid)
             os.chmod(tmp, self.file_mode)
             sock.listen(128)
@@ -160,9 +230,7 @@ class Listener:
             log.error("accept failed: %s", e)
             return None
         sock.setblocking(False)
-        pid, uid, gid = _PEERCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        )
+        pid, uid, gid = peer_credentials(sock)
         refusal: ShmkvError | None = None
         if not self.allowed(uid, gid):
             refusal = PermissionDenied(
@@ -185,7 +253,7 @@ class Listener:
                 pass
             sock.close()
             return None
-        conn = Conn(sock, self._next_id, pid, uid, gid)
+        conn = Conn(sock, self._next_id, pid, uid, gid, ppid=parent_pid(pid))
         self._next_id += 1
         return conn
 
@@ -203,9 +271,13 @@ class Listener:
             return False
 
     def close(self, remove: bool = True) -> None:
+        """Close the socket and (``remove``) unlink it; never raises."""
         if self.sock is None:
             return
         self.sock.close()
         self.sock = None
         if remove:
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as e:
+                log.warning("could not remove %s: %s", self.path, e)

@@ -32,7 +32,7 @@ from .arena import MAX_TOKENS, ArenaView, common_prefix
 from .arenafile import ArenaFile
 from .claims import GO, Claims, Waiter
 from .config import Settings
-from .errors import ArenaCorruptError, BadRequest
+from .errors import ArenaCorruptError, BadRequest, PermissionDenied
 from .listener import Conn
 from .protocol import (
     MAX_U64,
@@ -61,9 +61,20 @@ class Privilege(enum.Enum):
 
     #: any peer the listener accepted (our uid, or a member of ``--group``)
     ANY = "any"
+    #: our own uid or root: ops that drop, keep or close what other peers rely on
+    ADMIN = "admin"
 
     def permits(self, conn: Conn) -> bool:
-        return self is Privilege.ANY
+        return self is Privilege.ANY or conn.uid in (0, os.geteuid())
+
+    def refusal(self, name: str, conn: Conn) -> str:
+        """Why ``conn`` may not use op ``name``, and what to do instead."""
+        uid = os.geteuid()
+        return (
+            f"op {name!r} is for the supervisor's own user (uid {uid}) or root, not uid "
+            f"{conn.uid}: a --group member may attach, read and publish, not administer; "
+            f"run it as uid {uid}"
+        )
 
 
 @dataclass
@@ -202,29 +213,42 @@ def _set_pinned(ctx: Context, msg: dict[str, Any], pinned: bool) -> Reply:
     return {"count": len(entries)}, None
 
 
-@op("pin", attached=False, privilege=Privilege.ANY)
+@op("pin", attached=False, privilege=Privilege.ADMIN)
 def pin(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     return _set_pinned(ctx, msg, True)
 
 
-@op("unpin", attached=False, privilege=Privilege.ANY)
+@op("unpin", attached=False, privilege=Privilege.ADMIN)
 def unpin(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     return _set_pinned(ctx, msg, False)
 
 
-@op("clear", attached=False, privilege=Privilege.ANY)
+@op("clear", attached=False, privilege=Privilege.ADMIN)
 def clear(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     removed = ctx.store.clear()
     log.info("cleared %d entries at the request of pid %d", removed, conn.pid)
     return {"removed": removed}, None
 
 
-@op("worker_exit", attached=False, privilege=Privilege.ANY)
+@op("worker_exit", attached=False, privilege=Privilege.ADMIN)
 def worker_exit(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
-    """A worker process exited (gunicorn's master says so): drop its connections now."""
+    """A worker process exited (gunicorn's master says so): drop its connections now.
+
+    Only its parent may say so (or the process itself, of its other connections):
+    the parent of each peer is read from /proc when it connects, since by the time
+    the master reports the exit it has reaped the pid.
+    """
     pid = get_int(msg, "pid", 1, 1 << 31)
+    others = [c for c in ctx.conns.values() if c.pid == pid and c is not conn]
+    gone = [c for c in others if conn.pid in (c.pid, c.ppid)]
+    if others and not gone:
+        ctx.store.counters.ops_denied += 1
+        raise PermissionDenied(
+            f"pid {conn.pid} is not the parent of pid {pid}: only a worker's parent (its "
+            f"gunicorn master) may report that it exited"
+        )
     released = 0
-    for other in [c for c in ctx.conns.values() if c.pid == pid and c is not conn]:
+    for other in gone:
         released += ctx.store.release_owner(other.id)
         ctx.close(other, "worker exited (reported)")
     return {"released": released}, None

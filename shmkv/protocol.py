@@ -125,6 +125,17 @@ def recv_msg(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     return decode_body(_recv_exact(sock, n, fds)), fds
 
 
+_PEERCRED = struct.Struct("3i")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """The (pid, uid, gid) of the process at the other end, from the kernel (SO_PEERCRED)."""
+    pid, uid, gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    )
+    return pid, uid, gid
+
+
 # ------------------------------------------------------------------------ validation
 def _get(
     msg: dict[str, Any],

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .client import Client
 from .config import SETTINGS, Settings
-from .errors import ConfigError, ShmkvError, SupervisorUnavailable
+from .errors import ConfigError, ShmkvError, SupervisorUnavailable, UntrustedSupervisor
 from .models import default_model_path
 
 log = logging.getLogger(__name__)
@@ -44,10 +44,14 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
 
 def supervisor_running(settings: Settings) -> bool:
+    """Whether our supervisor answers on the socket; UntrustedSupervisor if another
+    user's process does (starting one of our own there would not help)."""
     try:
         with Client(settings=settings, populate=False, attach=False) as c:
             c.request({"op": "ping"})
         return True
+    except UntrustedSupervisor:
+        raise
     except ShmkvError:
         return False
 

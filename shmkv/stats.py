@@ -164,6 +164,10 @@ class ArenaCounters:
     revocations: int = counter("read leases revoked (held too long while space was needed)")
     stale_acquires: int = counter("lease requests for a state no longer stored")
     corrupt_removed: int = counter("stored states found corrupt and removed")
+    ops_denied: int = counter(
+        "requests refused for lack of privilege (admin ops from a --group member, "
+        "worker_exit from a process that is not the worker's parent)"
+    )
     bytes_put: int = counter("payload bytes stored")
 
 

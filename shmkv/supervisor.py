@@ -278,7 +278,8 @@ class Supervisor:
             if op.attached and not conn.attached:
                 raise BadRequest(f"op {name!r} before attach")
             if not op.privilege.permits(conn):
-                raise PermissionDenied(f"op {name!r} needs privilege {op.privilege.value!r}")
+                self.ctx.store.counters.ops_denied += 1
+                raise PermissionDenied(op.privilege.refusal(op.name, conn))
             self._check_arena()
             reply, fds = op.handler(self.ctx, conn, msg)
             if reply is None:  # answered later (a claim waiting on another worker)

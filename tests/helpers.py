@@ -8,14 +8,18 @@ conftest.py), never from one another; the chaos files also share chaos_harness.p
 from __future__ import annotations
 
 import array
+import grp
 import hashlib
 import json
 import os
+import pwd
+import re
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import sysconfig
 import time
 import uuid
 from collections.abc import Callable
@@ -64,6 +68,157 @@ def no_signal_deaths(*procs: subprocess.Popen | subprocess.CompletedProcess) -> 
     for p in procs:
         rc = p.returncode
         assert rc is not None and rc >= 0, f"pid {getattr(p, 'pid', '?')} died of signal {-rc}"
+
+
+# ------------------------------------------------------------ the CLI and other users
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment without any SHMKV_* or systemd variables, plus ``extra``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SHMKV_")
+        and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "RUNTIME_DIRECTORY")
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def shmkv(
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 30,
+    user: pwd.struct_passwd | None = None,
+) -> subprocess.CompletedProcess:
+    """Run the ``shmkv`` CLI (as ``user``, see :func:`as_user`) and capture its output."""
+    return subprocess.run(
+        [python_for(user), "-m", "shmkv.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **spawn_kw(user, env if env is not None else clean_env()),
+    )
+
+
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (DEBUG|INFO|WARNING) ")
+
+
+def assert_one_error_line(
+    res: subprocess.CompletedProcess, *needles: str, ignore_logs: bool = False
+) -> str:
+    """A CLI failure: non-zero exit, no traceback, exactly one 'shmkv: error:' line.
+
+    ``ignore_logs`` drops the supervisor's own log lines (a supervisor that got as far
+    as creating its arena logs that before failing).
+    """
+    assert res.returncode != 0, res
+    assert "Traceback" not in res.stderr + res.stdout
+    lines = res.stderr.strip().splitlines()
+    if ignore_logs:
+        lines = [ln for ln in lines if not _LOG_LINE.search(ln)]
+    assert len(lines) == 1, f"expected one line, got:\n{res.stderr}"
+    assert lines[0].startswith("shmkv: error:"), lines[0]
+    for n in needles:
+        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def _retry(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run a user/group tool; retry while another one holds /etc/passwd's lock."""
+    for _ in range(50):
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if "lock" not in res.stderr:
+            return res
+        time.sleep(0.1)
+    return res
+
+
+def make_group(name: str = "shmkv-test-grp") -> grp.struct_group:
+    """A real group made for the tests (root only); reused if it exists."""
+    try:
+        return grp.getgrnam(name)
+    except KeyError:
+        _retry(["groupadd", "-r", name])  # exit 9 (exists): made by a parallel run
+        return grp.getgrnam(name)
+
+
+def make_user(name: str, groups: tuple[str, ...] = ()) -> pwd.struct_passwd:
+    """A real system user made for the tests (root only), member of ``groups``; reused
+    if it exists (then added to ``groups``)."""
+    for g in groups:
+        make_group(g)
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        cmd = ["useradd", "-r", "-U", "-M", "-d", "/nonexistent", "-s", "/usr/sbin/nologin"]
+        _retry([*cmd, *(["-G", ",".join(groups)] if groups else []), name])
+        pw = pwd.getpwnam(name)
+    for g in groups:
+        if name not in grp.getgrnam(g).gr_mem:
+            _retry(["usermod", "-aG", g, name])
+    return pw
+
+
+def _runnable_by_all(path: str) -> bool:
+    real = Path(os.path.realpath(path))
+    return all(os.stat(p).st_mode & 0o001 for p in (real, *real.parents))
+
+
+def user_python() -> str:
+    """A Python other users may run: ours, or else the system's of the same version (to
+    which :func:`as_user` gives our packages). Ours may live under a 0700 /root."""
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    for exe in (sys.executable, f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"):
+        if os.path.exists(exe) and _runnable_by_all(exe):
+            return exe
+    import pytest
+
+    pytest.skip(f"no Python {version} that other users may run (ours: {sys.executable})")
+
+
+def as_user(pw: pwd.struct_passwd, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """subprocess keywords that run a child as ``pw`` with exactly its own groups, in ``env``
+    (default: ours) with this checkout and our packages on PYTHONPATH, for
+    :func:`user_python`."""
+    env = dict(os.environ if env is None else env)
+    path = [str(ROOT)]
+    if user_python() != sys.executable:
+        path += [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    return {
+        "user": pw.pw_uid,
+        "group": pw.pw_gid,
+        "extra_groups": os.getgrouplist(pw.pw_name, pw.pw_gid),
+        "cwd": "/",
+        "env": env,
+    }
+
+
+def spawn_kw(user: pwd.struct_passwd | None, env: dict[str, str]) -> dict[str, Any]:
+    """Popen keywords: ``env``, and if ``user`` is given, run as that user (:func:`as_user`)."""
+    return as_user(user, env) if user else {"env": env}
+
+
+def python_for(user: pwd.struct_passwd | None) -> str:
+    """The interpreter to run a child with, as ``user`` (None: as we are)."""
+    return user_python() if user else sys.executable
+
+
+#: a client script (``python -c PUT_AND_READ SOCKET``), e.g. run as another user:
+#: attaches, puts a blob, leases and reads it back; prints {"put": true} if all went well
+PUT_AND_READ = r"""
+import json, os, sys
+import numpy as np
+from shmkv import Client, arena as A
+with Client(socket_path=sys.argv[1], timeout=5) as c:
+    chunk = c.view.geometry.chunk_tokens
+    root, tokens = os.urandom(16), np.arange(chunk, dtype=np.int32)
+    c.put_bytes(root, tokens, b"fp", b"m" * 3000)
+    hit = c.lookup(A.chain_digests(root, tokens, chunk))
+    with c.acquire(hit) as lease:
+        ok = bytes(lease.payload) == b"m" * 3000 and lease.finish()
+print(json.dumps({"put": ok}))
+"""
 
 
 # ----------------------------------------------------------------------- supervisors
@@ -129,23 +284,30 @@ def start_supervisor(
     name: str | None = None,
     env_extra: dict[str, str] | None = None,
     wait: bool = True,
+    user: pwd.struct_passwd | None = None,
 ) -> Sup:
-    """Start `shmkv supervise` with a unique name and socket under tmp_path.
+    """Start `shmkv supervise` with a unique name and socket under tmp_path (or the
+    SHMKV_SOCKET of ``env_extra``), as ``user`` if given.
 
     Tests that stop it themselves call this; others use the ``make_supervisor`` fixture,
     which also stops it and checks for leftovers.
     """
     name = name or f"t{uuid.uuid4().hex[:10]}"
-    sock = str(tmp_path / f"{name}.sock")
-    env = {**os.environ, "SHMKV_NAME": name, "SHMKV_SOCKET": sock, "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "SHMKV_NAME": name,
+        "SHMKV_SOCKET": str(tmp_path / f"{name}.sock"),
+        "PYTHONUNBUFFERED": "1",
+    }
     env.update(env_extra or {})
+    sock = env["SHMKV_SOCKET"]
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shmkv.cli", "supervise", *args],
-            env=env,
+            [python_for(user), "-m", "shmkv.cli", "supervise", *args],
             stdout=logf,
             stderr=subprocess.STDOUT,
+            **spawn_kw(user, env),
         )
     sup = Sup(name, sock, env.get("SHMKV_DIR", "/dev/shm"), proc, env, log_path)
     if wait:
@@ -336,9 +498,10 @@ def start_worker(
     namespace: str = "",
     kw: dict | None = None,
     env: dict | None = None,
+    user: pwd.struct_passwd | None = None,
 ) -> subprocess.Popen:
-    """A tests/llama_worker.py process (``sup`` None: no supervisor); it loads its modules
-    while it waits for the jobs that finish_worker() sends it."""
+    """A tests/llama_worker.py process (``sup`` None: no supervisor; ``user``: run as that
+    user); it loads its modules while it waits for the jobs that finish_worker() sends it."""
     spec = {
         "model": model,
         "kw": {**KW, **(kw or {})},
@@ -350,12 +513,12 @@ def start_worker(
     }
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "llama_worker.py")],
+        [python_for(user), str(HERE / "llama_worker.py")],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        **spawn_kw(user, env),
     )
     proc.spec = json.dumps(spec)  # type: ignore[attr-defined]
     return proc
@@ -385,11 +548,12 @@ def run_worker(
     kw: dict | None = None,
     env: dict | None = None,
     timeout: float = 120,
+    user: pwd.struct_passwd | None = None,
 ) -> dict:
     """Run ``jobs`` in a fresh llama worker process: ``mode`` "shmkv" (SharedCacheLlama),
     "attach" (a plain Llama with ``attach``) or "cold" (a fresh plain Llama per job, the
     reference); returns its results, totals and stderr."""
-    return finish_worker(start_worker(sup, model, jobs, mode, namespace, kw, env), timeout)
+    return finish_worker(start_worker(sup, model, jobs, mode, namespace, kw, env, user), timeout)
 
 
 # A worker that attaches (and runs its "before" jobs), says so, waits for a line on stdin,

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import pwd
-import re
 import signal
 import socket
 import stat
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import SHM, Sup, wait_for_socket
+from helpers import SHM, Sup, assert_one_error_line, clean_env, shmkv, wait_for_socket
 
 from shmkv import Client, __version__
 from shmkv import arena as A
@@ -45,54 +44,6 @@ STATS_KEYS = (
     "rejected_puts",
     "workers_attached",
 )
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment without any SHMKV_* or systemd variables, plus ``extra``."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("SHMKV_")
-        and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "RUNTIME_DIRECTORY")
-    }
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
-
-
-def shmkv(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 30
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shmkv.cli", *args],
-        env=env if env is not None else clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def assert_one_error_line(
-    res: subprocess.CompletedProcess, *needles: str, ignore_logs: bool = False
-) -> str:
-    """A CLI failure: non-zero exit, no traceback, exactly one 'shmkv: error:' line.
-
-    ``ignore_logs`` drops the supervisor's own log lines (a supervisor that got as far
-    as creating its arena logs that before failing).
-    """
-    assert res.returncode != 0, res
-    assert "Traceback" not in res.stderr + res.stdout
-    lines = res.stderr.strip().splitlines()
-    if ignore_logs:
-        lines = [ln for ln in lines if not _LOG_LINE.search(ln)]
-    assert len(lines) == 1, f"expected one line, got:\n{res.stderr}"
-    assert lines[0].startswith("shmkv: error:"), lines[0]
-    for n in needles:
-        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
-    return lines[0]
-
-
-_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (DEBUG|INFO|WARNING) ")
 
 
 def wait_serving(sup: Sup, sock: str | None = None, timeout: float = 15) -> None:
@@ -233,7 +184,7 @@ def test_env_vars_are_honoured(make_supervisor, tmp_path: Path) -> None:
         env_extra={"SHMKV_SOCKET": sock, "SHMKV_SIZE": "24M", "SHMKV_CHUNK_TOKENS": "32"},
         wait=False,
     )
-    assert sup.socket != sock  # the fixture's own socket was overridden by the env
+    assert sup.socket == sock  # the env's, not the fixture's default
     wait_serving(sup, sock)
     assert (SHM / f"shmkv-{name}").exists()
     st = json.loads(
@@ -458,21 +409,22 @@ def _test_group() -> grp.struct_group:
     return grp.getgrnam("shmkvtest")
 
 
-def test_group_makes_files_0660(make_supervisor, tmp_path: Path) -> None:
+def test_group_makes_socket_0660_and_arena_0640(make_supervisor, tmp_path: Path) -> None:
     group = _test_group()
     sock = tmp_path / "gsub" / "s.sock"
     sup = make_supervisor(
         "--size", "16M", "--group", group.gr_name, env_extra={"SHMKV_SOCKET": str(sock)}, wait=False
     )
     wait_for_socket(str(sock), sup.proc)
-    for p in (sup.arena, sock):
+    for p, mode in ((sock, 0o660), (sup.arena, 0o640)):  # the group never writes the arena
         st = os.stat(p)
-        assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == group.gr_gid, p
+        assert stat.S_IMODE(st.st_mode) == mode and st.st_gid == group.gr_gid, p
+    assert _mode(str(sup.arena) + ".lock") == 0o600
     st = os.stat(sock.parent)
     assert stat.S_IMODE(st.st_mode) == 0o750 and st.st_gid == group.gr_gid
     # a numeric gid works too
     sup2 = make_supervisor("--size", "16M", "--group", str(group.gr_gid))
-    assert _mode(sup2.arena) == 0o660 and os.stat(sup2.arena).st_gid == group.gr_gid
+    assert _mode(sup2.arena) == 0o640 and os.stat(sup2.arena).st_gid == group.gr_gid
 
 
 # --------------------------------------------------------------------- settings
