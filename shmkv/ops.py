@@ -31,6 +31,8 @@ from . import __version__
 from .arena import MAX_TOKENS, ArenaView, common_prefix
 from .arenafile import ArenaFile
 from .claims import GO, Claims, Waiter
+from .closer import discard
+from .closer import pending as fds_closing
 from .config import Settings
 from .errors import ArenaCorruptError, BadRequest
 from .listener import Conn
@@ -103,6 +105,7 @@ class Context:
             leases_active=store.leases.active(),
             workers_attached=sum(1 for c in self.conns.values() if c.attached),
             connections=len(self.conns),
+            fds_closing=fds_closing(),
         )
         return SupervisorStats(
             name=self.settings.name,
@@ -348,13 +351,17 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
         raise BadRequest("put without a memfd: send the payload fd with SCM_RIGHTS")
     fd = conn.fds.pop(0)
     try:
+        # F_GET_SEALS first: only shmem files (memfd) answer it, and it asks no file
+        # system, where an fstat of a file on a hung FUSE mount would wait for its daemon
+        try:
+            fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            ctx.store.counters.foreign_fds += 1
+            raise BadRequest("the put descriptor is not a memfd") from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
+            ctx.store.counters.foreign_fds += 1
             raise BadRequest("the put descriptor is not a regular file (send a memfd)")
-        try:
-            fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # only shmem files (memfd) answer this
-        except OSError:
-            raise BadRequest("the put descriptor is not a memfd") from None
         if st.st_size < payload_len:
             raise BadRequest(f"memfd holds {st.st_size} bytes, put says {payload_len}")
         ctx.check_arena()
@@ -362,7 +369,7 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
             root, tokens, fingerprint, payload_len, checksum, _read_memfd(fd), pin=pinned
         )
     finally:
-        os.close(fd)
+        discard(fd)  # (a close never runs on the loop: see closer.py)
     ctx.wake(ctx.claims.indexed(e.digests))
     return {"gen": e.gen, "key": e.key, "n_tokens": e.n_tokens}, None
 

@@ -148,6 +148,9 @@ class ArenaCounters:
     stale_acquires: int = counter("lease requests for a state no longer stored")
     corrupt_removed: int = counter("stored states found corrupt and removed")
     bytes_put: int = counter("payload bytes stored")
+    foreign_fds: int = counter(
+        "descriptors peers passed that were not a put's memfd (closed off the loop)"
+    )
 
 
 @dataclass
@@ -166,6 +169,7 @@ class ArenaGauges:
     leases_active: int = gauge("read leases held")
     workers_attached: int = gauge("connections that attached to the arena")
     connections: int = gauge("open connections")
+    fds_closing: int = gauge("descriptors peers passed, waiting for the closer thread")
 
 
 @dataclass
