@@ -9,7 +9,7 @@ records, ``arenafile.py`` for the header); nothing else packs these structs.
 Layout (all integers little-endian)::
 
     0           header (4 KiB): magic, format version, geometry, arena id,
-                mutable words (revoke epoch, state)
+                mutable word (state)
     4 KiB       index: ``index_slots`` slots of 64 bytes, an open-addressing
                 (linear probing) hash table from 16-byte chunk-prefix digests
                 to records; each slot is guarded by a seqlock word
@@ -47,7 +47,7 @@ import xxhash
 from .errors import ArenaCorruptError
 
 MAGIC = b"SHMKVAR\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_SIZE = 4096
 SLOT_SIZE = 64
 PAGE = 4096
@@ -59,7 +59,6 @@ MAX_PROBE = 128
 # Header: immutable part, then its checksum, then mutable words.
 _HDR = struct.Struct("<8sIIQQQQQIII16sd")
 _HDR_CSUM_OFF = 128
-_EPOCH_OFF = 136  # u64 revoke epoch: bumped before any leased space is reused
 _STATE_OFF = 144  # u32: 1 live, 2 closed
 STATE_LIVE, STATE_CLOSED = 1, 2
 
@@ -311,9 +310,6 @@ class ArenaView:
             pass
 
     # -- mutable header words -------------------------------------------------
-    def epoch(self) -> int:
-        return int(_U64.unpack_from(self.mm, _EPOCH_OFF)[0])
-
     def state(self) -> int:
         return int(_SEQ.unpack_from(self.mm, _STATE_OFF)[0])
 
@@ -473,15 +469,11 @@ class ArenaWriter:
 
     # -- header -----------------------------------------------------------------
     def format(self) -> None:
-        """Write a fresh header: the geometry, its checksum, epoch 0, state live."""
+        """Write a fresh header: the geometry, its checksum, state live."""
         head = self.geometry.pack()
         self.mm[: len(head)] = head
         _U64.pack_into(self.mm, _HDR_CSUM_OFF, header_checksum(head))
-        self.set_epoch(0)
         self.set_state(STATE_LIVE)
-
-    def set_epoch(self, epoch: int) -> None:
-        _U64.pack_into(self.mm, _EPOCH_OFF, epoch)
 
     def set_state(self, state: int) -> None:
         _SEQ.pack_into(self.mm, _STATE_OFF, state)

@@ -172,7 +172,7 @@ def load(
                 "a restored sliding-window state lacks the window its cut needs"
             )
         if not lease.finish(common):
-            raise LeaseLost("a read lease was revoked during the restore")
+            raise LeaseLost("a read lease was revoked, or its connection lost, during the restore")
     except BaseException:
         forget(llm, wipe=True)
         raise

@@ -163,7 +163,6 @@ def attach(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
             "arena_id": ctx.store.geometry.arena_id,
             "version": __version__,
             "supervisor_pid": os.getpid(),
-            "epoch": ctx.store.epoch,
         },
         [ctx.arena.ro_fd],
     )
@@ -240,7 +239,7 @@ def acquire(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     offset = get_int(msg, "offset", g.data_offset, g.data_offset + g.data_size)
     gen = get_int(msg, "gen", 1)
     lease = ctx.store.acquire(offset, gen, conn.id)
-    return {"lease": lease, "epoch": ctx.store.epoch}, None
+    return {"lease": lease}, None
 
 
 @op("release", attached=True, privilege=Privilege.ANY)

@@ -145,6 +145,7 @@ class ArenaCounters:
     evictions: int = counter("states evicted to make room")
     hits: int = counter("read leases granted (a worker found a state and leased it)")
     revocations: int = counter("read leases revoked (held too long while space was needed)")
+    leases_closed: int = counter("read leases ended by their connection's close, unreleased")
     stale_acquires: int = counter("lease requests for a state no longer stored")
     corrupt_removed: int = counter("stored states found corrupt and removed")
     bytes_put: int = counter("payload bytes stored")

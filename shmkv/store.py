@@ -14,11 +14,12 @@ in an order that keeps their reads safe:
   ``acquire`` (on a socket round trip) and ends with ``release`` or when the
   worker's connection closes, which the kernel does for a killed worker too
   (Plasma's rule). A lease held longer than ``lease_timeout`` may be revoked
-  when space is needed: the header's revoke epoch is bumped *before* the space
-  is written, and a reader compares the epoch after its copy, so a revoked
-  read is discarded instead of used (Mooncake's rule). Leases ended by a
-  closed connection bump the epoch too: the process behind it may be alive
-  (it dropped the connection after a timeout) and still reading.
+  when space is needed; the reader learns it from its own ``release``, which
+  answers ``valid: False``, and discards what it read (Mooncake's rule). A
+  closed connection ends that connection's leases only; a reader that is still
+  copying after losing its connection treats every lease of that connection as
+  void by itself (``client.Lease``). Each verdict is per lease: no close and no
+  revocation voids anyone else's read.
 
 Eviction is least-recently-used over unpinned, unleased entries, where a use is
 a put or a lease (a hit by any worker).
@@ -96,15 +97,6 @@ class Store:
         self.index_capacity = geometry.index_slots // 2
         self.counters = ArenaCounters()
         self._next_gen = 1
-        self._epoch = 0
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def _bump_epoch(self) -> None:
-        self._epoch += 1
-        self.arena.set_epoch(self._epoch)
 
     # ------------------------------------------------------------------- index
     def _point(self, digest: bytes, nch: int) -> bool:
@@ -136,11 +128,13 @@ class Store:
                 yield e
 
     def _revoke_stale_leases(self) -> bool:
-        """Revoke leases older than lease_timeout; True if any was revoked."""
+        """Revoke leases older than lease_timeout; True if any was revoked.
+
+        Each holder learns it at its release (``valid: False``); nobody else is affected.
+        """
         stale = self.leases.stale(self.clock(), self.lease_timeout)
         if not stale:
             return False
-        self._bump_epoch()  # before any revoked space can be written
         for grant in stale:
             grant.revoked = True
             self._unlease(grant.gen)
@@ -341,15 +335,16 @@ class Store:
         return True
 
     def release_owner(self, owner: int) -> int:
-        """Drop every lease of ``owner`` (its connection closed); returns how many."""
+        """Drop every lease of ``owner`` (its connection closed); returns how many.
+
+        Only these leases end. A process still reading under one of them (a client that
+        dropped this connection after a timeout) knows its connection is gone and
+        discards that read itself (``client.Lease.finish``).
+        """
         lids = self.leases.of_owner(owner)
-        if any(not self.leases[lid].revoked for lid in lids):
-            # The owner's process may still be reading (another thread, or a client that
-            # dropped this connection after a timeout): like a revocation, bump the epoch
-            # before the space can be reused, so that read fails its finish() check.
-            self._bump_epoch()
         for lid in lids:
-            self.release(lid, owner)
+            if self.release(lid, owner):
+                self.counters.leases_closed += 1
         return len(lids)
 
     # ----------------------------------------------------------- pins & clear
