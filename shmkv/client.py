@@ -24,6 +24,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +45,7 @@ from .errors import (
     SupervisorUnavailable,
     from_wire,
 )
-from .protocol import recv_msg, send_msg
+from .protocol import MAX_PUBLISHERS, recv_msg, send_msg
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,14 @@ class _Memfd:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    _pid, uid, _gid = struct.unpack(
+        "iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    )
+    return int(uid)
 
 
 def _fresh(err: ShmkvError) -> ShmkvError:
@@ -262,6 +271,8 @@ class Connection:
         self._closed = False
         #: bumped whenever the connection is dropped: a lease belongs to one generation
         self.generation = 0
+        #: the supervisor's uid (SO_PEERCRED of the connection), once connected
+        self.supervisor_uid: int | None = None
         self.attach_info: dict[str, Any] = {}
         self.last_error: ShmkvError | None = None
 
@@ -301,6 +312,7 @@ class Connection:
                     f"{e.strerror or e}; is `shmkv supervise --name {self.name}` running?"
                 ) from None
             self._sock = sock
+            self.supervisor_uid = _peer_uid(sock)
             if not self.attach:
                 return
             reply, fds = self._roundtrip({"op": "attach", "pid": os.getpid()})
@@ -443,10 +455,6 @@ class Connection:
                 os.close(fd)
             return reply
 
-    @property
-    def connected(self) -> bool:
-        return self._sock is not None and os.getpid() == self._pid
-
     def release(self, lease_id: int, connection: int, tokens_restored: int = 0) -> bool:
         """End lease ``lease_id`` of connection generation ``connection``; True only if the
         supervisor says it was never revoked. Never raises, never reconnects: a lease of a
@@ -467,6 +475,10 @@ class Connection:
             for fd in rfds:
                 os.close(fd)
             return reply.get("valid") is True
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None and os.getpid() == self._pid
 
     @property
     def view(self) -> ArenaView:
@@ -647,15 +659,19 @@ class Client(Connection):
     def unclaim(self, digests: Sequence[bytes]) -> None:
         self.request({"op": "unclaim", "digests": b"".join(digests[:4096])})
 
-    def owners(self, digest: bytes, tokens: np.ndarray) -> list[tuple[int, int, int, int]]:
-        """Records under chunk prefix ``digest``: (offset, gen, n_tokens, tokens matched)."""
-        reply = self.request(
-            {
-                "op": "owners",
-                "digest": digest,
-                "tokens": np.ascontiguousarray(tokens, dtype="<i4").tobytes(),
-            }
-        )
+    def owners(
+        self, digest: bytes, tokens: np.ndarray, publishers: Sequence[int] | None = None
+    ) -> list[tuple[int, int, int, int]]:
+        """Records under chunk prefix ``digest``: (offset, gen, n_tokens, tokens matched);
+        only those published by ``publishers`` (uids) if given."""
+        msg: dict[str, Any] = {
+            "op": "owners",
+            "digest": digest,
+            "tokens": np.ascontiguousarray(tokens, dtype="<i4").tobytes(),
+        }
+        if publishers is not None and len(publishers) <= MAX_PUBLISHERS:
+            msg["publishers"] = np.asarray(publishers, dtype="<u4").tobytes()
+        reply = self.request(msg)
         rows = reply.get("owners")
         if not isinstance(rows, list):
             raise ProtocolError("malformed owners reply")

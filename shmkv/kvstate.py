@@ -23,8 +23,15 @@ from llama_cpp import llama_cpp as lc
 
 from .arena import Hit, common_prefix
 from .client import Blob, Client, Lease
-from .errors import ArenaCorruptError, LeaseLost, ModelMismatchError, NotFound, ShmkvError
-from .policy import context_allows_cut, window_allows_cut
+from .errors import (
+    ArenaCorruptError,
+    LeaseLost,
+    ModelMismatchError,
+    NotFound,
+    ShmkvError,
+    UntrustedPublisher,
+)
+from .policy import EVERYONE, Trust, context_allows_cut, window_allows_cut
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,8 @@ class Applied:
     corrupt: bool = False
     #: the record was evicted between the lookup and the lease
     evicted: bool = False
+    #: the record's publisher is not one this worker trusts (a miss, not a failure)
+    untrusted: bool = False
 
 
 def apply(
@@ -74,6 +83,7 @@ def apply(
     n_swa: int,
     fingerprint: bytes,
     verify: bool = True,
+    trust: Trust = EVERYONE,
 ) -> Applied:
     """Lease the record behind ``hit`` and :func:`load` it; never raises a ShmkvError."""
     try:
@@ -98,9 +108,12 @@ def apply(
                 n_swa=n_swa,
                 fingerprint=fingerprint,
                 verify=verify,
+                trust=trust,
             )
         finally:
             lease.finish(restored)
+    except UntrustedPublisher as e:
+        return Applied(failure=("untrusted publisher", e), untrusted=True)
     except LeaseLost as e:  # (the bytes may have changed under the copy: not a bad record)
         return Applied(failure=("lease revoked", e))
     except ArenaCorruptError as e:
@@ -132,15 +145,23 @@ def load(
     n_swa: int,
     fingerprint: bytes,
     verify: bool = True,
+    trust: Trust = EVERYONE,
 ) -> int:
     """Restore the leased record into the context if it gives more than ``local`` tokens.
 
     ``need``: the leading tokens its key promised; ``keep``: keep at most these.
     Returns the tokens now restored (0: not worth it, the context untouched). Raises
-    ModelMismatchError, ArenaCorruptError or LeaseLost; a context it touched is then
-    cold. The lease is released (``finish``) once the state is in.
+    UntrustedPublisher (a record of a publisher ``trust`` does not allow, never
+    restored), ModelMismatchError, ArenaCorruptError or LeaseLost; a context it touched
+    is then cold. The lease is released (``finish``) once the state is in.
     """
     rec = lease.record
+    if not trust.allows(rec.publisher):
+        raise UntrustedPublisher(
+            f"a cached state published by uid {rec.publisher}, which this worker does not "
+            f"trust, was skipped: add that user to --trust-publishers (SHMKV_TRUST_PUBLISHERS) "
+            f"to restore its states"
+        )
     if lease.fingerprint() != fingerprint:
         raise ModelMismatchError("cached blob belongs to another model/context setup")
     cached = lease.tokens()

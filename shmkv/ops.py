@@ -37,8 +37,10 @@ from .config import Settings
 from .errors import ArenaCorruptError, BadRequest
 from .listener import Conn
 from .protocol import (
+    MAX_PUBLISHERS,
     MAX_U64,
     get_bool,
+    get_bytes,
     get_counters,
     get_digest,
     get_digests,
@@ -188,6 +190,7 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
                 "bytes": e.payload_len,
                 "extent": e.extent,
                 "pinned": e.pinned,
+                "publisher": e.publisher,
                 "hits": e.hits,
                 "leases": e.leases,
                 "created": e.created,
@@ -284,13 +287,23 @@ def owners(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     prompt it asks for the others: every record that ends within the next chunk
     (the only ones a prompt can match to their end) and the most recent longer
     ones (how far the prompt goes along with them is where a checkpoint helps).
-    Reads token ids only; the worker checks everything again under its lease.
+    ``publishers`` (optional, u32 uids) keeps the records of those publishers only, so
+    that nobody else's records can crowd a worker's own out of the reply. Reads token
+    ids only; the worker checks everything again under its lease.
     """
     store = ctx.store
     digest = get_digest(msg, "digest")
     tokens = np.frombuffer(get_tokens(msg), dtype="<i4")
+    publishers: set[int] | None = None
+    if "publishers" in msg:
+        raw = get_bytes(msg, "publishers", 4, 4 * MAX_PUBLISHERS, multiple=4)
+        publishers = {int(u) for u in np.frombuffer(raw, dtype="<u4")}
     gens = store.owners.get(digest) or {}
-    live = [e for e in map(store.entries.get, gens) if e is not None and not e.doomed]
+    live = [
+        e
+        for e in map(store.entries.get, gens)
+        if e is not None and not e.doomed and (publishers is None or e.publisher in publishers)
+    ]
     if not live:
         return {"owners": []}, None
     # the digest is chunk prefix k of every record that owns it
@@ -365,7 +378,14 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
             raise BadRequest(f"memfd holds {st.st_size} bytes, put says {payload_len}")
         ctx.check_arena()
         e = ctx.store.put(
-            root, tokens, fingerprint, payload_len, checksum, _read_memfd(fd), pin=pinned
+            root,
+            tokens,
+            fingerprint,
+            payload_len,
+            checksum,
+            _read_memfd(fd),
+            pin=pinned,
+            publisher=conn.uid & 0xFFFFFFFF,  # (the kernel's word, never the message's)
         )
     finally:
         discard(fd)  # (a close never runs on the loop: see closer.py)

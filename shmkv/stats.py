@@ -114,6 +114,9 @@ class WorkerCounters:
         "cached prefixes a sliding-window model could not use (cannot be cut back)"
     )
     checkpoints: int = counter("checkpoint states published mid-prefill")
+    untrusted: int = counter(
+        "cached states skipped: published by a uid this worker does not trust", reported=True
+    )
     restore_seconds: float = seconds("seconds spent restoring states")
     errors: dict[str, int] = field(
         default_factory=dict,

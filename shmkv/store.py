@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -67,6 +68,8 @@ class Entry:
     hits: int = 0
     last_used: float = 0.0
     doomed: bool = False
+    #: uid of the peer that put it
+    publisher: int = 0
 
 
 class Store:
@@ -96,6 +99,8 @@ class Store:
         self.leases = Leases()
         self.index_capacity = geometry.index_slots // 2
         self.counters = ArenaCounters()
+        #: the supervisor's uid: its records win an index slot (see ``_point``)
+        self.uid = os.geteuid()
         self._next_gen = 1
 
     # ------------------------------------------------------------------- index
@@ -106,6 +111,8 @@ class Store:
         before the next chunk: a prompt or checkpoint that a prompt matching this
         chunk may match to its very end, which is what a sliding-window model
         needs to restore it whole), else the shortest (cheapest to restore).
+        Records published by the supervisor's own uid come first, as every worker
+        trusts those: another user's record never takes their place.
         """
         owners = self.owners.get(digest)
         if not owners:
@@ -113,10 +120,11 @@ class Store:
             return True
         limit = (nch + 1) * self.geometry.chunk_tokens
         ending = [g for g, n in owners.items() if n < limit]
+        ours = {g for g in owners if self.entries[g].publisher == self.uid}
         if ending:
-            gen = max(ending, key=lambda g: (owners[g], -g))
+            gen = max(ending, key=lambda g: (g in ours, owners[g], -g))
         else:
-            gen = min(owners, key=lambda g: (owners[g], g))
+            gen = min(owners, key=lambda g: (g not in ours, owners[g], g))
         e = self.entries[gen]
         return self.arena.index_set(Slot(digest, e.offset, e.gen, nch))
 
@@ -209,16 +217,27 @@ class Store:
         payload_xxh3: int,
         fill: Callable[[memoryview], None],
         pin: bool = False,
+        publisher: int | None = None,
     ) -> Entry:
-        """Store one blob; ``fill`` writes exactly ``payload_len`` bytes into the view."""
+        """Store one blob; ``fill`` writes exactly ``payload_len`` bytes into the view.
+
+        ``publisher`` is the uid of the peer that put it (default: ours). A put of the
+        same root, fingerprint and tokens as a stored record is a duplicate only if the
+        same uid published that record: another user's copy (maybe garbage with a valid
+        checksum) never keeps this one out; both are stored, and workers restore the one
+        they trust.
+        """
         g = self.geometry
+        publisher = self.uid if publisher is None else publisher
         n_tokens = len(tokens)
         if n_tokens < g.chunk_tokens:
             raise BadRequest(
                 f"a blob needs at least chunk_tokens={g.chunk_tokens} tokens, got {n_tokens}"
             )
         tok_bytes = tokens.astype("<i4", copy=False).tobytes()
-        content = hashlib.blake2b(root + fingerprint + tok_bytes, digest_size=16).digest()
+        content = hashlib.blake2b(
+            root + fingerprint + tok_bytes + publisher.to_bytes(4, "little"), digest_size=16
+        ).digest()
         dup = self._duplicate(content, pin)
         if dup is not None:
             return dup
@@ -269,6 +288,7 @@ class Store:
             payload_len,
             payload_xxh3,
             created,
+            publisher,
         )
         e = Entry(
             gen,
@@ -283,6 +303,7 @@ class Store:
             created,
             pinned=pin,
             last_used=self.clock(),
+            publisher=publisher,
         )
         self.entries[gen] = e
         self.by_content[content] = gen
