@@ -8,7 +8,8 @@ in its flush, and a Unix socket releases the descriptors still queued in it,
 whose closes then run in the thread that closed it. A peer's own connection is
 such a Unix socket (descriptors it sent that were never read). So the loop
 closes none of these: it hands them to :func:`discard`, and one daemon thread
-closes them. That thread first takes the descriptors out of a Unix socket's
+closes them (a peer's connection with nothing queued in it is closed at once,
+:func:`discard_socket`). That thread first takes the descriptors out of a Unix socket's
 queue (a bounded number of reads) and makes every socket close at once
 (``SO_LINGER`` on with 0 s: a reset instead of a wait). What can still block it
 (a file on a hung mount) holds up only that thread and the closes queued
@@ -18,11 +19,13 @@ behind it, never the loop; :func:`pending` tells how many wait.
 from __future__ import annotations
 
 import array
+import fcntl
 import logging
 import os
 import queue
 import socket
 import struct
+import termios
 import threading
 
 log = logging.getLogger(__name__)
@@ -120,14 +123,32 @@ def discard(fd: int) -> None:
 
 
 def discard_socket(sock: socket.socket) -> None:
-    """Hang up on a peer now (it sees EOF), and close its socket off the loop."""
+    """Hang up on a peer's Unix socket now (it sees EOF) and close it: here if nothing is
+    queued in it, else off the loop.
+
+    After the shutdown the peer can queue nothing more (its sends fail with EPIPE), and a
+    descriptor always travels with at least one byte, so an empty queue holds none and
+    its close cannot block.
+    """
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+    if _queued(sock) == 0:
+        sock.close()
+        return
     fd = sock.detach()
     if fd >= 0:
         discard(fd)
+
+
+def _queued(sock: socket.socket) -> int:
+    """Bytes waiting in a socket's receive queue (SIOCINQ); 1 when it cannot tell."""
+    try:
+        buf = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except OSError:
+        return 1
+    return int(struct.unpack("i", buf)[0])
 
 
 def pending() -> int:
