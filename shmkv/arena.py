@@ -9,7 +9,7 @@ records, ``arenafile.py`` for the header); nothing else packs these structs.
 Layout (all integers little-endian)::
 
     0           header (4 KiB): magic, format version, geometry, arena id,
-                mutable words (revoke epoch, state)
+                mutable word (state)
     4 KiB       index: ``index_slots`` slots of 64 bytes, an open-addressing
                 (linear probing) hash table from 16-byte chunk-prefix digests
                 to records; each slot is guarded by a seqlock word
@@ -17,8 +17,9 @@ Layout (all integers little-endian)::
 
 A record is ``header (128 B) | fingerprint | token ids (int32) | payload``.
 It carries its key (the digest of its last full chunk), the root digest its
-chain started from, a model fingerprint (opaque bytes), its token ids, the
-payload length, an XXH3-64 checksum of the payload and one of everything else.
+chain started from, its publisher's uid (the supervisor's word, from the put's
+connection), a model fingerprint (opaque bytes), its token ids, the payload
+length, an XXH3-64 checksum of the payload and one of everything else.
 
 Keys are chained: ``d1 = H(root, chunk1)``, ``dk = H(d(k-1), chunk k)`` over
 fixed-length chunks of ``chunk_tokens`` token ids, H = BLAKE2b-128. A record of
@@ -47,7 +48,7 @@ import xxhash
 from .errors import ArenaCorruptError
 
 MAGIC = b"SHMKVAR\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_SIZE = 4096
 SLOT_SIZE = 64
 PAGE = 4096
@@ -59,7 +60,6 @@ MAX_PROBE = 128
 # Header: immutable part, then its checksum, then mutable words.
 _HDR = struct.Struct("<8sIIQQQQQIII16sd")
 _HDR_CSUM_OFF = 128
-_EPOCH_OFF = 136  # u64 revoke epoch: bumped before any leased space is reused
 _STATE_OFF = 144  # u32: 1 live, 2 closed
 STATE_LIVE, STATE_CLOSED = 1, 2
 
@@ -68,10 +68,12 @@ STATE_LIVE, STATE_CLOSED = 1, 2
 _SLOT = struct.Struct("<II16sQQI")
 _SEQ = struct.Struct("<I")
 
-# Record header.
+# Record header: magic, format version, flags, generation, key, root, token count,
+# chunk count, fingerprint length, tokens offset, payload offset, payload length,
+# payload checksum, metadata checksum, created, publisher uid.
 REC_MAGIC = b"SKVR"
 REC_HEADER_SIZE = 128
-_REC = struct.Struct("<4sHHQ16s16sIIIIQQQQd")
+_REC = struct.Struct("<4sHHQ16s16sIIIIQQQQdI")
 _U64 = struct.Struct("<Q")
 
 
@@ -259,6 +261,8 @@ class Record:
     payload_len: int
     payload_xxh3: int
     created: float
+    #: uid of the process that published it (SO_PEERCRED of its put's connection)
+    publisher: int
 
     @property
     def end(self) -> int:
@@ -273,7 +277,7 @@ def record_layout(n_tokens: int, fp_len: int, payload_len: int) -> tuple[int, in
     return fp_off, tok_off, pay_off, align(pay_off + payload_len, PAGE)
 
 
-_META_CSUM_OFF = _REC.size - 16  # the u64 before `created`
+_META_CSUM_OFF = struct.calcsize("<4sHHQ16s16sIIIIQQQ")  # the u64 before `created`
 
 
 def meta_checksum(
@@ -311,9 +315,6 @@ class ArenaView:
             pass
 
     # -- mutable header words -------------------------------------------------
-    def epoch(self) -> int:
-        return int(_U64.unpack_from(self.mm, _EPOCH_OFF)[0])
-
     def state(self) -> int:
         return int(_SEQ.unpack_from(self.mm, _STATE_OFF)[0])
 
@@ -386,6 +387,7 @@ class ArenaView:
             pay_csum,
             _meta,
             created,
+            publisher,
         ) = _REC.unpack_from(self.mm, offset)
         if magic != REC_MAGIC or version != FORMAT_VERSION:
             raise ArenaCorruptError(f"no record at offset {offset}")
@@ -415,6 +417,7 @@ class ArenaView:
             pay_len,
             pay_csum,
             created,
+            publisher,
         )
 
     def verify_meta(self, rec: Record) -> None:
@@ -473,15 +476,11 @@ class ArenaWriter:
 
     # -- header -----------------------------------------------------------------
     def format(self) -> None:
-        """Write a fresh header: the geometry, its checksum, epoch 0, state live."""
+        """Write a fresh header: the geometry, its checksum, state live."""
         head = self.geometry.pack()
         self.mm[: len(head)] = head
         _U64.pack_into(self.mm, _HDR_CSUM_OFF, header_checksum(head))
-        self.set_epoch(0)
         self.set_state(STATE_LIVE)
-
-    def set_epoch(self, epoch: int) -> None:
-        _U64.pack_into(self.mm, _EPOCH_OFF, epoch)
 
     def set_state(self, state: int) -> None:
         _SEQ.pack_into(self.mm, _STATE_OFF, state)
@@ -554,11 +553,13 @@ class ArenaWriter:
         payload_len: int,
         payload_xxh3: int,
         created: float,
+        publisher: int,
     ) -> None:
         """Write the fingerprint, token ids and header of a record whose payload is in place.
 
-        ``tokens`` are the raw little-endian int32 ids. The header goes last, with
-        its metadata checksum over header, fingerprint and token ids.
+        ``tokens`` are the raw little-endian int32 ids; ``publisher`` the uid that put it.
+        The header goes last, with its metadata checksum over header, fingerprint and
+        token ids.
         """
         n_tokens = len(tokens) // 4
         fp_off, tok_off, pay_off, _ = record_layout(n_tokens, len(fingerprint), payload_len)
@@ -581,6 +582,7 @@ class ArenaWriter:
                 payload_xxh3,
                 0,
                 created,
+                publisher,
             )
         )
         _U64.pack_into(hdr, _META_CSUM_OFF, meta_checksum(bytes(hdr), fingerprint, tokens))

@@ -26,6 +26,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,7 +48,7 @@ from .errors import (
     UntrustedSupervisor,
     from_wire,
 )
-from .protocol import peer_credentials, recv_msg, send_msg
+from .protocol import MAX_PUBLISHERS, peer_credentials, recv_msg, send_msg
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,14 @@ class _Memfd:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    _pid, uid, _gid = struct.unpack(
+        "iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    )
+    return int(uid)
 
 
 def _fresh(err: ShmkvError) -> ShmkvError:
@@ -176,18 +185,22 @@ class _MemfdPool:
 
 
 class Lease:
-    """A granted read lease on one record; use as a context manager."""
+    """A granted read lease on one record; use as a context manager.
+
+    Whether the bytes read under it were safe is known per lease, at its release: the
+    supervisor answers ``valid: False`` for a lease it revoked. A lease of a connection
+    that is gone (dropped after a timeout, closed by the supervisor, a supervisor that
+    died, a fork) is void without asking: the supervisor released it when the connection
+    closed and may have reused its space, and a release sent on a later connection could
+    only end some other lease of the same id.
+    """
 
     def __init__(
-        self, client: Client, view: ArenaView, lease_id: int, epoch: int, record: Record
+        self, client: Client, view: ArenaView, lease_id: int, connection: int, record: Record
     ) -> None:
-        self.client, self.view, self.id, self.epoch, self.record = (
-            client,
-            view,
-            lease_id,
-            epoch,
-            record,
-        )
+        self.client, self.view, self.id, self.record = client, view, lease_id, record
+        #: which of the client's connections holds it (``Connection.generation``)
+        self.connection = connection
         self._done = False
         self.valid: bool | None = None
 
@@ -205,28 +218,16 @@ class Lease:
     def fingerprint(self) -> bytes:
         return bytes(self.view.fingerprint(self.record))
 
-    def intact(self) -> bool:
-        """True while no lease revocation happened since this lease was granted."""
-        return self.view.epoch() == self.epoch
-
     def finish(self, tokens_restored: int = 0) -> bool:
-        """Release the lease; True only if the bytes read under it were intact."""
+        """Release the lease; True only if the bytes read under it were intact.
+
+        Call it after the last read: the supervisor's answer covers everything read
+        between the grant and now.
+        """
         if self._done:
             return bool(self.valid)
         self._done = True
-        intact = self.intact()
-        try:
-            reply = self.client.request(
-                {
-                    "op": "release",
-                    "lease": self.id,
-                    "tokens_restored": tokens_restored if intact else 0,
-                }
-            )
-            self.valid = intact and bool(reply.get("valid"))
-        except ShmkvError:
-            # the supervisor died: it reuses nothing any more, so the epoch check decides
-            self.valid = intact
+        self.valid = self.client.release(self.id, self.connection, tokens_restored)
         return self.valid
 
     def __enter__(self) -> Lease:
@@ -271,6 +272,10 @@ class Connection:
         self._retry_at = 0.0
         self._backoff = _BACKOFF_MIN
         self._closed = False
+        #: bumped whenever the connection is dropped: a lease belongs to one generation
+        self.generation = 0
+        #: the supervisor's uid (SO_PEERCRED of the connection), once connected
+        self.supervisor_uid: int | None = None
         self.attach_info: dict[str, Any] = {}
         self.last_error: ShmkvError | None = None
 
@@ -311,6 +316,7 @@ class Connection:
                 ) from None
             self._check_supervisor(sock)
             self._sock = sock
+            self.supervisor_uid = _peer_uid(sock)
             if not self.attach:
                 return
             reply, fds = self._roundtrip({"op": "attach", "pid": os.getpid()})
@@ -368,6 +374,7 @@ class Connection:
             except OSError:
                 pass
         self._sock = None
+        self.generation += 1  # the leases of this connection are void
         # Drop our reference only, never unmap here: a Lease still in use (maybe by
         # another thread copying from lease.address) keeps the view alive, and the
         # mapping goes away with the last reference to it.
@@ -471,6 +478,27 @@ class Connection:
                 os.close(fd)
             return reply
 
+    def release(self, lease_id: int, connection: int, tokens_restored: int = 0) -> bool:
+        """End lease ``lease_id`` of connection generation ``connection``; True only if the
+        supervisor says it was never revoked. Never raises, never reconnects: a lease of a
+        connection that is gone is void."""
+        with self._lock:
+            if (
+                self._sock is None
+                or connection != self.generation
+                or os.getpid() != self._pid
+                or self._closed
+            ):
+                return False
+            msg = {"op": "release", "lease": lease_id, "tokens_restored": tokens_restored}
+            try:
+                reply, rfds = self._roundtrip(msg)
+            except ShmkvError:
+                return False
+            for fd in rfds:
+                os.close(fd)
+            return reply.get("valid") is True
+
     @property
     def connected(self) -> bool:
         return self._sock is not None and os.getpid() == self._pid
@@ -523,20 +551,22 @@ class Client(Connection):
     def acquire(self, hit: Hit) -> Lease:
         """Lease the record behind ``hit`` and validate its header and metadata."""
         with self._lock:
-            view = self.ensure()
+            self.ensure()
             reply = self.request(
                 {"op": "acquire", "offset": hit.slot.rec_offset, "gen": hit.slot.rec_gen}
             )
-            lease_id, epoch = reply.get("lease"), reply.get("epoch")
-            if not isinstance(lease_id, int) or not isinstance(epoch, int):
+            # (the request may have reconnected: the lease and view are the current ones)
+            view, connection = self._view, self.generation
+            lease_id = reply.get("lease")
+            if not isinstance(lease_id, int) or view is None:
                 raise ProtocolError("malformed acquire reply")
             try:
                 rec = view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
                 view.verify_meta(rec)
             except ArenaCorruptError:
-                Lease(self, view, lease_id, epoch, None).finish()  # type: ignore[arg-type]
+                self.release(lease_id, connection)
                 raise
-            return Lease(self, view, lease_id, epoch, rec)
+            return Lease(self, view, lease_id, connection, rec)
 
     # ----------------------------------------------------------------- writes
     def prepare(self, size: int, fill: Callable[[int, int], None]) -> Blob:
@@ -652,15 +682,19 @@ class Client(Connection):
     def unclaim(self, digests: Sequence[bytes]) -> None:
         self.request({"op": "unclaim", "digests": b"".join(digests[:4096])})
 
-    def owners(self, digest: bytes, tokens: np.ndarray) -> list[tuple[int, int, int, int]]:
-        """Records under chunk prefix ``digest``: (offset, gen, n_tokens, tokens matched)."""
-        reply = self.request(
-            {
-                "op": "owners",
-                "digest": digest,
-                "tokens": np.ascontiguousarray(tokens, dtype="<i4").tobytes(),
-            }
-        )
+    def owners(
+        self, digest: bytes, tokens: np.ndarray, publishers: Sequence[int] | None = None
+    ) -> list[tuple[int, int, int, int]]:
+        """Records under chunk prefix ``digest``: (offset, gen, n_tokens, tokens matched);
+        only those published by ``publishers`` (uids) if given."""
+        msg: dict[str, Any] = {
+            "op": "owners",
+            "digest": digest,
+            "tokens": np.ascontiguousarray(tokens, dtype="<i4").tobytes(),
+        }
+        if publishers is not None and len(publishers) <= MAX_PUBLISHERS:
+            msg["publishers"] = np.asarray(publishers, dtype="<u4").tobytes()
+        reply = self.request(msg)
         rows = reply.get("owners")
         if not isinstance(rows, list):
             raise ProtocolError("malformed owners reply")

@@ -139,6 +139,43 @@ def _optional_uid(text: str | int | None) -> int | None:
         raise ValueError(f"no such user {text!r} (see `getent passwd`)") from None
 
 
+def parse_publishers(value: str | list[str] | tuple[str, ...]) -> str:
+    """``--trust-publishers``, checked and written as uids (``1001,1002``) or ``*``, so that
+    it passes through ``SHMKV_TRUST_PUBLISHERS`` unchanged."""
+    uids = trusted_uids(value)
+    return "*" if uids is None else ",".join(str(u) for u in sorted(uids))
+
+
+def trusted_uids(value: str | list[str] | tuple[str, ...]) -> frozenset[int] | None:
+    """User names, uids and ``@group`` (its members), comma-separated, as a set of uids;
+    ``*`` (anyone) as None. ValueError names an unknown user or group."""
+    items = value.split(",") if isinstance(value, str) else [str(x) for x in value]
+    names = [x.strip() for x in items if x.strip()]
+    if "*" in names:
+        return None
+    uids: set[int] = set()
+    for name in names:
+        if name.isdigit():
+            uids.add(int(name))
+        elif name.startswith("@"):
+            try:
+                group = grp.getgrnam(name[1:])
+            except KeyError:
+                raise ValueError(f"no such group {name[1:]!r} (see `getent group`)") from None
+            for member in group.gr_mem:
+                try:
+                    uids.add(pwd.getpwnam(member).pw_uid)
+                except KeyError:
+                    pass
+            uids.update(p.pw_uid for p in pwd.getpwall() if p.pw_gid == group.gr_gid)
+        else:
+            try:
+                uids.add(pwd.getpwnam(name).pw_uid)
+            except KeyError:
+                raise ValueError(f"no such user {name!r} (see `getent passwd`)") from None
+    return frozenset(uids)
+
+
 def default_socket_path(name: str) -> str:
     """Where the supervisor listens unless ``--socket`` says otherwise."""
     runtime = os.environ.get("RUNTIME_DIRECTORY")  # set by systemd RuntimeDirectory=
@@ -293,9 +330,22 @@ SETTINGS: dict[str, Setting] = {
             "namespace",
             str,
             "",
-            "Tenant namespace mixed into every key: namespaces never see each other's entries.",
+            "Tenant namespace mixed into every key: a worker finds only its namespace's "
+            "entries (this keeps tenants from finding each other's keys; it does not "
+            "isolate processes that may connect: see the README's trust model).",
             frozenset({"client", "serve"}),
             "NS",
+        ),
+        Setting(
+            "trust_publishers",
+            parse_publishers,
+            "",
+            "Also restore cached states published by these users: names, uids or @group "
+            "(its members), comma-separated; * for every user the supervisor lets publish. "
+            "A worker always trusts its own uid and the supervisor's; this matters only "
+            "when the supervisor shares its arena with a --group.",
+            frozenset({"client", "serve"}),
+            "USERS",
         ),
         Setting(
             "min_tokens",

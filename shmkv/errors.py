@@ -44,6 +44,7 @@ __all__ = [
     "ChecksumMismatch",
     "NotFound",
     "LeaseLost",
+    "UntrustedPublisher",
     "ModelMismatchError",
     "StateRefused",
     "ClosedError",
@@ -162,6 +163,12 @@ class LeaseLost(ShmkvError):
     """A read lease was revoked while the blob was in use: the read is void."""
 
     code = "lease_lost"
+
+
+class UntrustedPublisher(ShmkvError):
+    """A cached state was published by a uid this worker does not trust (``--trust-publishers``)."""
+
+    code = "untrusted"
 
 
 class ModelMismatchError(ShmkvError):

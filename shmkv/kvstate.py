@@ -32,8 +32,9 @@ from .errors import (
     NotFound,
     ShmkvError,
     StateRefused,
+    UntrustedPublisher,
 )
-from .policy import context_allows_cut, window_allows_cut
+from .policy import EVERYONE, Trust, context_allows_cut, window_allows_cut
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ class Applied:
     evicted: bool = False
     #: llama.cpp refused the state (it passed our checks): a miss, nobody is told
     refused: bool = False
+    #: the record's publisher is not one this worker trusts (a miss, not a failure)
+    untrusted: bool = False
 
 
 def apply(
@@ -149,6 +152,7 @@ def apply(
     n_swa: int,
     fingerprint: bytes,
     verify: bool = True,
+    trust: Trust = EVERYONE,
 ) -> Applied:
     """Lease the record behind ``hit`` and :func:`load` it; never raises a ShmkvError."""
     try:
@@ -173,9 +177,12 @@ def apply(
                 n_swa=n_swa,
                 fingerprint=fingerprint,
                 verify=verify,
+                trust=trust,
             )
         finally:
             lease.finish(restored)
+    except UntrustedPublisher as e:
+        return Applied(failure=("untrusted publisher", str(e)), untrusted=True)
     except LeaseLost as e:  # (the bytes may have changed under the copy: not a bad record)
         return Applied(failure=("lease revoked", str(e)))
     except StateRefused as e:  # (a state made for another context: not a bad record)
@@ -209,16 +216,24 @@ def load(
     n_swa: int,
     fingerprint: bytes,
     verify: bool = True,
+    trust: Trust = EVERYONE,
 ) -> int:
     """Restore the leased record into the context if it gives more than ``local`` tokens.
 
     ``need``: the leading tokens its key promised; ``keep``: keep at most these.
     Returns the tokens now restored (0: not worth it, the context untouched). Raises
-    ModelMismatchError, ArenaCorruptError, StateRefused (llama.cpp does not take the
-    state) or LeaseLost; a context it touched is then cold. The lease is released
-    (``finish``) once the state is in.
+    UntrustedPublisher (a record of a publisher ``trust`` does not allow, never
+    restored), ModelMismatchError, ArenaCorruptError, StateRefused (llama.cpp does
+    not take the state) or LeaseLost; a context it touched is then cold. The lease
+    is released (``finish``) once the state is in.
     """
     rec = lease.record
+    if not trust.allows(rec.publisher):
+        raise UntrustedPublisher(
+            f"a cached state published by uid {rec.publisher}, which this worker does not "
+            f"trust, was skipped: add that user to --trust-publishers (SHMKV_TRUST_PUBLISHERS) "
+            f"to restore its states"
+        )
     if lease.fingerprint() != fingerprint:
         raise ModelMismatchError("cached blob belongs to another model/context setup")
     cached = lease.tokens()
@@ -251,7 +266,7 @@ def load(
                 "a restored sliding-window state lacks the window its cut needs"
             )
         if not lease.finish(common):
-            raise LeaseLost("a read lease was revoked during the restore")
+            raise LeaseLost("a read lease was revoked, or its connection lost, during the restore")
     except BaseException:
         forget(llm, wipe=True)
         raise

@@ -2,7 +2,8 @@
 
 A lease is a :class:`Grant` (the client's handle on it is ``shmkv.client.Lease``).
 This table only keeps them; ``store.py`` decides what a grant, a release or a
-revocation does to the records and to the header's revoke epoch.
+revocation does to the records. Every verdict is per lease: a revoked grant stays
+here, marked, until its holder's release learns of it.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .closer import discard_socket
 from .config import Settings
 from .errors import (
     ArenaExistsError,
@@ -251,7 +252,7 @@ class Listener:
                 send_msg(sock, {"ok": False, "id": 0, "error": refusal.to_wire()})
             except OSError:
                 pass
-            sock.close()
+            discard_socket(sock)  # (it may hold descriptors the peer sent: see closer.py)
             return None
         conn = Conn(sock, self._next_id, pid, uid, gid, ppid=parent_pid(pid))
         self._next_id += 1

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import threading
 import time
 import weakref
@@ -41,7 +42,7 @@ from llama_cpp import llama_cpp as lc
 from . import kvstate, policy
 from .arena import chain_digests, common_prefix
 from .client import Client
-from .config import Settings, resolve
+from .config import Settings, resolve, trusted_uids
 from .errors import ArenaCorruptError, ShmkvError
 from .fingerprint import key_root, model_fingerprint
 from .ledger import Ledger
@@ -347,6 +348,8 @@ class SharedPrefixCache:
         )
         self.publish_enabled = publish
         self.verify = verify
+        #: publishers trusted besides our uid and the supervisor's (None: everyone)
+        self._trusted = trusted_uids(getattr(settings, "trust_publishers", ""))
         self.policy = policy.strategy(
             policy.Rules(
                 n_swa=self.n_swa,
@@ -404,6 +407,20 @@ class SharedPrefixCache:
         except ShmkvError:
             return None
 
+    def trust(self) -> policy.Trust:
+        """Whose states this worker restores: its own uid's, the supervisor's, and those of
+        ``--trust-publishers`` (everyone's with ``*``)."""
+        extra = self._trusted
+        if extra is None:
+            return policy.EVERYONE
+        sup = self.reader.supervisor_uid
+        return policy.Trust(frozenset({os.geteuid(), *extra, *([] if sup is None else [sup])}))
+
+    def _owners(self, trust: policy.Trust) -> policy.Owners:
+        """The supervisor's ``owners``, for records of trusted publishers only."""
+        uids = None if trust.uids is None else sorted(trust.uids)
+        return lambda digest, tokens: self.reader.owners(digest, tokens, uids)
+
     def _go_cold(self) -> None:
         """Forget the context's tokens: llama-cpp-python prefills the whole prompt."""
         kvstate.forget(self.llm)
@@ -439,8 +456,11 @@ class SharedPrefixCache:
         except ShmkvError as e:
             self.ledger.fail("supervisor unavailable", e)
             return local
+        trust = self.trust()
         try:
-            plan = self.policy.plan(view, prompt, chunk, digests, hit, local, self.reader.owners)
+            plan = self.policy.plan(
+                view, prompt, chunk, digests, hit, local, self._owners(trust), trust
+            )
         except ShmkvError as e:  # (the owners round trip)
             self.ledger.fail("supervisor unavailable", e)
             return local
@@ -448,6 +468,8 @@ class SharedPrefixCache:
             self.ledger.fail(*plan.problem)
         if plan.window_unusable:
             self.ledger.add(swa_unusable=1)
+        if plan.untrusted:
+            self.ledger.add(untrusted=plan.untrusted)
         if plan.miss:
             self.ledger.add(misses=1)
         if plan.checkpoint:
@@ -465,6 +487,7 @@ class SharedPrefixCache:
             n_swa=self.n_swa,
             fingerprint=self.fingerprint,
             verify=self.verify,
+            trust=trust,
         )
         if done.failure:
             self.ledger.fail(*done.failure)
@@ -476,6 +499,8 @@ class SharedPrefixCache:
             self.ledger.add(misses=1)
         if done.refused:
             self.ledger.add(misses=1, states_refused=1)
+        if done.untrusted:
+            self.ledger.add(untrusted=1, misses=1)
         if not done.restored:
             return local if llm.n_tokens else 0  # (0: the context went cold)
         # the rows past what the context held are another prompt's logits, or none
@@ -535,7 +560,7 @@ class SharedPrefixCache:
                 if self.call is not None
                 else chain_digests(self.root, tokens, chunk)
             )
-            return policy.coverage(view, tokens, digests, self.n_swa)
+            return policy.coverage(view, tokens, digests, self.n_swa, self.trust())
         except (ShmkvError, ValueError):
             return 0
 

@@ -31,12 +31,16 @@ from . import __version__
 from .arena import MAX_TOKENS, ArenaView, common_prefix
 from .arenafile import ArenaFile
 from .claims import GO, Claims, Waiter
+from .closer import discard
+from .closer import pending as fds_closing
 from .config import Settings
 from .errors import ArenaCorruptError, BadRequest, PermissionDenied
 from .listener import Conn
 from .protocol import (
+    MAX_PUBLISHERS,
     MAX_U64,
     get_bool,
+    get_bytes,
     get_counters,
     get_digest,
     get_digests,
@@ -114,6 +118,7 @@ class Context:
             leases_active=store.leases.active(),
             workers_attached=sum(1 for c in self.conns.values() if c.attached),
             connections=len(self.conns),
+            fds_closing=fds_closing(),
         )
         return SupervisorStats(
             name=self.settings.name,
@@ -171,7 +176,6 @@ def attach(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
             "arena_id": ctx.store.geometry.arena_id,
             "version": __version__,
             "supervisor_pid": os.getpid(),
-            "epoch": ctx.store.epoch,
         },
         [ctx.arena.ro_fd],
     )
@@ -197,6 +201,7 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
                 "bytes": e.payload_len,
                 "extent": e.extent,
                 "pinned": e.pinned,
+                "publisher": e.publisher,
                 "hits": e.hits,
                 "leases": e.leases,
                 "created": e.created,
@@ -261,7 +266,7 @@ def acquire(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     offset = get_int(msg, "offset", g.data_offset, g.data_offset + g.data_size)
     gen = get_int(msg, "gen", 1)
     lease = ctx.store.acquire(offset, gen, conn.id)
-    return {"lease": lease, "epoch": ctx.store.epoch}, None
+    return {"lease": lease}, None
 
 
 @op("release", attached=True, privilege=Privilege.ANY)
@@ -306,13 +311,23 @@ def owners(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     prompt it asks for the others: every record that ends within the next chunk
     (the only ones a prompt can match to their end) and the most recent longer
     ones (how far the prompt goes along with them is where a checkpoint helps).
-    Reads token ids only; the worker checks everything again under its lease.
+    ``publishers`` (optional, u32 uids) keeps the records of those publishers only, so
+    that nobody else's records can crowd a worker's own out of the reply. Reads token
+    ids only; the worker checks everything again under its lease.
     """
     store = ctx.store
     digest = get_digest(msg, "digest")
     tokens = np.frombuffer(get_tokens(msg), dtype="<i4")
+    publishers: set[int] | None = None
+    if "publishers" in msg:
+        raw = get_bytes(msg, "publishers", 4, 4 * MAX_PUBLISHERS, multiple=4)
+        publishers = {int(u) for u in np.frombuffer(raw, dtype="<u4")}
     gens = store.owners.get(digest) or {}
-    live = [e for e in map(store.entries.get, gens) if e is not None and not e.doomed]
+    live = [
+        e
+        for e in map(store.entries.get, gens)
+        if e is not None and not e.doomed and (publishers is None or e.publisher in publishers)
+    ]
     if not live:
         return {"owners": []}, None
     # the digest is chunk prefix k of every record that owns it
@@ -372,21 +387,32 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
         raise BadRequest("put without a memfd: send the payload fd with SCM_RIGHTS")
     fd = conn.fds.pop(0)
     try:
+        # F_GET_SEALS first: only shmem files (memfd) answer it, and it asks no file
+        # system, where an fstat of a file on a hung FUSE mount would wait for its daemon
+        try:
+            fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            ctx.store.counters.foreign_fds += 1
+            raise BadRequest("the put descriptor is not a memfd") from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
+            ctx.store.counters.foreign_fds += 1
             raise BadRequest("the put descriptor is not a regular file (send a memfd)")
-        try:
-            fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # only shmem files (memfd) answer this
-        except OSError:
-            raise BadRequest("the put descriptor is not a memfd") from None
         if st.st_size < payload_len:
             raise BadRequest(f"memfd holds {st.st_size} bytes, put says {payload_len}")
         ctx.check_arena()
         e = ctx.store.put(
-            root, tokens, fingerprint, payload_len, checksum, _read_memfd(fd), pin=pinned
+            root,
+            tokens,
+            fingerprint,
+            payload_len,
+            checksum,
+            _read_memfd(fd),
+            pin=pinned,
+            publisher=conn.uid & 0xFFFFFFFF,  # (the kernel's word, never the message's)
         )
     finally:
-        os.close(fd)
+        discard(fd)  # (a close never runs on the loop: see closer.py)
     ctx.wake(ctx.claims.indexed(e.digests))
     return {"gen": e.gen, "key": e.key, "n_tokens": e.n_tokens}, None
 

@@ -8,6 +8,10 @@ is a function of (view, prompt, the prompt's digest chain, the context's own
 state) and is tested with hypothesis against a fake view. What it plans is
 checked again under a lease before any byte reaches llama.cpp (``kvstate.py``).
 
+Every strategy plans only with records of publishers the worker trusts
+(:class:`Trust`): another's record is skipped like one that does not fit, and
+counted (``Plan.untrusted``).
+
 Three strategies, chosen once per cache from its :class:`Rules`:
 
 * :class:`Plain`: a state can be cut back anywhere; restore the longest cached
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -35,8 +39,23 @@ SWA_MAX_PROBES = 256
 #: publish a divergence checkpoint only if it saves later prompts at least this many tokens
 SWA_MIN_GAIN = 16
 
-#: the supervisor's ``owners``: (digest, prompt) -> [(offset, gen, n_tokens, tokens matched)]
+#: the supervisor's ``owners``: (digest, prompt) -> [(offset, gen, n_tokens, tokens matched)],
+#: of the records of trusted publishers only
 Owners = Callable[[bytes, np.ndarray], Sequence[tuple[int, int, int, int]]]
+
+
+@dataclass(frozen=True)
+class Trust:
+    """Whose records a worker restores: the publisher uids it trusts (None: anyone the
+    supervisor lets publish)."""
+
+    uids: frozenset[int] | None = None
+
+    def allows(self, uid: int) -> bool:
+        return self.uids is None or uid in self.uids
+
+
+EVERYONE = Trust()
 
 
 class ArenaReader(Protocol):
@@ -76,29 +95,43 @@ def context_allows_cut(n_swa: int, pos_min: int, keep: int) -> bool:
     return pos_min <= max(0, keep - n_swa + 1)
 
 
-def peek(view: ArenaReader, slot: Slot, prompt: np.ndarray) -> tuple[int, int] | None:
-    """A lease-free look at a record: (its tokens, how many of ``prompt`` it matches).
+class Peek(NamedTuple):
+    """A lease-free look at a record."""
 
-    None if it does not parse; the lease path re-checks whatever is then used.
-    """
+    n_tokens: int  #: its tokens
+    common: int  #: how many of the prompt's tokens it matches
+    trusted: bool  #: published by a uid the worker trusts
+
+
+def peek(view: ArenaReader, slot: Slot, prompt: np.ndarray, trust: Trust = EVERYONE) -> Peek | None:
+    """A lease-free look at a record; None if it does not parse (the lease path re-checks
+    whatever is then used)."""
     try:
         rec = view.read_record(slot.rec_offset, slot.rec_gen)
-        return rec.n_tokens, common_prefix(view.tokens(rec), prompt)
+        trusted = trust.uids is None or trust.allows(rec.publisher)
+        return Peek(rec.n_tokens, common_prefix(view.tokens(rec), prompt), trusted)
     except (ArenaCorruptError, ValueError):
         return None
 
 
-def coverage(view: ArenaReader, tokens: np.ndarray, digests: Sequence[bytes], n_swa: int) -> int:
+def coverage(
+    view: ArenaReader,
+    tokens: np.ndarray,
+    digests: Sequence[bytes],
+    n_swa: int,
+    trust: Trust = EVERYONE,
+) -> int:
     """How many leading ``tokens`` a record in the arena already holds (a hint for publishing).
 
+    A record of an untrusted publisher covers nothing: this worker publishes its own.
     Raises what ``view.find_longest`` raises.
     """
     found = view.find_longest(digests)
-    looked = None if found is None else peek(view, found[1], tokens)
-    if looked is None:
+    looked = None if found is None else peek(view, found[1], tokens, trust)
+    if looked is None or not looked.trusted:
         return 0
     # a longer sliding-window state that cannot be cut back covers nothing
-    return looked[1] if window_allows_cut(n_swa, *looked) else 0
+    return looked.common if window_allows_cut(n_swa, looked.n_tokens, looked.common) else 0
 
 
 # ------------------------------------------------------------ inputs, outputs
@@ -146,6 +179,8 @@ class Plan:
     window_unusable: bool = False
     #: (kind, message) of a setup problem to log once
     problem: tuple[str, str] | None = None
+    #: records of untrusted publishers met (and skipped) on the way
+    untrusted: int = 0
 
 
 @dataclass(frozen=True)
@@ -185,13 +220,16 @@ class Strategy:
         hit: Hit | None,
         local: int,
         owners: Owners,
+        trust: Trust = EVERYONE,
     ) -> Plan:
         """The record to restore for ``prompt``, given the longest indexed prefix ``hit``.
 
         ``digests`` is the prompt's digest chain, ``local`` what the context keeps of
-        its own. ``owners`` is asked at most once, and only for sliding windows.
+        its own. ``owners`` (which lists trusted publishers' records only) is asked at
+        most once, and only for sliding windows or when the indexed record's publisher
+        is not trusted; such a record is never planned (``trust``).
         """
-        plan = self.choose(view, prompt, chunk, digests, hit, local, owners)
+        plan = self.choose(view, prompt, chunk, digests, hit, local, owners, trust)
         hit = plan.hit
         if hit is None or hit.chunks * chunk + chunk <= local:
             return replace(plan, hit=None, miss=hit is None and local < chunk)
@@ -200,8 +238,10 @@ class Strategy:
         # path detects and counts that, so do not skip it)
         known = plan.known
         if known is None:
-            looked = peek(view, hit.slot, prompt)
-            known = None if looked is None else looked[1]
+            looked = peek(view, hit.slot, prompt, trust)
+            if looked is not None and not looked.trusted:  # (a strategy that did not look)
+                return replace(plan, hit=None, untrusted=plan.untrusted + 1, miss=local < chunk)
+            known = None if looked is None else looked.common
         if known is not None and hit.chunks * chunk <= known <= local:
             return replace(plan, hit=None, known=known)
         return replace(plan, known=known)
@@ -215,9 +255,45 @@ class Strategy:
         hit: Hit | None,
         local: int,
         owners: Owners,
+        trust: Trust = EVERYONE,
     ) -> Plan:
         """The strategy's own choice of record, before the lease-or-not decision."""
         raise NotImplementedError
+
+    def trusted_instead(
+        self,
+        view: ArenaReader,
+        prompt: np.ndarray,
+        chunk: int,
+        digests: Sequence[bytes],
+        hit: Hit,
+        owners: Owners,
+        trust: Trust,
+    ) -> Plan:
+        """The record ``hit`` points at is an untrusted publisher's: the best trusted one.
+
+        The other records of its chunk prefix first (``owners``: one round trip), then
+        shorter chunk prefixes by lease-free peeks. The index points a chunk prefix at
+        one record, which may be anyone's; this worker's own copy is then beside it.
+        """
+        top, n = hit.chunks, len(prompt)
+        best, best_common = None, 0
+        for off, gen, _n_rec, c in owners(digests[top - 1], prompt):
+            if c >= top * chunk and c > best_common:
+                best, best_common = Hit(top, Slot(digests[top - 1], off, gen, top)), c
+        if best is not None:
+            return Plan(hit=best, keep=n, known=best_common, untrusted=1)
+        skipped = {(hit.slot.rec_offset, hit.slot.rec_gen)}
+        for k in range(top - 1, max(0, top - 1 - SWA_MAX_PROBES), -1):
+            slot = view.probe(digests[k - 1])
+            if slot is None or (slot.rec_offset, slot.rec_gen) in skipped:
+                continue
+            looked = peek(view, slot, prompt, trust)
+            if looked is None or looked.trusted:  # (corrupt-looking: the lease path tells)
+                known = None if looked is None else looked.common
+                return Plan(hit=Hit(k, slot), keep=n, known=known, untrusted=len(skipped))
+            skipped.add((slot.rec_offset, slot.rec_gen))
+        return Plan(keep=n, untrusted=len(skipped))
 
     def may_publish(self, n_tokens: int, aligned: int) -> bool:
         """Whether a state of ``n_tokens`` may be published at all."""
@@ -242,8 +318,15 @@ class Plain(Strategy):
         hit: Hit | None,
         local: int,
         owners: Owners,
+        trust: Trust = EVERYONE,
     ) -> Plan:
-        return Plan(hit=hit, keep=len(prompt))
+        n = len(prompt)
+        if hit is None or trust.uids is None or hit.chunks * chunk + chunk <= local:
+            return Plan(hit=hit, keep=n)
+        looked = peek(view, hit.slot, prompt, trust)
+        if looked is None or looked.trusted:
+            return Plan(hit=hit, keep=n, known=None if looked is None else looked.common)
+        return self.trusted_instead(view, prompt, chunk, digests, hit, owners, trust)
 
 
 class SlidingWindow(Strategy):
@@ -258,6 +341,7 @@ class SlidingWindow(Strategy):
         hit: Hit | None,
         local: int,
         owners: Owners,
+        trust: Trust = EVERYONE,
     ) -> Plan:
         """The best record this model can restore, and where the prompt diverges.
 
@@ -268,24 +352,33 @@ class SlidingWindow(Strategy):
            the prompt goes along with any of them (where a checkpoint would help).
         3. Else shorter chunk prefixes, whose slots point at the records ending in
            them (the checkpoints published near a prompt's end), by lease-free peeks.
+
+        A record of an untrusted publisher is skipped like one that does not fit, and
+        tells nothing about where the prompt diverges.
         """
         n = len(prompt)
         if hit is None or hit.chunks * chunk + chunk <= local:
             return Plan(hit=hit, keep=n)
+        untrusted = 0
 
         def fits(slot: Slot, k: int) -> tuple[bool | None, int]:
             """(restorable whole? None if it looks corrupt, tokens matched)."""
-            looked = peek(view, slot, prompt)
-            if looked is None or looked[1] < k * chunk:  # (ids contradicting their digests)
+            nonlocal untrusted
+            looked = peek(view, slot, prompt, trust)
+            if looked is not None and not looked.trusted:
+                untrusted += 1
+                return False, 0
+            if looked is None or looked.common < k * chunk:  # (ids contradicting digests)
                 return None, 0
-            n_rec, common = looked
-            return window_allows_cut(self.n_swa, n_rec, min(common, n - 1)), common
+            whole = window_allows_cut(self.n_swa, looked.n_tokens, min(looked.common, n - 1))
+            return whole, looked.common
 
         top = hit.chunks
         ok, common = fits(hit.slot, top)
         if ok is None or (ok and common >= n - 1):
             return Plan(hit=hit, keep=n, known=common)  # (corrupt-looking: the lease path
         diverge = common  # detects and counts it)
+        window = not untrusted  # (the top record is unusable for its window, not its publisher)
         best, best_common = (hit, common) if ok else (None, 0)
         for off, gen, n_rec, c in owners(digests[top - 1], prompt):
             diverge = max(diverge, c)
@@ -296,6 +389,7 @@ class SlidingWindow(Strategy):
             ):
                 best, best_common = Hit(top, Slot(digests[top - 1], off, gen, top)), c
         unusable = best is None
+        window_unusable = unusable and window
         if unusable:
             rejected = {(hit.slot.rec_offset, hit.slot.rec_gen)}
             for k in range(top - 1, max(0, top - 1 - SWA_MAX_PROBES), -1):
@@ -312,8 +406,9 @@ class SlidingWindow(Strategy):
             hit=best,
             keep=n,
             known=best_common,
-            window_unusable=unusable,
+            window_unusable=window_unusable,
             checkpoint=self._divergence(diverge, max(local, best_common), n, chunk),
+            untrusted=untrusted,
         )
 
     def _divergence(self, diverge: int, have: int, n_prompt: int, chunk: int) -> int:
@@ -381,8 +476,10 @@ class Exact(Strategy):
         hit: Hit | None,
         local: int,
         owners: Owners,
+        trust: Trust = EVERYONE,
     ) -> Plan:
-        """The longest multiple of n_batch that a cached state gives."""
+        """The longest multiple of n_batch that a cached state (of a trusted publisher)
+        gives."""
         align = self.rules.align
         if align % chunk:
             return Plan(
@@ -394,16 +491,24 @@ class Exact(Strategy):
         if hit is None:
             return Plan()
         p = min(hit.chunks * chunk, len(prompt) - 1) // align * align
+        untrusted = 0
         while p > local:
-            slot = hit.slot if p == hit.chunks * chunk else view.probe(digests[p // chunk - 1])
+            k = p // chunk
+            slot = hit.slot if p == hit.chunks * chunk else view.probe(digests[k - 1])
             if slot is not None:
-                looked = peek(view, slot, prompt)
+                looked = peek(view, slot, prompt, trust)
                 if looked is None:  # the lease path detects and counts it
-                    return Plan(hit=Hit(p // chunk, slot), keep=p)
-                if looked[1] >= p and window_allows_cut(self.n_swa, looked[0], p):
-                    return Plan(hit=Hit(p // chunk, slot), keep=p)
+                    return Plan(hit=Hit(k, slot), keep=p, untrusted=untrusted)
+                if not looked.trusted:  # another record of this prefix may be trusted
+                    untrusted += 1
+                    for off, gen, n_rec, c in owners(digests[k - 1], prompt):
+                        if c >= p and window_allows_cut(self.n_swa, n_rec, p):
+                            found = Hit(k, Slot(digests[k - 1], off, gen, k))
+                            return Plan(hit=found, keep=p, untrusted=untrusted)
+                elif looked.common >= p and window_allows_cut(self.n_swa, looked.n_tokens, p):
+                    return Plan(hit=Hit(k, slot), keep=p, untrusted=untrusted)
             p -= align
-        return Plan()
+        return Plan(untrusted=untrusted)
 
     def may_publish(self, n_tokens: int, aligned: int) -> bool:
         """Only states of whole batches, computed as a cold run computes them."""

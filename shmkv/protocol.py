@@ -36,6 +36,8 @@ MAX_FRAME = 4 << 20
 _LEN = struct.Struct(">I")
 MAX_U64 = (1 << 64) - 1
 MAX_COUNTER = 1 << 48
+#: publisher uids an ``owners`` request may filter on (a client with more sends none)
+MAX_PUBLISHERS = 1024
 
 #: Counters a worker may report, added to the supervisor's stats (declared in ``stats.py``).
 REPORTABLE = REPORTED

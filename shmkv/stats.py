@@ -121,6 +121,9 @@ class WorkerCounters:
         "states not captured because their call was closed late (an abandoned stream) while "
         "the context was in use or had moved on"
     )
+    untrusted: int = counter(
+        "cached states skipped: published by a uid this worker does not trust", reported=True
+    )
     restore_seconds: float = seconds("seconds spent restoring states")
     errors: dict[str, int] = field(
         default_factory=dict,
@@ -162,6 +165,7 @@ class ArenaCounters:
     evictions: int = counter("states evicted to make room")
     hits: int = counter("read leases granted (a worker found a state and leased it)")
     revocations: int = counter("read leases revoked (held too long while space was needed)")
+    leases_closed: int = counter("read leases ended by their connection's close, unreleased")
     stale_acquires: int = counter("lease requests for a state no longer stored")
     corrupt_removed: int = counter("stored states found corrupt and removed")
     ops_denied: int = counter(
@@ -169,6 +173,9 @@ class ArenaCounters:
         "worker_exit from a process that is not the worker's parent)"
     )
     bytes_put: int = counter("payload bytes stored")
+    foreign_fds: int = counter(
+        "descriptors peers passed that were not a put's memfd (closed off the loop)"
+    )
 
 
 @dataclass
@@ -187,6 +194,7 @@ class ArenaGauges:
     leases_active: int = gauge("read leases held")
     workers_attached: int = gauge("connections that attached to the arena")
     connections: int = gauge("open connections")
+    fds_closing: int = gauge("descriptors peers passed, waiting for the closer thread")
 
 
 @dataclass

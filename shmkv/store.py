@@ -14,11 +14,12 @@ in an order that keeps their reads safe:
   ``acquire`` (on a socket round trip) and ends with ``release`` or when the
   worker's connection closes, which the kernel does for a killed worker too
   (Plasma's rule). A lease held longer than ``lease_timeout`` may be revoked
-  when space is needed: the header's revoke epoch is bumped *before* the space
-  is written, and a reader compares the epoch after its copy, so a revoked
-  read is discarded instead of used (Mooncake's rule). Leases ended by a
-  closed connection bump the epoch too: the process behind it may be alive
-  (it dropped the connection after a timeout) and still reading.
+  when space is needed; the reader learns it from its own ``release``, which
+  answers ``valid: False``, and discards what it read (Mooncake's rule). A
+  closed connection ends that connection's leases only; a reader that is still
+  copying after losing its connection treats every lease of that connection as
+  void by itself (``client.Lease``). Each verdict is per lease: no close and no
+  revocation voids anyone else's read.
 
 Eviction is least-recently-used over unpinned, unleased entries, where a use is
 a put or a lease (a hit by any worker).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -66,6 +68,8 @@ class Entry:
     hits: int = 0
     last_used: float = 0.0
     doomed: bool = False
+    #: uid of the peer that put it
+    publisher: int = 0
 
 
 class Store:
@@ -95,16 +99,9 @@ class Store:
         self.leases = Leases()
         self.index_capacity = geometry.index_slots // 2
         self.counters = ArenaCounters()
+        #: the supervisor's uid: its records win an index slot (see ``_point``)
+        self.uid = os.geteuid()
         self._next_gen = 1
-        self._epoch = 0
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def _bump_epoch(self) -> None:
-        self._epoch += 1
-        self.arena.set_epoch(self._epoch)
 
     # ------------------------------------------------------------------- index
     def _point(self, digest: bytes, nch: int) -> bool:
@@ -114,6 +111,8 @@ class Store:
         before the next chunk: a prompt or checkpoint that a prompt matching this
         chunk may match to its very end, which is what a sliding-window model
         needs to restore it whole), else the shortest (cheapest to restore).
+        Records published by the supervisor's own uid come first, as every worker
+        trusts those: another user's record never takes their place.
         """
         owners = self.owners.get(digest)
         if not owners:
@@ -121,10 +120,11 @@ class Store:
             return True
         limit = (nch + 1) * self.geometry.chunk_tokens
         ending = [g for g, n in owners.items() if n < limit]
+        ours = {g for g in owners if self.entries[g].publisher == self.uid}
         if ending:
-            gen = max(ending, key=lambda g: (owners[g], -g))
+            gen = max(ending, key=lambda g: (g in ours, owners[g], -g))
         else:
-            gen = min(owners, key=lambda g: (owners[g], g))
+            gen = min(owners, key=lambda g: (g not in ours, owners[g], g))
         e = self.entries[gen]
         return self.arena.index_set(Slot(digest, e.offset, e.gen, nch))
 
@@ -136,11 +136,13 @@ class Store:
                 yield e
 
     def _revoke_stale_leases(self) -> bool:
-        """Revoke leases older than lease_timeout; True if any was revoked."""
+        """Revoke leases older than lease_timeout; True if any was revoked.
+
+        Each holder learns it at its release (``valid: False``); nobody else is affected.
+        """
         stale = self.leases.stale(self.clock(), self.lease_timeout)
         if not stale:
             return False
-        self._bump_epoch()  # before any revoked space can be written
         for grant in stale:
             grant.revoked = True
             self._unlease(grant.gen)
@@ -215,16 +217,27 @@ class Store:
         payload_xxh3: int,
         fill: Callable[[memoryview], None],
         pin: bool = False,
+        publisher: int | None = None,
     ) -> Entry:
-        """Store one blob; ``fill`` writes exactly ``payload_len`` bytes into the view."""
+        """Store one blob; ``fill`` writes exactly ``payload_len`` bytes into the view.
+
+        ``publisher`` is the uid of the peer that put it (default: ours). A put of the
+        same root, fingerprint and tokens as a stored record is a duplicate only if the
+        same uid published that record: another user's copy (maybe garbage with a valid
+        checksum) never keeps this one out; both are stored, and workers restore the one
+        they trust.
+        """
         g = self.geometry
+        publisher = self.uid if publisher is None else publisher
         n_tokens = len(tokens)
         if n_tokens < g.chunk_tokens:
             raise BadRequest(
                 f"a blob needs at least chunk_tokens={g.chunk_tokens} tokens, got {n_tokens}"
             )
         tok_bytes = tokens.astype("<i4", copy=False).tobytes()
-        content = hashlib.blake2b(root + fingerprint + tok_bytes, digest_size=16).digest()
+        content = hashlib.blake2b(
+            root + fingerprint + tok_bytes + publisher.to_bytes(4, "little"), digest_size=16
+        ).digest()
         dup = self._duplicate(content, pin)
         if dup is not None:
             return dup
@@ -275,6 +288,7 @@ class Store:
             payload_len,
             payload_xxh3,
             created,
+            publisher,
         )
         e = Entry(
             gen,
@@ -289,6 +303,7 @@ class Store:
             created,
             pinned=pin,
             last_used=self.clock(),
+            publisher=publisher,
         )
         self.entries[gen] = e
         self.by_content[content] = gen
@@ -341,15 +356,16 @@ class Store:
         return True
 
     def release_owner(self, owner: int) -> int:
-        """Drop every lease of ``owner`` (its connection closed); returns how many."""
+        """Drop every lease of ``owner`` (its connection closed); returns how many.
+
+        Only these leases end. A process still reading under one of them (a client that
+        dropped this connection after a timeout) knows its connection is gone and
+        discards that read itself (``client.Lease.finish``).
+        """
         lids = self.leases.of_owner(owner)
-        if any(not self.leases[lid].revoked for lid in lids):
-            # The owner's process may still be reading (another thread, or a client that
-            # dropped this connection after a timeout): like a revocation, bump the epoch
-            # before the space can be reused, so that read fails its finish() check.
-            self._bump_epoch()
         for lid in lids:
-            self.release(lid, owner)
+            if self.release(lid, owner):
+                self.counters.leases_closed += 1
         return len(lids)
 
     # ----------------------------------------------------------- pins & clear

@@ -26,6 +26,7 @@ from . import __version__
 from .arena import ArenaView
 from .arenafile import ArenaFile, arena_path
 from .claims import Claims, Waiter
+from .closer import SCM_MAX_FD, discard, discard_socket, fds_of
 from .config import Settings, group_id
 from .errors import (
     EXIT_ARENA_LOST,
@@ -206,11 +207,10 @@ class Supervisor:
             self.sel.unregister(conn.sock)
         except (KeyError, ValueError):
             pass
-        conn.sock.close()
-        for fd in conn.fds:
-            os.close(fd)
-        conn.fds.clear()
-        # releasing may bump the epoch or free a doomed record: both write to the arena
+        # (its receive queue may still hold descriptors the peer sent: closing it may block)
+        discard_socket(conn.sock)
+        self._discard_fds(conn)
+        # releasing may free a doomed record, which writes to the arena
         intact = not self.arena.lost and self.arena.intact()
         released = self.ctx.store.release_owner(conn.id) if intact else 0
         self._wake(self.claims.drop_owner(conn.id))
@@ -222,18 +222,24 @@ class Supervisor:
             released,
         )
 
+    def _discard_fds(self, conn: Conn) -> None:
+        """Close (off the loop) the descriptors a peer sent that no put took."""
+        for fd in conn.fds:
+            self.ctx.store.counters.foreign_fds += 1
+            discard(fd)
+        conn.fds.clear()
+
     def _on_readable(self, conn: Conn) -> None:
         try:
-            data, anc, flags, _ = conn.sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * MAX_PENDING_FDS))
+            # room for every descriptor a message can carry: the kernel would close the ones
+            # that do not fit, here, in the loop (a close that may block)
+            data, anc, flags, _ = conn.sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * SCM_MAX_FD))
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
             self._close(conn, str(e))
             return
-        for level, typ, cdata in anc:
-            if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
-                n = len(cdata) // 4
-                conn.fds.extend(struct.unpack(f"{n}i", cdata[: 4 * n]))
+        conn.fds.extend(fds_of(anc))
         if flags & socket.MSG_CTRUNC or len(conn.fds) > MAX_PENDING_FDS:
             self._reply_error(
                 conn, 0, ProtocolError(f"more than {MAX_PENDING_FDS} file descriptors sent at once")
@@ -257,9 +263,7 @@ class Supervisor:
                 return
             self._handle_frame(conn, body)
         if conn.frames.pending() == 0 and conn.fds:  # fds that belonged to no put
-            for fd in conn.fds:
-                os.close(fd)
-            conn.fds.clear()
+            self._discard_fds(conn)
         if not conn.closing:
             self._flush(conn)
 

@@ -201,7 +201,7 @@ def test_arena_writes_after_truncation_never_sigbus_the_supervisor(
             admin.clear()  # the leased entry is doomed: its release frees (writes) it
     os.truncate(sup.arena, 0)
     if then == "close-with-lease":
-        c.close()  # releasing its lease bumps the epoch in the header
+        c.close()  # its lease ends with the connection
     elif then == "clear":
         with pytest.raises(ArenaCorruptError, match="truncated"):
             with sup.client(attach=False) as admin:

@@ -10,7 +10,7 @@ test states one property of the plan in its name.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from shmkv.arena import Hit, Slot, chain_digests, common_prefix
 from shmkv.errors import ArenaCorruptError
 from shmkv.policy import (
+    EVERYONE,
     SWA_MAX_PROBES,
     SWA_MIN_GAIN,
     Exact,
@@ -28,6 +29,7 @@ from shmkv.policy import (
     Plan,
     Rules,
     SlidingWindow,
+    Trust,
     context_allows_cut,
     coverage,
     strategy,
@@ -48,6 +50,7 @@ CHECK = settings(max_examples=300, deadline=None, suppress_health_check=[HealthC
 class Rec:
     n_tokens: int
     tokens: np.ndarray
+    publisher: int = 0
 
 
 class FakeArena:
@@ -147,11 +150,18 @@ def scenes(draw: st.DrawFn, max_local: int | None = 0) -> tuple[FakeArena, np.nd
     return FakeArena(records, sorted(corrupt)), prompt, local
 
 
-def plan_for(strat: object, arena: FakeArena, prompt: np.ndarray, local: int) -> Plan:
+def plan_for(
+    strat: object, arena: FakeArena, prompt: np.ndarray, local: int, trust: Trust = EVERYONE
+) -> Plan:
     digests = chain_digests(ROOT, prompt, CHUNK)
     found = arena.find_longest(digests)
     hit = None if found is None else Hit(found[0], found[1])
-    return strat.plan(arena, prompt, CHUNK, digests, hit, local, arena.owners)
+
+    def owners(digest: bytes, prompt: np.ndarray) -> list[tuple[int, int, int, int]]:
+        rows = arena.owners(digest, prompt)  # (the supervisor keeps trusted publishers' only)
+        return [r for r in rows if trust.allows(arena.recs[(r[0], r[1])].publisher)]
+
+    return strat.plan(arena, prompt, CHUNK, digests, hit, local, owners, trust)
 
 
 def longest(arena: FakeArena, prompt: np.ndarray) -> int:
@@ -205,6 +215,50 @@ def test_a_miss_means_no_lease_and_less_than_a_chunk_in_the_context(strat, scene
         assert plan.hit is None and local < CHUNK
     if longest(arena, prompt) == 0 and local < CHUNK:
         assert plan.miss
+
+
+# ----------------------------------------------------------------------- trust
+MINE = Trust(frozenset({0}))
+
+
+@pytest.mark.parametrize(
+    "strat", [PLAIN, WINDOW, EXACT, EXACT_WINDOW], ids=["plain", "window", "exact", "exact-window"]
+)
+@CHECK
+@given(scene=scenes(max_local=None), data=st.data())
+def test_a_plan_never_leases_a_record_of_an_untrusted_publisher(strat, scene, data) -> None:
+    arena, prompt, local = scene
+    keys = sorted(arena.recs)
+    others = data.draw(st.sets(st.sampled_from(keys))) if keys else set()
+    for key in others:
+        arena.recs[key] = replace(arena.recs[key], publisher=1)
+    plan = plan_for(strat, arena, prompt, local, MINE)
+    if plan.hit is not None:
+        key = (plan.hit.slot.rec_offset, plan.hit.slot.rec_gen)
+        assert key in arena.corrupt or arena.recs[key].publisher == 0
+    if not others:  # (one publisher, as without --group: trust changes nothing)
+        assert plan == plan_for(strat, arena, prompt, local)
+
+
+@CHECK
+@given(scene=scenes(), data=st.data())
+def test_plain_restores_a_trusted_record_beside_an_untrusted_one_the_index_points_at(
+    scene, data
+) -> None:
+    arena, prompt, _ = scene
+    k = longest(arena, prompt)
+    if not k:
+        return
+    digest = chain_digests(ROOT, prompt, CHUNK)[k - 1]
+    slot = arena.index[digest]
+    top = (slot.rec_offset, slot.rec_gen)
+    beside = [g for g in arena.owners_of[digest] if (g * 4096, g) != top]
+    if not beside or top in arena.corrupt:
+        return
+    arena.recs[top] = replace(arena.recs[top], publisher=1)
+    plan = plan_for(PLAIN, arena, prompt, 0, MINE)
+    assert plan.hit is not None and plan.hit.chunks == k and plan.untrusted == 1
+    assert (plan.hit.slot.rec_offset, plan.hit.slot.rec_gen) != top
 
 
 # ----------------------------------------------------------------------- plain

@@ -433,7 +433,10 @@ def test_extra_fds_are_closed(supervisor) -> None:
         finally:
             for fd in fds + fds2:
                 os.close(fd)
-    assert fd_count(pid) <= base, os.listdir(f"/proc/{pid}/fd")
+    # (closed off the loop, by the supervisor's closer thread)
+    wait_until(
+        lambda: fd_count(pid) <= base, what=f"the fds' close: {os.listdir(f'/proc/{pid}/fd')}"
+    )
     r.close()
     assert_healthy(supervisor)
 
