@@ -42,6 +42,7 @@ __all__ = [
     "LeaseLost",
     "ModelMismatchError",
     "ClosedError",
+    "LimitExceeded",
     "from_wire",
 ]
 
@@ -155,6 +156,12 @@ class ClosedError(ShmkvError):
     """A handle was used after ``close()``."""
 
     code = "closed"
+
+
+class LimitExceeded(ShmkvError):
+    """A peer asked for more than one connection may hold (pins, leases, ...)."""
+
+    code = "limit"
 
 
 _BY_CODE: dict[str, type[ShmkvError]] = {}
