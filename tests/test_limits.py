@@ -21,7 +21,7 @@ import time
 import msgpack
 import numpy as np
 import pytest
-from helpers import CHUNK, MiB, Raw, Sup, blob, wait_until
+from helpers import CHUNK, MiB, Raw, Sup, blob, fd_count, put_msg, wait_until
 
 from shmkv import ShmkvError
 from shmkv import arena as A
@@ -316,3 +316,47 @@ def test_a_huge_put_into_a_fragmented_arena_keeps_ping_under_100ms(make_supervis
         assert hit is not None and hit.chunks == 4
         with c.acquire(hit) as lease:
             assert lease.record.payload_len == len(big) and lease.intact()
+
+
+def test_a_sliced_put_answers_in_order_and_a_closed_peer_gives_its_space_back(
+    make_supervisor,
+):
+    """A put done over many turns: the same connection's next requests wait for its reply
+    (replies stay in order), other connections are served meanwhile, and a peer that goes
+    away mid-put leaves neither its space nor its memfd behind."""
+    sup = make_supervisor("--size", "256M", env_extra={"SHMKV_PUT_SLICE": "0.0001"})
+    data = b"\x33" * (64 * MiB)
+    tokens = np.arange(2 * CHUNK, dtype="<i4")
+    raw = Raw(sup.socket, timeout=30)
+    raw.attach()
+    other = Raw(sup.socket)
+    fd = os.memfd_create("test-put", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        raw.send(put_msg(tokens, data), [fd])
+        for _ in range(3):
+            raw.send({"op": "ping"})
+        assert other.call({"op": "ping"})["ok"]  # served while the put goes on
+        replies = [raw.recv() for _ in range(4)]
+    finally:
+        os.close(fd)
+    assert [r["id"] for r in replies] == [2, 3, 4, 5], replies  # (1 was the attach)
+    assert "gen" in replies[0] and all(r["ok"] for r in replies), replies
+    st = sup.stats()
+    assert st["puts_sliced"] == 1 and st["entries"] == 1, st
+    used, fds = st["bytes_used"], fd_count(sup.proc.pid)
+
+    # a peer that closes its connection in the middle of a sliced put
+    fd = os.memfd_create("test-put", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        raw.send(put_msg(tokens + 1, data), [fd])
+    finally:
+        os.close(fd)
+    raw.close()
+    # (the stats request is a connection too)
+    wait_until(lambda: sup.stats()["connections"] == 2, what="the peer to be gone")
+    st = sup.stats()
+    assert st["bytes_used"] == used and st["entries"] == 1, st
+    assert fd_count(sup.proc.pid) <= fds, (fd_count(sup.proc.pid), fds)
+    other.close()
