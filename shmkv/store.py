@@ -36,6 +36,7 @@ most ``max_pinned`` bytes, a connection may hold at most ``max_leases`` leases.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import logging
 import math
 import time
@@ -120,6 +121,8 @@ class Store:
         self.limits = LimitCounters() if limits is None else limits
         #: chunk digest -> {gen: n_tokens} of every live record indexed under it
         self.owners: dict[bytes, dict[int, int]] = {}
+        #: (rank, gen) heaps of the digests with several owners (see _best); some stale
+        self._heaps: dict[bytes, list[tuple[tuple[int, int, int], int]]] = {}
         self.by_content: dict[bytes, int] = {}
         self.leases = Leases()
         self.index_capacity = geometry.index_slots // 2
@@ -136,25 +139,65 @@ class Store:
         self.arena.set_epoch(self._epoch)
 
     # ------------------------------------------------------------------- index
+    def _rank(self, nch: int, gen: int, n_tokens: int) -> tuple[int, int, int]:
+        """Order of the owners of chunk prefix ``nch`` for :meth:`_point` (least is best)."""
+        if n_tokens < (nch + 1) * self.geometry.chunk_tokens:  # ends within the next chunk
+            return (0, -n_tokens, gen)  # the longest of those
+        return (1, n_tokens, gen)  # else the shortest
+
+    def _best(self, digest: bytes, nch: int, owners: dict[int, int]) -> int:
+        """The owner of ``digest`` its slot should point at, in O(log n) amortized.
+
+        A digest with several owners (a chunk prefix many prompts share, e.g. a system
+        prompt's) keeps its owners in a heap by rank; owners removed since are dropped
+        when they reach the top.
+        """
+        if len(owners) == 1:
+            return next(iter(owners))
+        heap = self._heaps.get(digest)
+        if heap is None:
+            heap = [(self._rank(nch, g, n), g) for g, n in owners.items()]
+            heapq.heapify(heap)
+            self._heaps[digest] = heap
+        while heap[0][1] not in owners:
+            heapq.heappop(heap)
+        return heap[0][1]
+
+    def _add_owner(self, digest: bytes, nch: int, gen: int, n_tokens: int) -> None:
+        self.owners.setdefault(digest, {})[gen] = n_tokens
+        heap = self._heaps.get(digest)
+        if heap is not None:
+            heapq.heappush(heap, (self._rank(nch, gen, n_tokens), gen))
+
+    def _drop_owner(self, digest: bytes, gen: int) -> None:
+        owners = self.owners.get(digest)
+        if owners is None:
+            return
+        owners.pop(gen, None)
+        if not owners:
+            del self.owners[digest]
+        heap = self._heaps.get(digest)
+        if heap is not None:
+            if len(owners) <= 1:
+                del self._heaps[digest]
+            elif len(heap) > 2 * len(owners) + 8:  # mostly removed owners: rebuild
+                self._heaps[digest] = [t for t in heap if t[1] in owners]
+                heapq.heapify(self._heaps[digest])
+
     def _point(self, digest: bytes, nch: int) -> bool:
         """Point the slot of chunk prefix ``nch`` at the owner a lookup should try first.
 
         That is the longest of the records whose last full chunk this is (they end
         before the next chunk: a prompt or checkpoint that a prompt matching this
         chunk may match to its very end, which is what a sliding-window model
-        needs to restore it whole), else the shortest (cheapest to restore).
+        needs to restore it whole), else the shortest (cheapest to restore); the
+        oldest among equals.
         """
         owners = self.owners.get(digest)
         if not owners:
             self.arena.index_del(digest)
             return True
-        limit = (nch + 1) * self.geometry.chunk_tokens
-        ending = [g for g, n in owners.items() if n < limit]
-        if ending:
-            gen = max(ending, key=lambda g: (owners[g], -g))
-        else:
-            gen = min(owners, key=lambda g: (owners[g], g))
-        e = self.entries[gen]
+        e = self.entries[self._best(digest, nch, owners)]
         return self.arena.index_set(Slot(digest, e.offset, e.gen, nch))
 
     # ---------------------------------------------------------------- eviction
@@ -200,11 +243,8 @@ class Store:
         if self.by_content.get(e.content) == e.gen:
             del self.by_content[e.content]
         for k, d in enumerate(e.digests, 1):
-            owners = self.owners.get(d)
-            if owners is not None:
-                owners.pop(e.gen, None)
-                if not owners:
-                    del self.owners[d]
+            if d in self.owners:
+                self._drop_owner(d, e.gen)
                 self._point(d, k)
         e.doomed = True
         if e.leases == 0:
@@ -366,7 +406,7 @@ class Store:
         self.entries[gen] = e
         self.by_content[job.content] = gen
         for k, d in enumerate(digests, 1):
-            self.owners.setdefault(d, {})[gen] = len(job.tokens)
+            self._add_owner(d, k, gen, len(job.tokens))
             if not self._point(d, k):
                 log.warning("index probe limit reached; entry %s only partly indexed", d.hex()[:12])
         if pin:

@@ -622,6 +622,15 @@ class StoreMachine(RuleBasedStateMachine):
             owner = store.entries.get(s.rec_gen)
             assert owner is not None and not owner.doomed and owner.offset == s.rec_offset
             assert s.digest in owner.digests
+            # the slot points at the longest live record ending within the next chunk,
+            # else at the shortest (the oldest among equals), found by a scan here
+            n_of = {e.gen: e.n_tokens for e in live if s.digest in e.digests}
+            ending = [g for g, n in n_of.items() if n < (s.n_chunks + 1) * CHUNK]
+            if ending:
+                best = max(ending, key=lambda g: (n_of[g], -g))
+            else:
+                best = min(n_of, key=lambda g: (n_of[g], g))
+            assert s.rec_gen == best, (s, n_of)
         # a reader finds every live entry's full prefix and a record that validates
         for e in live:
             k = self.known[e.gen]
