@@ -133,9 +133,10 @@ def put_bytes(
     fp: bytes = b"fp",
     pin: bool = False,
     checksum: int | None = None,
+    publisher: int | None = None,
 ):
     csum = xxhash.xxh3_64_intdigest(data) if checksum is None else checksum
-    return store.put(root, tokens, fp, len(data), csum, filler(data), pin=pin)
+    return store.put(root, tokens, fp, len(data), csum, filler(data), pin=pin, publisher=publisher)
 
 
 def reader(data: bytes):
@@ -149,6 +150,9 @@ def reader(data: bytes):
 
 # ------------------------------------------------------------------- state machine
 CHUNK = 4
+#: the supervisor's uid (what Store.put records by default) and another publisher's
+OURS = os.geteuid()
+THEIRS = (OURS + 1) & 0xFFFFFFFF
 DATA_PAGES = 48
 INDEX_SLOTS = 64  # index capacity 32 digests: the index fills up too, not just bytes
 ROOTS = [bytes([r]) * A.DIGEST_SIZE for r in range(2)]
@@ -178,6 +182,7 @@ class Known:
     payload: bytes
     digests: list[bytes]
     offset: int
+    publisher: int
 
 
 @dataclass
@@ -190,6 +195,7 @@ class Pending:
     payload: bytes
     corrupt: bool
     pin: bool
+    publisher: int
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -256,11 +262,19 @@ class StoreMachine(RuleBasedStateMachine):
         ),
         pin=st.sampled_from([False] * 3 + [True]),
         corrupt=st.sampled_from([False] * 5 + [True]),
+        theirs=st.sampled_from([False] * 3 + [True]),
     )
     def put_any(
-        self, root: int, base: int, n_tokens: int, size: int, pin: bool, corrupt: bool
+        self,
+        root: int,
+        base: int,
+        n_tokens: int,
+        size: int,
+        pin: bool,
+        corrupt: bool,
+        theirs: bool,
     ) -> None:
-        self.do_put(root, base, n_tokens, size, pin, corrupt)
+        self.do_put(root, base, n_tokens, size, pin, corrupt, THEIRS if theirs else OURS)
 
     @rule(root=st.sampled_from(range(len(ROOTS))), base=st.sampled_from(range(len(BASES))))
     def put_whole_region(self, root: int, base: int) -> None:
@@ -270,7 +284,14 @@ class StoreMachine(RuleBasedStateMachine):
         self.do_put(root, base, n_tokens, self.af.geometry.data_size - pay_off, False, False)
 
     def do_put(
-        self, root: int, base: int, n_tokens: int, size: int, pin: bool, corrupt: bool
+        self,
+        root: int,
+        base: int,
+        n_tokens: int,
+        size: int,
+        pin: bool,
+        corrupt: bool,
+        publisher: int = OURS,
     ) -> None:
         """A put that fits, needs evictions, can never fit, or carries a bad checksum."""
         tokens = BASES[base][:n_tokens].copy()
@@ -281,10 +302,12 @@ class StoreMachine(RuleBasedStateMachine):
         pinned = set(self.pinned)
         evictions = self.store.counters.evictions
         checksum = (xxhash.xxh3_64_intdigest(data) ^ 1) if corrupt else None
-        dup = self.find_dup(r, tokens)
+        dup = self.find_dup(r, tokens, publisher)
         over_cap = self.pin_over_cap(dup, extent) if pin else False
         try:
-            e = put_bytes(self.store, r, tokens, data, pin=pin, checksum=checksum)
+            e = put_bytes(
+                self.store, r, tokens, data, pin=pin, checksum=checksum, publisher=publisher
+            )
         except LimitExceeded as err:
             assert over_cap and "--max-pinned-percent" in str(err)
             e = None
@@ -309,8 +332,9 @@ class StoreMachine(RuleBasedStateMachine):
             else:
                 assert e.gen not in self.known
                 self.known[e.gen] = Known(
-                    r, tokens, data, A.chain_digests(r, tokens, CHUNK), e.offset
+                    r, tokens, data, A.chain_digests(r, tokens, CHUNK), e.offset, publisher
                 )
+            assert e.publisher == publisher
             if pin:
                 self.pinned.add(e.gen)
         after = set(self.live())
@@ -323,13 +347,16 @@ class StoreMachine(RuleBasedStateMachine):
         if e is not None:
             assert e.gen in after
 
-    def find_dup(self, r: bytes, tokens: np.ndarray) -> int | None:
-        """The live entry of the same key, if any."""
+    def find_dup(self, r: bytes, tokens: np.ndarray, publisher: int) -> int | None:
+        """The live entry of the same key and publisher, if any (another publisher's copy
+        is no duplicate)."""
         return next(
             (
                 g
                 for g in self.live()
-                if self.known[g].root == r and np.array_equal(self.known[g].tokens, tokens)
+                if self.known[g].root == r
+                and self.known[g].publisher == publisher
+                and np.array_equal(self.known[g].tokens, tokens)
             ),
             None,
         )
@@ -354,9 +381,17 @@ class StoreMachine(RuleBasedStateMachine):
         ),
         pin=st.sampled_from([False] * 3 + [True]),
         corrupt=st.sampled_from([False] * 5 + [True]),
+        theirs=st.sampled_from([False] * 3 + [True]),
     )
     def begin_sliced_put(
-        self, root: int, base: int, n_tokens: int, size: int, pin: bool, corrupt: bool
+        self,
+        root: int,
+        base: int,
+        n_tokens: int,
+        size: int,
+        pin: bool,
+        corrupt: bool,
+        theirs: bool,
     ) -> None:
         """Start a put that copies a page per step; it goes on in ``step_put``."""
         if len(self.jobs) >= 2:
@@ -366,11 +401,20 @@ class StoreMachine(RuleBasedStateMachine):
         data = payload_for(r, tokens, size)
         *_, extent = A.record_layout(n_tokens, 2, size)
         checksum = xxhash.xxh3_64_intdigest(data) ^ (1 if corrupt else 0)
-        dup = self.find_dup(r, tokens)
+        publisher = THEIRS if theirs else OURS
+        dup = self.find_dup(r, tokens, publisher)
         over_cap = self.pin_over_cap(dup, extent) if pin else False
         try:
             job = self.store.begin_put(
-                r, tokens, b"fp", size, checksum, reader(data), pin=pin, piece=PAGE
+                r,
+                tokens,
+                b"fp",
+                size,
+                checksum,
+                reader(data),
+                pin=pin,
+                piece=PAGE,
+                publisher=publisher,
             )
         except LimitExceeded:
             assert over_cap
@@ -381,7 +425,7 @@ class StoreMachine(RuleBasedStateMachine):
             if pin:
                 self.pinned.add(dup)
             return
-        self.jobs.append(Pending(job, r, tokens, data, corrupt, pin))
+        self.jobs.append(Pending(job, r, tokens, data, corrupt, pin, publisher))
 
     @precondition(lambda self: self.jobs)
     @rule(
@@ -401,7 +445,7 @@ class StoreMachine(RuleBasedStateMachine):
         before = set(self.live())
         pinned = set(self.pinned)
         evictions = self.store.counters.evictions
-        dup = self.find_dup(p.root, p.tokens)
+        dup = self.find_dup(p.root, p.tokens, p.publisher)
         try:
             for _ in range(steps):
                 e = p.job.step(0.0)  # a deadline already past: the least possible work
@@ -435,7 +479,9 @@ class StoreMachine(RuleBasedStateMachine):
                         p.payload,
                         A.chain_digests(p.root, p.tokens, CHUNK),
                         e.offset,
+                        p.publisher,
                     )
+                assert e.publisher == p.publisher
                 if p.pin:
                     self.pinned.add(e.gen)
         if p not in self.jobs:
@@ -622,14 +668,16 @@ class StoreMachine(RuleBasedStateMachine):
             assert owner is not None and not owner.doomed and owner.offset == s.rec_offset
             assert s.digest in owner.digests
             # the slot points at the longest live record ending within the next chunk,
-            # else at the shortest (the oldest among equals), found by a scan here
+            # else at the shortest (the oldest among equals), the supervisor's uid's
+            # records first in either case, found by a scan here
             n_of = {e.gen: e.n_tokens for e in live if s.digest in e.digests}
+            ours = {e.gen for e in live if e.gen in n_of and e.publisher == store.uid}
             ending = [g for g, n in n_of.items() if n < (s.n_chunks + 1) * CHUNK]
             if ending:
-                best = max(ending, key=lambda g: (n_of[g], -g))
+                best = max(ending, key=lambda g: (g in ours, n_of[g], -g))
             else:
-                best = min(n_of, key=lambda g: (n_of[g], g))
-            assert s.rec_gen == best, (s, n_of)
+                best = min(n_of, key=lambda g: (g not in ours, n_of[g], g))
+            assert s.rec_gen == best, (s, n_of, ours)
         # a reader finds every live entry's full prefix and a record that validates
         for e in live:
             k = self.known[e.gen]
@@ -648,6 +696,7 @@ class StoreMachine(RuleBasedStateMachine):
             rec = view.read_record(e.offset, e.gen)
             view.verify_meta(rec)
             assert bytes(view.payload(rec)) == k.payload
+            assert rec.publisher == k.publisher == e.publisher
             assert rec.key == k.digests[-1] and rec.n_tokens == len(k.tokens)
         # removed entries are not findable, and their records no longer validate
         for gen in set(self.known) - {e.gen for e in live}:
