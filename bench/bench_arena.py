@@ -7,20 +7,30 @@ A real ``shmkv supervise`` owns the arena; this process is the worker (a ``Clien
    ``set`` (the floor) and llama-cpp-python's ``LlamaRAMCache`` prefix scan;
 2. ``Client.put`` of 16 MiB blobs, beside the memcpy, xxh3 and memfd-to-/dev/shm copy floors;
 3. lookup to a leased, verified pointer into a 16 MiB blob, with and without the payload
-   checksum, beside a memcpy out of the mapping.
+   checksum, beside a memcpy out of the mapping;
+4. a fragmented arena (filled with small records, half of them then used in random
+   order, so that the LRU order is not the address order) and one huge put that must
+   evict most of it, while another process pings the supervisor every 5 ms: evictions,
+   seconds, and the ping round trips during the put. ``--before PATH`` also runs it
+   against the supervisor of another checkout (e.g. the code before a change), in the
+   same run.
 
-    python bench/bench_arena.py            # full run, ~1 minute
+    python bench/bench_arena.py            # full run, ~2 minutes
     python bench/bench_arena.py --quick    # smoke run, a few seconds
+    python bench/bench_arena.py --case fragmented --before ../main   # case 4 only
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
+import json
 import logging
 import mmap
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +61,13 @@ FINGERPRINT = b"bench-arena-model-fingerprint"
 ROOT = bytes(16)  # one namespace: every entry chains from the same root
 GOAL_LOOKUP_P50_US = 50.0
 GOAL_PUT_GBPS = 1.0
+GOAL_PING_MAX_MS = 100.0
 
+#: the fragmented case: arena size, payload of each small record, size of the huge put
+FRAGMENTED = {
+    False: dict(size=2 << 30, record=28 * 1024, put=400 * MIB),
+    True: dict(size=256 << 20, record=28 * 1024, put=50 * MIB),
+}
 
 PLANS = {  # what one run does; --quick shrinks every count
     False: dict(
@@ -352,10 +368,180 @@ def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]) 
     }
 
 
+# ------------------------------------------------------ 4. a fragmented arena
+# Another process pings the supervisor every 5 ms (this one's GIL would otherwise be in
+# the measurement) until a line arrives on its stdin; it prints [[sent at, ms], ...].
+PINGER = r"""
+import json, select, socket, sys, time
+from shmkv.protocol import recv_msg, send_msg
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(600)
+s.connect(sys.argv[1])
+print("ready", flush=True)
+out, i = [], 0
+while not select.select([sys.stdin], [], [], 0.005)[0]:
+    i += 1
+    w, t0 = time.time(), time.perf_counter()
+    send_msg(s, {"op": "ping", "id": i})
+    assert recv_msg(s)[0]["ok"]
+    out.append([w, (time.perf_counter() - t0) * 1e3])
+print(json.dumps(out), flush=True)
+"""
+
+
+def bench_fragmented(quick: bool, seed: int, code: Path | None) -> dict[str, Any]:
+    """Fill an arena with small records, use half of them in random order, then put one
+    huge blob while another process pings; ``code``: the checkout whose supervisor runs
+    (None: this one)."""
+    fp = FRAGMENTED[quick]
+    size, record, big = int(fp["size"]), int(fp["record"]), int(fp["put"])
+    rng = np.random.default_rng(seed)
+    env = common.child_env()
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), env["PYTHONPATH"]])
+    slots = 1 << (size // (16 * 1024)).bit_length()  # room for every small record
+    with (
+        tempfile.TemporaryDirectory(prefix="shmkv-bench-") as tmp,
+        common.supervisor(
+            Path(tmp), "--size", str(size), "--index-slots", str(slots), env=env
+        ) as sup,
+    ):
+        client = sup.client(timeout=600)
+        try:
+            chunk = client.ensure().geometry.chunk_tokens
+            cap = client.stats()["bytes_capacity"]
+            *_, extent = arena.record_layout(chunk, len(FINGERPRINT), record)
+            n = cap // extent
+            payload = rng.bytes(record)
+            keys = []
+            t0 = time.perf_counter()
+            for i in range(n):
+                root = i.to_bytes(16, "little")
+                tokens = random_tokens(rng, chunk)
+                client.put_bytes(root, tokens, FINGERPRINT, payload)
+                keys.append(arena.chain_digests(root, tokens, chunk))
+            t_fill = time.perf_counter() - t0
+            used = keys[1::2]
+            rng.shuffle(used)  # type: ignore[arg-type]
+            for digests in used:
+                hit = client.lookup(digests)
+                if hit is None:
+                    raise click.ClickException("a small record was not found")
+                client.acquire(hit).finish()
+            before = client.stats()
+            log.info("fragmented: %d records of %s in %.1f s", n, format_size(extent), t_fill)
+            src = b"\x5a" * big
+            blob = client.prepare(big, lambda addr, sz: ctypes.memmove(addr, src, sz))
+            pinger = subprocess.Popen(
+                [sys.executable, "-c", PINGER, sup.socket],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=common.child_env(),
+            )
+            assert pinger.stdout is not None
+            if pinger.stdout.readline().strip() != "ready":
+                raise click.ClickException("the pinger did not start")
+            time.sleep(0.2)
+            w0 = time.time()
+            t0 = time.perf_counter()
+            client.put_blob(bytes(16), random_tokens(rng, 4 * chunk), FINGERPRINT, blob)
+            secs = time.perf_counter() - t0
+            w1 = time.time()
+            time.sleep(0.2)
+            out, _ = pinger.communicate("stop\n", timeout=120)
+            after = client.stats()
+        finally:
+            client.close()
+    timeline = [(round(t - w0, 4), round(ms, 3)) for t, ms in json.loads(out)]
+    # the pings whose round trip overlaps the put
+    during = [ms for t, ms in timeline if t <= w1 - w0 and t + ms / 1e3 >= 0]
+    if not during:
+        raise click.ClickException("no ping overlapped the put (did the pinger run?)")
+    summ = common.summary(during)
+    return {
+        "code": str(code) if code else "this checkout",
+        "arena_bytes": size,
+        "records": n,
+        "record_extent": extent,
+        "put_bytes": big,
+        "evictions": after["evictions"] - before["evictions"],
+        "put_seconds": round(secs, 4),
+        "puts_sliced": after.get("puts_sliced"),
+        "pings_during_put": len(during),
+        "ping_ms": {k: round(v, 3) for k, v in common.pick(summ, "p50 p99 max").items()},
+        "timeline": timeline,
+    }
+
+
+def fragmented(quick: bool, seed: int, before: Path | None) -> dict[str, Any]:
+    """The fragmented case with this checkout's supervisor, and ``before``'s if given."""
+    out: dict[str, Any] = {}
+    if before is not None:
+        log.info("4/4 fragmented arena, supervisor of %s", before)
+        out["before"] = bench_fragmented(quick, seed, before)
+    log.info("4/4 fragmented arena, this checkout's supervisor")
+    out["after"] = bench_fragmented(quick, seed, None)
+    if before is not None:
+        b, a = out["before"], out["after"]
+        out["ratios"] = {
+            "put_seconds": round(b["put_seconds"] / a["put_seconds"], 2),
+            "ping_max": round(b["ping_ms"]["max"] / a["ping_ms"]["max"], 1),
+        }
+    return out
+
+
+def fragmented_table(frag: dict[str, Any]) -> str:
+    r = frag["after"]
+    lines = [
+        [
+            f"fragmented arena: {format_size(r['arena_bytes'])} full of {r['records']:,} records "
+            f"of {format_size(r['record_extent'])}, every other one used since (random order), "
+            f"then one {format_size(r['put_bytes'])} put; goal: ping max <= {GOAL_PING_MAX_MS:g} ms"
+        ],
+        ["", "evictions", "put s", "ping p50 ms", "ping p99 ms", "ping max ms", "pings"],
+    ]
+    for arm in ("before", "after"):
+        if a := frag.get(arm):
+            p = a["ping_ms"]
+            lines.append(
+                [arm, f"{a['evictions']:,}", f"{a['put_seconds']:.3f}", f"{p['p50']:.2f}"]
+                + [f"{p['p99']:.2f}", f"{p['max']:.1f}", str(a["pings_during_put"])]
+            )
+    return lines[0][0] + "\n" + common.grid(lines[1:])
+
+
+def plot_fragmented(ax: Any, frag: dict[str, Any]) -> None:
+    for arm in ("before", "after"):
+        if arm in frag:
+            r = frag[arm]
+            done = [t + ms / 1e3 for t, ms in r["timeline"]]  # when each reply came
+            ax.plot(done, [ms for _, ms in r["timeline"]], ".", ms=3, label=arm)
+            ax.axvspan(0, r["put_seconds"], alpha=0.08, color="C0" if arm == "before" else "C1")
+    ax.axhline(GOAL_PING_MAX_MS, color="red", ls="--", label="goal")
+    ax.set_yscale("log")
+    ax.set_xlabel("reply time, s since the huge put started (shaded: the put)")
+    ax.set_ylabel("ping round trip, ms (log)")
+    r = frag["after"]
+    ax.set_title(
+        f"ping during a {format_size(r['put_bytes'])} put into a fragmented "
+        f"{format_size(r['arena_bytes'])} arena",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8)
+
+
+def plot_fragmented_only(plt: Any, res: dict[str, Any]) -> Any:
+    fig, ax = plt.subplots(1, 1, figsize=(8, 4.8))
+    plot_fragmented(ax, res["fragmented"])
+    fig.tight_layout()
+    return fig
+
+
 # --------------------------------------------------------------------- reports
 def plot(plt: Any, res: dict[str, Any]) -> Any:
     lk, put, rd = res["lookup"], res["put"], res["read"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
     lookups = [
         ("private set (floor)", lk["private_set"]),
         *((f"shmkv, prefix {k}", v) for k, v in lk["by_depth"].items()),
@@ -379,6 +565,7 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
     items = [(n, rd[k]["p50_us"] / 1e3, rd[k]["p99_us"] / 1e3) for n, k in reads.items()]
     title = "lookup to usable pointer, 16 MiB blob"
     common.hbars(axes[2], items, lambda v: common.fmt_s(v / 1e3), title, "ms")
+    plot_fragmented(axes[3], res["fragmented"])
     fig.suptitle(common.title(res, "arena"))
     fig.tight_layout()
     return fig
@@ -410,11 +597,11 @@ def run(plan: Plan) -> dict[str, Any]:
                 )
             gc.collect()
             gc.freeze()  # the fill's objects are not what a worker's GC would scan
-            log.info("1/3 lookups (%d timed)", plan.lookups)
+            log.info("1/4 lookups (%d timed)", plan.lookups)
             lookup = bench_lookup(client, plan, rng, chunk, keep)
-            log.info("2/3 puts (%d x 16 MiB)", plan.puts)
+            log.info("2/4 puts (%d x 16 MiB)", plan.puts)
             put, blobs = bench_put(client, plan, rng, chunk)
-            log.info("3/3 lookup to pointer (%d reads)", plan.reads)
+            log.info("3/4 lookup to pointer (%d reads)", plan.reads)
             read = bench_read(client, plan, chunk, blobs)
             stats = client.stats()
         finally:
@@ -432,6 +619,19 @@ def run(plan: Plan) -> dict[str, Any]:
 
 @common.command("arena")
 @click.option("--quick", is_flag=True, help="Smoke run of a few seconds (small counts).")
+@click.option(
+    "--case",
+    type=click.Choice(["all", "fragmented"]),
+    default="all",
+    show_default=True,
+    help="Run every case, or only the fragmented arena (case 4): arena_fragmented.json/.png.",
+)
+@click.option(
+    "--before",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Also run the fragmented case against the supervisor of this checkout.",
+)
 @click.option("--entries", type=int, default=None, help="Small entries to fill [100000].")
 @click.option("--size", default=None, help="Arena --size [4G; quick 512M].")
 @click.option("--index-slots", type=int, default=None, help="Arena --index-slots [524288].")
@@ -441,12 +641,32 @@ def run(plan: Plan) -> dict[str, Any]:
 @click.option("--seed", type=int, default=1, show_default=True)
 def main(report: common.Report, o: Any) -> None:
     """Benchmark shmkv's arena against a real supervisor; print a table, write JSON and PNG."""
-    quick, over = o.quick, {k: v for k, v in vars(o).items() if v and k != "quick"}
+    quick = o.quick
+    over = {k: v for k, v in vars(o).items() if v and k not in ("quick", "case", "before")}
     if o.size:
         over["size"] = parse_size(o.size)
     plan = Plan(quick=quick, **{**PLANS[quick], **over})
     load_before = common.loadavg()
+    if o.case == "fragmented":
+        name = "arena_fragmented"
+        report = dataclasses.replace(
+            report, name=name, baseline_path=report.baseline_path.with_name(f"{name}.json")
+        )
+        res = {
+            **report.header(),
+            "config": {"quick": quick, "seed": plan.seed, **FRAGMENTED[quick]},
+            "goals": {"ping_max_ms": GOAL_PING_MAX_MS},
+            "fragmented": fragmented(quick, plan.seed, o.before),
+            "load_average": {"before": load_before, "after": common.loadavg()},
+        }
+        ping_max = res["fragmented"]["after"]["ping_ms"]["max"]
+        res["goals_met"] = {"fragmented.ping_max": ping_max <= GOAL_PING_MAX_MS}
+        click.echo("\n" + fragmented_table(res["fragmented"]))
+        click.echo(f"goals: {res['goals_met']}")
+        report.write(res, plot_fragmented_only)
+        return
     res = run(plan)
+    res["fragmented"] = fragmented(quick, plan.seed, o.before)
     res = {
         **report.header(),
         "config": {
@@ -455,14 +675,20 @@ def main(report: common.Report, o: Any) -> None:
             "small_payload": SMALL_PAYLOAD,
             "prompt_chunks": PROMPT_CHUNKS,
             "chunk_tokens": res["supervisor_stats"]["chunk_tokens"],
+            "fragmented": FRAGMENTED[quick],
         },
-        "goals": {"lookup_p50_us": GOAL_LOOKUP_P50_US, "put_gbps": GOAL_PUT_GBPS},
+        "goals": {
+            "lookup_p50_us": GOAL_LOOKUP_P50_US,
+            "put_gbps": GOAL_PUT_GBPS,
+            "fragmented_ping_max_ms": GOAL_PING_MAX_MS,
+        },
         **res,
         "load_average": {"before": load_before, "after": common.loadavg()},
     }
     res["goals_met"] = {
         "lookup.all": res["lookup"]["all"]["p50_us"] <= GOAL_LOOKUP_P50_US,
         "put.total": res["put"]["throughput_gbps"] >= GOAL_PUT_GBPS,
+        "fragmented.ping_max": res["fragmented"]["after"]["ping_ms"]["max"] <= GOAL_PING_MAX_MS,
     }
     base = report.baseline(quick) or {}
     rows: list[tuple[str, Any, Any]] = []
@@ -473,10 +699,12 @@ def main(report: common.Report, o: Any) -> None:
         f"\n{common.title(res, 'arena')}; load {load_before[0]} before, {load_after[0]} after"
     )
     click.echo(common.summary_table(rows, 1e-6, "_us"))
+    click.echo(fragmented_table(res["fragmented"]))
     click.echo(
         f"lookup: {pr['mean']} probes (max {pr['max']}); put: "
         f"{res['put']['throughput_gbps']} GB/s; goals (lookup p50 <= "
-        f"{GOAL_LOOKUP_P50_US:g} us, put >= {GOAL_PUT_GBPS:g} GB/s): {res['goals_met']}"
+        f"{GOAL_LOOKUP_P50_US:g} us, put >= {GOAL_PUT_GBPS:g} GB/s, ping during a put into "
+        f"a fragmented arena <= {GOAL_PING_MAX_MS:g} ms): {res['goals_met']}"
     )
     report.write(res, plot)
 

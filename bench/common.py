@@ -360,14 +360,17 @@ class Supervisor:
 
 
 @contextlib.contextmanager
-def supervisor(workdir: Path, *args: str) -> Iterator[Supervisor]:
-    """``python -m shmkv.cli supervise ARGS`` on a private name and socket, once it answers
-    a ping; on exit it is stopped, and a bad exit or files left in /dev/shm are logged."""
+def supervisor(
+    workdir: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[Supervisor]:
+    """``python -m shmkv.cli supervise ARGS`` on a private name and socket (in ``env``, else
+    :func:`child_env`), once it answers a ping; on exit it is stopped, and a bad exit or files
+    left in /dev/shm are logged."""
     name = f"bench{uuid.uuid4().hex[:8]}"
     sock = str(workdir / f"{name}.sock")
     cmd = [sys.executable, "-m", "shmkv.cli", "supervise", "--name", name, "--socket", sock]
     cmd += ["--log-level", "warning", *args]
-    child = Child("the supervisor", cmd, child_env(), workdir / f"{name}.log")
+    child = Child("the supervisor", cmd, env or child_env(), workdir / f"{name}.log")
     sup = Supervisor(name, sock, child)
 
     def ready() -> bool:

@@ -93,6 +93,13 @@ def _positive_float(text: str | float) -> float:
     return value
 
 
+def _percent(text: str | int) -> int:
+    value = int(str(text).strip().rstrip("%"))
+    if not 0 <= value <= 100:
+        raise ValueError(f"must be a percentage from 0 to 100, got {text!r}")
+    return value
+
+
 def _port(text: str | int) -> int:
     value = int(text)
     if not 0 < value < 65536:
@@ -297,6 +304,59 @@ SETTINGS: dict[str, Setting] = {
             _positive_float,
             120.0,
             "Seconds a worker's claim on a prefix it is prefilling lasts at most.",
+            _SUP,
+            "SECONDS",
+        ),
+        Setting(
+            "max_pinned_percent",
+            _percent,
+            50,
+            "Most of the data region pinned states may take, in percent; a pin or pinned "
+            "put past it is refused, so pins can never lock every other put out.",
+            _SUP,
+            "PERCENT",
+        ),
+        Setting(
+            "max_leases",
+            _positive_int,
+            256,
+            "Read leases one connection may hold at once; more are refused (that read runs cold).",
+            _SUP,
+            "N",
+        ),
+        Setting(
+            "max_claims",
+            _positive_int,
+            1024,
+            "Prefill claims (chunk digests) one connection may hold at once; the rest of "
+            "a longer claim is not claimed (others may prefill it too).",
+            _SUP,
+            "N",
+        ),
+        Setting(
+            "max_unread",
+            parse_size,
+            8 << 20,
+            "Bytes of replies a connection may leave unread (beyond one reply); past it "
+            "the connection is closed.",
+            _SUP,
+            "SIZE",
+        ),
+        Setting(
+            "max_unread_total",
+            parse_size,
+            64 << 20,
+            "Bytes of unread replies of all connections together; past it the connection "
+            "with the most is closed.",
+            _SUP,
+            "SIZE",
+        ),
+        Setting(
+            "put_slice",
+            _positive_float,
+            0.01,
+            "Seconds the supervisor works on one put (evictions, copy) before serving "
+            "other peers again; a put that needs more goes on in later turns.",
             _SUP,
             "SECONDS",
         ),

@@ -48,6 +48,7 @@ __all__ = [
     "ModelMismatchError",
     "StateRefused",
     "ClosedError",
+    "LimitExceeded",
     "from_wire",
 ]
 
@@ -188,6 +189,12 @@ class ClosedError(ShmkvError):
     """A handle was used after ``close()``."""
 
     code = "closed"
+
+
+class LimitExceeded(ShmkvError):
+    """A peer asked for more than one connection may hold (pins, leases, ...)."""
+
+    code = "limit"
 
 
 _BY_CODE: dict[str, type[ShmkvError]] = {}

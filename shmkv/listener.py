@@ -56,6 +56,13 @@ class Conn:
     #: replies not yet sent: [data, fds or None] each
     out: deque[list[Any]] = field(default_factory=deque)
     out_bytes: int = 0
+    #: whole frames received and not yet handled (they wait while ``busy``), their bytes
+    backlog: deque[bytes] = field(default_factory=deque)
+    backlog_bytes: int = 0
+    #: a request of this connection is being worked on over several turns of the loop
+    busy: bool = False
+    #: the selector events the socket is registered for (0: not registered)
+    events: int = 0
     attached: bool = False
     closing: bool = False
 

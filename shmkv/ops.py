@@ -7,7 +7,9 @@ op up, enforces those two, checks the arena is still intact, and calls the
 handler with the :class:`Context` (what the supervisor owns) and the
 connection. A handler validates every field it reads (``protocol.get_*``) and
 returns ``(reply, fds)``: the reply fields and the descriptors to send with
-them, or ``(None, None)`` when the reply comes later (a claim that waits).
+them, or ``(None, None)`` when the reply comes later (a claim that waits, or
+a :class:`Work` handed to ``Context.defer``: a put that needs more than one
+slice of the loop, which the supervisor steps between other peers' requests).
 
 A new op is one function here.
 """
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -49,8 +51,8 @@ from .protocol import (
     get_int,
     get_tokens,
 )
-from .stats import ArenaGauges, SupervisorStats, WorkerCounters, add_reported
-from .store import Store
+from .stats import ArenaGauges, LimitCounters, SupervisorStats, WorkerCounters, add_reported
+from .store import PutJob, Store
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,19 @@ log = logging.getLogger(__name__)
 OWNERS_MAX = 32
 
 Reply = tuple[dict[str, Any] | None, list[int] | None]
+
+
+class Work(Protocol):
+    """A request answered over several turns of the supervisor's loop."""
+
+    def step(self, deadline: float) -> dict[str, Any] | None:
+        """Work until ``deadline`` (time.monotonic); the reply once done, else None.
+
+        Raises ShmkvError to answer with an error; the work then holds nothing.
+        """
+
+    def abort(self) -> None:
+        """Give back what the work holds (its peer is gone, or the supervisor stops)."""
 
 
 class Privilege(enum.Enum):
@@ -101,6 +116,11 @@ class Context:
     close: Callable[[Conn, str], None]
     #: raise ArenaCorruptError (and stop the supervisor) if the arena file was truncated
     check_arena: Callable[[], None]
+    #: go on with the work of request ``rid`` of ``conn`` in later turns of the loop (the
+    #: connection's later requests wait for its reply)
+    defer: Callable[[Conn, int, Work], None]
+    #: what the supervisor refused to keep a peer within its limits
+    limits: LimitCounters
 
     def stats(self) -> SupervisorStats:
         store, g = self.store, self.store.geometry
@@ -108,10 +128,11 @@ class Context:
         gauges = ArenaGauges(
             entries=len(live),
             pinned=sum(1 for e in live if e.pinned),
+            pinned_bytes=store.pinned_bytes,
             bytes_used=store.bytes_used(),
             bytes_capacity=g.data_size,
             bytes_free_largest=store.alloc.largest(),
-            free_extents=len(store.alloc.extents()),
+            free_extents=store.alloc.count(),
             index_used=len(store.owners),
             index_capacity=store.index_capacity,
             chunk_tokens=g.chunk_tokens,
@@ -119,6 +140,8 @@ class Context:
             workers_attached=sum(1 for c in self.conns.values() if c.attached),
             connections=len(self.conns),
             fds_closing=fds_closing(),
+            unread_bytes=sum(c.out_bytes for c in self.conns.values()),
+            claims_held=len(self.claims.claims),
         )
         return SupervisorStats(
             name=self.settings.name,
@@ -129,6 +152,7 @@ class Context:
             uptime=round(time.time() - self.started, 3),
             gauges=gauges,
             counters=store.counters,
+            limits=self.limits,
             reported=self.reported,
         )
 
@@ -353,14 +377,14 @@ def report(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
 
 
 # ---------------------------------------------------------------------- writes
-def _read_memfd(fd: int) -> Callable[[memoryview], None]:
-    """A ``Store.put`` filler that copies the payload from the worker's memfd."""
+def _read_memfd(fd: int) -> Callable[[memoryview, int], None]:
+    """A ``Store.begin_put`` reader that copies payload bytes from the worker's memfd."""
 
-    def fill(view: memoryview) -> None:
+    def read(view: memoryview, pos: int) -> None:
         done = 0
         while done < len(view):
             try:
-                n = os.preadv(fd, [view[done:]], done)
+                n = os.preadv(fd, [view[done:]], pos + done)
             except OSError as e:  # e.g. a write-only descriptor of a memfd
                 raise BadRequest(
                     f"cannot read the put descriptor: {e.strerror}; send a readable memfd"
@@ -369,7 +393,45 @@ def _read_memfd(fd: int) -> Callable[[memoryview], None]:
                 raise BadRequest("memfd shrank while being read")
             done += n
 
-    return fill
+    return read
+
+
+class PutWork:
+    """A put and its memfd: made room for, copied and indexed a slice at a time."""
+
+    def __init__(self, ctx: Context, fd: int, job: PutJob) -> None:
+        self.ctx, self.fd, self.job = ctx, fd, job
+
+    def step(self, deadline: float) -> dict[str, Any] | None:
+        try:
+            self.ctx.check_arena()
+            e = self.job.step(deadline)
+        except BaseException:
+            self.abort()
+            raise
+        if e is None:
+            return None
+        self._close_fd()
+        self.ctx.wake(self.ctx.claims.indexed(e.digests))
+        return {"gen": e.gen, "key": e.key, "n_tokens": e.n_tokens}
+
+    def abort(self) -> None:
+        self.job.abort()
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self.fd >= 0:
+            discard(self.fd)  # (a close never runs on the loop: see closer.py)
+            self.fd = -1
+
+
+def _run(ctx: Context, conn: Conn, msg: dict[str, Any], work: Work) -> Reply:
+    """Answer now if ``work`` fits in one slice of the loop; else go on with it later."""
+    reply = work.step(time.monotonic() + ctx.settings.put_slice)
+    if reply is not None:
+        return reply, None
+    ctx.defer(conn, msg.get("id", 0), work)
+    return None, None
 
 
 @op("put", attached=True, privilege=Privilege.ANY)
@@ -386,6 +448,7 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     if not conn.fds:
         raise BadRequest("put without a memfd: send the payload fd with SCM_RIGHTS")
     fd = conn.fds.pop(0)
+    work = None
     try:
         # F_GET_SEALS first: only shmem files (memfd) answer it, and it asks no file
         # system, where an fstat of a file on a hung FUSE mount would wait for its daemon
@@ -401,7 +464,7 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
         if st.st_size < payload_len:
             raise BadRequest(f"memfd holds {st.st_size} bytes, put says {payload_len}")
         ctx.check_arena()
-        e = ctx.store.put(
+        job = ctx.store.begin_put(
             root,
             tokens,
             fingerprint,
@@ -411,10 +474,11 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
             pin=pinned,
             publisher=conn.uid & 0xFFFFFFFF,  # (the kernel's word, never the message's)
         )
+        work = PutWork(ctx, fd, job)
     finally:
-        discard(fd)  # (a close never runs on the loop: see closer.py)
-    ctx.wake(ctx.claims.indexed(e.digests))
-    return {"gen": e.gen, "key": e.key, "n_tokens": e.n_tokens}, None
+        if work is None:
+            discard(fd)  # (a close never runs on the loop: see closer.py)
+    return _run(ctx, conn, msg, work)
 
 
 # ---------------------------------------------------------------------- claims

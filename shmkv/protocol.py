@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 import socket
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -50,16 +51,55 @@ def encode(msg: dict[str, Any]) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Limits:
+    """What one decoded frame may hold, checked while msgpack decodes it.
+
+    A frame of a few MiB of tiny containers (``{}`` is one byte) would otherwise
+    decode into hundreds of MiB of Python objects before any field is looked at.
+    """
+
+    max_map_len: int
+    max_array_len: int
+    #: maps and arrays in the whole frame (None: no count)
+    max_containers: int | None
+    max_str_len: int = MAX_FRAME
+    max_bin_len: int = MAX_FRAME
+
+
+#: A request is one flat map of fields; only ``counters`` is a map inside it, and no field
+#: is an array (a few small ones are decoded, so that a wrong type gets a BadRequest that
+#: names the field). Strings and byte strings are one object each, bounded by the frame.
+REQUEST = Limits(max_map_len=64, max_array_len=64, max_containers=16)
+#: A reply (read by a client from its supervisor) may list up to ``ls``'s rows.
+REPLY = Limits(max_map_len=64, max_array_len=65536, max_containers=None)
+
+
+def decode_body(body: bytes, limits: Limits = REQUEST) -> dict[str, Any]:
+    """Decode one frame's msgpack map within ``limits``; ProtocolError otherwise."""
+    hook = None
+    if limits.max_containers is not None:
+        left = limits.max_containers
+
+        def hook(obj: Any) -> Any:
+            nonlocal left
+            left -= 1
+            if left < 0:
+                raise ValueError("too many maps and arrays")
+            return obj
+
     try:
         msg = msgpack.unpackb(
             body,
             raw=False,
             strict_map_key=True,
-            max_bin_len=MAX_FRAME,
-            max_str_len=MAX_FRAME,
-            max_array_len=65536,
-            max_map_len=64,
+            max_bin_len=limits.max_bin_len,
+            max_str_len=limits.max_str_len,
+            max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len,
+            max_ext_len=0,
+            object_hook=hook,
+            list_hook=hook,
         )
     except Exception as e:  # msgpack raises several unrelated types
         raise ProtocolError(f"undecodable frame: {type(e).__name__}") from None
@@ -124,7 +164,7 @@ def recv_msg(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     (n,) = _LEN.unpack(_recv_exact(sock, 4, fds))
     if n == 0 or n > MAX_FRAME:
         raise ProtocolError(f"frame length {n} outside 1..{MAX_FRAME}")
-    return decode_body(_recv_exact(sock, n, fds)), fds
+    return decode_body(_recv_exact(sock, n, fds), REPLY), fds
 
 
 _PEERCRED = struct.Struct("3i")

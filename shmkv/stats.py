@@ -176,6 +176,27 @@ class ArenaCounters:
     foreign_fds: int = counter(
         "descriptors peers passed that were not a put's memfd (closed off the loop)"
     )
+    puts_sliced: int = counter(
+        "puts whose evictions or copy took several turns of the loop (others served between)"
+    )
+
+
+@dataclass
+class LimitCounters:
+    """What the supervisor refused so that one peer cannot exhaust what all peers share."""
+
+    pins_refused: int = counter(
+        "pins refused: pinned states would exceed --max-pinned-percent of the data region"
+    )
+    leases_refused: int = counter("read leases refused: the connection held --max-leases")
+    claims_refused: int = counter("digests not claimed: the connection held --max-claims")
+    unread_dropped: int = counter(
+        "connections closed for leaving more than --max-unread (or, all together, "
+        "--max-unread-total) bytes of replies unread"
+    )
+    frames_refused: int = counter(
+        "frames refused: undecodable, or beyond the protocol's msgpack limits"
+    )
 
 
 @dataclass
@@ -184,6 +205,7 @@ class ArenaGauges:
 
     entries: int = gauge("states stored")
     pinned: int = gauge("states pinned (never evicted)")
+    pinned_bytes: int = gauge("bytes of the data region held by pinned states")
     bytes_used: int = gauge("bytes of the data region in use")
     bytes_capacity: int = gauge("bytes of the data region")
     bytes_free_largest: int = gauge("largest free extent, bytes")
@@ -195,6 +217,8 @@ class ArenaGauges:
     workers_attached: int = gauge("connections that attached to the arena")
     connections: int = gauge("open connections")
     fds_closing: int = gauge("descriptors peers passed, waiting for the closer thread")
+    unread_bytes: int = gauge("bytes of replies queued for peers that have not read them yet")
+    claims_held: int = gauge("prefill claims held")
 
 
 @dataclass
@@ -209,6 +233,7 @@ class SupervisorStats:
     uptime: float = gauge("seconds since the supervisor started")
     gauges: ArenaGauges = field(default_factory=ArenaGauges)
     counters: ArenaCounters = field(default_factory=ArenaCounters)
+    limits: LimitCounters = field(default_factory=LimitCounters)
     #: sums of what workers reported; only the ``REPORTED`` fields are kept
     reported: WorkerCounters = field(default_factory=WorkerCounters)
 

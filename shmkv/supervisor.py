@@ -9,6 +9,12 @@ systemd notifications in ``systemd.py``.
 
 Start-up order: lock the arena's name and create the arena (``arenafile.py``),
 bind the socket (``listener.py``), then send READY=1 to systemd.
+
+No peer may stall the loop or hold what all share: a request that needs more
+than ``--put-slice`` of work (a put that evicts thousands of records or copies
+hundreds of MiB) goes on a slice per turn of the loop, and that connection's
+later requests wait for its reply; replies a peer leaves unread are bounded
+per connection (``--max-unread``) and in total (``--max-unread-total``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import socket
 import struct
 import time
 from collections import deque
+from typing import Any
 
 from . import __version__
 from .arena import ArenaView
@@ -38,9 +45,9 @@ from .errors import (
     ShmkvError,
 )
 from .listener import Conn, Listener
-from .ops import OPS, Context
-from .protocol import MAX_U64, decode_body, encode
-from .stats import WorkerCounters
+from .ops import OPS, Context, Work
+from .protocol import MAX_FRAME, MAX_U64, decode_body, encode
+from .stats import LimitCounters, WorkerCounters
 from .store import Store
 from .systemd import Watchdog, sd_notify
 
@@ -48,10 +55,11 @@ __all__ = ["EXIT_ARENA_LOST", "EXIT_OK", "Supervisor", "arena_path"]
 
 log = logging.getLogger(__name__)
 
-#: replies queued for a peer that does not read them before it is dropped
-MAX_OUT = 16 << 20
 #: descriptors a peer may have in flight (one per put)
 MAX_PENDING_FDS = 4
+#: bytes of requests read from a busy connection (see ``Conn.busy``) before the loop
+#: stops reading it until its request is answered
+MAX_BACKLOG = 2 * (MAX_FRAME + 4)
 
 
 class Supervisor:
@@ -64,7 +72,14 @@ class Supervisor:
         self.listener = Listener(settings, gid)
         self.sel = selectors.DefaultSelector()
         self.conns: dict[int, Conn] = {}
-        self.claims = Claims(ttl=settings.claim_timeout)
+        self.limits = LimitCounters()
+        self.claims = Claims(
+            ttl=settings.claim_timeout, max_per_owner=settings.max_claims, limits=self.limits
+        )
+        #: requests worked on over several turns: conn id -> (conn, request id, work)
+        self.work: dict[int, tuple[Conn, int, Work]] = {}
+        #: bytes of replies queued (not yet taken by the kernel) on all connections
+        self.unread = 0
         self.started = time.time()
         self._ctx: Context | None = None
         self._signals: deque[int] = deque()
@@ -92,6 +107,9 @@ class Supervisor:
                 geometry,
                 lease_timeout=self.settings.lease_timeout,
                 intact=lambda e: view.intact(e.offset, e.gen),
+                max_pinned=geometry.data_size * self.settings.max_pinned_percent // 100,
+                max_leases=self.settings.max_leases,
+                limits=self.limits,
             )
             self._ctx = Context(
                 settings=self.settings,
@@ -106,6 +124,8 @@ class Supervisor:
                 wake=self._wake,
                 close=self._close,
                 check_arena=self._check_arena,
+                defer=self._defer,
+                limits=self.limits,
             )
             self.sel.register(self.listener.bind(), selectors.EVENT_READ, None)
         except BaseException:
@@ -150,6 +170,8 @@ class Supervisor:
                         left = max(0.0, due - now)
                         timeout = left if timeout is None else min(timeout, left)
                 timeout = 1.0 if timeout is None else min(timeout, 1.0)
+                if self.work:
+                    timeout = 0.0
                 for key, events in self.sel.select(timeout):
                     if key.data is None:
                         self._accept()
@@ -157,10 +179,12 @@ class Supervisor:
                         self._drain_signals()
                     else:
                         conn: Conn = key.data
-                        if events & selectors.EVENT_READ:
+                        if events & selectors.EVENT_READ and not conn.closing:
                             self._on_readable(conn)
                         if events & selectors.EVENT_WRITE and not conn.closing:
                             self._flush(conn)
+                if self.work and not self._stop:
+                    self._step_work()
         finally:
             sd_notify("STOPPING=1")
             self.cleanup(remove=not self.settings.keep)
@@ -196,6 +220,7 @@ class Supervisor:
             return
         self.conns[conn.id] = conn
         self.sel.register(conn.sock, selectors.EVENT_READ, conn)
+        conn.events = selectors.EVENT_READ
         log.debug("connection %d from pid %d", conn.id, conn.pid)
 
     def _close(self, conn: Conn, reason: str = "") -> None:
@@ -203,13 +228,22 @@ class Supervisor:
             return
         del self.conns[conn.id]
         conn.closing = True
-        try:
-            self.sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
+        if conn.events:
+            try:
+                self.sel.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass
         # (its receive queue may still hold descriptors the peer sent: closing it may block)
         discard_socket(conn.sock)
         self._discard_fds(conn)
+        self.unread -= conn.out_bytes
+        conn.out.clear()
+        conn.out_bytes = 0
+        conn.backlog.clear()
+        conn.backlog_bytes = 0
+        pending = self.work.pop(conn.id, None)
+        if pending is not None:
+            pending[2].abort()  # (its memfd goes to the closer thread)
         # releasing may free a doomed record, which writes to the arena
         intact = not self.arena.lost and self.arena.intact()
         released = self.ctx.store.release_owner(conn.id) if intact else 0
@@ -254,23 +288,35 @@ class Supervisor:
         try:
             bodies = conn.frames.frames()
         except ProtocolError as e:
+            self.limits.frames_refused += 1
             self._reply_error(conn, 0, e)
             self._flush(conn)
             self._close(conn, str(e))
             return
-        for body in bodies:
-            if conn.closing:
-                return
+        conn.backlog.extend(bodies)
+        conn.backlog_bytes += sum(len(b) for b in bodies)
+        self._drain(conn)
+
+    def _drain(self, conn: Conn) -> None:
+        """Handle the connection's waiting frames, in order, until one is deferred."""
+        while conn.backlog and not conn.busy and not conn.closing:
+            body = conn.backlog.popleft()
+            conn.backlog_bytes -= len(body)
             self._handle_frame(conn, body)
-        if conn.frames.pending() == 0 and conn.fds:  # fds that belonged to no put
-            self._discard_fds(conn)
-        if not conn.closing:
-            self._flush(conn)
+        if conn.closing:
+            return
+        if not conn.backlog and conn.frames.pending() == 0 and conn.fds:
+            self._discard_fds(conn)  # fds that belonged to no put
+        self._flush(conn)
 
     def _handle_frame(self, conn: Conn, body: bytes) -> None:
         rid = 0
         try:
-            msg = decode_body(body)
+            try:
+                msg = decode_body(body)
+            except ProtocolError:
+                self.limits.frames_refused += 1
+                raise
             rid = msg.get("id", 0)
             if not isinstance(rid, int) or isinstance(rid, bool) or not 0 <= rid <= MAX_U64:
                 rid = 0
@@ -286,7 +332,7 @@ class Supervisor:
                 raise PermissionDenied(op.privilege.refusal(op.name, conn))
             self._check_arena()
             reply, fds = op.handler(self.ctx, conn, msg)
-            if reply is None:  # answered later (a claim waiting on another worker)
+            if reply is None:  # answered later (a claim waiting, or deferred work)
                 return
         except ShmkvError as e:
             self._reply_error(conn, rid, e)
@@ -295,17 +341,75 @@ class Supervisor:
             log.exception("internal error handling a request from pid %d", conn.pid)
             self._reply_error(conn, rid, ShmkvError("internal supervisor error (see its log)"))
             return
+        self._reply(conn, rid, reply, fds)
+
+    def _reply(
+        self, conn: Conn, rid: int, reply: dict[str, Any], fds: list[int] | None = None
+    ) -> None:
         reply["ok"], reply["id"] = True, rid
-        self._queue(conn, encode(reply), fds)
+        try:
+            data = encode(reply)
+        except ProtocolError as e:  # e.g. `ls` rows past the frame cap
+            self._reply_error(conn, rid, ProtocolError(f"{e}: ask for less (e.g. ls --limit)"))
+            return
+        self._queue(conn, data, fds)
 
     def _reply_error(self, conn: Conn, rid: int, err: ShmkvError) -> None:
         self._queue(conn, encode({"ok": False, "id": rid, "error": err.to_wire()}), None)
 
     def _queue(self, conn: Conn, data: bytes, fds: list[int] | None) -> None:
+        if conn.closing:
+            return
         conn.out.append([memoryview(data), fds])
         conn.out_bytes += len(data)
-        if conn.out_bytes > MAX_OUT:
-            self._close(conn, "peer does not read its replies")
+        self.unread += len(data)
+        # one reply (up to a frame) is always let through; past that, a peer that does
+        # not read what it asked for is dropped, before it holds more than its share
+        if conn.out_bytes > self.settings.max_unread and len(conn.out) > 1:
+            self.limits.unread_dropped += 1
+            self._close(conn, f"left more than --max-unread={conn.out_bytes} bytes unread")
+        while self.unread > self.settings.max_unread_total:
+            hog = max(self.conns.values(), key=lambda c: c.out_bytes, default=None)
+            if hog is None or not hog.out_bytes:
+                break
+            self.limits.unread_dropped += 1
+            self._close(hog, "the most replies unread, past --max-unread-total")
+
+    # -------------------------------------------------------------- deferred work
+    def _defer(self, conn: Conn, rid: int, work: Work) -> None:
+        """Go on with ``work`` in later turns; the connection's next frames wait for it."""
+        assert conn.id not in self.work
+        self.work[conn.id] = (conn, rid, work)
+        conn.busy = True
+
+    def _step_work(self) -> None:
+        """One slice of one deferred request (round robin), then back to the loop."""
+        cid = next(iter(self.work))
+        conn, rid, work = self.work[cid]
+        error: ShmkvError | None = None
+        try:
+            self._check_arena()
+            reply = work.step(time.monotonic() + self.settings.put_slice)
+        except ShmkvError as e:
+            reply, error = None, e
+        except Exception:
+            log.exception("internal error handling a request from pid %d", conn.pid)
+            reply, error = None, ShmkvError("internal supervisor error (see its log)")
+        else:
+            if reply is None:
+                if self.work.pop(cid, None) is not None:  # (gone if its peer closed)
+                    self.work[cid] = (conn, rid, work)  # to the back of the line
+                return
+        self.work.pop(cid, None)
+        if error is not None:
+            work.abort()
+            self._reply_error(conn, rid, error)
+        else:
+            assert reply is not None
+            self._reply(conn, rid, reply)
+        conn.busy = False
+        if not conn.closing:
+            self._drain(conn)
 
     def _flush(self, conn: Conn) -> None:
         while conn.out and not conn.closing:
@@ -326,25 +430,41 @@ class Supervisor:
                 self._close(conn, str(e))
                 return
             conn.out_bytes -= sent
+            self.unread -= sent
             if sent < len(data):
                 item[0] = data[sent:]
                 break
             conn.out.popleft()
-        if conn.closing:
+        if not conn.closing:
+            self._interest(conn)
+
+    def _interest(self, conn: Conn) -> None:
+        """Register for what the connection needs: replies to send; requests to read,
+        unless it is busy and has sent a backlog's worth already."""
+        want = selectors.EVENT_WRITE if conn.out else 0
+        if not conn.busy or conn.backlog_bytes + conn.frames.pending() < MAX_BACKLOG:
+            want |= selectors.EVENT_READ
+        if want == conn.events:
             return
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
         try:
-            self.sel.modify(conn.sock, want, conn)
+            if not want:
+                self.sel.unregister(conn.sock)
+            elif not conn.events:
+                self.sel.register(conn.sock, want, conn)
+            else:
+                self.sel.modify(conn.sock, want, conn)
         except (KeyError, ValueError):
-            pass
+            return
+        conn.events = want
 
     def _wake(self, woken: list[tuple[Waiter, str]]) -> None:
         """Answer the claims that were waiting and have now ended."""
         for waiter, status in woken:
             conn = self.conns.get(waiter.owner)
             if conn is not None and not conn.closing:
-                self._queue(conn, encode({"ok": True, "id": waiter.rid, "status": status}), None)
-                self._flush(conn)
+                self._reply(conn, waiter.rid, {"status": status})
+                if not conn.closing:
+                    self._flush(conn)
 
     # ----------------------------------------------------------------- cleanup
     def cleanup(self, remove: bool = True) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import mmap
 import os
 import struct
@@ -35,9 +36,10 @@ from shmkv.errors import (
     ArenaFullError,
     BadRequest,
     ChecksumMismatch,
+    LimitExceeded,
     NotFound,
 )
-from shmkv.store import Allocator, Store
+from shmkv.store import Allocator, PutJob, Store
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,12 @@ class ArenaFile:
     """A writable arena file in /dev/shm with a valid header, plus a read-only view of it."""
 
     def __init__(
-        self, data_pages: int, chunk_tokens: int, index_slots: int, lease_timeout: float = 10.0
+        self,
+        data_pages: int,
+        chunk_tokens: int,
+        index_slots: int,
+        lease_timeout: float = 10.0,
+        **store_kw,
     ) -> None:
         slots = 1 << (index_slots - 1).bit_length()
         index_bytes = A.align(slots * A.SLOT_SIZE, PAGE)
@@ -68,7 +75,11 @@ class ArenaFile:
             write_header(self.mm, self.geometry)
             self.now = 1000.0
             self.store = Store(
-                self.mm, self.geometry, lease_timeout=lease_timeout, clock=lambda: self.now
+                self.mm,
+                self.geometry,
+                lease_timeout=lease_timeout,
+                clock=lambda: self.now,
+                **store_kw,
             )
             self.ro_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             self.view = A.ArenaView(self.ro_fd, populate=False)
@@ -122,13 +133,26 @@ def put_bytes(
     fp: bytes = b"fp",
     pin: bool = False,
     checksum: int | None = None,
+    publisher: int | None = None,
 ):
     csum = xxhash.xxh3_64_intdigest(data) if checksum is None else checksum
-    return store.put(root, tokens, fp, len(data), csum, filler(data), pin=pin)
+    return store.put(root, tokens, fp, len(data), csum, filler(data), pin=pin, publisher=publisher)
+
+
+def reader(data: bytes):
+    """A ``Store.begin_put`` reader of ``data``."""
+
+    def read(view: memoryview, pos: int) -> None:
+        view[:] = data[pos : pos + len(view)]
+
+    return read
 
 
 # ------------------------------------------------------------------- state machine
 CHUNK = 4
+#: the supervisor's uid (what Store.put records by default) and another publisher's
+OURS = os.geteuid()
+THEIRS = (OURS + 1) & 0xFFFFFFFF
 DATA_PAGES = 48
 INDEX_SLOTS = 64  # index capacity 32 digests: the index fills up too, not just bytes
 ROOTS = [bytes([r]) * A.DIGEST_SIZE for r in range(2)]
@@ -158,10 +182,28 @@ class Known:
     payload: bytes
     digests: list[bytes]
     offset: int
+    publisher: int
+
+
+@dataclass
+class Pending:
+    """A put the test started with ``begin_put`` and steps a slice at a time."""
+
+    job: PutJob
+    root: bytes
+    tokens: np.ndarray
+    payload: bytes
+    corrupt: bool
+    pin: bool
+    publisher: int
 
 
 class StoreMachine(RuleBasedStateMachine):
-    """Random operations on a Store; every step re-checks it through a reader's view."""
+    """Random operations on a Store; every step re-checks it through a reader's view.
+
+    Puts also run in slices (``begin_put``, then a step at a time, other operations
+    in between), as the supervisor runs a put that needs more than one turn.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -175,6 +217,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.known: dict[int, Known] = {}  # gen -> what was put (live or not)
         self.pinned: set[int] = set()  # gens the test pinned and did not unpin/remove
         self.held: dict[int, Held] = {}  # lease id -> lease
+        self.jobs: list[Pending] = []  # sliced puts under way
         self.evicted = 0
 
     def teardown(self) -> None:
@@ -219,11 +262,19 @@ class StoreMachine(RuleBasedStateMachine):
         ),
         pin=st.sampled_from([False] * 3 + [True]),
         corrupt=st.sampled_from([False] * 5 + [True]),
+        theirs=st.sampled_from([False] * 3 + [True]),
     )
     def put_any(
-        self, root: int, base: int, n_tokens: int, size: int, pin: bool, corrupt: bool
+        self,
+        root: int,
+        base: int,
+        n_tokens: int,
+        size: int,
+        pin: bool,
+        corrupt: bool,
+        theirs: bool,
     ) -> None:
-        self.do_put(root, base, n_tokens, size, pin, corrupt)
+        self.do_put(root, base, n_tokens, size, pin, corrupt, THEIRS if theirs else OURS)
 
     @rule(root=st.sampled_from(range(len(ROOTS))), base=st.sampled_from(range(len(BASES))))
     def put_whole_region(self, root: int, base: int) -> None:
@@ -233,7 +284,14 @@ class StoreMachine(RuleBasedStateMachine):
         self.do_put(root, base, n_tokens, self.af.geometry.data_size - pay_off, False, False)
 
     def do_put(
-        self, root: int, base: int, n_tokens: int, size: int, pin: bool, corrupt: bool
+        self,
+        root: int,
+        base: int,
+        n_tokens: int,
+        size: int,
+        pin: bool,
+        corrupt: bool,
+        publisher: int = OURS,
     ) -> None:
         """A put that fits, needs evictions, can never fit, or carries a bad checksum."""
         tokens = BASES[base][:n_tokens].copy()
@@ -244,16 +302,15 @@ class StoreMachine(RuleBasedStateMachine):
         pinned = set(self.pinned)
         evictions = self.store.counters.evictions
         checksum = (xxhash.xxh3_64_intdigest(data) ^ 1) if corrupt else None
-        dup = next(
-            (
-                g
-                for g in before
-                if self.known[g].root == r and np.array_equal(self.known[g].tokens, tokens)
-            ),
-            None,
-        )
+        dup = self.find_dup(r, tokens, publisher)
+        over_cap = self.pin_over_cap(dup, extent) if pin else False
         try:
-            e = put_bytes(self.store, r, tokens, data, pin=pin, checksum=checksum)
+            e = put_bytes(
+                self.store, r, tokens, data, pin=pin, checksum=checksum, publisher=publisher
+            )
+        except LimitExceeded as err:
+            assert over_cap and "--max-pinned-percent" in str(err)
+            e = None
         except ArenaFullError as err:
             assert dup is None
             if extent > self.af.geometry.data_size:
@@ -268,14 +325,16 @@ class StoreMachine(RuleBasedStateMachine):
             assert corrupt and dup is None
             e = None
         else:
+            assert not over_cap
             assert not corrupt or dup is not None
             if dup is not None:
                 assert e.gen == dup  # same key: the stored blob is kept, not replaced
             else:
                 assert e.gen not in self.known
                 self.known[e.gen] = Known(
-                    r, tokens, data, A.chain_digests(r, tokens, CHUNK), e.offset
+                    r, tokens, data, A.chain_digests(r, tokens, CHUNK), e.offset, publisher
                 )
+            assert e.publisher == publisher
             if pin:
                 self.pinned.add(e.gen)
         after = set(self.live())
@@ -287,6 +346,152 @@ class StoreMachine(RuleBasedStateMachine):
         self.evicted += len(gone)
         if e is not None:
             assert e.gen in after
+
+    def find_dup(self, r: bytes, tokens: np.ndarray, publisher: int) -> int | None:
+        """The live entry of the same key and publisher, if any (another publisher's copy
+        is no duplicate)."""
+        return next(
+            (
+                g
+                for g in self.live()
+                if self.known[g].root == r
+                and self.known[g].publisher == publisher
+                and np.array_equal(self.known[g].tokens, tokens)
+            ),
+            None,
+        )
+
+    def pin_over_cap(self, dup: int | None, extent: int) -> bool:
+        """Whether pinning ``dup`` (or a new entry of ``extent`` bytes) passes max_pinned."""
+        store = self.store
+        if dup is not None:
+            e = store.entries[dup]
+            return not e.pinned and store.pinned_bytes + e.extent > store.max_pinned
+        never_fits = extent > self.af.geometry.data_size
+        return not never_fits and store.pinned_bytes + extent > store.max_pinned
+
+    @rule(
+        root=st.sampled_from(range(len(ROOTS))),
+        base=st.sampled_from(range(len(BASES))),
+        n_tokens=st.integers(CHUNK, 24),
+        size=st.one_of(
+            st.integers(1, 3 * PAGE),
+            st.integers(3 * PAGE, 12 * PAGE),
+            st.integers(20 * PAGE, (DATA_PAGES - 1) * PAGE),
+        ),
+        pin=st.sampled_from([False] * 3 + [True]),
+        corrupt=st.sampled_from([False] * 5 + [True]),
+        theirs=st.sampled_from([False] * 3 + [True]),
+    )
+    def begin_sliced_put(
+        self,
+        root: int,
+        base: int,
+        n_tokens: int,
+        size: int,
+        pin: bool,
+        corrupt: bool,
+        theirs: bool,
+    ) -> None:
+        """Start a put that copies a page per step; it goes on in ``step_put``."""
+        if len(self.jobs) >= 2:
+            return
+        tokens = BASES[base][:n_tokens].copy()
+        r = ROOTS[root]
+        data = payload_for(r, tokens, size)
+        *_, extent = A.record_layout(n_tokens, 2, size)
+        checksum = xxhash.xxh3_64_intdigest(data) ^ (1 if corrupt else 0)
+        publisher = THEIRS if theirs else OURS
+        dup = self.find_dup(r, tokens, publisher)
+        over_cap = self.pin_over_cap(dup, extent) if pin else False
+        try:
+            job = self.store.begin_put(
+                r,
+                tokens,
+                b"fp",
+                size,
+                checksum,
+                reader(data),
+                pin=pin,
+                piece=PAGE,
+                publisher=publisher,
+            )
+        except LimitExceeded:
+            assert over_cap
+            return
+        assert not over_cap
+        if dup is not None:
+            assert job.done and job.entry is not None and job.entry.gen == dup
+            if pin:
+                self.pinned.add(dup)
+            return
+        self.jobs.append(Pending(job, r, tokens, data, corrupt, pin, publisher))
+
+    @precondition(lambda self: self.jobs)
+    @rule(
+        i=st.integers(0, 1000),
+        steps=st.integers(1, 16),
+        abort=st.sampled_from([False] * 9 + [True]),
+    )
+    def step_put(self, i: int, steps: int, abort: bool) -> None:
+        """A few slices (each one eviction or one page copied) of a sliced put, or its
+        abort."""
+        p = self.jobs[i % len(self.jobs)]
+        if abort:
+            self.jobs.remove(p)
+            p.job.abort()
+            assert p.job.offset is None
+            return
+        before = set(self.live())
+        pinned = set(self.pinned)
+        evictions = self.store.counters.evictions
+        dup = self.find_dup(p.root, p.tokens, p.publisher)
+        try:
+            for _ in range(steps):
+                e = p.job.step(0.0)  # a deadline already past: the least possible work
+                if e is not None:
+                    break
+        except ArenaFullError:
+            self.jobs.remove(p)
+            for g in self.live():
+                ent = self.store.entries[g]
+                assert ent.pinned or ent.leases > 0, (g, ent)
+            e = None
+        except ChecksumMismatch:
+            self.jobs.remove(p)
+            assert p.corrupt
+            e = None
+        except LimitExceeded:  # others pinned meanwhile
+            self.jobs.remove(p)
+            assert p.pin
+            e = None
+        else:
+            if e is not None:
+                self.jobs.remove(p)
+                assert not p.corrupt or dup is not None
+                if dup is not None:  # the same key was put meanwhile: that one is kept
+                    assert e.gen == dup
+                else:
+                    assert e.gen not in self.known
+                    self.known[e.gen] = Known(
+                        p.root,
+                        p.tokens,
+                        p.payload,
+                        A.chain_digests(p.root, p.tokens, CHUNK),
+                        e.offset,
+                        p.publisher,
+                    )
+                assert e.publisher == p.publisher
+                if p.pin:
+                    self.pinned.add(e.gen)
+        if p not in self.jobs:
+            assert p.job.offset is None  # a finished put holds no space of its own
+        gone = before - set(self.live())
+        # leases revoked during this step no longer protect (as in do_put)
+        protected = pinned | self.protected()
+        assert not gone & protected, f"evicted protected entries {gone & protected}"
+        assert self.store.counters.evictions - evictions == len(gone)
+        self.evicted += len(gone)
 
     @rule(owner=st.sampled_from(OWNERS), i=st.integers(0, 1000))
     def acquire(self, owner: int, i: int) -> None:
@@ -341,9 +546,16 @@ class StoreMachine(RuleBasedStateMachine):
         e = self.pick_live(i)
         if e is None:
             return
-        self.store.set_pinned(e, pinned)
+        over_cap = pinned and self.pin_over_cap(e.gen, e.extent)
+        try:
+            self.store.set_pinned(e, pinned)
+        except LimitExceeded as err:
+            assert over_cap and "--max-pinned-percent" in str(err)
+            assert not e.pinned
+            return
+        assert not over_cap
         assert e.pinned is pinned
-        assert (e.gen in self.store.lru) is (not pinned)
+        assert (e.gen in self.store.lru) is (not pinned and e.leases == 0)
         (self.pinned.add if pinned else self.pinned.discard)(e.gen)
 
     @rule(i=st.integers(0, 1000))
@@ -384,6 +596,7 @@ class StoreMachine(RuleBasedStateMachine):
         g = self.af.geometry
         free = self.store.alloc.extents()
         used = [(e.offset, e.extent) for e in self.store.entries.values()]
+        used += [(p.job.offset, p.job.extent) for p in self.jobs if p.job.offset is not None]
         assert sum(n for _, n in free) == self.store.alloc.free_bytes
         assert self.store.alloc.free_bytes + sum(n for _, n in used) == g.data_size
         spans = sorted([(o, n, "free") for o, n in free] + [(o, n, "used") for o, n in used])
@@ -395,6 +608,9 @@ class StoreMachine(RuleBasedStateMachine):
         assert pos == g.data_offset + g.data_size
         for (o1, n1), (o2, _) in zip(free, free[1:], strict=False):
             assert o1 + n1 < o2, "adjacent free extents were not coalesced"
+        alloc = self.store.alloc
+        assert alloc.count() == len(free)
+        assert alloc.largest() == max((n for _, n in free), default=0)
 
     @invariant()
     def pinned_and_leased_entries_survive(self) -> None:
@@ -422,7 +638,13 @@ class StoreMachine(RuleBasedStateMachine):
             assert e.leases == counts.get(e.gen, 0)
             if e.doomed:
                 assert e.leases > 0, "a doomed entry without leases was not freed"
-        assert set(self.store.lru) == {g for g in live if not self.store.entries[g].pinned}
+        # the LRU holds exactly the evictable entries: live, unpinned, unleased
+        entries = self.store.entries
+        assert set(self.store.lru) == {
+            g for g in live if not entries[g].pinned and entries[g].leases == 0
+        }
+        pinned_bytes = sum(entries[g].extent for g in live if entries[g].pinned)
+        assert self.store.pinned_bytes == pinned_bytes <= self.store.max_pinned
 
     @invariant()
     def index_matches_live_entries(self) -> None:
@@ -445,6 +667,17 @@ class StoreMachine(RuleBasedStateMachine):
             owner = store.entries.get(s.rec_gen)
             assert owner is not None and not owner.doomed and owner.offset == s.rec_offset
             assert s.digest in owner.digests
+            # the slot points at the longest live record ending within the next chunk,
+            # else at the shortest (the oldest among equals), the supervisor's uid's
+            # records first in either case, found by a scan here
+            n_of = {e.gen: e.n_tokens for e in live if s.digest in e.digests}
+            ours = {e.gen for e in live if e.gen in n_of and e.publisher == store.uid}
+            ending = [g for g, n in n_of.items() if n < (s.n_chunks + 1) * CHUNK]
+            if ending:
+                best = max(ending, key=lambda g: (g in ours, n_of[g], -g))
+            else:
+                best = min(n_of, key=lambda g: (g not in ours, n_of[g], g))
+            assert s.rec_gen == best, (s, n_of, ours)
         # a reader finds every live entry's full prefix and a record that validates
         for e in live:
             k = self.known[e.gen]
@@ -463,6 +696,7 @@ class StoreMachine(RuleBasedStateMachine):
             rec = view.read_record(e.offset, e.gen)
             view.verify_meta(rec)
             assert bytes(view.payload(rec)) == k.payload
+            assert rec.publisher == k.publisher == e.publisher
             assert rec.key == k.digests[-1] and rec.n_tokens == len(k.tokens)
         # removed entries are not findable, and their records no longer validate
         for gen in set(self.known) - {e.gen for e in live}:
@@ -483,6 +717,90 @@ StoreMachine.TestCase.settings = settings(
 )
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine = pytest.mark.timeout(120)(TestStoreMachine)
+
+
+# ---------------------------------------------------------- allocator state machine
+class ListAllocator:
+    """The reference: best fit by a linear scan of extents kept in address order (the
+    allocator's first version, quadratic under eviction), with the same tie rule."""
+
+    def __init__(self, start: int, size: int) -> None:
+        self.ext: list[list[int]] = [[start, size]]
+
+    def alloc(self, n: int) -> int | None:
+        fits = [e for e in self.ext if e[1] >= n]
+        if not fits:
+            return None
+        best = min(fits, key=lambda e: (e[1], e[0]))
+        off = best[0]
+        best[0] += n
+        best[1] -= n
+        if not best[1]:
+            self.ext.remove(best)
+        return off
+
+    def release(self, off: int, n: int) -> None:
+        self.ext.append([off, n])
+        self.ext.sort()
+        merged: list[list[int]] = []
+        for o, ln in self.ext:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1][1] += ln
+            else:
+                merged.append([o, ln])
+        self.ext = merged
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Allocator against ListAllocator: the same offsets, extents and largest extent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Allocator(PAGE, 64 * PAGE)
+        self.ref = ListAllocator(PAGE, 64 * PAGE)
+        self.used: list[tuple[int, int]] = []
+
+    @rule(pages=st.integers(1, 24))
+    def alloc(self, pages: int) -> None:
+        got = self.a.alloc(pages * PAGE)
+        assert got == self.ref.alloc(pages * PAGE)
+        if got is not None:
+            self.used.append((got, pages * PAGE))
+
+    @precondition(lambda self: self.used)
+    @rule(i=st.integers(0, 1000))
+    def release(self, i: int) -> None:
+        off, n = self.used.pop(i % len(self.used))
+        self.a.release(off, n)
+        self.ref.release(off, n)
+
+    @precondition(lambda self: self.used)
+    @rule(i=st.integers(0, 1000), span=st.sampled_from([(0, 0), (-PAGE, PAGE), (0, PAGE)]))
+    def double_free(self, i: int, span: tuple[int, int]) -> None:
+        """Releasing free space, or a span that overlaps it, raises and changes nothing."""
+        free = self.a.extents()
+        if not free:
+            return
+        off, n = free[i % len(free)]
+        before = (free, self.a.free_bytes)
+        with pytest.raises(ValueError):
+            self.a.release(off + span[0], n + span[1])
+        assert (self.a.extents(), self.a.free_bytes) == before
+
+    @invariant()
+    def same_as_reference(self) -> None:
+        ext = self.a.extents()
+        assert ext == [tuple(e) for e in self.ref.ext]
+        assert self.a.count() == len(ext)
+        assert self.a.largest() == max((n for _, n in ext), default=0)
+        assert self.a.free_bytes == sum(n for _, n in ext)
+        assert self.a.free_bytes + sum(n for _, n in self.used) == 64 * PAGE
+
+
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=80, deadline=None
+)
+TestAllocatorMachine = AllocatorMachine.TestCase
 
 
 # ----------------------------------------------------------------------- unit tests
@@ -554,6 +872,7 @@ def test_blob_bigger_than_the_data_region_names_size(small_arena: ArenaFile) -> 
 
 def test_full_of_pinned_entries_is_refused_and_names_the_fix(small_arena: ArenaFile) -> None:
     store = small_arena.store
+    store.max_pinned = small_arena.geometry.data_size  # --max-pinned-percent 100
     for b in range(3):
         put_bytes(store, ROOTS[0], BASES[b][:8].copy(), b"p" * (4 * PAGE), pin=True)
     with pytest.raises(ArenaFullError, match="unpin") as exc:
@@ -771,3 +1090,61 @@ def test_a_duplicate_put_replaces_a_corrupt_copy(supervisor):
         view = c.ensure()
         slot = next(iter(view.scan()))
         assert view.verify_payload(view.read_record(slot.rec_offset, slot.rec_gen))
+
+
+def test_a_sliced_put_evicts_and_copies_a_little_per_step(small_arena: ArenaFile) -> None:
+    """With its deadline past, each step of a put does one eviction or copies one piece,
+    and what it did stays done."""
+    store = small_arena.store
+    for b in range(3):
+        for n in (4, 8):
+            put_bytes(store, ROOTS[b % 2], BASES[b][:n].copy(), b"s" * (PAGE + 100))
+    assert len(store.live_entries()) == 6 and store.alloc.largest() < 10 * PAGE
+    data = payload_for(ROOTS[1], BASES[2][:12].copy(), 10 * PAGE)
+    job = store.begin_put(
+        ROOTS[1],
+        BASES[2][:12].copy(),
+        b"fp",
+        len(data),
+        xxhash.xxh3_64_intdigest(data),
+        reader(data),
+        piece=PAGE,
+    )
+    evictions, copied, steps = [], [], 0
+    while (e := job.step(0.0)) is None:
+        steps += 1
+        evictions.append(store.counters.evictions)
+        copied.append(job.copied)
+    # one eviction a step until it fits, then one page a step
+    assert all(b - a <= 1 for a, b in zip([0, *evictions], evictions, strict=False))
+    assert all(b - a <= PAGE for a, b in zip([0, *copied], copied, strict=False))
+    assert steps >= 10 and store.counters.puts_sliced == 1
+    assert e.payload_len == len(data) and job.offset is None
+    rec = small_arena.view.read_record(e.offset, e.gen)
+    assert bytes(small_arena.view.payload(rec)) == data
+
+
+def test_a_sliced_put_whose_content_was_put_meanwhile_is_a_duplicate(
+    small_arena: ArenaFile,
+) -> None:
+    store = small_arena.store
+    tokens = BASES[0][:8].copy()
+    data = b"x" * (4 * PAGE)
+    csum = xxhash.xxh3_64_intdigest(data)
+    job = store.begin_put(ROOTS[0], tokens, b"fp", len(data), csum, reader(data), piece=PAGE)
+    assert job.step(0.0) is None and job.offset is not None  # took its space, one page in
+    first = put_bytes(store, ROOTS[0], tokens, data)  # the same content, in one go
+    got = job.step(math.inf)
+    assert got is first and store.counters.duplicate_puts == 1 and store.counters.puts == 1
+    assert job.offset is None and store.bytes_used() == first.extent  # its space is back
+
+
+def test_a_sliced_put_aborted_gives_its_space_back(small_arena: ArenaFile) -> None:
+    store = small_arena.store
+    data = b"y" * (6 * PAGE)
+    job = store.begin_put(
+        ROOTS[0], BASES[1][:8].copy(), b"fp", len(data), 0, reader(data), piece=PAGE
+    )
+    assert job.step(0.0) is None and store.bytes_used() > 0
+    job.abort()
+    assert store.bytes_used() == 0 and store.alloc.count() == 1
