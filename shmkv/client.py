@@ -203,6 +203,8 @@ class Lease:
         self.connection = connection
         self._done = False
         self.valid: bool | None = None
+        #: the lease ended with its connection (not revoked by the supervisor)
+        self.lost = False
 
     @property
     def address(self) -> int:
@@ -227,7 +229,9 @@ class Lease:
         if self._done:
             return bool(self.valid)
         self._done = True
-        self.valid = self.client.release(self.id, self.connection, tokens_restored)
+        verdict = self.client.release(self.id, self.connection, tokens_restored)
+        self.lost = verdict is None
+        self.valid = verdict is True
         return self.valid
 
     def __enter__(self) -> Lease:
@@ -478,10 +482,10 @@ class Connection:
                 os.close(fd)
             return reply
 
-    def release(self, lease_id: int, connection: int, tokens_restored: int = 0) -> bool:
-        """End lease ``lease_id`` of connection generation ``connection``; True only if the
-        supervisor says it was never revoked. Never raises, never reconnects: a lease of a
-        connection that is gone is void."""
+    def release(self, lease_id: int, connection: int, tokens_restored: int = 0) -> bool | None:
+        """End lease ``lease_id`` of connection generation ``connection``: True if the
+        supervisor says it was never revoked, False if it was, None if the connection is
+        gone (the lease is void). Never raises, never reconnects."""
         with self._lock:
             if (
                 self._sock is None
@@ -489,12 +493,12 @@ class Connection:
                 or os.getpid() != self._pid
                 or self._closed
             ):
-                return False
+                return None
             msg = {"op": "release", "lease": lease_id, "tokens_restored": tokens_restored}
             try:
                 reply, rfds = self._roundtrip(msg)
             except ShmkvError:
-                return False
+                return None
             for fd in rfds:
                 os.close(fd)
             return reply.get("valid") is True

@@ -184,7 +184,10 @@ def apply(
     except UntrustedPublisher as e:
         return Applied(failure=("untrusted publisher", str(e)), untrusted=True)
     except LeaseLost as e:  # (the bytes may have changed under the copy: not a bad record)
-        return Applied(failure=("lease revoked", str(e)))
+        # a lease void because its connection went (a supervisor restart) is not a
+        # revocation: the supervisor was unavailable for that restore
+        kind = "supervisor unavailable" if lease.lost else "lease revoked"
+        return Applied(failure=(kind, str(e)))
     except StateRefused as e:  # (a state made for another context: not a bad record)
         return Applied(failure=("state refused", str(e)), refused=True)
     except ArenaCorruptError as e:

@@ -159,7 +159,11 @@ def test_truncated_arena_worker_runs_cold_supervisor_exits_7_no_sigbus(
     assert texts(got) == texts(cold)
     totals = got["totals"]
     assert totals["tokens_restored"] == 0 and totals["hits"] == 0
-    assert totals["errors"].get("corrupt arena", 0) >= 1, totals["errors"]
+    # it saw the truncation itself, or the supervisor had already exited over it
+    seen = totals["errors"].get("corrupt arena", 0) + totals["errors"].get(
+        "supervisor unavailable", 0
+    )
+    assert seen >= 1, totals["errors"]
     assert "truncated" in sup.log() and "Traceback" not in sup.log()
     log.info(
         "truncated to %s: supervisor exited %d after %.2fs; worker errors %s",
