@@ -104,6 +104,12 @@ class Serve:
     def run(self) -> int:
         if not self.settings.model:
             self.settings.values["model"] = [default_model_path()]
+        aliases = self.settings.model_alias or []
+        if len(aliases) > len(self.settings.model):
+            raise ConfigError(
+                f"{len(aliases)} --model-alias for {len(self.settings.model)} --model: "
+                "give at most one alias per model, in the same order"
+            )
         env = settings_env(self.settings)
         if supervisor_running(self.settings):
             log.info("using the running supervisor on %s", self.settings.socket_path)

@@ -118,7 +118,9 @@ def _n_tokens(llm: Any, text: str) -> int:
 
 def _continuation(llm: Any, prompt: str, max_tokens: int) -> str:
     llm.reset()
-    out = llm.create_completion(prompt, **{**SAMPLING, **EXTRA, "max_tokens": max_tokens})
+    tokens = llm.tokenize(prompt.encode(), add_bos=False, special=True)  # <bos> is in it
+    params = {**SAMPLING, **EXTRA, "max_tokens": max_tokens, "stop": ["<end_of_turn>"]}
+    out = llm.create_completion(tokens, **params)
     return out["choices"][0]["text"]
 
 
@@ -179,7 +181,9 @@ def test_multi_turn_renders_as_gemma3(gemma_server, gemma_plain):
 def _models_named(srv: Server) -> set[str]:
     c = srv.client
     names = {
-        c.completions.create(model="x/y.gguf", prompt="The cat", extra_body=EXTRA, **SAMPLING).model,
+        c.completions.create(
+            model="x/y.gguf", prompt="The cat", extra_body=EXTRA, **SAMPLING
+        ).model,
         c.chat.completions.create(
             model="x", messages=[{"role": "user", "content": "Hi"}], extra_body=EXTRA, **SAMPLING
         ).model,

@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from llama_cpp.llama_chat_format import (
     Jinja2ChatFormatter,
-    LlamaChatCompletionHandlerRegistry,
+    get_chat_completion_handler,
     register_chat_format,
 )
 from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
@@ -410,7 +410,9 @@ def gemma3_formatter() -> Jinja2ChatFormatter:
 
 def _register_gemma3() -> None:
     """Register Gemma 3's template as llama-cpp-python chat format ``shmkv-gemma3``."""
-    if GEMMA3_FORMAT not in LlamaChatCompletionHandlerRegistry()._chat_handlers:
+    try:
+        get_chat_completion_handler(GEMMA3_FORMAT)
+    except ValueError:  # not yet registered in this process
         register_chat_format(GEMMA3_FORMAT)(gemma3_formatter())
 
 
@@ -439,7 +441,9 @@ def _named_by_alias() -> None:
     if getattr(plain, "shmkv", False):
         return
 
-    def prepare_request_resources(body, llama_proxy, body_model, kwargs):
+    def prepare_request_resources(
+        body: Any, llama_proxy: Any, body_model: str | None, kwargs: dict[str, Any]
+    ) -> llama_cpp.Llama:
         llama = plain(body, llama_proxy, body_model, kwargs)
         alias = getattr(llama_proxy, "_current_model_alias", None)
         if alias:
