@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from llama_cpp.llama_chat_format import (
     Jinja2ChatFormatter,
+    LlamaChatCompletionHandlerNotFoundException,
     get_chat_completion_handler,
     register_chat_format,
 )
@@ -412,7 +413,7 @@ def _register_gemma3() -> None:
     """Register Gemma 3's template as llama-cpp-python chat format ``shmkv-gemma3``."""
     try:
         get_chat_completion_handler(GEMMA3_FORMAT)
-    except ValueError:  # not yet registered in this process
+    except LlamaChatCompletionHandlerNotFoundException:  # not yet, in this process
         register_chat_format(GEMMA3_FORMAT)(gemma3_formatter())
 
 
