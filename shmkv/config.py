@@ -117,8 +117,8 @@ def _models(value: str | list[str] | tuple[str, ...]) -> list[str]:
 
 
 def _aliases(value: str | list[str] | tuple[str, ...]) -> list[str]:
-    items = value.split(",") if isinstance(value, str) else list(value)
-    out = [str(x).strip() for x in items if str(x).strip()]
+    items = [value] if isinstance(value, str) else list(value)
+    out = [a.strip() for x in items for a in str(x).split(",") if a.strip()]
     for alias in out:
         if "/" in alias:
             raise ValueError(f"model alias {alias!r} must not contain '/'")

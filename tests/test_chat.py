@@ -254,3 +254,13 @@ def test_serve_starts_without_warnings(tmp_path, serve_model):
     assert "serving tiny.gguf" in log
     assert "cache unavailable" not in log, log
     assert " WARNING " not in log, log
+
+
+def test_serve_refuses_more_aliases_than_models(tmp_path, serve_model):
+    """Checked before anything starts: one line, no supervisor, no workers."""
+    from helpers import assert_one_error_line, shmkv
+
+    sock = str(tmp_path / "none.sock")
+    res = shmkv("serve", "--model", serve_model, "--model-alias", "a,b", "--socket", sock)
+    assert_one_error_line(res, "2 --model-alias for 1 --model")
+    assert not os.path.exists(sock)
