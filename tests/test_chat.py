@@ -264,3 +264,45 @@ def test_serve_refuses_more_aliases_than_models(tmp_path, serve_model):
     res = shmkv("serve", "--model", serve_model, "--model-alias", "a,b", "--socket", sock)
     assert_one_error_line(res, "2 --model-alias for 1 --model")
     assert not os.path.exists(sock)
+
+
+@pytest.mark.parametrize(
+    "messages, expected",
+    [
+        (  # two system messages, two user messages in a row
+            [
+                {"role": "system", "content": "Be brief."},
+                {"role": "system", "content": "Be kind."},
+                {"role": "user", "content": "Hi."},
+                {"role": "user", "content": [{"type": "text", "text": "Who are you?"}]},
+            ],
+            "<bos><start_of_turn>user\nBe brief.\n\nBe kind.\n\nHi.\n\nWho are you?<end_of_turn>\n"
+            "<start_of_turn>model\n",
+        ),
+        (  # a system message alone
+            [{"role": "system", "content": "Be brief."}],
+            "<bos><start_of_turn>user\nBe brief.\n\n<end_of_turn>\n<start_of_turn>model\n",
+        ),
+        (  # a system message later on, and the model speaking first
+            [
+                {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Hi."},
+                {"role": "system", "content": "Now in French."},
+                {"role": "assistant", "content": "Bonjour."},
+            ],
+            "<bos><start_of_turn>user\n<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+            "<start_of_turn>user\nHi.\n\nNow in French.<end_of_turn>\n"
+            "<start_of_turn>model\nBonjour.<end_of_turn>\n<start_of_turn>model\n",
+        ),
+    ],
+    ids=["systems-and-users-in-a-row", "system-alone", "system-later-model-first"],
+)
+def test_every_message_is_in_the_prompt(gemma_server, gemma_plain, messages, expected):
+    """Conversations Gemma's template would refuse (roles not alternating) or cut (a
+    system message with no user turn) still put every message in the prompt."""
+    from shmkv_workers.app import gemma3_formatter
+
+    assert gemma3_formatter()(messages=messages).prompt == expected
+    got = _chat(gemma_server, messages)
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == _n_tokens(gemma_plain, expected)

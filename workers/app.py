@@ -403,10 +403,62 @@ GEMMA3_TEMPLATE = """{{ bos_token }}
 GEMMA3_FORMAT = "shmkv-gemma3"
 
 
-def gemma3_formatter() -> Jinja2ChatFormatter:
-    return Jinja2ChatFormatter(
-        template=GEMMA3_TEMPLATE, eos_token="<end_of_turn>", bos_token="<bos>"
+def _text(content: Any) -> str:
+    """A message's content as text (a list of parts: its text parts, in order)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(
+        str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"
     )
+
+
+def gemma3_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as Gemma 3's template accepts them, none left out.
+
+    The template takes one leading system message and strictly alternating user and
+    model turns, starting with the user's; it raises otherwise, and drops a system
+    message with no user turn after it. So: leading system (and developer) messages are
+    joined into one; a later one, and any other role (tool, function), speaks as the
+    user; consecutive turns of one side are joined; a conversation that does not start
+    with the user's turn gets an empty one. A conversation the template accepts as it
+    is stays as it is.
+    """
+    system: list[str] = []
+    turns: list[tuple[str, str]] = []
+    for m in messages:
+        role, text = m.get("role"), _text(m.get("content"))
+        if role in ("system", "developer") and not turns:
+            system.append(text)
+            continue
+        side = "assistant" if role == "assistant" else "user"
+        if turns and turns[-1][0] == side:
+            turns[-1] = (side, turns[-1][1] + "\n\n" + text)
+        else:
+            turns.append((side, text))
+    if (system or turns) and (not turns or turns[0][0] != "user"):
+        turns.insert(0, ("user", ""))
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": "\n\n".join(system)})
+    out += [{"role": side, "content": text} for side, text in turns]
+    return out
+
+
+class Gemma3Formatter(Jinja2ChatFormatter):
+    """Gemma 3's template over :func:`gemma3_messages`."""
+
+    def __init__(self) -> None:
+        super().__init__(template=GEMMA3_TEMPLATE, eos_token="<end_of_turn>", bos_token="<bos>")
+
+    def __call__(self, *, messages: Any, **kwargs: Any) -> Any:
+        normalized: Any = gemma3_messages(list(messages))
+        return super().__call__(messages=normalized, **kwargs)
+
+
+def gemma3_formatter() -> Jinja2ChatFormatter:
+    return Gemma3Formatter()
 
 
 def _register_gemma3() -> None:
