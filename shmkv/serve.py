@@ -46,6 +46,11 @@ def settings_env(settings: Settings) -> dict[str, str]:
 def supervisor_running(settings: Settings) -> bool:
     """Whether our supervisor answers on the socket; UntrustedSupervisor if another
     user's process does (starting one of our own there would not help)."""
+    # a probe, not a worker: no "cache unavailable" warning for a supervisor that is not
+    # there yet (serve starts one, or says why it could not)
+    client_log = logging.getLogger("shmkv.client")
+    level = client_log.level
+    client_log.setLevel(logging.ERROR)
     try:
         with Client(settings=settings, populate=False, attach=False) as c:
             c.request({"op": "ping"})
@@ -54,6 +59,8 @@ def supervisor_running(settings: Settings) -> bool:
         raise
     except ShmkvError:
         return False
+    finally:
+        client_log.setLevel(level)
 
 
 def _child_setup() -> None:
@@ -97,6 +104,12 @@ class Serve:
     def run(self) -> int:
         if not self.settings.model:
             self.settings.values["model"] = [default_model_path()]
+        aliases = self.settings.model_alias or []
+        if len(aliases) > len(self.settings.model):
+            raise ConfigError(
+                f"{len(aliases)} --model-alias for {len(self.settings.model)} --model: "
+                "give at most one alias per model, in the same order"
+            )
         env = settings_env(self.settings)
         if supervisor_running(self.settings):
             log.info("using the running supervisor on %s", self.settings.socket_path)

@@ -663,7 +663,14 @@ class Server:
     crash tests import this module too, and openai alone takes a third of a second.)
     """
 
-    def __init__(self, sup: Sup, model: str, workers: int, tmp_path: Path) -> None:
+    def __init__(
+        self,
+        sup: Sup,
+        model: str,
+        workers: int,
+        tmp_path: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         import httpx
         import openai
 
@@ -677,6 +684,7 @@ class Server:
             "SHMKV_N_CTX": str(N_CTX),
             "SHMKV_LOG_LEVEL": "info",
             "SHMKV_TIMEOUT": "2",
+            **(env or {}),
         }
         self.log_path = tmp_path / "gunicorn.log"
         with open(self.log_path, "wb") as f:
