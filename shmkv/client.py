@@ -528,16 +528,9 @@ class Connection:
 class Client(Connection):
     """A worker's handle on one supervisor and its arena: reads, writes and admin ops."""
 
-    def __init__(
-        self,
-        name: str | None = None,
-        socket_path: str | None = None,
-        timeout: float | None = None,
-        settings: Settings | None = None,
-        populate: bool = True,
-        attach: bool = True,
-    ) -> None:
-        super().__init__(name, socket_path, timeout, settings, populate, attach)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Takes :class:`Connection`'s arguments."""
+        super().__init__(*args, **kwargs)
         self._pool = _MemfdPool()
 
     def close(self) -> None:

@@ -764,29 +764,11 @@ class Server:
 
 # ------------------------------------------------------------------------ other users
 def system_user(name: str, group: str | None = None) -> tuple[int, int]:
-    """(uid, gid) of system user ``name``, a member of ``group`` if given; both are created
-    if missing. Skips the calling test unless it runs as root."""
-    import grp
-    import pwd
-
+    """(uid, gid) of system user ``name`` (made by :func:`make_user`), a member of
+    ``group`` if given. Skips the calling test unless it runs as root."""
     import pytest
 
     if os.geteuid() != 0:
         pytest.skip("needs root to create and run as other users")
-    if group is not None:
-        try:
-            grp.getgrnam(group)
-        except KeyError:
-            subprocess.run(["groupadd", "-r", group], check=True, capture_output=True)
-    try:
-        pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(
-            ["useradd", "-r", "-M", "-s", "/usr/sbin/nologin", name],
-            check=True,
-            capture_output=True,
-        )
-    if group is not None and name not in grp.getgrnam(group).gr_mem:
-        subprocess.run(["usermod", "-aG", group, name], check=True, capture_output=True)
-    pw = pwd.getpwnam(name)
+    pw = make_user(name, (group,) if group is not None else ())
     return pw.pw_uid, pw.pw_gid

@@ -19,57 +19,17 @@ import jinja2
 import pytest
 from helpers import EXTRA, SAMPLING, Server, clean_env, free_port
 
-# Gemma 3's chat template as published with the model (tokenizer_config.json of
-# google/gemma-3-270m-it), rendered here with plain jinja2 as transformers does.
-GEMMA3_HF_TEMPLATE = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\\n'}}
-{%- endif -%}
-"""
-
 SYSTEM = "You are a terse geography tutor. Answer with one word, then stop."
 QUESTION = "What is the capital of France?"
 
 
 def render_gemma3(messages: list[dict[str, Any]]) -> str:
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(GEMMA3_HF_TEMPLATE).render(
+    # the template the workers register, rendered with plain jinja2 as transformers does
+    # (the exact expected strings below check its text independently)
+    from shmkv_workers.app import GEMMA3_TEMPLATE
+
+    return env.from_string(GEMMA3_TEMPLATE).render(
         messages=messages, bos_token="<bos>", add_generation_prompt=True
     )
 
