@@ -1,0 +1,283 @@
+"""A put in progress: make room, copy and checksum the payload, index the record.
+
+Runs only in the supervisor, on its one thread, against its
+:class:`~shmkv.store.Store` (the arena's single writer). A put is sliced: each
+:meth:`PutJob.step` evicts and copies until a deadline and goes on where it
+stopped at the next call, so that the supervisor can serve other peers between
+the slices of a put that must evict thousands of records or copy hundreds of MiB.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from .arena import chain_digests, record_layout
+from .config import format_size
+from .entry import Entry
+from .errors import ArenaFullError, BadRequest, ChecksumMismatch, LimitExceeded
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger("shmkv.store")
+
+#: a put's payload is copied (and checksummed) in pieces of this size, each followed by
+#: a look at the put's deadline
+COPY_PIECE = 8 << 20
+
+FULL = (
+    "the arena is full of pinned or in-use entries: unpin some, or restart "
+    "`shmkv supervise` with a larger --size (or --index-slots)"
+)
+
+
+class PutJob:
+    """One put in progress: room made, payload copied and checked, record indexed.
+
+    Made by :meth:`Store.begin_put`. Each :meth:`step` works until its deadline
+    and returns the stored :class:`Entry` once done (None: call again). What a
+    step did stays done: evictions and copied bytes are not redone. Between
+    steps the store serves others; a put that finished meanwhile with the same
+    content makes this one a duplicate. :meth:`abort` gives back its space.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        root: bytes,
+        tokens: np.ndarray,
+        tok_bytes: bytes,
+        fingerprint: bytes,
+        content: bytes,
+        payload_len: int,
+        xxh3: int,
+        read: Callable[[memoryview, int], None],
+        pin: bool,
+        publisher: int,
+    ) -> None:
+        self.store = store
+        self.root, self.tokens, self.tok_bytes = root, tokens, tok_bytes
+        self.fingerprint, self.content, self.payload_len = fingerprint, content, payload_len
+        self.xxh3, self.read, self.pin = xxh3, read, pin
+        #: uid of the peer that put it (the kernel's word: see ops.put)
+        self.publisher = publisher
+        self.piece = COPY_PIECE
+        self.extent = 0
+        self.digests: list[bytes] = []
+        #: the space taken, once room was made; None before (and after abort)
+        self.offset: int | None = None
+        self.copied = 0
+        self.hasher = xxhash.xxh3_64()
+        self.revoked = False
+        self.steps = 0
+        self.entry: Entry | None = None
+
+    @classmethod
+    def start(
+        cls,
+        store: Store,
+        root: bytes,
+        tokens: np.ndarray,
+        fingerprint: bytes,
+        payload_len: int,
+        payload_xxh3: int,
+        read: Callable[[memoryview, int], None],
+        pin: bool,
+        piece: int,
+        publisher: int | None,
+    ) -> PutJob:
+        """The job of :meth:`Store.begin_put` (which see), or the refusal it raises."""
+        g = store.geometry
+        publisher = store.uid if publisher is None else publisher
+        n_tokens = len(tokens)
+        if n_tokens < g.chunk_tokens:
+            raise BadRequest(
+                f"a blob needs at least chunk_tokens={g.chunk_tokens} tokens, got {n_tokens}"
+            )
+        tok_bytes = tokens.astype("<i4", copy=False).tobytes()
+        content = hashlib.blake2b(
+            root + fingerprint + tok_bytes + publisher.to_bytes(4, "little"), digest_size=16
+        ).digest()
+        try:
+            dup = store._duplicate(content, pin)
+        except LimitExceeded:
+            store.counters.rejected_puts += 1
+            raise
+        job = cls(
+            store,
+            root,
+            tokens,
+            tok_bytes,
+            fingerprint,
+            content,
+            payload_len,
+            payload_xxh3,
+            read,
+            pin,
+            publisher,
+        )
+        job.piece = max(1, piece)
+        if dup is not None:
+            job.entry = dup
+            return job
+        *_, job.extent = record_layout(n_tokens, len(fingerprint), payload_len)
+        if job.extent > g.data_size:
+            store.counters.rejected_puts += 1
+            raise ArenaFullError(
+                f"a {format_size(payload_len)} blob can never fit in this arena's "
+                f"{format_size(g.data_size)} data region: restart `shmkv supervise` "
+                f"with a larger --size"
+            )
+        if pin:
+            try:
+                store._check_pin(job.extent)
+            except LimitExceeded:
+                store.counters.rejected_puts += 1
+                raise
+        job.digests = chain_digests(root, tokens, g.chunk_tokens)
+        if len(job.digests) > store.index_capacity:
+            store.counters.rejected_puts += 1
+            raise ArenaFullError(FULL)
+        return job
+
+    @property
+    def done(self) -> bool:
+        return self.entry is not None
+
+    def step(self, deadline: float) -> Entry | None:
+        """Work until ``deadline`` (time.monotonic); the entry when done, else None.
+
+        Raises ArenaFullError (nothing left to evict), ChecksumMismatch, or what
+        ``read`` raises; the job then holds nothing.
+        """
+        if self.entry is not None:
+            return self.entry
+        self.steps += 1
+        if self.steps == 2:
+            self.store.counters.puts_sliced += 1
+        try:
+            if self.offset is None and not self._make_room(deadline):
+                return None
+            if not self._copy(deadline):
+                return None
+            self.entry = self._finish()
+            return self.entry
+        except BaseException:
+            self.store.counters.rejected_puts += 1
+            self.abort()
+            raise
+
+    def _make_room(self, deadline: float) -> bool:
+        """Evict until the extent fits and the index has room, then take the space."""
+        store = self.store
+        while not store._fits(self.extent, self.digests):
+            if not store._evict_one():
+                if not self.revoked and store._revoke_stale_leases():
+                    self.revoked = True
+                    continue
+                raise ArenaFullError(FULL)
+            if time.monotonic() >= deadline:
+                return False
+        self.offset = store.alloc.alloc(self.extent)
+        assert self.offset is not None  # it fits
+        return True
+
+    def _copy(self, deadline: float) -> bool:
+        """Copy and checksum the payload, a piece at a time; True once all of it is in."""
+        assert self.offset is not None
+        while self.copied < self.payload_len:
+            view = self.store.arena.payload(
+                self.offset, len(self.tokens), len(self.fingerprint), self.payload_len
+            )
+            part = view[self.copied : self.copied + self.piece]
+            try:
+                self.read(part, self.copied)
+                self.hasher.update(part)
+                self.copied += len(part)
+            finally:
+                part.release()
+                view.release()
+            if self.copied < self.payload_len and time.monotonic() >= deadline:
+                return False
+        if self.hasher.intdigest() != self.xxh3:
+            raise ChecksumMismatch(
+                "payload does not match its checksum: the blob was "
+                "changed or truncated in transit; not stored"
+            )
+        return True
+
+    def _finish(self) -> Entry:
+        store = self.store
+        assert self.offset is not None
+        # another put of the same content may have finished between our steps
+        if self.content in store.by_content:
+            dup = store._duplicate(self.content, self.pin)
+            if dup is not None:
+                self.abort()
+                return dup
+        if self.pin:
+            store._check_pin(self.extent)  # others may have pinned between our steps
+        offset, self.offset = self.offset, None
+        return self._record(offset)
+
+    def abort(self) -> None:
+        """Give back the space taken (the put is over, done or not)."""
+        if self.offset is not None:
+            self.store.alloc.release(self.offset, self.extent)
+            self.offset = None
+
+    def _record(self, offset: int) -> Entry:
+        """Write the record of a filled and checked payload, then index it."""
+        store = self.store
+        gen = store._next_gen
+        store._next_gen += 1
+        created = time.time()
+        digests, pin = self.digests, self.pin
+        store.arena.write_record(
+            offset,
+            gen,
+            digests[-1],
+            self.root,
+            len(digests),
+            self.fingerprint,
+            self.tok_bytes,
+            self.payload_len,
+            self.xxh3,
+            created,
+            self.publisher,
+        )
+        e = Entry(
+            gen,
+            offset,
+            self.extent,
+            digests[-1],
+            self.root,
+            len(self.tokens),
+            self.payload_len,
+            digests,
+            self.content,
+            created,
+            pinned=pin,
+            last_used=store.clock(),
+            publisher=self.publisher,
+        )
+        store.entries[gen] = e
+        store.by_content[self.content] = gen
+        for k, d in enumerate(digests, 1):
+            store.index.add(d, k, gen, len(self.tokens))
+            if not store.index.point(d, k):
+                log.warning("index probe limit reached; entry %s only partly indexed", d.hex()[:12])
+        if pin:
+            store.pinned_bytes += e.extent
+        else:
+            store.lru[gen] = None
+        store.counters.puts += 1
+        store.counters.bytes_put += self.payload_len
+        return e
