@@ -1,11 +1,12 @@
 """``shmkv supervise``: the process that owns the arena and is its only writer.
 
-One thread, one ``selectors`` loop, kept here: signals, connections, framing,
-dispatch. Signal handlers only queue the signal number (through
-``signal.set_wakeup_fd``); the loop dispatches it. The rest has a module each:
-the arena file's life in ``arenafile.py``, the socket and peer credentials in
-``listener.py``, the requests in ``ops.py``, the records in ``store.py``,
-systemd notifications in ``systemd.py``.
+One thread, one ``selectors`` loop, kept here: signals, accepting connections,
+dispatch of requests, work deferred over several turns. Signal handlers only
+queue the signal number (through ``signal.set_wakeup_fd``); the loop dispatches
+it. The rest has a module each: the arena file's life in ``arenafile.py``, the
+socket and peer credentials in ``listener.py``, each connection's I/O (frames,
+descriptors, replies, unread limits, close) in ``connio.py``, the requests in
+``ops.py``, the records in ``store.py``, systemd notifications in ``systemd.py``.
 
 Start-up order: lock the arena's name and create the arena (``arenafile.py``),
 bind the socket (``listener.py``), then send READY=1 to systemd.
@@ -23,18 +24,15 @@ import logging
 import os
 import selectors
 import signal
-import socket
-import struct
 import time
 from collections import deque
-from typing import Any
 
 from . import __version__
 from .arena import ArenaView
 from .arenafile import ArenaFile, arena_path
 from .claims import Claims, Waiter
-from .closer import SCM_MAX_FD, discard, discard_socket, fds_of
 from .config import Settings, group_id
+from .connio import MAX_BACKLOG, MAX_PENDING_FDS, ConnIO
 from .errors import (
     EXIT_ARENA_LOST,
     EXIT_OK,
@@ -46,24 +44,26 @@ from .errors import (
 )
 from .listener import Conn, Listener
 from .ops import OPS, Context, Work
-from .protocol import MAX_FRAME, MAX_U64, decode_body, encode
+from .protocol import MAX_U64, decode_body
 from .stats import LimitCounters, WorkerCounters
 from .store import Store
 from .systemd import Watchdog, sd_notify
 
-__all__ = ["EXIT_ARENA_LOST", "EXIT_OK", "Supervisor", "arena_path"]
+__all__ = [
+    "EXIT_ARENA_LOST",
+    "EXIT_OK",
+    "MAX_BACKLOG",
+    "MAX_PENDING_FDS",
+    "Supervisor",
+    "arena_path",
+]
 
 log = logging.getLogger(__name__)
 
-#: descriptors a peer may have in flight (one per put)
-MAX_PENDING_FDS = 4
-#: bytes of requests read from a busy connection (see ``Conn.busy``) before the loop
-#: stops reading it until its request is answered
-MAX_BACKLOG = 2 * (MAX_FRAME + 4)
-
 
 class Supervisor:
-    """The loop: signals, connections and their I/O, dispatch of requests to ``ops``."""
+    """The loop: signals, accepting connections, dispatch of requests to ``ops``, deferred
+    work; each connection's I/O is :class:`ConnIO`'s (``connio.py``)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -71,15 +71,21 @@ class Supervisor:
         self.arena = ArenaFile(settings, gid)
         self.listener = Listener(settings, gid)
         self.sel = selectors.DefaultSelector()
-        self.conns: dict[int, Conn] = {}
         self.limits = LimitCounters()
+        self.io = ConnIO(
+            settings,
+            self.sel,
+            self.limits,
+            handle=self._handle_frame,
+            closed=self._closed,
+            counters=lambda: self.ctx.store.counters,
+        )
+        self.conns: dict[int, Conn] = self.io.conns
         self.claims = Claims(
             ttl=settings.claim_timeout, max_per_owner=settings.max_claims, limits=self.limits
         )
         #: requests worked on over several turns: conn id -> (conn, request id, work)
         self.work: dict[int, tuple[Conn, int, Work]] = {}
-        #: bytes of replies queued (not yet taken by the kernel) on all connections
-        self.unread = 0
         self.started = time.time()
         self._ctx: Context | None = None
         self._signals: deque[int] = deque()
@@ -122,7 +128,7 @@ class Supervisor:
                 started=self.started,
                 conns=self.conns,
                 wake=self._wake,
-                close=self._close,
+                close=self.io.close,
                 check_arena=self._check_arena,
                 defer=self._defer,
                 limits=self.limits,
@@ -180,9 +186,9 @@ class Supervisor:
                     else:
                         conn: Conn = key.data
                         if events & selectors.EVENT_READ and not conn.closing:
-                            self._on_readable(conn)
+                            self.io.on_readable(conn)
                         if events & selectors.EVENT_WRITE and not conn.closing:
-                            self._flush(conn)
+                            self.io.flush(conn)
                 if self.work and not self._stop:
                     self._step_work()
         finally:
@@ -218,29 +224,11 @@ class Supervisor:
         conn = self.listener.accept(len(self.conns))
         if conn is None:
             return
-        self.conns[conn.id] = conn
-        self.sel.register(conn.sock, selectors.EVENT_READ, conn)
-        conn.events = selectors.EVENT_READ
+        self.io.add(conn)
         log.debug("connection %d from pid %d", conn.id, conn.pid)
 
-    def _close(self, conn: Conn, reason: str = "") -> None:
-        if conn.id not in self.conns:
-            return
-        del self.conns[conn.id]
-        conn.closing = True
-        if conn.events:
-            try:
-                self.sel.unregister(conn.sock)
-            except (KeyError, ValueError):
-                pass
-        # (its receive queue may still hold descriptors the peer sent: closing it may block)
-        discard_socket(conn.sock)
-        self._discard_fds(conn)
-        self.unread -= conn.out_bytes
-        conn.out.clear()
-        conn.out_bytes = 0
-        conn.backlog.clear()
-        conn.backlog_bytes = 0
+    def _closed(self, conn: Conn, reason: str) -> None:
+        """What a connection held beyond its I/O, once :meth:`ConnIO.close` closed it."""
         pending = self.work.pop(conn.id, None)
         if pending is not None:
             pending[2].abort()  # (its memfd goes to the closer thread)
@@ -255,59 +243,6 @@ class Supervisor:
             f": {reason}" if reason else "",
             released,
         )
-
-    def _discard_fds(self, conn: Conn) -> None:
-        """Close (off the loop) the descriptors a peer sent that no put took."""
-        for fd in conn.fds:
-            self.ctx.store.counters.foreign_fds += 1
-            discard(fd)
-        conn.fds.clear()
-
-    def _on_readable(self, conn: Conn) -> None:
-        try:
-            # room for every descriptor a message can carry: the kernel would close the ones
-            # that do not fit, here, in the loop (a close that may block)
-            data, anc, flags, _ = conn.sock.recvmsg(1 << 16, socket.CMSG_SPACE(4 * SCM_MAX_FD))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            self._close(conn, str(e))
-            return
-        conn.fds.extend(fds_of(anc))
-        if flags & socket.MSG_CTRUNC or len(conn.fds) > MAX_PENDING_FDS:
-            self._reply_error(
-                conn, 0, ProtocolError(f"more than {MAX_PENDING_FDS} file descriptors sent at once")
-            )
-            self._flush(conn)  # the reason, before the close (as for a framing error)
-            self._close(conn, "too many fds")
-            return
-        if not data:
-            self._close(conn, "peer closed")
-            return
-        conn.frames.feed(data)
-        try:
-            bodies = conn.frames.frames()
-        except ProtocolError as e:
-            self.limits.frames_refused += 1
-            self._reply_error(conn, 0, e)
-            self._flush(conn)
-            self._close(conn, str(e))
-            return
-        conn.backlog.extend(bodies)
-        conn.backlog_bytes += sum(len(b) for b in bodies)
-        self._drain(conn)
-
-    def _drain(self, conn: Conn) -> None:
-        """Handle the connection's waiting frames, in order, until one is deferred."""
-        while conn.backlog and not conn.busy and not conn.closing:
-            body = conn.backlog.popleft()
-            conn.backlog_bytes -= len(body)
-            self._handle_frame(conn, body)
-        if conn.closing:
-            return
-        if not conn.backlog and conn.frames.pending() == 0 and conn.fds:
-            self._discard_fds(conn)  # fds that belonged to no put
-        self._flush(conn)
 
     def _handle_frame(self, conn: Conn, body: bytes) -> None:
         rid = 0
@@ -335,45 +270,13 @@ class Supervisor:
             if reply is None:  # answered later (a claim waiting, or deferred work)
                 return
         except ShmkvError as e:
-            self._reply_error(conn, rid, e)
+            self.io.reply_error(conn, rid, e)
             return
         except Exception:  # a bug must cost this request, not the supervisor
             log.exception("internal error handling a request from pid %d", conn.pid)
-            self._reply_error(conn, rid, ShmkvError("internal supervisor error (see its log)"))
+            self.io.reply_error(conn, rid, ShmkvError("internal supervisor error (see its log)"))
             return
-        self._reply(conn, rid, reply, fds)
-
-    def _reply(
-        self, conn: Conn, rid: int, reply: dict[str, Any], fds: list[int] | None = None
-    ) -> None:
-        reply["ok"], reply["id"] = True, rid
-        try:
-            data = encode(reply)
-        except ProtocolError as e:  # e.g. `ls` rows past the frame cap
-            self._reply_error(conn, rid, ProtocolError(f"{e}: ask for less (e.g. ls --limit)"))
-            return
-        self._queue(conn, data, fds)
-
-    def _reply_error(self, conn: Conn, rid: int, err: ShmkvError) -> None:
-        self._queue(conn, encode({"ok": False, "id": rid, "error": err.to_wire()}), None)
-
-    def _queue(self, conn: Conn, data: bytes, fds: list[int] | None) -> None:
-        if conn.closing:
-            return
-        conn.out.append([memoryview(data), fds])
-        conn.out_bytes += len(data)
-        self.unread += len(data)
-        # one reply (up to a frame) is always let through; past that, a peer that does
-        # not read what it asked for is dropped, before it holds more than its share
-        if conn.out_bytes > self.settings.max_unread and len(conn.out) > 1:
-            self.limits.unread_dropped += 1
-            self._close(conn, f"left more than --max-unread={conn.out_bytes} bytes unread")
-        while self.unread > self.settings.max_unread_total:
-            hog = max(self.conns.values(), key=lambda c: c.out_bytes, default=None)
-            if hog is None or not hog.out_bytes:
-                break
-            self.limits.unread_dropped += 1
-            self._close(hog, "the most replies unread, past --max-unread-total")
+        self.io.reply(conn, rid, reply, fds)
 
     # -------------------------------------------------------------- deferred work
     def _defer(self, conn: Conn, rid: int, work: Work) -> None:
@@ -403,74 +306,28 @@ class Supervisor:
         self.work.pop(cid, None)
         if error is not None:
             work.abort()
-            self._reply_error(conn, rid, error)
+            self.io.reply_error(conn, rid, error)
         else:
             assert reply is not None
-            self._reply(conn, rid, reply)
+            self.io.reply(conn, rid, reply)
         conn.busy = False
         if not conn.closing:
-            self._drain(conn)
-
-    def _flush(self, conn: Conn) -> None:
-        while conn.out and not conn.closing:
-            item = conn.out[0]
-            data, fds = item
-            try:
-                if fds:
-                    sent = conn.sock.sendmsg(
-                        [data],
-                        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))],
-                    )
-                    item[1] = None
-                else:
-                    sent = conn.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as e:
-                self._close(conn, str(e))
-                return
-            conn.out_bytes -= sent
-            self.unread -= sent
-            if sent < len(data):
-                item[0] = data[sent:]
-                break
-            conn.out.popleft()
-        if not conn.closing:
-            self._interest(conn)
-
-    def _interest(self, conn: Conn) -> None:
-        """Register for what the connection needs: replies to send; requests to read,
-        unless it is busy and has sent a backlog's worth already."""
-        want = selectors.EVENT_WRITE if conn.out else 0
-        if not conn.busy or conn.backlog_bytes + conn.frames.pending() < MAX_BACKLOG:
-            want |= selectors.EVENT_READ
-        if want == conn.events:
-            return
-        try:
-            if not want:
-                self.sel.unregister(conn.sock)
-            elif not conn.events:
-                self.sel.register(conn.sock, want, conn)
-            else:
-                self.sel.modify(conn.sock, want, conn)
-        except (KeyError, ValueError):
-            return
-        conn.events = want
+            self.io.drain(conn)
 
     def _wake(self, woken: list[tuple[Waiter, str]]) -> None:
         """Answer the claims that were waiting and have now ended."""
         for waiter, status in woken:
             conn = self.conns.get(waiter.owner)
             if conn is not None and not conn.closing:
-                self._reply(conn, waiter.rid, {"status": status})
+                self.io.reply(conn, waiter.rid, {"status": status})
                 if not conn.closing:
-                    self._flush(conn)
+                    self.io.flush(conn)
 
     # ----------------------------------------------------------------- cleanup
     def cleanup(self, remove: bool = True) -> None:
         """Close every connection, the socket and the arena; ``remove`` unlinks their files."""
         for conn in list(self.conns.values()):
-            self._close(conn, "supervisor stopping")
+            self.io.close(conn, "supervisor stopping")
         if self.listener.sock is not None:
             try:
                 self.sel.unregister(self.listener.sock)
