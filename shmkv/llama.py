@@ -17,16 +17,16 @@ the one hook:
 Keys are chained from a root digest of everything that makes a blob
 restorable here (``fingerprint.py``) and the caller's namespace. Which record
 to restore and which checkpoints to publish is planned in ``policy.py``; the
-state moves in and out of llama.cpp in ``kvstate.py``; ``publisher.py`` talks
-to the supervisor off the token path. This module wires them together and
-keeps the worker's counters (``shmkv.stats``). Any failure of the cache (no
-supervisor, mismatch, corrupt blob, failed ``set_data``) is logged once,
-counted, and costs a cold prefill: generation never fails because of it.
+state moves in and out of llama.cpp in ``kvstate.py``; one restore is carried
+out and counted in ``restorer.py``; the hooks on ``Llama`` are in ``hooks.py``;
+``publisher.py`` talks to the supervisor off the token path. This module wires
+them together and keeps the worker's counters (``shmkv.stats``). Any failure
+of the cache (no supervisor, mismatch, corrupt blob, failed ``set_data``) is
+logged once, counted, and costs a cold prefill: generation never fails because of it.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import threading
@@ -39,7 +39,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp as lc
 
-from . import kvstate, policy
+from . import hooks, kvstate, policy
 from .arena import chain_digests, common_prefix
 from .client import Client
 from .config import Settings, resolve, trusted_uids
@@ -47,6 +47,7 @@ from .errors import ArenaCorruptError, ShmkvError
 from .fingerprint import key_root, model_fingerprint
 from .ledger import Ledger
 from .publisher import Publisher
+from .restorer import Restorer
 from .stats import CallStats
 
 log = logging.getLogger(__name__)
@@ -374,6 +375,7 @@ class SharedPrefixCache:
         self.call: Call | None = None
         #: one step of one call touches the context at a time (see ``kvstate.ContextGuard``)
         self.guard = kvstate.ContextGuard()
+        self._restorer = Restorer(self)
         #: claims of calls closed late, for the next call to end (on the reader's thread)
         self._orphaned: list[list[bytes]] = []
         #: the context keeps every token's logits (``Llama(logits_all=True)``)
@@ -437,80 +439,7 @@ class SharedPrefixCache:
 
         Returns the number of tokens now in the context that match ``tokens``.
         """
-        llm, call = self.llm, self._call_for(tokens)
-        prompt = call.prompt
-        held = common_prefix(np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32), prompt)
-        local = self.keep_local(prompt, held=held)
-        t0 = time.perf_counter()
-        try:
-            view = self.reader.ensure()
-            chunk = view.geometry.chunk_tokens
-            if len(prompt) < chunk:
-                return local
-            digests = call.digests(chunk)
-            hit = self.reader.lookup(digests)
-        except ArenaCorruptError as e:
-            self.ledger.fail("corrupt arena", e)
-            self.ledger.add(restore_failures=1)
-            return local
-        except ShmkvError as e:
-            self.ledger.fail("supervisor unavailable", e)
-            return local
-        trust = self.trust()
-        try:
-            plan = self.policy.plan(
-                view, prompt, chunk, digests, hit, local, self._owners(trust), trust
-            )
-        except ShmkvError as e:  # (the owners round trip)
-            self.ledger.fail("supervisor unavailable", e)
-            return local
-        if plan.problem:
-            self.ledger.fail(*plan.problem)
-        if plan.window_unusable:
-            self.ledger.add(swa_unusable=1)
-        if plan.untrusted:
-            self.ledger.add(untrusted=plan.untrusted)
-        if plan.miss:
-            self.ledger.add(misses=1)
-        if plan.checkpoint:
-            call.checkpoint_at = plan.checkpoint
-        if plan.hit is None:
-            return local
-        done = kvstate.apply(
-            llm,
-            self.reader,
-            plan.hit,
-            prompt,
-            chunk=chunk,
-            local=local,
-            keep=plan.keep,
-            n_swa=self.n_swa,
-            fingerprint=self.fingerprint,
-            verify=self.verify,
-            trust=trust,
-        )
-        if done.failure:
-            self.ledger.fail(*done.failure)
-        if done.failed:
-            self.ledger.add(restore_failures=1)
-        if done.corrupt:
-            call.republish = True
-        if done.evicted:
-            self.ledger.add(misses=1)
-        if done.refused:
-            self.ledger.add(misses=1, states_refused=1)
-        if done.untrusted:
-            self.ledger.add(untrusted=1, misses=1)
-        if not done.restored:
-            return local if llm.n_tokens else 0  # (0: the context went cold)
-        # the rows past what the context held are another prompt's logits, or none
-        self.scores_valid = min(self.scores_valid, held)
-        dt = time.perf_counter() - t0
-        self.ledger.add(hits=1, tokens_restored=done.restored, restore_seconds=dt)
-        self.last.tokens_restored = done.restored
-        self.last.restore_seconds = dt
-        self.last.hit = True
-        return done.restored
+        return self._restorer.restore(self._call_for(tokens))
 
     def keep_local(
         self, prompt: np.ndarray, held: int | None = None, limit: int | None = None
@@ -627,8 +556,7 @@ class SharedPrefixCache:
         self, orig_generate: Any, tokens: Sequence[int], reset: bool = True, **kwargs: Any
     ) -> Iterator[int]:
         """The body of the hooked ``Llama.generate``."""
-        wants = getattr(self._completion, "prompt_logits", None)
-        self._completion.prompt_logits = None
+        wants = hooks.take_prompt_logits(self)
         # (a generate call that did not come through a completion may read any logits)
         call = Call(self, list(tokens), prompt_logits=self.logits_all and wants is not False)
         return (yield from call.run(orig_generate, reset, kwargs))
@@ -636,57 +564,12 @@ class SharedPrefixCache:
     def eval(self, orig_eval: Any, tokens: Sequence[int]) -> None:
         """The body of the hooked ``Llama.eval``: under the guard, and keeping count of the
         logits rows it fills (``scores_valid``)."""
-        llm, guard = self.llm, self.guard
-        outside = not guard.held_here()
-        with guard:
-            if outside:  # not a step of a call: the cells are nobody's now
-                guard.begin()
-            start = llm.n_tokens
-            try:
-                orig_eval(tokens)
-            finally:
-                if self.logits_all and start <= self.scores_valid:
-                    self.scores_valid = llm.n_tokens
+        hooks.run_eval(self, orig_eval, tokens)
 
     def completion(self, orig: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
         """The body of the hooked ``Llama._create_completion``: tells the generate call it
         makes (on this thread) whether it reads the prompt's logits."""
-        try:
-            bound = _COMPLETION_PARAMS.bind_partial(None, *args, **kwargs).arguments
-            wants = bool(bound.get("echo")) and bound.get("logprobs") is not None
-        except TypeError:  # (a signature we do not know: let the generate call assume so)
-            wants = None
-        self._completion.prompt_logits = wants
-        try:
-            yield from orig(*args, **kwargs)
-        finally:
-            self._completion.prompt_logits = None
-
-
-_COMPLETION_PARAMS = inspect.signature(llama_cpp.Llama._create_completion)
-
-
-def _hooked_generate(cache: SharedPrefixCache, orig: Any) -> Callable[..., Iterator[int]]:
-    def generate(tokens: Sequence[int], reset: bool = True, **kwargs: Any) -> Iterator[int]:
-        return cache.generate(orig, tokens, reset=reset, **kwargs)
-
-    generate.__doc__ = orig.__doc__
-    return generate
-
-
-def _hooked_eval(cache: SharedPrefixCache, orig: Any) -> Callable[[Sequence[int]], None]:
-    def eval(tokens: Sequence[int]) -> None:
-        cache.eval(orig, tokens)
-
-    eval.__doc__ = orig.__doc__
-    return eval
-
-
-def _hooked_completion(cache: SharedPrefixCache, orig: Any) -> Callable[..., Iterator[Any]]:
-    def _create_completion(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        return cache.completion(orig, *args, **kwargs)
-
-    return _create_completion
+        return hooks.run_completion(self, orig, *args, **kwargs)
 
 
 def attach(
@@ -707,9 +590,7 @@ def attach(
     cache = SharedPrefixCache(
         llm, name=name, namespace=namespace, socket_path=socket_path, **kwargs
     )
-    llm.generate = _hooked_generate(cache, llm.generate)  # type: ignore[method-assign,assignment]
-    llm.eval = _hooked_eval(cache, llm.eval)  # type: ignore[method-assign,assignment]
-    llm._create_completion = _hooked_completion(cache, llm._create_completion)  # type: ignore[method-assign]
+    hooks.install(cache, llm)
     llm.shmkv = cache  # type: ignore[attr-defined]
     return cache
 
