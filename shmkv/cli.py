@@ -209,21 +209,33 @@ def _key(text: str) -> bytes:
     return key
 
 
-def _pin_command(name: str, pinned: bool, doc: str) -> None:
-    """Register `shmkv pin` / `shmkv unpin`: one body, two verbs."""
+@main.command()
+@settings_options("client")
+@click.argument("key")
+@click.option(
+    "--ttl",
+    type=click.FloatRange(min=0.001),
+    default=None,
+    metavar="SECONDS",
+    help="The pin ends, and the entries go, once they went unused this long.",
+)
+@fails_cleanly
+def pin(config_file: str | None, key: str, ttl: float | None, **cli: Any) -> None:
+    """Keep the entries with KEY (from `shmkv ls --json`) out of eviction and --ttl."""
+    with _client(config_file, cli) as c:
+        n = c.pin(_key(key), True, ttl=ttl)
+    click.echo(f"pinned {n} entr{'y' if n == 1 else 'ies'}")
 
-    @main.command(name=name, help=doc)
-    @settings_options("client")
-    @click.argument("key")
-    @fails_cleanly
-    def command(config_file: str | None, key: str, **cli: Any) -> None:
-        with _client(config_file, cli) as c:
-            n = c.pin(_key(key), pinned)
-        click.echo(f"{name}ned {n} entr{'y' if n == 1 else 'ies'}")
 
-
-_pin_command("pin", True, "Keep the entries with KEY (from `shmkv ls --json`) out of eviction.")
-_pin_command("unpin", False, "Make the entries with KEY evictable again.")
+@main.command()
+@settings_options("client")
+@click.argument("key")
+@fails_cleanly
+def unpin(config_file: str | None, key: str, **cli: Any) -> None:
+    """Make the entries with KEY evictable again."""
+    with _client(config_file, cli) as c:
+        n = c.pin(_key(key), False)
+    click.echo(f"unpinned {n} entr{'y' if n == 1 else 'ies'}")
 
 
 @main.command()

@@ -654,8 +654,13 @@ class Client(Connection):
     def clear(self) -> int:
         return int(self.request({"op": "clear"}).get("removed", 0))
 
-    def pin(self, key: bytes, pinned: bool = True) -> int:
-        return int(self.request({"op": "pin" if pinned else "unpin", "key": key})["count"])
+    def pin(self, key: bytes, pinned: bool = True, ttl: float | None = None) -> int:
+        """Pin (or unpin) the records of ``key``; ``ttl``: the pin ends, and the records
+        go, once they went unused this many seconds. Returns how many records."""
+        msg: dict[str, Any] = {"op": "pin" if pinned else "unpin", "key": key}
+        if ttl is not None:
+            msg["ttl"] = float(ttl)
+        return int(self.request(msg)["count"])
 
     def report(self, **counters: int) -> None:
         counters = {k: v for k, v in counters.items() if v}
