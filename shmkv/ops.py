@@ -218,6 +218,9 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     limit = get_int(msg, "limit", 1, 100_000, required=False, default=1000)
     now_mono, now = time.monotonic(), time.time()
     live = ctx.store.live_entries()
+    if "key_prefix" in msg:  # (``shmkv export KEY``: a key as ``shmkv ls`` shows it)
+        prefix = get_bytes(msg, "key_prefix", 1, 16)
+        live = [e for e in live if e.key.startswith(prefix)]
     rows = []
     for e in sorted(live, key=lambda e: -e.last_used)[:limit]:
         rows.append(
@@ -248,7 +251,8 @@ MAX_PIN_TTL = 10 * 365 * 86400.0
 def _set_pinned(ctx: Context, msg: dict[str, Any], pinned: bool) -> Reply:
     key = get_digest(msg, "key")
     ttl = get_float(msg, "ttl", 0.001, MAX_PIN_TTL) if pinned and "ttl" in msg else None
-    entries = ctx.store.by_key(key)
+    n_tokens = get_int(msg, "n_tokens", 1, MAX_TOKENS, required=False)
+    entries = [e for e in ctx.store.by_key(key) if n_tokens in (None, e.n_tokens)]
     for e in entries:
         ctx.store.set_pinned(e, pinned)
         if ctx.expiry is not None:
@@ -258,8 +262,8 @@ def _set_pinned(ctx: Context, msg: dict[str, Any], pinned: bool) -> Reply:
 
 @op("pin", attached=False, privilege=Privilege.ADMIN)
 def pin(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
-    """Keep the records of ``key`` out of eviction and ``--ttl``; with ``ttl``, only until
-    they went unused for that many seconds."""
+    """Keep the records of ``key`` (of ``n_tokens`` tokens only, if given) out of eviction
+    and ``--ttl``; with ``ttl``, only until they went unused for that many seconds."""
     return _set_pinned(ctx, msg, True)
 
 
