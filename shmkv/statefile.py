@@ -203,8 +203,8 @@ class StateReader:
             raise StateFileError("not a shmkv state file (write one with `shmkv export`)")
         if version != FORMAT_VERSION:
             raise StateFileError(
-                f"state file format {version}; this shmkv reads format {FORMAT_VERSION}: "
-                f"export it again with this version of shmkv"
+                f"state file format {version}; this shmkv reads format {FORMAT_VERSION}; "
+                f"not imported: export it again with this version of shmkv"
             )
         if not 1 <= meta_len <= MAX_META:
             raise StateFileError(f"state file metadata of {meta_len} bytes; not imported")
