@@ -4,6 +4,7 @@ real llama worker finds nothing left of an expired conversation and runs cold.""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -71,21 +72,20 @@ def test_ttl_never_releases_a_leased_state(make_supervisor) -> None:
 
 
 def test_pins_outlive_ttl_unless_they_carry_their_own(make_supervisor) -> None:
-    sup = make_supervisor("--size", "32M", "--ttl", "1")
+    sup = make_supervisor("--size", "32M", "--ttl", "2")
     plain, pinned, short = blob(4, 10_000), blob(5, 10_000), blob(6, 10_000)
-    with sup.client() as c:
+    with sup.client() as c:  # (pinned at once: a CLI's start-up may take longer than --ttl)
         plain_key, pinned_key, short_key = put(c, plain), put(c, pinned), put(c, short)
-    assert sup.cli("pin", pinned_key).stdout.strip() == "pinned 1 entry"
-    out = sup.cli("pin", "--ttl", "2.5", short_key)
-    assert out.stdout.strip() == "pinned 1 entry"
+        assert c.pin(bytes.fromhex(pinned_key)) == 1
+        assert c.pin(bytes.fromhex(short_key), ttl=4.0) == 1
+    rows = {r["key"]: r for r in json.loads(sup.cli("ls", "--json").stdout)}
+    assert rows[short_key]["pin_ttl"] == 4.0 and rows[pinned_key]["pin_ttl"] is None
     with sup.client() as c:
-        rows = {r["key"]: r for r in c.ls()["entries"]}
-        assert rows[short_key]["pin_ttl"] == 2.5 and rows[pinned_key]["pin_ttl"] is None
-        wait_until(lambda: plain_key not in keys(c), 5, "the unpinned state to expire")
+        wait_until(lambda: plain_key not in keys(c), 6, "the unpinned state to expire")
         assert {pinned_key, short_key} <= keys(c)  # --ttl passed: pins keep them
-        wait_until(lambda: short_key not in keys(c), 6, "the pin's own TTL to end it")
+        wait_until(lambda: short_key not in keys(c), 8, "the pin's own TTL to end it")
         assert c.lookup(short.digests()) is None
-        time.sleep(1.5)
+        time.sleep(2.5)
         assert keys(c) == {pinned_key}
         st = c.stats()
         assert st["expired"] == 2 and st["pinned"] == 1
@@ -112,6 +112,10 @@ def test_pin_ttl_is_validated(supervisor) -> None:
             else:
                 raise AssertionError(f"pin with ttl={ttl} accepted")
         assert c.stats()["pinned"] == 0
+    out = supervisor.cli("pin", "--ttl", "60", key)
+    assert out.stdout.strip() == "pinned 1 entry"
+    rows = json.loads(supervisor.cli("ls", "--json").stdout)
+    assert [(r["pinned"], r["pin_ttl"]) for r in rows] == [(True, 60.0)]
 
 
 def test_an_expired_conversation_runs_cold(make_supervisor, models) -> None:
