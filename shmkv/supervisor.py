@@ -48,6 +48,7 @@ from .protocol import MAX_U64, decode_body
 from .stats import LimitCounters, WorkerCounters
 from .store import Store
 from .systemd import Watchdog, sd_notify
+from .ttl import Expiry
 
 __all__ = [
     "EXIT_ARENA_LOST",
@@ -132,6 +133,7 @@ class Supervisor:
                 check_arena=self._check_arena,
                 defer=self._defer,
                 limits=self.limits,
+                expiry=Expiry(store, self.settings.ttl),
             )
             self.sel.register(self.listener.bind(), selectors.EVENT_READ, None)
         except BaseException:
@@ -165,6 +167,8 @@ class Supervisor:
                     next_check = time.monotonic() + 1.0
                     if not self.arena.intact():
                         break
+                    assert self.ctx.expiry is not None
+                    self.ctx.expiry.tick()  # (bounded work: see ttl.py)
                 now = time.monotonic()
                 timeout = watchdog.tick(now)
                 due = self.claims.next_deadline()
