@@ -111,7 +111,8 @@ class Supervisor:
             if geometry is None:
                 geometry = self.arena.create()
             assert self.arena.mm is not None
-            view = ArenaView(self.arena.ro_fd, populate=False)  # to re-check records
+            # to re-check records (adopting, every one: mapped at once, not page by page)
+            view = ArenaView(self.arena.ro_fd, populate=adopted)
             store = Store(
                 self.arena.mm,
                 geometry,
