@@ -27,7 +27,6 @@ from helpers import (
     assert_one_error_line,
     completion,
     run_worker,
-    start_supervisor,
     texts,
     try_stats,
     wait_ready,
@@ -311,7 +310,7 @@ def test_another_format_version_is_refused_never_adopted(make_supervisor, tmp_pa
     kill9(sup)
     _flip(sup.arena, 8, 1)  # the format version (magic is bytes 0-7)
     before = sup.arena.read_bytes()
-    refused = start_supervisor(tmp_path, "--size", "16M", name=sup.name, wait=False)
+    refused = make_supervisor("--size", "16M", name=sup.name, wait=False)
     assert refused.proc.wait(30) == 9
     line = assert_one_error_line(_as_result(refused), "format", "--fresh", "shmkv clear")
     assert str(sup.arena) in line
@@ -327,7 +326,7 @@ def test_a_file_others_could_write_is_refused(make_supervisor, tmp_path) -> None
         put_known(c, 1)
     kill9(sup)
     os.chmod(sup.arena, 0o660)
-    refused = start_supervisor(tmp_path, "--size", "16M", name=sup.name, wait=False)
+    refused = make_supervisor("--size", "16M", name=sup.name, wait=False)
     assert refused.proc.wait(30) == 8
     assert_one_error_line(_as_result(refused), "0660", "--fresh", "shmkv clear")
     assert sup.arena.exists()
@@ -344,7 +343,7 @@ def test_another_owners_file_is_refused(make_supervisor, tmp_path) -> None:
     kill9(sup)
     os.chown(sup.arena, 65534, -1)
     try:
-        refused = start_supervisor(tmp_path, "--size", "16M", name=sup.name, wait=False)
+        refused = make_supervisor("--size", "16M", name=sup.name, wait=False)
         assert refused.proc.wait(30) == 8
         assert_one_error_line(_as_result(refused), "owned by uid 65534")
     finally:
