@@ -19,7 +19,7 @@ import click
 
 from . import __version__
 from .config import SETTINGS, format_size, resolve
-from .errors import ShmkvError
+from .errors import ShmkvError, SupervisorBusy, SupervisorUnavailable, UntrustedSupervisor
 
 if TYPE_CHECKING:
     from .client import Client
@@ -362,9 +362,25 @@ def import_cmd(
 @settings_options("client")
 @fails_cleanly
 def clear(config_file: str | None, **cli: Any) -> None:
-    """Remove every entry (entries being read are freed when their readers finish)."""
-    with _client(config_file, cli) as c:
-        n = c.clear()
+    """Remove every entry (entries being read are freed when their readers finish).
+
+    With no supervisor running, remove the arena file a stopped or killed one left
+    (which the next `shmkv supervise` would adopt), so that the next start is empty.
+    """
+    try:
+        with _client(config_file, cli) as c:
+            n = c.clear()
+    except SupervisorUnavailable as e:
+        if isinstance(e, (UntrustedSupervisor, SupervisorBusy)):
+            raise
+        from .adopt import remove_left
+
+        settings = resolve("client", cli, config_file=config_file)
+        path = remove_left(settings, str(e).split(":")[0])
+        if path is None:  # nothing to clear, and no supervisor: say so, as stats would
+            raise
+        click.echo(f"removed {path}, left by a stopped supervisor: the next start is empty")
+        return
     click.echo(f"removed {n} entries")
 
 

@@ -251,7 +251,7 @@ SETTINGS: dict[str, Setting] = {
             _ALL,
             "PATH",
         ),
-        Setting("dir", str, "/dev/shm", "Directory of the arena file (a tmpfs).", _SUP, "DIR"),
+        Setting("dir", str, "/dev/shm", "Directory of the arena file (a tmpfs).", _ALL, "DIR"),
         Setting(
             "size",
             parse_size,
@@ -289,6 +289,15 @@ SETTINGS: dict[str, Setting] = {
             parse_bool,
             False,
             "Leave socket and arena file in place on shutdown.",
+            _SUP,
+            is_flag=True,
+        ),
+        Setting(
+            "fresh",
+            parse_bool,
+            False,
+            "Start with an empty arena: drop the one a stopped or killed supervisor of this "
+            "name left, instead of checking and adopting its entries.",
             _SUP,
             is_flag=True,
         ),

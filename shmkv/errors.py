@@ -25,6 +25,8 @@ EXIT_PERMISSION = 6
 EXIT_ARENA_LOST = 7
 #: a file, directory or supervisor is not owned by whom it must be (another user's trap?)
 EXIT_UNTRUSTED = 8
+#: the arena file a previous supervisor left is of another format: start with --fresh
+EXIT_ARENA_INCOMPATIBLE = 9
 
 __all__ = [
     "ShmkvError",
@@ -33,6 +35,7 @@ __all__ = [
     "ArenaExistsError",
     "ArenaFullError",
     "ArenaCorruptError",
+    "ArenaIncompatibleError",
     "ShmSpaceError",
     "SupervisorUnavailable",
     "SupervisorBusy",
@@ -93,6 +96,13 @@ class ArenaCorruptError(ArenaError):
     """The arena header or a record failed validation."""
 
     code = "arena_corrupt"
+
+
+class ArenaIncompatibleError(ArenaError):
+    """The arena file a previous supervisor left is of another format: never adopted."""
+
+    code = "arena_incompatible"
+    exit_code = EXIT_ARENA_INCOMPATIBLE
 
 
 class ShmSpaceError(ArenaError):

@@ -182,6 +182,12 @@ class ArenaCounters:
     puts_sliced: int = counter(
         "puts whose evictions or copy took several turns of the loop (others served between)"
     )
+    adopted: int = counter(
+        "states adopted at start from the arena a stopped or killed supervisor left"
+    )
+    adopt_dropped: int = counter(
+        "records of that arena dropped at adoption (damaged, half-written or inconsistent)"
+    )
 
 
 @dataclass

@@ -8,8 +8,9 @@ socket and peer credentials in ``listener.py``, each connection's I/O (frames,
 descriptors, replies, unread limits, close) in ``connio.py``, the requests in
 ``ops.py``, the records in ``store.py``, systemd notifications in ``systemd.py``.
 
-Start-up order: lock the arena's name and create the arena (``arenafile.py``),
-bind the socket (``listener.py``), then send READY=1 to systemd.
+Start-up order: lock the arena's name, adopt the arena a stopped or killed
+predecessor left (``adopt.py``) or create one (``arenafile.py``), bind the socket
+(``listener.py``), then send READY=1 to systemd.
 
 No peer may stall the loop or hold what all share: a request that needs more
 than ``--put-slice`` of work (a put that evicts thousands of records or copies
@@ -27,7 +28,7 @@ import signal
 import time
 from collections import deque
 
-from . import __version__
+from . import __version__, adopt
 from .arena import ArenaView
 from .arenafile import ArenaFile, arena_path
 from .claims import Claims, Waiter
@@ -106,9 +107,13 @@ class Supervisor:
         """Lock the name, create the arena, bind the socket; raises ShmkvError on failure."""
         self.arena.lock()
         try:
-            geometry = self.arena.create()
+            geometry = None if self.settings.fresh else adopt.open_leftover(self.arena)
+            adopted = geometry is not None
+            if geometry is None:
+                geometry = self.arena.create()
             assert self.arena.mm is not None
-            view = ArenaView(self.arena.ro_fd, populate=False)  # to re-check records
+            # to re-check records (adopting, every one: mapped at once, not page by page)
+            view = ArenaView(self.arena.ro_fd, populate=adopted)
             store = Store(
                 self.arena.mm,
                 geometry,
@@ -118,6 +123,8 @@ class Supervisor:
                 max_leases=self.settings.max_leases,
                 limits=self.limits,
             )
+            if adopted:
+                adopt.rebuild(store, view)
             self._ctx = Context(
                 settings=self.settings,
                 arena=self.arena,
