@@ -288,7 +288,7 @@ SETTINGS: dict[str, Setting] = {
             "keep",
             parse_bool,
             False,
-            "Leave socket and arena file in place on shutdown.",
+            "Leave socket and arena file in place on shutdown; the next start adopts the arena.",
             _SUP,
             is_flag=True,
         ),
