@@ -49,6 +49,7 @@ __all__ = [
     "StateRefused",
     "ClosedError",
     "LimitExceeded",
+    "InvalidTenant",
     "from_wire",
 ]
 
@@ -195,6 +196,13 @@ class LimitExceeded(ShmkvError):
     """A peer asked for more than one connection may hold (pins, leases, ...)."""
 
     code = "limit"
+
+
+class InvalidTenant(ShmkvError):
+    """A request named its cache tenant with a value shmkv does not accept (a
+    ``cache_salt`` too long, empty, not a string or with control characters)."""
+
+    code = "invalid_tenant"
 
 
 _BY_CODE: dict[str, type[ShmkvError]] = {}
