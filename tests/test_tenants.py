@@ -9,13 +9,17 @@ text equal to a cold run's.
 
 from __future__ import annotations
 
+from typing import Any
+
+import httpx
 import llama_cpp
 import pytest
-from helpers import KW, SYSTEM
+from helpers import EXTRA, KW, SAMPLING, SYSTEM, Server, wait_until
 
 from shmkv import tenant
 from shmkv.errors import InvalidTenant
 from shmkv.llama import SharedCacheLlama
+from shmkv.tenant import MAX_SALT_CHARS, SALT_HEADER
 
 PROMPT = SYSTEM + " Question: which cat sits on mat 3?"
 GREEDY = {"max_tokens": 8, "temperature": 0.0}
@@ -92,3 +96,172 @@ def test_salts_are_validated_and_kept_apart():
     for bad in ("", "x" * (tenant.MAX_SALT_CHARS + 1), "a\nb", "a\x00", 42, ["a"]):
         with pytest.raises(InvalidTenant, match=f"1 to {tenant.MAX_SALT_CHARS} printable"):
             tenant.make(bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- served: real gunicorn
+SERVED = SYSTEM + " Question: which mat?"
+
+
+def _served(srv: Server, salt: Any = None, header: str | None = None, **kw: Any) -> tuple:
+    """A completion of SERVED (``salt``: the body's cache_salt, ``header``: the
+    X-Shmkv-Cache-Salt header, ``key``: the API key, ``stream``); its text and what the
+    cache did (headers, or a stream's ``shmkv`` field, and ``cached_tokens`` if the
+    server reports it)."""
+    key, stream = kw.pop("key", None), kw.pop("stream", False)
+    client = srv.client if key is None else srv.client.with_options(api_key=key)
+    body = {**EXTRA, **({} if salt is None else {"cache_salt": salt})}
+    extra = {"extra_body": body, "extra_headers": {} if header is None else {SALT_HEADER: header}}
+    args = {"model": "tiny", "prompt": SERVED, **SAMPLING, **extra, **kw}
+    if stream:
+        chunks = list(client.completions.create(stream=True, **args))
+        return "".join(c.choices[0].text for c in chunks), chunks[0].model_extra["shmkv"]
+    raw = client.completions.with_raw_response.create(**args)
+    out = raw.parse()
+    info: dict[str, Any] = {
+        k[len("x-shmkv-") :].replace("-", "_"): v
+        for k, v in raw.headers.items()
+        if k.startswith("x-shmkv-")
+    }
+    info = {k: v == "true" if k == "hit" else float(v) for k, v in info.items()}
+    details = getattr(out.usage, "prompt_tokens_details", None)  # (where the server has it)
+    if details is not None and getattr(details, "cached_tokens", None) is not None:
+        info["cached_tokens"] = details.cached_tokens
+    return out.choices[0].text, info
+
+
+def _cold(info: dict) -> bool:
+    """Nothing of the prompt came from the arena or the worker's context."""
+    return (
+        info["restored_tokens"] == 0
+        and info["reused_local_tokens"] == 0
+        and info["evaluated_tokens"] == info["prompt_tokens"]
+        and info.get("cached_tokens", 0) == 0
+    )
+
+
+def _reported(sup, misses: int) -> dict:
+    """The supervisor's stats once the workers' reports reach ``misses``."""
+    return wait_until(
+        lambda: (st := sup.stats())["misses"] >= misses and st, what=f"{misses} misses"
+    )
+
+
+def _health(srv: Server) -> dict:
+    return httpx.get(srv.base + "/health", timeout=10).json()["shmkv"][0]
+
+
+def test_served_tenants_never_share_a_worker_context_or_the_arena(
+    tmp_path, serve_model, make_supervisor, serve_reference
+):
+    """One worker: whatever tenant it served last, another tenant's identical prompt is
+    evaluated in full (headers, the stream's field, supervisor stats), with a cold run's
+    text; the tenant's own prompt still hits, from the context or the arena."""
+    sup = make_supervisor("--size", "128M")
+    srv = Server(sup, serve_model, workers=1, tmp_path=tmp_path)
+    try:
+        want = serve_reference(SERVED)
+        text, first = _served(srv, salt="tenant-a")
+        assert text == want and _cold(first), first
+        text, again = _served(srv, salt="tenant-a")  # the same tenant: its own cells
+        assert text == want and again["reused_local_tokens"] >= again["prompt_tokens"] - 1
+        assert again.get("cached_tokens", 1) > 0
+        before = _reported(sup, 1)
+        # another salt; the same text as a header (another part, so another tenant);
+        # no tenant at all; the stream path
+        for kw in ({"salt": "tenant-b"}, {"header": "tenant-a"}, {}, {"salt": "c", "stream": True}):
+            text, info = _served(srv, **kw)
+            assert text == want, kw
+            assert _cold(info), (kw, info)
+        after = _reported(sup, before["misses"] + 4)
+        assert after["hits"] == before["hits"]  # no lease granted: nothing found
+        assert after["misses"] == before["misses"] + 4
+        assert _health(srv)["tenant_switches"] == 4
+        # tenant a again, streaming, on a context that holds c's cells: a's record
+        text, info = _served(srv, salt="tenant-a", stream=True)
+        assert text == want and info["reused_local_tokens"] == 0
+        assert info["restored_tokens"] >= info["prompt_tokens"] - 1
+        assert wait_until(lambda: sup.stats()["hits"] == after["hits"] + 1, what="a's hit")
+    finally:
+        srv.stop()
+
+
+def test_served_salts_are_validated(tmp_path, serve_model, make_supervisor):
+    sup = make_supervisor("--size", "64M")
+    srv = Server(sup, serve_model, workers=1, tmp_path=tmp_path)
+    url = srv.base + "/v1/completions"
+    body = {"prompt": "Hi", "max_tokens": 1}
+    try:
+        for salt in ("x" * (MAX_SALT_CHARS + 1), "", 42, "a\tb"):
+            r = httpx.post(url, json={**body, "cache_salt": salt}, timeout=30)
+            assert r.status_code == 400, (salt, r.text)
+            error = r.json()["error"]
+            assert f"1 to {MAX_SALT_CHARS} printable" in error["message"]
+            assert error["param"] == "cache_salt"
+        for headers in ([(SALT_HEADER, "")], [(SALT_HEADER, "a"), (SALT_HEADER, "b")]):
+            r = httpx.post(url, json=body, headers=headers, timeout=30)
+            assert r.status_code == 400, (headers, r.text)
+            assert r.json()["error"]["param"] == SALT_HEADER
+        ok = httpx.post(url, json={**body, "cache_salt": "x" * MAX_SALT_CHARS}, timeout=30)
+        assert ok.status_code == 200, ok.text
+        r = httpx.post(url, json={**body, "cache_salt": None}, timeout=30)  # null: none
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+
+
+def _long_stream(srv: Server) -> tuple[Any, int]:
+    """A stream that keeps a worker busy for a few seconds (1,500 tokens; it is read no
+    further than its first chunk); the stream and that worker's pid."""
+    stream = srv.client.completions.create(
+        model="tiny",
+        prompt="Once upon a time",
+        stream=True,
+        max_tokens=1500,
+        temperature=0.0,
+        extra_body=EXTRA,
+    )
+    return stream, next(iter(stream)).model_extra["shmkv"]["worker_pid"]
+
+
+def _route_to(srv: Server, pid: int) -> Any:
+    """Keep the other one of two workers busy with a fresh long stream, so that the next
+    requests go to worker ``pid`` (a busy worker accepts no connection); the stream."""
+    stream, busy = _long_stream(srv)
+    if busy != pid:
+        return stream
+    other, busy = _long_stream(srv)  # (the only idle worker is the other one)
+    stream.close()
+    assert busy != pid
+    return other
+
+
+def test_served_tenant_hits_across_workers_and_only_its_own(
+    tmp_path, serve_model, make_supervisor, serve_reference
+):
+    """Tenant A's prompt, computed on one worker, is restored on the other; tenant B's
+    identical prompt there, right after A's, finds nothing, neither in the arena nor in
+    that worker's context."""
+    sup = make_supervisor("--size", "128M")
+    srv = Server(sup, serve_model, workers=2, tmp_path=tmp_path)
+    want = serve_reference(SERVED)
+    held = None
+    try:
+        text, a1 = _served(srv, salt="tenant-a")
+        assert text == want and _cold(a1), a1
+        wait_until(lambda: sup.stats()["entries"] >= 1, what="a's publish")
+        (there,) = srv.worker_pids() - {a1["worker_pid"]}
+        held = _route_to(srv, there)
+        before = sup.stats()
+        text, a2 = _served(srv, salt="tenant-a")
+        assert text == want and a2["worker_pid"] == there
+        assert a2["restored_tokens"] >= a2["prompt_tokens"] - 1, a2
+        assert a2.get("cached_tokens", 1) > 0
+        text, b = _served(srv, salt="tenant-b")
+        assert text == want and b["worker_pid"] == there
+        assert _cold(b), b
+        after = _reported(sup, before["misses"] + 1)
+        assert after["hits"] == before["hits"] + 1  # a's lease; none for b
+    finally:
+        if held is not None:
+            held.close()
+        srv.stop()
