@@ -265,3 +265,35 @@ def test_served_tenant_hits_across_workers_and_only_its_own(
         if held is not None:
             held.close()
         srv.stop()
+
+
+def test_served_namespace_per_api_key(tmp_path, serve_model, make_supervisor, serve_reference):
+    """--namespace-per-api-key with two keys: a key's tenant is its own whatever the
+    other key's client sends (a salt narrows a key's tenant, never reaches another's);
+    no key or a wrong one gets 401."""
+    sup = make_supervisor("--size", "128M")
+    env = {"SHMKV_API_KEY": "key-one,key-two", "SHMKV_NAMESPACE_PER_API_KEY": "true"}
+    srv = Server(sup, serve_model, workers=1, tmp_path=tmp_path, env=env)
+    want = serve_reference(SERVED)
+    try:
+        url = srv.base + "/v1/completions"
+        for headers in ({}, {"Authorization": "Bearer key-three"}, {"Authorization": "key-one"}):
+            r = httpx.post(url, json={"prompt": "Hi", "max_tokens": 1}, headers=headers)
+            assert r.status_code == 401, (headers, r.text)
+        text, one = _served(srv, key="key-one")
+        assert text == want and _cold(one), one
+        text, one = _served(srv, key="key-one")
+        assert one["reused_local_tokens"] >= one["prompt_tokens"] - 1
+        # key two, as it is and with every salt it might try: nothing of key one's
+        for kw in ({}, {"salt": "key-one"}, {"header": "key-one"}, {"salt": "x", "stream": True}):
+            text, two = _served(srv, key="key-two", **kw)
+            assert text == want and _cold(two), (kw, two)
+        text, narrowed = _served(srv, key="key-one", salt="x")  # key one, narrowed
+        assert text == want and _cold(narrowed), narrowed
+        text, one = _served(srv, key="key-one")  # key one's own record, from the arena
+        assert text == want and one["reused_local_tokens"] == 0
+        assert one["restored_tokens"] >= one["prompt_tokens"] - 1, one
+        assert _health(srv)["tenant_switches"] == 6
+        assert sup.stats()["hits"] == 1
+    finally:
+        srv.stop()
