@@ -117,15 +117,11 @@ class TenantScope:
                 )
                 return
         messages: list[dict] = []
-        body = b""
         while True:
             message = await receive()
             messages.append(message)
-            if message["type"] != "http.request":
-                break  # (a disconnect: the route sees it too)
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break  # (the whole body, or a disconnect, which the route sees too)
         replay = iter(messages)
 
         async def replayed() -> dict:
@@ -139,6 +135,7 @@ class TenantScope:
         try:
             from_header = header_salt(headers)
             param = tenant.SALT_FIELD
+            body = b"".join(m.get("body", b"") for m in messages)
             who = tenant.make(body_salt(body), header_salt=from_header, api_key=api_key)
         except InvalidTenant as e:
             await _send(send, _error(400, str(e), "invalid_cache_salt", param))
