@@ -79,6 +79,27 @@ def test_another_tenant_reuses_nothing_of_the_context_and_restores_nothing(super
         cache.close()
 
 
+def test_a_continuation_across_tenants_publishes_nothing(supervisor, models):
+    """``generate(reset=False)`` goes on from the context as it is: by another tenant,
+    on tenant A's cells, the result is nobody's, never published (under B's keys it
+    would hand A's prefix to B), and the next call reuses none of it."""
+    llm = _llm(supervisor, models["seed0"])
+    _ask(llm, "tenant-a")
+    with tenant.scope("tenant-b"):
+        more = llm.tokenize(b" And then the cat said", add_bos=False)
+        gen = llm.generate(more, reset=False, temp=0.0)
+        for _, _tok in zip(range(80), gen, strict=False):  # over a chunk of new tokens
+            pass
+        gen.close()
+    assert llm.shmkv.flush()
+    assert llm.shmkv.last.published == 0
+    assert llm.shmkv.context_root is None
+    _ask(llm, "tenant-a")
+    last = llm.shmkv.last
+    assert last.tokens_reused_local == 0 and last.tokens_restored >= last.prompt_tokens - 1
+    llm.shmkv.close()
+
+
 def test_salts_are_validated_and_kept_apart():
     base = bytes(16)
     roots = {
