@@ -125,6 +125,18 @@ def _aliases(value: str | list[str] | tuple[str, ...]) -> list[str]:
     return out
 
 
+def _api_keys(value: str | list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """API keys, comma-separated or repeated (None: no key required)."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else list(value)
+    out = [k.strip() for x in items for k in str(x).split(",") if k.strip()]
+    for key in out:
+        if not key.isprintable() or " " in key:
+            raise ValueError("an API key must be printable and without spaces")
+    return out or None
+
+
 def _non_negative_float(text: str | float) -> float:
     value = float(text)
     if not value >= 0:
@@ -512,7 +524,25 @@ SETTINGS: dict[str, Setting] = {
             "NAME",
         ),
         Setting(
-            "api_key", _optional_str, None, "Require this bearer token on requests.", _SERVE, "KEY"
+            "api_key",
+            _api_keys,
+            None,
+            "Require one of these bearer tokens on requests (comma-separated or repeated).",
+            _SERVE,
+            "KEY",
+            multiple=True,
+        ),
+        Setting(
+            "namespace_per_api_key",
+            parse_bool,
+            False,
+            "Each API key (Authorization: Bearer) is its own cache tenant: requests with "
+            "different keys never find each other's cached prefixes, whatever cache_salt "
+            "they send (a salt only narrows its key's tenant). Without --api-key any bearer "
+            "token is taken as a tenant's identity (authenticate in a proxy in front); a "
+            "completion without one gets 401.",
+            _SERVE,
+            is_flag=True,
         ),
         Setting(
             "logits_all",

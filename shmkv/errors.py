@@ -52,6 +52,7 @@ __all__ = [
     "StateRefused",
     "ClosedError",
     "LimitExceeded",
+    "InvalidTenant",
     "from_wire",
 ]
 
@@ -218,6 +219,13 @@ class BadInput(ShmkvError):
     """A line of ``shmkv warm``'s input is not a prompt or a chat it can render."""
 
     code = "bad_input"
+
+
+class InvalidTenant(ShmkvError):
+    """A request named its cache tenant with a value shmkv does not accept (a
+    ``cache_salt`` too long, empty, not a string or with control characters)."""
+
+    code = "invalid_tenant"
 
 
 _BY_CODE: dict[str, type[ShmkvError]] = {}

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
+from . import tenant
+
 if TYPE_CHECKING:
     from .llama import SharedPrefixCache
 
@@ -30,6 +32,8 @@ def run_eval(cache: SharedPrefixCache, orig_eval: Any, tokens: Sequence[int]) ->
     with guard:
         if outside:  # not a step of a call: the cells are nobody's now
             guard.begin()
+            # (on top of another tenant's cells, the context is then nobody's)
+            cache.enter(cache.root_for(tenant.current()), reset=llm.n_tokens == 0)
         start = llm.n_tokens
         try:
             orig_eval(tokens)

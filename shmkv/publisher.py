@@ -37,14 +37,13 @@ class Publisher:
     def __init__(
         self,
         settings: Settings,
-        root: bytes,
         fingerprint: bytes,
         ledger: Ledger,
         on_failure: OnFailure,
         max_pending: int = 2,
     ) -> None:
         self.writer = Client(settings=settings, populate=False)
-        self.root, self.fingerprint, self.on_failure = root, fingerprint, on_failure
+        self.fingerprint, self.on_failure = fingerprint, on_failure
         self.ledger = ledger
         self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=max_pending)
         self._pending = 0
@@ -53,15 +52,21 @@ class Publisher:
         self._thread_pid = -1
 
     def submit(
-        self, tokens: np.ndarray, blob: Blob, pin: bool = False, claimed: list[bytes] | None = None
+        self,
+        root: bytes,
+        tokens: np.ndarray,
+        blob: Blob,
+        pin: bool = False,
+        claimed: list[bytes] | None = None,
     ) -> bool:
-        """Queue ``blob`` (the state of ``tokens``) for the supervisor; False (and the blob
-        closed) if the queue is full. ``claimed``: digests to unclaim if the put fails."""
+        """Queue ``blob`` (the state of ``tokens``, keyed from ``root``) for the supervisor;
+        False (and the blob closed) if the queue is full. ``claimed``: digests to unclaim
+        if the put fails."""
         self._start()
         try:
             with self._cv:
                 self._pending += 1
-            self._queue.put_nowait(("put", tokens, blob, pin, claimed))
+            self._queue.put_nowait(("put", root, tokens, blob, pin, claimed))
         except queue.Full:
             with self._cv:
                 self._pending -= 1
@@ -127,9 +132,16 @@ class Publisher:
                     self._pending -= 1
                     self._cv.notify_all()
 
-    def _put(self, tokens: np.ndarray, blob: Blob, pin: bool, claimed: list[bytes] | None) -> None:
+    def _put(
+        self,
+        root: bytes,
+        tokens: np.ndarray,
+        blob: Blob,
+        pin: bool,
+        claimed: list[bytes] | None,
+    ) -> None:
         try:
-            self.writer.put_blob(self.root, tokens, self.fingerprint, blob, pin=pin)
+            self.writer.put_blob(root, tokens, self.fingerprint, blob, pin=pin)
         except Exception as e:  # ShmkvError or a bug: never let the thread die
             self.on_failure(e, claimed)
         finally:

@@ -124,6 +124,9 @@ class WorkerCounters:
     untrusted: int = counter(
         "cached states skipped: published by a uid this worker does not trust", reported=True
     )
+    tenant_switches: int = counter(
+        "calls that found another tenant's cells in the context, which were wiped (none reused)"
+    )
     restore_seconds: float = seconds("seconds spent restoring states")
     errors: dict[str, int] = field(
         default_factory=dict,

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse
 from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings, ServerSettings
+from shmkv_workers.tenants import TenantScope, authenticate
 from shmkv_workers.worker import ACCEPTOR, BusyGate
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.middleware import Middleware
@@ -402,8 +403,14 @@ def create_app(settings: Settings | None = None):
     ]
     # interrupt_requests=False: llama-cpp-python would otherwise end a stream in flight
     # (with a truncated body) whenever another request waits for this worker's model
+    # (api keys are checked by tenants.authenticate; the first one here keeps
+    # llama-cpp-python's own check closed should any route still use it)
+    keys = settings.api_key or []
     server_settings = ServerSettings(
-        host=settings.host, port=settings.port, api_key=settings.api_key, interrupt_requests=False
+        host=settings.host,
+        port=settings.port,
+        api_key=keys[0] if keys else None,
+        interrupt_requests=False,
     )
     LlamaProxy.load_llama_from_model_settings = staticmethod(make_loader(settings))  # type: ignore[method-assign]
     server_app.get_event_publisher = _event_publisher  # (the routes look it up per request)
@@ -411,7 +418,11 @@ def create_app(settings: Settings | None = None):
     _named_by_alias()
     app = server_app.create_app(server_settings=server_settings, model_settings=settings_of_models)
 
+    app.dependency_overrides[server_app.authenticate] = authenticate(keys)
     app.user_middleware.append(Middleware(CacheHeaders))  # innermost: inside the context
+    app.user_middleware.append(  # each completion runs as its request's cache tenant
+        Middleware(TenantScope, per_api_key=settings.namespace_per_api_key)
+    )
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     app.add_middleware(BusyGate)  # outermost: a worker accepts only while idle
     app.add_exception_handler(json.JSONDecodeError, _invalid_json)
