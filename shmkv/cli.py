@@ -18,7 +18,7 @@ import click
 
 from . import __version__
 from .config import SETTINGS, format_size, resolve
-from .errors import ShmkvError
+from .errors import ConfigError, ShmkvError
 
 if TYPE_CHECKING:
     from .client import Client
@@ -120,6 +120,17 @@ def supervise(config_file: str | None, **cli: Any) -> None:
     setup_logging(settings.log_level)
     sup = Supervisor(settings)
     sup.start()
+    if settings.metrics_port:
+        from .metrics import serve_metrics
+
+        try:
+            serve_metrics(settings, settings.metrics_port, settings.metrics_host)
+        except OSError as e:
+            sup.cleanup(remove=True)
+            raise ConfigError(
+                f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
+                f"{e.strerror or e}; choose another --metrics-port"
+            ) from None
     sys.exit(sup.serve_forever())
 
 

@@ -180,7 +180,7 @@ def apply(
                 trust=trust,
             )
         finally:
-            lease.finish(restored)
+            lease.finish()  # (tokens_restored: in the ledger's reported totals)
     except UntrustedPublisher as e:
         return Applied(failure=("untrusted publisher", str(e)), untrusted=True)
     except LeaseLost as e:  # (the bytes may have changed under the copy: not a bad record)

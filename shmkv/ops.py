@@ -49,9 +49,11 @@ from .protocol import (
     get_fingerprint,
     get_float,
     get_int,
+    get_label,
     get_tokens,
 )
-from .stats import ArenaGauges, LimitCounters, SupervisorStats, WorkerCounters, add_reported
+from .reports import Reports
+from .stats import ArenaGauges, LimitCounters, SupervisorStats
 from .store import PutJob, Store
 
 log = logging.getLogger(__name__)
@@ -106,8 +108,8 @@ class Context:
     #: a read-only view of the arena, to check records as a worker would
     view: ArenaView
     claims: Claims
-    #: sums of the counters workers reported
-    reported: WorkerCounters
+    #: the counters workers reported (their totals, and the sums of those gone)
+    reported: Reports
     socket_path: Path
     started: float
     conns: dict[int, Conn]
@@ -130,6 +132,7 @@ class Context:
             pinned=sum(1 for e in live if e.pinned),
             pinned_bytes=store.pinned_bytes,
             bytes_used=store.bytes_used(),
+            bytes_free=g.data_size - store.bytes_used(),
             bytes_capacity=g.data_size,
             bytes_free_largest=store.alloc.largest(),
             free_extents=store.alloc.count(),
@@ -153,7 +156,8 @@ class Context:
             gauges=gauges,
             counters=store.counters,
             limits=self.limits,
-            reported=self.reported,
+            reported=self.reported.total(series := self.reported.series()),
+            series=series,
         )
 
 
@@ -298,8 +302,8 @@ def release(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     lease = get_int(msg, "lease", 1)
     restored = get_int(msg, "tokens_restored", 0, MAX_TOKENS, required=False, default=0)
     valid = ctx.store.release(lease, conn.id)
-    if valid:
-        ctx.reported.tokens_restored += restored
+    if valid and restored:  # (a worker's cache reports its totals instead: it sends none)
+        ctx.reported.add(tokens_restored=restored)
     return {"valid": valid}, None
 
 
@@ -372,7 +376,15 @@ def owners(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
 
 @op("report", attached=True, privilege=Privilege.ANY)
 def report(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
-    add_reported(ctx.reported, get_counters(msg))
+    """A worker's running totals (``counters``) for one of its caches (``reporter``, an id
+    of the worker's choosing), labelled with the ``model`` alias and ``tenant`` it serves.
+
+    Totals, not deltas: see ``reports.py`` for why the sums then never go backwards.
+    """
+    counters = get_counters(msg)
+    reporter = get_int(msg, "reporter", 0, MAX_U64, required=False, default=0)
+    labels = (get_label(msg, "model"), get_label(msg, "tenant"))
+    ctx.reported.report(conn.id, conn.pid, reporter, labels, counters)
     return {}, None
 
 
