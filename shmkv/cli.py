@@ -125,8 +125,10 @@ def supervise(config_file: str | None, **cli: Any) -> None:
 
         try:
             serve_metrics(settings, settings.metrics_port, settings.metrics_host)
-        except OSError as e:
+        except BaseException as e:
             sup.cleanup(remove=True)
+            if not isinstance(e, OSError):
+                raise
             raise ConfigError(
                 f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
                 f"{e.strerror or e}; choose another --metrics-port"

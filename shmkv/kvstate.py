@@ -268,7 +268,7 @@ def load(
             raise ModelMismatchError(
                 "a restored sliding-window state lacks the window its cut needs"
             )
-        if not lease.finish(common):
+        if not lease.finish():  # (tokens_restored: in the ledger's reported totals)
             raise LeaseLost("a read lease was revoked, or its connection lost, during the restore")
     except BaseException:
         forget(llm, wipe=True)

@@ -152,9 +152,13 @@ def registry_for(settings: Settings) -> CollectorRegistry:
 
 
 def serve_metrics(settings: Settings, port: int, host: str) -> Any:
-    """Serve ``/metrics`` on ``host:port`` from a daemon thread (``--metrics-port``);
-    returns the HTTP server (``.shutdown()`` stops it)."""
-    server, _thread = start_http_server(port, addr=host, registry=registry_for(settings))
+    """Serve ``/metrics`` on ``host:port`` from a daemon thread (``--metrics-port`` of the
+    supervisor of ``settings``, asked over its socket); returns the HTTP server
+    (``.shutdown()`` stops it)."""
+    from .config import resolve
+
+    client = resolve("client", {"name": settings.name, "socket": settings.socket_path})
+    server, _thread = start_http_server(port, addr=host, registry=registry_for(client))
     log.info("metrics on http://%s:%d/metrics", host, port)
     return server
 

@@ -141,6 +141,7 @@ class Context:
             chunk_tokens=g.chunk_tokens,
             leases_active=store.leases.active(),
             workers_attached=sum(1 for c in self.conns.values() if c.attached),
+            workers_connected=len({c.pid for c in self.conns.values() if c.attached}),
             connections=len(self.conns),
             fds_closing=fds_closing(),
             unread_bytes=sum(c.out_bytes for c in self.conns.values()),

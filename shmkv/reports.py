@@ -82,8 +82,10 @@ class Reports:
         if rep is None:
             if len(reps) >= MAX_REPORTERS:
                 raise BadRequest(f"more than {MAX_REPORTERS} reporters on one connection")
-            rep = self.gone.pop((pid, reporter), None)
-            if rep is not None:  # back after a reconnect: out of the sums of those gone
+            # back after a reconnect (same process, id and labels; id 0 is a connection's
+            # own): out of the sums of those gone, so that it is not counted twice
+            rep = self.gone.pop((pid, reporter), None) if reporter else None
+            if rep is not None and rep.labels == self._labels(labels):
                 merge(self.gone_sums[rep.labels], rep.totals, -1)
             else:
                 rep = Reporter(self._labels(labels))
@@ -101,6 +103,8 @@ class Reports:
             sums = self.gone_sums.setdefault(rep.labels, WorkerCounters())
             merge(sums, rep.totals)
             _cap_kinds(sums.errors)
+            if not rid:
+                continue
             self.gone[(pid, rid)] = rep
             self.gone.move_to_end((pid, rid))
             while len(self.gone) > MAX_GONE:

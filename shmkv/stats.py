@@ -314,8 +314,10 @@ class ArenaGauges:
     chunk_tokens: int = gauge("tokens per chunk")
     leases_active: int = gauge("read leases held")
     workers_attached: int = gauge(
-        "connections that attached to the arena (workers connected)", metric="workers_connected"
+        "connections that attached to the arena (a worker has two per model: reads and puts)",
+        metric="attached_connections",
     )
+    workers_connected: int = gauge("processes with a connection attached to the arena")
     connections: int = gauge("open connections")
     fds_closing: int = gauge("descriptors peers passed, waiting for the closer thread")
     unread_bytes: int = gauge("bytes of replies queued for peers that have not read them yet")
