@@ -188,6 +188,40 @@ def stats(config_file: str | None, as_json: bool, **cli: Any) -> None:
         click.echo(f"{k:>17}: {v}")
 
 
+@main.command()
+@settings_options("client")
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 3600),
+    help="Seconds between refreshes.",
+)
+@click.option(
+    "--rows",
+    default=10,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="Hottest prefixes shown.",
+)
+@click.option(
+    "--once", is_flag=True, help="Print one screen (two samples --interval apart) and exit."
+)
+@fails_cleanly
+def top(config_file: str | None, interval: float, rows: int, once: bool, **cli: Any) -> None:
+    """Live view: hit rate, prefill tokens saved per second, memory, hottest prefixes (q quits)."""
+    from . import top as view
+
+    with _client(config_file, cli) as c:
+        if once or not sys.stdout.isatty():
+            first = view.sample(c)
+            time.sleep(interval)
+            click.echo("\n".join(view.frame(first, view.sample(c), width=200, rows=rows)))
+            return
+        c.stats()  # (a missing supervisor is one error line, before the screen is taken)
+        view.run(c, interval, rows)
+
+
 @main.command(name="ls")
 @settings_options("client")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
