@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,7 +53,9 @@ class Tmux:
         return dead == "1", int(status or -1)
 
     def kill(self) -> None:
+        path = self.tmux("display-message", "-p", "#{socket_path}").strip()
         subprocess.run(["tmux", "-L", self.server, "kill-server"], capture_output=True)
+        Path(path).unlink(missing_ok=True)  # (tmux leaves its socket file behind)
 
 
 def publish(c, n: int, hits: int) -> str:
