@@ -19,7 +19,13 @@ import click
 
 from . import __version__
 from .config import SETTINGS, format_size, resolve
-from .errors import ShmkvError, SupervisorBusy, SupervisorUnavailable, UntrustedSupervisor
+from .errors import (
+    ConfigError,
+    ShmkvError,
+    SupervisorBusy,
+    SupervisorUnavailable,
+    UntrustedSupervisor,
+)
 
 if TYPE_CHECKING:
     from .client import Client
@@ -121,6 +127,19 @@ def supervise(config_file: str | None, **cli: Any) -> None:
     setup_logging(settings.log_level)
     sup = Supervisor(settings)
     sup.start()
+    if settings.metrics_port:
+        from .metrics import serve_metrics
+
+        try:
+            serve_metrics(settings, settings.metrics_port, settings.metrics_host)
+        except BaseException as e:
+            sup.cleanup(remove=True)
+            if not isinstance(e, OSError):
+                raise
+            raise ConfigError(
+                f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
+                f"{e.strerror or e}; choose another --metrics-port"
+            ) from None
     sys.exit(sup.serve_forever())
 
 
@@ -174,6 +193,40 @@ def stats(config_file: str | None, as_json: bool, **cli: Any) -> None:
     rows = [(label, template.format_map(values)) for label, template in STATS_ROWS]
     for k, v in rows:
         click.echo(f"{k:>17}: {v}")
+
+
+@main.command()
+@settings_options("client")
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 3600),
+    help="Seconds between refreshes.",
+)
+@click.option(
+    "--rows",
+    default=10,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="Hottest prefixes shown.",
+)
+@click.option(
+    "--once", is_flag=True, help="Print one screen (two samples --interval apart) and exit."
+)
+@fails_cleanly
+def top(config_file: str | None, interval: float, rows: int, once: bool, **cli: Any) -> None:
+    """Live view: hit rate, prefill tokens saved per second, memory, hottest prefixes (q quits)."""
+    from . import top as view
+
+    with _client(config_file, cli) as c:
+        if once or not sys.stdout.isatty():
+            first = view.sample(c)
+            time.sleep(interval)
+            click.echo("\n".join(view.frame(first, view.sample(c), width=200, rows=rows)))
+            return
+        c.stats()  # (a missing supervisor is one error line, before the screen is taken)
+        view.run(c, interval, rows)
 
 
 @main.command(name="ls")

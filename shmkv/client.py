@@ -677,9 +677,14 @@ class Client(Connection):
         return int(self.request(msg)["count"])
 
     def report(self, **counters: int) -> None:
+        """Report running totals (reporter 0 of this connection; see ``reports.py``)."""
         counters = {k: v for k, v in counters.items() if v}
         if counters:
             self.request({"op": "report", "counters": counters})
+
+    def send_report(self, fields: dict[str, Any]) -> None:
+        """Send a ``report`` made by ``Ledger.report`` (reporter id, labels, totals)."""
+        self.request({"op": "report", **fields})
 
     def claim(self, digests: Sequence[bytes], wait: float) -> str:
         """Claim the chunk digests this worker is about to prefill.

@@ -107,6 +107,10 @@ def _port(text: str | int) -> int:
     return value
 
 
+def _optional_port(text: str | int | None) -> int | None:
+    return None if text in (None, "", 0, "0") else _port(text)
+
+
 def _models(value: str | list[str] | tuple[str, ...]) -> list[str]:
     items = value.split(",") if isinstance(value, str) else list(value)
     out = [str(x).strip() for x in items if str(x).strip()]
@@ -425,6 +429,25 @@ SETTINGS: dict[str, Setting] = {
             "trusts its own uid and root, and treats any other as unavailable.",
             frozenset({"client", "serve"}),
             "USER",
+        ),
+        Setting(
+            "metrics_port",
+            _optional_port,
+            None,
+            "Serve Prometheus metrics (the whole deployment's: the supervisor's and the "
+            "workers' reported counters) on http://METRICS_HOST:PORT/metrics [default: off; "
+            "`shmkv serve` has /metrics on its API port].",
+            frozenset({"supervise"}),
+            "PORT",
+        ),
+        Setting(
+            "metrics_host",
+            str,
+            "127.0.0.1",
+            "Address of --metrics-port (the numbers say which models and tenants are served "
+            "and how busy they are: keep it local unless the network is yours).",
+            frozenset({"supervise"}),
+            "HOST",
         ),
         Setting(
             "namespace",

@@ -36,6 +36,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import llama_cpp
@@ -222,6 +223,8 @@ class Call:
                 cache.ledger.fail("restore error", e)
                 cache._go_cold()
         cache.last.tokens_reused_local = max(0, reused - cache.last.tokens_restored)
+        if cache.last.tokens_reused_local:
+            cache.ledger.add(tokens_reused_local=cache.last.tokens_reused_local)
         in_context = reused  # (what the checkpoint prefill evaluates counts as evaluated)
         if reset and tokens:
             in_context = min(in_context, self._prefill_checkpoints(reused))
@@ -376,6 +379,9 @@ class SharedPrefixCache:
         #: leading context tokens computed in whole, aligned batches (exact mode)
         self._aligned = 0
         self.ledger = Ledger(log)
+        #: the labels of this cache's counters in the supervisor's metrics: the model's
+        #: alias (``workers/app.py`` sets the served alias) and the namespace
+        self.ledger.labels = (Path(str(getattr(llm, "model_path", "") or "")).stem, self.namespace)
         #: this worker's running totals (``shmkv.stats.WorkerCounters``)
         self.totals = self.ledger.totals
         self.reader = Client(settings=settings)

@@ -49,9 +49,11 @@ from .protocol import (
     get_fingerprint,
     get_float,
     get_int,
+    get_label,
     get_tokens,
 )
-from .stats import ArenaGauges, LimitCounters, SupervisorStats, WorkerCounters, add_reported
+from .reports import Reports
+from .stats import ArenaGauges, LimitCounters, SupervisorStats
 from .store import PutJob, Store
 from .ttl import Expiry
 
@@ -107,8 +109,8 @@ class Context:
     #: a read-only view of the arena, to check records as a worker would
     view: ArenaView
     claims: Claims
-    #: sums of the counters workers reported
-    reported: WorkerCounters
+    #: the counters workers reported (their totals, and the sums of those gone)
+    reported: Reports
     socket_path: Path
     started: float
     conns: dict[int, Conn]
@@ -133,6 +135,7 @@ class Context:
             pinned=sum(1 for e in live if e.pinned),
             pinned_bytes=store.pinned_bytes,
             bytes_used=store.bytes_used(),
+            bytes_free=g.data_size - store.bytes_used(),
             bytes_capacity=g.data_size,
             bytes_free_largest=store.alloc.largest(),
             free_extents=store.alloc.count(),
@@ -141,6 +144,7 @@ class Context:
             chunk_tokens=g.chunk_tokens,
             leases_active=store.leases.active(),
             workers_attached=sum(1 for c in self.conns.values() if c.attached),
+            workers_connected=len({c.pid for c in self.conns.values() if c.attached}),
             connections=len(self.conns),
             fds_closing=fds_closing(),
             unread_bytes=sum(c.out_bytes for c in self.conns.values()),
@@ -156,7 +160,8 @@ class Context:
             gauges=gauges,
             counters=store.counters,
             limits=self.limits,
-            reported=self.reported,
+            reported=self.reported.total(series := self.reported.series()),
+            series=series,
         )
 
 
@@ -318,8 +323,8 @@ def release(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     lease = get_int(msg, "lease", 1)
     restored = get_int(msg, "tokens_restored", 0, MAX_TOKENS, required=False, default=0)
     valid = ctx.store.release(lease, conn.id)
-    if valid:
-        ctx.reported.tokens_restored += restored
+    if valid and restored:  # (a worker's cache reports its totals instead: it sends none)
+        ctx.reported.add(tokens_restored=restored)
     return {"valid": valid}, None
 
 
@@ -392,7 +397,15 @@ def owners(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
 
 @op("report", attached=True, privilege=Privilege.ANY)
 def report(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
-    add_reported(ctx.reported, get_counters(msg))
+    """A worker's running totals (``counters``) for one of its caches (``reporter``, an id
+    of the worker's choosing), labelled with the ``model`` alias and ``tenant`` it serves.
+
+    Totals, not deltas: see ``reports.py`` for why the sums then never go backwards.
+    """
+    counters = get_counters(msg)
+    reporter = get_int(msg, "reporter", 0, MAX_U64, required=False, default=0)
+    labels = (get_label(msg, "model"), get_label(msg, "tenant"))
+    ctx.reported.report(conn.id, conn.pid, reporter, labels, counters)
     return {}, None
 
 

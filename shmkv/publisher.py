@@ -5,7 +5,9 @@ fork), fed by a small queue. It owns the cache's writer connection (its own
 socket, so a slow put never holds up a lease on the reader) and the count of
 items still in flight (what ``flush`` waits for), and sends the counters the
 cache's ledger set aside for the supervisor. A full queue drops a state rather
-than block generation.
+than block generation. Every ``REPORT_EVERY`` seconds it sends the counters
+again even if nothing changed, so that a restarted supervisor has every live
+worker's totals back within seconds.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from .errors import ShmkvError
 from .ledger import Ledger
 
 log = logging.getLogger(__name__)
+
+#: seconds between two reports of unchanged counters (a restarted supervisor learns them)
+REPORT_EVERY = 5.0
 
 #: called on the publisher thread when a put failed: (error, the digests it claimed)
 OnFailure = Callable[[BaseException, list[bytes] | None], None]
@@ -50,6 +55,7 @@ class Publisher:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._thread_pid = -1
+        self._reported_at = 0.0
 
     def submit(
         self,
@@ -120,7 +126,11 @@ class Publisher:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=REPORT_EVERY)
+            except queue.Empty:
+                self._send_report(force=time.monotonic() - self._reported_at >= REPORT_EVERY)
+                continue
             if item is None:
                 return
             try:
@@ -147,10 +157,11 @@ class Publisher:
         finally:
             blob.close()
 
-    def _send_report(self) -> None:
-        counters = self.ledger.take_unreported()
-        if counters:
+    def _send_report(self, force: bool = False) -> None:
+        fields = self.ledger.report(force)
+        if fields:
             try:
-                self.writer.report(**counters)
+                self.writer.send_report(fields)
+                self._reported_at = time.monotonic()
             except ShmkvError:
-                pass
+                self.ledger.unsent()

@@ -46,7 +46,8 @@ from .errors import (
 from .listener import Conn, Listener
 from .ops import OPS, Context, Work
 from .protocol import MAX_U64, decode_body
-from .stats import LimitCounters, WorkerCounters
+from .reports import Reports
+from .stats import LimitCounters
 from .store import Store
 from .systemd import Watchdog, sd_notify
 from .ttl import Expiry
@@ -131,7 +132,7 @@ class Supervisor:
                 store=store,
                 view=view,
                 claims=self.claims,
-                reported=WorkerCounters(),
+                reported=Reports(),
                 socket_path=self.listener.path,
                 started=self.started,
                 conns=self.conns,
@@ -246,6 +247,7 @@ class Supervisor:
         # releasing may free a doomed record, which writes to the arena
         intact = not self.arena.lost and self.arena.intact()
         released = self.ctx.store.release_owner(conn.id) if intact else 0
+        self.ctx.reported.closed(conn.id)
         self._wake(self.claims.drop_owner(conn.id))
         log.debug(
             "connection %d (pid %d) closed%s; released %d lease(s)",

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse
 from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings, ServerSettings
+from shmkv_workers.metrics import add_metrics_route
 from shmkv_workers.tenants import TenantScope, authenticate
 from shmkv_workers.worker import ACCEPTOR, BusyGate
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
@@ -347,6 +348,8 @@ def make_loader(settings: Settings):
             log.warning("serving %s without shmkv: %s", model_settings.model, e)
             return llm
         cache.on_prefill = _record
+        if model_settings.model_alias:  # (the label of its counters in /metrics)
+            cache.ledger.labels = (model_settings.model_alias, cache.namespace)
         log.info(
             "worker %d loaded %s with shmkv arena %r",
             os.getpid(),
@@ -427,6 +430,8 @@ def create_app(settings: Settings | None = None):
     app.add_middleware(BusyGate)  # outermost: a worker accepts only while idle
     app.add_exception_handler(json.JSONDecodeError, _invalid_json)
     app.add_exception_handler(UnicodeDecodeError, _invalid_json)
+
+    add_metrics_route(app, settings)
 
     @app.get("/health", tags=["shmkv"])
     def health() -> dict[str, Any]:
