@@ -182,9 +182,10 @@ class Call:
         run the steps on different threads, one at a time.
         """
         cache, tokens = self.cache, self.tokens
+        vocab = lc.llama_model_get_vocab(cache.llm.model)
         with cache.guard:
             self.generation = cache.guard.begin()
-            cache.last = CallStats(prompt_tokens=len(tokens))
+            stats = cache.last = CallStats(prompt_tokens=len(tokens))
             cache.ledger.add(calls=1)
             cache.call = self
             cache._release_orphaned_claims()
@@ -208,6 +209,8 @@ class Call:
                         first = False
                         self._prefilled(in_context)
                         prompt_capture = True
+                if not lc.llama_vocab_is_eog(vocab, tok):  # (completions stop at one)
+                    stats.completion_tokens += 1
                 sent = yield tok
         finally:
             self._finish(gen, first, prompt_capture)

@@ -121,6 +121,9 @@ class CallStats:
     tokens_restored: int = gauge("prompt tokens restored from the arena")
     tokens_reused_local: int = gauge("prompt tokens reused from the worker's own context")
     tokens_evaluated: int = gauge("prompt tokens evaluated (prefilled)")
+    completion_tokens: int = gauge(
+        "tokens generated, an end-of-generation token not counted (as llama-cpp-python's usage)"
+    )
     restore_seconds: float = field(
         default=0.0, metadata={"kind": GAUGE, "help": "seconds spent restoring"}
     )
@@ -135,6 +138,18 @@ class CallStats:
     error: str | None = field(
         default=None, metadata={"kind": INFO, "help": "the last cache failure, if any"}
     )
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens not evaluated because the context held them already, restored from
+        the arena or kept from the worker's own context (OpenAI's
+        ``usage.prompt_tokens_details.cached_tokens``). Once the prompt is evaluated.
+
+        Usually ``tokens_restored + tokens_reused_local``; less when a whole prompt was
+        cached (llama-cpp-python evaluates its last token again, for the logits) or when
+        a restored state was dropped again (a failure that went cold).
+        """
+        return max(0, self.prompt_tokens - self.tokens_evaluated) if self.tokens_evaluated else 0
 
 
 @dataclass

@@ -126,8 +126,7 @@ SERVED = SYSTEM + " Question: which mat?"
 def _served(srv: Server, salt: Any = None, header: str | None = None, **kw: Any) -> tuple:
     """A completion of SERVED (``salt``: the body's cache_salt, ``header``: the
     X-Shmkv-Cache-Salt header, ``key``: the API key, ``stream``); its text and what the
-    cache did (headers, or a stream's ``shmkv`` field, and ``cached_tokens`` if the
-    server reports it)."""
+    cache did (headers, or a stream's ``shmkv`` field, and the usage's ``cached_tokens``)."""
     key, stream = kw.pop("key", None), kw.pop("stream", False)
     client = srv.client if key is None else srv.client.with_options(api_key=key)
     body = {**EXTRA, **({} if salt is None else {"cache_salt": salt})}
@@ -144,9 +143,7 @@ def _served(srv: Server, salt: Any = None, header: str | None = None, **kw: Any)
         if k.startswith("x-shmkv-")
     }
     info = {k: v == "true" if k == "hit" else float(v) for k, v in info.items()}
-    details = getattr(out.usage, "prompt_tokens_details", None)  # (where the server has it)
-    if details is not None and getattr(details, "cached_tokens", None) is not None:
-        info["cached_tokens"] = details.cached_tokens
+    assert out.usage.prompt_tokens_details.cached_tokens == info["cached_tokens"]
     return out.choices[0].text, info
 
 
@@ -156,7 +153,7 @@ def _cold(info: dict) -> bool:
         info["restored_tokens"] == 0
         and info["reused_local_tokens"] == 0
         and info["evaluated_tokens"] == info["prompt_tokens"]
-        and info.get("cached_tokens", 0) == 0
+        and info["cached_tokens"] == 0
     )
 
 
@@ -185,7 +182,7 @@ def test_served_tenants_never_share_a_worker_context_or_the_arena(
         assert text == want and _cold(first), first
         text, again = _served(srv, salt="tenant-a")  # the same tenant: its own cells
         assert text == want and again["reused_local_tokens"] >= again["prompt_tokens"] - 1
-        assert again.get("cached_tokens", 1) > 0
+        assert again["cached_tokens"] > 0
         before = _reported(sup, 1)
         # another salt; the same text as a header (another part, so another tenant);
         # no tenant at all; the stream path
@@ -276,7 +273,7 @@ def test_served_tenant_hits_across_workers_and_only_its_own(
         text, a2 = _served(srv, salt="tenant-a")
         assert text == want and a2["worker_pid"] == there
         assert a2["restored_tokens"] >= a2["prompt_tokens"] - 1, a2
-        assert a2.get("cached_tokens", 1) > 0
+        assert a2["cached_tokens"] > 0
         text, b = _served(srv, salt="tenant-b")
         assert text == want and b["worker_pid"] == there
         assert _cold(b), b

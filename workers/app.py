@@ -4,12 +4,13 @@ Runs inside one gunicorn (uvicorn) worker, after fork: the model is loaded
 here, never in the master, and the worker attaches to the shmkv supervisor
 here. Endpoints are llama-cpp-python's own (``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ...) plus ``/health``. Every
-completion says what the cache did: ``X-Shmkv-Restored-Tokens`` and friends
-as response headers, and, in a stream (whose headers leave before the prompt
-is evaluated), an extra ``shmkv`` field in the first chunk::
+completion says what the cache did: in its usage, as OpenAI's
+``prompt_tokens_details.cached_tokens`` (``usage.py``), and in
+``X-Shmkv-Restored-Tokens`` and friends as response headers, and, in a stream (whose
+headers leave before the prompt is evaluated), an extra ``shmkv`` field in the first chunk::
 
-    "shmkv": {"prompt_tokens": 1090, "restored_tokens": 1088,
-              "evaluated_tokens": 2, "restore_ms": 1.9, "hit": true, "worker_pid": 4242}
+    "shmkv": {"prompt_tokens": 1090, "restored_tokens": 1088, "evaluated_tokens": 2,
+              "cached_tokens": 1088, "restore_ms": 1.9, "hit": true, "worker_pid": 4242}
 
 Settings come from ``shmkv.config`` (``SHMKV_*`` variables, set by ``shmkv serve``).
 """
@@ -34,6 +35,7 @@ from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 from shmkv_workers.metrics import add_metrics_route
 from shmkv_workers.tenants import TenantScope, authenticate
+from shmkv_workers.usage import UsageDetails, include_usage, usage_chunk
 from shmkv_workers.worker import ACCEPTOR, BusyGate
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.middleware import Middleware
@@ -62,6 +64,7 @@ def cache_field(cache: SharedPrefixCache) -> dict[str, Any]:
         "restored_tokens": last.tokens_restored,
         "reused_local_tokens": last.tokens_reused_local,
         "evaluated_tokens": last.tokens_evaluated,
+        "cached_tokens": last.cached_tokens,
         "restore_ms": round(last.restore_seconds * 1000, 3),
         "hit": last.hit,
         "worker_pid": os.getpid(),
@@ -271,8 +274,10 @@ async def _event_publisher(
 
     The original leaves an abandoned iterator to the garbage collector, which closes it
     later on whatever thread it runs on: the generator's cleanup (shmkv's state capture)
-    would then touch the llama context while another request decodes on it.
+    would then touch the llama context while another request decodes on it. With
+    ``stream_options.include_usage``, the stream ends with a usage chunk (``usage.py``).
     """
+    with_usage = await include_usage(request)
     server_settings = next(server_app.get_server_settings())
     interrupt_requests = server_settings.interrupt_requests if server_settings else False
     async with contextlib.asynccontextmanager(server_app.get_llama_proxy)() as llama_proxy:
@@ -281,13 +286,18 @@ async def _event_publisher(
             iterator = None
             try:
                 iterator = await run_in_threadpool(llama_call, llama, **kwargs)
+                last = None
                 async for chunk in iterate_in_threadpool(iterator):
+                    if with_usage:
+                        last = chunk = {**chunk, "usage": None}
                     await inner_send_chan.send(dict(data=json.dumps(chunk)))
                     if await request.is_disconnected():
                         raise anyio.get_cancelled_exc_class()()
                     if interrupt_requests and server_app.llama_outer_lock.locked():
                         await inner_send_chan.send(dict(data="[DONE]"))
                         raise anyio.get_cancelled_exc_class()()
+                if with_usage and (final := usage_chunk(llama, last)) is not None:
+                    await inner_send_chan.send(dict(data=json.dumps(final)))
                 await inner_send_chan.send(dict(data="[DONE]"))
             except anyio.get_cancelled_exc_class():
                 log.info("stream to %s ended early (client gone)", request.client)
@@ -423,6 +433,7 @@ def create_app(settings: Settings | None = None):
 
     app.dependency_overrides[server_app.authenticate] = authenticate(keys)
     app.user_middleware.append(Middleware(CacheHeaders))  # innermost: inside the context
+    app.user_middleware.append(Middleware(UsageDetails))
     app.user_middleware.append(  # each completion runs as its request's cache tenant
         Middleware(TenantScope, per_api_key=settings.namespace_per_api_key)
     )
