@@ -198,10 +198,15 @@ def test_serve_metrics_survive_worker_and_supervisor_kills(
     srv = Server(sup, serve_model, workers=2, tmp_path=tmp_path)
     url = srv.base + "/metrics"
     try:
-        infos = [srv.complete(SYSTEM + f" Question {i}?")[1] for i in range(6)]
+        # sequential requests may all land on one worker (local reuse, no arena hit): go on
+        # until the other worker has restored one, at least 6 and at most 30 requests
+        infos: list[dict] = []
+        while len(infos) < 6 or not any(i["hit"] for i in infos):
+            assert len(infos) < 30, "no request reached the second worker"
+            infos.append(srv.complete(SYSTEM + f" Question {len(infos)}?")[1])
+        n = len(infos)
         restored = sum(i["restored_tokens"] for i in infos)
         hits = sum(1 for i in infos if i["hit"])
-        assert hits >= 1
         lab = 'model="tiny",tenant=""'
 
         def settled() -> dict[str, float]:
@@ -209,7 +214,7 @@ def test_serve_metrics_survive_worker_and_supervisor_kills(
             assert s["shmkv_supervisor_up{}"] == 1
             return s
 
-        wait_until(lambda: settled().get(f"shmkv_requests_total{{{lab}}}") == 6, 20, "reports")
+        wait_until(lambda: settled().get(f"shmkv_requests_total{{{lab}}}") == n, 20, "reports")
         before = settled()
         assert before[f"shmkv_cache_hits_total{{{lab}}}"] == hits
         assert before[f"shmkv_tokens_restored_total{{{lab}}}"] == restored
@@ -219,7 +224,7 @@ def test_serve_metrics_survive_worker_and_supervisor_kills(
         assert before["shmkv_workers_connected{}"] == 2
         # every worker answers with the deployment's numbers (one scrape target)
         for _ in range(4):
-            assert settled()[f"shmkv_requests_total{{{lab}}}"] == 6
+            assert settled()[f"shmkv_requests_total{{{lab}}}"] == n
 
         # the supervisor SIGKILLed and restarted: the live workers report their totals again
         sup.proc.kill()
@@ -257,7 +262,7 @@ def test_serve_metrics_survive_worker_and_supervisor_kills(
         for k in after_restart:
             if "model=" in k:
                 assert s.get(k, 0) >= after_restart[k], k
-        assert s[f"shmkv_requests_total{{{lab}}}"] == 6
+        assert s[f"shmkv_requests_total{{{lab}}}"] == n
     finally:
         srv.stop()
 
