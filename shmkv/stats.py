@@ -87,6 +87,9 @@ class CallStats:
     coalesce_wait_seconds: float = field(
         default=0.0, metadata={"kind": GAUGE, "help": "seconds waited for another worker's prefill"}
     )
+    prefill_threads: int = gauge(
+        "most threads one batch of the prompt ran on (CPU budget; 0: no batch or no budget)"
+    )
     published: int = gauge("states queued for publishing")
     checkpoint: int = gauge("length of the checkpoint state published mid-prefill (0: none)")
     error: str | None = field(
@@ -125,6 +128,11 @@ class WorkerCounters:
         "cached states skipped: published by a uid this worker does not trust", reported=True
     )
     restore_seconds: float = seconds("seconds spent restoring states")
+    cpu_waits: int = counter("evals that waited for a free core of the CPU budget")
+    cpu_wait_seconds: float = seconds("seconds evals waited for a free core of the CPU budget")
+    cpu_wait_timeouts: int = counter(
+        "evals that found no free core within --cpu-wait and ran on one thread anyway"
+    )
     errors: dict[str, int] = field(
         default_factory=dict,
         metadata={"kind": COUNTER, "help": "cache failures by kind", "reported": False},

@@ -43,6 +43,7 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.middleware import Middleware
 from starlette_context import context
 
+from shmkv import cpubudget
 from shmkv.config import Settings, resolve
 from shmkv.errors import ConfigError, ShmkvError
 from shmkv.llama import SharedPrefixCache, attach, live_caches
@@ -60,6 +61,7 @@ def cache_field(cache: SharedPrefixCache) -> dict[str, Any]:
         "reused_local_tokens": last.tokens_reused_local,
         "evaluated_tokens": last.tokens_evaluated,
         "restore_ms": round(last.restore_seconds * 1000, 3),
+        "prefill_threads": last.prefill_threads,
         "hit": last.hit,
         "worker_pid": os.getpid(),
     }
@@ -345,6 +347,7 @@ def make_loader(settings: Settings):
             log.warning("serving %s without shmkv: %s", model_settings.model, e)
             return llm
         cache.on_prefill = _record
+        cache.cpu = cpubudget.for_settings(settings)  # (None: the static split)
         log.info(
             "worker %d loaded %s with shmkv arena %r",
             os.getpid(),
