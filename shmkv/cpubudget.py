@@ -30,9 +30,10 @@ file being unlinked notices and opens the new one.
 
 Threads never change results here: llama.cpp splits a batch's work between threads by
 output rows, so a prompt's logits are the same bit for bit on 1 or 4 threads
-(tests/test_cpubudget.py checks, flash attention on and off). A single-token decode
-with flash attention is not (its KV reduction is split between threads), which is why
-a decode step always runs on exactly one thread.
+(tests/test_cpubudget.py checks, flash attention on and off). A single-token step with
+flash attention is not (its KV reduction is split between threads: logits differ by up
+to ~1 on Gemma 3 270M), which is why any single-token micro-batch, a decode step or the
+last token of a prompt, runs on exactly one thread (``n_threads`` = 1 always).
 """
 
 from __future__ import annotations
@@ -366,12 +367,17 @@ def remove(directory: str, name: str) -> bool:
 
 # ---------------------------------------------------------------------- evaluating
 def set_threads(llm: Any, n: int) -> None:
-    """Run the context's next decodes on ``n`` threads (single tokens and batches alike)."""
+    """Run the context's next batches on ``n`` threads, and any single-token step on one.
+
+    llama.cpp picks per micro-batch: ``n_threads_batch`` for several tokens, ``n_threads``
+    for one. A single-token step always gets one thread, whichever eval it is part of
+    (the last token of a prompt split into batches, too): with flash attention its
+    result depends on the thread count, a batch's does not.
+    """
     import llama_cpp
 
-    ctx = llm._ctx.ctx
     if getattr(llm, "_shmkv_threads", None) != n:
-        llama_cpp.llama_set_n_threads(ctx, n, n)
+        llama_cpp.llama_set_n_threads(llm._ctx.ctx, 1, n)
         llm._shmkv_threads = n
 
 
@@ -382,20 +388,13 @@ def evaluate(
     tokens: Sequence[int],
     on_grant: Callable[[Grant, int], None] | None = None,
 ) -> None:
-    """``orig_eval(tokens)`` on cores of the budget: one core and thread for a single token,
-    else batch by batch (``n_batch`` tokens, the same batches ``Llama.eval`` makes), each on
-    the cores free at its start, up to the budget's ``max_threads``."""
-    if len(tokens) <= 1:
-        with budget.cores_for(1) as g:
-            set_threads(llm, 1)
-            if on_grant is not None:
-                on_grant(g, len(tokens))
-            orig_eval(tokens)
-        return
+    """``orig_eval(tokens)`` on cores of the budget, batch by batch (``n_batch`` tokens, the
+    batches ``Llama.eval`` makes itself), each on the cores free at its start, up to the
+    budget's ``max_threads``; a single token (a decode step) on one core."""
     step = max(1, int(llm.n_batch))
-    want = budget.max_threads or budget.cores
-    for i in range(0, len(tokens), step):
+    for i in range(0, max(1, len(tokens)), step):
         piece = tokens[i : i + step]
+        want = 1 if len(piece) <= 1 else budget.max_threads or budget.cores
         with budget.cores_for(want) as g:
             set_threads(llm, g.threads)
             if on_grant is not None:
