@@ -533,9 +533,39 @@ SETTINGS: dict[str, Setting] = {
             "threads",
             _non_negative_int,
             0,
-            "llama.cpp threads per worker (0: cores // workers, at least 1).",
+            "llama.cpp threads: with the CPU budget, the most one batch of a prompt takes "
+            "(0: the whole budget); with --static-threads, every worker's threads "
+            "(0: cores // workers, at least 1).",
             _SERVE,
             "N",
+        ),
+        Setting(
+            "cpu_budget",
+            _non_negative_int,
+            0,
+            "Cores all workers of this arena share (0: the CPUs this process may run on, "
+            "capped by its cgroup's CPU quota): a prompt batch runs on every core free at "
+            "its start, a decode step on one, and together they never take more.",
+            _SERVE,
+            "N",
+        ),
+        Setting(
+            "cpu_wait",
+            _positive_float,
+            30.0,
+            "Longest an eval waits for a free core of the CPU budget; then it runs on one "
+            "thread anyway (counted as cpu_wait_timeouts).",
+            _SERVE,
+            "SECONDS",
+        ),
+        Setting(
+            "static_threads",
+            parse_bool,
+            False,
+            "No CPU budget: every worker always runs on --threads threads, as llama.cpp "
+            "servers do.",
+            _SERVE,
+            is_flag=True,
         ),
         Setting("n_ctx", _positive_int, 4096, "Context length per worker.", _SERVE, "N"),
         Setting(

@@ -47,6 +47,7 @@ from . import hooks, kvstate, policy, tenant
 from .arena import chain_digests, common_prefix
 from .client import Client
 from .config import Settings, resolve, trusted_uids
+from .cpubudget import CpuBudget
 from .errors import ArenaCorruptError, ShmkvError
 from .fingerprint import key_root, model_fingerprint
 from .ledger import Ledger
@@ -410,6 +411,9 @@ class SharedPrefixCache:
         self._closed = False
         #: called with this cache at the first token of every call (``last`` is filled)
         self.on_prefill: Callable[[SharedPrefixCache], None] | None = None
+        #: the deployment's CPU budget its evals run on (``shmkv.cpubudget``; None: the
+        #: context's own threads)
+        self.cpu: CpuBudget | None = None
         _LIVE.add(self)
         try:  # attach now (after fork, at model load), not on the first request
             self.reader.ensure()
@@ -602,6 +606,8 @@ class SharedPrefixCache:
         self._closed = True
         self.publisher.close()
         self.reader.close()
+        if self.cpu is not None:
+            self.cpu.close()
 
     def generate(
         self, orig_generate: Any, tokens: Sequence[int], reset: bool = True, **kwargs: Any

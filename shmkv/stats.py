@@ -133,6 +133,9 @@ class CallStats:
     coalesce_wait_seconds: float = field(
         default=0.0, metadata={"kind": GAUGE, "help": "seconds waited for another worker's prefill"}
     )
+    prefill_threads: int = gauge(
+        "most threads one batch of the prompt ran on (CPU budget; 0: no batch or no budget)"
+    )
     published: int = gauge("states queued for publishing")
     checkpoint: int = gauge("length of the checkpoint state published mid-prefill (0: none)")
     error: str | None = field(
@@ -205,6 +208,14 @@ class WorkerCounters:
         RESTORE_BUCKETS,
         sum_of="restore_seconds",
         metric="restore_duration_seconds",
+    )
+    cpu_waits: int = counter("evals that waited for a free core of the CPU budget", reported=True)
+    cpu_wait_seconds: float = seconds(
+        "seconds evals waited for a free core of the CPU budget", reported=True
+    )
+    cpu_wait_timeouts: int = counter(
+        "evals that found no free core within --cpu-wait and ran on one thread anyway",
+        reported=True,
     )
     errors: dict[str, int] = by_kind(
         "cache failures by kind (each cost a cold prefill or a lost publish)",

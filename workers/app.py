@@ -41,6 +41,7 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.middleware import Middleware
 from starlette_context import context
 
+from shmkv import cpubudget
 from shmkv.chat import (  # noqa: F401 (the template's names, re-exported from here)
     GEMMA3_FORMAT,
     GEMMA3_TEMPLATE,
@@ -66,6 +67,7 @@ def cache_field(cache: SharedPrefixCache) -> dict[str, Any]:
         "evaluated_tokens": last.tokens_evaluated,
         "cached_tokens": last.cached_tokens,
         "restore_ms": round(last.restore_seconds * 1000, 3),
+        "prefill_threads": last.prefill_threads,
         "hit": last.hit,
         "worker_pid": os.getpid(),
     }
@@ -360,6 +362,7 @@ def make_loader(settings: Settings):
         cache.on_prefill = _record
         if model_settings.model_alias:  # (the label of its counters in /metrics)
             cache.ledger.labels = (model_settings.model_alias, cache.namespace)
+        cache.cpu = cpubudget.for_settings(settings)  # (None: the static split)
         log.info(
             "worker %d loaded %s with shmkv arena %r",
             os.getpid(),
