@@ -49,6 +49,7 @@ __all__ = [
     "StateRefused",
     "ClosedError",
     "LimitExceeded",
+    "TierError",
     "from_wire",
 ]
 
@@ -195,6 +196,19 @@ class LimitExceeded(ShmkvError):
     """A peer asked for more than one connection may hold (pins, leases, ...)."""
 
     code = "limit"
+
+
+class TierError(ShmkvError):
+    """A write-behind tier (``--persist``) failed; ``kind`` names the failure for counting.
+
+    Never reaches a worker: the tier pauses, counts it and logs this message.
+    """
+
+    code = "tier"
+
+    def __init__(self, message: str, kind: str = "io") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 _BY_CODE: dict[str, type[ShmkvError]] = {}

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -51,8 +51,18 @@ from .protocol import (
     get_int,
     get_tokens,
 )
-from .stats import ArenaGauges, LimitCounters, SupervisorStats, WorkerCounters, add_reported
+from .stats import (
+    ArenaGauges,
+    LimitCounters,
+    PersistStats,
+    SupervisorStats,
+    WorkerCounters,
+    add_reported,
+)
 from .store import PutJob, Store
+
+if TYPE_CHECKING:
+    from .persistence import Persistence
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +131,8 @@ class Context:
     defer: Callable[[Conn, int, Work], None]
     #: what the supervisor refused to keep a peer within its limits
     limits: LimitCounters
+    #: ``--persist`` (None: off)
+    persist: Persistence | None = None
 
     def stats(self) -> SupervisorStats:
         store, g = self.store, self.store.geometry
@@ -153,6 +165,7 @@ class Context:
             gauges=gauges,
             counters=store.counters,
             limits=self.limits,
+            persist=self.persist.numbers() if self.persist is not None else PersistStats(),
             reported=self.reported,
         )
 

@@ -71,8 +71,9 @@ class Limits:
 #: is an array (a few small ones are decoded, so that a wrong type gets a BadRequest that
 #: names the field). Strings and byte strings are one object each, bounded by the frame.
 REQUEST = Limits(max_map_len=64, max_array_len=64, max_containers=16)
-#: A reply (read by a client from its supervisor) may list up to ``ls``'s rows.
-REPLY = Limits(max_map_len=64, max_array_len=65536, max_containers=None)
+#: A reply (read by a client from its supervisor) may list up to ``ls``'s rows; the
+#: ``stats`` reply is one flat map of every counter and gauge of ``stats.py`` (over 64).
+REPLY = Limits(max_map_len=256, max_array_len=65536, max_containers=None)
 
 
 def decode_body(body: bytes, limits: Limits = REQUEST) -> dict[str, Any]:
