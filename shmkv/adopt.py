@@ -63,7 +63,7 @@ from .errors import (
     UnsafePathError,
     setup_error,
 )
-from .putjob import content_key
+from .putjob import content_digest
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -269,7 +269,7 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
             out.dropped += 1  # only damaged slots name it
             continue
         fp = bytes(view.fingerprint(rec))
-        kept.append((rec, content_key(rec.root, fp, tokens, rec.publisher), digests))
+        kept.append((rec, content_digest(rec.root, fp, tokens, rec.publisher), digests))
     kept = _without_overlaps(kept, out)
     kept = _without_duplicates(kept, out)
     store.arena.clear_index()

@@ -72,6 +72,13 @@ def parse_bool(text: str | bool) -> bool:
     raise ValueError(f"not a boolean: {text!r} (use true or false)")
 
 
+def _non_negative_size(text: str | int) -> int:
+    """A size as :func:`parse_size` reads it, or 0."""
+    if text in (0, "0"):
+        return 0
+    return parse_size(text)
+
+
 def _positive_int(text: str | int) -> int:
     value = int(text)
     if value <= 0:
@@ -316,6 +323,26 @@ SETTINGS: dict[str, Setting] = {
             "name left, instead of checking and adopting its entries.",
             _SUP,
             is_flag=True,
+        ),
+        Setting(
+            "persist",
+            _optional_str,
+            None,
+            "Also write every accepted state to an LMDB store in this directory (a writer "
+            "thread, off the loop), and refill a new arena from it, most recently used "
+            "first, after a reboot or restart [default: off]. Under systemd: a directory "
+            "of StateDirectory=.",
+            _SUP,
+            "DIR",
+        ),
+        Setting(
+            "persist_size",
+            _non_negative_size,
+            0,
+            "Most payload bytes kept in --persist; the least recently used states go "
+            "first (0: four times --size).",
+            _SUP,
+            "SIZE",
         ),
         Setting(
             "max_connections",

@@ -53,6 +53,7 @@ __all__ = [
     "ClosedError",
     "LimitExceeded",
     "InvalidTenant",
+    "TierError",
     "from_wire",
 ]
 
@@ -226,6 +227,19 @@ class InvalidTenant(ShmkvError):
     ``cache_salt`` too long, empty, not a string or with control characters)."""
 
     code = "invalid_tenant"
+
+
+class TierError(ShmkvError):
+    """A write-behind tier (``--persist``) failed; ``kind`` names the failure for counting.
+
+    Never reaches a worker: the tier pauses, counts it and logs this message.
+    """
+
+    code = "tier"
+
+    def __init__(self, message: str, kind: str = "io") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 _BY_CODE: dict[str, type[ShmkvError]] = {}

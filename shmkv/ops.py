@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -53,9 +53,12 @@ from .protocol import (
     get_tokens,
 )
 from .reports import Reports
-from .stats import ArenaGauges, LimitCounters, SupervisorStats
+from .stats import ArenaGauges, LimitCounters, PersistStats, SupervisorStats
 from .store import PutJob, Store
 from .ttl import Expiry
+
+if TYPE_CHECKING:
+    from .persistence import Persistence
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,8 @@ class Context:
     limits: LimitCounters
     #: releases states idle past --ttl or their pin's TTL (``ttl.py``)
     expiry: Expiry | None = None
+    #: ``--persist`` (None: off)
+    persist: Persistence | None = None
 
     def stats(self) -> SupervisorStats:
         store, g = self.store, self.store.geometry
@@ -162,6 +167,7 @@ class Context:
             limits=self.limits,
             reported=self.reported.total(series := self.reported.series()),
             series=series,
+            persist=self.persist.numbers() if self.persist is not None else PersistStats(),
         )
 
 

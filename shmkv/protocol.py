@@ -80,7 +80,8 @@ class Limits:
 #: small ones are decoded, so that a wrong type gets a BadRequest that names the field).
 #: Strings and byte strings are one object each, bounded by the frame.
 REQUEST = Limits(max_map_len=64, max_array_len=64, max_containers=16)
-#: A reply (read by a client from its supervisor) may list up to ``ls``'s rows.
+#: A reply (read by a client from its supervisor) may list up to ``ls``'s rows; the
+#: ``stats`` reply is one flat map of every counter and gauge of ``stats.py`` (over 64).
 REPLY = Limits(max_map_len=256, max_array_len=65536, max_containers=None)
 
 

@@ -22,6 +22,7 @@ from .arena import chain_digests, record_layout
 from .config import format_size
 from .entry import Entry
 from .errors import ArenaFullError, BadRequest, ChecksumMismatch, LimitExceeded
+from .tiers import Accepted
 
 if TYPE_CHECKING:
     from .store import Store
@@ -38,8 +39,8 @@ FULL = (
 )
 
 
-def content_key(root: bytes, fingerprint: bytes, tok_bytes: bytes, publisher: int) -> bytes:
-    """What makes two records the same state: a put of it again is a duplicate."""
+def content_digest(root: bytes, fingerprint: bytes, tok_bytes: bytes, publisher: int) -> bytes:
+    """What makes two puts the same record: root, fingerprint, token ids and publisher."""
     return hashlib.blake2b(
         root + fingerprint + tok_bytes + publisher.to_bytes(4, "little"), digest_size=16
     ).digest()
@@ -85,6 +86,10 @@ class PutJob:
         self.revoked = False
         self.steps = 0
         self.entry: Entry | None = None
+        #: False: refuse (ArenaFullError) rather than evict (a refill never evicts)
+        self.may_evict = True
+        #: True: do not tell the store's tiers (a record loaded from one of them)
+        self.quiet = False
 
     @classmethod
     def start(
@@ -109,7 +114,7 @@ class PutJob:
                 f"a blob needs at least chunk_tokens={g.chunk_tokens} tokens, got {n_tokens}"
             )
         tok_bytes = tokens.astype("<i4", copy=False).tobytes()
-        content = content_key(root, fingerprint, tok_bytes, publisher)
+        content = content_digest(root, fingerprint, tok_bytes, publisher)
         try:
             dup = store._duplicate(content, pin)
         except LimitExceeded:
@@ -183,6 +188,8 @@ class PutJob:
         """Evict until the extent fits and the index has room, then take the space."""
         store = self.store
         while not store._fits(self.extent, self.digests):
+            if not self.may_evict:
+                raise ArenaFullError("no room left without evicting")
             if not store._evict_one():
                 if not self.revoked and store._revoke_stale_leases():
                     self.revoked = True
@@ -285,4 +292,21 @@ class PutJob:
             store.lru[gen] = None
         store.counters.puts += 1
         store.counters.bytes_put += self.payload_len
+        if store.tiers and not self.quiet:
+            ev = Accepted(
+                self.content,
+                self.root,
+                self.fingerprint,
+                self.tok_bytes,
+                self.publisher,
+                pin,
+                self.payload_len,
+                self.xxh3,
+                created,
+                offset,
+                gen,
+                created,
+            )
+            for tier in store.tiers:
+                tier.accepted(ev)
         return e

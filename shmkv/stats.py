@@ -364,6 +364,47 @@ class ArenaGauges:
 
 
 @dataclass
+class PersistStats:
+    """What the write-behind to disk (``--persist``) and the refill from it did.
+
+    The ``persist_*`` counters are kept by the writer thread, the ``refill*`` ones by
+    the supervisor's loop; each field has one writer, and the ``stats`` op reads them.
+    """
+
+    persist_on: int = gauge("1 if --persist is set and its store is open")
+    persist_paused: int = gauge(
+        "1 while persistence is paused after a failure (full disk, unwritable directory, "
+        "corrupt file); it is retried with a growing delay"
+    )
+    persist_queue: int = gauge("accepted records waiting for the writer thread")
+    persist_records: int = gauge("records stored on disk")
+    persist_bytes: int = gauge("payload bytes stored on disk")
+    persisted: int = counter("records written to disk")
+    persisted_bytes: int = counter("payload bytes written to disk")
+    persist_dropped: int = counter(
+        "records not written to disk: the writer's queue was full or persistence was paused"
+    )
+    persist_gone: int = counter(
+        "records evicted from the arena (or reused) before the writer could copy them"
+    )
+    persist_evictions: int = counter("records removed from disk by --persist-size (LRU)")
+    persist_errors: dict[str, int] = field(
+        default_factory=dict,
+        metadata={"kind": COUNTER, "help": "persistence failures by kind", "reported": False},
+    )
+    refilling: int = gauge("1 while the arena is being refilled from disk")
+    refilled: int = counter("records loaded from disk into the arena after a start")
+    refilled_bytes: int = counter("payload bytes loaded from disk into the arena")
+    refill_skipped: int = counter(
+        "records on disk not loaded: corrupt (checksum, metadata), invalid, or refused"
+    )
+    refill_seconds: float = seconds("seconds from the start of the refill to its end")
+    refill_first_seconds: float = seconds(
+        "seconds from the start of the refill until the first record was in the arena"
+    )
+
+
+@dataclass
 class Series:
     """The workers' reported sums for one label set (model alias, tenant)."""
 
@@ -385,6 +426,7 @@ class SupervisorStats:
     gauges: ArenaGauges = field(default_factory=ArenaGauges)
     counters: ArenaCounters = field(default_factory=ArenaCounters)
     limits: LimitCounters = field(default_factory=LimitCounters)
+    persist: PersistStats = field(default_factory=PersistStats)
     #: sums of what workers reported, over all label sets; only ``REPORTED`` fields count
     reported: WorkerCounters = field(default_factory=WorkerCounters)
     #: the same sums per label set

@@ -56,6 +56,7 @@ from .leases import Leases
 from .owners import IndexOwners
 from .putjob import COPY_PIECE, FULL, PutJob
 from .stats import ArenaCounters, LimitCounters
+from .tiers import TierHook
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class Store:
         #: the supervisor's uid: its records win an index slot (see ``IndexOwners.point``)
         self.uid = os.geteuid()
         self._next_gen = 1
+        #: write-behind tiers told of every record accepted, used, pinned (``tiers.py``)
+        self.tiers: list[TierHook] = []
         #: chunk digests' owners and the slot each points at
         self.index = IndexOwners(self.arena, self.entries, geometry.chunk_tokens, self.uid)
         #: chunk digest -> {gen: n_tokens} of every live record indexed under it
@@ -250,6 +253,8 @@ class Store:
         e.last_used = self.clock()
         if e.gen in self.lru:
             self.lru.move_to_end(e.gen)
+        for tier in self.tiers:
+            tier.used(e.content)
 
     def _unlease(self, gen: int) -> None:
         """One lease of record ``gen`` ended: free it if it was doomed and that was the last,
@@ -323,6 +328,8 @@ class Store:
             if e.leases == 0:
                 self.lru[e.gen] = None
         e.pinned = pinned
+        for tier in self.tiers:
+            tier.pinned(e.content, pinned)
 
     def by_key(self, key: bytes) -> list[Entry]:
         return [e for e in self.entries.values() if e.key == key and not e.doomed]

@@ -45,7 +45,9 @@ from .errors import (
 )
 from .listener import Conn, Listener
 from .ops import OPS, Context, Work
+from .persistence import Persistence
 from .protocol import MAX_U64, decode_body
+from .refill import Refill
 from .reports import Reports
 from .stats import LimitCounters
 from .store import Store
@@ -91,6 +93,11 @@ class Supervisor:
         self.work: dict[int, tuple[Conn, int, Work]] = {}
         self.started = time.time()
         self._ctx: Context | None = None
+        #: ``--persist``: the write-behind to disk, and the refill of a new arena from it
+        self.persist: Persistence | None = None
+        self.refill: Refill | None = None
+        #: the arena was left by a supervisor before us and adopted (``adopt.py``): no refill
+        self.adopted = False
         self._signals: deque[int] = deque()
         self._stop = False
         self._wake_r = self._wake_w = -1
@@ -109,7 +116,7 @@ class Supervisor:
         self.arena.lock()
         try:
             geometry = None if self.settings.fresh else adopt.open_leftover(self.arena)
-            adopted = geometry is not None
+            adopted = self.adopted = geometry is not None
             if geometry is None:
                 geometry = self.arena.create()
             assert self.arena.mm is not None
@@ -126,6 +133,9 @@ class Supervisor:
             )
             if adopted:
                 adopt.rebuild(store, view)
+            if self.settings.persist:
+                self.persist = Persistence(self.settings, self.arena.ro_fd)
+                self.persist.attach(store)
             self._ctx = Context(
                 settings=self.settings,
                 arena=self.arena,
@@ -142,6 +152,7 @@ class Supervisor:
                 defer=self._defer,
                 limits=self.limits,
                 expiry=Expiry(store, self.settings.ttl),
+                persist=self.persist,
             )
             self.sel.register(self.listener.bind(), selectors.EVENT_READ, None)
         except BaseException:
@@ -167,6 +178,9 @@ class Supervisor:
             self.listener.path,
             os.getpid(),
         )
+        if self.persist is not None and not self.adopted:  # a new arena: refill it, serving
+            self.refill = self.persist.start_refill(self.ctx.store)
+            self.sel.register(self.refill.fileno(), selectors.EVENT_READ, "refill")
         watchdog = Watchdog()
         next_check = time.monotonic() + 1.0
         try:
@@ -188,13 +202,16 @@ class Supervisor:
                         left = max(0.0, due - now)
                         timeout = left if timeout is None else min(timeout, left)
                 timeout = 1.0 if timeout is None else min(timeout, 1.0)
-                if self.work:
+                if self.work or (self.refill is not None and self.refill.busy):
                     timeout = 0.0
+                refill = False
                 for key, events in self.sel.select(timeout):
                     if key.data is None:
                         self._accept()
                     elif key.data == "signal":
                         self._drain_signals()
+                    elif key.data == "refill":
+                        refill = True
                     else:
                         conn: Conn = key.data
                         if events & selectors.EVENT_READ and not conn.closing:
@@ -203,6 +220,8 @@ class Supervisor:
                             self.io.flush(conn)
                 if self.work and not self._stop:
                     self._step_work()
+                if self.refill is not None and (refill or self.refill.busy) and not self._stop:
+                    self._step_refill()
         finally:
             sd_notify("STOPPING=1")
             self.cleanup(remove=not self.settings.keep)
@@ -327,6 +346,24 @@ class Supervisor:
         if not conn.closing:
             self.io.drain(conn)
 
+    def _step_refill(self) -> None:
+        """One slice of the refill from ``--persist`` (``refill.py``)."""
+        refill = self.refill
+        assert refill is not None
+        try:
+            self._check_arena()
+            refill.step(time.monotonic() + self.settings.put_slice)
+        except ArenaCorruptError:
+            return
+        except Exception:  # a bug must cost the refill, not the supervisor
+            log.exception("internal error refilling the arena; the rest stays on disk")
+            refill.close()
+            refill.done = True
+        if refill.done:
+            if refill.fileno() >= 0:
+                self.sel.unregister(refill.fileno())
+            self.refill = None
+
     def _wake(self, woken: list[tuple[Waiter, str]]) -> None:
         """Answer the claims that were waiting and have now ended."""
         for waiter, status in woken:
@@ -347,6 +384,8 @@ class Supervisor:
             except (KeyError, ValueError):
                 pass
             self.listener.close(remove)
+        if self.persist is not None:
+            self.persist.close()  # (before the arena: the writer reads records from it)
         if self._ctx is not None:
             self._ctx.view.close()
         self.arena.close(remove)

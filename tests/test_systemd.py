@@ -151,13 +151,14 @@ def traced_syscalls(trace: Path) -> set[str]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("group", ["none", "own", "other"])
+@pytest.mark.parametrize("group", ["none", "own", "other", "persist"])
 def test_supervisor_makes_no_syscall_its_unit_denies(tmp_path: Path, group: str) -> None:
     """The unit's SystemCallFilter= killed the supervisor (SIGSYS): numpy's OpenBLAS calls
     mbind (@resources) at import, and --group with another group than the unit's Group=
     needs fchown (@privileged). Run it as the unit does (a runtime directory, READY and
     the watchdog on $NOTIFY_SOCKET) through an attach, a put, a read, the CLI and a
-    SIGTERM, without --group, with its own group and with another, under strace."""
+    SIGTERM, without --group, with its own group and with another, and with --persist
+    (LMDB's writer thread), under strace."""
     if os.geteuid() != 0:
         pytest.skip("needs root, to make a group and give the arena to it")
     unit = (UNITS / "shmkv-supervise@.service").read_text()
@@ -167,6 +168,7 @@ def test_supervisor_makes_no_syscall_its_unit_denies(tmp_path: Path, group: str)
         "none": [],
         "own": ["--group", grp.getgrgid(os.getegid()).gr_name],  # as the unit's Group=
         "other": ["--group", make_group().gr_name],
+        "persist": ["--persist", str(tmp_path / "state")],  # LMDB's calls too
     }[group]
     name = f"t{uuid.uuid4().hex[:10]}"
     run = tmp_path / "run"  # its RuntimeDirectory=

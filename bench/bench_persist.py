@@ -1,0 +1,268 @@
+"""Persistence benchmark (``--persist``): refill after a reboot, and what the write-behind costs.
+
+1. Real prompt states of Gemma 3 270M (each prefilled cold, timed) are put, under fresh
+   roots, until the arena holds ``--states`` of them; the supervisor writes them behind to
+   LMDB. It is stopped, its /dev/shm arena is gone (a reboot; ``--drop-caches`` also
+   empties the page cache, as a reboot does), and a new supervisor on the same directory
+   refills the arena: GB/s, time until the most recent state is a hit (from the start of
+   the process), against the cold prefills those states would cost.
+2. The cost of the write-behind: ``Client.put`` latency of a real state, and TTFT of
+   cache hits in a worker while its publishes are written behind, with and without
+   ``--persist``, in one run.
+
+    python bench/bench_persist.py            # full run, a few minutes
+    python bench/bench_persist.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
+import common  # noqa: E402
+
+from shmkv import arena  # noqa: E402
+
+log = logging.getLogger("bench_persist")
+FP = b"bench-persist"
+
+
+def real_states(model: Path, n: int, tokens: int, threads: int) -> list[dict[str, Any]]:
+    """``n`` prompt states of ``tokens`` tokens: their bytes and cold prefill seconds."""
+    import llama_cpp
+    from llama_cpp import llama_cpp as C
+
+    llm = llama_cpp.Llama(
+        model_path=str(model), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
+        verbose=False,
+    )  # fmt: skip
+    tok = common.tokenizer(model)
+    out = []
+    for k in range(n):
+        text = " ".join(f"{common.WORDS[(k * 7 + i) % len(common.WORDS)]}" for i in range(tokens))
+        ids = tok(f"Document {k}: {text}")[:tokens]
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        t = time.perf_counter()
+        llm.eval(ids)
+        cold = time.perf_counter() - t
+        size = C.llama_state_seq_get_size(llm.ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        C.llama_state_seq_get_data(llm.ctx, buf, size, 0)
+        out.append({"tokens": np.asarray(ids, dtype="<i4"), "data": bytes(buf), "cold_s": cold})
+    return out
+
+
+def put_copies(sup: common.Supervisor, states: list[dict[str, Any]], n: int) -> list[Any]:
+    """Put ``n`` records (the states, round robin, each under a fresh root); their digests."""
+    digests = []
+    with sup.client() as c:
+        chunk = c.view.geometry.chunk_tokens
+        for i in range(n):
+            s = states[i % len(states)]
+            root = os.urandom(16)
+            c.put_bytes(root, s["tokens"], FP, s["data"])
+            digests.append(arena.chain_digests(root, s["tokens"], chunk))
+    return digests
+
+
+def wait(pred: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := pred()):
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"timed out waiting for {what}")
+        time.sleep(0.005)
+    return got
+
+
+def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> dict[str, Any]:
+    disk = tmp / "persist"
+    size = sum(len(states[i % len(states)]["data"]) for i in range(n))
+    arena_size = str(int(size * 1.2) + (64 << 20))
+    args = ("--size", arena_size, "--persist", str(disk), "--persist-size", str(4 * size))
+    with common.supervisor(tmp, *args) as sup:
+        t = time.perf_counter()
+        digests = put_copies(sup, states, n)
+        put_s = time.perf_counter() - t
+        wait(lambda: sup.stats()["persisted"] >= n, 600, "the write-behind")
+        written_s = time.perf_counter() - t
+    if drop:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    t0 = time.perf_counter()
+    with common.supervisor(tmp, *args) as sup:
+        ready_s = time.perf_counter() - t0
+        with sup.client() as c:
+            wait(lambda: c.lookup(digests[-1]) is not None, 60, "the first hit")
+            first_hit_s = time.perf_counter() - t0
+            st = wait(lambda: (s := sup.stats())["refilling"] == 0 and s, 600, "the refill")
+            hits = sum(c.lookup(d) is not None for d in digests)
+    gb_s = st["refilled_bytes"] / st["refill_seconds"] / 1e9 if st["refill_seconds"] else 0.0
+    cold_saved = sum(states[i % len(states)]["cold_s"] for i in range(st["refilled"]))
+    return {
+        "states": n,
+        "bytes": size,
+        "put_s": put_s,
+        "written_behind_s": written_s,
+        "write_behind_gb_s": size / written_s / 1e9,
+        "page_cache_dropped": drop,
+        "ready_s": ready_s,
+        "first_hit_s": first_hit_s,
+        "refill_s": st["refill_seconds"],
+        "refill_first_s": st["refill_first_seconds"],
+        "refilled": st["refilled"],
+        "refill_skipped": st["refill_skipped"],
+        "refill_gb_s": gb_s,
+        "hits_after_refill": hits,
+        "cold_prefill_saved_s": cold_saved,
+        "cold_over_refill": cold_saved / st["refill_seconds"] if st["refill_seconds"] else None,
+    }
+
+
+def put_cost(tmp: Path, states: list[dict[str, Any]], puts: int, persist: bool) -> dict[str, Any]:
+    args = ["--size", "1G"] + (["--persist", str(tmp / f"put-{os.getpid()}")] if persist else [])
+    times = []
+    with common.supervisor(tmp, *args) as sup, sup.client() as c:
+        for i in range(puts):
+            s = states[i % len(states)]
+            t = time.perf_counter()
+            c.put_bytes(os.urandom(16), s["tokens"], FP, s["data"])
+            times.append(time.perf_counter() - t)
+    return common.summary(times, 1e3)
+
+
+def ttft_cost(tmp: Path, model: Path, threads: int, repeats: int, persist: bool) -> dict[str, Any]:
+    """TTFT of hits (a shared prefix, new suffixes) while every publish is written behind."""
+    import llama_cpp
+
+    from shmkv.llama import attach
+
+    d = tmp / f"ttft-{int(persist)}"
+    args = ["--size", "1G"] + (["--persist", str(d)] if persist else [])
+    prefix = " ".join(common.WORDS[i % len(common.WORDS)] for i in range(800))
+    ttfts = []
+    with common.supervisor(tmp, *args) as sup:
+        llm = llama_cpp.Llama(
+            model_path=str(model), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
+            verbose=False,
+        )  # fmt: skip
+        cache = attach(llm, name=sup.name, socket_path=sup.socket)
+        gen = dict(max_tokens=16, temperature=0.0, seed=0)
+        for _ in llm.create_completion(prefix + " Question 0?", stream=True, **gen):
+            pass
+        cache.flush()
+        for i in range(1, repeats + 1):
+            llm.reset()  # (no reuse of the context's own cells: every request restores)
+            llm._ctx.kv_cache_clear()
+            t = time.perf_counter()
+            stream = llm.create_completion(prefix + f" Question {i}?", stream=True, **gen)
+            next(iter(stream))
+            ttfts.append(time.perf_counter() - t)
+            for _ in stream:
+                pass
+            assert cache.last.hit, cache.last
+        cache.close()
+        st = sup.stats()
+    return {**common.summary(ttfts, 1e3), "persisted": st["persisted"]}
+
+
+opt = common.option
+
+
+@common.command("persist")
+@opt("--states", type=int, help="Records on disk to refill [256; quick 24].")
+@opt("--real", type=int, help="Distinct states prefilled (the rest are copies) [8; quick 3].")
+@opt("--prefix-tokens", type=int, help="Tokens per state [1000; quick 300].")
+@opt("--puts", type=int, help="Timed puts per arm [30; quick 8].")
+@opt("--repeats", type=int, help="Timed hit requests per arm [10; quick 3].")
+@opt("--threads", default=2, help="llama.cpp threads.")
+@opt("--model", help="GGUF to use [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
+@opt("--drop-caches", is_flag=True, help="Empty the page cache before the refill (root).")
+@opt("--quick", is_flag=True, help="Smoke run.")
+def main(report: common.Report, o: Any) -> None:
+    """Benchmark the refill from --persist after a reboot and the write-behind's cost."""
+    q = o.quick
+    n = o.states or (24 if q else 256)
+    real = o.real or (3 if q else 8)
+    tokens = o.prefix_tokens or (300 if q else 1000)
+    puts, repeats = o.puts or (8 if q else 30), o.repeats or (3 if q else 10)
+    model = common.model_path(o.model)
+    states = real_states(model, real, tokens, o.threads)
+    with tempfile.TemporaryDirectory(prefix="shmkv-bench-persist-") as tmp:
+        refill = refill_case(Path(tmp), states, n, o.drop_caches)
+        cost = {
+            f"put_ms_{k}": put_cost(Path(tmp), states, puts, p) for k, p in (("off", 0), ("on", 1))
+        }
+        cost |= {
+            f"ttft_ms_{k}": ttft_cost(Path(tmp), model, o.threads, repeats, bool(p))
+            for k, p in (("off", 0), ("on", 1))
+        }
+    res = {
+        **report.header(common.llama_versions()),
+        "git": common.code_state(),
+        "loadavg_end": common.loadavg(),
+        "config": dict(quick=q, states=n, real=real, prefix_tokens=tokens, threads=o.threads),
+        "state_bytes": [len(s["data"]) for s in states],
+        "cold_prefill_s": [s["cold_s"] for s in states],
+        "refill": refill,
+        "cost": cost,
+        "put_on_over_off_p50": cost["put_ms_on"]["p50"] / cost["put_ms_off"]["p50"],
+        "ttft_on_over_off_p50": cost["ttft_ms_on"]["p50"] / cost["ttft_ms_off"]["p50"],
+    }
+    r = refill
+    click.echo(f"\n{common.title(res, 'persist')}; {tokens}-token states, {n} on disk")
+    rows = [
+        ["", "value", "vs cold prefill"],
+        ["refill", f"{r['refill_gb_s']:.2f} GB/s, {r['refill_s']:.2f} s", ""],
+        ["first hit after start", common.fmt_s(r["first_hit_s"]), ""],
+        [
+            "cold prefills saved",
+            common.fmt_s(r["cold_prefill_saved_s"]),
+            f"{r['cold_over_refill']:.0f}x the refill" if r["cold_over_refill"] else "",
+        ],
+        ["write-behind", f"{r['write_behind_gb_s']:.2f} GB/s", ""],
+        [
+            "put p50 off / on",
+            f"{cost['put_ms_off']['p50']:.1f} / {cost['put_ms_on']['p50']:.1f} ms",
+            f"{res['put_on_over_off_p50']:.2f}x",
+        ],
+        [
+            "hit TTFT p50 off / on",
+            f"{cost['ttft_ms_off']['p50']:.1f} / {cost['ttft_ms_on']['p50']:.1f} ms",
+            f"{res['ttft_on_over_off_p50']:.2f}x",
+        ],
+    ]
+    click.echo(common.grid(rows))
+    report.write(res, plot)
+
+
+def plot(plt: Any, res: dict[str, Any]) -> Any:
+    c = res["cost"]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax[0].bar(["off", "on"], [c["put_ms_off"]["p50"], c["put_ms_on"]["p50"]])
+    ax[0].set(title="put p50, ms", ylabel="ms")
+    ax[1].bar(["off", "on"], [c["ttft_ms_off"]["p50"], c["ttft_ms_on"]["p50"]])
+    ax[1].set(title="hit TTFT p50, ms")
+    fig.suptitle(
+        f"{common.title(res, 'persist')}: refill {res['refill']['refill_gb_s']:.2f} GB/s, "
+        f"first hit {res['refill']['first_hit_s']:.2f} s",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""``--persist`` wired into the supervisor: write-behind, LMDB store, refill, numbers.
+
+Runs in the supervisor. :class:`Persistence` is what ``supervisor.py`` holds: made at
+start (no disk I/O there: the writer thread opens the store), hooked into the store
+(every record accepted, used, pinned goes to the write-behind), asked to refill a
+new arena once the socket serves, read for ``stats`` and closed at shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .config import Settings
+from .persist import LmdbTier
+from .refill import Refill
+from .stats import PersistStats
+from .store import Store
+from .tiers import Forget, PayloadSource, WriteBehind
+
+log = logging.getLogger(__name__)
+
+
+class Persistence:
+    """The write-behind to ``--persist`` and the refill from it."""
+
+    def __init__(self, settings: Settings, ro_fd: int) -> None:
+        size = settings.persist_size or 4 * settings.size
+        self.disk = LmdbTier(settings.persist, size)
+        self.writer = WriteBehind(self.disk, PayloadSource(ro_fd))
+        self.stats = PersistStats()
+        self.refill: Refill | None = None
+
+    def attach(self, store: Store) -> None:
+        """Tell the write-behind of every record ``store`` accepts; start its thread."""
+        store.tiers.append(self.writer)
+        self.writer.start()
+
+    def start_refill(self, store: Store) -> Refill:
+        """Load the store's records into the (new, empty) arena, in the background."""
+        self.refill = Refill(
+            store,
+            self.disk,
+            self.writer.opened,
+            self.stats,
+            forget=lambda content: self.writer.offer(Forget(content)),
+        )
+        self.refill.start()
+        return self.refill
+
+    def numbers(self) -> PersistStats:
+        """The ``persist_*`` and ``refill*`` numbers as of now."""
+        s, w, d = self.stats, self.writer, self.disk
+        s.persist_on = int(w.opened.is_set() and d.env is not None)
+        s.persist_paused = w.paused
+        s.persist_queue = w.queued()
+        s.persist_records = len(d.lru)
+        s.persist_bytes = d.bytes
+        s.persisted = d.written
+        s.persisted_bytes = d.written_bytes
+        s.persist_dropped = w.dropped
+        s.persist_gone = d.gone
+        s.persist_evictions = d.evicted
+        errors = dict(w.errors)
+        for k, v in d.errors.items():
+            errors[k] = errors.get(k, 0) + v
+        s.persist_errors = errors
+        return s
+
+    def close(self) -> None:
+        """Stop the refill, write what is queued (a few seconds at most), close the store."""
+        if self.refill is not None:
+            self.refill.close()
+        self.writer.close()
