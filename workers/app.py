@@ -45,6 +45,7 @@ from starlette_context import context
 
 from shmkv.config import Settings, resolve
 from shmkv.errors import ConfigError, ShmkvError
+from shmkv.kvtypes import describe, llama_kwargs
 from shmkv.llama import SharedPrefixCache, attach, live_caches
 from shmkv.models import DEFAULT_MODEL_FILE, default_model_path
 from shmkv.stats import numbers
@@ -338,7 +339,19 @@ def make_loader(settings: Settings):
     plain = LlamaProxy.load_llama_from_model_settings
 
     def load(model_settings: ModelSettings) -> llama_cpp.Llama:
-        llm = plain(model_settings)
+        try:
+            llm = plain(model_settings)
+        except ValueError as e:  # llama.cpp says why on stderr, above
+            default_kv = (settings.cache_type_k, settings.cache_type_v) == ("f16", "f16")
+            if default_kv or "llama_context" not in str(e):
+                raise
+            kv = describe(settings.cache_type_k, settings.cache_type_v, settings.flash_attn)
+            raise ConfigError(
+                f"llama.cpp could not load {Path(model_settings.model).name} with KV cache "
+                f"{kv} ({e}; its reason is on the line before): a quantized type needs the "
+                "model's head size to be a multiple of its block size (32); try "
+                "--cache-type-k f16 --cache-type-v f16"
+            ) from e
         try:
             cache = attach(llm, settings=settings)
         except ShmkvError as e:  # no cache is never a reason not to serve
@@ -517,6 +530,7 @@ def create_app(settings: Settings | None = None):
     models = settings.model or [default_model_path()]
     threads = settings.threads or max(1, (os.cpu_count() or 1) // settings.workers)
     aliases = _aliases(settings, models)
+    kv = llama_kwargs(settings.cache_type_k, settings.cache_type_v, settings.flash_attn)
     _register_gemma3()
     model_settings = [
         ModelSettings(
@@ -528,6 +542,7 @@ def create_app(settings: Settings | None = None):
             chat_format=settings.chat_format or _default_chat_format(m),
             logits_all=settings.logits_all,
             verbose=False,
+            **kv,
         )
         for m, alias in zip(models, aliases, strict=True)
     ]
