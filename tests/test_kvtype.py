@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import uuid
 from pathlib import Path
 
 import llama_cpp
@@ -25,6 +26,7 @@ from helpers import (
     assert_one_error_line,
     clean_env,
     completion,
+    free_port,
     run_worker,
     shmkv,
     texts,
@@ -193,3 +195,16 @@ def test_serve_q8_0_restores_on_another_worker(tmp_path, q8_model, make_supervis
         assert longest["bytes"] < MAX_Q8_RATIO * f16, (longest, f16)
     finally:
         server.stop()
+
+
+def test_serve_says_when_the_model_cannot_take_the_cache_type(tmp_path, serve_model):
+    """The default tiny model's heads are 16 wide: q8_0 (blocks of 32) cannot hold its V
+    cache. The workers fail to load and `shmkv serve` stops, naming the setting."""
+    name = f"t{uuid.uuid4().hex[:10]}"
+    args = ["serve", "--model", serve_model, "--workers", "1", "--size", "32M", "--name", name]
+    args += ["--socket", str(tmp_path / f"{name}.sock"), "--port", str(free_port())]
+    args += ["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"]
+    res = shmkv(*args, env=clean_env(SHMKV_THREADS="1", SHMKV_N_CTX="2048"), timeout=120)
+    assert res.returncode != 0
+    assert "could not create a context for tiny.gguf with KV cache K q8_0, V q8_0" in res.stderr
+    assert "--cache-type-k f16 --cache-type-v f16" in res.stderr

@@ -341,16 +341,16 @@ def make_loader(settings: Settings):
     def load(model_settings: ModelSettings) -> llama_cpp.Llama:
         try:
             llm = plain(model_settings)
-        except ValueError as e:  # llama.cpp says why on stderr, above
+        except ValueError as e:  # (llama.cpp's own reason is not logged with verbose off)
             default_kv = (settings.cache_type_k, settings.cache_type_v) == ("f16", "f16")
             if default_kv or "llama_context" not in str(e):
                 raise
             kv = describe(settings.cache_type_k, settings.cache_type_v, settings.flash_attn)
             raise ConfigError(
-                f"llama.cpp could not load {Path(model_settings.model).name} with KV cache "
-                f"{kv} ({e}; its reason is on the line before): a quantized type needs the "
-                "model's head size to be a multiple of its block size (32); try "
-                "--cache-type-k f16 --cache-type-v f16"
+                f"llama.cpp could not create a context for {Path(model_settings.model).name} "
+                f"with KV cache {kv}: a quantized cache type needs the model's attention head "
+                "size to be a multiple of its block size (32); use --cache-type-k f16 "
+                "--cache-type-v f16 for this model"
             ) from e
         try:
             cache = attach(llm, settings=settings)
