@@ -1,18 +1,21 @@
 """Serving benchmark: gunicorn workers, shared system prompts, streaming TTFT, per arm.
 
-Arms, with the same gunicorn settings, n_ctx and llama.cpp threads per worker: ``nocache``
-(llama-cpp-python's ``llama_cpp.server`` app), ``ramcache`` (the same with its per-worker
-``LlamaRAMCache``, stopped above ``--max-rss``), ``shmkv`` (``shmkv serve`` on a supervisor of
-its own), ``shmkv-exact`` (with ``--exact``), ``shmkv-q8_0`` (q8_0 K and V caches: states
-about half the size), ``shmkv-chat`` (the same requests as chat messages). Each request is
-one of ``--prompts`` system prompts plus a short question in Gemma's turn format, streamed
-from ``/v1/completions`` on a new connection, the same sequence in every cell; the chat arm
-sends it as a system and a user message to ``/v1/chat/completions``, which the workers'
-Gemma 3 template turns into nearly the same prompt (system text, a blank line, question).
-A cell (arm, concurrency) starts fresh servers, warms every worker up, waits for a quiet
-machine and runs the sequence closed-loop, recording each request's TTFT, worker and cache
-use, and the memory and CPU of every server process (and the CPU other processes used
-meanwhile).
+Arms, with the same gunicorn settings and n_ctx: ``nocache`` (llama-cpp-python's
+``llama_cpp.server`` app), ``ramcache`` (the same with its per-worker ``LlamaRAMCache``,
+stopped above ``--max-rss``), each worker on ``--threads`` threads; ``shmkv`` (``shmkv serve``
+on a supervisor of its own) and ``shmkv-exact`` (with ``--exact``), whose workers share one
+CPU budget of all cores (a prompt batch on every free core, up to ``--budget-threads``);
+``shmkv-static`` (``--static-threads``: each worker on ``--threads`` threads, as before);
+``shmkv-q8_0`` (q8_0 K and V caches: states about half the size) and ``shmkv-chat`` (the
+same requests as chat messages), both on the CPU budget as ``shmkv``.
+Each request is one of ``--prompts`` system prompts plus a short question in Gemma's turn
+format, streamed from ``/v1/completions`` on a new connection, the same sequence in every
+cell; the chat arm sends it as a system and a user message to ``/v1/chat/completions``,
+which the workers' Gemma 3 template turns into nearly the same prompt (system text, a blank
+line, question). A cell (arm, concurrency) starts fresh servers, warms every worker up,
+waits for a quiet machine and runs the sequence closed-loop, recording each request's TTFT,
+worker and cache use, and the memory and CPU of every server process (and the CPU other
+processes used meanwhile).
 
     python bench/bench_serve.py                    # full run (~30-40 min)
     python bench/bench_serve.py --quick            # smoke run (~3 min)
@@ -56,6 +59,7 @@ ARMS = {  # name: (label, colour)
     "ramcache": ("llama_cpp.server + LlamaRAMCache", "#cc8844"),
     "shmkv": ("shmkv serve", "#33aa77"),
     "shmkv-exact": ("shmkv serve --exact (hits bit for bit a cold run's)", "#2266cc"),
+    "shmkv-static": ("shmkv serve --static-threads (no CPU budget)", "#99bb33"),
     "shmkv-chat": ("shmkv serve, /v1/chat/completions with a system message", "#88cc44"),
     "shmkv-q8_0": ("shmkv serve --cache-type-k q8_0 --cache-type-v q8_0", "#aa55cc"),
 }
@@ -145,6 +149,10 @@ def start_server(
         env["SHMKV_EXACT"] = str(arm == "shmkv-exact").lower()
         if arm == "shmkv-q8_0":  # (flash attention follows: --flash-attn auto)
             env |= {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"}
+        if arm == "shmkv-static":  # every worker always on --threads threads
+            env["SHMKV_STATIC_THREADS"] = "true"
+        else:  # the CPU budget: a prompt batch on every free core, a decode step on one
+            env["SHMKV_THREADS"] = str(cfg["budget_threads"])
         return common.Server.shmkv(sup, env, workdir, cfg["workers"])
     env = {"MODEL": model, "N_CTX": n_ctx, "N_THREADS": threads, "N_THREADS_BATCH": threads}
     env["VERBOSE"] = "false"
@@ -710,7 +718,12 @@ opt = common.option
 @opt("--prompt-tokens", type=int, help="Tokens per system prompt [1000; quick 400].")
 @opt("--max-tokens", default=16)
 @opt("--workers", default=4, help="gunicorn workers.")
-@opt("--threads", default=1, help="llama.cpp threads (and batch threads) per worker.")
+@opt("--threads", default=1, help="llama.cpp threads per worker (llama_cpp.server, shmkv-static).")
+@opt(
+    "--budget-threads",
+    default=0,
+    help="shmkv arms on the CPU budget: most threads one prompt batch takes (0: all cores).",
+)
 @opt("--n-ctx", default=4096)
 @opt("--arena-size", default="1G", help="shmkv arena size.")
 @opt("--ramcache-size", default="1G", help="LlamaRAMCache capacity per worker (CACHE_SIZE).")
@@ -735,7 +748,9 @@ def main(report: common.Report, o: Any) -> None:
     model = common.model_path(o.model)
     levels = o.concurrency or ("4" if quick else "4,10")
     cfg = dict(quick=quick, model=str(model), model_bytes=model.stat().st_size, arms=arms)
-    cfg |= common.pick(vars(o), "workers threads n_ctx max_tokens arena_size max_load max_wait")
+    cfg |= common.pick(
+        vars(o), "workers threads budget_threads n_ctx max_tokens arena_size max_load max_wait"
+    )
     cfg |= {
         "timeout": o.timeout,
         "prompts": o.prompts or (2 if quick else 6),

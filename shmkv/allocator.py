@@ -65,6 +65,22 @@ class Allocator:
             self._drop(off)
         self._add(off, n)
 
+    def reserve(self, off: int, n: int) -> None:
+        """Take exactly [off, off+n) (an adopted record's extent); ValueError unless all free."""
+        addr = self._by_addr
+        i = addr.bisect_right(off) - 1
+        if n <= 0 or i < 0:
+            raise ValueError(f"[{off}, {off + n}) is not free")
+        start, length = addr.peekitem(i)
+        if off + n > start + length:
+            raise ValueError(f"[{off}, {off + n}) is not free")
+        self._drop(start)
+        if off > start:
+            self._add(start, off - start)
+        if start + length > off + n:
+            self._add(off + n, start + length - off - n)
+        self.free_bytes -= n
+
     def largest(self) -> int:
         """Length of the largest free extent (0 if none)."""
         return int(self._by_size[-1][0]) if self._by_size else 0

@@ -199,6 +199,16 @@ def header_checksum(head: bytes) -> int:
     return xxhash.xxh3_64_intdigest(head)
 
 
+def header_format(buf: mmap.mmap | bytes) -> tuple[bytes, int, int]:
+    """(magic, format version, state) of an arena header, unchecked: what a file claims.
+
+    Read before :meth:`Geometry.unpack` to tell another format (refused) from damage.
+    """
+    magic, version = struct.unpack_from("<8sI", buf, 0)
+    (state,) = _SEQ.unpack_from(buf, _STATE_OFF)
+    return bytes(magic), int(version), int(state)
+
+
 @dataclass(frozen=True)
 class Slot:
     digest: bytes
@@ -488,6 +498,36 @@ class ArenaWriter:
     # -- index ------------------------------------------------------------------
     def _slot_off(self, i: int) -> int:
         return self.geometry.index_offset + i * SLOT_SIZE
+
+    def used_slots(self) -> tuple[list[Slot], int]:
+        """Every used slot whose write completed, and how many were caught mid-write.
+
+        For adopting an arena a killed supervisor left: a slot whose seqlock word is
+        odd was being written when it died, and names nothing reliable.
+        """
+        g = self.geometry
+        words = np.frombuffer(
+            self.mm, dtype="<u4", count=g.index_slots * SLOT_SIZE // 4, offset=g.index_offset
+        ).reshape(g.index_slots, SLOT_SIZE // 4)
+        used = words[:, 1] != 0
+        torn = used & (words[:, 0] & 1 == 1)
+        out = []
+        for i in np.flatnonzero(used & ~torn).tolist():
+            _seq, _used, digest, roff, rgen, nch = _SLOT.unpack_from(self.mm, self._slot_off(i))
+            out.append(Slot(digest, roff, rgen, nch))
+        del words
+        return out, int(torn.sum())
+
+    def clear_index(self) -> None:
+        """Empty every slot at once, each under its seqlock (odd, cleared, even again)."""
+        g = self.geometry
+        words = np.frombuffer(
+            self.mm, dtype="<u4", count=g.index_slots * SLOT_SIZE // 4, offset=g.index_offset
+        ).reshape(g.index_slots, SLOT_SIZE // 4)
+        words[:, 0] |= 1
+        words[:, 1:] = 0
+        words[:, 0] += 1
+        del words
 
     def read_slot(self, i: int) -> tuple[int, Slot | None]:
         """Slot i as last written (no seqlock: this is the only process writing it)."""

@@ -6,7 +6,8 @@ taken over), remove the arena and temporary files a killed predecessor left,
 check and reserve the arena's space with ``posix_fallocate`` (a full tmpfs
 fails here, never with SIGBUS later), write the header, publish the file by
 rename, and open the read-only descriptor every worker is handed. The bytes
-are written through :class:`~shmkv.arena.ArenaWriter`.
+are written through :class:`~shmkv.arena.ArenaWriter`. An arena a stopped or
+killed predecessor left is adopted instead (``adopt.py``) unless ``--fresh``.
 
 /dev/shm is shared with every user: no name there is followed if it is a
 symbolic link (``O_NOFOLLOW``, ``O_EXCL``), and a lock or arena file that is not
@@ -165,8 +166,9 @@ class ArenaFile:
                 return
             os.close(fd)
 
-    def _remove_leftovers(self) -> None:
-        """Remove the arena and half-made arena files of a killed predecessor.
+    def remove_leftovers(self, arena: bool = True) -> None:
+        """Remove the half-made arena files of a killed predecessor, and (``arena``) the
+        arena it left (not when ``adopt.py`` adopts it).
 
         We hold the name's lock, so no live supervisor owns them. Unlinking the stale
         arena before the space check means a restart needs room for one arena, not two
@@ -174,7 +176,7 @@ class ArenaFile:
         """
         tmp = re.compile(rf"{re.escape(self.path.name)}\.\d+\.tmp")
         for p in self.path.parent.iterdir():
-            if p == self.path or tmp.fullmatch(p.name):
+            if (arena and p == self.path) or tmp.fullmatch(p.name):
                 try:
                     check_ours(p, os.lstat(p), "arena file")
                 except FileNotFoundError:
@@ -190,7 +192,7 @@ class ArenaFile:
             raise setup_error(e, self.path, "--dir") from None
 
     def _create(self) -> Geometry:
-        self._remove_leftovers()
+        self.remove_leftovers()
         size = self.settings.size
         st = os.statvfs(self.path.parent)
         free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize

@@ -108,6 +108,10 @@ def _port(text: str | int) -> int:
     return value
 
 
+def _optional_port(text: str | int | None) -> int | None:
+    return None if text in (None, "", 0, "0") else _port(text)
+
+
 def _models(value: str | list[str] | tuple[str, ...]) -> list[str]:
     items = value.split(",") if isinstance(value, str) else list(value)
     out = [str(x).strip() for x in items if str(x).strip()]
@@ -124,6 +128,18 @@ def _aliases(value: str | list[str] | tuple[str, ...]) -> list[str]:
         if "/" in alias:
             raise ValueError(f"model alias {alias!r} must not contain '/'")
     return out
+
+
+def _api_keys(value: str | list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """API keys, comma-separated or repeated (None: no key required)."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else list(value)
+    out = [k.strip() for x in items for k in str(x).split(",") if k.strip()]
+    for key in out:
+        if not key.isprintable() or " " in key:
+            raise ValueError("an API key must be printable and without spaces")
+    return out or None
 
 
 def _non_negative_float(text: str | float) -> float:
@@ -252,7 +268,7 @@ SETTINGS: dict[str, Setting] = {
             _ALL,
             "PATH",
         ),
-        Setting("dir", str, "/dev/shm", "Directory of the arena file (a tmpfs).", _SUP, "DIR"),
+        Setting("dir", str, "/dev/shm", "Directory of the arena file (a tmpfs).", _ALL, "DIR"),
         Setting(
             "size",
             parse_size,
@@ -289,7 +305,16 @@ SETTINGS: dict[str, Setting] = {
             "keep",
             parse_bool,
             False,
-            "Leave socket and arena file in place on shutdown.",
+            "Leave socket and arena file in place on shutdown; the next start adopts the arena.",
+            _SUP,
+            is_flag=True,
+        ),
+        Setting(
+            "fresh",
+            parse_bool,
+            False,
+            "Start with an empty arena: drop the one a stopped or killed supervisor of this "
+            "name left, instead of checking and adopting its entries.",
             _SUP,
             is_flag=True,
         ),
@@ -314,6 +339,16 @@ SETTINGS: dict[str, Setting] = {
             _positive_float,
             120.0,
             "Seconds a worker's claim on a prefix it is prefilling lasts at most.",
+            _SUP,
+            "SECONDS",
+        ),
+        Setting(
+            "ttl",
+            _non_negative_float,
+            0.0,
+            "Seconds a state may go unused (no hit, no lease, no put of it) before the "
+            "supervisor releases it (0: never). Pinned states are kept unless their pin "
+            "has a TTL of its own (`shmkv pin --ttl`).",
             _SUP,
             "SECONDS",
         ),
@@ -395,6 +430,25 @@ SETTINGS: dict[str, Setting] = {
             "trusts its own uid and root, and treats any other as unavailable.",
             frozenset({"client", "serve"}),
             "USER",
+        ),
+        Setting(
+            "metrics_port",
+            _optional_port,
+            None,
+            "Serve Prometheus metrics (the whole deployment's: the supervisor's and the "
+            "workers' reported counters) on http://METRICS_HOST:PORT/metrics [default: off; "
+            "`shmkv serve` has /metrics on its API port].",
+            frozenset({"supervise"}),
+            "PORT",
+        ),
+        Setting(
+            "metrics_host",
+            str,
+            "127.0.0.1",
+            "Address of --metrics-port (the numbers say which models and tenants are served "
+            "and how busy they are: keep it local unless the network is yours).",
+            frozenset({"supervise"}),
+            "HOST",
         ),
         Setting(
             "namespace",
@@ -480,9 +534,39 @@ SETTINGS: dict[str, Setting] = {
             "threads",
             _non_negative_int,
             0,
-            "llama.cpp threads per worker (0: cores // workers, at least 1).",
+            "llama.cpp threads: with the CPU budget, the most one batch of a prompt takes "
+            "(0: the whole budget); with --static-threads, every worker's threads "
+            "(0: cores // workers, at least 1).",
             _SERVE,
             "N",
+        ),
+        Setting(
+            "cpu_budget",
+            _non_negative_int,
+            0,
+            "Cores all workers of this arena share (0: the CPUs this process may run on, "
+            "capped by its cgroup's CPU quota): a prompt batch runs on every core free at "
+            "its start, a decode step on one, and together they never take more.",
+            _SERVE,
+            "N",
+        ),
+        Setting(
+            "cpu_wait",
+            _positive_float,
+            30.0,
+            "Longest an eval waits for a free core of the CPU budget; then it runs on one "
+            "thread anyway (counted as cpu_wait_timeouts).",
+            _SERVE,
+            "SECONDS",
+        ),
+        Setting(
+            "static_threads",
+            parse_bool,
+            False,
+            "No CPU budget: every worker always runs on --threads threads, as llama.cpp "
+            "servers do.",
+            _SERVE,
+            is_flag=True,
         ),
         Setting("n_ctx", _positive_int, 4096, "Context length per worker.", _SERVE, "N"),
         Setting(
@@ -522,7 +606,25 @@ SETTINGS: dict[str, Setting] = {
             "NAME",
         ),
         Setting(
-            "api_key", _optional_str, None, "Require this bearer token on requests.", _SERVE, "KEY"
+            "api_key",
+            _api_keys,
+            None,
+            "Require one of these bearer tokens on requests (comma-separated or repeated).",
+            _SERVE,
+            "KEY",
+            multiple=True,
+        ),
+        Setting(
+            "namespace_per_api_key",
+            parse_bool,
+            False,
+            "Each API key (Authorization: Bearer) is its own cache tenant: requests with "
+            "different keys never find each other's cached prefixes, whatever cache_salt "
+            "they send (a salt only narrows its key's tenant). Without --api-key any bearer "
+            "token is taken as a tenant's identity (authenticate in a proxy in front); a "
+            "completion without one gets 401.",
+            _SERVE,
+            is_flag=True,
         ),
         Setting(
             "logits_all",

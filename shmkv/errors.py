@@ -25,6 +25,8 @@ EXIT_PERMISSION = 6
 EXIT_ARENA_LOST = 7
 #: a file, directory or supervisor is not owned by whom it must be (another user's trap?)
 EXIT_UNTRUSTED = 8
+#: the arena file a previous supervisor left is of another format: start with --fresh
+EXIT_ARENA_INCOMPATIBLE = 9
 
 __all__ = [
     "ShmkvError",
@@ -33,6 +35,7 @@ __all__ = [
     "ArenaExistsError",
     "ArenaFullError",
     "ArenaCorruptError",
+    "ArenaIncompatibleError",
     "ShmSpaceError",
     "SupervisorUnavailable",
     "SupervisorBusy",
@@ -49,6 +52,7 @@ __all__ = [
     "StateRefused",
     "ClosedError",
     "LimitExceeded",
+    "InvalidTenant",
     "from_wire",
 ]
 
@@ -93,6 +97,13 @@ class ArenaCorruptError(ArenaError):
     """The arena header or a record failed validation."""
 
     code = "arena_corrupt"
+
+
+class ArenaIncompatibleError(ArenaError):
+    """The arena file a previous supervisor left is of another format: never adopted."""
+
+    code = "arena_incompatible"
+    exit_code = EXIT_ARENA_INCOMPATIBLE
 
 
 class ShmSpaceError(ArenaError):
@@ -195,6 +206,26 @@ class LimitExceeded(ShmkvError):
     """A peer asked for more than one connection may hold (pins, leases, ...)."""
 
     code = "limit"
+
+
+class StateFileError(ShmkvError):
+    """A state file (``shmkv export``) is malformed, corrupt, or not what it claims to be:
+    nothing of it is imported."""
+
+    code = "state_file"
+
+
+class BadInput(ShmkvError):
+    """A line of ``shmkv warm``'s input is not a prompt or a chat it can render."""
+
+    code = "bad_input"
+
+
+class InvalidTenant(ShmkvError):
+    """A request named its cache tenant with a value shmkv does not accept (a
+    ``cache_salt`` too long, empty, not a string or with control characters)."""
+
+    code = "invalid_tenant"
 
 
 _BY_CODE: dict[str, type[ShmkvError]] = {}

@@ -3,9 +3,10 @@
 :func:`install` wraps those three methods of an existing ``Llama`` (``attach``);
 ``SharedCacheLlama`` overrides them instead. Either way ``generate`` goes to the
 cache (``SharedPrefixCache.generate``), ``eval`` runs under the cache's context
-guard while it keeps count of the logits rows the context fills
-(:func:`run_eval`), and ``_create_completion`` tells the generate call it makes
-whether it reads the prompt's logits (:func:`run_completion`).
+guard while it keeps count of the logits rows the context fills, on the cores of
+the CPU budget if the cache has one (:func:`run_eval`, ``cpubudget.py``), and
+``_create_completion`` tells the generate call it makes whether it reads the
+prompt's logits (:func:`run_completion`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llama_cpp
+
+from . import cpubudget, tenant
 
 if TYPE_CHECKING:
     from .llama import SharedPrefixCache
@@ -30,9 +33,14 @@ def run_eval(cache: SharedPrefixCache, orig_eval: Any, tokens: Sequence[int]) ->
     with guard:
         if outside:  # not a step of a call: the cells are nobody's now
             guard.begin()
+            # (on top of another tenant's cells, the context is then nobody's)
+            cache.enter(cache.root_for(tenant.current()), reset=llm.n_tokens == 0)
         start = llm.n_tokens
         try:
-            orig_eval(tokens)
+            if cache.cpu is None:
+                orig_eval(tokens)
+            else:  # on cores of the deployment's CPU budget
+                cpubudget.run_eval(cache, orig_eval, tokens)
         finally:
             if cache.logits_all and start <= cache.scores_valid:
                 cache.scores_valid = llm.n_tokens

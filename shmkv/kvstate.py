@@ -180,7 +180,7 @@ def apply(
                 trust=trust,
             )
         finally:
-            lease.finish(restored)
+            lease.finish()  # (tokens_restored: in the ledger's reported totals)
     except UntrustedPublisher as e:
         return Applied(failure=("untrusted publisher", str(e)), untrusted=True)
     except LeaseLost as e:  # (the bytes may have changed under the copy: not a bad record)
@@ -268,7 +268,7 @@ def load(
             raise ModelMismatchError(
                 "a restored sliding-window state lacks the window its cut needs"
             )
-        if not lease.finish(common):
+        if not lease.finish():  # (tokens_restored: in the ledger's reported totals)
             raise LeaseLost("a read lease was revoked, or its connection lost, during the restore")
     except BaseException:
         forget(llm, wipe=True)

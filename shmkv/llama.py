@@ -15,7 +15,10 @@ the one hook:
   when the generation ends, so the next turn of a chat continues anywhere.
 
 Keys are chained from a root digest of everything that makes a blob
-restorable here (``fingerprint.py``) and the caller's namespace. Which record
+restorable here (``fingerprint.py``) and the caller's namespace, narrowed per call
+by its tenant (``tenant.py``): a call finds and publishes only its tenant's records,
+and a context that holds another tenant's cells is wiped before the call uses it.
+Which record
 to restore and which checkpoints to publish is planned in ``policy.py``; the
 state moves in and out of llama.cpp in ``kvstate.py``; one restore is carried
 out and counted in ``restorer.py``; the hooks on ``Llama`` are in ``hooks.py``;
@@ -33,16 +36,18 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp as lc
 
-from . import hooks, kvstate, policy
+from . import hooks, kvstate, policy, tenant
 from .arena import chain_digests, common_prefix
 from .client import Client
 from .config import Settings, resolve, trusted_uids
+from .cpubudget import CpuBudget
 from .errors import ArenaCorruptError, ShmkvError
 from .fingerprint import key_root, model_fingerprint
 from .ledger import Ledger
@@ -96,6 +101,8 @@ class Call:
         self.cache = cache
         self.tokens = tokens
         self.prompt = np.asarray(tokens, dtype=np.int32)
+        #: the key root of this call's tenant (the one in effect when the call started)
+        self.root = cache.root_for(tenant.current())
         #: the caller reads the logits of the prompt's tokens (``echo`` with ``logprobs``):
         #: only tokens this context evaluated itself may be kept, none restored
         self.prompt_logits = prompt_logits
@@ -109,7 +116,10 @@ class Call:
         #: chunk digests this call claimed: other workers wait for their publish
         self.claimed: list[bytes] | None = None
 
-    def is_for(self, tokens: Sequence[int]) -> bool:
+    def is_for(self, tokens: Sequence[int], root: bytes) -> bool:
+        """Whether this is the call of ``tokens`` by the tenant whose root is ``root``."""
+        if root != self.root:
+            return False
         return tokens is self.tokens or (
             len(tokens) == len(self.prompt)
             and np.array_equal(np.asarray(tokens, dtype=np.int32), self.prompt)
@@ -119,7 +129,7 @@ class Call:
         """The prompt's digest chain, computed once (per chunk size)."""
         chain = self._chains.get(chunk)
         if chain is None:
-            chain = self._chains[chunk] = chain_digests(self.cache.root, self.prompt, chunk)
+            chain = self._chains[chunk] = chain_digests(self.root, self.prompt, chunk)
         return chain
 
     def digests_of(self, tokens: np.ndarray, chunk: int) -> list[bytes]:
@@ -128,7 +138,7 @@ class Call:
         known = self._chains.get(chunk)
         shared = common_prefix(tokens, self.prompt) // chunk if known is not None else 0
         if known is None or not shared:
-            return chain_digests(self.cache.root, tokens, chunk)
+            return chain_digests(self.root, tokens, chunk)
         head = known[:shared]  # (each digest chains from the one before it)
         return head + chain_digests(head[-1], tokens[shared * chunk :], chunk)
 
@@ -173,12 +183,14 @@ class Call:
         run the steps on different threads, one at a time.
         """
         cache, tokens = self.cache, self.tokens
+        vocab = lc.llama_model_get_vocab(cache.llm.model)
         with cache.guard:
             self.generation = cache.guard.begin()
-            cache.last = CallStats(prompt_tokens=len(tokens))
+            stats = cache.last = CallStats(prompt_tokens=len(tokens))
             cache.ledger.add(calls=1)
             cache.call = self
             cache._release_orphaned_claims()
+            cache.enter(self.root, reset)
             in_context = self._prepare(reset)
             gen = orig_generate(tokens, reset=reset, **kwargs)
         first = True
@@ -198,6 +210,8 @@ class Call:
                         first = False
                         self._prefilled(in_context)
                         prompt_capture = True
+                if not lc.llama_vocab_is_eog(vocab, tok):  # (completions stop at one)
+                    stats.completion_tokens += 1
                 sent = yield tok
         finally:
             self._finish(gen, first, prompt_capture)
@@ -213,6 +227,8 @@ class Call:
                 cache.ledger.fail("restore error", e)
                 cache._go_cold()
         cache.last.tokens_reused_local = max(0, reused - cache.last.tokens_restored)
+        if cache.last.tokens_reused_local:
+            cache.ledger.add(tokens_reused_local=cache.last.tokens_reused_local)
         in_context = reused  # (what the checkpoint prefill evaluates counts as evaluated)
         if reset and tokens:
             in_context = min(in_context, self._prefill_checkpoints(reused))
@@ -347,6 +363,9 @@ class SharedPrefixCache:
         self.root = key_root(
             self.fingerprint + (b"|exact|%d" % self.align if self.exact else b""), self.namespace
         )
+        #: the key root of the tenant whose calls computed the context's cells (None:
+        #: mixed, a continuation across tenants: nothing of it is published)
+        self.context_root: bytes | None = self.root
         self.publish_enabled = publish
         self.verify = verify
         #: publishers trusted besides our uid and the supervisor's (None: everyone)
@@ -364,11 +383,14 @@ class SharedPrefixCache:
         #: leading context tokens computed in whole, aligned batches (exact mode)
         self._aligned = 0
         self.ledger = Ledger(log)
+        #: the labels of this cache's counters in the supervisor's metrics: the model's
+        #: alias (``workers/app.py`` sets the served alias) and the namespace
+        self.ledger.labels = (Path(str(getattr(llm, "model_path", "") or "")).stem, self.namespace)
         #: this worker's running totals (``shmkv.stats.WorkerCounters``)
         self.totals = self.ledger.totals
         self.reader = Client(settings=settings)
         self.publisher = Publisher(
-            settings, self.root, self.fingerprint, self.ledger, self._publish_failed, max_pending
+            settings, self.fingerprint, self.ledger, self._publish_failed, max_pending
         )
         self.last = CallStats()
         #: the current (or last) call
@@ -389,6 +411,9 @@ class SharedPrefixCache:
         self._closed = False
         #: called with this cache at the first token of every call (``last`` is filled)
         self.on_prefill: Callable[[SharedPrefixCache], None] | None = None
+        #: the deployment's CPU budget its evals run on (``shmkv.cpubudget``; None: the
+        #: context's own threads)
+        self.cpu: CpuBudget | None = None
         _LIVE.add(self)
         try:  # attach now (after fork, at model load), not on the first request
             self.reader.ensure()
@@ -423,6 +448,30 @@ class SharedPrefixCache:
         uids = None if trust.uids is None else sorted(trust.uids)
         return lambda digest, tokens: self.reader.owners(digest, tokens, uids)
 
+    def root_for(self, who: tenant.Tenant | None) -> bytes:
+        """The key root of calls by tenant ``who`` (None: the deployment's own)."""
+        return self.root if who is None else who.root(self.root)
+
+    def enter(self, root: bytes, reset: bool = True) -> None:
+        """A call of the tenant whose key root is ``root`` is about to use the context.
+
+        If another tenant's calls computed its cells, they are wiped: this call reuses
+        none of them (a faster answer would tell it they were there). A continuation
+        (``reset`` False: the caller asked to go on from the context as it is) keeps
+        them, and the context is then nobody's: nothing of it is published.
+        """
+        if self.context_root == root:
+            return
+        if not reset:
+            self.context_root = None
+            return
+        if self.llm.n_tokens:
+            self.ledger.add(tenant_switches=1)
+        kvstate.forget(self.llm, wipe=True)
+        self._aligned = 0
+        self.scores_valid = 0
+        self.context_root = root
+
     def _go_cold(self) -> None:
         """Forget the context's tokens: llama-cpp-python prefills the whole prompt."""
         kvstate.forget(self.llm)
@@ -430,16 +479,20 @@ class SharedPrefixCache:
 
     # ---------------------------------------------------------------- restore
     def _call_for(self, tokens: Sequence[int]) -> Call:
-        if self.call is None or not self.call.is_for(tokens):
+        root = self.root_for(tenant.current())
+        if self.call is None or not self.call.is_for(tokens, root):
             self.call = Call(self, tokens)
         return self.call
 
     def restore(self, tokens: Sequence[int]) -> int:
-        """Restore the longest usable cached prefix of ``tokens`` if it beats the context's own.
+        """Restore the longest usable cached prefix of ``tokens`` if it beats the context's own
+        (the current tenant's records only; another tenant's cells in the context are wiped).
 
         Returns the number of tokens now in the context that match ``tokens``.
         """
-        return self._restorer.restore(self._call_for(tokens))
+        call = self._call_for(tokens)
+        self.enter(call.root)
+        return self._restorer.restore(call)
 
     def keep_local(
         self, prompt: np.ndarray, held: int | None = None, limit: int | None = None
@@ -480,14 +533,14 @@ class SharedPrefixCache:
             self._unclaim(self._orphaned.pop())
 
     # ---------------------------------------------------------------- publish
-    def _coverage(self, tokens: np.ndarray, chunk: int) -> int:
-        """How many leading ``tokens`` a record in the arena already holds (a hint)."""
+    def _coverage(self, tokens: np.ndarray, chunk: int, root: bytes) -> int:
+        """How many leading ``tokens`` a record of root ``root`` already holds (a hint)."""
         try:
             view = self.writer.ensure()
             digests = (
                 self.call.digests_of(tokens, chunk)
-                if self.call is not None
-                else chain_digests(self.root, tokens, chunk)
+                if self.call is not None and self.call.root == root
+                else chain_digests(root, tokens, chunk)
             )
             return policy.coverage(view, tokens, digests, self.n_swa, self.trust())
         except (ShmkvError, ValueError):
@@ -506,18 +559,20 @@ class SharedPrefixCache:
         Only if it adds ``min_new`` tokens to what is cached (0: always, e.g. a
         sliding-window checkpoint that a longer record cannot stand in for) and to
         ``covered``, the leading tokens known to be published already (the prompt,
-        when its completion is captured).
+        when its completion is captured). The state is published under the key root of
+        the tenant whose calls computed it (never, if the context is nobody's).
         """
         llm = self.llm
         n = llm.n_tokens if n_tokens is None else n_tokens
-        if not self.policy.may_publish(n, self._aligned):
+        root = self.context_root
+        if root is None or not self.policy.may_publish(n, self._aligned):
             return False
         chunk = self.chunk_tokens
         if chunk is None or n < self.policy.rules.min_publish(chunk) or n != llm.n_tokens:
             return False
         tokens = np.array(llm.input_ids[:n], dtype=np.int32)
         republish = self.call is not None and self.call.republish
-        if not republish and n - max(covered, self._coverage(tokens, chunk)) < min_new:
+        if not republish and n - max(covered, self._coverage(tokens, chunk, root)) < min_new:
             return False  # (nearly) all of it is cached already
         try:
             blob = kvstate.copy_out(llm, n, self.writer)
@@ -527,7 +582,7 @@ class SharedPrefixCache:
             return False
         if blob is None:
             return False  # the KV cache does not hold exactly these tokens
-        if not self.publisher.submit(tokens, blob, pin, claimed):
+        if not self.publisher.submit(root, tokens, blob, pin, claimed):
             self.ledger.add(publish_dropped=1)
             return False
         self.ledger.add(publishes=1)
@@ -551,6 +606,8 @@ class SharedPrefixCache:
         self._closed = True
         self.publisher.close()
         self.reader.close()
+        if self.cpu is not None:
+            self.cpu.close()
 
     def generate(
         self, orig_generate: Any, tokens: Sequence[int], reset: bool = True, **kwargs: Any

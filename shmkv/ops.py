@@ -49,10 +49,13 @@ from .protocol import (
     get_fingerprint,
     get_float,
     get_int,
+    get_label,
     get_tokens,
 )
-from .stats import ArenaGauges, LimitCounters, SupervisorStats, WorkerCounters, add_reported
+from .reports import Reports
+from .stats import ArenaGauges, LimitCounters, SupervisorStats
 from .store import PutJob, Store
+from .ttl import Expiry
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +109,8 @@ class Context:
     #: a read-only view of the arena, to check records as a worker would
     view: ArenaView
     claims: Claims
-    #: sums of the counters workers reported
-    reported: WorkerCounters
+    #: the counters workers reported (their totals, and the sums of those gone)
+    reported: Reports
     socket_path: Path
     started: float
     conns: dict[int, Conn]
@@ -121,6 +124,8 @@ class Context:
     defer: Callable[[Conn, int, Work], None]
     #: what the supervisor refused to keep a peer within its limits
     limits: LimitCounters
+    #: releases states idle past --ttl or their pin's TTL (``ttl.py``)
+    expiry: Expiry | None = None
 
     def stats(self) -> SupervisorStats:
         store, g = self.store, self.store.geometry
@@ -130,6 +135,7 @@ class Context:
             pinned=sum(1 for e in live if e.pinned),
             pinned_bytes=store.pinned_bytes,
             bytes_used=store.bytes_used(),
+            bytes_free=g.data_size - store.bytes_used(),
             bytes_capacity=g.data_size,
             bytes_free_largest=store.alloc.largest(),
             free_extents=store.alloc.count(),
@@ -138,6 +144,7 @@ class Context:
             chunk_tokens=g.chunk_tokens,
             leases_active=store.leases.active(),
             workers_attached=sum(1 for c in self.conns.values() if c.attached),
+            workers_connected=len({c.pid for c in self.conns.values() if c.attached}),
             connections=len(self.conns),
             fds_closing=fds_closing(),
             unread_bytes=sum(c.out_bytes for c in self.conns.values()),
@@ -153,7 +160,8 @@ class Context:
             gauges=gauges,
             counters=store.counters,
             limits=self.limits,
-            reported=self.reported,
+            reported=self.reported.total(series := self.reported.series()),
+            series=series,
         )
 
 
@@ -215,6 +223,9 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     limit = get_int(msg, "limit", 1, 100_000, required=False, default=1000)
     now_mono, now = time.monotonic(), time.time()
     live = ctx.store.live_entries()
+    if "key_prefix" in msg:  # (``shmkv export KEY``: a key as ``shmkv ls`` shows it)
+        prefix = get_bytes(msg, "key_prefix", 1, 16)
+        live = [e for e in live if e.key.startswith(prefix)]
     rows = []
     for e in sorted(live, key=lambda e: -e.last_used)[:limit]:
         rows.append(
@@ -225,7 +236,10 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
                 "bytes": e.payload_len,
                 "extent": e.extent,
                 "pinned": e.pinned,
+                "pin_ttl": ctx.expiry.pinned_ttl(e.gen) if ctx.expiry and e.pinned else None,
                 "publisher": e.publisher,
+                "offset": e.offset,
+                "gen": e.gen,
                 "hits": e.hits,
                 "leases": e.leases,
                 "created": e.created,
@@ -235,15 +249,26 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     return {"entries": rows, "total": len(live)}, None
 
 
+#: longest TTL a pin may carry (ten years)
+MAX_PIN_TTL = 10 * 365 * 86400.0
+
+
 def _set_pinned(ctx: Context, msg: dict[str, Any], pinned: bool) -> Reply:
-    entries = ctx.store.by_key(get_digest(msg, "key"))
+    key = get_digest(msg, "key")
+    ttl = get_float(msg, "ttl", 0.001, MAX_PIN_TTL) if pinned and "ttl" in msg else None
+    n_tokens = get_int(msg, "n_tokens", 1, MAX_TOKENS, required=False)
+    entries = [e for e in ctx.store.by_key(key) if n_tokens in (None, e.n_tokens)]
     for e in entries:
         ctx.store.set_pinned(e, pinned)
+        if ctx.expiry is not None:
+            ctx.expiry.pin_ttl(e, ttl if pinned else None)
     return {"count": len(entries)}, None
 
 
 @op("pin", attached=False, privilege=Privilege.ADMIN)
 def pin(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    """Keep the records of ``key`` (of ``n_tokens`` tokens only, if given) out of eviction
+    and ``--ttl``; with ``ttl``, only until they went unused for that many seconds."""
     return _set_pinned(ctx, msg, True)
 
 
@@ -298,8 +323,8 @@ def release(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     lease = get_int(msg, "lease", 1)
     restored = get_int(msg, "tokens_restored", 0, MAX_TOKENS, required=False, default=0)
     valid = ctx.store.release(lease, conn.id)
-    if valid:
-        ctx.reported.tokens_restored += restored
+    if valid and restored:  # (a worker's cache reports its totals instead: it sends none)
+        ctx.reported.add(tokens_restored=restored)
     return {"valid": valid}, None
 
 
@@ -372,7 +397,15 @@ def owners(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
 
 @op("report", attached=True, privilege=Privilege.ANY)
 def report(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
-    add_reported(ctx.reported, get_counters(msg))
+    """A worker's running totals (``counters``) for one of its caches (``reporter``, an id
+    of the worker's choosing), labelled with the ``model`` alias and ``tenant`` it serves.
+
+    Totals, not deltas: see ``reports.py`` for why the sums then never go backwards.
+    """
+    counters = get_counters(msg)
+    reporter = get_int(msg, "reporter", 0, MAX_U64, required=False, default=0)
+    labels = (get_label(msg, "model"), get_label(msg, "tenant"))
+    ctx.reported.report(conn.id, conn.pid, reporter, labels, counters)
     return {}, None
 
 

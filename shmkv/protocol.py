@@ -22,6 +22,8 @@ travel as raw little-endian int32 bytes.
 from __future__ import annotations
 
 import array
+import math
+import re
 import socket
 import struct
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ import msgpack
 
 from .arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
 from .errors import BadRequest, ProtocolError
-from .stats import REPORTED
+from .stats import REPORTED, WorkerCounters
 
 MAX_FRAME = 4 << 20
 _LEN = struct.Struct(">I")
@@ -42,6 +44,12 @@ MAX_PUBLISHERS = 1024
 
 #: Counters a worker may report, added to the supervisor's stats (declared in ``stats.py``).
 REPORTABLE = REPORTED
+#: kinds one report may count failures under (``WorkerCounters.errors``)
+MAX_KINDS = 32
+#: a failure kind or a label value (model alias, tenant): short and printable, so that it
+#: can be a Prometheus label value as it is
+LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._:@+-]{0,63}$")
+_SHAPES = {k: type(getattr(WorkerCounters(), k)) for k in REPORTED}
 
 
 def encode(msg: dict[str, Any]) -> bytes:
@@ -67,12 +75,13 @@ class Limits:
     max_bin_len: int = MAX_FRAME
 
 
-#: A request is one flat map of fields; only ``counters`` is a map inside it, and no field
-#: is an array (a few small ones are decoded, so that a wrong type gets a BadRequest that
-#: names the field). Strings and byte strings are one object each, bounded by the frame.
+#: A request is one flat map of fields; only ``counters`` is a map inside it (holding one
+#: histogram's array and one map of counts by kind), and no other field is an array (a few
+#: small ones are decoded, so that a wrong type gets a BadRequest that names the field).
+#: Strings and byte strings are one object each, bounded by the frame.
 REQUEST = Limits(max_map_len=64, max_array_len=64, max_containers=16)
 #: A reply (read by a client from its supervisor) may list up to ``ls``'s rows.
-REPLY = Limits(max_map_len=64, max_array_len=65536, max_containers=None)
+REPLY = Limits(max_map_len=256, max_array_len=65536, max_containers=None)
 
 
 def decode_body(body: bytes, limits: Limits = REQUEST) -> dict[str, Any]:
@@ -273,13 +282,48 @@ def get_fingerprint(msg: dict[str, Any]) -> bytes:
     return get_bytes(msg, "fingerprint", 0, MAX_FINGERPRINT)
 
 
-def get_counters(msg: dict[str, Any]) -> dict[str, int]:
+def _count(name: str, v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNTER:
+        raise BadRequest(f"counter {name!r} must be an int in [0, {MAX_COUNTER}]")
+    return v
+
+
+def get_counters(msg: dict[str, Any]) -> dict[str, Any]:
+    """A report's ``counters``: names from ``stats.REPORTED``, each of its field's shape
+    (an int, seconds, a histogram's bucket counts, counts by kind), all within bounds."""
     raw = _get(msg, "counters", dict)
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in raw.items():
         if k not in REPORTABLE:
-            raise BadRequest(f"unknown counter {k!r}; known: {', '.join(REPORTABLE)}")
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_COUNTER:
-            raise BadRequest(f"counter {k!r} must be an int in [0, {MAX_COUNTER}]")
-        out[k] = v
+            raise BadRequest(f"unknown counter {k!r:.40}; known: {', '.join(REPORTABLE)}")
+        shape = _SHAPES[k]
+        if shape is float:
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise BadRequest(f"counter {k!r} must be a number")
+            if not (math.isfinite(v) and 0 <= v <= MAX_COUNTER):
+                raise BadRequest(f"counter {k!r} must be in [0, {MAX_COUNTER}]")
+            out[k] = float(v)
+        elif shape is list:
+            want = len(getattr(WorkerCounters(), k))
+            if not isinstance(v, list) or len(v) != want:
+                raise BadRequest(f"counter {k!r} must be a list of {want} ints")
+            out[k] = [_count(k, x) for x in v]
+        elif shape is dict:
+            if not isinstance(v, dict) or len(v) > MAX_KINDS:
+                raise BadRequest(f"counter {k!r} must map at most {MAX_KINDS} kinds to ints")
+            for kind in v:
+                if not isinstance(kind, str) or not LABEL_RE.match(kind):
+                    raise BadRequest(f"counter {k!r}: kind {kind!r:.40} is not a short name")
+            out[k] = {kind: _count(k, n) for kind, n in v.items()}
+        else:
+            out[k] = _count(k, v)
     return out
+
+
+def get_label(msg: dict[str, Any], name: str) -> str:
+    """An optional label value (``model``, ``tenant``) of a report: empty or short and
+    printable."""
+    v = get_str(msg, name, 64, required=False, default="")
+    if v and not LABEL_RE.match(v):
+        raise BadRequest(f"field {name!r} must match {LABEL_RE.pattern}")
+    return v

@@ -5,7 +5,9 @@ fork), fed by a small queue. It owns the cache's writer connection (its own
 socket, so a slow put never holds up a lease on the reader) and the count of
 items still in flight (what ``flush`` waits for), and sends the counters the
 cache's ledger set aside for the supervisor. A full queue drops a state rather
-than block generation.
+than block generation. Every ``REPORT_EVERY`` seconds it sends the counters
+again even if nothing changed, so that a restarted supervisor has every live
+worker's totals back within seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from .ledger import Ledger
 
 log = logging.getLogger(__name__)
 
+#: seconds between two reports of unchanged counters (a restarted supervisor learns them)
+REPORT_EVERY = 5.0
+
 #: called on the publisher thread when a put failed: (error, the digests it claimed)
 OnFailure = Callable[[BaseException, list[bytes] | None], None]
 
@@ -37,31 +42,37 @@ class Publisher:
     def __init__(
         self,
         settings: Settings,
-        root: bytes,
         fingerprint: bytes,
         ledger: Ledger,
         on_failure: OnFailure,
         max_pending: int = 2,
     ) -> None:
         self.writer = Client(settings=settings, populate=False)
-        self.root, self.fingerprint, self.on_failure = root, fingerprint, on_failure
+        self.fingerprint, self.on_failure = fingerprint, on_failure
         self.ledger = ledger
         self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=max_pending)
         self._pending = 0
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._thread_pid = -1
+        self._reported_at = 0.0
 
     def submit(
-        self, tokens: np.ndarray, blob: Blob, pin: bool = False, claimed: list[bytes] | None = None
+        self,
+        root: bytes,
+        tokens: np.ndarray,
+        blob: Blob,
+        pin: bool = False,
+        claimed: list[bytes] | None = None,
     ) -> bool:
-        """Queue ``blob`` (the state of ``tokens``) for the supervisor; False (and the blob
-        closed) if the queue is full. ``claimed``: digests to unclaim if the put fails."""
+        """Queue ``blob`` (the state of ``tokens``, keyed from ``root``) for the supervisor;
+        False (and the blob closed) if the queue is full. ``claimed``: digests to unclaim
+        if the put fails."""
         self._start()
         try:
             with self._cv:
                 self._pending += 1
-            self._queue.put_nowait(("put", tokens, blob, pin, claimed))
+            self._queue.put_nowait(("put", root, tokens, blob, pin, claimed))
         except queue.Full:
             with self._cv:
                 self._pending -= 1
@@ -115,7 +126,11 @@ class Publisher:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=REPORT_EVERY)
+            except queue.Empty:
+                self._send_report(force=time.monotonic() - self._reported_at >= REPORT_EVERY)
+                continue
             if item is None:
                 return
             try:
@@ -127,18 +142,26 @@ class Publisher:
                     self._pending -= 1
                     self._cv.notify_all()
 
-    def _put(self, tokens: np.ndarray, blob: Blob, pin: bool, claimed: list[bytes] | None) -> None:
+    def _put(
+        self,
+        root: bytes,
+        tokens: np.ndarray,
+        blob: Blob,
+        pin: bool,
+        claimed: list[bytes] | None,
+    ) -> None:
         try:
-            self.writer.put_blob(self.root, tokens, self.fingerprint, blob, pin=pin)
+            self.writer.put_blob(root, tokens, self.fingerprint, blob, pin=pin)
         except Exception as e:  # ShmkvError or a bug: never let the thread die
             self.on_failure(e, claimed)
         finally:
             blob.close()
 
-    def _send_report(self) -> None:
-        counters = self.ledger.take_unreported()
-        if counters:
+    def _send_report(self, force: bool = False) -> None:
+        fields = self.ledger.report(force)
+        if fields:
             try:
-                self.writer.report(**counters)
+                self.writer.send_report(fields)
+                self._reported_at = time.monotonic()
             except ShmkvError:
-                pass
+                self.ledger.unsent()

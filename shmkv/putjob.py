@@ -38,6 +38,13 @@ FULL = (
 )
 
 
+def content_key(root: bytes, fingerprint: bytes, tok_bytes: bytes, publisher: int) -> bytes:
+    """What makes two records the same state: a put of it again is a duplicate."""
+    return hashlib.blake2b(
+        root + fingerprint + tok_bytes + publisher.to_bytes(4, "little"), digest_size=16
+    ).digest()
+
+
 class PutJob:
     """One put in progress: room made, payload copied and checked, record indexed.
 
@@ -102,9 +109,7 @@ class PutJob:
                 f"a blob needs at least chunk_tokens={g.chunk_tokens} tokens, got {n_tokens}"
             )
         tok_bytes = tokens.astype("<i4", copy=False).tobytes()
-        content = hashlib.blake2b(
-            root + fingerprint + tok_bytes + publisher.to_bytes(4, "little"), digest_size=16
-        ).digest()
+        content = content_key(root, fingerprint, tok_bytes, publisher)
         try:
             dup = store._duplicate(content, pin)
         except LimitExceeded:

@@ -152,8 +152,8 @@ class Serve:
                     )
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 10)
-                    try:
-                        self._start_supervisor(env)
+                    try:  # (a restart adopts what the dead one left, even after --fresh)
+                        self._start_supervisor({**env, "SHMKV_FRESH": "false"})
                         backoff = 0.5
                     except ShmkvError as e:
                         log.error("%s", e)

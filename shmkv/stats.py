@@ -9,9 +9,14 @@ exporter. Adding a counter means adding one field here.
 Two owners keep counters:
 
 * a worker (:class:`WorkerCounters`) counts what its cache did for its calls;
-  the fields marked ``reported`` are also sent to the supervisor (as deltas,
-  in ``report`` messages), which sums them over all workers;
+  the fields marked ``reported`` are also sent to the supervisor (as running
+  totals since the worker started, in ``report`` messages), which keeps each
+  worker's latest totals and the sums of workers gone (``reports.py``), per
+  model and tenant label;
 * the supervisor (:class:`ArenaCounters`) counts what its arena did.
+
+A field's Prometheus name (``shmkv.metrics``) is ``shmkv_`` + its ``metric``
+metadata (default: the field name), ``_total`` for counters.
 
 :class:`SupervisorStats` is what the ``stats`` op returns: identity, gauges
 read from the arena at that moment, the arena's counters and the workers'
@@ -22,25 +27,46 @@ reported, so the names never clash).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-COUNTER, GAUGE, INFO = "counter", "gauge", "info"
+COUNTER, GAUGE, INFO, HISTOGRAM = "counter", "gauge", "info", "histogram"
+
+#: upper bounds (seconds) of the restore latency histogram's buckets (+Inf is implied)
+RESTORE_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
 
 
-def counter(help: str, reported: bool = False) -> Any:
+def counter(help: str, reported: bool = False, metric: str | None = None) -> Any:
     """A monotone count; ``reported``: workers send it to the supervisor, which sums it."""
-    return field(default=0, metadata={"kind": COUNTER, "help": help, "reported": reported})
+    meta = {"kind": COUNTER, "help": help, "reported": reported, "metric": metric}
+    return field(default=0, metadata=meta)
 
 
-def seconds(help: str) -> Any:
+def seconds(help: str, reported: bool = False, metric: str | None = None) -> Any:
     """A monotone sum of seconds."""
-    return field(default=0.0, metadata={"kind": COUNTER, "help": help, "reported": False})
+    meta = {"kind": COUNTER, "help": help, "reported": reported, "metric": metric}
+    return field(default=0.0, metadata=meta)
 
 
-def gauge(help: str) -> Any:
+def histogram(help: str, buckets: tuple[float, ...], sum_of: str, metric: str) -> Any:
+    """Counts of observations per bucket (``len(buckets) + 1``, the last one +Inf, not
+    cumulative); ``sum_of``: the ``seconds`` field that sums the observations."""
+    meta = {"kind": HISTOGRAM, "help": help, "reported": True, "metric": metric}
+    meta.update(buckets=buckets, sum_of=sum_of)
+    return field(default_factory=lambda: [0] * (len(buckets) + 1), metadata=meta)
+
+
+def by_kind(help: str, metric: str) -> Any:
+    """Counts by a short kind name (a failure's kind), as a ``kind`` label."""
+    meta = {"kind": COUNTER, "help": help, "reported": True, "metric": metric, "label": "kind"}
+    return field(default_factory=dict, metadata=meta)
+
+
+def gauge(help: str, metric: str | None = None) -> Any:
     """A value read at the moment it is reported."""
-    return field(default=0, metadata={"kind": GAUGE, "help": help})
+    return field(default=0, metadata={"kind": GAUGE, "help": help, "metric": metric})
 
 
 def info(help: str, default: Any = "") -> Any:
@@ -56,6 +82,21 @@ def help_of(cls: type, name: str) -> str:
     raise KeyError(name)
 
 
+def metric_name(f: Any) -> str:
+    """The Prometheus name of schema field ``f`` (a ``dataclasses.Field``), without
+    ``shmkv_`` and ``_total``."""
+    return str(f.metadata.get("metric") or f.name)
+
+
+def observe(buckets: list[int], bounds: tuple[float, ...], value: float) -> None:
+    """Count ``value`` in the first bucket whose bound it does not exceed."""
+    for i, bound in enumerate(bounds):
+        if value <= bound:
+            buckets[i] += 1
+            return
+    buckets[-1] += 1
+
+
 def numbers(obj: Any) -> dict[str, Any]:
     """The fields of a schema object as a flat dict (nested schema objects are merged)."""
     out: dict[str, Any] = {}
@@ -65,6 +106,8 @@ def numbers(obj: Any) -> dict[str, Any]:
             out.update(numbers(v))
         elif isinstance(v, dict):
             out[f.name] = dict(v)
+        elif isinstance(v, list):
+            out[f.name] = list(v)
         else:
             out[f.name] = v
     return out
@@ -78,6 +121,9 @@ class CallStats:
     tokens_restored: int = gauge("prompt tokens restored from the arena")
     tokens_reused_local: int = gauge("prompt tokens reused from the worker's own context")
     tokens_evaluated: int = gauge("prompt tokens evaluated (prefilled)")
+    completion_tokens: int = gauge(
+        "tokens generated, an end-of-generation token not counted (as llama-cpp-python's usage)"
+    )
     restore_seconds: float = field(
         default=0.0, metadata={"kind": GAUGE, "help": "seconds spent restoring"}
     )
@@ -87,47 +133,93 @@ class CallStats:
     coalesce_wait_seconds: float = field(
         default=0.0, metadata={"kind": GAUGE, "help": "seconds waited for another worker's prefill"}
     )
+    prefill_threads: int = gauge(
+        "most threads one batch of the prompt ran on (CPU budget; 0: no batch or no budget)"
+    )
     published: int = gauge("states queued for publishing")
     checkpoint: int = gauge("length of the checkpoint state published mid-prefill (0: none)")
     error: str | None = field(
         default=None, metadata={"kind": INFO, "help": "the last cache failure, if any"}
     )
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens not evaluated because the context held them already, restored from
+        the arena or kept from the worker's own context (OpenAI's
+        ``usage.prompt_tokens_details.cached_tokens``). Once the prompt is evaluated.
+
+        Usually ``tokens_restored + tokens_reused_local``; less when a whole prompt was
+        cached (llama-cpp-python evaluates its last token again, for the logits) or when
+        a restored state was dropped again (a failure that went cold).
+        """
+        return max(0, self.prompt_tokens - self.tokens_evaluated) if self.tokens_evaluated else 0
+
 
 @dataclass
 class WorkerCounters:
     """A worker's running totals (``SharedPrefixCache.totals``)."""
 
-    calls: int = counter("generate calls")
-    hits: int = counter("calls that restored a state from the arena")
-    misses: int = counter("calls that found nothing usable in the arena", reported=True)
+    calls: int = counter("generate calls (requests)", reported=True, metric="requests")
+    hits: int = counter(
+        "calls that restored a state from the arena", reported=True, metric="cache_hits"
+    )
+    misses: int = counter(
+        "calls that found nothing usable in the arena", reported=True, metric="cache_misses"
+    )
     tokens_restored: int = counter("prompt tokens restored from the arena", reported=True)
     tokens_evaluated: int = counter("prompt tokens evaluated (prefilled)", reported=True)
+    tokens_reused_local: int = counter(
+        "prompt tokens reused from the worker's own context", reported=True
+    )
     restore_failures: int = counter(
         "restores that failed a check (corrupt record, model mismatch)", reported=True
     )
     states_refused: int = counter(
         "cached states llama.cpp's set_data refused (counted as misses too)", reported=True
     )
-    publishes: int = counter("states queued for the supervisor")
-    publish_dropped: int = counter("states not published because the queue was full")
-    publish_failures: int = counter("states the supervisor did not store")
-    coalesced_waits: int = counter("times a call waited for another worker's prefill")
-    swa_unusable: int = counter(
-        "cached prefixes a sliding-window model could not use (cannot be cut back)"
+    publishes: int = counter("states queued for the supervisor", reported=True)
+    publish_dropped: int = counter("states not published because the queue was full", reported=True)
+    publish_failures: int = counter("states the supervisor did not store", reported=True)
+    coalesced_waits: int = counter(
+        "times a call waited for another worker's prefill", reported=True
     )
-    checkpoints: int = counter("checkpoint states published mid-prefill")
+    swa_unusable: int = counter(
+        "cached prefixes a sliding-window model could not use (cannot be cut back)",
+        reported=True,
+        metric="sliding_window_fallbacks",
+    )
+    checkpoints: int = counter("checkpoint states published mid-prefill", reported=True)
     captures_dropped: int = counter(
         "states not captured because their call was closed late (an abandoned stream) while "
         "the context was in use or had moved on"
     )
     untrusted: int = counter(
-        "cached states skipped: published by a uid this worker does not trust", reported=True
+        "cached states skipped: published by a uid this worker does not trust",
+        reported=True,
+        metric="untrusted_states",
     )
-    restore_seconds: float = seconds("seconds spent restoring states")
-    errors: dict[str, int] = field(
-        default_factory=dict,
-        metadata={"kind": COUNTER, "help": "cache failures by kind", "reported": False},
+    tenant_switches: int = counter(
+        "calls that found another tenant's cells in the context, which were wiped (none reused)",
+        reported=True,
+    )
+    restore_seconds: float = seconds("seconds spent restoring states", reported=True)
+    restore_latency: list[int] = histogram(
+        "seconds per successful restore (lease, checks, set_data)",
+        RESTORE_BUCKETS,
+        sum_of="restore_seconds",
+        metric="restore_duration_seconds",
+    )
+    cpu_waits: int = counter("evals that waited for a free core of the CPU budget", reported=True)
+    cpu_wait_seconds: float = seconds(
+        "seconds evals waited for a free core of the CPU budget", reported=True
+    )
+    cpu_wait_timeouts: int = counter(
+        "evals that found no free core within --cpu-wait and ran on one thread anyway",
+        reported=True,
+    )
+    errors: dict[str, int] = by_kind(
+        "cache failures by kind (each cost a cold prefill or a lost publish)",
+        metric="cache_failures",
     )
 
 
@@ -147,12 +239,42 @@ REPORTED: tuple[str, ...] = tuple(
 )
 
 
-def add_reported(sums: WorkerCounters, counters: dict[str, int]) -> None:
-    """Add one ``report`` message's (validated) counters to the supervisor's sums."""
-    for k, v in counters.items():
-        if k not in REPORTED:
-            raise KeyError(k)
-        setattr(sums, k, getattr(sums, k) + v)
+#: the ``reported`` fields that hold one number (the others: a histogram, counts by kind)
+REPORTED_SCALARS: tuple[str, ...] = tuple(
+    f.name
+    for f in fields(WorkerCounters)
+    if f.metadata.get("reported") and f.default is not MISSING
+)
+
+
+def merge(into: WorkerCounters, other: WorkerCounters | dict[str, Any], sign: int = 1) -> None:
+    """Add (``sign`` -1: take away) the reported fields of ``other`` to ``into``."""
+    get = other.get if isinstance(other, dict) else lambda k, d=None: getattr(other, k)
+    for k in REPORTED:
+        v = get(k, None)
+        if v is None:
+            continue
+        mine = getattr(into, k)
+        if isinstance(mine, list):
+            for i in range(min(len(mine), len(v))):
+                mine[i] += sign * v[i]
+        elif isinstance(mine, dict):
+            for kind, n in v.items():
+                mine[kind] = mine.get(kind, 0) + sign * n
+                if not mine[kind]:
+                    del mine[kind]
+        else:
+            setattr(into, k, mine + sign * v)
+
+
+def reported_dict(c: WorkerCounters) -> dict[str, Any]:
+    """The reported fields of ``c``, as a ``report`` message or the ``stats`` reply
+    carries them."""
+    out: dict[str, Any] = {}
+    for k in REPORTED:
+        v = getattr(c, k)
+        out[k] = list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+    return out
 
 
 @dataclass
@@ -163,7 +285,12 @@ class ArenaCounters:
     rejected_puts: int = counter("puts refused (no room, bad checksum, bad request)")
     duplicate_puts: int = counter("puts of a state already stored")
     evictions: int = counter("states evicted to make room")
-    hits: int = counter("read leases granted (a worker found a state and leased it)")
+    expired: int = counter(
+        "states released after --ttl seconds unused (or a pinned one after its pin's TTL)"
+    )
+    hits: int = counter(
+        "read leases granted (a worker found a state and leased it)", metric="leases_granted"
+    )
     revocations: int = counter("read leases revoked (held too long while space was needed)")
     leases_closed: int = counter("read leases ended by their connection's close, unreleased")
     stale_acquires: int = counter("lease requests for a state no longer stored")
@@ -172,12 +299,18 @@ class ArenaCounters:
         "requests refused for lack of privilege (admin ops from a --group member, "
         "worker_exit from a process that is not the worker's parent)"
     )
-    bytes_put: int = counter("payload bytes stored")
+    bytes_put: int = counter("payload bytes stored", metric="put_bytes")
     foreign_fds: int = counter(
         "descriptors peers passed that were not a put's memfd (closed off the loop)"
     )
     puts_sliced: int = counter(
         "puts whose evictions or copy took several turns of the loop (others served between)"
+    )
+    adopted: int = counter(
+        "states adopted at start from the arena a stopped or killed supervisor left"
+    )
+    adopt_dropped: int = counter(
+        "records of that arena dropped at adoption (damaged, half-written or inconsistent)"
     )
 
 
@@ -203,18 +336,27 @@ class LimitCounters:
 class ArenaGauges:
     """The arena as it is at the moment of the ``stats`` request."""
 
-    entries: int = gauge("states stored")
-    pinned: int = gauge("states pinned (never evicted)")
-    pinned_bytes: int = gauge("bytes of the data region held by pinned states")
-    bytes_used: int = gauge("bytes of the data region in use")
-    bytes_capacity: int = gauge("bytes of the data region")
-    bytes_free_largest: int = gauge("largest free extent, bytes")
+    entries: int = gauge("states stored", metric="arena_entries")
+    pinned: int = gauge("states pinned (never evicted)", metric="arena_pinned_entries")
+    pinned_bytes: int = gauge(
+        "bytes of the data region held by pinned states", metric="arena_pinned_bytes"
+    )
+    bytes_used: int = gauge("bytes of the data region in use", metric="arena_used_bytes")
+    bytes_free: int = gauge("bytes of the data region not in use", metric="arena_free_bytes")
+    bytes_capacity: int = gauge("bytes of the data region", metric="arena_capacity_bytes")
+    bytes_free_largest: int = gauge(
+        "largest free extent, bytes", metric="arena_largest_free_extent_bytes"
+    )
     free_extents: int = gauge("free extents (fragmentation)")
     index_used: int = gauge("index slots in use (chunk prefixes)")
     index_capacity: int = gauge("index slots usable")
     chunk_tokens: int = gauge("tokens per chunk")
     leases_active: int = gauge("read leases held")
-    workers_attached: int = gauge("connections that attached to the arena")
+    workers_attached: int = gauge(
+        "connections that attached to the arena (a worker has two per model: reads and puts)",
+        metric="attached_connections",
+    )
+    workers_connected: int = gauge("processes with a connection attached to the arena")
     connections: int = gauge("open connections")
     fds_closing: int = gauge("descriptors peers passed, waiting for the closer thread")
     unread_bytes: int = gauge("bytes of replies queued for peers that have not read them yet")
@@ -222,30 +364,50 @@ class ArenaGauges:
 
 
 @dataclass
+class Series:
+    """The workers' reported sums for one label set (model alias, tenant)."""
+
+    model: str = info("model alias the workers serve (or the GGUF file's stem)")
+    tenant: str = info("the workers' namespace (empty: none)")
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
+
+
+@dataclass
 class SupervisorStats:
-    """The reply of the ``stats`` op, flattened by :func:`numbers`."""
+    """The reply of the ``stats`` op, flattened by :meth:`to_dict`."""
 
     name: str = info("arena name")
     pid: int = info("supervisor pid", 0)
     version: str = info("shmkv version of the supervisor")
     arena: str = info("arena file path")
     socket: str = info("socket path")
-    uptime: float = gauge("seconds since the supervisor started")
+    uptime: float = gauge("seconds since the supervisor started", metric="uptime_seconds")
     gauges: ArenaGauges = field(default_factory=ArenaGauges)
     counters: ArenaCounters = field(default_factory=ArenaCounters)
     limits: LimitCounters = field(default_factory=LimitCounters)
-    #: sums of what workers reported; only the ``REPORTED`` fields are kept
+    #: sums of what workers reported, over all label sets; only ``REPORTED`` fields count
     reported: WorkerCounters = field(default_factory=WorkerCounters)
+    #: the same sums per label set
+    series: list[Series] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """One flat dict, field names as keys (the wire form of the ``stats`` reply)."""
+        """The wire form of the ``stats`` reply: one flat dict, field names as keys (the
+        workers' sums flat only where their names are free and they hold one number, e.g.
+        ``misses``; all of them under ``workers``), and ``series``: per label set."""
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "reported":
-                out.update({k: getattr(v, k) for k in REPORTED})
-            elif hasattr(v, "__dataclass_fields__"):
+            if f.name in ("reported", "series"):
+                continue
+            if hasattr(v, "__dataclass_fields__"):
                 out.update(numbers(v))
             else:
                 out[f.name] = v
+        for k in REPORTED_SCALARS:
+            out.setdefault(k, getattr(self.reported, k))
+        out["workers"] = reported_dict(self.reported)
+        out["series"] = [
+            {"model": s.model, "tenant": s.tenant, "counters": reported_dict(s.counters)}
+            for s in self.series
+        ]
         return out

@@ -8,8 +8,9 @@ socket and peer credentials in ``listener.py``, each connection's I/O (frames,
 descriptors, replies, unread limits, close) in ``connio.py``, the requests in
 ``ops.py``, the records in ``store.py``, systemd notifications in ``systemd.py``.
 
-Start-up order: lock the arena's name and create the arena (``arenafile.py``),
-bind the socket (``listener.py``), then send READY=1 to systemd.
+Start-up order: lock the arena's name, adopt the arena a stopped or killed
+predecessor left (``adopt.py``) or create one (``arenafile.py``), bind the socket
+(``listener.py``), then send READY=1 to systemd.
 
 No peer may stall the loop or hold what all share: a request that needs more
 than ``--put-slice`` of work (a put that evicts thousands of records or copies
@@ -27,7 +28,7 @@ import signal
 import time
 from collections import deque
 
-from . import __version__
+from . import __version__, adopt
 from .arena import ArenaView
 from .arenafile import ArenaFile, arena_path
 from .claims import Claims, Waiter
@@ -45,9 +46,11 @@ from .errors import (
 from .listener import Conn, Listener
 from .ops import OPS, Context, Work
 from .protocol import MAX_U64, decode_body
-from .stats import LimitCounters, WorkerCounters
+from .reports import Reports
+from .stats import LimitCounters
 from .store import Store
 from .systemd import Watchdog, sd_notify
+from .ttl import Expiry
 
 __all__ = [
     "EXIT_ARENA_LOST",
@@ -105,9 +108,13 @@ class Supervisor:
         """Lock the name, create the arena, bind the socket; raises ShmkvError on failure."""
         self.arena.lock()
         try:
-            geometry = self.arena.create()
+            geometry = None if self.settings.fresh else adopt.open_leftover(self.arena)
+            adopted = geometry is not None
+            if geometry is None:
+                geometry = self.arena.create()
             assert self.arena.mm is not None
-            view = ArenaView(self.arena.ro_fd, populate=False)  # to re-check records
+            # to re-check records (adopting, every one: mapped at once, not page by page)
+            view = ArenaView(self.arena.ro_fd, populate=adopted)
             store = Store(
                 self.arena.mm,
                 geometry,
@@ -117,13 +124,15 @@ class Supervisor:
                 max_leases=self.settings.max_leases,
                 limits=self.limits,
             )
+            if adopted:
+                adopt.rebuild(store, view)
             self._ctx = Context(
                 settings=self.settings,
                 arena=self.arena,
                 store=store,
                 view=view,
                 claims=self.claims,
-                reported=WorkerCounters(),
+                reported=Reports(),
                 socket_path=self.listener.path,
                 started=self.started,
                 conns=self.conns,
@@ -132,6 +141,7 @@ class Supervisor:
                 check_arena=self._check_arena,
                 defer=self._defer,
                 limits=self.limits,
+                expiry=Expiry(store, self.settings.ttl),
             )
             self.sel.register(self.listener.bind(), selectors.EVENT_READ, None)
         except BaseException:
@@ -165,6 +175,8 @@ class Supervisor:
                     next_check = time.monotonic() + 1.0
                     if not self.arena.intact():
                         break
+                    assert self.ctx.expiry is not None
+                    self.ctx.expiry.tick()  # (bounded work: see ttl.py)
                 now = time.monotonic()
                 timeout = watchdog.tick(now)
                 due = self.claims.next_deadline()
@@ -235,6 +247,7 @@ class Supervisor:
         # releasing may free a doomed record, which writes to the arena
         intact = not self.arena.lost and self.arena.intact()
         released = self.ctx.store.release_owner(conn.id) if intact else 0
+        self.ctx.reported.closed(conn.id)
         self._wake(self.claims.drop_owner(conn.id))
         log.debug(
             "connection %d (pid %d) closed%s; released %d lease(s)",

@@ -189,7 +189,9 @@ SUP_START = ["start:arena", "start:socket", "start:random"]
 def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
     t_start = time.monotonic()
     rnd = random.Random(2)
-    args = ("--size", "8M", "--chunk-tokens", str(CHUNK2))  # a few blobs: puts evict
+    # a few blobs: puts evict; --fresh: each restart takes the leftovers over and starts
+    # empty (test_adopt.py kills during puts and adopts)
+    args = ("--size", "8M", "--chunk-tokens", str(CHUNK2), "--fresh")
     sup = start_supervisor(tmp_path, *args)
     sup.model = models["seed0"]
     name, sock = sup.name, sup.socket

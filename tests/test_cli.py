@@ -331,7 +331,8 @@ def test_stale_socket_of_a_killed_supervisor_is_taken_over(make_supervisor) -> N
         put_and_hit(c)
     first.stop(signal.SIGKILL)
     assert Path(first.socket).exists() and first.arena.exists()  # what kill -9 leaves
-    second = make_supervisor("--size", "16M", name=first.name, wait=False)
+    # (--fresh: the killed one's arena is dropped, not adopted; see test_adopt.py)
+    second = make_supervisor("--size", "16M", "--fresh", name=first.name, wait=False)
     assert second.socket == first.socket
     wait_serving(second)
     with second.client() as c:

@@ -403,7 +403,7 @@ def test_supervisor_killed_client_fails_fast_then_reconnects(make_supervisor, tm
         assert bytes(lease.payload) == data
         assert lease.finish() is False
 
-        new = make_supervisor("--size", "16M", name=sup.name)
+        new = make_supervisor("--size", "16M", "--fresh", name=sup.name)  # not adopted
         assert new.socket == sup.socket
         st = wait_until(lambda: try_stats(c), timeout=15, what="the client to reconnect")
         assert st["pid"] == new.proc.pid and st["entries"] == 0

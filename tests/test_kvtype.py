@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -208,3 +210,26 @@ def test_serve_says_when_the_model_cannot_take_the_cache_type(tmp_path, serve_mo
     assert res.returncode != 0
     assert "could not create a context for tiny.gguf with KV cache K q8_0, V q8_0" in res.stderr
     assert "--cache-type-k f16 --cache-type-v f16" in res.stderr
+
+
+def test_warm_with_q8_0_keys_states_as_q8_0_workers_do(supervisor, q8_model, tmp_path):
+    """`shmkv warm` takes serve's KV options: its states are hits for q8_0 workers (with a
+    cold q8_0 run's text), and f16 workers never find them."""
+    prompt = SYSTEM + " Question: was this warmed in q8_0?"
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps(prompt) + "\n")
+    res = subprocess.run(
+        [sys.executable, "-m", "shmkv.cli", "warm", "--model", q8_model, str(path)],
+        env={**supervisor.env, "SHMKV_N_CTX": str(KW["n_ctx"]), **Q8_ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    jobs = [completion(prompt)]
+    hot = run_worker(supervisor, q8_model, jobs, kw=Q8)
+    last = hot["results"][0]["last"]
+    assert last["tokens_restored"] >= last["prompt_tokens"] - 1 > 500, last
+    assert texts(hot) == texts(run_worker(None, q8_model, jobs, mode="cold", kw=Q8))
+    f16 = run_worker(supervisor, q8_model, jobs)
+    assert not f16["results"][0]["last"]["hit"]

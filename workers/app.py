@@ -4,12 +4,13 @@ Runs inside one gunicorn (uvicorn) worker, after fork: the model is loaded
 here, never in the master, and the worker attaches to the shmkv supervisor
 here. Endpoints are llama-cpp-python's own (``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ...) plus ``/health``. Every
-completion says what the cache did: ``X-Shmkv-Restored-Tokens`` and friends
-as response headers, and, in a stream (whose headers leave before the prompt
-is evaluated), an extra ``shmkv`` field in the first chunk::
+completion says what the cache did: in its usage, as OpenAI's
+``prompt_tokens_details.cached_tokens`` (``usage.py``), and in
+``X-Shmkv-Restored-Tokens`` and friends as response headers, and, in a stream (whose
+headers leave before the prompt is evaluated), an extra ``shmkv`` field in the first chunk::
 
-    "shmkv": {"prompt_tokens": 1090, "restored_tokens": 1088,
-              "evaluated_tokens": 2, "restore_ms": 1.9, "hit": true, "worker_pid": 4242}
+    "shmkv": {"prompt_tokens": 1090, "restored_tokens": 1088, "evaluated_tokens": 2,
+              "cached_tokens": 1088, "restore_ms": 1.9, "hit": true, "worker_pid": 4242}
 
 Settings come from ``shmkv.config`` (``SHMKV_*`` variables, set by ``shmkv serve``).
 """
@@ -29,25 +30,30 @@ import llama_cpp
 import llama_cpp.server.app as server_app
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from llama_cpp.llama_chat_format import (
-    Jinja2ChatFormatter,
-    LlamaChatCompletionHandlerNotFoundException,
-    get_chat_completion_handler,
-    register_chat_format,
-)
 from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings, ServerSettings
+from shmkv_workers.metrics import add_metrics_route
+from shmkv_workers.tenants import TenantScope, authenticate
+from shmkv_workers.usage import UsageDetails, include_usage, usage_chunk
 from shmkv_workers.worker import ACCEPTOR, BusyGate
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.middleware import Middleware
 from starlette_context import context
 
+from shmkv import cpubudget
+from shmkv.chat import (  # noqa: F401 (the template's names, re-exported from here)
+    GEMMA3_FORMAT,
+    GEMMA3_TEMPLATE,
+    gemma3_formatter,
+    gemma3_messages,
+)
 from shmkv.config import Settings, resolve
 from shmkv.errors import ConfigError, ShmkvError
-from shmkv.kvtypes import describe, llama_kwargs
+from shmkv.kvtypes import describe
 from shmkv.llama import SharedPrefixCache, attach, live_caches
-from shmkv.models import DEFAULT_MODEL_FILE, default_model_path
+from shmkv.models import default_model_path
+from shmkv.served import model_settings
 from shmkv.stats import numbers
 
 log = logging.getLogger("shmkv.worker")
@@ -60,7 +66,9 @@ def cache_field(cache: SharedPrefixCache) -> dict[str, Any]:
         "restored_tokens": last.tokens_restored,
         "reused_local_tokens": last.tokens_reused_local,
         "evaluated_tokens": last.tokens_evaluated,
+        "cached_tokens": last.cached_tokens,
         "restore_ms": round(last.restore_seconds * 1000, 3),
+        "prefill_threads": last.prefill_threads,
         "hit": last.hit,
         "worker_pid": os.getpid(),
     }
@@ -269,8 +277,10 @@ async def _event_publisher(
 
     The original leaves an abandoned iterator to the garbage collector, which closes it
     later on whatever thread it runs on: the generator's cleanup (shmkv's state capture)
-    would then touch the llama context while another request decodes on it.
+    would then touch the llama context while another request decodes on it. With
+    ``stream_options.include_usage``, the stream ends with a usage chunk (``usage.py``).
     """
+    with_usage = await include_usage(request)
     server_settings = next(server_app.get_server_settings())
     interrupt_requests = server_settings.interrupt_requests if server_settings else False
     async with contextlib.asynccontextmanager(server_app.get_llama_proxy)() as llama_proxy:
@@ -279,13 +289,18 @@ async def _event_publisher(
             iterator = None
             try:
                 iterator = await run_in_threadpool(llama_call, llama, **kwargs)
+                last = None
                 async for chunk in iterate_in_threadpool(iterator):
+                    if with_usage:
+                        last = chunk = {**chunk, "usage": None}
                     await inner_send_chan.send(dict(data=json.dumps(chunk)))
                     if await request.is_disconnected():
                         raise anyio.get_cancelled_exc_class()()
                     if interrupt_requests and server_app.llama_outer_lock.locked():
                         await inner_send_chan.send(dict(data="[DONE]"))
                         raise anyio.get_cancelled_exc_class()()
+                if with_usage and (final := usage_chunk(llama, last)) is not None:
+                    await inner_send_chan.send(dict(data=json.dumps(final)))
                 await inner_send_chan.send(dict(data="[DONE]"))
             except anyio.get_cancelled_exc_class():
                 log.info("stream to %s ended early (client gone)", request.client)
@@ -358,6 +373,9 @@ def make_loader(settings: Settings):
             log.warning("serving %s without shmkv: %s", model_settings.model, e)
             return llm
         cache.on_prefill = _record
+        if model_settings.model_alias:  # (the label of its counters in /metrics)
+            cache.ledger.labels = (model_settings.model_alias, cache.namespace)
+        cache.cpu = cpubudget.for_settings(settings)  # (None: the static split)
         log.info(
             "worker %d loaded %s with shmkv arena %r",
             os.getpid(),
@@ -367,126 +385,6 @@ def make_loader(settings: Settings):
         return llm
 
     return load
-
-
-# Gemma 3's own chat template, as published with the model (tokenizer_config.json of
-# google/gemma-3-*-it). Unlike llama-cpp-python's "gemma" format, which drops system
-# messages, it puts the system message at the start of the first user turn.
-GEMMA3_TEMPLATE = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"""
-GEMMA3_FORMAT = "shmkv-gemma3"
-
-
-def _text(content: Any) -> str:
-    """A message's content as text (a list of parts: its text parts, in order)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(
-        str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"
-    )
-
-
-def gemma3_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages as Gemma 3's template accepts them, none left out.
-
-    The template takes one leading system message and strictly alternating user and
-    model turns, starting with the user's; it raises otherwise, and drops a system
-    message with no user turn after it. So: leading system (and developer) messages are
-    joined into one; a later one, and any other role (tool, function), speaks as the
-    user; consecutive turns of one side are joined; a conversation that does not start
-    with the user's turn gets an empty one. A conversation the template accepts as it
-    is stays as it is.
-    """
-    system: list[str] = []
-    turns: list[tuple[str, str]] = []
-    for m in messages:
-        role, text = m.get("role"), _text(m.get("content"))
-        if role in ("system", "developer") and not turns:
-            system.append(text)
-            continue
-        side = "assistant" if role == "assistant" else "user"
-        if turns and turns[-1][0] == side:
-            turns[-1] = (side, turns[-1][1] + "\n\n" + text)
-        else:
-            turns.append((side, text))
-    if (system or turns) and (not turns or turns[0][0] != "user"):
-        turns.insert(0, ("user", ""))
-    out: list[dict[str, Any]] = []
-    if system:
-        out.append({"role": "system", "content": "\n\n".join(system)})
-    out += [{"role": side, "content": text} for side, text in turns]
-    return out
-
-
-class Gemma3Formatter(Jinja2ChatFormatter):
-    """Gemma 3's template over :func:`gemma3_messages`."""
-
-    def __init__(self) -> None:
-        super().__init__(template=GEMMA3_TEMPLATE, eos_token="<end_of_turn>", bos_token="<bos>")
-
-    def __call__(self, *, messages: Any, **kwargs: Any) -> Any:
-        normalized: Any = gemma3_messages(list(messages))
-        return super().__call__(messages=normalized, **kwargs)
-
-
-def gemma3_formatter() -> Jinja2ChatFormatter:
-    return Gemma3Formatter()
-
-
-def _register_gemma3() -> None:
-    """Register Gemma 3's template as llama-cpp-python chat format ``shmkv-gemma3``."""
-    try:
-        get_chat_completion_handler(GEMMA3_FORMAT)
-    except LlamaChatCompletionHandlerNotFoundException:  # not yet, in this process
-        register_chat_format(GEMMA3_FORMAT)(gemma3_formatter())
-
-
-def _default_chat_format(model: str) -> str | None:
-    """The packaged Gemma GGUF carries no chat template: Gemma 3's own, registered here
-    (llama-cpp-python would fall back to llama-2's, and its "gemma" format drops system
-    messages). Other models: from their GGUF."""
-    return GEMMA3_FORMAT if Path(model).name == DEFAULT_MODEL_FILE else None
 
 
 def _aliases(settings: Settings, models: list[str]) -> list[str]:
@@ -528,40 +426,39 @@ def create_app(settings: Settings | None = None):
         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
     )
     models = settings.model or [default_model_path()]
-    threads = settings.threads or max(1, (os.cpu_count() or 1) // settings.workers)
     aliases = _aliases(settings, models)
-    kv = llama_kwargs(settings.cache_type_k, settings.cache_type_v, settings.flash_attn)
-    _register_gemma3()
-    model_settings = [
-        ModelSettings(
-            model=m,
-            model_alias=alias,
-            n_ctx=settings.n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            chat_format=settings.chat_format or _default_chat_format(m),
-            logits_all=settings.logits_all,
-            verbose=False,
-            **kv,
-        )
-        for m, alias in zip(models, aliases, strict=True)
+    settings_of_models = [
+        model_settings(settings, m, alias) for m, alias in zip(models, aliases, strict=True)
     ]
     # interrupt_requests=False: llama-cpp-python would otherwise end a stream in flight
     # (with a truncated body) whenever another request waits for this worker's model
+    # (api keys are checked by tenants.authenticate; the first one here keeps
+    # llama-cpp-python's own check closed should any route still use it)
+    keys = settings.api_key or []
     server_settings = ServerSettings(
-        host=settings.host, port=settings.port, api_key=settings.api_key, interrupt_requests=False
+        host=settings.host,
+        port=settings.port,
+        api_key=keys[0] if keys else None,
+        interrupt_requests=False,
     )
     LlamaProxy.load_llama_from_model_settings = staticmethod(make_loader(settings))  # type: ignore[method-assign]
     server_app.get_event_publisher = _event_publisher  # (the routes look it up per request)
     _client_errors_are_4xx()
     _named_by_alias()
-    app = server_app.create_app(server_settings=server_settings, model_settings=model_settings)
+    app = server_app.create_app(server_settings=server_settings, model_settings=settings_of_models)
 
+    app.dependency_overrides[server_app.authenticate] = authenticate(keys)
     app.user_middleware.append(Middleware(CacheHeaders))  # innermost: inside the context
+    app.user_middleware.append(Middleware(UsageDetails))
+    app.user_middleware.append(  # each completion runs as its request's cache tenant
+        Middleware(TenantScope, per_api_key=settings.namespace_per_api_key)
+    )
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     app.add_middleware(BusyGate)  # outermost: a worker accepts only while idle
     app.add_exception_handler(json.JSONDecodeError, _invalid_json)
     app.add_exception_handler(UnicodeDecodeError, _invalid_json)
+
+    add_metrics_route(app, settings)
 
     @app.get("/health", tags=["shmkv"])
     def health() -> dict[str, Any]:

@@ -4,7 +4,8 @@ Pre-fork safety: the app is not preloaded, so each worker loads its model and
 attaches to the supervisor after fork (llama.cpp threads and contexts never
 cross a fork). A worker flushes and detaches on exit; the master tells the
 supervisor when a worker died, so whatever it held is released at once even
-if the kernel has not yet closed its socket.
+if the kernel has not yet closed its socket. The workers share one CPU budget
+(``shmkv/cpubudget.py``); the master removes its file when it exits.
 
 Every value comes from ``shmkv.config`` (``SHMKV_*`` environment variables).
 """
@@ -39,6 +40,12 @@ def worker_exit(server, worker) -> None:  # in the worker
     from shmkv.llama import close_all
 
     close_all()
+
+
+def on_exit(server) -> None:  # in the master, after its workers stopped
+    from shmkv import cpubudget
+
+    cpubudget.remove(_s.dir, _s.name)  # (unless another deployment on this name uses it)
 
 
 def child_exit(server, worker) -> None:  # in the master

@@ -1,0 +1,224 @@
+"""Restart benchmark: from a supervisor's ``kill -9`` to its successor's first served hit.
+
+A real ``shmkv supervise`` fills a 1 GiB arena (``--size``) with 16 MiB states, as
+large as a Gemma 3 270M state of a ~2,000-token prompt; it is SIGKILLed and a new
+one started on the same name. Timed from the start of the new process:
+
+* **adopt**: until a worker's lookup, lease and checked copy of a state stored before
+  the kill succeeds (the new supervisor checked every record, payloads included);
+* **fresh** (``--fresh``, what every restart did before adoption): until the new
+  supervisor answers; every state is then gone, and each costs its cold prefill again.
+
+The cold prefills saved are the adopted states times the cold time to first token of a
+~2,000-token prompt from the committed ``bench_restore`` baseline (Gemma 3 270M, 2 cores).
+Both times include starting a Python process (imports: ~0.3 s here).
+
+    python bench/bench_restart.py            # 1 GiB arena, 5 rounds
+    python bench/bench_restart.py --quick    # 128 MiB, 2 rounds
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
+import common  # noqa: E402
+
+log = logging.getLogger("bench")
+
+BLOB = 16 << 20
+TOKENS = 1984  # 31 chunks of 64
+GOAL_ADOPT_S = 1.0
+
+
+def state(i: int) -> tuple[bytes, np.ndarray, bytes]:
+    """State ``i``: a pure function of ``i`` (root, tokens, payload)."""
+    root = hashlib.blake2b(b"restart-%d" % i, digest_size=16).digest()
+    rng = np.random.default_rng(i)
+    return root, rng.integers(0, 30_000, TOKENS).astype("<i4"), rng.bytes(BLOB)
+
+
+def start(workdir: Path, name: str, size: str, *args: str) -> common.Child:
+    sock = str(workdir / f"{name}.sock")
+    cmd = [sys.executable, "-m", "shmkv.cli", "supervise", "--name", name, "--socket", sock]
+    cmd += ["--size", size, *args]
+    return common.Child("the supervisor", cmd, common.child_env(), workdir / f"{name}.log")
+
+
+def first_hit(sup: common.Supervisor, i: int, data: bytes, timeout: float = 60.0) -> float:
+    """Poll until state ``i`` is read back intact; the monotonic time it was."""
+    from shmkv.arena import chain_digests
+    from shmkv.errors import ShmkvError
+
+    root, tokens, _ = state(i)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        c = sup.client(timeout=2.0)
+        c._backoff = 0.0
+        try:
+            hit = c.lookup(chain_digests(root, tokens, 64))
+            if hit is not None:
+                with c.acquire(hit) as lease:
+                    ok = bytes(lease.payload) == data and lease.finish()
+                if ok:
+                    return time.monotonic()
+        except ShmkvError:
+            pass
+        finally:
+            c.close()
+        time.sleep(0.002)
+    raise click.ClickException(f"no hit within {timeout} s:\n{sup.child.log_tail()}")
+
+
+def answers(sup: common.Supervisor, timeout: float = 60.0) -> float:
+    from shmkv.errors import ShmkvError
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            sup.request("ping")
+            return time.monotonic()
+        except ShmkvError:
+            time.sleep(0.002)
+    raise click.ClickException(f"no answer within {timeout} s:\n{sup.child.log_tail()}")
+
+
+def cold_prefill_s() -> tuple[float | None, int | None]:
+    """Cold TTFT p50 of the ~2,000-token prompt of the committed bench_restore run."""
+    try:
+        base = json.loads((common.HERE / "baseline" / "restore.json").read_text())
+        return base["analysis"]["ttft"]["cold"]["ttft"]["p50"], base["config"]["prefix_tokens"]
+    except (OSError, KeyError, ValueError):
+        return None, None
+
+
+def run(workdir: Path, size: str, rounds: int) -> dict[str, Any]:
+    name = f"bench{uuid.uuid4().hex[:8]}"
+    sock = str(workdir / f"{name}.sock")
+    child = start(workdir, name, size)
+    sup = common.Supervisor(name, sock, child)
+    answers(sup)
+    with sup.client() as c:
+        n = int(c.view.geometry.data_size // (BLOB + 16384))
+        t0 = time.monotonic()
+        for i in range(n):
+            root, tokens, data = state(i)
+            c.put_bytes(root, tokens, b"bench-restart", data)
+        fill_s = time.monotonic() - t0
+    st = sup.stats()
+    used = common.fmt_b(st["bytes_used"])
+    log.info("filled %d states (%s) in %.1f s", st["entries"], used, fill_s)
+    probe, probe_data = n - 1, state(n - 1)[2]
+    out: dict[str, Any] = {"entries": st["entries"], "bytes_used": st["bytes_used"], "rounds": []}
+    try:
+        for r in range(rounds):
+            for mode in ("adopt", "fresh"):
+                child.stop(kill=True)
+                args = ("--fresh",) if mode == "fresh" else ()
+                t0 = time.monotonic()
+                child = start(workdir, name, size, *args)
+                sup = common.Supervisor(name, sock, child)
+                t_ready = answers(sup)
+                row: dict[str, Any] = {"round": r, "mode": mode, "ready_s": t_ready - t0}
+                if mode == "adopt":
+                    row["first_hit_s"] = first_hit(sup, probe, probe_data) - t0
+                    line = r"adopted (\d+) entries .* in ([\d.]+) s"
+                    m = re.search(line, child.log_tail(1 << 16))
+                    row["adopted"], row["check_s"] = (int(m[1]), float(m[2])) if m else (None, None)
+                else:
+                    row["entries_after"] = sup.stats()["entries"]
+                    # refill for the next round's kill
+                    with sup.client() as c:
+                        for i in range(n):
+                            root, tokens, data = state(i)
+                            c.put_bytes(root, tokens, b"bench-restart", data)
+                out["rounds"].append(row)
+                log.info("round %d %s: %s", r, mode, row)
+    finally:
+        child.stop()
+        for p in common.SHM.glob(f"shmkv-{name}*"):
+            p.unlink(missing_ok=True)
+    return out
+
+
+@common.command("restart")
+@click.option("--quick", is_flag=True, help="128 MiB arena, 2 rounds.")
+@click.option("--size", default=None, help="Arena --size [1G; quick 128M].")
+@click.option("--rounds", type=int, default=None, help="kill -9 and restarts of each kind [5].")
+def main(report: common.Report, o: Any) -> None:
+    """Time from a supervisor's kill -9 to the first hit its successor serves (adopting the
+    arena), against a fresh start; print a table, write JSON and PNG."""
+    size = o.size or ("128M" if o.quick else "1G")
+    rounds = o.rounds or (2 if o.quick else 5)
+    workdir = common.HERE / "out" / "restart-run"
+    workdir.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("shmkv.client").setLevel(logging.ERROR)  # (refused while it starts)
+    load_before = common.loadavg()
+    res = run(workdir, size, rounds)
+    cold, cold_tokens = cold_prefill_s()
+    adopt = [x for x in res["rounds"] if x["mode"] == "adopt"]
+    fresh = [x for x in res["rounds"] if x["mode"] == "fresh"]
+    first = common.summary([x["first_hit_s"] for x in adopt])
+    saved = None if cold is None else res["entries"] * cold
+    out = {
+        **report.header(),
+        "config": {"quick": o.quick, "size": size, "rounds": rounds, "blob_bytes": BLOB},
+        "goals": {"adopt_first_hit_s": GOAL_ADOPT_S},
+        "cold_prefill": {"seconds": cold, "tokens": cold_tokens, "source": "baseline/restore.json"},
+        **res,
+        "analysis": {
+            "adopt_first_hit_s": first,
+            "adopt_ready_s": common.summary([x["ready_s"] for x in adopt]),
+            "adopt_check_s": common.summary([x["check_s"] for x in adopt if x["check_s"]]),
+            "fresh_ready_s": common.summary([x["ready_s"] for x in fresh]),
+            "cold_prefills_saved_s": saved,
+        },
+        "load_average": {"before": load_before, "after": common.loadavg()},
+    }
+    out["goals_met"] = {"adopt_first_hit": first["p50"] <= GOAL_ADOPT_S}
+    a = out["analysis"]
+    click.echo(f"\n{common.title(out, 'restart')}; load {load_before[0]} before")
+    click.echo(f"{res['entries']} states, {common.fmt_b(res['bytes_used'])} in a {size} arena")
+    rows = [
+        ("kill -9, restart adopting: first hit", a["adopt_first_hit_s"]),
+        ("  of which: supervisor answers", a["adopt_ready_s"]),
+        ("  of which: checking every record", a["adopt_check_s"]),
+        ("kill -9, restart --fresh: answers (empty)", a["fresh_ready_s"]),
+    ]
+    for label, s in rows:
+        click.echo(f"{label:44} p50 {common.fmt_s(s['p50'])}  max {common.fmt_s(s['max'])}")
+    if saved is not None:
+        click.echo(
+            f"cold prefills the adopted states save: {res['entries']} x {cold:.2f} s "
+            f"({cold_tokens} tokens, Gemma 3 270M, baseline) = {saved:.0f} s of CPU"
+        )
+    click.echo(f"goals: {out['goals_met']}")
+
+    def plot(plt: Any, res: dict[str, Any]) -> Any:
+        fig, ax = plt.subplots(figsize=(7, 3))
+        labels = ["adopt: first hit", "adopt: answers", "fresh: answers (empty)"]
+        vals = [a["adopt_first_hit_s"]["p50"], a["adopt_ready_s"]["p50"], a["fresh_ready_s"]["p50"]]
+        ax.barh(labels, vals)
+        ax.axvline(GOAL_ADOPT_S, ls="--", color="gray")
+        ax.set_xlabel("seconds after kill -9 (p50)")
+        ax.set_title(common.title(res, "restart"), fontsize=8)
+        fig.tight_layout()
+        return fig
+
+    report.write(out, plot)
+
+
+if __name__ == "__main__":
+    main()
