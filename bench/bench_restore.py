@@ -14,7 +14,11 @@ process of its own; a real ``shmkv supervise`` owns the arena.
   ``restore`` timed;
 * floor: the same in a process of its own, then llama-cpp-python's same-process prefix reuse;
 * exact: a publisher and a hit process with ``shmkv_exact=True``;
-* ramcache: llama-cpp-python's ``LlamaRAMCache`` (2 GiB cap), ``reset()`` per request.
+* ramcache: llama-cpp-python's ``LlamaRAMCache`` (2 GiB cap), ``reset()`` per request;
+* q8_0 KV cache (``type_k``/``type_v`` q8_0 with flash attention, as ``shmkv serve
+  --cache-type-k q8_0 --cache-type-v q8_0``): cold, a publisher and a hit process as above,
+  compared with each other (flash attention alone changes Gemma's text), and the state's
+  size against the f16 one.
 
     python bench/bench_restore.py                      # full run, ~2-3 minutes
     python bench/bench_restore.py --quick              # smoke run
@@ -49,6 +53,10 @@ log = logging.getLogger("bench_restore")
 
 GOAL_HIT_OVER_FLOOR = 1.10
 GOAL_COLD_OVER_HIT = 50.0
+# the q8_0 arms' context: what `shmkv serve --cache-type-k q8_0 --cache-type-v q8_0` gives
+# (llama_cpp.GGML_TYPE_Q8_0; llama.cpp needs flash attention for a quantized V cache)
+Q8_0_CTX = {"type_k": 8, "type_v": 8, "flash_attn": True}
+Q8_0_FIELDS = {"type_k", "type_v", "flash_attn_type"}  # what may differ from the f16 arms
 ARENA_SIZE = "1G"
 RAMCACHE_CAPACITY = 2 << 30
 MIN_FREE_MEMORY = 3 << 30  # stop the LlamaRAMCache arm before it can exhaust RAM
@@ -143,6 +151,9 @@ def floor_restorer(
     return restore, set_times
 
 
+Q8_0_ARMS = ("cold_q8", "publisher_q8", "hit_q8")
+
+
 def arm(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one arm; returns its JSON-able result."""
     import llama_cpp
@@ -150,7 +161,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     kind, gen, prefix, prefix_n = spec["arm"], spec["gen"], spec["prefix"], spec["prefix_tokens"]
     res: dict[str, Any] = {"arm": kind, "requests": []}
     t = time.perf_counter()
-    if kind in ("publisher", "hit", "publisher_exact", "hit_exact"):
+    if kind in ("publisher", "hit", "publisher_exact", "hit_exact", "publisher_q8", "hit_q8"):
         from shmkv.llama import SharedCacheLlama
 
         shmkv = dict(shmkv_name=spec["name"], shmkv_socket=spec["socket"], shmkv_namespace="bench")
@@ -199,7 +210,8 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
             last=dataclasses.asdict(cache.last),
             **({"steps": steps} if detail else {}),
         )
-        least = {"hit": prefix_n - 64, "hit_exact": prefix_n - spec["ctx"]["n_batch"]}.get(kind, 0)
+        least = {"hit": prefix_n - 64, "hit_q8": prefix_n - 64}.get(kind, 0)
+        least = prefix_n - spec["ctx"]["n_batch"] if kind == "hit_exact" else least
         if (restored := cache.last.tokens_restored) < least:
             raise RuntimeError(
                 f"{kind} request {extra.get('suffix')}: restored {restored} "
@@ -209,12 +221,14 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError("the hook did not call SharedPrefixCache.restore: no breakdown")
         return r
 
-    if kind in ("cold", "hit_exact", "publisher", "publisher_exact"):
+    if kind in ("cold", "hit_exact", "publisher", "publisher_exact", *Q8_0_ARMS):
         for n, (i, s) in enumerate(spec["suffixes"]):
             r = run(s, suffix=i, **({"second": n > 0} if kind.startswith("publisher") else {}))
             res["requests"].append(r)
             if kind.startswith("publisher") and (not r["flushed"] or not cache.totals.publishes):
                 raise RuntimeError(f"process A did not publish: {cache.totals}")
+        if kind == "cold_q8":  # the size of the prefix's state with this KV type
+            floor_restorer(llm, prefix, prefix_n, res)
     elif kind == "hit":
         on, off = spec["suffixes"], spec["suffixes_off"]
         floor_b: dict[str, Any] = {"requests": []}
@@ -387,6 +401,7 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
     ram_warm, ram_hits = split(ram["requests"], "warm")
     pub_second, pub_first = split(pub["requests"], "second")
     exact, pub_exact = arms["hit_exact"]["requests"], arms["publisher_exact"]["requests"]
+    _, pub_q8_first = split(arms["publisher_q8"]["requests"], "second")
     rows = {
         "cold": ("cold: plain Llama, reset() per request", cold["requests"]),
         "hit": ("shmkv hit, 2nd process (publish on, default)", on),
@@ -403,6 +418,9 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         ),
         "hit_exact": ("shmkv --exact hit, 2nd process (restores at n_batch boundaries)", exact),
         "publisher_exact": ("process A --exact: miss + publish at batch boundaries", pub_exact),
+        "cold_q8": ("q8_0 KV: cold, plain Llama", arms["cold_q8"]["requests"]),
+        "hit_q8": ("q8_0 KV: shmkv hit, 2nd process", arms["hit_q8"]["requests"]),
+        "publisher_q8": ("q8_0 KV: process A, miss + publish", pub_q8_first),
     }
     ttft = {
         k: {"label": lab, "ttft": S([r["ttft"] for r in rs]), "total": S([r["total"] for r in rs])}
@@ -425,6 +443,8 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "ramcache_over_cold_p50": ratio("ramcache", "cold"),
         "cold_over_floor_p50": ratio("cold", "floor"),
         "cold_over_hit_exact_p50": ratio("cold", "hit_exact"),
+        "cold_q8_over_hit_q8_p50": ratio("cold_q8", "hit_q8"),
+        "hit_q8_over_hit_p50": ratio("hit_q8", "hit"),
     }
 
     def cap(r: dict[str, Any], before_first: bool = False) -> float:
@@ -463,13 +483,15 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "floor_rest": S([r["ttft"] - r["set_data_seconds"] for r in fb]),
         "hit_nopublish_rest": S([r["ttft"] - r["last"]["restore_seconds"] for r in off]),
     }
-    cold_text = {r["suffix"]: r["text"] for r in cold["requests"]}
-    same = {}  # greedy text of every cached arm vs cold, suffix by suffix
-    for k in ("hit", "hit_exact", "floor_b", "floor", "ramcache", "local"):
+    same = {}  # greedy text of every cached arm vs its cold arm, suffix by suffix
+    against = dict.fromkeys("hit hit_exact floor_b floor ramcache local".split(), "cold")
+    for k, cold_arm in (against | {"hit_q8": "cold_q8"}).items():
+        cold_text = {r["suffix"]: r["text"] for r in rows[cold_arm][1]}
         pairs = [
             (r["text"], cold_text[r["suffix"]]) for r in rows[k][1] if r["suffix"] in cold_text
         ]
         same[k] = f"{sum(a == c for a, c in pairs)}/{len(pairs)}"
+    q8 = arms["hit_q8"]["requests"]
     last_ram = ram["requests"][-1] if ram["requests"] else {}
     return {
         "ttft": ttft,
@@ -493,6 +515,15 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         },
         "decomposition": decomposition,
         "restore_steps": restore_steps(b),
+        "q8_0": {
+            "blob_bytes": arms["cold_q8"]["blob_bytes"],
+            "blob_over_f16": arms["cold_q8"]["blob_bytes"] / floor["blob_bytes"],
+            "restore_seconds": S([r["last"]["restore_seconds"] for r in q8]),
+            "tokens_restored": sorted({r["last"]["tokens_restored"] for r in q8}),
+            "cold_prefix_eval_seconds": arms["cold_q8"]["prefix_eval_seconds"],
+            "get_data_seconds": arms["cold_q8"]["get_data_seconds"],
+            "totals": arms["hit_q8"]["totals"],
+        },
         "same_text_as_cold": same,
         "memory": {
             "ramcache_peak_rss_bytes": ram["peak_rss_bytes"],
@@ -528,6 +559,7 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
             *common.walk({k: v for k, v in a[part].items() if k not in counts}, b.get(part)),
         ]
     r, g, h, m, p = a["ratios"], a["goals_met"], a["hit"], a["memory"], a["publish"]
+    q = a["q8_0"]
     return "\n".join(
         [
             common.summary_table(rows),
@@ -537,7 +569,12 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
             f"{m['blob_bytes'] / 1e6:.1f} MB; attach {f(h['attach_seconds'])}; capture() "
             f"{p['capture_fraction'].get('p50', 0) * 100:.1f} % of a request; blobs published per "
             f"request {p['captures_published_per_request'].get('mean', 0):.2f}",
-            f"greedy text equal to cold: {a['same_text_as_cold']}",
+            f"greedy text equal to cold: {a['same_text_as_cold']} (hit_q8: to cold_q8)",
+            f"q8_0 KV: blob {q['blob_bytes'] / 1e6:.1f} MB ({q['blob_over_f16']:.2f} of f16), "
+            f"restore p50 {f(q['restore_seconds'].get('p50'))}, TTFT p50 hit "
+            f"{f(a['ttft']['hit_q8']['ttft'].get('p50'))}, cold "
+            f"{f(a['ttft']['cold_q8']['ttft'].get('p50'))}, tokens restored "
+            f"{q['tokens_restored']}",
             f"LlamaRAMCache: {m['ramcache_entries']} entries, counted "
             f"{m['ramcache_counted_bytes'] / 1e6:.0f} MB + uncounted "
             f"{m['ramcache_uncounted_scores_bytes_per_entry'] / 1e6:.0f} MB of scores per entry; "
@@ -552,7 +589,8 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
     a = res["analysis"]
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
     r, t = a["ratios"], a["ttft"]
-    arms = [t[k] for k in ("cold", "ramcache", "hit", "hit_nopublish", "floor_b", "floor", "local")]
+    keys = "cold ramcache hit hit_nopublish floor_b floor local cold_q8 hit_q8".split()
+    arms = [t[k] for k in keys]
     bars = [(v["label"].replace(", ", ",\n", 1), v["ttft"]) for v in arms if v["ttft"].get("n")]
     title = (
         f"TTFT, {res['config']['prefix_tokens']}-token shared prefix\ncold/hit "
@@ -655,9 +693,11 @@ def main(report: common.Report, o: Any) -> None:
     log.info("prefix %d tokens, suffixes %s tokens", ptoks, stoks)
     ctx = dict(n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, n_ubatch=512)
     ctx |= dict(seed=0, verbose=False)
+    q8_ctx = {**ctx, **Q8_0_CTX}
     gen = dict(max_tokens=max_tokens, temperature=0.0, seed=0)
     plan = dict(quick=quick, model=str(model_path), model_bytes=model_path.stat().st_size)
-    plan |= dict(ctx=ctx, gen=gen, prefix_target=prefix_tokens, suffix_target=suffix_tokens)
+    plan |= dict(ctx=ctx, ctx_q8=q8_ctx, gen=gen)
+    plan |= dict(prefix_target=prefix_tokens, suffix_target=suffix_tokens)
     plan |= common.pick(prompts, "prefix_tokens suffix_tokens warmup_tokens")
     plan |= dict(repeats=repeats, arena_size=ARENA_SIZE, ramcache_capacity=RAMCACHE_CAPACITY)
     quiet = common.wait_until_quiet(o.max_load, o.max_wait)
@@ -676,14 +716,18 @@ def main(report: common.Report, o: Any) -> None:
             {"arm": "hit", "suffixes": S[1:], "suffixes_off": T, "suffixes_breakdown": U},
             {"arm": "floor", "suffixes": S[1:], "suffixes_local": S},
             {"arm": "ramcache", "suffixes": S},
+            {"arm": "cold_q8", "ctx": q8_ctx, "suffixes": S[1:]},
+            {"arm": "publisher_q8", "ctx": q8_ctx, "suffixes": [*S[:1], V]},
+            {"arm": "hit_q8", "ctx": q8_ctx, "suffixes": S[1:]},
         ):
             arms[spec["arm"]] = run_arm({**sp, **spec}, Path(tmp), sup)
         sup_stats = sup.stats()
-    ref = arms["cold"]["context_params"]
+    ref, ref_q8 = arms["cold"]["context_params"], arms["cold_q8"]["context_params"]
     if differ := {
         k: d
         for k, v in arms.items()
         if (d := sorted(f for f in ref if v["context_params"].get(f) != ref[f]))
+        and (k not in Q8_0_ARMS or set(d) - Q8_0_FIELDS or v["context_params"] != ref_q8)
     }:
         raise click.ClickException(f"arms ran with different context settings: {differ}")
     res: dict[str, Any] = {

@@ -5,17 +5,22 @@ Arms, with the same gunicorn settings and n_ctx: ``nocache`` (llama-cpp-python's
 stopped above ``--max-rss``), each worker on ``--threads`` threads; ``shmkv`` (``shmkv serve``
 on a supervisor of its own) and ``shmkv-exact`` (with ``--exact``), whose workers share one
 CPU budget of all cores (a prompt batch on every free core, up to ``--budget-threads``);
-``shmkv-static`` (``--static-threads``: each worker on ``--threads`` threads, as before).
+``shmkv-static`` (``--static-threads``: each worker on ``--threads`` threads, as before);
+``shmkv-q8_0`` (q8_0 K and V caches: states about half the size) and ``shmkv-chat`` (the
+same requests as chat messages), both on the CPU budget as ``shmkv``.
 Each request is one of ``--prompts`` system prompts plus a short question in Gemma's turn
 format, streamed from ``/v1/completions`` on a new connection, the same sequence in every
-cell. A cell (arm, concurrency) starts fresh servers, warms every worker up, waits for a
-quiet machine and runs the sequence closed-loop, recording each request's TTFT, worker and
-cache use, and the memory and CPU of every server process (and the CPU other processes used
-meanwhile).
+cell; the chat arm sends it as a system and a user message to ``/v1/chat/completions``,
+which the workers' Gemma 3 template turns into nearly the same prompt (system text, a blank
+line, question). A cell (arm, concurrency) starts fresh servers, warms every worker up,
+waits for a quiet machine and runs the sequence closed-loop, recording each request's TTFT,
+worker and cache use, and the memory and CPU of every server process (and the CPU other
+processes used meanwhile).
 
     python bench/bench_serve.py                    # full run (~30-40 min)
     python bench/bench_serve.py --quick            # smoke run (~3 min)
     python bench/bench_serve.py --arms shmkv --concurrency 4 --requests 30
+    python bench/bench_serve.py --arms shmkv,shmkv-chat,shmkv-q8_0 --concurrency 4
 """
 
 from __future__ import annotations
@@ -55,7 +60,10 @@ ARMS = {  # name: (label, colour)
     "shmkv": ("shmkv serve", "#33aa77"),
     "shmkv-exact": ("shmkv serve --exact (hits bit for bit a cold run's)", "#2266cc"),
     "shmkv-static": ("shmkv serve --static-threads (no CPU budget)", "#99bb33"),
+    "shmkv-chat": ("shmkv serve, /v1/chat/completions with a system message", "#88cc44"),
+    "shmkv-q8_0": ("shmkv serve --cache-type-k q8_0 --cache-type-v q8_0", "#aa55cc"),
 }
+CHAT_ARMS = {"shmkv-chat"}  # the same requests as messages, to /v1/chat/completions
 THEMES = [  # system prompts in turn: an opening, then the template of its lines
     "You are the archivist of a large museum. Follow these catalogue rules when answering "
     "visitors, and answer briefly.\n\n",
@@ -97,6 +105,13 @@ class Workload:
         p, question = self.requests[k]
         return TURN.format(f"{self.system[p]}\n{question}")
 
+    def messages(self, k: int) -> list[dict[str, str]]:
+        p, question = self.requests[k]
+        return [
+            {"role": "system", "content": self.system[p]},
+            {"role": "user", "content": question},
+        ]
+
 
 def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: int) -> Workload:
     """Each system prompt used equally often, in an order shuffled with a fixed seed (so
@@ -132,6 +147,8 @@ def start_server(
         env = {"SHMKV_MODEL": model, "SHMKV_THREADS": threads, "SHMKV_N_CTX": n_ctx}
         env |= {"SHMKV_LOG_LEVEL": "info", "SHMKV_WORKER_TIMEOUT": "900"}
         env["SHMKV_EXACT"] = str(arm == "shmkv-exact").lower()
+        if arm == "shmkv-q8_0":  # (flash attention follows: --flash-attn auto)
+            env |= {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"}
         if arm == "shmkv-static":  # every worker always on --threads threads
             env["SHMKV_STATIC_THREADS"] = "true"
         else:  # the CPU budget: a prompt batch on every free core, a decode step on one
@@ -252,6 +269,19 @@ def complete(
     return common.stream_completion(client, srv.base + "/v1/completions", body | kw)
 
 
+def chat(
+    client: httpx.Client,
+    srv: common.Server,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    **kw: Any,
+) -> dict[str, Any]:
+    """One streaming /v1/chat/completions request (common.stream_completion)."""
+    body = dict(model="gemma", messages=messages, max_tokens=max_tokens, temperature=0.0)
+    body |= dict(stream=True)
+    return common.stream_completion(client, srv.base + "/v1/chat/completions", body | kw)
+
+
 def http_client(timeout: float) -> httpx.Client:
     """A client that opens a new connection for every request."""
     limits = httpx.Limits(max_keepalive_connections=0)
@@ -269,9 +299,16 @@ def in_threads(n: int, fn: Any) -> None:
 
 
 def run_load(
-    srv: common.Server, wl: Workload, n: int, cc: int, cfg: dict[str, Any], abort: threading.Event
+    srv: common.Server,
+    wl: Workload,
+    n: int,
+    cc: int,
+    cfg: dict[str, Any],
+    abort: threading.Event,
+    as_chat: bool = False,
 ) -> tuple[list[dict[str, Any]], float]:
-    """Closed loop: ``cc`` clients take the next request of the sequence in turn."""
+    """Closed loop: ``cc`` clients take the next request of the sequence in turn (as chat
+    messages with ``as_chat``)."""
     results = [{"k": k, "prompt": wl.requests[k][0], "t_send": 0.0} for k in range(n)]
     nxt, lock = iter(range(n)), threading.Lock()
 
@@ -281,7 +318,10 @@ def run_load(
                 with lock:
                     if (k := next(nxt, None)) is None:
                         return
-                r = complete(client, srv, wl.prompt(k), cfg["max_tokens"], seed=SEED)
+                if as_chat:
+                    r = chat(client, srv, wl.messages(k), cfg["max_tokens"], seed=SEED)
+                else:
+                    r = complete(client, srv, wl.prompt(k), cfg["max_tokens"], seed=SEED)
                 no_text = None if r["ttft"] is not None else f"no text in {r['chunks']} chunks"
                 r.update(worker_pid=(r["shmkv"] or {}).get("worker_pid"), client_thread=c)
                 results[k].update(r, error=r["error"] or no_text)
@@ -348,7 +388,8 @@ def run_cell(
         watch.start()
         t0 = time.perf_counter()
         try:
-            results, cell["wall_s"] = run_load(srv, wl, n, cc, cfg, watch.abort)
+            as_chat = arm in CHAT_ARMS
+            results, cell["wall_s"] = run_load(srv, wl, n, cc, cfg, watch.abort, as_chat)
         finally:
             watch.done.set()
             watch.join(5)
@@ -722,6 +763,11 @@ def main(report: common.Report, o: Any) -> None:
         "min_available": parse_size(o.min_available),
     }
     cfg |= dict(endpoint="/v1/completions", stream=True, temperature=0.0)
+    cfg |= dict(chat_arms=sorted(CHAT_ARMS), chat_endpoint="/v1/chat/completions")
+    cfg["chat_messages"] = [
+        {"role": "system", "content": "{system}"},
+        {"role": "user", "content": "{question}"},
+    ]
     cfg |= dict(prompt_format=TURN.format("{system}\n{question}"), new_connection_per_request=True)
     if cfg["prompt_tokens_target"] + cfg["max_tokens"] + 64 > cfg["n_ctx"]:
         raise click.BadParameter("prompt + max tokens must fit --n-ctx")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .kvtypes import parse_flash_attn, parse_kv_type
 
 ENV_PREFIX = "SHMKV_"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -595,6 +596,34 @@ SETTINGS: dict[str, Setting] = {
             is_flag=True,
         ),
         Setting("n_ctx", _positive_int, 4096, "Context length per worker.", _SERVE, "N"),
+        Setting(
+            "cache_type_k",
+            parse_kv_type,
+            "f16",
+            "KV cache type of K: f16, q8_0 (about half the size of f16 per state), q4_0, "
+            "q4_1, q5_0, q5_1, iq4_nl, bf16, f32. The model's head size must be a multiple "
+            "of the type's block size (32).",
+            _SERVE,
+            "TYPE",
+        ),
+        Setting(
+            "cache_type_v",
+            parse_kv_type,
+            "f16",
+            "KV cache type of V, as --cache-type-k; a quantized V cache needs flash "
+            "attention (see --flash-attn).",
+            _SERVE,
+            "TYPE",
+        ),
+        Setting(
+            "flash_attn",
+            parse_flash_attn,
+            "auto",
+            "Flash attention: on, off, or auto (on exactly when --cache-type-v is quantized, "
+            "which llama.cpp requires; else off, llama-cpp-python's default).",
+            _SERVE,
+            "MODE",
+        ),
         Setting(
             "chat_format",
             _optional_str,

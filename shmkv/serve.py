@@ -20,6 +20,7 @@ from pathlib import Path
 from .client import Client
 from .config import SETTINGS, Settings
 from .errors import ConfigError, ShmkvError, SupervisorUnavailable, UntrustedSupervisor
+from .kvtypes import llama_kwargs
 from .models import default_model_path
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,9 @@ class Serve:
                 f"{len(aliases)} --model-alias for {len(self.settings.model)} --model: "
                 "give at most one alias per model, in the same order"
             )
+        # a KV cache setting llama.cpp would refuse: one line now, not a failing worker later
+        s = self.settings
+        llama_kwargs(s.cache_type_k, s.cache_type_v, s.flash_attn)
         env = settings_env(self.settings)
         if supervisor_running(self.settings):
             log.info("using the running supervisor on %s", self.settings.socket_path)

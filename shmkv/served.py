@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from .chat import default_chat_format, register_gemma3
 from .config import Settings
+from .kvtypes import llama_kwargs
 
 if TYPE_CHECKING:
     import llama_cpp
@@ -43,6 +44,7 @@ def model_settings(
         chat_format=settings.chat_format or default_chat_format(model),
         logits_all=settings.logits_all,
         verbose=False,
+        **llama_kwargs(settings.cache_type_k, settings.cache_type_v, settings.flash_attn),
     )
 
 

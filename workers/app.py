@@ -50,6 +50,7 @@ from shmkv.chat import (  # noqa: F401 (the template's names, re-exported from h
 )
 from shmkv.config import Settings, resolve
 from shmkv.errors import ConfigError, ShmkvError
+from shmkv.kvtypes import describe
 from shmkv.llama import SharedPrefixCache, attach, live_caches
 from shmkv.models import default_model_path
 from shmkv.served import model_settings
@@ -353,7 +354,19 @@ def make_loader(settings: Settings):
     plain = LlamaProxy.load_llama_from_model_settings
 
     def load(model_settings: ModelSettings) -> llama_cpp.Llama:
-        llm = plain(model_settings)
+        try:
+            llm = plain(model_settings)
+        except ValueError as e:  # (llama.cpp's own reason is not logged with verbose off)
+            default_kv = (settings.cache_type_k, settings.cache_type_v) == ("f16", "f16")
+            if default_kv or "llama_context" not in str(e):
+                raise
+            kv = describe(settings.cache_type_k, settings.cache_type_v, settings.flash_attn)
+            raise ConfigError(
+                f"llama.cpp could not create a context for {Path(model_settings.model).name} "
+                f"with KV cache {kv}: a quantized cache type needs the model's attention head "
+                "size to be a multiple of its block size (32); use --cache-type-k f16 "
+                "--cache-type-v f16 for this model"
+            ) from e
         try:
             cache = attach(llm, settings=settings)
         except ShmkvError as e:  # no cache is never a reason not to serve
