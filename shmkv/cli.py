@@ -6,6 +6,7 @@ the fields of ``stats.SupervisorStats`` (the ``stats`` reply).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -209,21 +210,152 @@ def _key(text: str) -> bytes:
     return key
 
 
-def _pin_command(name: str, pinned: bool, doc: str) -> None:
-    """Register `shmkv pin` / `shmkv unpin`: one body, two verbs."""
+@main.command()
+@settings_options("client")
+@click.argument("key")
+@click.option(
+    "--ttl",
+    type=click.FloatRange(min=0.001),
+    default=None,
+    metavar="SECONDS",
+    help="The pin ends, and the entries go, once they went unused this long.",
+)
+@click.option("--tokens", type=int, default=None, help="Only KEY's entry of N tokens.")
+@fails_cleanly
+def pin(
+    config_file: str | None, key: str, ttl: float | None, tokens: int | None, **cli: Any
+) -> None:
+    """Keep the entries with KEY (from `shmkv ls --json`) out of eviction and --ttl."""
+    with _client(config_file, cli) as c:
+        n = c.pin(_key(key), True, ttl=ttl, n_tokens=tokens)
+    click.echo(f"pinned {n} entr{'y' if n == 1 else 'ies'}")
 
-    @main.command(name=name, help=doc)
-    @settings_options("client")
-    @click.argument("key")
-    @fails_cleanly
-    def command(config_file: str | None, key: str, **cli: Any) -> None:
-        with _client(config_file, cli) as c:
-            n = c.pin(_key(key), pinned)
-        click.echo(f"{name}ned {n} entr{'y' if n == 1 else 'ies'}")
+
+@main.command()
+@settings_options("client")
+@click.argument("key")
+@fails_cleanly
+def unpin(config_file: str | None, key: str, **cli: Any) -> None:
+    """Make the entries with KEY evictable again."""
+    with _client(config_file, cli) as c:
+        n = c.pin(_key(key), False)
+    click.echo(f"unpinned {n} entr{'y' if n == 1 else 'ies'}")
 
 
-_pin_command("pin", True, "Keep the entries with KEY (from `shmkv ls --json`) out of eviction.")
-_pin_command("unpin", False, "Make the entries with KEY evictable again.")
+def _pin_ttl_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--pin-ttl",
+        type=click.FloatRange(min=0.001),
+        default=None,
+        metavar="SECONDS",
+        help="Pins end, and their states go, once unused this long (see `shmkv pin --ttl`).",
+    )(fn)
+
+
+@main.command()
+@settings_options("serve")
+@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.option("--pin", "pin_all", is_flag=True, help='Pin every state (as "pin": true does).')
+@_pin_ttl_option
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@fails_cleanly
+def warm(
+    config_file: str | None,
+    file: Any,
+    pin_all: bool,
+    pin_ttl: float | None,
+    as_json: bool,
+    **cli: Any,
+) -> None:
+    """Prefill and publish the prompts of FILE (JSON Lines; - for stdin) before traffic.
+
+    One prompt per line: a JSON string, {"prompt": "..."} or {"messages": [...]}
+    (rendered with serve's chat template), optionally with "pin": true. The model
+    is loaded with the settings `shmkv serve` uses (same flags, SHMKV_* variables
+    and --config), so served workers find every state. Exits 1 if a line was skipped.
+    """
+    from .statecmds import warm_all
+
+    settings = resolve("serve", cli, config_file=config_file)
+    setup_logging(settings.log_level if settings.log_level != "info" else "warning")
+    summary = warm_all(settings, file, pin_all, pin_ttl)
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(summary), indent=2))
+    else:
+        click.echo(
+            f"warmed {summary.warmed} prompt(s), {summary.skipped} skipped: "
+            f"{summary.tokens_prefilled} tokens prefilled, {summary.tokens_restored} restored, "
+            f"{summary.seconds:.1f} s; {summary.states_stored} state(s) stored "
+            f"({format_size(summary.bytes_stored)}), {summary.pinned} pinned"
+        )
+    if summary.skipped or summary.errors:
+        sys.exit(1)
+
+
+@main.command(name="export")
+@settings_options("serve")
+@click.argument("key", required=False)
+@click.option("--prompt", default=None, help="Export the state of this prompt instead of KEY.")
+@click.option(
+    "--messages", default=None, metavar="JSON", help="Export the state of this chat (a JSON list)."
+)
+@click.option("--tokens", type=int, default=None, help="Of KEY's entries, the one of N tokens.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="File (0600).")
+@fails_cleanly
+def export_cmd(
+    config_file: str | None,
+    key: str | None,
+    prompt: str | None,
+    messages: str | None,
+    tokens: int | None,
+    output: str | None,
+    **cli: Any,
+) -> None:
+    """Write one cached state to a self-describing file (stdout without -o).
+
+    Name it by KEY as `shmkv ls` shows it (under --namespace), or by the prompt it
+    covers (--prompt or --messages: the model is loaded as `shmkv serve` loads it,
+    and a prompt not cached yet is prefilled first). Load it elsewhere with
+    `shmkv import`.
+    """
+    from .statecmds import export_to
+
+    settings = resolve("serve", cli, config_file=config_file)
+    setup_logging(settings.log_level if settings.log_level != "info" else "warning")
+    if (key is None) == (prompt is None and messages is None) or (prompt and messages):
+        raise click.UsageError("give KEY, --prompt or --messages (one of them)")
+    meta = export_to(settings, output, key, prompt, messages, tokens)
+    click.echo(
+        f"exported {meta.key.hex()} ({meta.n_tokens} tokens, {format_size(meta.payload_len)})"
+        + (f" to {output}" if output else ""),
+        err=output is None,
+    )
+
+
+@main.command(name="import")
+@settings_options("serve")
+@click.argument("file")
+@click.option("--pin", is_flag=True, help="Pin the imported state.")
+@_pin_ttl_option
+@fails_cleanly
+def import_cmd(
+    config_file: str | None, file: str, pin: bool, pin_ttl: float | None, **cli: Any
+) -> None:
+    """Check a file from `shmkv export` (- for stdin) and load its state into the arena.
+
+    Nothing is loaded unless the whole file checks out (format, lengths, checksum,
+    key root derived from its fingerprint, key from its tokens). With --model (or
+    SHMKV_MODEL), a state made for another model or other settings is refused too.
+    """
+    from .statecmds import import_from
+
+    settings = resolve("serve", cli, config_file=config_file)
+    setup_logging(settings.log_level if settings.log_level != "info" else "warning")
+    meta, reply, pinned = import_from(settings, file, pin or pin_ttl is not None, pin_ttl)
+    click.echo(
+        f"imported {reply['key'].hex()} ({meta.n_tokens} tokens, "
+        f"{format_size(meta.payload_len)})" + (", pinned" if pinned else "")
+    )
 
 
 @main.command()

@@ -648,14 +648,33 @@ class Client(Connection):
     def stats(self) -> dict[str, Any]:
         return self.request({"op": "stats"})
 
-    def ls(self, limit: int = 1000) -> dict[str, Any]:
-        return self.request({"op": "ls", "limit": limit})
+    def ls(self, limit: int = 1000, key_prefix: bytes | None = None) -> dict[str, Any]:
+        """Entries, most recently used first (only those whose key starts with
+        ``key_prefix``, if given)."""
+        msg: dict[str, Any] = {"op": "ls", "limit": limit}
+        if key_prefix is not None:
+            msg["key_prefix"] = key_prefix
+        return self.request(msg)
 
     def clear(self) -> int:
         return int(self.request({"op": "clear"}).get("removed", 0))
 
-    def pin(self, key: bytes, pinned: bool = True) -> int:
-        return int(self.request({"op": "pin" if pinned else "unpin", "key": key})["count"])
+    def pin(
+        self,
+        key: bytes,
+        pinned: bool = True,
+        ttl: float | None = None,
+        n_tokens: int | None = None,
+    ) -> int:
+        """Pin (or unpin) the records of ``key`` (those of ``n_tokens`` tokens, if given);
+        ``ttl``: the pin ends, and the records go, once they went unused this many
+        seconds. Returns how many records."""
+        msg: dict[str, Any] = {"op": "pin" if pinned else "unpin", "key": key}
+        if ttl is not None:
+            msg["ttl"] = float(ttl)
+        if n_tokens is not None:
+            msg["n_tokens"] = n_tokens
+        return int(self.request(msg)["count"])
 
     def report(self, **counters: int) -> None:
         counters = {k: v for k, v in counters.items() if v}

@@ -344,6 +344,16 @@ SETTINGS: dict[str, Setting] = {
             "SECONDS",
         ),
         Setting(
+            "ttl",
+            _non_negative_float,
+            0.0,
+            "Seconds a state may go unused (no hit, no lease, no put of it) before the "
+            "supervisor releases it (0: never). Pinned states are kept unless their pin "
+            "has a TTL of its own (`shmkv pin --ttl`).",
+            _SUP,
+            "SECONDS",
+        ),
+        Setting(
             "max_pinned_percent",
             _percent,
             50,

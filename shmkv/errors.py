@@ -211,6 +211,19 @@ class TierError(ShmkvError):
         self.kind = kind
 
 
+class StateFileError(ShmkvError):
+    """A state file (``shmkv export``) is malformed, corrupt, or not what it claims to be:
+    nothing of it is imported."""
+
+    code = "state_file"
+
+
+class BadInput(ShmkvError):
+    """A line of ``shmkv warm``'s input is not a prompt or a chat it can render."""
+
+    code = "bad_input"
+
+
 _BY_CODE: dict[str, type[ShmkvError]] = {}
 
 

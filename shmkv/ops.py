@@ -60,6 +60,7 @@ from .stats import (
     add_reported,
 )
 from .store import PutJob, Store
+from .ttl import Expiry
 
 if TYPE_CHECKING:
     from .persistence import Persistence
@@ -133,6 +134,8 @@ class Context:
     limits: LimitCounters
     #: ``--persist`` (None: off)
     persist: Persistence | None = None
+    #: releases states idle past --ttl or their pin's TTL (``ttl.py``)
+    expiry: Expiry | None = None
 
     def stats(self) -> SupervisorStats:
         store, g = self.store, self.store.geometry
@@ -228,6 +231,9 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     limit = get_int(msg, "limit", 1, 100_000, required=False, default=1000)
     now_mono, now = time.monotonic(), time.time()
     live = ctx.store.live_entries()
+    if "key_prefix" in msg:  # (``shmkv export KEY``: a key as ``shmkv ls`` shows it)
+        prefix = get_bytes(msg, "key_prefix", 1, 16)
+        live = [e for e in live if e.key.startswith(prefix)]
     rows = []
     for e in sorted(live, key=lambda e: -e.last_used)[:limit]:
         rows.append(
@@ -238,7 +244,10 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
                 "bytes": e.payload_len,
                 "extent": e.extent,
                 "pinned": e.pinned,
+                "pin_ttl": ctx.expiry.pinned_ttl(e.gen) if ctx.expiry and e.pinned else None,
                 "publisher": e.publisher,
+                "offset": e.offset,
+                "gen": e.gen,
                 "hits": e.hits,
                 "leases": e.leases,
                 "created": e.created,
@@ -248,15 +257,26 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     return {"entries": rows, "total": len(live)}, None
 
 
+#: longest TTL a pin may carry (ten years)
+MAX_PIN_TTL = 10 * 365 * 86400.0
+
+
 def _set_pinned(ctx: Context, msg: dict[str, Any], pinned: bool) -> Reply:
-    entries = ctx.store.by_key(get_digest(msg, "key"))
+    key = get_digest(msg, "key")
+    ttl = get_float(msg, "ttl", 0.001, MAX_PIN_TTL) if pinned and "ttl" in msg else None
+    n_tokens = get_int(msg, "n_tokens", 1, MAX_TOKENS, required=False)
+    entries = [e for e in ctx.store.by_key(key) if n_tokens in (None, e.n_tokens)]
     for e in entries:
         ctx.store.set_pinned(e, pinned)
+        if ctx.expiry is not None:
+            ctx.expiry.pin_ttl(e, ttl if pinned else None)
     return {"count": len(entries)}, None
 
 
 @op("pin", attached=False, privilege=Privilege.ADMIN)
 def pin(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    """Keep the records of ``key`` (of ``n_tokens`` tokens only, if given) out of eviction
+    and ``--ttl``; with ``ttl``, only until they went unused for that many seconds."""
     return _set_pinned(ctx, msg, True)
 
 

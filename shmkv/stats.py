@@ -163,6 +163,9 @@ class ArenaCounters:
     rejected_puts: int = counter("puts refused (no room, bad checksum, bad request)")
     duplicate_puts: int = counter("puts of a state already stored")
     evictions: int = counter("states evicted to make room")
+    expired: int = counter(
+        "states released after --ttl seconds unused (or a pinned one after its pin's TTL)"
+    )
     hits: int = counter("read leases granted (a worker found a state and leased it)")
     revocations: int = counter("read leases revoked (held too long while space was needed)")
     leases_closed: int = counter("read leases ended by their connection's close, unreleased")

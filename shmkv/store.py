@@ -265,7 +265,9 @@ class Store:
             if e.leases == 0:
                 if e.doomed:
                     self._free(e)
-                elif not e.pinned:
+                    return
+                e.last_used = self.clock()  # in use until now (what --ttl measures from)
+                if not e.pinned:
                     self.lru[gen] = None
 
     def acquire(self, offset: int, gen: int, owner: int) -> int:

@@ -50,6 +50,7 @@ from .refill import Refill
 from .stats import LimitCounters, WorkerCounters
 from .store import Store
 from .systemd import Watchdog, sd_notify
+from .ttl import Expiry
 
 __all__ = [
     "EXIT_ARENA_LOST",
@@ -141,6 +142,7 @@ class Supervisor:
                 defer=self._defer,
                 limits=self.limits,
                 persist=self.persist,
+                expiry=Expiry(store, self.settings.ttl),
             )
             self.sel.register(self.listener.bind(), selectors.EVENT_READ, None)
         except BaseException:
@@ -177,6 +179,8 @@ class Supervisor:
                     next_check = time.monotonic() + 1.0
                     if not self.arena.intact():
                         break
+                    assert self.ctx.expiry is not None
+                    self.ctx.expiry.tick()  # (bounded work: see ttl.py)
                 now = time.monotonic()
                 timeout = watchdog.tick(now)
                 due = self.claims.next_deadline()

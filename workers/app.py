@@ -29,12 +29,6 @@ import llama_cpp
 import llama_cpp.server.app as server_app
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from llama_cpp.llama_chat_format import (
-    Jinja2ChatFormatter,
-    LlamaChatCompletionHandlerNotFoundException,
-    get_chat_completion_handler,
-    register_chat_format,
-)
 from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings, ServerSettings
@@ -43,10 +37,17 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.middleware import Middleware
 from starlette_context import context
 
+from shmkv.chat import (  # noqa: F401 (the template's names, re-exported from here)
+    GEMMA3_FORMAT,
+    GEMMA3_TEMPLATE,
+    gemma3_formatter,
+    gemma3_messages,
+)
 from shmkv.config import Settings, resolve
 from shmkv.errors import ConfigError, ShmkvError
 from shmkv.llama import SharedPrefixCache, attach, live_caches
-from shmkv.models import DEFAULT_MODEL_FILE, default_model_path
+from shmkv.models import default_model_path
+from shmkv.served import model_settings
 from shmkv.stats import numbers
 
 log = logging.getLogger("shmkv.worker")
@@ -356,126 +357,6 @@ def make_loader(settings: Settings):
     return load
 
 
-# Gemma 3's own chat template, as published with the model (tokenizer_config.json of
-# google/gemma-3-*-it). Unlike llama-cpp-python's "gemma" format, which drops system
-# messages, it puts the system message at the start of the first user turn.
-GEMMA3_TEMPLATE = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"""
-GEMMA3_FORMAT = "shmkv-gemma3"
-
-
-def _text(content: Any) -> str:
-    """A message's content as text (a list of parts: its text parts, in order)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(
-        str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"
-    )
-
-
-def gemma3_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages as Gemma 3's template accepts them, none left out.
-
-    The template takes one leading system message and strictly alternating user and
-    model turns, starting with the user's; it raises otherwise, and drops a system
-    message with no user turn after it. So: leading system (and developer) messages are
-    joined into one; a later one, and any other role (tool, function), speaks as the
-    user; consecutive turns of one side are joined; a conversation that does not start
-    with the user's turn gets an empty one. A conversation the template accepts as it
-    is stays as it is.
-    """
-    system: list[str] = []
-    turns: list[tuple[str, str]] = []
-    for m in messages:
-        role, text = m.get("role"), _text(m.get("content"))
-        if role in ("system", "developer") and not turns:
-            system.append(text)
-            continue
-        side = "assistant" if role == "assistant" else "user"
-        if turns and turns[-1][0] == side:
-            turns[-1] = (side, turns[-1][1] + "\n\n" + text)
-        else:
-            turns.append((side, text))
-    if (system or turns) and (not turns or turns[0][0] != "user"):
-        turns.insert(0, ("user", ""))
-    out: list[dict[str, Any]] = []
-    if system:
-        out.append({"role": "system", "content": "\n\n".join(system)})
-    out += [{"role": side, "content": text} for side, text in turns]
-    return out
-
-
-class Gemma3Formatter(Jinja2ChatFormatter):
-    """Gemma 3's template over :func:`gemma3_messages`."""
-
-    def __init__(self) -> None:
-        super().__init__(template=GEMMA3_TEMPLATE, eos_token="<end_of_turn>", bos_token="<bos>")
-
-    def __call__(self, *, messages: Any, **kwargs: Any) -> Any:
-        normalized: Any = gemma3_messages(list(messages))
-        return super().__call__(messages=normalized, **kwargs)
-
-
-def gemma3_formatter() -> Jinja2ChatFormatter:
-    return Gemma3Formatter()
-
-
-def _register_gemma3() -> None:
-    """Register Gemma 3's template as llama-cpp-python chat format ``shmkv-gemma3``."""
-    try:
-        get_chat_completion_handler(GEMMA3_FORMAT)
-    except LlamaChatCompletionHandlerNotFoundException:  # not yet, in this process
-        register_chat_format(GEMMA3_FORMAT)(gemma3_formatter())
-
-
-def _default_chat_format(model: str) -> str | None:
-    """The packaged Gemma GGUF carries no chat template: Gemma 3's own, registered here
-    (llama-cpp-python would fall back to llama-2's, and its "gemma" format drops system
-    messages). Other models: from their GGUF."""
-    return GEMMA3_FORMAT if Path(model).name == DEFAULT_MODEL_FILE else None
-
-
 def _aliases(settings: Settings, models: list[str]) -> list[str]:
     """Each model's API name: --model-alias in --model's order, else the file's stem."""
     given = list(settings.model_alias or [])
@@ -515,21 +396,9 @@ def create_app(settings: Settings | None = None):
         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
     )
     models = settings.model or [default_model_path()]
-    threads = settings.threads or max(1, (os.cpu_count() or 1) // settings.workers)
     aliases = _aliases(settings, models)
-    _register_gemma3()
-    model_settings = [
-        ModelSettings(
-            model=m,
-            model_alias=alias,
-            n_ctx=settings.n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            chat_format=settings.chat_format or _default_chat_format(m),
-            logits_all=settings.logits_all,
-            verbose=False,
-        )
-        for m, alias in zip(models, aliases, strict=True)
+    settings_of_models = [
+        model_settings(settings, m, alias) for m, alias in zip(models, aliases, strict=True)
     ]
     # interrupt_requests=False: llama-cpp-python would otherwise end a stream in flight
     # (with a truncated body) whenever another request waits for this worker's model
@@ -540,7 +409,7 @@ def create_app(settings: Settings | None = None):
     server_app.get_event_publisher = _event_publisher  # (the routes look it up per request)
     _client_errors_are_4xx()
     _named_by_alias()
-    app = server_app.create_app(server_settings=server_settings, model_settings=model_settings)
+    app = server_app.create_app(server_settings=server_settings, model_settings=settings_of_models)
 
     app.user_middleware.append(Middleware(CacheHeaders))  # innermost: inside the context
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
