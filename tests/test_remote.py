@@ -47,8 +47,13 @@ class RedisProc:
             stderr=subprocess.DEVNULL,
         )
         r = redis.Redis(port=self.port, socket_timeout=1)
-        wait_until(lambda: self._pings(r), 15, f"redis-server on port {self.port}")
-        r.close()
+        try:
+            wait_until(lambda: self._pings(r), 15, f"redis-server on port {self.port}")
+        except AssertionError:
+            self.kill()
+            raise
+        finally:
+            r.close()
 
     @staticmethod
     def _pings(r: redis.Redis) -> bool:
@@ -247,11 +252,12 @@ def cluster_port() -> int:
 def redis_cluster(tmp_path):
     """Three redis-server in cluster mode on loopback ports, joined into one cluster."""
     ports = [cluster_port() for _ in range(3)]
-    nodes = [
-        RedisProc(tmp_path / f"c{p}", p, "--cluster-enabled", "yes", "--appendonly", "no")
-        for p in ports
-    ]
+    nodes: list[RedisProc] = []
     try:
+        for p in ports:
+            nodes.append(
+                RedisProc(tmp_path / f"c{p}", p, "--cluster-enabled", "yes", "--appendonly", "no")
+            )
         subprocess.run(
             ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports]]
             + ["--cluster-replicas", "0", "--cluster-yes"],
