@@ -92,7 +92,9 @@ def classify(e: Exception) -> TierError:
     text = str(e) or type(e).__name__
     if isinstance(e, TierError):
         return e
-    if isinstance(e, rex.ResponseError) and text.startswith("OOM"):
+    # (a pipeline's error quotes the failed command, a piece's bytes among them: drop it)
+    text = text.rsplit("caused error:", 1)[-1].strip()[:200]
+    if isinstance(e, rex.ResponseError) and ("OOM" in text or "maxmemory" in text):
         return TierError(f"remote tier full ({text}); raise its maxmemory", "full")
     if isinstance(e, rex.TimeoutError | TimeoutError | socket.timeout):
         return TierError(f"remote tier timed out: {text}", "timeout")

@@ -288,3 +288,29 @@ def test_cluster_node_b_restores_what_node_a_published(make_supervisor, models, 
     assert slots and np.all([isinstance(s, int) for s in slots])
     rc.close()
     no_internal_errors(a, b)
+
+
+def test_full_redis_is_counted_and_costs_no_request(make_supervisor, tmp_path):
+    """A Redis at its maxmemory (noeviction) refuses writes with OOM: the tier pauses and
+    counts it; the node's own arena serves every put and read."""
+    srv = RedisProc(
+        tmp_path / "full", None, "--maxmemory", "3mb", "--maxmemory-policy", "noeviction"
+    )
+    try:
+        sup = make_supervisor("--size", "64M", "--remote", srv.url)
+        blobs = [blob(700 + i, 1 << 20) for i in range(8)]
+        with sup.client() as c:
+            for b in blobs:
+                c.put_bytes(b.root, b.tokens, b"fp", b.data)
+                time.sleep(0.05)
+            for b in blobs:
+                hit = c.lookup(b.digests())
+                assert hit is not None
+                with c.acquire(hit) as lease:
+                    assert bytes(lease.payload) == b.data and lease.finish()
+        st = wait_until(lambda: (s := sup.stats())["remote_errors"].get("full") and s, 20, "an OOM")
+        assert st["remote_written"] < len(blobs) and st["puts"] == len(blobs), st
+        assert "remote: paused (full)" in sup.log()
+        no_internal_errors(sup)
+    finally:
+        srv.kill()
