@@ -700,6 +700,28 @@ class Client(Connection):
         status = reply.get("status")
         return status if isinstance(status, str) else "go"
 
+    def fetch(
+        self, root: bytes, tokens: np.ndarray, have: int, wait: float, prefill_tps: float
+    ) -> str:
+        """Ask the supervisor to fetch a longer prefix of ``tokens`` than ``have`` from
+        ``--remote``; waits at most ``wait`` seconds (plus the usual timeout if the
+        supervisor is slow to answer). Returns "fetched" (look up again), "none",
+        "not_worth", "timeout", "down", "busy" or "off".
+        """
+        reply = self.request(
+            {
+                "op": "fetch",
+                "root": root,
+                "tokens": np.ascontiguousarray(tokens, dtype="<i4").tobytes(),
+                "have": int(have),
+                "wait": float(wait),
+                "prefill_tps": float(min(max(prefill_tps, 0.0), 1e9)),
+            },
+            timeout=wait + self.timeout,
+        )
+        status = reply.get("status")
+        return status if isinstance(status, str) else "none"
+
     def unclaim(self, digests: Sequence[bytes]) -> None:
         self.request({"op": "unclaim", "digests": b"".join(digests[:4096])})
 

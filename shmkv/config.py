@@ -163,6 +163,13 @@ def _log_level(text: str) -> str:
     return low
 
 
+def _codec(text: str) -> str:
+    low = str(text).strip().lower()
+    if low not in ("none", "zstd"):
+        raise ValueError(f"unknown codec {text!r}: use none or zstd")
+    return low
+
+
 def _optional_str(text: str | None) -> str | None:
     return None if text in (None, "") else str(text)
 
@@ -344,6 +351,61 @@ SETTINGS: dict[str, Setting] = {
             "first (0: four times --size).",
             _SUP,
             "SIZE",
+        ),
+        Setting(
+            "remote",
+            _optional_str,
+            None,
+            "Share states between machines through Redis or Valkey at this URL "
+            "(redis://HOST:PORT/DB, rediss://..., unix:///PATH, redis+cluster://HOST:PORT): "
+            "accepted states are written behind to it, and a worker that misses asks the "
+            "supervisor to fetch a longer prefix from it. Whoever can write to that server "
+            "is trusted as a publisher [default: off].",
+            _SUP,
+            "URL",
+        ),
+        Setting(
+            "remote_cluster",
+            parse_bool,
+            False,
+            "--remote is a Redis Cluster (also said by a redis+cluster:// URL).",
+            _SUP,
+            is_flag=True,
+        ),
+        Setting(
+            "remote_ttl",
+            _positive_int,
+            86400,
+            "Seconds a state lives in --remote after it was written.",
+            _SUP,
+            "SECONDS",
+        ),
+        Setting(
+            "remote_compress",
+            _codec,
+            "none",
+            "Compress states sent to --remote: none or zstd (pays only on a slow link: "
+            "measure with bench/bench_remote.py).",
+            _SUP,
+            "CODEC",
+        ),
+        Setting(
+            "remote_timeout",
+            _positive_float,
+            2.0,
+            "Seconds a Redis command may take before the remote tier counts as down.",
+            _SUP,
+            "SECONDS",
+        ),
+        Setting(
+            "remote_wait",
+            _non_negative_float,
+            1.0,
+            "Longest a worker waits for a fetch from --remote before it prefills instead "
+            "(the fetch still warms the arena); the supervisor caps workers' waits at its "
+            "own value (0: workers never ask).",
+            _ALL,
+            "SECONDS",
         ),
         Setting(
             "max_connections",

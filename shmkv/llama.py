@@ -69,6 +69,8 @@ __all__ = [
 
 #: claim a prefill (and wait for another worker's) only if at least this many chunks remain
 COALESCE_MIN_CHUNKS = 2
+#: prefills shorter than this do not count towards the measured prefill speed
+PREFILL_SAMPLE_MIN = 64
 
 _LIVE: weakref.WeakSet[SharedPrefixCache] = weakref.WeakSet()
 
@@ -115,6 +117,8 @@ class Call:
         self.republish = False
         #: chunk digests this call claimed: other workers wait for their publish
         self.claimed: list[bytes] | None = None
+        #: when the prefill began (perf_counter), to measure the model's prefill speed
+        self.prefill_started = time.perf_counter()
 
     def is_for(self, tokens: Sequence[int], root: bytes) -> bool:
         """Whether this is the call of ``tokens`` by the tenant whose root is ``root``."""
@@ -148,7 +152,7 @@ class Call:
         cache = self.cache
         if self.prompt_logits:  # a restore brings cells, not the logits of their tokens
             return cache.keep_local(self.prompt, limit=cache.scores_valid)
-        reused = cache.restore(self.tokens)
+        reused = self.fetch(cache.restore(self.tokens))
         budget = cache.settings.coalesce_wait
         chunk = cache.chunk_tokens if budget > 0 else None
         if chunk is None:
@@ -175,6 +179,32 @@ class Call:
             if status == "timeout":
                 return reused
         return reused
+
+    def fetch(self, reused: int) -> int:
+        """On a miss, or a hit much shorter than the prompt, ask the supervisor to fetch a
+        longer prefix from ``--remote`` (one round trip, bounded wait); restore it if it
+        came. Returns the prompt tokens now in the context."""
+        cache = self.cache
+        chunk, wait = cache.chunk_tokens, float(getattr(cache.settings, "remote_wait", 0.0))
+        if not chunk or wait <= 0 or not cache.reader.attach_info.get("remote"):
+            return reused
+        if len(self.prompt) - reused < COALESCE_MIN_CHUNKS * chunk:
+            return reused
+        t0 = time.perf_counter()
+        try:
+            status = cache.reader.fetch(self.root, self.prompt, reused, wait, cache.prefill_tps)
+        except ShmkvError as e:
+            cache.ledger.fail("fetch failed", e)
+            return reused
+        cache.last.remote = status
+        cache.last.remote_wait_seconds = time.perf_counter() - t0
+        cache.ledger.add(remote_asked=1)
+        if status != "fetched":
+            return reused
+        again = cache.restore(self.tokens)
+        if again > reused:
+            cache.ledger.add(remote_restored=1)
+        return max(again, reused)
 
     def run(self, orig_generate: Any, reset: bool, kwargs: dict[str, Any]) -> Iterator[int]:
         """Restore, prefill with checkpoints, generate, publish; yields the tokens.
@@ -229,6 +259,7 @@ class Call:
         cache.last.tokens_reused_local = max(0, reused - cache.last.tokens_restored)
         if cache.last.tokens_reused_local:
             cache.ledger.add(tokens_reused_local=cache.last.tokens_reused_local)
+        self.prefill_started = time.perf_counter()
         in_context = reused  # (what the checkpoint prefill evaluates counts as evaluated)
         if reset and tokens:
             in_context = min(in_context, self._prefill_checkpoints(reused))
@@ -298,6 +329,7 @@ class Call:
         if in_context >= n_prompt:
             evaluated = 1  # llama-cpp-python replays the last token for logits
         cache.last.tokens_evaluated = evaluated
+        cache.measured_prefill(evaluated, time.perf_counter() - self.prefill_started)
         cache.ledger.add(tokens_evaluated=evaluated)
         if cache.on_prefill is not None:
             try:
@@ -409,6 +441,9 @@ class SharedPrefixCache:
         #: its thread: whether that call reads the prompt's logits (None: not known)
         self._completion = threading.local()
         self._closed = False
+        #: this context's measured prefill speed, tokens/s (0: not measured yet); the
+        #: supervisor weighs a fetch from --remote against it
+        self.prefill_tps = 0.0
         #: called with this cache at the first token of every call (``last`` is filled)
         self.on_prefill: Callable[[SharedPrefixCache], None] | None = None
         #: the deployment's CPU budget its evals run on (``shmkv.cpubudget``; None: the
@@ -471,6 +506,13 @@ class SharedPrefixCache:
         self._aligned = 0
         self.scores_valid = 0
         self.context_root = root
+
+    def measured_prefill(self, tokens: int, seconds: float) -> None:
+        """Fold one prefill of ``tokens`` in ``seconds`` into :attr:`prefill_tps`."""
+        if tokens < PREFILL_SAMPLE_MIN or seconds <= 0:
+            return  # (a short prefill is dominated by fixed costs)
+        tps = tokens / seconds
+        self.prefill_tps = tps if not self.prefill_tps else 0.7 * self.prefill_tps + 0.3 * tps
 
     def _go_cold(self) -> None:
         """Forget the context's tokens: llama-cpp-python prefills the whole prompt."""

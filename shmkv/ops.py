@@ -53,12 +53,13 @@ from .protocol import (
     get_tokens,
 )
 from .reports import Reports
-from .stats import ArenaGauges, LimitCounters, PersistStats, SupervisorStats
+from .stats import ArenaGauges, LimitCounters, PersistStats, RemoteStats, SupervisorStats
 from .store import PutJob, Store
 from .ttl import Expiry
 
 if TYPE_CHECKING:
     from .persistence import Persistence
+    from .remotetier import Remote
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +128,12 @@ class Context:
     defer: Callable[[Conn, int, Work], None]
     #: what the supervisor refused to keep a peer within its limits
     limits: LimitCounters
-    #: releases states idle past --ttl or their pin's TTL (``ttl.py``)
-    expiry: Expiry | None = None
     #: ``--persist`` (None: off)
     persist: Persistence | None = None
+    #: releases states idle past --ttl or their pin's TTL (``ttl.py``)
+    expiry: Expiry | None = None
+    #: ``--remote`` (None: off)
+    remote: Remote | None = None
 
     def stats(self) -> SupervisorStats:
         store, g = self.store, self.store.geometry
@@ -168,6 +171,7 @@ class Context:
             reported=self.reported.total(series := self.reported.series()),
             series=series,
             persist=self.persist.numbers() if self.persist is not None else PersistStats(),
+            remote=self.remote.numbers() if self.remote is not None else RemoteStats(),
         )
 
 
@@ -214,6 +218,7 @@ def attach(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
             "arena_id": ctx.store.geometry.arena_id,
             "version": __version__,
             "supervisor_pid": os.getpid(),
+            "remote": ctx.remote is not None,
         },
         [ctx.arena.ro_fd],
     )
@@ -518,6 +523,31 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
         if work is None:
             discard(fd)  # (a close never runs on the loop: see closer.py)
     return _run(ctx, conn, msg, work)
+
+
+# ---------------------------------------------------------------------- remote
+#: fastest prefill a worker may claim, tokens/s
+MAX_PREFILL_TPS = 1e9
+
+
+@op("fetch", attached=True, privilege=Privilege.ANY)
+def fetch(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    """Does ``--remote`` hold a longer prefix of ``tokens`` than the ``have`` tokens the
+    worker found here? If fetching it beats prefilling it (``prefill_tps``: the worker's
+    measured speed, 0 if unknown), it is fetched into the arena and the reply says
+    "fetched"; else "none", "not_worth", "down", "busy", or "timeout" at ``wait``
+    seconds (capped by ``--remote-wait``). The Redis I/O is on the fetcher thread; the
+    loop answers when it is done or at the deadline (``remotetier.py``).
+    """
+    root = get_digest(msg, "root")
+    tokens = np.frombuffer(get_tokens(msg), dtype="<i4")
+    have = get_int(msg, "have", 0, len(tokens))
+    wait = get_float(msg, "wait", 0.0, 600.0)
+    tps = get_float(msg, "prefill_tps", 0.0, MAX_PREFILL_TPS) if "prefill_tps" in msg else 0.0
+    if ctx.remote is None:
+        return {"status": "off"}, None
+    reply = ctx.remote.request(conn.id, msg.get("id", 0), root, tokens.copy(), have, wait, tps)
+    return reply, None
 
 
 # ---------------------------------------------------------------------- claims

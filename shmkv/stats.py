@@ -138,6 +138,13 @@ class CallStats:
     )
     published: int = gauge("states queued for publishing")
     checkpoint: int = gauge("length of the checkpoint state published mid-prefill (0: none)")
+    remote: str = field(
+        default="",
+        metadata={"kind": INFO, "help": "what a fetch from --remote said (empty: none asked)"},
+    )
+    remote_wait_seconds: float = field(
+        default=0.0, metadata={"kind": GAUGE, "help": "seconds waited for a fetch from --remote"}
+    )
     error: str | None = field(
         default=None, metadata={"kind": INFO, "help": "the last cache failure, if any"}
     )
@@ -200,6 +207,13 @@ class WorkerCounters:
     )
     tenant_switches: int = counter(
         "calls that found another tenant's cells in the context, which were wiped (none reused)",
+        reported=True,
+    )
+    remote_asked: int = counter(
+        "calls that asked the supervisor to fetch from --remote", reported=True
+    )
+    remote_restored: int = counter(
+        "calls that restored a state the supervisor had just fetched from --remote",
         reported=True,
     )
     restore_seconds: float = seconds("seconds spent restoring states", reported=True)
@@ -405,6 +419,54 @@ class PersistStats:
 
 
 @dataclass
+class RemoteStats:
+    """What the write-behind to Redis / Valkey (``--remote``) and fetches from it did.
+
+    The writer's and fetcher's numbers are kept on their threads, the ``remote_fetch_*``
+    answers on the supervisor's loop; each field has one writer.
+    """
+
+    remote_on: int = gauge("1 if --remote is set and its server answered")
+    remote_paused: int = gauge(
+        "1 while the remote tier is paused after a failure (down, slow, full); it is "
+        "retried with a growing delay"
+    )
+    remote_queue: int = gauge("accepted records waiting for the remote writer thread")
+    remote_written: int = counter("records written to the remote tier")
+    remote_written_bytes: int = counter("payload bytes written to the remote tier")
+    remote_stored_bytes: int = counter("bytes sent for those payloads (after --remote-compress)")
+    remote_present: int = counter("accepted records the remote tier held already (not sent)")
+    remote_dropped: int = counter(
+        "records not written remotely: the writer's queue was full or the tier was paused"
+    )
+    remote_gone: int = counter(
+        "records evicted from the arena (or reused) before the remote writer could copy them"
+    )
+    remote_errors: dict[str, int] = field(
+        default_factory=dict,
+        metadata={"kind": COUNTER, "help": "remote tier failures by kind", "reported": False},
+    )
+    remote_fetches: int = counter("fetch requests from workers")
+    remote_fetched: int = counter("records fetched from the remote tier into the arena")
+    remote_fetched_bytes: int = counter("payload bytes fetched into the arena")
+    remote_fetch_none: int = counter("fetch requests the remote tier had no longer prefix for")
+    remote_fetch_not_worth: int = counter(
+        "fetch requests answered 'prefill instead': the fetch would take longer"
+    )
+    remote_fetch_late: int = counter(
+        "fetch requests answered at their deadline (the fetch, if any, went on)"
+    )
+    remote_fetch_down: int = counter("fetch requests answered at once: the tier was down")
+    remote_fetch_busy: int = counter("fetch requests refused: too many outstanding")
+    remote_fetch_corrupt: int = counter("fetched records rejected by a check (checksum, fields)")
+    remote_fetch_refused: int = counter("fetched records the arena refused (too short, no room)")
+    remote_corrupt: int = counter("remote records found corrupt and deleted")
+    remote_pulled_bytes: int = counter("bytes read from the remote tier's pieces")
+    remote_pull_seconds: float = seconds("seconds spent reading pieces from the remote tier")
+    remote_bandwidth: int = gauge("measured fetch bandwidth, bytes/s (moving average)")
+
+
+@dataclass
 class Series:
     """The workers' reported sums for one label set (model alias, tenant)."""
 
@@ -427,6 +489,7 @@ class SupervisorStats:
     counters: ArenaCounters = field(default_factory=ArenaCounters)
     limits: LimitCounters = field(default_factory=LimitCounters)
     persist: PersistStats = field(default_factory=PersistStats)
+    remote: RemoteStats = field(default_factory=RemoteStats)
     #: sums of what workers reported, over all label sets; only ``REPORTED`` fields count
     reported: WorkerCounters = field(default_factory=WorkerCounters)
     #: the same sums per label set

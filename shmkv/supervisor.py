@@ -27,6 +27,7 @@ import selectors
 import signal
 import time
 from collections import deque
+from typing import Any
 
 from . import __version__, adopt
 from .arena import ArenaView
@@ -48,6 +49,7 @@ from .ops import OPS, Context, Work
 from .persistence import Persistence
 from .protocol import MAX_U64, decode_body
 from .refill import Refill
+from .remotetier import Remote
 from .reports import Reports
 from .stats import LimitCounters
 from .store import Store
@@ -98,6 +100,8 @@ class Supervisor:
         self.refill: Refill | None = None
         #: the arena was left by a supervisor before us and adopted (``adopt.py``): no refill
         self.adopted = False
+        #: ``--remote``: the write-behind to Redis / Valkey, and fetches from it
+        self.remote: Remote | None = None
         self._signals: deque[int] = deque()
         self._stop = False
         self._wake_r = self._wake_w = -1
@@ -136,6 +140,8 @@ class Supervisor:
             if self.settings.persist:
                 self.persist = Persistence(self.settings, self.arena.ro_fd)
                 self.persist.attach(store)
+            if self.settings.remote:
+                self.remote = Remote(self.settings, self.arena.ro_fd, geometry.chunk_tokens)
             self._ctx = Context(
                 settings=self.settings,
                 arena=self.arena,
@@ -151,9 +157,15 @@ class Supervisor:
                 check_arena=self._check_arena,
                 defer=self._defer,
                 limits=self.limits,
-                expiry=Expiry(store, self.settings.ttl),
                 persist=self.persist,
+                expiry=Expiry(store, self.settings.ttl),
+                remote=self.remote,
             )
+            if self.remote is not None:
+                self.remote.attach(
+                    store, self._answer, lambda digests: self._wake(self.claims.indexed(digests))
+                )
+                self.sel.register(self.remote.fileno(), selectors.EVENT_READ, "remote")
             self.sel.register(self.listener.bind(), selectors.EVENT_READ, None)
         except BaseException:
             self.cleanup(remove=True)
@@ -201,10 +213,15 @@ class Supervisor:
                     if due is not None:
                         left = max(0.0, due - now)
                         timeout = left if timeout is None else min(timeout, left)
+                if self.remote is not None and (due := self.remote.next_deadline()) is not None:
+                    left = max(0.0, due - now)
+                    timeout = left if timeout is None else min(timeout, left)
                 timeout = 1.0 if timeout is None else min(timeout, 1.0)
                 if self.work or (self.refill is not None and self.refill.busy):
                     timeout = 0.0
-                refill = False
+                if self.remote is not None and self.remote.busy:
+                    timeout = 0.0
+                refill = remote = False
                 for key, events in self.sel.select(timeout):
                     if key.data is None:
                         self._accept()
@@ -212,6 +229,8 @@ class Supervisor:
                         self._drain_signals()
                     elif key.data == "refill":
                         refill = True
+                    elif key.data == "remote":
+                        remote = True
                     else:
                         conn: Conn = key.data
                         if events & selectors.EVENT_READ and not conn.closing:
@@ -222,6 +241,8 @@ class Supervisor:
                     self._step_work()
                 if self.refill is not None and (refill or self.refill.busy) and not self._stop:
                     self._step_refill()
+                if self.remote is not None and not self._stop:
+                    self._step_remote(remote)
         finally:
             sd_notify("STOPPING=1")
             self.cleanup(remove=not self.settings.keep)
@@ -268,6 +289,8 @@ class Supervisor:
         released = self.ctx.store.release_owner(conn.id) if intact else 0
         self.ctx.reported.closed(conn.id)
         self._wake(self.claims.drop_owner(conn.id))
+        if self.remote is not None:
+            self.remote.drop_conn(conn.id)
         log.debug(
             "connection %d (pid %d) closed%s; released %d lease(s)",
             conn.id,
@@ -364,6 +387,29 @@ class Supervisor:
                 self.sel.unregister(refill.fileno())
             self.refill = None
 
+    def _step_remote(self, ready: bool) -> None:
+        """Fetch results in, one slice of putting them, answers due (``remotetier.py``)."""
+        remote = self.remote
+        assert remote is not None
+        try:
+            if ready or remote.busy:
+                self._check_arena()
+                remote.step(time.monotonic() + self.settings.put_slice)
+            remote.expire(time.monotonic())
+        except ArenaCorruptError:
+            return
+        except Exception:  # a bug must cost the remote tier's answers, not the supervisor
+            log.exception("internal error in the remote tier")
+            remote.expire(float("inf"))
+
+    def _answer(self, conn_id: int, rid: int, reply: dict[str, Any]) -> None:
+        """Reply to request ``rid`` of connection ``conn_id``, if it is still open."""
+        conn = self.conns.get(conn_id)
+        if conn is not None and not conn.closing:
+            self.io.reply(conn, rid, reply)
+            if not conn.closing:
+                self.io.flush(conn)
+
     def _wake(self, woken: list[tuple[Waiter, str]]) -> None:
         """Answer the claims that were waiting and have now ended."""
         for waiter, status in woken:
@@ -386,6 +432,13 @@ class Supervisor:
             self.listener.close(remove)
         if self.persist is not None:
             self.persist.close()  # (before the arena: the writer reads records from it)
+        if self.remote is not None:
+            try:
+                self.sel.unregister(self.remote.fileno())
+            except (KeyError, ValueError):
+                pass
+            self.remote.close()  # (before the arena, likewise)
+            self.remote = None
         if self._ctx is not None:
             self._ctx.view.close()
         self.arena.close(remove)

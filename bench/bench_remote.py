@@ -1,0 +1,350 @@
+"""Two nodes, one Redis: cross-node hit TTFT against cold and a local hit, fetch throughput,
+compression on and off, and the prefill the tier saves under a shared-prompt workload.
+
+Gemma 3 270M Q4_K_M, a ~2,000-token shared prefix and short different suffixes, streaming
+``create_completion`` timed to its first chunk (TTFT). A real ``redis-server`` on a loopback
+port (or ``--redis URL``) and two real ``shmkv supervise --remote`` ("node A", "node B",
+two arenas). The llama contexts live in this process, one per arm (the GGUF is mmapped
+once); each talks to its node's supervisor as a worker would.
+
+* cold: a plain ``Llama``, ``reset()`` before each request;
+* publish: a ``SharedCacheLlama`` on A runs prefix + suffix 0 and prefix + suffix 1 (the
+  second publishes the state of exactly the shared prefix: Gemma slides a window);
+* cross-node hit: a ``SharedCacheLlama`` on B, B's arena cleared before each request, so
+  each one misses locally, asks B's supervisor, which fetches A's state from Redis;
+* local hit: the same on B without clearing (what every later request on B gets);
+* throughput: 14 MB-class blobs written behind by A, each fetched by B into its arena;
+* workload: two nodes, several system prompts, each node asked each prompt a few times,
+  with and without ``--remote``: prompt tokens prefilled in total.
+
+    python bench/bench_remote.py            # ~3 minutes
+    python bench/bench_remote.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
+import common  # noqa: E402
+
+N_CTX = 4096
+PREFIX_TOKENS = 2000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def redis_server(workdir: Path, url: str | None) -> Iterator[str]:
+    """``url``, or a redis-server of our own on a loopback port (no persistence)."""
+    if url:
+        yield url
+        return
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise click.ClickException("no redis-server: apt-get install redis-server, or --redis URL")
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        + ["--dir", str(workdir), "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        import redis
+
+        r = redis.Redis(port=port)
+        deadline = time.monotonic() + 15
+        while True:
+            with contextlib.suppress(redis.RedisError):
+                if r.ping():
+                    break
+            if time.monotonic() > deadline:
+                raise click.ClickException("redis-server did not start")
+            time.sleep(0.05)
+        r.close()
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def flush(url: str) -> None:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    r.flushall()
+    r.close()
+
+
+def ttft(llm: Any, prompt: str, max_tokens: int = 4) -> tuple[float, str]:
+    """Seconds to the first streamed chunk, and the whole (greedy) text."""
+    t0, first, text = time.perf_counter(), None, ""
+    for c in llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, stream=True):
+        if first is None:
+            first = time.perf_counter() - t0
+        text += c["choices"][0]["text"]
+    return first or 0.0, text
+
+
+def caught_up(sup: common.Supervisor, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = sup.stats()
+        if st["remote_queue"] == 0 and st["remote_written"] + st["remote_present"] >= 1:
+            return st
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"the write-behind did not catch up: {st}")
+        time.sleep(0.1)
+
+
+def prompts(model: Path, n: int) -> tuple[str, list[str]]:
+    count = common.tokenizer(model)
+    words = common.WORDS
+
+    def line(i: int) -> str:
+        a, b = words[i % len(words)], words[(i * 7) % len(words)]
+        return f" Fact {i}: the {a} is next to the {b}."
+
+    prefix = common.fill_to(PREFIX_TOKENS, lambda t: len(count(t)), "Context.", line)
+    return prefix, [f" Question {k}: where is the {words[(k * 13) % 90]}?" for k in range(n)]
+
+
+def llama(model: Path, threads: int, sup: common.Supervisor | None = None) -> Any:
+    import llama_cpp
+
+    from shmkv.llama import SharedCacheLlama
+
+    kw = dict(model_path=str(model), n_ctx=N_CTX, n_threads=threads, verbose=False)
+    if sup is None:
+        return llama_cpp.Llama(**kw)
+    return SharedCacheLlama(**kw, shmkv_name=sup.name, shmkv_socket=sup.socket)
+
+
+def arm_pair(
+    work: Path, url: str, model: Path, threads: int, prefix: str, sfx: list[str], n: int, codec: str
+) -> dict[str, Any]:
+    """Publish on A, cross-node hits and local hits on B, with ``--remote-compress codec``."""
+    flush(url)
+    args = ("--size", "512M", "--remote", url, "--remote-compress", codec, "--remote-wait", "10")
+    out: dict[str, Any] = {"codec": codec}
+    with common.supervisor(work, *args) as a, common.supervisor(work, *args) as b:
+        pub = llama(model, threads, a)
+        out["publish_s"] = [ttft(pub, prefix + s)[0] for s in sfx[:2]]
+        pub.shmkv.flush()
+        st_a = caught_up(a)
+        out["written_bytes"], out["stored_bytes"] = (
+            st_a["remote_written_bytes"],
+            st_a["remote_stored_bytes"],
+        )
+        node_b = llama(model, threads, b)
+        cross, local, texts, statuses = [], [], [], []
+        for s in sfx[2 : 2 + n]:
+            with b.client(populate=False, attach=False) as c:
+                c.clear()
+            node_b.reset()
+            t, text = ttft(node_b, prefix + s)
+            cross.append(t)
+            texts.append(text)
+            statuses.append(node_b.shmkv.last.remote)
+            node_b.shmkv.flush()
+        for s in sfx[2 : 2 + n]:
+            node_b.reset()
+            local.append(ttft(node_b, prefix + s)[0])
+        st_b = b.stats()
+        out.update(
+            cross_s=cross,
+            local_s=local,
+            cross_texts=texts,
+            statuses=statuses,
+            fetched_bytes=st_b["remote_pulled_bytes"],
+            pull_seconds=st_b["remote_pull_seconds"],
+            state_bytes=st_b["remote_fetched_bytes"] / max(1, st_b["remote_fetched"]),
+        )
+        pub.shmkv.close()
+        node_b.shmkv.close()
+    return out
+
+
+def throughput(work: Path, url: str, size: int, count: int) -> dict[str, Any]:
+    """Blobs put on A, written behind, each fetched by B: end-to-end MB/s of a fetch."""
+    import hashlib
+
+    import numpy as np
+
+    flush(url)
+    times = []
+    with (
+        common.supervisor(work, "--size", "1G", "--remote", url) as a,
+        common.supervisor(work, "--size", "1G", "--remote", url, "--remote-wait", "30") as b,
+    ):
+        blobs = []
+        for i in range(count):
+            root = hashlib.blake2b(b"bench-%d" % i, digest_size=16).digest()
+            toks = np.random.default_rng(i).integers(0, 30000, 2048).astype("<i4")
+            blobs.append((root, toks, np.random.default_rng(i).bytes(size)))
+        t0 = time.perf_counter()
+        with a.client() as c:
+            for root, toks, data in blobs:
+                c.put_bytes(root, toks, b"fp", data)
+        while a.stats()["remote_written"] < count:
+            time.sleep(0.02)
+        write_s = time.perf_counter() - t0
+        with b.client() as c:
+            for root, toks, _ in blobs:
+                t1 = time.perf_counter()
+                status = c.fetch(root, toks, 0, 30.0, 0.0)
+                times.append(time.perf_counter() - t1)
+                assert status == "fetched", status
+        st = b.stats()
+    return {
+        "blob_bytes": size,
+        "count": count,
+        "write_behind_MBps": size * count / write_s / 1e6,
+        "fetch_s": common.summary(times),
+        "fetch_end_to_end_MBps": size * count / sum(times) / 1e6,
+        "pull_MBps": st["remote_pulled_bytes"] / max(st["remote_pull_seconds"], 1e-9) / 1e6,
+    }
+
+
+def workload(
+    work: Path, url: str | None, model: Path, threads: int, systems: list[str], per_node: int
+) -> dict[str, Any]:
+    """Two nodes, every system prompt asked ``per_node`` times on each: tokens prefilled."""
+    if url:
+        flush(url)
+    args = ("--size", "512M", *(("--remote", url) if url else ()))
+    with common.supervisor(work, *args) as a, common.supervisor(work, *args) as b:
+        nodes = [llama(model, threads, a), llama(model, threads, b)]
+        t0 = time.perf_counter()
+        for k in range(per_node):
+            for i, system in enumerate(systems):
+                for node in nodes:  # A first, then B: B may fetch what A published
+                    node.reset()
+                    ttft(node, system + f" Question {k}-{i}: why?")
+                    node.shmkv.flush()
+                    if url and k == 0 and node is nodes[0]:
+                        caught_up(a)
+        wall = time.perf_counter() - t0
+        totals = [dataclasses.asdict(n.shmkv.totals) for n in nodes]
+        for n in nodes:
+            n.shmkv.close()
+    return {
+        "remote": bool(url),
+        "wall_s": wall,
+        "tokens_evaluated": sum(t["tokens_evaluated"] for t in totals),
+        "tokens_restored": sum(t["tokens_restored"] for t in totals),
+        "remote_restored": sum(t["remote_restored"] for t in totals),
+    }
+
+
+@common.command("remote")
+@click.option("--model", default=None, help="GGUF file [default: Gemma 3 270M from PyPI].")
+@click.option("--redis", "redis_url", default=None, help="Use this Redis instead of our own.")
+@click.option("--threads", default=2, show_default=True, help="llama.cpp threads per context.")
+@click.option("--quick", is_flag=True, help="Fewer requests: a smoke run.")
+def main(report: common.Report, opts: Any) -> None:
+    """Cross-node hits through Redis: TTFT, throughput, compression, prefill saved."""
+    model = common.model_path(opts.model)
+    n = 2 if opts.quick else 5
+    prefix, sfx = prompts(model, 2 + n)
+    res: dict[str, Any] = report.header()
+    res["config"] = {"quick": opts.quick, "prefix_tokens": PREFIX_TOKENS, "threads": opts.threads}
+    with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
+        work = Path(tmp)
+        with redis_server(work, opts.redis_url) as url:
+            cold_llm = llama(model, opts.threads)
+            cold, cold_texts = [], []
+            for s in sfx[2 : 2 + n]:
+                cold_llm.reset()
+                t, text = ttft(cold_llm, prefix + s)
+                cold.append(t)
+                cold_texts.append(text)
+            del cold_llm
+            res["cold_s"] = cold
+            res["pairs"] = [
+                arm_pair(work, url, model, opts.threads, prefix, sfx, n, codec)
+                for codec in ("none", "zstd")
+            ]
+            for p in res["pairs"]:
+                p["same_text_as_cold"] = p.pop("cross_texts") == cold_texts
+            res["throughput"] = throughput(work, url, 14 << 20, 4 if opts.quick else 12)
+            systems = [prefix[: len(prefix) // (2 + i)] for i in range(2 if opts.quick else 4)]
+            per = 2 if opts.quick else 3
+            res["workload"] = [
+                workload(work, None, model, opts.threads, systems, per),
+                workload(work, url, model, opts.threads, systems, per),
+            ]
+    res["load_after"] = common.loadavg()
+    show(res)
+    report.write(res, plot)
+
+
+def show(res: dict[str, Any]) -> None:
+    p50 = common.summary
+    rows = [["arm", "TTFT p50", "mean", "n"]]
+    rows.append(["cold", *fmt(p50(res["cold_s"]))])
+    for p in res["pairs"]:
+        rows.append([f"cross-node hit ({p['codec']})", *fmt(p50(p["cross_s"]))])
+        rows.append([f"local hit ({p['codec']})", *fmt(p50(p["local_s"]))])
+    click.echo(common.grid(rows))
+    for p in res["pairs"]:
+        click.echo(
+            f"{p['codec']}: state {common.fmt_b(p['state_bytes'])}, sent "
+            f"{common.fmt_b(p['stored_bytes'])} for {common.fmt_b(p['written_bytes'])}, "
+            f"answers {p['statuses']}, text as cold: {p['same_text_as_cold']}"
+        )
+    t = res["throughput"]
+    click.echo(
+        f"throughput ({t['count']} x {common.fmt_b(t['blob_bytes'])}): write-behind "
+        f"{t['write_behind_MBps']:.0f} MB/s, fetch into the arena {t['fetch_end_to_end_MBps']:.0f}"
+        f" MB/s end to end, piece reads {t['pull_MBps']:.0f} MB/s"
+    )
+    for w in res["workload"]:
+        click.echo(
+            f"workload, remote {'on ' if w['remote'] else 'off'}: {w['tokens_evaluated']} tokens "
+            f"prefilled, {w['tokens_restored']} restored ({w['remote_restored']} cross-node), "
+            f"{w['wall_s']:.1f} s"
+        )
+
+
+def fmt(s: dict[str, Any]) -> list[str]:
+    return [common.fmt_s(s["p50"]), common.fmt_s(s["mean"]), str(s["n"])]
+
+
+def plot(plt: Any, res: dict[str, Any]) -> Any:
+    import numpy as np
+
+    labels = ["cold"] + [
+        f"{k} ({p['codec']})" for p in res["pairs"] for k in ("cross-node", "local")
+    ]
+    vals = [float(np.median(res["cold_s"]))] + [
+        float(np.median(p[k])) for p in res["pairs"] for k in ("cross_s", "local_s")
+    ]
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh(labels, vals)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT p50, s (log)")
+    ax.set_title(common.title(res, "remote tier"))
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    main()

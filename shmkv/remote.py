@@ -1,0 +1,432 @@
+"""``--remote URL``: the arena's records written behind to Redis / Valkey, and fetched back.
+
+Runs in the supervisor, off its loop, on two threads with a connection each:
+
+* :class:`RedisWriter` is the :class:`~shmkv.tiers.Backend` of a write-behind: each
+  record the arena accepts is copied from the arena (read-only mapping, XXH3-checked
+  copy), optionally zstd-compressed, and written as pieces, then, once every piece is
+  stored, its manifest, then its index entries (``remotefmt.py``), all with a TTL. A
+  record is visible only through its manifest, so a Redis that dies (or fills up)
+  between the pieces and the manifest leaves nothing a reader can take for a record.
+* :class:`Fetcher` answers "does the remote tier hold a longer prefix of this prompt?"
+  (one pipelined round trip to the index, one to the candidates' manifests), decides
+  whether fetching beats prefilling (measured fetch bandwidth against the worker's
+  measured prefill speed), fetches the pieces and checks the payload; the loop
+  (``remotetier.py``) then puts it into the arena like any other record.
+
+Every Redis failure (refused, timed out, ``OOM`` under ``maxmemory``, cluster down) is
+a :class:`~shmkv.errors.TierError`: counted by kind, the tier paused with a growing
+delay, never raised into the loop, never waited on by a worker beyond its bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from . import remotefmt as fmt
+from .arena import DIGEST_SIZE, chain_digests
+from .errors import ConfigError, TierError
+from .tiers import FIRST_BACKOFF, MAX_BACKOFF, Accepted, Event, PayloadSource
+
+log = logging.getLogger(__name__)
+
+#: candidate records whose manifests one lookup reads
+MAX_CANDIDATES = 4
+#: index hashes one lookup reads (the deepest chunk prefixes first)
+MAX_PROBES = 256
+#: fetch requests waiting for the fetcher thread; past it a request is answered "busy"
+MAX_FETCH_QUEUE = 64
+#: assumed fetch bandwidth (bytes/s) before one was measured
+DEFAULT_BANDWIDTH = 200e6
+
+
+def connect(url: str, cluster: bool, timeout: float) -> Any:
+    """A redis-py client for ``url`` (``redis://``, ``rediss://``, ``unix://``; a
+    ``+cluster`` scheme such as ``redis+cluster://`` or ``cluster`` means Redis Cluster).
+
+    No retries inside redis-py: a failure comes back at once, and the tier's own
+    backoff decides when to try again.
+    """
+    try:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+    except ImportError:  # pragma: no cover (an extra)
+        raise ConfigError("--remote needs the redis package: pip install 'shmkv[remote]'") from None
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.removesuffix("+cluster") not in ("redis", "rediss", "unix"):
+        raise ConfigError(
+            f"--remote {url!r}: use redis://HOST:PORT/DB, rediss://... (TLS), "
+            f"unix:///path/to/redis.sock, or redis+cluster://HOST:PORT"
+        )
+    if scheme.endswith("+cluster"):
+        cluster, url = True, scheme.removesuffix("+cluster") + "://" + rest
+    common: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if cluster:
+        if scheme.startswith("unix"):
+            raise ConfigError("--remote-cluster needs redis:// or rediss:// addresses")
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, cluster_error_retry_attempts=1, **common)
+    return redis.Redis.from_url(url, **common)
+
+
+def classify(e: Exception) -> TierError:
+    """A TierError of the right kind for a redis-py (or socket) failure."""
+    import redis.exceptions as rex
+
+    text = str(e) or type(e).__name__
+    if isinstance(e, TierError):
+        return e
+    # (a pipeline's error quotes the failed command, a piece's bytes among them: drop it)
+    text = text.rsplit("caused error:", 1)[-1].strip()[:200]
+    if isinstance(e, rex.ResponseError) and ("OOM" in text or "maxmemory" in text):
+        return TierError(f"remote tier full ({text}); raise its maxmemory", "full")
+    if isinstance(e, rex.TimeoutError | TimeoutError | socket.timeout):
+        return TierError(f"remote tier timed out: {text}", "timeout")
+    if isinstance(e, rex.ConnectionError | ConnectionError | OSError):
+        return TierError(f"remote tier unreachable: {text}", "down")
+    if isinstance(e, rex.RedisError):
+        return TierError(f"remote tier error: {text}", "error")
+    return TierError(f"remote tier: {type(e).__name__}: {text}", "internal")
+
+
+@dataclass(frozen=True)
+class RemoteConf:
+    url: str
+    cluster: bool
+    ttl: int
+    chunk: int
+    codec: str
+    timeout: float
+    #: "hostname/uid" written into manifests (informative)
+    node: str
+
+
+def _compress(codec: str, data: bytes | memoryview) -> bytes | memoryview:
+    if codec == "zstd":
+        import zstandard
+
+        out: bytes = zstandard.ZstdCompressor(level=1).compress(data)
+        return out
+    return data
+
+
+def _decompress(codec: str, data: bytes, payload_len: int) -> bytes:
+    if codec == "none":
+        return data
+    import zstandard
+
+    try:
+        if zstandard.frame_content_size(data) != payload_len:
+            raise TierError("remote payload's frame size does not match its manifest", "corrupt")
+        out: bytes = zstandard.ZstdDecompressor().decompress(data, max_output_size=payload_len)
+        return out
+    except zstandard.ZstdError as e:
+        raise TierError(f"remote payload undecodable: {e}", "corrupt") from None
+
+
+class RedisWriter:
+    """The write-behind's backend: records in pieces, then manifest, then index; a TTL."""
+
+    name = "remote"
+
+    def __init__(self, conf: RemoteConf) -> None:
+        self.conf = conf
+        self.r: Any = None
+        self.written = self.written_bytes = self.stored_bytes = self.gone = self.present = 0
+        #: rids this writer stored or found stored (bounded): (index key, pieces, last touch)
+        self._known: dict[bytes, tuple[str, int, float]] = {}
+
+    def open(self) -> None:
+        try:
+            if self.r is None:
+                self.r = connect(self.conf.url, self.conf.cluster, self.conf.timeout)
+            self.r.ping()
+        except Exception as e:
+            raise classify(e) from None
+
+    def apply(self, batch: list[Event], source: PayloadSource) -> None:
+        try:
+            for ev in batch:  # (uses and pins stay local: a remote record lives its TTL)
+                if isinstance(ev, Accepted):
+                    self._write(ev, source)
+        except Exception as e:
+            raise classify(e) from None
+
+    def _write(self, ev: Accepted, source: PayloadSource) -> None:
+        conf = self.conf
+        rid = fmt.remote_id(ev.root, ev.fingerprint, ev.tokens)
+        n_tok = len(ev.tokens) // 4
+        idx = fmt.index_key(ev.root, conf.chunk, self._last_digest(ev))
+        if self.r.exists(fmt.manifest_key(rid)):  # (another node, or we, stored it)
+            self.present += 1
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hset(idx, rid.hex(), n_tok)
+            pipe.expire(idx, conf.ttl)
+            pipe.execute()
+            return
+        view = source.payload(ev)
+        if view is None:
+            self.gone += 1
+            return
+        try:
+            data = bytes(view)  # the one copy: checked below, then sent from
+        finally:
+            view.release()
+        if len(data) != ev.payload_len or xxhash.xxh3_64_intdigest(data) != ev.payload_xxh3:
+            self.gone += 1  # evicted and reused while we copied
+            return
+        stored = _compress(conf.codec, data)
+        codec = conf.codec
+        if codec != "none" and len(stored) >= len(data):  # (incompressible: store as is)
+            stored, codec = data, "none"
+        man = fmt.Manifest(
+            ev.root,
+            ev.fingerprint,
+            ev.tokens,
+            ev.payload_len,
+            ev.payload_xxh3,
+            codec,
+            len(stored),
+            ev.created,
+            f"{conf.node}/{ev.publisher}",
+        )
+        ttl_ms = conf.ttl * 1000
+        pipe = self.r.pipeline(transaction=False)
+        for i, part in enumerate(fmt.split(stored)):
+            pipe.set(fmt.piece_key(rid, i), bytes(part), px=ttl_ms + 60_000)
+        pipe.execute()  # every piece stored before the manifest makes them a record
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(fmt.manifest_key(rid), man.pack(), px=ttl_ms)
+        pipe.execute()
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(idx, rid.hex(), n_tok)
+        pipe.expire(idx, conf.ttl)
+        pipe.execute()
+        self.written += 1
+        self.written_bytes += ev.payload_len
+        self.stored_bytes += len(stored)
+
+    def _last_digest(self, ev: Accepted) -> bytes:
+        tokens = np.frombuffer(ev.tokens, dtype="<i4")
+        chain = chain_digests(ev.root, tokens, self.conf.chunk)
+        return chain[-1] if chain else ev.root
+
+    def close(self) -> None:
+        if self.r is not None:
+            try:
+                self.r.close()
+            except Exception:  # closing: nothing to do about it
+                pass
+            self.r = None
+
+
+@dataclass
+class FetchReq:
+    """What a worker asked: the longest remote prefix of ``prompt`` beyond ``have`` tokens."""
+
+    key: int
+    root: bytes
+    prompt: np.ndarray
+    have: int
+    #: the worker's measured prefill speed, tokens/s (0: not measured yet)
+    prefill_tps: float
+
+
+@dataclass
+class FetchResult:
+    key: int
+    #: "found", "none", "not_worth", "down", "corrupt"
+    status: str
+    manifest: fmt.Manifest | None = None
+    payload: bytes | None = None
+
+
+class Fetcher:
+    """The fetcher thread: lookups and fetches, one at a time, results to the loop."""
+
+    def __init__(self, conf: RemoteConf) -> None:
+        self.conf = conf
+        self.r: Any = None
+        self._q: queue.Queue[FetchReq | None] = queue.Queue(MAX_FETCH_QUEUE)
+        self.results: queue.Queue[FetchResult] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stop = threading.Event()
+        self._down_until = 0.0
+        self._backoff = FIRST_BACKOFF
+        #: measured: bytes/s of piece reads (EWMA), seconds of a lookup round trip
+        self.bandwidth = 0.0
+        self.rtt = 0.0
+        #: counted on this thread, read by the loop's ``stats``
+        self.errors: dict[str, int] = {}
+        self.corrupt = 0
+        self.fetched_bytes = 0
+        self.fetch_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="shmkv-fetch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def fileno(self) -> int:
+        return self._wake_r
+
+    def down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def submit(self, req: FetchReq) -> bool:
+        """Queue ``req``; False if the queue is full (never blocks)."""
+        try:
+            self._q.put_nowait(req)
+            return True
+        except queue.Full:
+            return False
+
+    def drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # ------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            req = self._q.get()
+            if req is None:
+                return
+            if self.down():
+                res = FetchResult(req.key, "down")
+            else:
+                try:
+                    if self.r is None:
+                        self.r = connect(self.conf.url, self.conf.cluster, self.conf.timeout)
+                    res = self._fetch(req)
+                    self._backoff = FIRST_BACKOFF
+                except Exception as e:
+                    res = FetchResult(req.key, "down")
+                    self._failed(classify(e))
+            self.results.put(res)
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass
+
+    def _failed(self, err: TierError) -> None:
+        self.errors[err.kind] = self.errors.get(err.kind, 0) + 1
+        if not self.down():
+            log.warning("remote fetch: paused %.1f s (%s): %s", self._backoff, err.kind, err)
+        self._down_until = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, MAX_BACKOFF)
+
+    def _fetch(self, req: FetchReq) -> FetchResult:
+        conf, r = self.conf, self.r
+        n_prompt = len(req.prompt)
+        first = max(0, req.have // conf.chunk - 1)
+        digests = chain_digests(req.root, req.prompt, conf.chunk)[first:][-MAX_PROBES:]
+        t0 = time.perf_counter()
+        pipe = r.pipeline(transaction=False)
+        for d in digests:
+            pipe.hgetall(fmt.index_key(req.root, conf.chunk, d))
+        cands: list[tuple[int, bytes]] = []
+        for h in pipe.execute():
+            for k, v in (h or {}).items():
+                try:
+                    rid, n = bytes.fromhex(k.decode()), int(v)
+                except (ValueError, UnicodeDecodeError):
+                    continue
+                if len(rid) == DIGEST_SIZE and req.have < n <= n_prompt:
+                    cands.append((n, rid))
+        self.rtt = time.perf_counter() - t0
+        if not cands:
+            return FetchResult(req.key, "none")
+        cands = sorted(set(cands), reverse=True)[:MAX_CANDIDATES]
+        pipe = r.pipeline(transaction=False)
+        for _, rid in cands:
+            pipe.get(fmt.manifest_key(rid))
+        man = None
+        for (n, rid), raw in zip(cands, pipe.execute(), strict=True):
+            if raw is None:
+                continue
+            try:
+                m = fmt.unpack_manifest(rid, raw)
+            except TierError as e:
+                self._corrupt(rid, e)
+                continue
+            toks = np.frombuffer(m.tokens, dtype="<i4")
+            if m.root == req.root and m.n_tokens == n and np.array_equal(toks, req.prompt[:n]):
+                man = m
+                break
+        if man is None:
+            return FetchResult(req.key, "none")
+        bw = self.bandwidth or DEFAULT_BANDWIDTH
+        cost = self.rtt + man.stored_len / bw
+        if req.prefill_tps > 0 and cost >= (man.n_tokens - req.have) / req.prefill_tps:
+            return FetchResult(req.key, "not_worth", man)
+        rid = man.rid()
+        t1 = time.perf_counter()
+        pipe = r.pipeline(transaction=False)
+        for i in range(man.pieces):
+            pipe.get(fmt.piece_key(rid, i))
+        parts = pipe.execute()
+        dt = time.perf_counter() - t1
+        if any(p is None for p in parts):
+            return FetchResult(req.key, "none")  # expired or evicted under maxmemory
+        stored = b"".join(parts)
+        self.fetch_seconds += dt
+        self.fetched_bytes += len(stored)
+        if dt > 0:
+            got = len(stored) / dt
+            self.bandwidth = got if not self.bandwidth else 0.7 * self.bandwidth + 0.3 * got
+        try:
+            if len(stored) != man.stored_len:
+                raise TierError("remote payload length does not match its manifest", "corrupt")
+            payload = _decompress(man.codec, stored, man.payload_len)
+            if (
+                len(payload) != man.payload_len
+                or xxhash.xxh3_64_intdigest(payload) != man.payload_xxh3
+            ):
+                raise TierError("remote payload checksum mismatch", "corrupt")
+        except TierError as e:
+            self._corrupt(rid, e)
+            return FetchResult(req.key, "corrupt")
+        return FetchResult(req.key, "found", man, payload)
+
+    def _corrupt(self, rid: bytes, e: TierError) -> None:
+        self.corrupt += 1
+        log.warning("remote record %s rejected: %s", rid.hex()[:12], e)
+        try:
+            self.r.delete(fmt.manifest_key(rid))  # nobody fetches it again
+        except Exception as e2:
+            log.debug("cannot delete the corrupt remote record: %s", e2)
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._q.put_nowait(None)
+        except queue.Full:
+            pass
+        if self._thread.is_alive():
+            self._thread.join(self.conf.timeout * 3 + 1.0)
+        if self.r is not None and not self._thread.is_alive():
+            try:
+                self.r.close()
+            except Exception:  # closing: nothing to do about it
+                pass
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        self._wake_r = self._wake_w = -1

@@ -1,0 +1,174 @@
+"""The remote tier's layout in Redis / Valkey: key names and the manifest, both ways.
+
+Runs in the supervisor (its remote writer and fetcher threads). Nobody else builds
+these keys or packs a manifest.
+
+One record, named by its remote id ``rid = BLAKE2b-128(root | fingerprint | token ids)``
+(no publisher: two nodes that publish the same prompt share one copy), is::
+
+    shmkv:{<rid hex>}:p<i>   piece i of the payload (``PIECE`` bytes, the last shorter),
+                             zstd-compressed as a whole first if the manifest says so
+    shmkv:{<rid hex>}:m      the manifest (msgpack, below), written after every piece
+
+and each record is findable from a prompt through one hash per chunk prefix::
+
+    shmkv:{<root hex>}:x<chunk>:<digest hex>   HASH  rid -> token count
+
+where ``digest`` is the chained digest of the record's last full chunk prefix
+(``arena.chain_digests``, the keys the arena itself uses, rooted in the model's
+fingerprint, context settings and tenant namespace). ``{...}`` is a Redis Cluster hash
+tag: a record's pieces and manifest share one slot, and all index hashes of one root
+share one slot, so a lookup is one pipelined round trip on one node. Every key has a
+TTL (``--remote-ttl``).
+
+A reader trusts nothing it reads here beyond what it checks: :func:`unpack_manifest`
+bounds every field and checks that root, fingerprint and tokens hash to the key it was
+read under; the payload is checked against the manifest's XXH3 once assembled; the
+arena's put checks it again, and the worker checks fingerprint, tokens and checksum
+before it restores, as for any local record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
+from .errors import TierError
+
+VERSION = 1
+#: bytes per piece: one command per MiB keeps Redis responsive to other clients
+PIECE = 1 << 20
+#: the largest payload a manifest may describe (a 1M-token state of a big model fits)
+MAX_PAYLOAD = 1 << 34
+MAX_PIECES = MAX_PAYLOAD // PIECE
+CODECS = ("none", "zstd")
+PREFIX = "shmkv"
+
+
+def remote_id(root: bytes, fingerprint: bytes, tokens: bytes) -> bytes:
+    """The record's name in the remote tier (see the module docstring)."""
+    return hashlib.blake2b(root + fingerprint + tokens, digest_size=DIGEST_SIZE).digest()
+
+
+def manifest_key(rid: bytes) -> str:
+    return f"{PREFIX}:{{{rid.hex()}}}:m"
+
+
+def piece_key(rid: bytes, i: int) -> str:
+    return f"{PREFIX}:{{{rid.hex()}}}:p{i}"
+
+
+def index_key(root: bytes, chunk: int, digest: bytes) -> str:
+    return f"{PREFIX}:{{{root.hex()}}}:x{chunk}:{digest.hex()}"
+
+
+def n_pieces(stored_len: int) -> int:
+    return max(1, -(-stored_len // PIECE))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a record is and how its payload is stored."""
+
+    root: bytes
+    fingerprint: bytes
+    #: token ids, little-endian int32
+    tokens: bytes
+    #: payload length and XXH3-64 (of the payload itself, before compression)
+    payload_len: int
+    payload_xxh3: int
+    codec: str
+    #: bytes stored in the pieces (compressed length, or payload_len)
+    stored_len: int
+    created: float
+    #: who published it: "hostname/uid" of the node's supervisor and worker (informative)
+    publisher: str
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+    @property
+    def pieces(self) -> int:
+        return n_pieces(self.stored_len)
+
+    def rid(self) -> bytes:
+        return remote_id(self.root, self.fingerprint, self.tokens)
+
+    def pack(self) -> bytes:
+        body: bytes = msgpack.packb(
+            {
+                "v": VERSION,
+                "root": self.root,
+                "fp": self.fingerprint,
+                "tokens": self.tokens,
+                "len": self.payload_len,
+                "xxh3": self.payload_xxh3,
+                "codec": self.codec,
+                "stored": self.stored_len,
+                "pieces": self.pieces,
+                "created": self.created,
+                "publisher": self.publisher,
+            },
+            use_bin_type=True,
+        )
+        return body
+
+
+def unpack_manifest(rid: bytes, raw: bytes) -> Manifest:
+    """Check and read a manifest stored under ``rid``; TierError("corrupt") says what is wrong."""
+    if len(raw) > 64 + 8 * MAX_TOKENS:
+        raise TierError("remote manifest too large", "corrupt")
+    try:
+        m: Any = msgpack.unpackb(
+            raw, raw=False, max_map_len=32, max_array_len=0, max_str_len=256, strict_map_key=True
+        )
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise TierError(f"remote manifest undecodable: {e}", "corrupt") from None
+    if not isinstance(m, dict) or m.get("v") != VERSION:
+        raise TierError("remote manifest of another format version", "corrupt")
+
+    def field(name: str, typ: type, lo: int = 0, hi: int = 1 << 64) -> Any:
+        v = m.get(name)
+        if not isinstance(v, typ) or isinstance(v, bool):
+            raise TierError(f"remote manifest field {name!r} missing or mistyped", "corrupt")
+        n = len(v) if isinstance(v, bytes | str) else v
+        if isinstance(n, int) and not lo <= n < hi:
+            raise TierError(f"remote manifest field {name!r} out of range", "corrupt")
+        return v
+
+    man = Manifest(
+        root=field("root", bytes, DIGEST_SIZE, DIGEST_SIZE + 1),
+        fingerprint=field("fp", bytes, 0, MAX_FINGERPRINT + 1),
+        tokens=field("tokens", bytes, 4, 4 * MAX_TOKENS + 1),
+        payload_len=field("len", int, 1, MAX_PAYLOAD + 1),
+        payload_xxh3=field("xxh3", int, 0, 1 << 64),
+        codec=field("codec", str, 1, 16),
+        stored_len=field("stored", int, 1, MAX_PAYLOAD + 1),
+        created=float(field("created", float)),
+        publisher=field("publisher", str, 0, 256),
+    )
+    if len(man.tokens) % 4 or man.codec not in CODECS:
+        raise TierError("remote manifest has odd tokens or an unknown codec", "corrupt")
+    if field("pieces", int, 1, MAX_PIECES + 1) != man.pieces:
+        raise TierError("remote manifest's piece count does not match its length", "corrupt")
+    if man.codec == "none" and man.stored_len != man.payload_len:
+        raise TierError("remote manifest's lengths disagree", "corrupt")
+    if man.rid() != rid:
+        raise TierError("remote manifest does not match its key", "corrupt")
+    return man
+
+
+def split(data: bytes | memoryview) -> list[bytes | memoryview]:
+    """``data`` in pieces of :data:`PIECE` bytes (views, no copy)."""
+    view = memoryview(data)
+    return [view[i : i + PIECE] for i in range(0, max(1, len(view)), PIECE)]
+
+
+def now() -> float:
+    return time.time()

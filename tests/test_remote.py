@@ -1,0 +1,316 @@
+"""``--remote``: two supervisors (two "nodes", two arenas) share states through one Redis.
+
+Real ``redis-server`` processes on loopback ports (a single one, and a three-node
+Redis Cluster), real supervisors, real llama.cpp on the tiny model: a worker on node B
+restores what node A published and its tokens equal a cold run's; Redis killed in the
+middle of puts and restarted from its append-only file never hands out a partial
+record and neither node stops serving; a record damaged in Redis is rejected.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from helpers import SYSTEM, Sup, blob, completion, free_port, run_worker, texts, wait_until
+
+REDIS = shutil.which("redis-server")
+pytestmark = pytest.mark.skipif(
+    REDIS is None, reason="needs redis-server (apt-get install redis-server; .ci/run does)"
+)
+
+
+class RedisProc:
+    """One redis-server on a loopback port, its files in ``dir``."""
+
+    def __init__(self, dir: Path, port: int | None = None, *extra: str) -> None:
+        self.dir, self.port, self.extra = dir, port or free_port(), extra
+        dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+            + ["--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning"]
+            + list(self.extra or ("--appendonly", "no")),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        r = redis.Redis(port=self.port, socket_timeout=1)
+        try:
+            wait_until(lambda: self._pings(r), 15, f"redis-server on port {self.port}")
+        except AssertionError:
+            self.kill()
+            raise
+        finally:
+            r.close()
+
+    @staticmethod
+    def _pings(r: redis.Redis) -> bool:
+        try:
+            return bool(r.ping())
+        except redis.RedisError:
+            return False
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    srv = RedisProc(tmp_path / "redis")
+    yield srv
+    srv.kill()
+
+
+def no_internal_errors(*sups: Sup) -> None:
+    for sup in sups:
+        log = sup.log()
+        assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+
+
+def written(sup: Sup, n: int = 1) -> dict:
+    """``sup``'s stats once its write-behind wrote ``n`` records and has none queued."""
+    return wait_until(
+        lambda: (st := sup.stats())["remote_written"] >= n and st["remote_queue"] == 0 and st,
+        20,
+        "the remote write-behind",
+    )
+
+
+PROMPT = SYSTEM + " Question: which mat does the cat on the other node sit on?"
+
+
+def cross_node(make_supervisor, models, url: str, *extra: str) -> tuple[Sup, Sup, dict]:
+    """Node A publishes PROMPT, a fresh worker on node B restores it: greedy equals cold."""
+    cold = run_worker(None, models["seed0"], [completion(PROMPT)], mode="cold")
+    a = make_supervisor("--size", "64M", "--remote", url, *extra)
+    b = make_supervisor("--size", "64M", "--remote", url, *extra)
+    first = run_worker(a, models["seed0"], [completion(PROMPT)])
+    assert texts(first) == texts(cold)
+    written(a)
+    got = run_worker(b, models["seed0"], [completion(PROMPT)])
+    assert texts(got) == texts(cold)
+    last = got["results"][0]["last"]
+    assert last["remote"] == "fetched", last
+    assert last["hit"] and last["tokens_restored"] >= last["prompt_tokens"] - 1, last
+    assert got["totals"]["remote_restored"] == 1
+    st = b.stats()
+    assert st["remote_fetched"] == 1 and st["remote_written"] == 0, st  # (not written back)
+    return a, b, st
+
+
+def test_node_b_restores_what_node_a_published(make_supervisor, models, redis_server):
+    a, b, _ = cross_node(make_supervisor, models, redis_server.url)
+    # the next worker on B hits B's arena without asking Redis again
+    again = run_worker(b, models["seed0"], [completion(PROMPT)])
+    assert again["results"][0]["last"]["remote"] == "" and again["results"][0]["last"]["hit"]
+    no_internal_errors(a, b)
+
+
+def test_corrupt_record_in_redis_is_rejected(make_supervisor, models, redis_server):
+    cold = run_worker(None, models["seed0"], [completion(PROMPT)], mode="cold")
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    run_worker(a, models["seed0"], [completion(PROMPT)])
+    n = written(a)["remote_written"]
+    r = redis_server.client()
+    pieces = [k for k in r.scan_iter("shmkv:*:p0")]
+    assert len(pieces) == n
+    for k in pieces:  # one flipped byte in the middle of every record's first piece
+        mid = r.strlen(k) // 2
+        r.setrange(k, mid, bytes([r.getrange(k, mid, mid)[0] ^ 0x40]))
+    got = run_worker(b, models["seed0"], [completion(PROMPT)])
+    assert texts(got) == texts(cold)
+    last = got["results"][0]["last"]
+    assert last["remote"] == "corrupt" and not last["hit"], last
+    st = b.stats()
+    assert st["remote_corrupt"] >= 1 and st["remote_fetched"] == 0 and st["entries"] >= 1, st
+    # the damaged record was deleted, and B's own good copy took its place: a third node
+    # restores that
+    written(b)
+    c = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    third = run_worker(c, models["seed0"], [completion(PROMPT)])
+    assert texts(third) == texts(cold) and third["results"][0]["last"]["remote"] == "fetched"
+    no_internal_errors(a, b)
+
+
+def _fetch_blob(sup: Sup, b, wait: float = 5.0) -> tuple[str, bytes | None]:
+    """Ask ``sup`` to fetch blob ``b`` from Redis; (status, payload now in its arena)."""
+    with sup.client() as c:
+        status = c.fetch(b.root, b.tokens, 0, wait, 0.0)
+        hit = c.lookup(b.digests())
+        if hit is None:
+            return status, None
+        with c.acquire(hit) as lease:
+            data = bytes(lease.payload)
+            assert lease.finish()
+        return status, data
+
+
+def test_redis_killed_mid_puts_never_serves_a_partial_record(make_supervisor, tmp_path):
+    """Redis (append-only file, fsync always) is killed while node A writes 4-piece records
+    behind, and restarted on the same files: whatever node B fetches is whole and right,
+    and both nodes serve all along, never waiting past their bound."""
+    srv = RedisProc(tmp_path / "aof", None, "--appendonly", "yes", "--appendfsync", "always")
+    try:
+        a = make_supervisor("--size", "96M", "--remote", srv.url, "--remote-timeout", "0.5")
+        b = make_supervisor("--size", "96M", "--remote", srv.url, "--remote-timeout", "0.5")
+        blobs = [blob(500 + i, (4 << 20) - 1000) for i in range(12)]
+        with a.client() as c:
+            for i, bl in enumerate(blobs):
+                c.put_bytes(bl.root, bl.tokens, b"fp", bl.data)
+                if i == 3:
+                    time.sleep(0.2)  # some written, the writer busy with the next
+                    srv.kill()
+            for bl in blobs:  # node A serves its own arena all along
+                assert c.lookup(bl.digests()) is not None
+        # node B, Redis down: answered at once (or at the bound), never a wrong record
+        t0 = time.monotonic()
+        status, data = _fetch_blob(b, blobs[0], wait=1.0)
+        assert time.monotonic() - t0 < 1.0 + 2.5 and data is None and status != "fetched"
+        srv.start()  # the same port and append-only file: what was fsynced is back
+        wait_until(lambda: b.stats()["remote_paused"] == 0 or _probe(b), 40, "B resumes")
+        seen = {"fetched": 0}
+        for bl in blobs:
+            status, data = _fetch_blob(b, bl)
+            assert status in ("fetched", "none"), status
+            if status == "fetched":
+                seen["fetched"] += 1
+                assert data == bl.data  # whole and right, never part of a record
+            else:
+                assert data is None
+        assert 1 <= seen["fetched"] < len(blobs), seen
+        # A resumes writing behind by itself; a new record goes across
+        late = blob(600, 300_000)
+        with a.client() as c:
+            wait_until(lambda: _put_and_written(a, c, late), 60, "A resumes", step=1.0)
+        assert _fetch_blob(b, late) == ("fetched", late.data)
+        st = a.stats()
+        assert st["remote_errors"] and st["remote_dropped"] >= 1, st
+        no_internal_errors(a, b)
+    finally:
+        srv.kill()
+
+
+def _probe(sup: Sup) -> bool:
+    with sup.client() as c:
+        b = blob(999, 1000)
+        return c.fetch(b.root, b.tokens, 0, 1.0, 0.0) == "none"
+
+
+def _put_and_written(sup: Sup, c, b) -> bool:
+    before = sup.stats()["remote_written"]
+    c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    time.sleep(0.3)
+    if sup.stats()["remote_written"] > before:
+        return True
+    c.clear()  # (put again next time: the tier dropped it while paused)
+    return False
+
+
+def test_redis_down_costs_no_request(make_supervisor, models):
+    """Nothing listens at --remote: workers run as without it, and say why."""
+    cold = run_worker(None, models["seed0"], [completion(PROMPT)], mode="cold")
+    sup = make_supervisor("--size", "64M", "--remote", f"redis://127.0.0.1:{free_port()}/0")
+    t0 = time.monotonic()
+    first = run_worker(sup, models["seed0"], [completion(PROMPT)])
+    assert texts(first) == texts(cold)
+    assert first["results"][0]["last"]["remote"] in ("down", "timeout")
+    again = run_worker(sup, models["seed0"], [completion(PROMPT)])  # a fresh worker
+    assert texts(again) == texts(cold)
+    assert again["results"][0]["last"]["hit"]  # the local cache is unaffected
+    assert time.monotonic() - t0 < 60
+    st = sup.stats()
+    assert st["remote_on"] == 0 and st["remote_errors"].get("down", 0) >= 1, st
+    no_internal_errors(sup)
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is a port too."""
+    while (p := free_port()) > 55000:
+        pass
+    return p
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """Three redis-server in cluster mode on loopback ports, joined into one cluster."""
+    ports = [cluster_port() for _ in range(3)]
+    nodes: list[RedisProc] = []
+    try:
+        for p in ports:
+            nodes.append(
+                RedisProc(tmp_path / f"c{p}", p, "--cluster-enabled", "yes", "--appendonly", "no")
+            )
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports]]
+            + ["--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        r = redis.Redis(port=ports[0])
+        wait_until(lambda: r.execute_command("CLUSTER INFO").get("cluster_state") == "ok", 30, "ok")
+        yield ports
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+def test_cluster_node_b_restores_what_node_a_published(make_supervisor, models, redis_cluster):
+    url = f"redis+cluster://127.0.0.1:{redis_cluster[0]}"
+    a, b, _ = cross_node(make_supervisor, models, url)
+    # the record's pieces and manifest share a slot, and the keys really are spread out
+    from redis.cluster import RedisCluster
+
+    rc = RedisCluster(host="127.0.0.1", port=redis_cluster[0])
+    keys = [k.decode() for k in rc.scan_iter("shmkv:*", target_nodes=RedisCluster.ALL_NODES)]
+    slots = {rc.keyslot(k) for k in keys if k.endswith(":m")}
+    for k in keys:
+        if ":p" in k:
+            assert rc.keyslot(k) == rc.keyslot(k.rsplit(":", 1)[0] + ":m")
+    assert slots and np.all([isinstance(s, int) for s in slots])
+    rc.close()
+    no_internal_errors(a, b)
+
+
+def test_full_redis_is_counted_and_costs_no_request(make_supervisor, tmp_path):
+    """A Redis at its maxmemory (noeviction) refuses writes with OOM: the tier pauses and
+    counts it; the node's own arena serves every put and read."""
+    srv = RedisProc(
+        tmp_path / "full", None, "--maxmemory", "3mb", "--maxmemory-policy", "noeviction"
+    )
+    try:
+        sup = make_supervisor("--size", "64M", "--remote", srv.url)
+        blobs = [blob(700 + i, 1 << 20) for i in range(8)]
+        with sup.client() as c:
+            for b in blobs:
+                c.put_bytes(b.root, b.tokens, b"fp", b.data)
+                time.sleep(0.05)
+            for b in blobs:
+                hit = c.lookup(b.digests())
+                assert hit is not None
+                with c.acquire(hit) as lease:
+                    assert bytes(lease.payload) == b.data and lease.finish()
+        st = wait_until(lambda: (s := sup.stats())["remote_errors"].get("full") and s, 20, "an OOM")
+        assert st["remote_written"] < len(blobs) and st["puts"] == len(blobs), st
+        assert "remote: paused (full)" in sup.log()
+        no_internal_errors(sup)
+    finally:
+        srv.kill()
