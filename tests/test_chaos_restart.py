@@ -180,7 +180,7 @@ def test_client_unmaps_a_replaced_arena_without_waiting_for_the_gc(make_supervis
             pytest.fail("acquire from a stopped supervisor succeeded")
         sup.proc.kill()
         sup.proc.wait(10)
-        new = wait_ready(make_supervisor("--size", "16M", name=sup.name, wait=False))
+        new = wait_ready(make_supervisor("--size", "16M", "--fresh", name=sup.name, wait=False))
         st = wait_until(lambda: try_stats(c), 15, "the client to reconnect")
         assert st["pid"] == new.proc.pid and c.lookup(digests) is None
         assert not stale_arena_maps(os.getpid(), sup.name)
