@@ -244,7 +244,8 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
     ``view`` reads the arena as a worker does. The index is rebuilt from the records
     kept: slots that named damaged records are gone, each chunk digest points at the
     owner :meth:`IndexOwners.point` chooses, LRU order is the records' age (oldest
-    evicted first: the layout keeps no last use), and no entry is pinned.
+    evicted first: the layout keeps no last use), every entry counts as used at
+    adoption (what ``--ttl`` measures from), and no entry is pinned.
     """
     t0 = time.monotonic()
     out = Adopted()
@@ -273,7 +274,11 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
     kept = _without_overlaps(kept, out)
     kept = _without_duplicates(kept, out)
     store.arena.clear_index()
-    now_wall, now = time.time(), store.clock()
+    # the arena keeps no last use: a record's age says nothing of when it was last used
+    # (a system prompt hit every second may be days old), so each counts as used now:
+    # --ttl runs from the adoption, never from the put (or every record older than
+    # --ttl would go at the first tick after a restart)
+    now = store.clock()
     for rec, content, digests in sorted(kept, key=lambda t: (t[0].created, t[0].gen)):
         *_, extent = record_layout(rec.n_tokens, rec.fp_len, rec.payload_len)
         store.alloc.reserve(rec.offset, extent)
@@ -288,7 +293,7 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
             digests,
             content,
             rec.created,
-            last_used=now - max(0.0, now_wall - rec.created),
+            last_used=now,
             publisher=rec.publisher,
         )
         store.entries[e.gen] = e
