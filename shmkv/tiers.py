@@ -1,13 +1,14 @@
 """Write-behind tiers: what the arena accepts is also copied, off the loop, to slower storage.
 
 Runs in the supervisor. The store calls a tier's hooks on its loop (a record was
-accepted, used, pinned or unpinned); :class:`WriteBehind` turns each into an event
-on a bounded queue and never blocks: an event that does not fit, or that comes while
-the tier is paused after a failure, is dropped and counted. One writer thread per
-tier takes the events in batches and applies them to its :class:`Backend` (LMDB on
-disk in ``persist.py``). A failure (a full disk, an unwritable directory, a corrupt
-file) pauses the tier for a delay that doubles up to :data:`MAX_BACKOFF`, is counted
-by kind and logged once per pause, and never reaches a worker.
+accepted, used, pinned or unpinned, or released by ``--ttl``); :class:`WriteBehind`
+turns each into an event on a bounded queue and never blocks: an event that does not
+fit, or that comes while the tier is paused after a failure, is dropped and counted.
+One writer thread per tier takes the events in batches and applies them to its
+:class:`Backend` (LMDB on disk in ``persist.py``). A failure (a full disk, an
+unwritable directory, a corrupt file) pauses the tier for a delay that doubles up to
+:data:`MAX_BACKOFF`, is counted by kind and logged once per pause, and never reaches
+a worker.
 
 The payload is not copied on the loop: an :class:`Accepted` event carries where the
 record is (offset, generation), and the writer thread reads it through its own
@@ -83,7 +84,7 @@ class Pinned:
 
 @dataclass(frozen=True)
 class Forget:
-    """The tier's copy was found corrupt or unusable: remove it."""
+    """Remove the tier's copy: it was found corrupt or unusable, or --ttl released it."""
 
     content: bytes
 
@@ -99,6 +100,8 @@ class TierHook(Protocol):
     def used(self, content: bytes) -> None: ...
 
     def pinned(self, content: bytes, pinned: bool) -> None: ...
+
+    def expired(self, content: bytes) -> None: ...
 
 
 class PayloadSource:
@@ -204,6 +207,12 @@ class WriteBehind:
     def pinned(self, content: bytes, pinned: bool) -> None:
         """Hook: the record was pinned or unpinned."""
         self.offer(Pinned(content, pinned))
+
+    def expired(self, content: bytes) -> None:
+        """Hook: ``--ttl`` released the record (nobody used it): the tier forgets its copy
+        too, or the next refill would bring back what nobody uses. (A backend may keep
+        it: the remote tier lets a record live its own TTL.)"""
+        self.offer(Forget(content))
 
     def queued(self) -> int:
         return self._q.qsize()

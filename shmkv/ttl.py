@@ -13,7 +13,10 @@ so a million idle records cost many short ticks, never one long stall.
   its own (``shmkv pin --ttl``): past that much disuse it is unpinned and released.
 * A leased record is never released here: it is in use. Nothing here revokes a lease.
 
-Released records are counted in ``expired`` (``shmkv stats``).
+Released records are counted in ``expired`` (``shmkv stats``), and the store's
+write-behind tiers are told (``tiers.py``): ``--persist`` removes its copy too, so a
+reboot's refill does not bring back what expired (the remote tier keeps its copy for
+its own ``--remote-ttl``: other nodes may still use it).
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ class Expiry:
             e = store.entries[next(iter(lru))]
             if now - e.last_used <= self.ttl:
                 break
-            store.remove(e)
+            self._release(e)
             released += 1
         return released
 
@@ -103,8 +106,14 @@ class Expiry:
             used = max(e.last_used, since)
             if e.leases == 0 and now - used > ttl:
                 del self._pins[gen]
-                store.remove(e)
+                self._release(e)
                 released += 1
                 continue
             heapq.heappush(heap, (max(used + ttl, now + RECHECK), gen, version))
         return released
+
+    def _release(self, e: Entry) -> None:
+        """Release ``e`` from the arena, and from the tiers that keep copies of it."""
+        self.store.remove(e)
+        for tier in self.store.tiers:
+            tier.expired(e.content)

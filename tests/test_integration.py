@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 from helpers import Blob, Sup, blob, start_supervisor, wait_ready, wait_until
 
@@ -86,4 +85,31 @@ def test_adopted_states_do_not_all_expire_at_the_first_tick(make_supervisor) -> 
     no_internal_errors(new)
 
 
-_ = (Path, start_supervisor)
+# ------------------------------------------------------------ --persist x --ttl
+def test_an_expired_state_does_not_come_back_after_a_reboot(make_supervisor, tmp_path) -> None:
+    """--ttl releases a state nobody used; with --persist it must go from disk too, or the
+    next reboot's refill brings it back (and it expires again, a zombie every boot)."""
+    disk = tmp_path / "persist"
+    sup = make_supervisor("--size", "32M", "--persist", str(disk), "--ttl", "1.5")
+    idle, used = blob(41, 20_000), blob(42, 20_000)
+    with sup.client() as c:
+        idle_key, used_key = put(c, idle), put(c, used)
+        wait_until(lambda: persisted_all(sup), 20, "the write-behind")
+        while c.stats()["expired"] == 0:  # keep `used` in use until `idle` expired
+            use(c, used)
+            time.sleep(0.3)
+        assert idle_key not in keys(c) and used_key in keys(c)
+        wait_until(lambda: sup.stats()["persist_records"] == 1, 10, "the disk to forget it")
+    assert sup.stop() == 0, sup.log()
+    sup.arena.unlink(missing_ok=True)  # what a reboot does to /dev/shm
+    again = start_supervisor(tmp_path, "--size", "32M", "--persist", str(disk), name=sup.name)
+    try:
+        st = wait_until(lambda: (s := again.stats())["refilling"] == 0 and s, 30, "the refill")
+        assert st["refilled"] == 1, st
+        with again.client() as c:
+            assert keys(c) == {used_key}
+            assert c.lookup(idle.digests()) is None
+            use(c, used)
+    finally:
+        assert again.stop() == 0
+    no_internal_errors(sup, again)
