@@ -36,15 +36,21 @@ from .stats import (
     COUNTER,
     GAUGE,
     HISTOGRAM,
-    ArenaCounters,
-    ArenaGauges,
-    LimitCounters,
     SupervisorStats,
     WorkerCounters,
     metric_name,
 )
 
 log = logging.getLogger(__name__)
+
+#: the supervisor's own groups of numbers: every nested schema of ``SupervisorStats``
+#: (arena gauges and counters, limits, ``--persist``, ``--remote``, ...) but the workers'
+#: sums, which ``_worker_metrics`` exposes per label set
+SUPERVISOR_GROUPS: tuple[type, ...] = tuple(
+    f.default_factory  # type: ignore[misc]
+    for f in fields(SupervisorStats)
+    if f.name not in ("reported", "series") and hasattr(f.default_factory, "__dataclass_fields__")
+)
 
 PREFIX = "shmkv_"
 #: the workers' counters are labelled with these (``stats.Series``)
@@ -62,14 +68,19 @@ def _supervisor_metrics(st: dict[str, Any]) -> Iterator[Metric]:
             yield GaugeMetricFamily(
                 PREFIX + metric_name(f), f.metadata["help"], value=float(st[f.name])
             )
-    for cls in (ArenaGauges, ArenaCounters, LimitCounters):
-        for f in fields(cls):
+    for group in SUPERVISOR_GROUPS:
+        for f in fields(group):
             name, help = PREFIX + metric_name(f), f.metadata["help"]
-            value = float(st.get(f.name, 0))
-            if f.metadata["kind"] == COUNTER:
-                yield CounterMetricFamily(name, help, value=value)
+            value = st.get(f.name, 0)
+            if isinstance(value, dict):  # counts by kind (persist_errors, remote_errors)
+                fam = CounterMetricFamily(name, help, labels=("kind",))
+                for kind, n in sorted(value.items()):
+                    fam.add_metric([str(kind)], float(n))
+                yield fam
+            elif f.metadata["kind"] == COUNTER:
+                yield CounterMetricFamily(name, help, value=float(value))
             else:
-                yield GaugeMetricFamily(name, help, value=value)
+                yield GaugeMetricFamily(name, help, value=float(value))
 
 
 def _worker_metrics(series: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -412,9 +412,13 @@ class PersistStats:
     refill_skipped: int = counter(
         "records on disk not loaded: corrupt (checksum, metadata), invalid, or refused"
     )
-    refill_seconds: float = seconds("seconds from the start of the refill to its end")
-    refill_first_seconds: float = seconds(
-        "seconds from the start of the refill until the first record was in the arena"
+    # (durations measured once per start: gauges, not sums)
+    refill_seconds: float = gauge(
+        "seconds from the start of the refill to its end", metric="refill_duration_seconds"
+    )
+    refill_first_seconds: float = gauge(
+        "seconds from the start of the refill until the first record was in the arena",
+        metric="refill_first_record_seconds",
     )
 
 
@@ -463,7 +467,10 @@ class RemoteStats:
     remote_corrupt: int = counter("remote records found corrupt and deleted")
     remote_pulled_bytes: int = counter("bytes read from the remote tier's pieces")
     remote_pull_seconds: float = seconds("seconds spent reading pieces from the remote tier")
-    remote_bandwidth: int = gauge("measured fetch bandwidth, bytes/s (moving average)")
+    remote_bandwidth: int = gauge(
+        "measured fetch bandwidth, bytes/s (moving average)",
+        metric="remote_bandwidth_bytes_per_second",
+    )
 
 
 @dataclass

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import signal
 import time
+from dataclasses import fields
 
-from helpers import Blob, Sup, blob, start_supervisor, wait_ready, wait_until
+import httpx
+from helpers import Blob, Sup, blob, free_port, start_supervisor, wait_ready, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from shmkv import Client
+from shmkv.stats import PersistStats, RemoteStats, metric_name
 
 
 def keys(c: Client) -> set[str]:
@@ -113,3 +117,58 @@ def test_an_expired_state_does_not_come_back_after_a_reboot(make_supervisor, tmp
     finally:
         assert again.stop() == 0
     no_internal_errors(sup, again)
+
+
+# ------------------------------------------------------ /metrics x --persist, --remote
+def scrape(url: str) -> dict[str, tuple[str, float]]:
+    """Every sample of a scrape: ``name{label="v",...}`` -> (family type, value)."""
+    r = httpx.get(url, timeout=10)
+    assert r.status_code == 200, r.text
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = (fam.type, s.value)
+    return out
+
+
+def test_metrics_export_the_persist_and_remote_groups(make_supervisor, tmp_path) -> None:
+    """`shmkv stats` has the persist_* and remote_* numbers; /metrics derives from the same
+    schema, so it must have them too (counters as _total, by-kind failures labelled)."""
+    port, dead = free_port(), free_port()  # (nothing listens on `dead`: Redis is down)
+    sup = make_supervisor(
+        "--size", "16M", "--metrics-port", str(port),
+        "--persist", str(tmp_path / "persist"),
+        "--remote", f"redis://127.0.0.1:{dead}/0", "--remote-timeout", "0.5",
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/metrics"
+    with sup.client() as c:
+        put(c, blob(51, 30_000))
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind")
+    st = wait_until(lambda: (s := sup.stats())["remote_errors"] and s, 20, "a remote failure")
+    s = wait_until(lambda: _scrape_or_none(url), 10, "the metrics port")
+    assert s["shmkv_persisted_total{}"] == ("counter", 1)
+    assert s["shmkv_persisted_bytes_total{}"] == ("counter", 30_000)
+    assert s["shmkv_persist_records{}"] == ("gauge", 1)
+    assert s["shmkv_persist_on{}"] == ("gauge", 1)
+    assert s["shmkv_refill_duration_seconds{}"][0] == "gauge"
+    assert s["shmkv_remote_on{}"] == ("gauge", 0)
+    assert "shmkv_remote_bandwidth_bytes_per_second{}" in s
+    kinds = {k: v for k, v in s.items() if k.startswith("shmkv_remote_errors_total{kind=")}
+    assert kinds and all(t == "counter" for t, _ in kinds.values()), s.keys()
+    assert sum(v for _, v in kinds.values()) >= sum(st["remote_errors"].values())
+    # every plain number of both groups is there, under its schema name
+    for group in (PersistStats, RemoteStats):
+        for f in fields(group):
+            if isinstance(getattr(group(), f.name), dict):
+                continue
+            suffix = "_total" if f.metadata["kind"] == "counter" else ""
+            assert f"shmkv_{metric_name(f)}{suffix}{{}}" in s, f.name
+    no_internal_errors(sup)
+
+
+def _scrape_or_none(url: str) -> dict | None:
+    try:
+        return scrape(url)
+    except httpx.HTTPError:
+        return None
