@@ -43,6 +43,7 @@ class Persistence:
             self.writer.opened,
             self.stats,
             forget=lambda content: self.writer.offer(Forget(content)),
+            source=self.writer,
         )
         self.refill.start()
         return self.refill

@@ -22,7 +22,7 @@ from .arena import chain_digests, record_layout
 from .config import format_size
 from .entry import Entry
 from .errors import ArenaFullError, BadRequest, ChecksumMismatch, LimitExceeded
-from .tiers import Accepted
+from .tiers import Accepted, TierHook
 
 if TYPE_CHECKING:
     from .store import Store
@@ -88,8 +88,9 @@ class PutJob:
         self.entry: Entry | None = None
         #: False: refuse (ArenaFullError) rather than evict (a refill never evicts)
         self.may_evict = True
-        #: True: do not tell the store's tiers (a record loaded from one of them)
-        self.quiet = False
+        #: the tier the record was loaded from (a refill from disk, a fetch from Redis): it
+        #: is not told of it, every other tier is (a fetched state goes to disk too)
+        self.source: TierHook | None = None
 
     @classmethod
     def start(
@@ -292,7 +293,7 @@ class PutJob:
             store.lru[gen] = None
         store.counters.puts += 1
         store.counters.bytes_put += self.payload_len
-        if store.tiers and not self.quiet:
+        if any(tier is not self.source for tier in store.tiers):
             ev = Accepted(
                 self.content,
                 self.root,
@@ -308,5 +309,6 @@ class PutJob:
                 created,
             )
             for tier in store.tiers:
-                tier.accepted(ev)
+                if tier is not self.source:
+                    tier.accepted(ev)
         return e

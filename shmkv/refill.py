@@ -29,6 +29,7 @@ from .persist import DiskRecord, LmdbTier
 from .putjob import PutJob
 from .stats import PersistStats
 from .store import Store
+from .tiers import TierHook
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,11 @@ class Refill:
         opened: threading.Event,
         stats: PersistStats,
         forget: Callable[[bytes], None],
+        source: TierHook | None = None,
     ) -> None:
         self.store, self.disk, self.opened, self.stats = store, disk, opened, stats
+        #: the disk's write-behind: not told of what it loads (the other tiers are)
+        self.source = source
         #: tell the write-behind to remove a record found corrupt
         self.forget = forget
         self._q: queue.Queue[object] = queue.Queue(AHEAD)
@@ -186,7 +190,7 @@ class Refill:
             pin=rec.pinned,
             publisher=rec.publisher,
         )
-        job.may_evict, job.quiet = False, True
+        job.may_evict, job.source = False, self.source
         return job
 
     def _skip(self, content: bytes, e: ShmkvError) -> None:

@@ -189,7 +189,7 @@ class Remote:
             log.info("remote record not put into the arena: %s", e)
             self._reply(res.key, {"status": "none"})
             return
-        job.quiet = True  # (it came from the remote tier: not written back)
+        job.source = self.writer  # (not written back to Redis; to --persist, yes)
         if job.done:  # a worker here published it meanwhile
             self._done(res.key, man.n_tokens, 0, [])
         else:

@@ -9,11 +9,15 @@ tier is involved), real sockets and shared memory, blobs put through the client.
 
 from __future__ import annotations
 
+import shutil
 import signal
+import subprocess
 import time
 from dataclasses import fields
 
 import httpx
+import pytest
+import redis
 from helpers import Blob, Sup, blob, free_port, start_supervisor, wait_ready, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -172,3 +176,90 @@ def _scrape_or_none(url: str) -> dict | None:
         return scrape(url)
     except httpx.HTTPError:
         return None
+
+
+# ------------------------------------------------- --remote x --persist (x refill)
+REDIS = shutil.which("redis-server")
+needs_redis = pytest.mark.skipif(
+    REDIS is None, reason="needs redis-server (apt-get install redis-server; .ci/run does)"
+)
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    """One redis-server on a loopback port (no persistence), killed at teardown."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [REDIS or "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        + ["--appendonly", "no", "--dir", str(tmp_path), "--loglevel", "warning"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    r = redis.Redis(port=port, socket_timeout=1)
+
+    def pings() -> bool:
+        try:
+            return bool(r.ping())
+        except redis.RedisError:
+            return False
+
+    try:
+        wait_until(pings, 15, "redis-server")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        r.close()
+        proc.kill()
+        proc.wait(10)
+
+
+def fetch(sup: Sup, b: Blob) -> str:
+    """Ask ``sup`` to fetch ``b`` from Redis; its status, after checking the arena has it."""
+    with sup.client() as c:
+        status = c.fetch(b.root, b.tokens, 0, 5.0, 0.0)
+        if status == "fetched":
+            use(c, b)
+        return status
+
+
+@needs_redis
+def test_a_state_from_one_tier_reaches_the_other(make_supervisor, tmp_path, redis_url) -> None:
+    """A state fetched from --remote is written to --persist (so it survives a reboot
+    without Redis), and a state refilled from --persist is written to --remote (a new or
+    flushed Redis learns it): each tier is skipped only for what came from it."""
+    a = make_supervisor("--size", "32M", "--remote", redis_url)
+    b = make_supervisor(
+        "--size", "32M", "--remote", redis_url, "--persist", str(tmp_path / "b")
+    )  # fmt: skip
+    shared = blob(61, 40_000, n_tokens=256)
+    with a.client() as c:
+        put(c, shared)
+    wait_until(lambda: a.stats()["remote_written"] == 1, 20, "A's write to Redis")
+    wait_until(lambda: b.stats()["remote_on"] == 1, 20, "B's connection to Redis")
+    assert fetch(b, shared) == "fetched"
+    st = wait_until(
+        lambda: (s := b.stats())["persist_queue"] == 0 and s["persist_records"] and s,
+        10,
+        "B to write the fetched state to disk",
+    )
+    assert st["persisted"] == 1 and st["remote_written"] == 0, st  # (not written back)
+
+    # a state only on disk: refilled after a reboot, then written to Redis
+    disk = tmp_path / "c"
+    c0 = make_supervisor("--size", "32M", "--persist", str(disk))
+    local = blob(62, 40_000, n_tokens=256)
+    with c0.client() as c:
+        put(c, local)
+    wait_until(lambda: persisted_all(c0), 20, "C's write-behind")
+    assert c0.stop() == 0, c0.log()
+    c0.arena.unlink(missing_ok=True)  # a reboot
+    c1 = start_supervisor(
+        tmp_path, "--size", "32M", "--persist", str(disk), "--remote", redis_url, name=c0.name
+    )
+    try:
+        wait_until(lambda: c1.stats()["refilled"] == 1, 20, "the refill")
+        wait_until(lambda: c1.stats()["remote_written"] == 1, 20, "the refilled state in Redis")
+    finally:
+        assert c1.stop() == 0
+    wait_until(lambda: a.stats()["remote_on"] == 1, 20, "A's connection to Redis")
+    assert fetch(a, local) == "fetched"  # another node finds it there
+    no_internal_errors(a, b, c0, c1)
