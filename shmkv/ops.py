@@ -270,7 +270,7 @@ def _set_pinned(ctx: Context, msg: dict[str, Any], pinned: bool) -> Reply:
     n_tokens = get_int(msg, "n_tokens", 1, MAX_TOKENS, required=False)
     entries = [e for e in ctx.store.by_key(key) if n_tokens in (None, e.n_tokens)]
     for e in entries:
-        ctx.store.set_pinned(e, pinned)
+        ctx.store.set_pinned(e, pinned, durable=ttl is None)
         if ctx.expiry is not None:
             ctx.expiry.pin_ttl(e, ttl if pinned else None)
     return {"count": len(entries)}, None

@@ -315,21 +315,27 @@ class Store:
         return len(lids)
 
     # ----------------------------------------------------------- pins & clear
-    def set_pinned(self, e: Entry, pinned: bool) -> None:
-        """Pin or unpin ``e``; LimitExceeded if pinning it would pass ``max_pinned``."""
-        if e.pinned == pinned or e.doomed:
+    def set_pinned(self, e: Entry, pinned: bool, durable: bool = True) -> None:
+        """Pin or unpin ``e``; LimitExceeded if pinning it would pass ``max_pinned``.
+
+        ``durable``: the pin outlives a restart, so the tiers keep it (``--persist``
+        refills the state pinned). A pin with a TTL of its own (``ttl.py``) is not: kept
+        on disk, it would come back after a reboot as a pin without its TTL, for ever.
+        """
+        if e.doomed:
             return
-        if pinned:
-            self._check_pin(e.extent)
-            self.pinned_bytes += e.extent
-            self.lru.pop(e.gen, None)
-        else:
-            self.pinned_bytes -= e.extent
-            if e.leases == 0:
-                self.lru[e.gen] = None
-        e.pinned = pinned
-        for tier in self.tiers:
-            tier.pinned(e.content, pinned)
+        if e.pinned != pinned:
+            if pinned:
+                self._check_pin(e.extent)
+                self.pinned_bytes += e.extent
+                self.lru.pop(e.gen, None)
+            else:
+                self.pinned_bytes -= e.extent
+                if e.leases == 0:
+                    self.lru[e.gen] = None
+            e.pinned = pinned
+        for tier in self.tiers:  # (also when only durability changed: a TTL came or went)
+            tier.pinned(e.content, pinned and durable)
 
     def by_key(self, key: bytes) -> list[Entry]:
         return [e for e in self.entries.values() if e.key == key and not e.doomed]

@@ -123,6 +123,35 @@ def test_an_expired_state_does_not_come_back_after_a_reboot(make_supervisor, tmp
     no_internal_errors(sup, again)
 
 
+# ------------------------------------------------- adopt x --persist, pins x --persist
+def pins(c: Client) -> dict[str, bool]:
+    return {r["key"]: r["pinned"] for r in c.ls()["entries"]}
+
+
+def test_a_pin_with_a_ttl_does_not_come_back_for_ever(make_supervisor, tmp_path) -> None:
+    """`shmkv pin --ttl` (warm/import --pin-ttl) pins a state until it went unused that
+    long. Kept on disk as a plain pin, it came back after a reboot pinned with no TTL,
+    never to be released: such a pin is not kept on disk (the state is, unpinned)."""
+    disk = tmp_path / "persist"
+    sup = make_supervisor("--size", "32M", "--persist", str(disk))
+    short, kept = blob(73, 20_000), blob(74, 20_000)
+    with sup.client() as c:
+        short_key, kept_key = put(c, short, pin=True), put(c, kept, pin=True)
+        assert c.pin(bytes.fromhex(short_key), ttl=3600) == 1
+        assert pins(c) == {short_key: True, kept_key: True}
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind")
+    assert sup.stop() == 0, sup.log()  # (a clean stop writes what is queued)
+    sup.arena.unlink(missing_ok=True)
+    again = start_supervisor(tmp_path, "--size", "32M", "--persist", str(disk), name=sup.name)
+    try:
+        wait_until(lambda: again.stats()["refilled"] == 2, 20, "the refill")
+        with again.client() as c:
+            assert pins(c) == {short_key: False, kept_key: True}
+    finally:
+        assert again.stop() == 0
+    no_internal_errors(sup, again)
+
+
 # ------------------------------------------------------ /metrics x --persist, --remote
 def scrape(url: str) -> dict[str, tuple[str, float]]:
     """Every sample of a scrape: ``name{label="v",...}`` -> (family type, value)."""
