@@ -165,6 +165,9 @@ class LmdbTier:
         #: records skipped without pausing, by kind
         self.errors: dict[str, int] = {}
         self._new: list[int] = []
+        #: the records stored pinned when the store was opened (an adopted arena takes
+        #: its pins from here: the arena file keeps none)
+        self.pinned_at_open: frozenset[bytes] = frozenset()
 
     # ------------------------------------------------------------------- open
     def open(self) -> None:
@@ -187,6 +190,7 @@ class LmdbTier:
             except (OSError, lmdb.Error) as e2:
                 raise TierError(f"cannot recreate {self.path}: {e2}", "corrupt") from None
         self._load_index()
+        self.pinned_at_open = frozenset(c for c, v in self.lru.items() if v[1])
         self.order = [c for c, v in reversed(self.lru.items()) if v[1]]
         self.order += [c for c, v in reversed(self.lru.items()) if not v[1]]
         log.info(

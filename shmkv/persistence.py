@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from .config import Settings
+from .errors import LimitExceeded
 from .persist import LmdbTier
 from .refill import Refill
 from .stats import PersistStats
@@ -47,6 +48,28 @@ class Persistence:
         )
         self.refill.start()
         return self.refill
+
+    def repin(self, store: Store) -> bool:
+        """Pin the adopted records the disk holds pinned (the arena file keeps no pins, the
+        disk does: a restart that adopts must not lose what a reboot's refill keeps).
+        False until the store is open (the writer thread opens it); then True, done."""
+        if not self.writer.opened.is_set():
+            return False
+        n = 0
+        for content in self.disk.pinned_at_open:
+            gen = store.by_content.get(content)
+            e = store.entries.get(gen) if gen is not None else None
+            if e is None or e.pinned:
+                continue
+            try:
+                store.set_pinned(e, True)
+            except LimitExceeded as err:
+                log.warning("persist: adopted state %s not pinned again: %s", content.hex(), err)
+                continue
+            n += 1
+        if n:
+            log.info("persist: pinned %d adopted state(s) again, as on disk", n)
+        return True
 
     def numbers(self) -> PersistStats:
         """The ``persist_*`` and ``refill*`` numbers as of now."""

@@ -193,6 +193,8 @@ class Supervisor:
         if self.persist is not None and not self.adopted:  # a new arena: refill it, serving
             self.refill = self.persist.start_refill(self.ctx.store)
             self.sel.register(self.refill.fileno(), selectors.EVENT_READ, "refill")
+        # an adopted arena: no refill, but its pins come from the disk once it is open
+        repin = self.persist is not None and self.adopted
         watchdog = Watchdog()
         next_check = time.monotonic() + 1.0
         try:
@@ -203,6 +205,8 @@ class Supervisor:
                         break
                     assert self.ctx.expiry is not None
                     self.ctx.expiry.tick()  # (bounded work: see ttl.py)
+                    if repin and self.persist is not None:
+                        repin = not self.persist.repin(self.ctx.store)
                 now = time.monotonic()
                 timeout = watchdog.tick(now)
                 due = self.claims.next_deadline()

@@ -128,6 +128,24 @@ def pins(c: Client) -> dict[str, bool]:
     return {r["key"]: r["pinned"] for r in c.ls()["entries"]}
 
 
+def test_a_restart_that_adopts_keeps_the_pins_the_disk_keeps(make_supervisor, tmp_path) -> None:
+    """The arena file keeps no pins, --persist does: a kill -9 restart (which adopts, and
+    so does not refill) must not lose a pin that a reboot (which refills) would keep."""
+    args = ("--size", "32M", "--persist", str(tmp_path / "persist"))
+    sup = make_supervisor(*args)
+    pinned, plain = blob(71, 20_000), blob(72, 20_000)
+    with sup.client() as c:
+        pinned_key, plain_key = put(c, pinned, pin=True), put(c, plain)
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind")
+    kill9(sup)
+    new = restart(make_supervisor, sup, *args)
+    with new.client() as c:
+        assert c.stats()["adopted"] == 2 and c.stats()["refilled"] == 0
+        wait_until(lambda: pins(c) == {pinned_key: True, plain_key: False}, 10, "the pin")
+        assert c.stats()["pinned_bytes"] > 0
+    no_internal_errors(new)
+
+
 def test_a_pin_with_a_ttl_does_not_come_back_for_ever(make_supervisor, tmp_path) -> None:
     """`shmkv pin --ttl` (warm/import --pin-ttl) pins a state until it went unused that
     long. Kept on disk as a plain pin, it came back after a reboot pinned with no TTL,
