@@ -43,6 +43,29 @@ STATS_ROWS = (
     ("workers attached", "{workers_attached}"),
     ("leases active", "{leases_active}"),
 )
+#: more rows, each shown only when its feature is in use: (label, template, shown if any
+#: of these fields is non-zero)
+STATS_MORE_ROWS = (
+    ("adopted", "{adopted} at start ({adopt_dropped} dropped)", ("adopted", "adopt_dropped")),
+    ("expired (--ttl)", "{expired}", ("expired",)),
+    (
+        "persist",
+        "{persist_records} states ({persist_bytes_size}) on disk, {persisted} written, "
+        "{persist_dropped} dropped, paused {persist_paused}, errors {persist_errors}",
+        ("persist_on", "persisted", "persist_errors"),
+    ),
+    (
+        "refill",
+        "{refilled} states in {refill_seconds:.2f} s, {refill_skipped} skipped",
+        ("refilling", "refilled", "refill_skipped"),
+    ),
+    (
+        "remote",
+        "on {remote_on}, {remote_written} written, {remote_fetched} fetched of "
+        "{remote_fetches} asked, {remote_dropped} dropped, errors {remote_errors}",
+        ("remote_on", "remote_written", "remote_fetches", "remote_errors"),
+    ),
+)
 
 
 def setup_logging(level: str) -> None:
@@ -190,7 +213,13 @@ def stats(config_file: str | None, as_json: bool, **cli: Any) -> None:
     lookups = st["hits"] + st["misses"]
     values = {k: format_size(v) if k.startswith("bytes_") else v for k, v in st.items()}
     values["hit_rate"] = f"{100 * st['hits'] / lookups:.1f}%" if lookups else "n/a"
+    values["persist_bytes_size"] = format_size(st.get("persist_bytes", 0))
     rows = [(label, template.format_map(values)) for label, template in STATS_ROWS]
+    rows += [
+        (label, template.format_map(values))
+        for label, template, when in STATS_MORE_ROWS
+        if any(st.get(k) for k in when)
+    ]
     for k, v in rows:
         click.echo(f"{k:>17}: {v}")
 

@@ -183,7 +183,7 @@ def scrape(url: str) -> dict[str, tuple[str, float]]:
     return out
 
 
-def test_metrics_export_the_persist_and_remote_groups(make_supervisor, tmp_path) -> None:
+def test_metrics_and_stats_show_the_persist_and_remote_groups(make_supervisor, tmp_path) -> None:
     """`shmkv stats` has the persist_* and remote_* numbers; /metrics derives from the same
     schema, so it must have them too (counters as _total, by-kind failures labelled)."""
     port, dead = free_port(), free_port()  # (nothing listens on `dead`: Redis is down)
@@ -215,6 +215,11 @@ def test_metrics_export_the_persist_and_remote_groups(make_supervisor, tmp_path)
                 continue
             suffix = "_total" if f.metadata["kind"] == "counter" else ""
             assert f"shmkv_{metric_name(f)}{suffix}{{}}" in s, f.name
+    # and `shmkv stats` (no --json) says what the tiers do, as the README's grep expects
+    out = sup.cli("stats").stdout
+    assert "persist: 1 states (29.3 KiB) on disk, 1 written" in out, out
+    assert "remote: on 0, 0 written, 0 fetched of 0 asked" in out, out
+    assert "refill:" not in out and "adopted:" not in out, out  # (not in use: no row)
     no_internal_errors(sup)
 
 
