@@ -141,7 +141,9 @@ def export_entry(
         raise ConfigError(
             f"entry {row['key']} was not published under namespace {ns!r} (its key root does "
             f"not derive from its model fingerprint and that namespace): pass the namespace "
-            f"its workers use with --namespace (SHMKV_NAMESPACE)"
+            f"its workers use with --namespace (SHMKV_NAMESPACE); a cache tenant's entry "
+            f"(a request's cache_salt, X-Shmkv-Cache-Salt or API key) cannot be exported: "
+            f"export and import move the deployment's own states only"
         )
     meta = StateMeta(
         root=root,

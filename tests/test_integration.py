@@ -21,7 +21,9 @@ import redis
 from helpers import Blob, Sup, blob, free_port, start_supervisor, wait_ready, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+import shmkv.tenant
 from shmkv import Client
+from shmkv.fingerprint import key_root
 from shmkv.stats import PersistStats, RemoteStats, metric_name
 
 
@@ -315,3 +317,18 @@ def test_a_state_from_one_tier_reaches_the_other(make_supervisor, tmp_path, redi
     wait_until(lambda: a.stats()["remote_on"] == 1, 20, "A's connection to Redis")
     assert fetch(a, local) == "fetched"  # another node finds it there
     no_internal_errors(a, b, c0, c1)
+
+
+# ------------------------------------------------------------- tenants x export
+def test_export_of_a_tenants_entry_says_why_it_cannot(make_supervisor) -> None:
+    """export/import move the deployment's own states only; a cache tenant's entry (its key
+    root narrowed by a salt) is refused by export with a line that says so."""
+    sup = make_supervisor("--size", "16M")
+    fp = b"fingerprint of some model"
+    root = shmkv.tenant.make("user-42").root(key_root(fp, ""))
+    b = blob(81, 10_000)
+    with sup.client() as c:
+        key = c.put_bytes(root, b.tokens, fp, b.data)["key"].hex()
+    got = sup.cli("export", key, "-o", "/dev/null", check=False)
+    assert got.returncode != 0
+    assert "cache tenant" in got.stderr and len(got.stderr.strip().splitlines()) == 1, got.stderr
