@@ -32,6 +32,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -64,6 +65,8 @@ __all__ = [
 
 #: claim a prefill (and wait for another worker's) only if at least this many chunks remain
 COALESCE_MIN_CHUNKS = 2
+#: boundary hints kept for calls to come (a hint not taken by the next call is stale)
+MAX_HINTS = 4
 
 _LIVE: weakref.WeakSet[SharedPrefixCache] = weakref.WeakSet()
 
@@ -104,6 +107,8 @@ class Call:
         self._chains: dict[int, list[bytes]] = {}
         #: publish the state of this many prompt tokens during the prefill (0: none)
         self.checkpoint_at = 0
+        #: where the prompt's chat messages start (``hint_boundaries``): checkpoints there
+        self.boundaries: tuple[int, ...] = ()
         #: met a corrupt record: publish a good copy even if one seems cached
         self.republish = False
         #: chunk digests this call claimed: other workers wait for their publish
@@ -256,7 +261,9 @@ class Call:
         where its own prefix match would start, so the numbers are one eval's.
         """
         cache, llm, tokens = self.cache, self.cache.llm, self.tokens
-        plan = cache.policy.checkpoints(len(tokens), reused, self.checkpoint_at, cache.chunk_tokens)
+        plan = cache.policy.checkpoints(
+            len(tokens), reused, self.checkpoint_at, cache.chunk_tokens, self.boundaries
+        )
         self.checkpoint_at = 0
         if plan.aligned is not None:
             cache._aligned = plan.aligned
@@ -268,7 +275,10 @@ class Call:
                 llm.eval(tokens[llm.n_tokens : p])
                 if cache.capture(n_tokens=p, min_new=plan.min_new):
                     cache.ledger.add(checkpoints=1)
+                    if p in self.boundaries:
+                        cache.ledger.add(boundary_checkpoints=1)
                     cache.last.checkpoint = p
+                    cache.last.checkpoints.append(p)
             return llm.n_tokens
         except Exception as e:  # never break generation: go cold
             cache.ledger.fail("checkpoint failed", e)
@@ -389,6 +399,8 @@ class SharedPrefixCache:
         self._closed = False
         #: called with this cache at the first token of every call (``last`` is filled)
         self.on_prefill: Callable[[SharedPrefixCache], None] | None = None
+        #: (prompt, positions) hinted for the next call (``hint_boundaries``)
+        self._hints: deque[tuple[np.ndarray, tuple[int, ...]]] = deque(maxlen=MAX_HINTS)
         _LIVE.add(self)
         try:  # attach now (after fork, at model load), not on the first request
             self.reader.ensure()
@@ -552,6 +564,28 @@ class SharedPrefixCache:
         self.publisher.close()
         self.reader.close()
 
+    def hint_boundaries(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
+        """Where the next call's prompt, if it is exactly ``tokens``, has message
+        boundaries: a model whose states cannot be cut back (sliding windows) publishes
+        a checkpoint at those worth it during its prefill, which later prompts sharing
+        that much restore whole. The hooked ``create_chat_completion`` hints each chat
+        (``boundaries.py``); call it yourself before ``create_completion(tokens)``.
+        """
+        points = tuple(sorted({int(p) for p in positions if 0 < int(p) < len(tokens)}))
+        if points:
+            self._hints.append((np.asarray(tokens, dtype=np.int32), points))
+
+    def _take_boundaries(self, prompt: np.ndarray) -> tuple[int, ...]:
+        """The hinted boundaries of ``prompt``; every pending hint is used up."""
+        found: tuple[int, ...] = ()
+        while True:
+            try:
+                tokens, points = self._hints.popleft()
+            except IndexError:
+                return found
+            if len(tokens) == len(prompt) and np.array_equal(tokens, prompt):
+                found = points
+
     def generate(
         self, orig_generate: Any, tokens: Sequence[int], reset: bool = True, **kwargs: Any
     ) -> Iterator[int]:
@@ -559,6 +593,7 @@ class SharedPrefixCache:
         wants = hooks.take_prompt_logits(self)
         # (a generate call that did not come through a completion may read any logits)
         call = Call(self, list(tokens), prompt_logits=self.logits_all and wants is not False)
+        call.boundaries = self._take_boundaries(call.prompt)
         return (yield from call.run(orig_generate, reset, kwargs))
 
     def eval(self, orig_eval: Any, tokens: Sequence[int]) -> None:
@@ -570,6 +605,11 @@ class SharedPrefixCache:
         """The body of the hooked ``Llama._create_completion``: tells the generate call it
         makes (on this thread) whether it reads the prompt's logits."""
         return hooks.run_completion(self, orig, *args, **kwargs)
+
+    def chat_completion(self, orig: Any, *args: Any, **kwargs: Any) -> Any:
+        """The body of the hooked ``Llama.create_chat_completion``: hints where the
+        messages of its prompt start (``boundaries.py``)."""
+        return hooks.run_chat_completion(self, orig, *args, **kwargs)
 
 
 def attach(
@@ -636,3 +676,6 @@ class SharedCacheLlama(llama_cpp.Llama):
 
     def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         return self.shmkv.completion(super()._create_completion, *args, **kwargs)
+
+    def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
+        return self.shmkv.chat_completion(super().create_chat_completion, *args, **kwargs)

@@ -89,6 +89,10 @@ class CallStats:
     )
     published: int = gauge("states queued for publishing")
     checkpoint: int = gauge("length of the checkpoint state published mid-prefill (0: none)")
+    checkpoints: list[int] = field(
+        default_factory=list,
+        metadata={"kind": INFO, "help": "lengths of every checkpoint state published mid-prefill"},
+    )
     error: str | None = field(
         default=None, metadata={"kind": INFO, "help": "the last cache failure, if any"}
     )
@@ -117,6 +121,9 @@ class WorkerCounters:
         "cached prefixes a sliding-window model could not use (cannot be cut back)"
     )
     checkpoints: int = counter("checkpoint states published mid-prefill")
+    boundary_checkpoints: int = counter(
+        "of those, checkpoints at a chat's message boundaries (the end of its system message, ...)"
+    )
     captures_dropped: int = counter(
         "states not captured because their call was closed late (an abandoned stream) while "
         "the context was in use or had moved on"

@@ -269,7 +269,9 @@ async def _event_publisher(
 
     The original leaves an abandoned iterator to the garbage collector, which closes it
     later on whatever thread it runs on: the generator's cleanup (shmkv's state capture)
-    would then touch the llama context while another request decodes on it.
+    would then touch the llama context while another request decodes on it. It also
+    calls the class's method (``Llama.create_chat_completion``), not the instance's,
+    which shmkv hooks (a chat's message boundaries): the instance's is called here.
     """
     server_settings = next(server_app.get_server_settings())
     interrupt_requests = server_settings.interrupt_requests if server_settings else False
@@ -278,7 +280,8 @@ async def _event_publisher(
         async with inner_send_chan:
             iterator = None
             try:
-                iterator = await run_in_threadpool(llama_call, llama, **kwargs)
+                method = getattr(llama, llama_call.__name__)  # (the hooked one)
+                iterator = await run_in_threadpool(method, **kwargs)
                 async for chunk in iterate_in_threadpool(iterator):
                     await inner_send_chan.send(dict(data=json.dumps(chunk)))
                     if await request.is_disconnected():
