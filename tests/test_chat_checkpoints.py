@@ -12,6 +12,9 @@ every cached run's greedy text must equal a cold run's.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 import httpx
@@ -134,6 +137,25 @@ def test_served_chats_restore_the_system_message(tmp_path, make_supervisor, mode
         assert text == ref["choices"][0]["message"]["content"]
     assert restored == system_end(vocab)
     assert health["shmkv"][0]["boundary_checkpoints"] == 1
+
+
+def test_warm_pins_the_system_message_checkpoint(make_supervisor, models, vocab, tmp_path):
+    """`shmkv warm --pin` on a chat pins its system message's checkpoint too: the state
+    every later chat with that system message restores."""
+    sup = make_supervisor("--size", "64M")
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": [SYS, user(ASKS[0])]}) + "\n")
+    res = subprocess.run(
+        [sys.executable, "-m", "shmkv.cli", "warm", "--model", models["swa"], "--pin", str(path)],
+        env={**sup.env, "SHMKV_N_CTX": str(N_CTX)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    with sup.client(attach=False) as c:
+        pinned = sorted(r["tokens"] for r in c.ls()["entries"] if r["pinned"])
+    assert system_end(vocab) in pinned
 
 
 def test_boundaries_of_a_chat(vocab):
