@@ -56,7 +56,7 @@ def one_chat(spec: dict[str, Any]) -> dict[str, Any]:
         from shmkv.llama import SharedCacheLlama, SharedPrefixCache
 
         if spec["arm"] == "before":  # no hints: the cache as it was without them
-            SharedPrefixCache.hint_boundaries = lambda self, tokens, positions: None  # type: ignore[method-assign]
+            SharedPrefixCache.hint_boundaries = lambda self, prefixes: None  # type: ignore[method-assign]
         llm = SharedCacheLlama(
             **kw,
             shmkv_name=spec["name"],

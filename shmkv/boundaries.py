@@ -10,25 +10,25 @@ earlier prompt. For a chat that place is known before the prefill: where the
 messages that many requests share end (the system message; a few-shot block or a
 conversation's history before its last user message). This module renders those
 leading messages with the chat formatter llama-cpp-python uses for the request,
-tokenizes them as its chat handler does, and takes the token prefix they share
-with the whole prompt's tokens (text and token boundaries need not line up: the
-shared token prefix is what a restore can use). The cache publishes a checkpoint
-at each such position during the first prefill
-(``SharedPrefixCache.hint_boundaries``), so the second request on the same system
-prompt restores it whole.
+takes the text they share with the whole chat's rendering and tokenizes it as its
+chat handler tokenizes a prompt. The cache takes the token prefix that and the
+prompt share (text and token boundaries need not line up: the shared token prefix
+is what a restore can use) and publishes a checkpoint there during the first
+prefill (``SharedPrefixCache.hint_boundaries``), so the second request on the same
+system prompt restores it whole.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import llama_cpp
 import numpy as np
 from llama_cpp.llama_chat_format import get_chat_completion_handler
-
-from .arena import common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -80,41 +80,74 @@ def prefix_lengths(messages: Sequence[Any]) -> list[int]:
     return out
 
 
-def render_tokens(
-    llm: llama_cpp.Llama,
-    formatter: Callable[..., Any],
-    messages: Sequence[Any],
-    render: Mapping[str, Any],
-) -> list[int]:
-    """The tokens of ``messages`` as llama-cpp-python's chat handler renders and
-    tokenizes them (``chat_formatter_to_chat_completion_handler``)."""
-    result = formatter(messages=list(messages), **render)
-    return list(
-        llm.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
-    )
+def shared_text(a: str, b: str) -> int:
+    """How many leading characters ``a`` and ``b`` share (binary search over C compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
-def chat_boundaries(
-    llm: llama_cpp.Llama, messages: Sequence[Any], render: Mapping[str, Any] | None = None
-) -> tuple[list[int], list[int]] | None:
-    """(the prompt's tokens, where its shared leading messages end) for a chat that
-    ``llm``'s chat formatter renders; None if it has no formatter we can render or the
-    chat no such boundary. ``render``: the formatter's other arguments (tools, ...)."""
-    lengths = prefix_lengths(messages)
-    formatter = formatter_of(llm) if lengths else None
-    if formatter is None:
-        return None
-    render = {k: v for k, v in (render or {}).items() if k in RENDER_ARGS}
-    full = render_tokens(llm, formatter, messages, render)
-    prompt = np.asarray(full, dtype=np.int32)
-    points = set()
-    for k in lengths:
-        try:  # (a template may refuse a conversation cut there: no boundary then)
-            part = render_tokens(llm, formatter, messages[:k], render)
-        except Exception as e:
-            log.debug("chat boundary after %d message(s) not rendered: %s", k, e)
-            continue
-        n = common_prefix(np.asarray(part, dtype=np.int32), prompt)
-        if 0 < n < len(full):
-            points.add(n)
-    return full, sorted(points)
+class ChatBoundaries:
+    """Where a chat's shared leading messages end, as token prefixes of its prompt, for
+    one ``Llama`` (its chat formatter and tokenizer).
+
+    The formatter renders the whole chat and each leading part (cheap); the text the two
+    share is tokenized as the chat handler tokenizes a prompt, which is the costly step
+    (a few ms per thousand tokens on Gemma's vocabulary), so the last few such texts are
+    kept: a system message shared by many chats is tokenized once. The whole prompt is
+    not tokenized here (the handler does that): the cache compares these prefixes with
+    the prompt it is given (``SharedPrefixCache.hint_boundaries``).
+    """
+
+    #: texts whose tokens are kept (a few system messages and few-shot blocks)
+    KEEP = 8
+
+    def __init__(self, llm: llama_cpp.Llama) -> None:
+        self.llm = llm
+        self._tokens: OrderedDict[tuple[str, bool], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _tokenize(self, text: str, add_bos: bool) -> np.ndarray:
+        key = (text, add_bos)
+        with self._lock:
+            found = self._tokens.get(key)
+            if found is not None:
+                self._tokens.move_to_end(key)
+                return found
+        raw = self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
+        found = np.asarray(raw, dtype=np.int32)
+        with self._lock:
+            self._tokens[key] = found
+            while len(self._tokens) > self.KEEP:
+                self._tokens.popitem(last=False)
+        return found
+
+    def prefixes(
+        self, messages: Sequence[Any], render: Mapping[str, Any] | None = None
+    ) -> list[np.ndarray]:
+        """The tokens of the chat's prompt up to each boundary worth a checkpoint (the
+        last few may be tokenized otherwise within the whole prompt); none if the
+        ``Llama``'s chat handler has no formatter we can render. ``render``: the
+        formatter's other arguments (tools, ...)."""
+        lengths = prefix_lengths(messages)
+        formatter = formatter_of(self.llm) if lengths else None
+        if formatter is None:
+            return []
+        args = {k: v for k, v in (render or {}).items() if k in RENDER_ARGS}
+        whole = formatter(messages=list(messages), **args)
+        out = []
+        for k in lengths:
+            try:  # (a template may refuse a conversation cut there: no boundary then)
+                part = formatter(messages=list(messages[:k]), **args).prompt
+            except Exception as e:
+                log.debug("chat boundary after %d message(s) not rendered: %s", k, e)
+                continue
+            n = shared_text(part, whole.prompt)
+            if 0 < n < len(whole.prompt):
+                out.append(self._tokenize(whole.prompt[:n], not whole.added_special))
+        return out

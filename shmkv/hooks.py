@@ -62,15 +62,13 @@ def run_completion(cache: SharedPrefixCache, orig: Any, *args: Any, **kwargs: An
 def run_chat_completion(cache: SharedPrefixCache, orig: Any, *args: Any, **kwargs: Any) -> Any:
     """The body of the hooked ``Llama.create_chat_completion``: hint where its messages
     start (a model whose states cannot be cut back checkpoints there), then run it."""
-    if cache.policy.wants_boundaries:
+    chat = cache.chat_boundaries
+    if chat is not None:
         try:
             bound = _CHAT_PARAMS.bind_partial(None, *args, **kwargs).arguments
-            found = boundaries.chat_boundaries(cache.llm, bound.get("messages") or [], bound)
+            cache.hint_boundaries(chat.prefixes(bound.get("messages") or [], bound))
         except Exception as e:  # (a chat the template refuses: the completion says so)
             boundaries.log.debug("no chat boundaries: %s", e)
-            found = None
-        if found is not None and found[1]:
-            cache.hint_boundaries(*found)
     return orig(*args, **kwargs)
 
 

@@ -40,7 +40,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp as lc
 
-from . import hooks, kvstate, policy
+from . import boundaries, hooks, kvstate, policy
 from .arena import chain_digests, common_prefix
 from .client import Client
 from .config import Settings, resolve, trusted_uids
@@ -67,6 +67,9 @@ __all__ = [
 COALESCE_MIN_CHUNKS = 2
 #: boundary hints kept for calls to come (a hint not taken by the next call is stale)
 MAX_HINTS = 4
+#: a hinted prefix's last tokens that its prompt may tokenize otherwise (merged with what
+#: follows), so that it still applies
+HINT_SLACK = 4
 
 _LIVE: weakref.WeakSet[SharedPrefixCache] = weakref.WeakSet()
 
@@ -399,8 +402,12 @@ class SharedPrefixCache:
         self._closed = False
         #: called with this cache at the first token of every call (``last`` is filled)
         self.on_prefill: Callable[[SharedPrefixCache], None] | None = None
-        #: (prompt, positions) hinted for the next call (``hint_boundaries``)
-        self._hints: deque[tuple[np.ndarray, tuple[int, ...]]] = deque(maxlen=MAX_HINTS)
+        #: token prefixes hinted for the next call (``hint_boundaries``)
+        self._hints: deque[list[np.ndarray]] = deque(maxlen=MAX_HINTS)
+        #: renders a chat's leading messages (``create_chat_completion``), where it helps
+        self.chat_boundaries = (
+            boundaries.ChatBoundaries(llm) if self.policy.wants_boundaries else None
+        )
         _LIVE.add(self)
         try:  # attach now (after fork, at model load), not on the first request
             self.reader.ensure()
@@ -564,27 +571,32 @@ class SharedPrefixCache:
         self.publisher.close()
         self.reader.close()
 
-    def hint_boundaries(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
-        """Where the next call's prompt, if it is exactly ``tokens``, has message
-        boundaries: a model whose states cannot be cut back (sliding windows) publishes
-        a checkpoint at those worth it during its prefill, which later prompts sharing
-        that much restore whole. The hooked ``create_chat_completion`` hints each chat
-        (``boundaries.py``); call it yourself before ``create_completion(tokens)``.
+    def hint_boundaries(self, prefixes: Sequence[Sequence[int] | np.ndarray]) -> None:
+        """Message boundaries of the next call's prompt, as token prefixes of it: a model
+        whose states cannot be cut back (sliding windows) publishes a checkpoint where
+        its prompt stops matching each (those worth it), which later prompts sharing that
+        much restore whole. A prefix the prompt does not match but for its last
+        ``HINT_SLACK`` tokens is not the prompt's, and ignored. The hooked
+        ``create_chat_completion`` hints each chat (``boundaries.py``); for a prompt of
+        your own, ``hint_boundaries([tokens[:n1], tokens[:n2]])`` before
+        ``create_completion(tokens)``.
         """
-        points = tuple(sorted({int(p) for p in positions if 0 < int(p) < len(tokens)}))
-        if points:
-            self._hints.append((np.asarray(tokens, dtype=np.int32), points))
+        hint = [np.asarray(p, dtype=np.int32) for p in prefixes if len(p)]
+        if hint:
+            self._hints.append(hint)
 
     def _take_boundaries(self, prompt: np.ndarray) -> tuple[int, ...]:
         """The hinted boundaries of ``prompt``; every pending hint is used up."""
-        found: tuple[int, ...] = ()
+        found: set[int] = set()
         while True:
             try:
-                tokens, points = self._hints.popleft()
+                hint = self._hints.popleft()
             except IndexError:
-                return found
-            if len(tokens) == len(prompt) and np.array_equal(tokens, prompt):
-                found = points
+                return tuple(sorted(found))
+            for prefix in hint:
+                n = common_prefix(prefix, prompt)
+                if 0 < n < len(prompt) and n >= len(prefix) - HINT_SLACK:
+                    found.add(n)
 
     def generate(
         self, orig_generate: Any, tokens: Sequence[int], reset: bool = True, **kwargs: Any

@@ -19,11 +19,15 @@ from typing import Any
 
 import httpx
 import llama_cpp
+import numpy as np
 import pytest
 from helpers import EXTRA, N_CTX, SAMPLING, SYSTEM, Server, run_worker, texts
 
 from shmkv import policy
-from shmkv.boundaries import chat_boundaries, prefix_lengths
+from shmkv.arena import common_prefix
+from shmkv.boundaries import ChatBoundaries, formatter_of, prefix_lengths
+from shmkv.chat import gemma3_formatter
+from shmkv.llama import HINT_SLACK
 
 SYS = {"role": "system", "content": SYSTEM}
 # user messages far longer than the 64-token tail checkpoint, different from the first word
@@ -158,29 +162,44 @@ def test_warm_pins_the_system_message_checkpoint(make_supervisor, models, vocab,
     assert system_end(vocab) in pinned
 
 
+def boundaries_of(llm: llama_cpp.Llama, messages: list[dict[str, Any]]) -> list[int]:
+    """Where the prompt of ``messages`` and each prefix ChatBoundaries finds for it part
+    (as ``SharedPrefixCache`` takes them), and check that prefixes of the prompt they are."""
+    formatter = formatter_of(llm)
+    assert formatter is not None
+    whole = formatter(messages=messages)
+    prompt = np.asarray(
+        llm.tokenize(whole.prompt.encode(), add_bos=not whole.added_special, special=True)
+    )
+    points = []
+    for prefix in ChatBoundaries(llm).prefixes(messages):
+        n = common_prefix(prefix, prompt)
+        assert n >= len(prefix) - HINT_SLACK
+        points.append(n)
+    return points
+
+
 def test_boundaries_of_a_chat(vocab):
     """Where the formatter's rendering of the leading messages and the whole prompt
     part; chats with no shared leading part (or a handler we cannot render) get none."""
-    full, points = chat_boundaries(vocab, [SYS, *SHOTS, user("Why?")])  # type: ignore[misc]
-    assert full == vocab.tokenize(
-        (
-            f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
-            + "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in SHOTS)
-            + "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n"
-        ).encode(),
-        add_bos=True,
-        special=True,
-    )
-    assert points[0] == system_end(vocab) and len(points) == 2
+    n_sys = system_end(vocab)
+    shots = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in SHOTS)
+    n_shots = chatml_tokens(vocab, f"<|im_start|>system\n{SYSTEM}<|im_end|>\n{shots}<|im_start|>")
+    assert boundaries_of(vocab, [SYS, *SHOTS, user("Why?")]) == [n_sys, n_shots]
+    # (llama-cpp-python's chatml renders an empty system turn when there is none)
+    empty = "<|im_start|>system\n<|im_end|>\n"
+    assert boundaries_of(vocab, [*SHOTS, user("Why?")]) == [
+        chatml_tokens(vocab, f"{empty}{shots}<|im_start|>")
+    ]
     assert prefix_lengths([user("hi")]) == []
     assert prefix_lengths([SYS]) == []
     assert prefix_lengths([SYS, user("a"), {"role": "assistant", "content": "b"}]) == [1]
     assert prefix_lengths([user("a"), {"role": "assistant", "content": "b"}, user("c")]) == [2]
-    assert chat_boundaries(vocab, [user("hi")]) is None
+    assert ChatBoundaries(vocab).prefixes([user("hi")]) == []
     other = llama_cpp.Llama(
         vocab.model_path, vocab_only=True, verbose=False, chat_handler=lambda **kw: None
     )
-    assert chat_boundaries(other, [SYS, user("hi")]) is None
+    assert ChatBoundaries(other).prefixes([SYS, user("hi")]) == []
 
 
 def test_gemma3_system_boundary():
@@ -198,10 +217,16 @@ def test_gemma3_system_boundary():
     register_gemma3()
     llm = llama_cpp.Llama(path, vocab_only=True, verbose=False, chat_format="shmkv-gemma3")
     system = {"role": "system", "content": "You are the support bot of ACME. " * 20}
-    full_a, (n,) = chat_boundaries(llm, [system, user("How do I reset my password?")])  # type: ignore[misc]
-    full_b, (m,) = chat_boundaries(llm, [system, user("Where is my order?")])  # type: ignore[misc]
-    assert n == m and full_a[:n] == full_b[:n] and full_a[n] != full_b[n]
-    assert llm.detokenize(full_a[:n]).endswith(b"ACME. \n\n")
+    asks = [user("How do I reset my password?"), user("Where is my order?")]
+    (n,) = boundaries_of(llm, [system, asks[0]])
+    (m,) = boundaries_of(llm, [system, asks[1]])
+    render = gemma3_formatter()  # (its prompt has its <bos>: no other added)
+    prompts = [
+        llm.tokenize(render(messages=[system, a]).prompt.encode(), add_bos=False, special=True)
+        for a in asks
+    ]
+    assert n == m == common_prefix(np.asarray(prompts[0]), np.asarray(prompts[1]))
+    assert llm.detokenize(prompts[0][:n]).endswith(b"ACME. \n\n")
 
 
 def test_boundary_checkpoints_policy():
