@@ -22,6 +22,8 @@ import llama_cpp
 import numpy as np
 import pytest
 from helpers import EXTRA, N_CTX, SAMPLING, SYSTEM, Server, run_worker, texts
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shmkv import policy
 from shmkv.arena import common_prefix
@@ -248,3 +250,25 @@ def test_boundary_checkpoints_policy():
     assert plain.checkpoints(2000, 0, 0, 64, [1000]).points == []
     assert not plain.wants_boundaries and sw.wants_boundaries
     assert not policy.Exact(policy.Rules(n_swa=32, exact=True, align=64)).wants_boundaries
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(2, 3000),
+    reused=st.integers(0, 3000),
+    divergence=st.integers(0, 3000),
+    marks=st.lists(st.integers(-5, 3005), max_size=6),
+)
+def test_boundary_checkpoints_are_bounded(n, reused, divergence, marks):
+    """Whatever the hints: checkpoints lie inside the prompt past what was restored, at
+    most two of them are boundaries, and those are a chunk long and apart."""
+    sw = policy.SlidingWindow(policy.Rules(n_swa=32, min_tokens=0, checkpoint_tail=64))
+    points = sw.checkpoints(n, reused, divergence, 64, marks).points
+    assert points == sorted(set(points))
+    assert all(reused < p < n - 1 for p in points)
+    chosen = sw.boundary_checkpoints(n, reused, 64, marks)
+    assert set(chosen) <= set(points) and set(chosen) <= set(marks)
+    assert len(chosen) <= policy.MAX_BOUNDARY_CHECKPOINTS
+    assert all(p >= 64 and p >= reused + policy.SWA_MIN_GAIN for p in chosen)
+    assert all(b - a >= policy.SWA_MIN_GAIN for a, b in zip(chosen, chosen[1:], strict=False))
+    assert len(points) <= policy.MAX_BOUNDARY_CHECKPOINTS + 1
