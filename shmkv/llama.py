@@ -19,6 +19,7 @@ restorable here (``fingerprint.py``) and the caller's namespace. Which record
 to restore and which checkpoints to publish is planned in ``policy.py``; the
 state moves in and out of llama.cpp in ``kvstate.py``; one restore is carried
 out and counted in ``restorer.py``; the hooks on ``Llama`` are in ``hooks.py``;
+where a chat's messages start (checkpoints for sliding windows) in ``boundaries.py``;
 ``publisher.py`` talks to the supervisor off the token path. This module wires
 them together and keeps the worker's counters (``shmkv.stats``). Any failure
 of the cache (no supervisor, mismatch, corrupt blob, failed ``set_data``) is
