@@ -1,12 +1,14 @@
-"""The hooks on a ``Llama``: ``generate``, ``eval`` and ``_create_completion``.
+"""The hooks on a ``Llama``: ``generate``, ``eval``, ``_create_completion`` and
+``create_chat_completion``.
 
-:func:`install` wraps those three methods of an existing ``Llama`` (``attach``);
+:func:`install` wraps those four methods of an existing ``Llama`` (``attach``);
 ``SharedCacheLlama`` overrides them instead. Either way ``generate`` goes to the
 cache (``SharedPrefixCache.generate``), ``eval`` runs under the cache's context
 guard while it keeps count of the logits rows the context fills, on the cores of
-the CPU budget if the cache has one (:func:`run_eval`, ``cpubudget.py``), and
+the CPU budget if the cache has one (:func:`run_eval`, ``cpubudget.py``),
 ``_create_completion`` tells the generate call it makes whether it reads the
-prompt's logits (:func:`run_completion`).
+prompt's logits (:func:`run_completion`), and ``create_chat_completion`` tells the
+cache where its messages start (:func:`run_chat_completion`, ``boundaries.py``).
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
-from . import cpubudget, tenant
+from . import boundaries, cpubudget, tenant
 
 if TYPE_CHECKING:
     from .llama import SharedPrefixCache
 
 _COMPLETION_PARAMS = inspect.signature(llama_cpp.Llama._create_completion)
+_CHAT_PARAMS = inspect.signature(llama_cpp.Llama.create_chat_completion)
 
 
 def run_eval(cache: SharedPrefixCache, orig_eval: Any, tokens: Sequence[int]) -> None:
@@ -61,6 +64,19 @@ def run_completion(cache: SharedPrefixCache, orig: Any, *args: Any, **kwargs: An
         cache._completion.prompt_logits = None
 
 
+def run_chat_completion(cache: SharedPrefixCache, orig: Any, *args: Any, **kwargs: Any) -> Any:
+    """The body of the hooked ``Llama.create_chat_completion``: hint where its messages
+    start (a model whose states cannot be cut back checkpoints there), then run it."""
+    chat = cache.chat_boundaries
+    if chat is not None:
+        try:
+            bound = _CHAT_PARAMS.bind_partial(None, *args, **kwargs).arguments
+            cache.hint_boundaries(chat.prefixes(bound.get("messages") or [], bound))
+        except Exception as e:  # (a chat the template refuses: the completion says so)
+            boundaries.log.debug("no chat boundaries: %s", e)
+    return orig(*args, **kwargs)
+
+
 def take_prompt_logits(cache: SharedPrefixCache) -> bool | None:
     """What the completion around this generate call (on this thread) said about the
     prompt's logits, once (None: not known, e.g. no completion around it)."""
@@ -92,8 +108,18 @@ def _hooked_completion(cache: SharedPrefixCache, orig: Any) -> Callable[..., Ite
     return _create_completion
 
 
+def _hooked_chat_completion(cache: SharedPrefixCache, orig: Any) -> Callable[..., Any]:
+    def create_chat_completion(*args: Any, **kwargs: Any) -> Any:
+        return cache.chat_completion(orig, *args, **kwargs)
+
+    create_chat_completion.__doc__ = orig.__doc__
+    return create_chat_completion
+
+
 def install(cache: SharedPrefixCache, llm: llama_cpp.Llama) -> None:
-    """Wrap ``llm``'s ``generate``, ``eval`` and ``_create_completion`` around ``cache``."""
+    """Wrap ``llm``'s ``generate``, ``eval``, ``_create_completion`` and
+    ``create_chat_completion`` around ``cache``."""
     llm.generate = _hooked_generate(cache, llm.generate)  # type: ignore[method-assign,assignment]
     llm.eval = _hooked_eval(cache, llm.eval)  # type: ignore[method-assign,assignment]
     llm._create_completion = _hooked_completion(cache, llm._create_completion)  # type: ignore[method-assign]
+    llm.create_chat_completion = _hooked_chat_completion(cache, llm.create_chat_completion)  # type: ignore[method-assign]

@@ -22,6 +22,7 @@ Which record
 to restore and which checkpoints to publish is planned in ``policy.py``; the
 state moves in and out of llama.cpp in ``kvstate.py``; one restore is carried
 out and counted in ``restorer.py``; the hooks on ``Llama`` are in ``hooks.py``;
+where a chat's messages start (checkpoints for sliding windows) in ``boundaries.py``;
 ``publisher.py`` talks to the supervisor off the token path. This module wires
 them together and keeps the worker's counters (``shmkv.stats``). Any failure
 of the cache (no supervisor, mismatch, corrupt blob, failed ``set_data``) is
@@ -35,6 +36,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp as lc
 
-from . import hooks, kvstate, policy, tenant
+from . import boundaries, hooks, kvstate, policy, tenant
 from .arena import chain_digests, common_prefix
 from .client import Client
 from .config import Settings, resolve, trusted_uids
@@ -71,6 +73,11 @@ __all__ = [
 COALESCE_MIN_CHUNKS = 2
 #: prefills shorter than this do not count towards the measured prefill speed
 PREFILL_SAMPLE_MIN = 64
+#: boundary hints kept for calls to come (a hint not taken by the next call is stale)
+MAX_HINTS = 4
+#: a hinted prefix's last tokens that its prompt may tokenize otherwise (merged with what
+#: follows), so that it still applies
+HINT_SLACK = 4
 
 _LIVE: weakref.WeakSet[SharedPrefixCache] = weakref.WeakSet()
 
@@ -113,6 +120,8 @@ class Call:
         self._chains: dict[int, list[bytes]] = {}
         #: publish the state of this many prompt tokens during the prefill (0: none)
         self.checkpoint_at = 0
+        #: where the prompt's chat messages start (``hint_boundaries``): checkpoints there
+        self.boundaries: tuple[int, ...] = ()
         #: met a corrupt record: publish a good copy even if one seems cached
         self.republish = False
         #: chunk digests this call claimed: other workers wait for their publish
@@ -303,7 +312,9 @@ class Call:
         where its own prefix match would start, so the numbers are one eval's.
         """
         cache, llm, tokens = self.cache, self.cache.llm, self.tokens
-        plan = cache.policy.checkpoints(len(tokens), reused, self.checkpoint_at, cache.chunk_tokens)
+        plan = cache.policy.checkpoints(
+            len(tokens), reused, self.checkpoint_at, cache.chunk_tokens, self.boundaries
+        )
         self.checkpoint_at = 0
         if plan.aligned is not None:
             cache._aligned = plan.aligned
@@ -315,7 +326,10 @@ class Call:
                 llm.eval(tokens[llm.n_tokens : p])
                 if cache.capture(n_tokens=p, min_new=plan.min_new):
                     cache.ledger.add(checkpoints=1)
+                    if p in self.boundaries:
+                        cache.ledger.add(boundary_checkpoints=1)
                     cache.last.checkpoint = p
+                    cache.last.checkpoints.append(p)
             return llm.n_tokens
         except Exception as e:  # never break generation: go cold
             cache.ledger.fail("checkpoint failed", e)
@@ -449,6 +463,12 @@ class SharedPrefixCache:
         #: the deployment's CPU budget its evals run on (``shmkv.cpubudget``; None: the
         #: context's own threads)
         self.cpu: CpuBudget | None = None
+        #: token prefixes hinted for the next call (``hint_boundaries``)
+        self._hints: deque[list[np.ndarray]] = deque(maxlen=MAX_HINTS)
+        #: renders a chat's leading messages (``create_chat_completion``), where it helps
+        self.chat_boundaries = (
+            boundaries.ChatBoundaries(llm) if self.policy.wants_boundaries else None
+        )
         _LIVE.add(self)
         try:  # attach now (after fork, at model load), not on the first request
             self.reader.ensure()
@@ -651,6 +671,33 @@ class SharedPrefixCache:
         if self.cpu is not None:
             self.cpu.close()
 
+    def hint_boundaries(self, prefixes: Sequence[Sequence[int] | np.ndarray]) -> None:
+        """Message boundaries of the next call's prompt, as token prefixes of it: a model
+        whose states cannot be cut back (sliding windows) publishes a checkpoint where
+        its prompt stops matching each (those worth it), which later prompts sharing that
+        much restore whole. A prefix the prompt does not match but for its last
+        ``HINT_SLACK`` tokens is not the prompt's, and ignored. The hooked
+        ``create_chat_completion`` hints each chat (``boundaries.py``); for a prompt of
+        your own, ``hint_boundaries([tokens[:n1], tokens[:n2]])`` before
+        ``create_completion(tokens)``.
+        """
+        hint = [np.asarray(p, dtype=np.int32) for p in prefixes if len(p)]
+        if hint:
+            self._hints.append(hint)
+
+    def _take_boundaries(self, prompt: np.ndarray) -> tuple[int, ...]:
+        """The hinted boundaries of ``prompt``; every pending hint is used up."""
+        found: set[int] = set()
+        while True:
+            try:
+                hint = self._hints.popleft()
+            except IndexError:
+                return tuple(sorted(found))
+            for prefix in hint:
+                n = common_prefix(prefix, prompt)
+                if 0 < n < len(prompt) and n >= len(prefix) - HINT_SLACK:
+                    found.add(n)
+
     def generate(
         self, orig_generate: Any, tokens: Sequence[int], reset: bool = True, **kwargs: Any
     ) -> Iterator[int]:
@@ -658,6 +705,7 @@ class SharedPrefixCache:
         wants = hooks.take_prompt_logits(self)
         # (a generate call that did not come through a completion may read any logits)
         call = Call(self, list(tokens), prompt_logits=self.logits_all and wants is not False)
+        call.boundaries = self._take_boundaries(call.prompt)
         return (yield from call.run(orig_generate, reset, kwargs))
 
     def eval(self, orig_eval: Any, tokens: Sequence[int]) -> None:
@@ -669,6 +717,11 @@ class SharedPrefixCache:
         """The body of the hooked ``Llama._create_completion``: tells the generate call it
         makes (on this thread) whether it reads the prompt's logits."""
         return hooks.run_completion(self, orig, *args, **kwargs)
+
+    def chat_completion(self, orig: Any, *args: Any, **kwargs: Any) -> Any:
+        """The body of the hooked ``Llama.create_chat_completion``: hints where the
+        messages of its prompt start (``boundaries.py``)."""
+        return hooks.run_chat_completion(self, orig, *args, **kwargs)
 
 
 def attach(
@@ -735,3 +788,6 @@ class SharedCacheLlama(llama_cpp.Llama):
 
     def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         return self.shmkv.completion(super()._create_completion, *args, **kwargs)
+
+    def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
+        return self.shmkv.chat_completion(super().create_chat_completion, *args, **kwargs)

@@ -18,7 +18,8 @@ Three strategies, chosen once per cache from its :class:`Rules`:
   prefix.
 * :class:`SlidingWindow`: a sliding-window layer keeps only the last ``n_swa``
   positions, so a state can be cut back only within its window; otherwise it
-  must be restored whole. Checkpoints are published where prompts diverge.
+  must be restored whole. Checkpoints are published where prompts diverge, and
+  where a chat's messages start (boundaries the caller hints, ``boundaries.py``).
 * :class:`Exact`: restore only at multiples of ``n_batch``, from states computed
   in whole batches, so that a hit repeats a cold run's batches bit for bit.
 """
@@ -38,6 +39,8 @@ from .errors import ArenaCorruptError
 SWA_MAX_PROBES = 256
 #: publish a divergence checkpoint only if it saves later prompts at least this many tokens
 SWA_MIN_GAIN = 16
+#: most checkpoints one prefill publishes at chat message boundaries (each is a state capture)
+MAX_BOUNDARY_CHECKPOINTS = 2
 
 #: the supervisor's ``owners``: (digest, prompt) -> [(offset, gen, n_tokens, tokens matched)],
 #: of the records of trusted publishers only
@@ -196,6 +199,9 @@ class Checkpoints:
 class Strategy:
     """What every strategy shares: the context's own tokens, the lease-or-not decision."""
 
+    #: whether checkpoints at chat message boundaries help (states that cannot be cut back)
+    wants_boundaries = False
+
     def __init__(self, rules: Rules) -> None:
         self.rules = rules
         self.n_swa = rules.n_swa
@@ -300,9 +306,15 @@ class Strategy:
         return self.rules.publish
 
     def checkpoints(
-        self, n_prompt: int, reused: int, divergence: int, chunk: int | None
+        self,
+        n_prompt: int,
+        reused: int,
+        divergence: int,
+        chunk: int | None,
+        boundaries: Sequence[int] = (),
     ) -> Checkpoints:
-        """States to publish while prefilling after ``reused`` tokens."""
+        """States to publish while prefilling after ``reused`` tokens (``boundaries``: where
+        the prompt's chat messages start, a hint)."""
         return Checkpoints([])
 
 
@@ -331,6 +343,8 @@ class Plain(Strategy):
 
 class SlidingWindow(Strategy):
     """States restored whole or cut within their window; checkpoints where prompts part."""
+
+    wants_boundaries = True
 
     def choose(
         self,
@@ -446,11 +460,57 @@ class SlidingWindow(Strategy):
             return 0  # (a state a few tokens past one just restored helps nobody)
         return at
 
+    def boundary_checkpoints(
+        self, n_prompt: int, have: int, chunk: int | None, boundaries: Sequence[int]
+    ) -> list[int]:
+        """Which hinted message boundaries get a checkpoint (ascending, at most
+        ``MAX_BOUNDARY_CHECKPOINTS``): each must save a later prompt ``SWA_MIN_GAIN``
+        tokens over what this one restored and over the boundary before it, be worth
+        publishing at all, and lie where the prompt's own state cannot stand in for it.
+        The first ones win (a system message is shared by more prompts than a history).
+        """
+        if chunk is None or not self.rules.publish:
+            return []
+        out: list[int] = []
+        for b in sorted(set(boundaries)):
+            if len(out) == MAX_BOUNDARY_CHECKPOINTS:
+                break
+            if (
+                b < have + SWA_MIN_GAIN
+                or (out and b < out[-1] + SWA_MIN_GAIN)
+                or b >= n_prompt - 1
+                or b < self.rules.min_publish(chunk)
+                or window_allows_cut(self.n_swa, n_prompt, b)
+            ):
+                continue
+            out.append(b)
+        return out
+
     def checkpoints(
-        self, n_prompt: int, reused: int, divergence: int, chunk: int | None
+        self,
+        n_prompt: int,
+        reused: int,
+        divergence: int,
+        chunk: int | None,
+        boundaries: Sequence[int] = (),
     ) -> Checkpoints:
-        at = divergence or self.tail_checkpoint(n_prompt, reused, chunk)
-        return Checkpoints([at] if reused < at < n_prompt - 1 else [], min_new=0)
+        """The message boundaries worth it, and the divergence or else the tail checkpoint.
+
+        A divergence close to a boundary gives way to it. So does a tail checkpoint that
+        lies before the last boundary (or close after it): later prompts that share that
+        much share the boundary, which every prompt with the same messages restores.
+        """
+        marks = self.boundary_checkpoints(n_prompt, reused, chunk, boundaries)
+        at = divergence
+        if at:
+            if any(abs(at - b) < SWA_MIN_GAIN for b in marks):
+                at = 0
+        else:
+            at = self.tail_checkpoint(n_prompt, reused, chunk)
+            if marks and at < marks[-1] + SWA_MIN_GAIN:
+                at = 0
+        points = set(marks) | ({at} if reused < at < n_prompt - 1 else set())
+        return Checkpoints(sorted(points), min_new=0)
 
 
 class Exact(Strategy):
@@ -515,7 +575,12 @@ class Exact(Strategy):
         return self.rules.publish and n_tokens % self.rules.align == 0 and n_tokens <= aligned
 
     def checkpoints(
-        self, n_prompt: int, reused: int, divergence: int, chunk: int | None
+        self,
+        n_prompt: int,
+        reused: int,
+        divergence: int,
+        chunk: int | None,
+        boundaries: Sequence[int] = (),
     ) -> Checkpoints:
         """Prefill batch by batch, publishing the state at batch boundaries.
 

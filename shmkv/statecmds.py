@@ -84,7 +84,7 @@ def _warm_model(
                 summary.tokens_restored += done.restored
                 summary.seconds += done.seconds
                 if item.pin or pin_all:
-                    ends = [len(done.tokens)] + ([done.checkpoint] if done.checkpoint else [])
+                    ends = [len(done.tokens), *done.checkpoints]
                     keys = ((warmer.key(done.tokens[:n]), n) for n in ends)
                     pins += [(k, n) for k, n in keys if k is not None]
         warmer.flush()

@@ -145,6 +145,10 @@ class CallStats:
     remote_wait_seconds: float = field(
         default=0.0, metadata={"kind": GAUGE, "help": "seconds waited for a fetch from --remote"}
     )
+    checkpoints: list[int] = field(
+        default_factory=list,
+        metadata={"kind": INFO, "help": "lengths of every checkpoint state published mid-prefill"},
+    )
     error: str | None = field(
         default=None, metadata={"kind": INFO, "help": "the last cache failure, if any"}
     )
@@ -196,6 +200,10 @@ class WorkerCounters:
         metric="sliding_window_fallbacks",
     )
     checkpoints: int = counter("checkpoint states published mid-prefill", reported=True)
+    boundary_checkpoints: int = counter(
+        "of those, checkpoints at a chat's message boundaries (the end of its system message, ...)",
+        reported=True,
+    )
     captures_dropped: int = counter(
         "states not captured because their call was closed late (an abandoned stream) while "
         "the context was in use or had moved on"

@@ -5,7 +5,8 @@ does (``served.py``: the same ``ModelSettings``, the same chat format, so the sa
 fingerprint and the same prompt tokens) with the cache attached, and runs each
 input line as a one-token completion: the cache restores what is cached, prefills
 the rest and publishes the prompt's state (and, for a sliding-window model, its
-tail checkpoint), exactly as it would for a served request.
+tail checkpoint and a chat's message boundaries), exactly as it would for a served
+request; ``--pin`` pins them all.
 
 Input: JSON Lines, one prompt per line: a JSON string (a completion prompt),
 ``{"prompt": "..."}`` or ``{"messages": [{"role": ..., "content": ...}, ...]}`` (a
@@ -116,8 +117,8 @@ class Warmed:
     restored: int
     evaluated: int
     seconds: float
-    #: length of the checkpoint published mid-prefill (0: none)
-    checkpoint: int = 0
+    #: lengths of the checkpoints published mid-prefill (tail, chat message boundaries)
+    checkpoints: tuple[int, ...] = ()
 
 
 @dataclass
@@ -163,7 +164,7 @@ class Warmer:
             last.tokens_restored,
             last.tokens_evaluated,
             time.perf_counter() - t0,
-            last.checkpoint,
+            tuple(last.checkpoints),
         )
 
     def flush(self) -> None:

@@ -277,8 +277,11 @@ async def _event_publisher(
 
     The original leaves an abandoned iterator to the garbage collector, which closes it
     later on whatever thread it runs on: the generator's cleanup (shmkv's state capture)
-    would then touch the llama context while another request decodes on it. With
-    ``stream_options.include_usage``, the stream ends with a usage chunk (``usage.py``).
+    would then touch the llama context while another request decodes on it. It also
+    calls the class's method (``Llama.create_chat_completion``), not the instance's,
+    which shmkv hooks (a chat's message boundaries): the instance's is called here.
+    With ``stream_options.include_usage``, the stream ends with a usage chunk
+    (``usage.py``).
     """
     with_usage = await include_usage(request)
     server_settings = next(server_app.get_server_settings())
@@ -288,7 +291,8 @@ async def _event_publisher(
         async with inner_send_chan:
             iterator = None
             try:
-                iterator = await run_in_threadpool(llama_call, llama, **kwargs)
+                method = getattr(llama, llama_call.__name__)  # (the hooked one)
+                iterator = await run_in_threadpool(method, **kwargs)
                 last = None
                 async for chunk in iterate_in_threadpool(iterator):
                     if with_usage:
