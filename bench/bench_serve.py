@@ -159,8 +159,9 @@ def llama_server_args(cfg: dict[str, Any]) -> list[str]:
     each (llama-server splits ``-c`` over its slots unless the KV cache is unified), every
     core for prompts and decoding, ``--cache-ram`` MiB of prompt cache."""
     slots, cores = cfg["workers"], str(os.cpu_count() or 1)
+    decode = str(cfg.get("llama_server_threads") or cores)
     args = ["-m", cfg["model"], "-a", "gemma", "-c", str(cfg["n_ctx"] * slots), "-np", str(slots)]
-    args += ["--no-kv-unified", "-t", cores, "-tb", cores, "--no-webui"]
+    args += ["--no-kv-unified", "-t", decode, "-tb", cores, "--no-webui"]
     return args + ["--cache-ram", str(cfg["llama_server_cache_ram_mib"])]
 
 
@@ -827,6 +828,12 @@ opt = common.option
 @opt("--ramcache-size", default="1G", help="LlamaRAMCache capacity per worker (CACHE_SIZE).")
 @opt("--llama-server-cache-ram", help="llama-server --cache-ram, as a size [--arena-size].")
 @opt("--llama-server", "llama_server_binary", help="llama-server binary [built and cached].")
+@opt(
+    "--llama-server-threads",
+    default=0,
+    help="llama-server -t, its decoding threads (0: all cores; prompts always on all cores). "
+    "On a busy machine its spinning thread pool can make all-core decode steps very slow.",
+)
 @opt("--runs", default=1, help="Run every cell this many times (the table gives the spread).")
 @opt("--max-rss", default="16G", help="Stop a cell when the server's memory exceeds this.")
 @opt("--min-available", default="3G", help="Stop a cell when less memory is available.")
@@ -864,6 +871,7 @@ def main(report: common.Report, o: Any) -> None:
         "min_available": parse_size(o.min_available),
     }
     cfg["runs"] = max(1, o.runs)
+    cfg["llama_server_threads"] = o.llama_server_threads
     cfg["llama_server_cache_ram_mib"] = parse_size(o.llama_server_cache_ram or o.arena_size) >> 20
     if LLAMA_SERVER_ARMS & set(arms):
         import llama_server  # (bench/llama_server.py: builds it once, minutes)
