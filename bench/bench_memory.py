@@ -41,8 +41,9 @@ import common  # noqa: E402
 log = logging.getLogger("bench_memory")
 
 KINDS = ("code", "weights", "arena", "shm", "anon")
-#: a variant is "default" or comma-separated key=value of Llama keyword arguments
-VARIANTS = "default,swa_full=false,n_ubatch=256,n_ubatch=128,swa_full=false;n_ubatch=256"
+#: a variant is "default" (as `shmkv serve` loads a model) or key=value;key=value of Llama
+#: keyword arguments that change it
+VARIANTS = "default,swa_full=true,n_ubatch=256,n_ubatch=128"
 BUFFERS = {  # llama.cpp's log lines of the buffers it allocates (MiB)
     "weights_mapped": r"CPU_Mapped model buffer size =\s*([\d.]+) MiB",
     "weights_repacked": r"CPU_REPACK model buffer size =\s*([\d.]+) MiB",
@@ -182,7 +183,8 @@ def probe(spec: dict[str, Any]) -> None:
     ms = model_settings(settings, spec["model"], threads=spec["threads"])
     variant = spec["variant"]
     fields = {k: v for k, v in variant.items() if k in ModelSettings.model_fields}
-    extra = {k: v for k, v in variant.items() if k not in fields}  # Llama() arguments only
+    extra = {"swa_full": settings.swa_full}  # (as shmkv.served.load_with)
+    extra |= {k: v for k, v in variant.items() if k not in fields}  # Llama() arguments only
     ms = ms.model_copy(update=fields | {"verbose": True})
     plain = llama_cpp.Llama
     llama_cpp.Llama = functools.partial(plain, **extra)  # type: ignore[misc]
