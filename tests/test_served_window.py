@@ -90,3 +90,24 @@ def test_without_the_supervisor_far_cuts_equal_cold_runs(
         srv.stop()
     assert "supervisor unavailable" in log
     assert got == references
+
+
+def test_a_worker_serving_without_shmkv_reloads_with_a_full_window_cache(models, monkeypatch):
+    """No cache attached (an error, injected here) leaves plain llama-cpp-python, which
+    keeps its context's tokens without asking the window: the worker reloads its window
+    model with a full window cache, and keeps a model without window layers as it is."""
+    import shmkv_workers.app as app
+
+    from shmkv.errors import ShmkvError
+    from shmkv.served import model_settings
+
+    def no_cache(*_args, **_kw):
+        raise ShmkvError("injected: no cache")
+
+    monkeypatch.setattr(app, "attach", no_cache)
+    settings = resolve("serve", env={})
+    load = app.make_loader(settings)
+    window = load(model_settings(settings, models["swa"], threads=1))
+    assert window.context_params.swa_full is True
+    plain = load(model_settings(settings, models["seed0"], threads=1))
+    assert plain.context_params.swa_full is False

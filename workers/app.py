@@ -374,6 +374,7 @@ def make_loader(settings: Settings):
             if not settings.swa_full and llama_cpp.llama_model_n_swa(llm.model) > 0:
                 # plain llama-cpp-python reuses its context's tokens without asking whether
                 # a window layer still holds them (shmkv asks): only a full window always does
+                log.warning("reloading %s with a full window cache", model_settings.model)
                 llm.close()
                 llm = load_with(model_settings, True, plain)
             return llm
