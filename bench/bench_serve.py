@@ -791,7 +791,7 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         f"{'+dirty' if code.get('modified') else ''}); Gemma 3 270M Q4_K_M, {cfg['workers']} "
         f"gunicorn workers × {cfg['threads']} thread, n_ctx {cfg['n_ctx']}, {cfg['prompts']} "
         f"system prompts of ~{round(sum(system) / len(system))} tokens, {cfg['requests']} "
-        "streaming requests",
+        "streaming requests" + (f"; the last of {n} runs" if (n := cfg.get("runs", 1)) > 1 else ""),
         fontsize=9,
     )
     handles = [plt.Rectangle((0, 0), 1, 1, color=ARMS[a][1]) for a in arms]
