@@ -7,7 +7,12 @@ on a supervisor of its own) and ``shmkv-exact`` (with ``--exact``), whose worker
 CPU budget of all cores (a prompt batch on every free core, up to ``--budget-threads``);
 ``shmkv-static`` (``--static-threads``: each worker on ``--threads`` threads, as before);
 ``shmkv-q8_0`` (q8_0 K and V caches: states about half the size) and ``shmkv-chat`` (the
-same requests as chat messages), both on the CPU budget as ``shmkv``.
+same requests as chat messages), both on the CPU budget as ``shmkv``; ``llama-server`` and
+``llama-server-chat``: llama.cpp's own server, built by ``bench/llama_server.py`` from the
+llama.cpp sources the installed llama-cpp-python vendors (the same code as every other arm),
+one process with ``-np`` = ``--workers`` slots of ``--n-ctx`` each (``-c`` n_ctx x slots, KV
+not unified), ``--cache-ram`` (``--llama-server-cache-ram``, default the arena's size) and
+all cores.
 Each request is one of ``--prompts`` system prompts plus a short question in Gemma's turn
 format, streamed from ``/v1/completions`` on a new connection, the same sequence in every
 cell; the chat arm sends it as a system and a user message to ``/v1/chat/completions``,
@@ -17,10 +22,16 @@ waits for a quiet machine and runs the sequence closed-loop, recording each requ
 worker and cache use, and the memory and CPU of every server process (and the CPU other
 processes used meanwhile).
 
-    python bench/bench_serve.py                    # full run (~30-40 min)
+    python bench/bench_serve.py                    # full run (~60 min)
     python bench/bench_serve.py --quick            # smoke run (~3 min)
     python bench/bench_serve.py --arms shmkv --concurrency 4 --requests 30
     python bench/bench_serve.py --arms shmkv,shmkv-chat,shmkv-q8_0 --concurrency 4
+    python bench/bench_serve.py --arms llama-server,shmkv,llama-server-chat,shmkv-chat --runs 3
+
+Server memory is the PSS of every server process (llama-server: its one process; shmkv: the
+gunicorn master and workers, `shmkv serve` and the supervisor, the arena counted once); with
+the arena's used bytes taken off (``PSS - arena``: what the cache's own bytes do not explain).
+With ``--runs N`` every cell runs N times and the table gives the median and the range.
 """
 
 from __future__ import annotations
@@ -62,8 +73,12 @@ ARMS = {  # name: (label, colour)
     "shmkv-static": ("shmkv serve --static-threads (no CPU budget)", "#99bb33"),
     "shmkv-chat": ("shmkv serve, /v1/chat/completions with a system message", "#88cc44"),
     "shmkv-q8_0": ("shmkv serve --cache-type-k q8_0 --cache-type-v q8_0", "#aa55cc"),
+    "llama-server": ("llama.cpp llama-server -np N --cache-ram", "#dd4444"),
+    "llama-server-chat": ("llama-server, /v1/chat/completions with a system message", "#ee8877"),
 }
-CHAT_ARMS = {"shmkv-chat"}  # the same requests as messages, to /v1/chat/completions
+# the same requests as messages, to /v1/chat/completions
+CHAT_ARMS = {"shmkv-chat", "llama-server-chat"}
+LLAMA_SERVER_ARMS = {"llama-server", "llama-server-chat"}
 THEMES = [  # system prompts in turn: an opening, then the template of its lines
     "You are the archivist of a large museum. Follow these catalogue rules when answering "
     "visitors, and answer briefly.\n\n",
@@ -139,10 +154,24 @@ def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: i
 # ================================================================= the cell
 
 
+def llama_server_args(cfg: dict[str, Any]) -> list[str]:
+    """llama-server as the shmkv arms serve: the same model, ``--workers`` slots of n_ctx
+    each (llama-server splits ``-c`` over its slots unless the KV cache is unified), every
+    core for prompts and decoding, ``--cache-ram`` MiB of prompt cache."""
+    slots, cores = cfg["workers"], str(os.cpu_count() or 1)
+    decode = str(cfg.get("llama_server_threads") or cores)
+    args = ["-m", cfg["model"], "-a", "gemma", "-c", str(cfg["n_ctx"] * slots), "-np", str(slots)]
+    args += ["--no-kv-unified", "-t", decode, "-tb", cores, "--no-webui"]
+    return args + ["--cache-ram", str(cfg["llama_server_cache_ram_mib"])]
+
+
 def start_server(
     arm: str, cfg: dict[str, Any], workdir: Path, sup: common.Supervisor | None
 ) -> common.Server:
     model, threads, n_ctx = cfg["model"], str(cfg["threads"]), str(cfg["n_ctx"])
+    if arm in LLAMA_SERVER_ARMS:
+        binary = Path(cfg["llama_server_binary"])
+        return common.Server.llama_server(binary, llama_server_args(cfg), workdir, cfg["workers"])
     if sup is not None:
         env = {"SHMKV_MODEL": model, "SHMKV_THREADS": threads, "SHMKV_N_CTX": n_ctx}
         env |= {"SHMKV_LOG_LEVEL": "info", "SHMKV_WORKER_TIMEOUT": "900"}
@@ -360,7 +389,8 @@ def run_cell(
         srv = start_server(arm, cfg, workdir, sup)
         # SIGKILL on errors and Ctrl-C: in-flight prefills would hold SIGTERM up for 30 s
         stack.push(lambda exc_type, _e, _tb: srv.stop(kill=exc_type is not None))
-        srv.wait_ready(logged="Application startup complete")
+        llama_server = arm in LLAMA_SERVER_ARMS
+        srv.wait_ready(logged=None if llama_server else "Application startup complete")
         cell["startup_s"] = time.monotonic() - t
         cell["worker_pids"] = srv.worker_pids()
         warm_up(srv)
@@ -369,8 +399,12 @@ def run_cell(
         cell["quiet"] = common.wait_until_quiet(cfg["max_load"], cfg["max_wait"])
         stats0 = sup.stats() if sup else None
 
-        def pids() -> dict[str, list[int]]:  # not `shmkv serve` itself: it only watches
+        def pids() -> dict[str, list[int]]:  # every process a user of the server pays for
+            if llama_server:
+                return {"server": [srv.child.pid]}
             roles = {"master": [srv.master_pid()], "worker": srv.worker_pids()}
+            if srv.master_pid() != srv.child.pid:  # `shmkv serve`, which watches the others
+                roles["watcher"] = [srv.child.pid]
             return roles | ({"supervisor": [sup.child.pid]} if sup else {})
 
         def flat() -> list[int]:
@@ -528,6 +562,8 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
         mem["cache_how"] = "arena PSS summed over all processes that map it"
         procs = m1["processes"].items()
         mem["arena_pss_per_process"] = {pid: p["arena_pss"] for pid, p in procs if p["arena_pss"]}
+    elif c["arm"] in LLAMA_SERVER_ARMS:
+        mem["cache_how"] = "--cache-ram: inside the server's PSS, not told apart"
     elif c["arm"] == "ramcache":
         mem["cache_bytes"] = mem["workers_pss_growth"]
         mem["cache_how"] = "workers' PSS growth from after warm-up to the end"
@@ -569,10 +605,67 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
                 "delta": {k: v - a.get(k, 0) for k, v in common.pick(b, counters).items()},
                 "end": common.pick(b, ends),
             }
+    used = (out.get("supervisor") or {}).get("end", {}).get("bytes_used", 0)
+    mem["arena_used_end"] = used  # the goal's measure: PSS the cache's own bytes do not explain
+    mem["total_pss_minus_arena_used_end"] = mem["total_pss_end"] - used
     return out
 
 
 # ================================================================== reports
+
+
+def llama_server_ratio(c: dict[str, Any], cells: list[dict[str, Any]]) -> float | None:
+    """The goal's measure: this cell's PSS minus the arena's used bytes over llama-server's
+    PSS, at the same concurrency and endpoint (and run)."""
+    ref = "llama-server-chat" if c["arm"] in CHAT_ARMS else "llama-server"
+    for r in cells:
+        same = (r["concurrency"], r.get("run", 0)) == (c["concurrency"], c.get("run", 0))
+        if r["arm"] == ref and same and r["memory"]["total_pss_end"]:
+            return c["memory"]["total_pss_minus_arena_used_end"] / r["memory"]["total_pss_end"]
+    return None
+
+
+SPREAD = {  # what the --runs table gives the median and range of
+    "TTFT mean": lambda c: c["ttft"].get("mean"),
+    "p50": lambda c: c["ttft"].get("p50"),
+    "p99": lambda c: c["ttft"].get("p99"),
+    "req/s": lambda c: c["requests_per_s"],
+    "server PSS": lambda c: c["memory"]["total_pss_end"],
+    "PSS - arena": lambda c: c["memory"]["total_pss_minus_arena_used_end"],
+    "vs llama-server": lambda c: c["memory"].get("vs_llama_server"),
+}
+
+
+def spread(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (arm, concurrency): each SPREAD figure's values over the runs, with their summary."""
+    out = []
+    for key in dict.fromkeys((c["arm"], c["concurrency"]) for c in cells):
+        runs = [c for c in cells if (c["arm"], c["concurrency"]) == key]
+        values = {k: [v for c in runs if (v := f(c)) is not None] for k, f in SPREAD.items()}
+        summ = {k: common.summary(v) | {"values": v} for k, v in values.items()}
+        out.append({"arm": key[0], "concurrency": key[1], "runs": len(runs), **summ})
+    return out
+
+
+def spread_table(rows: list[dict[str, Any]]) -> str:
+    """Median [min-max] over the runs."""
+
+    def fmt(s: dict[str, Any], k: str) -> str:
+        if not s.get("n"):
+            return ""
+        f = {"req/s": "{:.2f}".format, "vs llama-server": "{:.2f}x".format}.get(k)
+        if f is None:
+            f = common.fmt_b if "PSS" in k else common.fmt_s
+        return f(s["p50"]) + (f" [{f(s['min'])}-{f(s['max'])}]" if s["n"] > 1 else "")
+
+    return common.dict_table(
+        [
+            {"arm": r["arm"], "conc": r["concurrency"], "runs": r["runs"]}
+            | {k: fmt(r[k], k) for k in SPREAD}
+            for r in rows
+        ],
+        left=2,
+    )
 
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
@@ -586,7 +679,7 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
         rel = r.get("n") and t.get("n") and c["arm"] != "nocache"
         rows.append(
             {
-                "arm": c["label"],
+                "arm": c["label"] + (f" (run {c['run'] + 1})" if res["config"]["runs"] > 1 else ""),
                 "conc": c["concurrency"],
                 "ok/err": f"{c['ok']}/{c['errors']}{stopped}",
                 "cut": c["interrupted_streams"],
@@ -600,6 +693,8 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
                 "cache mem": b(mem["cache_bytes"]),
                 "worker growth": b(mem["workers_pss_growth"]),
                 "server PSS": b(mem["total_pss_end"]),
+                "PSS - arena": b(mem["total_pss_minus_arena_used_end"]),
+                "vs llama-server": f"{v:.2f}x" if (v := mem.get("vs_llama_server")) else "",
                 "baseline mean": f(base.get((c["arm"], c["concurrency"]), {}).get("mean")),
             }
         )
@@ -696,7 +791,7 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
         f"{'+dirty' if code.get('modified') else ''}); Gemma 3 270M Q4_K_M, {cfg['workers']} "
         f"gunicorn workers × {cfg['threads']} thread, n_ctx {cfg['n_ctx']}, {cfg['prompts']} "
         f"system prompts of ~{round(sum(system) / len(system))} tokens, {cfg['requests']} "
-        "streaming requests",
+        "streaming requests" + (f"; the last of {n} runs" if (n := cfg.get("runs", 1)) > 1 else ""),
         fontsize=9,
     )
     handles = [plt.Rectangle((0, 0), 1, 1, color=ARMS[a][1]) for a in arms]
@@ -710,7 +805,11 @@ opt = common.option
 
 
 @common.command("serve")
-@opt("--arms", default="nocache,ramcache,shmkv", help=f"Comma-separated, of {', '.join(ARMS)}.")
+@opt(
+    "--arms",
+    default="nocache,ramcache,llama-server,shmkv,shmkv-exact,llama-server-chat,shmkv-chat",
+    help=f"Comma-separated, of {', '.join(ARMS)}.",
+)
 @opt("--requests", type=int, help="Requests per cell [60; quick 8].")
 @opt("--cacheless-requests", type=int, help="Only the first N for nocache/ramcache [all].")
 @opt("--concurrency", help="Comma-separated levels [4,10; quick 4].")
@@ -727,6 +826,15 @@ opt = common.option
 @opt("--n-ctx", default=4096)
 @opt("--arena-size", default="1G", help="shmkv arena size.")
 @opt("--ramcache-size", default="1G", help="LlamaRAMCache capacity per worker (CACHE_SIZE).")
+@opt("--llama-server-cache-ram", help="llama-server --cache-ram, as a size [--arena-size].")
+@opt("--llama-server", "llama_server_binary", help="llama-server binary [built and cached].")
+@opt(
+    "--llama-server-threads",
+    default=0,
+    help="llama-server -t, its decoding threads (0: all cores; prompts always on all cores). "
+    "On a busy machine its spinning thread pool can make all-core decode steps very slow.",
+)
+@opt("--runs", default=1, help="Run every cell this many times (the table gives the spread).")
 @opt("--max-rss", default="16G", help="Stop a cell when the server's memory exceeds this.")
 @opt("--min-available", default="3G", help="Stop a cell when less memory is available.")
 @opt("--max-load", default=0.7, help="Wait before each cell until the 1-min load is below this.")
@@ -735,7 +843,7 @@ opt = common.option
 @opt("--model", help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
 @opt("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
 def main(report: common.Report, o: Any) -> None:
-    """Serve shared system prompts from gunicorn workers: no cache vs LlamaRAMCache vs shmkv."""
+    """Serve shared system prompts: no cache vs LlamaRAMCache vs llama-server vs shmkv."""
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     from shmkv.config import parse_size
@@ -762,6 +870,14 @@ def main(report: common.Report, o: Any) -> None:
         "max_rss": parse_size(o.max_rss),
         "min_available": parse_size(o.min_available),
     }
+    cfg["runs"] = max(1, o.runs)
+    cfg["llama_server_threads"] = o.llama_server_threads
+    cfg["llama_server_cache_ram_mib"] = parse_size(o.llama_server_cache_ram or o.arena_size) >> 20
+    if LLAMA_SERVER_ARMS & set(arms):
+        import llama_server  # (bench/llama_server.py: builds it once, minutes)
+
+        binary = o.llama_server_binary or llama_server.build()
+        cfg |= dict(llama_server_binary=str(binary), llama_server_args=llama_server_args(cfg))
     cfg |= dict(endpoint="/v1/completions", stream=True, temperature=0.0)
     cfg |= dict(chat_arms=sorted(CHAT_ARMS), chat_endpoint="/v1/chat/completions")
     cfg["chat_messages"] = [
@@ -786,13 +902,18 @@ def main(report: common.Report, o: Any) -> None:
     interrupted = False
     try:
         with tempfile.TemporaryDirectory(prefix="shmkv-bench-serve-") as tmp:
-            for arm, cc in itertools.product(arms, cfg["concurrency"]):
+            grid = itertools.product(range(cfg["runs"]), arms, cfg["concurrency"])
+            for run, arm, cc in grid:
                 n_cell = cfg["cacheless_requests"] if arm in ("nocache", "ramcache") else n
-                log.info("cell %s, concurrency %d, %d requests", arm, cc, n_cell)
-                cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)))
-                nocache = {c["concurrency"]: c["memory"] for c in cells if c["arm"] == "nocache"}
+                log.info("run %d: cell %s, concurrency %d, %d requests", run + 1, arm, cc, n_cell)
+                cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)) | {"run": run})
+                nocache = {
+                    c["concurrency"]: c["memory"]
+                    for c in cells
+                    if c["arm"] == "nocache" and c["run"] == run
+                }
                 a = analyse_cell(cells[-1], min(wl.system_tokens), nocache.get(cc))
-                analysed.append(a)
+                analysed.append(a | {"run": run})
                 done = f"{a['ok']} ok, {a['errors']} errors, {a['requests_per_s']:.2f} req/s"
                 stopped = f" (stopped: {a['aborted']})" if a["aborted"] else ""
                 log.info("  %s, mean TTFT %s%s", done, common.fmt_s(a["ttft"].get("mean")), stopped)
@@ -809,6 +930,8 @@ def main(report: common.Report, o: Any) -> None:
     for c in analysed:
         if (c["arm"], c["concurrency"]) == ("shmkv", GOAL_CONCURRENCY) and c["ttft"].get("n"):
             goal.update(shmkv_mean_ttft_s=(m := c["ttft"]["mean"]), met=m <= GOAL_MEAN_TTFT)
+    for c in analysed:  # (llama-server may run after the others: its cells come last)
+        c["memory"]["vs_llama_server"] = llama_server_ratio(c, analysed)
     dists = "gunicorn uvicorn uvicorn-worker fastapi httpx psutil".split()
     res = {
         **report.header(common.llama_versions(*dists)),
@@ -817,9 +940,10 @@ def main(report: common.Report, o: Any) -> None:
         "config": cfg,
         "goal": goal,
         "cells": analysed,
+        "spread": spread(analysed),
         "code": code,
-        "requests": {f"{c['arm']}@{c['concurrency']}": c["results"] for c in cells},
-        "memory_detail": {f"{c['arm']}@{c['concurrency']}": c["memory"] for c in cells},
+        "requests": {cell_key(c): c["results"] for c in cells},
+        "memory_detail": {cell_key(c): c["memory"] for c in cells},
     }
     click.echo(
         f"\n{common.title(res, 'serving')}; {cfg['workers']} workers x {cfg['threads']} thread, "
@@ -828,6 +952,8 @@ def main(report: common.Report, o: Any) -> None:
         f"load at each cell's start: {[c['quiet']['loadavg'][0] for c in analysed]}"
     )
     click.echo(table(res, report.baseline(quick)))
+    if cfg["runs"] > 1:
+        click.echo(f"\nover {cfg['runs']} runs: median [min-max]\n" + spread_table(res["spread"]))
     if "met" in goal:
         mean, met = common.fmt_s(goal["shmkv_mean_ttft_s"]), "met" if goal["met"] else "MISSED"
         click.echo(
@@ -836,6 +962,11 @@ def main(report: common.Report, o: Any) -> None:
     report.write(res, plot, "the run was interrupted" * interrupted)
     if interrupted:
         raise SystemExit(130)
+
+
+def cell_key(c: dict[str, Any]) -> str:
+    """arm@concurrency, with /run when there are several runs."""
+    return f"{c['arm']}@{c['concurrency']}" + (f"/{c['run'] + 1}" if c.get("run") else "")
 
 
 def _sigterm(_signum: int, _frame: Any) -> None:

@@ -393,10 +393,12 @@ def supervisor(
 
 class Server:
     """gunicorn on a free port of 127.0.0.1: ``shmkv serve`` on a supervisor of ours, or
-    llama-cpp-python's ``llama_cpp.server`` app."""
+    llama-cpp-python's ``llama_cpp.server`` app; or llama.cpp's ``llama-server`` (one
+    process, ``workers`` slots)."""
 
     def __init__(self, name: str, workdir: Path, workers: int) -> None:
         self.name, self.workdir, self.workers = name, workdir, workers
+        self.single_process = False  # llama-server: no master, no worker processes
         with socket.socket() as s:  # a free port
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -423,15 +425,29 @@ class Server:
         args += " --timeout 900 --graceful-timeout 30 --keep-alive 5 --log-level info"
         return srv.start([sys.executable, *args.split(), "llama_cpp.server.app:create_app()"], env)
 
+    @classmethod
+    def llama_server(cls, binary: Path, args: list[str], workdir: Path, slots: int) -> Server:
+        """llama.cpp's ``llama-server`` with ``args`` (and no LLAMA_ARG_* of ours: it reads
+        them as settings)."""
+        srv = cls("llama-server", workdir, slots)
+        srv.single_process = True
+        env = {k: v for k, v in child_env().items() if not k.startswith("LLAMA_ARG_")}
+        args = [str(binary), *args, "--host", "127.0.0.1", "--port", str(srv.port)]
+        srv.child = Child(srv.name, args, env, workdir / f"{srv.name}-{srv.port}.log")
+        return srv
+
     def master_pid(self) -> int:
-        """The gunicorn master: our child, or the one child of `shmkv serve`."""
-        if "gunicorn" in self.child.proc.args:
+        """The gunicorn master: our child, or the one child of `shmkv serve` (llama-server:
+        the process itself)."""
+        if self.single_process or "gunicorn" in self.child.proc.args:
             return self.child.pid
         return next((p.pid for p in self.child.children()), self.child.pid)
 
     def worker_pids(self) -> list[int]:
         import psutil
 
+        if self.single_process:
+            return []
         try:
             return sorted(c.pid for c in psutil.Process(self.master_pid()).children())
         except psutil.Error:
@@ -443,6 +459,11 @@ class Server:
         import httpx
 
         def ready() -> bool:
+            if self.single_process:  # llama-server answers 503 until its model is loaded
+                try:
+                    return httpx.get(self.base + "/health", timeout=10).status_code == 200
+                except httpx.HTTPError:
+                    return False
             if logged and self.child.log_tail(1 << 20).count(logged) < self.workers:
                 return False
             if len(self.worker_pids()) != self.workers:

@@ -687,6 +687,20 @@ SETTINGS: dict[str, Setting] = {
             "MODE",
         ),
         Setting(
+            "swa_full",
+            parse_bool,
+            False,
+            "Give a sliding-window model's window layers (Gemma 2/3, Mistral, gpt-oss) KV "
+            "cells for the whole context, as llama-cpp-python does by default, instead of "
+            "the window plus one batch, as llama-server does (Gemma 3 270M at n_ctx 4096: "
+            "72 MiB of KV cache per worker instead of 27). The context keeps its own tokens "
+            "only where its window still holds them either way. States of the two never "
+            "meet: a SharedCacheLlama that shares a window model's states with served "
+            "workers passes swa_full=False (or the workers get --swa-full).",
+            _SERVE,
+            is_flag=True,
+        ),
+        Setting(
             "chat_format",
             _optional_str,
             None,

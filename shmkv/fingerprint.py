@@ -82,6 +82,11 @@ def context_description(llm: llama_cpp.Llama) -> dict[str, Any]:
         for k, v in ctx.items()
         if isinstance(v, (int, float, bool))
     }
+    if "swa_full" in ctx and int(lc.llama_model_n_swa(llm.model)) <= 0:
+        # no sliding-window layers: the setting changes nothing. Described as llama-cpp-
+        # python's default, so that such a model's keys are what they were before served
+        # workers turned it off (`shmkv serve --swa-full`), and match a default Llama's
+        ctx["swa_full"] = True
     return {
         "llama_cpp_python": llama_cpp.__version__,
         "state_seq_version": getattr(lc, "LLAMA_STATE_SEQ_VERSION", None),

@@ -11,7 +11,8 @@ messages with the same chat format. Needs the ``serve`` extra.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .chat import default_chat_format, register_gemma3
 from .config import Settings
@@ -48,9 +49,35 @@ def model_settings(
     )
 
 
-def load_llama(settings: Settings, model: str, threads: int | None = None) -> llama_cpp.Llama:
-    """A plain ``Llama`` loaded exactly as a served worker loads ``model`` (no cache yet)."""
+def load_with(
+    ms: ModelSettings,
+    swa_full: bool,
+    loader: Callable[[ModelSettings], llama_cpp.Llama] | None = None,
+) -> llama_cpp.Llama:
+    """``ms`` loaded by llama-cpp-python's server loader (``loader``, default its own), with
+    the ``Llama`` arguments its ``ModelSettings`` lack: ``swa_full``.
+
+    That loader calls ``llama_cpp.Llama(...)``: for the length of this call (at a worker's
+    start, before it serves) the name is a subclass that adds the arguments.
+    """
+    import llama_cpp
     from llama_cpp.server.model import LlamaProxy
 
-    ms = model_settings(settings, model, threads=threads)
-    return LlamaProxy.load_llama_from_model_settings(ms)
+    load = loader or LlamaProxy.load_llama_from_model_settings
+    plain = llama_cpp.Llama
+
+    class Llama(plain):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("swa_full", swa_full)
+            super().__init__(*args, **kwargs)
+
+    llama_cpp.Llama = Llama  # type: ignore[misc]
+    try:
+        return load(ms)
+    finally:
+        llama_cpp.Llama = plain  # type: ignore[misc]
+
+
+def load_llama(settings: Settings, model: str, threads: int | None = None) -> llama_cpp.Llama:
+    """A plain ``Llama`` loaded exactly as a served worker loads ``model`` (no cache yet)."""
+    return load_with(model_settings(settings, model, threads=threads), settings.swa_full)

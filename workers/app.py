@@ -53,7 +53,7 @@ from shmkv.errors import ConfigError, ShmkvError
 from shmkv.kvtypes import describe
 from shmkv.llama import SharedPrefixCache, attach, live_caches
 from shmkv.models import default_model_path
-from shmkv.served import model_settings
+from shmkv.served import load_with, model_settings
 from shmkv.stats import numbers
 
 log = logging.getLogger("shmkv.worker")
@@ -359,7 +359,7 @@ def make_loader(settings: Settings):
 
     def load(model_settings: ModelSettings) -> llama_cpp.Llama:
         try:
-            llm = plain(model_settings)
+            llm = load_with(model_settings, settings.swa_full, plain)
         except ValueError as e:  # (llama.cpp's own reason is not logged with verbose off)
             default_kv = (settings.cache_type_k, settings.cache_type_v) == ("f16", "f16")
             if default_kv or "llama_context" not in str(e):
@@ -375,6 +375,12 @@ def make_loader(settings: Settings):
             cache = attach(llm, settings=settings)
         except ShmkvError as e:  # no cache is never a reason not to serve
             log.warning("serving %s without shmkv: %s", model_settings.model, e)
+            if not settings.swa_full and llama_cpp.llama_model_n_swa(llm.model) > 0:
+                # plain llama-cpp-python reuses its context's tokens without asking whether
+                # a window layer still holds them (shmkv asks): only a full window always does
+                log.warning("reloading %s with a full window cache", model_settings.model)
+                llm.close()
+                llm = load_with(model_settings, True, plain)
             return llm
         cache.on_prefill = _record
         if model_settings.model_alias:  # (the label of its counters in /metrics)

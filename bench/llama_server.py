@@ -1,0 +1,125 @@
+"""Build llama.cpp's ``llama-server`` from the sources llama-cpp-python vendors, once.
+
+The serving benchmark compares shmkv with ``llama-server`` built from the same llama.cpp code
+that the installed llama-cpp-python runs: this script downloads that version's sdist from PyPI
+(``pip download --no-binary :all:``), unpacks it, builds ``llama-server`` from its
+``vendor/llama.cpp`` with cmake (CPU only, Release, no curl) and keeps the binary (with the
+shared libraries it links) under ``~/.cache/shmkv-bench/llama-server-<version>/``. A second
+run finds the binary there and does nothing. Runs in the benchmark's orchestrating process,
+or alone:
+
+    python bench/llama_server.py                  # build (minutes), print the binary's path
+    python bench/llama_server.py --jobs 4 --version 0.3.36
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import click
+
+log = logging.getLogger("llama_server")
+
+DIST = "llama-cpp-python"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shmkv-bench"
+CMAKE_FLAGS = [  # CPU only and nothing fetched at build time: the same kernels as the wheel
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_CURL=OFF",
+    "-DGGML_CUDA=OFF",
+    "-DGGML_METAL=OFF",
+    "-DGGML_VULKAN=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary to cache
+]
+
+
+def default_version() -> str:
+    """The installed llama-cpp-python's version (the llama.cpp the other arms run)."""
+    try:
+        return version(DIST)
+    except PackageNotFoundError:
+        return "0.3.36"
+
+
+def cache_dir(ver: str) -> Path:
+    return CACHE / f"llama-server-{ver}"
+
+
+def binary(ver: str | None = None) -> Path | None:
+    """The cached ``llama-server`` of ``ver`` (the installed version), if it was built."""
+    exe = cache_dir(ver or default_version()) / "llama-server"
+    return exe if exe.is_file() and os.access(exe, os.X_OK) else None
+
+
+def _run(args: list[str], cwd: Path, log_path: Path) -> None:
+    log.info("$ %s", " ".join(args))
+    with open(log_path, "ab") as out:
+        rc = subprocess.run(args, cwd=cwd, stdout=out, stderr=subprocess.STDOUT).returncode
+    if rc:
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise click.ClickException(f"{args[0]} failed ({rc}); end of {log_path}:\n{tail}")
+
+
+def build(ver: str | None = None, jobs: int = 2, keep: bool = False) -> Path:
+    """``llama-server`` of llama-cpp-python ``ver``: the cached binary, built if missing."""
+    ver = ver or default_version()
+    if exe := binary(ver):
+        log.info("cached: %s", exe)
+        return exe
+    dest = cache_dir(ver)
+    dest.mkdir(parents=True, exist_ok=True)
+    build_log = dest / "build.log"
+    build_log.write_text("")
+    work = Path(tempfile.mkdtemp(prefix="llama-server-build-", dir=dest))
+    try:
+        log.info("downloading the %s==%s sdist (log: %s)", DIST, ver, build_log)
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        _run([*pip, f"{DIST}=={ver}", "-d", str(work)], work, build_log)
+        (sdist,) = work.glob("*.tar.gz")
+        log.info("unpacking %s", sdist.name)
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+        (src,) = work.glob("*/vendor/llama.cpp")
+        out = work / "build"
+        log.info("configuring %s", src)
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        _run(["cmake", "-S", str(src), "-B", str(out), *gen, *CMAKE_FLAGS], work, build_log)
+        log.info("building llama-server with %d jobs (minutes; log: %s)", jobs, build_log)
+        _run(
+            ["cmake", "--build", str(out), "--target", "llama-server", "-j", str(jobs)],
+            work,
+            build_log,
+        )
+        (built,) = out.glob("bin/llama-server")
+        tmp = dest / "llama-server.tmp"
+        shutil.copy2(built, tmp)
+        tmp.replace(dest / "llama-server")  # atomic: a half-copied binary is never "cached"
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    log.info("built: %s", dest / "llama-server")
+    return dest / "llama-server"
+
+
+@click.command()
+@click.option("--version", "ver", help="llama-cpp-python version [the installed one].")
+@click.option("--jobs", "-j", default=2, show_default=True, help="Parallel compile jobs.")
+@click.option("--keep", is_flag=True, help="Keep the unpacked sources and build tree.")
+def main(ver: str | None, jobs: int, keep: bool) -> None:
+    """Build (once) and print the path of llama-server from llama-cpp-python's llama.cpp."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    click.echo(build(ver, jobs, keep))
+
+
+if __name__ == "__main__":
+    main()
