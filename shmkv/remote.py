@@ -171,12 +171,11 @@ class RedisWriter:
     def _write(self, ev: Accepted, source: PayloadSource) -> None:
         conf = self.conf
         rid = fmt.remote_id(ev.root, ev.fingerprint, ev.tokens)
-        n_tok = len(ev.tokens) // 4
         idx = fmt.index_key(ev.root, conf.chunk, self._last_digest(ev))
         if self.r.exists(fmt.manifest_key(rid)):  # (another node, or we, stored it)
             self.present += 1
             pipe = self.r.pipeline(transaction=False)
-            pipe.hset(idx, rid.hex(), n_tok)
+            pipe.hset(idx, rid.hex(), fmt.index_value(ev.tokens))
             pipe.expire(idx, conf.ttl)
             pipe.execute()
             return
@@ -215,7 +214,7 @@ class RedisWriter:
         pipe.set(fmt.manifest_key(rid), man.pack(), px=ttl_ms)
         pipe.execute()
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(idx, rid.hex(), n_tok)
+        pipe.hset(idx, rid.hex(), fmt.index_value(ev.tokens))
         pipe.expire(idx, conf.ttl)
         pipe.execute()
         self.written += 1
@@ -343,13 +342,23 @@ class Fetcher:
         for d in digests:
             pipe.hgetall(fmt.index_key(req.root, conf.chunk, d))
         cands: list[tuple[int, bytes]] = []
+        prompt_bytes = np.ascontiguousarray(req.prompt, dtype="<i4").tobytes()
+        tags: dict[int, str] = {}  # (the prompt's own tag at each length asked)
         for h in pipe.execute():
             for k, v in (h or {}).items():
+                parsed = fmt.parse_index_value(v)
                 try:
-                    rid, n = bytes.fromhex(k.decode()), int(v)
+                    rid = bytes.fromhex(k.decode())
                 except (ValueError, UnicodeDecodeError):
                     continue
-                if len(rid) == DIGEST_SIZE and req.have < n <= n_prompt:
+                if parsed is None or len(rid) != DIGEST_SIZE:
+                    continue
+                n, tag = parsed
+                if not req.have < n <= n_prompt:
+                    continue
+                if n not in tags:
+                    tags[n] = fmt.tokens_tag(prompt_bytes[: 4 * n])
+                if tag == tags[n]:  # (a prefix of this prompt; the manifest is checked too)
                     cands.append((n, rid))
         self.rtt = time.perf_counter() - t0
         if not cands:

@@ -12,14 +12,17 @@ One record, named by its remote id ``rid = BLAKE2b-128(root | fingerprint | toke
 
 and each record is findable from a prompt through one hash per chunk prefix::
 
-    shmkv:{<root hex>}:x<chunk>:<digest hex>   HASH  rid -> token count
+    shmkv:{<root hex>}:x<chunk>:<digest hex>   HASH  rid -> "<token count>:<tokens tag>"
 
 where ``digest`` is the chained digest of the record's last full chunk prefix
 (``arena.chain_digests``, the keys the arena itself uses, rooted in the model's
 fingerprint, context settings and tenant namespace). ``{...}`` is a Redis Cluster hash
 tag: a record's pieces and manifest share one slot, and all index hashes of one root
 share one slot, so a lookup is one pipelined round trip on one node. Every key has a
-TTL (``--remote-ttl``).
+TTL (``--remote-ttl``). The tokens tag (:func:`tokens_tag`, 8 bytes of BLAKE2b of the
+record's token ids) lets a lookup keep only the records that are a prefix of its prompt
+before it reads a manifest: many prompts that share a system prompt and differ in their
+question share one index hash, and are told apart without a round trip each.
 
 A reader trusts nothing it reads here beyond what it checks: :func:`unpack_manifest`
 bounds every field and checks that root, fingerprint and tokens hash to the key it was
@@ -53,6 +56,28 @@ PREFIX = "shmkv"
 def remote_id(root: bytes, fingerprint: bytes, tokens: bytes) -> bytes:
     """The record's name in the remote tier (see the module docstring)."""
     return hashlib.blake2b(root + fingerprint + tokens, digest_size=DIGEST_SIZE).digest()
+
+
+def tokens_tag(tokens: bytes) -> str:
+    """A short tag of a record's token ids (little-endian int32 bytes), kept in the index."""
+    return hashlib.blake2b(tokens, digest_size=8).hexdigest()
+
+
+def index_value(tokens: bytes) -> str:
+    """What the index hash holds for a record of ``tokens``: its length and tag."""
+    return f"{len(tokens) // 4}:{tokens_tag(tokens)}"
+
+
+def parse_index_value(raw: bytes) -> tuple[int, str] | None:
+    """``(token count, tag)`` of an index value, or None if it is not one."""
+    try:
+        n, _, tag = raw.decode("ascii").partition(":")
+        count = int(n)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not 0 < count <= MAX_TOKENS or len(tag) != 16:
+        return None
+    return count, tag
 
 
 def manifest_key(rid: bytes) -> str:

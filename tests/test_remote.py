@@ -17,7 +17,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from helpers import SYSTEM, Sup, blob, completion, free_port, run_worker, texts, wait_until
+from helpers import (
+    CHUNK,
+    SYSTEM,
+    Sup,
+    blob,
+    completion,
+    free_port,
+    run_worker,
+    texts,
+    wait_until,
+)
+
+from shmkv import arena as A
 
 REDIS = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
@@ -314,3 +326,36 @@ def test_full_redis_is_counted_and_costs_no_request(make_supervisor, tmp_path):
         no_internal_errors(sup)
     finally:
         srv.kill()
+
+
+def test_longer_records_of_other_suffixes_do_not_hide_the_shared_prefix(
+    make_supervisor, redis_server
+):
+    """Many prompts share a system prompt and differ only in their question: node A has
+    stored states of several such prompts, each at least as long as node B's shared-prefix
+    record would need, under the same index hash as the prefix itself. B's new question
+    must still fetch the record of the shared prefix (it used to look only at the longest
+    few candidates, all other questions, and answer "none")."""
+    url = redis_server.url
+    a = make_supervisor("--size", "64M", "--remote", url)
+    b = make_supervisor("--size", "64M", "--remote", url)
+    shared = blob(700, 200_000, n_tokens=2 * CHUNK + 10)
+    rng = np.random.default_rng(700)
+    others = [
+        np.concatenate([shared.tokens, rng.integers(0, 30_000, 5).astype("<i4")]) for _ in range(8)
+    ]
+    with a.client() as c:
+        c.put_bytes(shared.root, shared.tokens, b"fp", shared.data)
+        for i, toks in enumerate(others):
+            c.put_bytes(shared.root, toks, b"fp", blob(710 + i, 100_000).data)
+    written(a, 1 + len(others))
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B to reach Redis")
+    question = np.concatenate([shared.tokens, rng.integers(0, 30_000, 5).astype("<i4")])
+    with b.client() as c:
+        assert c.fetch(shared.root, question, 0, 5.0, 0.0) == "fetched"
+        hit = c.lookup(A.chain_digests(shared.root, question, CHUNK))
+        assert hit is not None
+        with c.acquire(hit) as lease:
+            assert bytes(lease.payload) == shared.data
+            assert lease.finish()
+    no_internal_errors(a, b)
