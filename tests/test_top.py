@@ -24,10 +24,15 @@ pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux
 class Tmux:
     """One detached session on a tmux server of its own (``-L``), killed at the end."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], width: int = 120, height: int = 40):
+    def __init__(
+        self, cmd: list[str], env: dict[str, str], status: Path, width: int = 120, height: int = 40
+    ):
         self.server = f"shmkv-test-{uuid.uuid4().hex[:8]}"
         pairs = [f"{k}={v}" for k, v in env.items() if k.startswith(("SHMKV_", "PYTHON"))]
-        line = shlex.join(["env", *pairs, *cmd])
+        # the shell writes the exit status down: tmux marks a pane dead when its terminal
+        # closes, and under load it had not always recorded the status 10 s later
+        self.status = status
+        line = shlex.join(["env", *pairs, *cmd]) + f"; echo $? > {shlex.quote(str(status))}"
         self.tmux("new-session", "-d", "-s", "t", "-x", str(width), "-y", str(height), "sh")
         self.tmux("set-option", "-t", "t", "remain-on-exit", "on")
         self.tmux("respawn-pane", "-k", "-t", "t", line)
@@ -47,10 +52,13 @@ class Tmux:
         screen = self.screen()
         return screen if text in screen else None
 
-    def dead(self) -> tuple[bool, int]:
-        out = self.tmux("display-message", "-p", "-t", "t", "#{pane_dead} #{pane_dead_status}")
-        dead, _, status = out.strip().partition(" ")
-        return dead == "1", int(status or -1)
+    def exit_status(self) -> int | None:
+        """The program's exit status once it has exited (None: still running)."""
+        try:
+            text = self.status.read_text().strip()
+        except FileNotFoundError:
+            return None
+        return int(text) if text else None
 
     def kill(self) -> None:
         path = self.tmux("display-message", "-p", "#{socket_path}").strip()
@@ -90,9 +98,10 @@ def deployment(make_supervisor):
 
 
 @pytest.mark.parametrize("how", ["q", "C-c"])
-def test_top_in_tmux(deployment, how: str) -> None:
+def test_top_in_tmux(deployment, how: str, tmp_path: Path) -> None:
     sup, keys, raw = deployment
-    term = Tmux([sys.executable, "-m", "shmkv.cli", "top", "--interval", "0.3"], sup.env)
+    cmd = [sys.executable, "-m", "shmkv.cli", "top", "--interval", "0.3"]
+    term = Tmux(cmd, sup.env, tmp_path / "status")
     try:
         screen = wait_until(lambda: term.showing("hottest"), 20, "top's first screen")
         assert "arena " + sup.name in screen
@@ -112,11 +121,10 @@ def test_top_in_tmux(deployment, how: str) -> None:
         assert "/s" in screen and " 0/s" not in screen  # tokens saved per second, measured
         # refreshed in place: one screen, not appended lines
         assert screen.count("hottest prefixes") == 1
-        assert term.dead() == (False, -1)
+        assert term.exit_status() is None
         term.tmux("send-keys", "-t", "t", how if how != "q" else "q")
-        # (tmux marks the pane dead a moment before it records the exit status)
-        wait_until(lambda: term.dead()[0] and term.dead()[1] != -1, 10, f"top to exit on {how}")
-        assert term.dead() == (True, 0)
+        wait_until(lambda: term.exit_status() is not None, 10, f"top to exit on {how}")
+        assert term.exit_status() == 0
         assert "Traceback" not in term.screen()
     finally:
         term.kill()
