@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from pathlib import Path
 
@@ -198,12 +199,15 @@ def test_serve_metrics_survive_worker_and_supervisor_kills(
     srv = Server(sup, serve_model, workers=2, tmp_path=tmp_path)
     url = srv.base + "/metrics"
     try:
-        # sequential requests may all land on one worker (local reuse, no arena hit): go on
-        # until the other worker has restored one, at least 6 and at most 30 requests
-        infos: list[dict] = []
-        while len(infos) < 6 or not any(i["hit"] for i in infos):
-            assert len(infos) < 30, "no request reached the second worker"
-            infos.append(srv.complete(SYSTEM + f" Question {len(infos)}?")[1])
+        # one request publishes the prefix; then pairs at once, so that a busy worker leaves
+        # the other one to the second of each pair, which restores from the arena
+        # (sequential requests all landed on the same worker: local reuse, no arena hit)
+        infos: list[dict] = [srv.complete(SYSTEM + " Question 0?")[1]]
+        with ThreadPoolExecutor(2) as pool:
+            while len(infos) < 6 or not any(i["hit"] for i in infos):
+                assert len(infos) < 30, "no request reached the second worker"
+                asked = [SYSTEM + f" Question {len(infos) + k}?" for k in (0, 1)]
+                infos += [got[1] for got in pool.map(srv.complete, asked)]
         n = len(infos)
         restored = sum(i["restored_tokens"] for i in infos)
         hits = sum(1 for i in infos if i["hit"])
