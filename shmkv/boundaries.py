@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import llama_cpp
 import numpy as np
 from llama_cpp.llama_chat_format import get_chat_completion_handler
+
+from .arena import common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -151,3 +153,34 @@ class ChatBoundaries:
             if 0 < n < len(whole.prompt):
                 out.append(self._tokenize(whole.prompt[:n], not whole.added_special))
         return out
+
+
+#: boundary hints kept for calls to come (a hint not taken by the next call is stale)
+MAX_HINTS = 4
+#: a hinted prefix's last tokens that its prompt may tokenize otherwise (merged with what
+#: follows), so that it still applies
+HINT_SLACK = 4
+
+
+class Hints:
+    """Token prefixes hinted for the next call of one cache (``hint_boundaries``)."""
+
+    def __init__(self) -> None:
+        self._pending: deque[list[np.ndarray]] = deque(maxlen=MAX_HINTS)
+
+    def add(self, prefixes: Sequence[Sequence[int] | np.ndarray]) -> None:
+        hint = [np.asarray(p, dtype=np.int32) for p in prefixes if len(p)]
+        if hint:
+            self._pending.append(hint)
+
+    def take(self, prompt: np.ndarray) -> tuple[int, ...]:
+        """The hinted boundaries of ``prompt``: where it stops matching each prefix that
+        it matches but for at most its last ``HINT_SLACK`` tokens. Every pending hint is
+        used up."""
+        found: set[int] = set()
+        while self._pending:
+            for prefix in self._pending.popleft():
+                n = common_prefix(prefix, prompt)
+                if 0 < n < len(prompt) and n >= len(prefix) - HINT_SLACK:
+                    found.add(n)
+        return tuple(sorted(found))

@@ -36,7 +36,6 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -73,11 +72,6 @@ __all__ = [
 COALESCE_MIN_CHUNKS = 2
 #: prefills shorter than this do not count towards the measured prefill speed
 PREFILL_SAMPLE_MIN = 64
-#: boundary hints kept for calls to come (a hint not taken by the next call is stale)
-MAX_HINTS = 4
-#: a hinted prefix's last tokens that its prompt may tokenize otherwise (merged with what
-#: follows), so that it still applies
-HINT_SLACK = 4
 
 _LIVE: weakref.WeakSet[SharedPrefixCache] = weakref.WeakSet()
 
@@ -464,7 +458,7 @@ class SharedPrefixCache:
         #: context's own threads)
         self.cpu: CpuBudget | None = None
         #: token prefixes hinted for the next call (``hint_boundaries``)
-        self._hints: deque[list[np.ndarray]] = deque(maxlen=MAX_HINTS)
+        self.hints = boundaries.Hints()
         #: renders a chat's leading messages (``create_chat_completion``), where it helps
         self.chat_boundaries = (
             boundaries.ChatBoundaries(llm) if self.policy.wants_boundaries else None
@@ -675,28 +669,13 @@ class SharedPrefixCache:
         """Message boundaries of the next call's prompt, as token prefixes of it: a model
         whose states cannot be cut back (sliding windows) publishes a checkpoint where
         its prompt stops matching each (those worth it), which later prompts sharing that
-        much restore whole. A prefix the prompt does not match but for its last
-        ``HINT_SLACK`` tokens is not the prompt's, and ignored. The hooked
+        much restore whole (a prefix the prompt does not match is ignored:
+        ``boundaries.Hints``). The hooked
         ``create_chat_completion`` hints each chat (``boundaries.py``); for a prompt of
         your own, ``hint_boundaries([tokens[:n1], tokens[:n2]])`` before
         ``create_completion(tokens)``.
         """
-        hint = [np.asarray(p, dtype=np.int32) for p in prefixes if len(p)]
-        if hint:
-            self._hints.append(hint)
-
-    def _take_boundaries(self, prompt: np.ndarray) -> tuple[int, ...]:
-        """The hinted boundaries of ``prompt``; every pending hint is used up."""
-        found: set[int] = set()
-        while True:
-            try:
-                hint = self._hints.popleft()
-            except IndexError:
-                return tuple(sorted(found))
-            for prefix in hint:
-                n = common_prefix(prefix, prompt)
-                if 0 < n < len(prompt) and n >= len(prefix) - HINT_SLACK:
-                    found.add(n)
+        self.hints.add(prefixes)
 
     def generate(
         self, orig_generate: Any, tokens: Sequence[int], reset: bool = True, **kwargs: Any
@@ -705,7 +684,7 @@ class SharedPrefixCache:
         wants = hooks.take_prompt_logits(self)
         # (a generate call that did not come through a completion may read any logits)
         call = Call(self, list(tokens), prompt_logits=self.logits_all and wants is not False)
-        call.boundaries = self._take_boundaries(call.prompt)
+        call.boundaries = self.hints.take(call.prompt)
         return (yield from call.run(orig_generate, reset, kwargs))
 
     def eval(self, orig_eval: Any, tokens: Sequence[int]) -> None:

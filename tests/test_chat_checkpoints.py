@@ -27,9 +27,8 @@ from hypothesis import strategies as st
 
 from shmkv import policy
 from shmkv.arena import common_prefix
-from shmkv.boundaries import ChatBoundaries, formatter_of, prefix_lengths
+from shmkv.boundaries import HINT_SLACK, ChatBoundaries, formatter_of, prefix_lengths
 from shmkv.chat import gemma3_formatter
-from shmkv.llama import HINT_SLACK
 
 SYS = {"role": "system", "content": SYSTEM}
 # user messages far longer than the 64-token tail checkpoint, different from the first word
