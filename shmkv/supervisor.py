@@ -46,14 +46,12 @@ from .errors import (
 )
 from .listener import Conn, Listener
 from .ops import OPS, Context, Work
-from .persistence import Persistence
 from .protocol import MAX_U64, decode_body
-from .refill import Refill
-from .remotetier import Remote
 from .reports import Reports
 from .stats import LimitCounters
 from .store import Store
 from .systemd import Watchdog, sd_notify
+from .tierloop import TierLoop
 from .ttl import Expiry
 
 __all__ = [
@@ -96,12 +94,10 @@ class Supervisor:
         self.started = time.time()
         self._ctx: Context | None = None
         #: ``--persist``: the write-behind to disk, and the refill of a new arena from it
-        self.persist: Persistence | None = None
-        self.refill: Refill | None = None
+        #: ``--persist`` and ``--remote`` (``tierloop.py``; None until start)
+        self.tiers: TierLoop | None = None
         #: the arena was left by a supervisor before us and adopted (``adopt.py``): no refill
         self.adopted = False
-        #: ``--remote``: the write-behind to Redis / Valkey, and fetches from it
-        self.remote: Remote | None = None
         self._signals: deque[int] = deque()
         self._stop = False
         self._wake_r = self._wake_w = -1
@@ -137,11 +133,7 @@ class Supervisor:
             )
             if adopted:
                 adopt.rebuild(store, view)
-            if self.settings.persist:
-                self.persist = Persistence(self.settings, self.arena.ro_fd)
-                self.persist.attach(store)
-            if self.settings.remote:
-                self.remote = Remote(self.settings, self.arena.ro_fd, geometry.chunk_tokens)
+            tiers = self.tiers = TierLoop(self.settings, self.arena, geometry.chunk_tokens)
             self._ctx = Context(
                 settings=self.settings,
                 arena=self.arena,
@@ -157,15 +149,16 @@ class Supervisor:
                 check_arena=self._check_arena,
                 defer=self._defer,
                 limits=self.limits,
-                persist=self.persist,
+                persist=tiers.persist,
                 expiry=Expiry(store, self.settings.ttl),
-                remote=self.remote,
+                remote=tiers.remote,
             )
-            if self.remote is not None:
-                self.remote.attach(
-                    store, self._answer, lambda digests: self._wake(self.claims.indexed(digests))
-                )
-                self.sel.register(self.remote.fileno(), selectors.EVENT_READ, "remote")
+            tiers.attach(
+                store,
+                self.sel,
+                self._answer,
+                lambda digests: self._wake(self.claims.indexed(digests)),
+            )
             self.sel.register(self.listener.bind(), selectors.EVENT_READ, None)
         except BaseException:
             self.cleanup(remove=True)
@@ -190,11 +183,9 @@ class Supervisor:
             self.listener.path,
             os.getpid(),
         )
-        if self.persist is not None and not self.adopted:  # a new arena: refill it, serving
-            self.refill = self.persist.start_refill(self.ctx.store)
-            self.sel.register(self.refill.fileno(), selectors.EVENT_READ, "refill")
-        # an adopted arena: no refill, but its pins come from the disk once it is open
-        repin = self.persist is not None and self.adopted
+        tiers = self.tiers
+        assert tiers is not None
+        tiers.begin(self.ctx.store, self.sel, self.adopted)
         watchdog = Watchdog()
         next_check = time.monotonic() + 1.0
         try:
@@ -205,8 +196,7 @@ class Supervisor:
                         break
                     assert self.ctx.expiry is not None
                     self.ctx.expiry.tick()  # (bounded work: see ttl.py)
-                    if repin and self.persist is not None:
-                        repin = not self.persist.repin(self.ctx.store)
+                    tiers.tick(self.ctx.store)
                 now = time.monotonic()
                 timeout = watchdog.tick(now)
                 due = self.claims.next_deadline()
@@ -217,24 +207,16 @@ class Supervisor:
                     if due is not None:
                         left = max(0.0, due - now)
                         timeout = left if timeout is None else min(timeout, left)
-                if self.remote is not None and (due := self.remote.next_deadline()) is not None:
-                    left = max(0.0, due - now)
-                    timeout = left if timeout is None else min(timeout, left)
                 timeout = 1.0 if timeout is None else min(timeout, 1.0)
-                if self.work or (self.refill is not None and self.refill.busy):
-                    timeout = 0.0
-                if self.remote is not None and self.remote.busy:
-                    timeout = 0.0
-                refill = remote = False
+                timeout = 0.0 if self.work else tiers.timeout(now, timeout)
+                ready: set[str] = set()
                 for key, events in self.sel.select(timeout):
                     if key.data is None:
                         self._accept()
                     elif key.data == "signal":
                         self._drain_signals()
-                    elif key.data == "refill":
-                        refill = True
-                    elif key.data == "remote":
-                        remote = True
+                    elif key.data in ("refill", "remote"):
+                        ready.add(key.data)
                     else:
                         conn: Conn = key.data
                         if events & selectors.EVENT_READ and not conn.closing:
@@ -243,10 +225,8 @@ class Supervisor:
                             self.io.flush(conn)
                 if self.work and not self._stop:
                     self._step_work()
-                if self.refill is not None and (refill or self.refill.busy) and not self._stop:
-                    self._step_refill()
-                if self.remote is not None and not self._stop:
-                    self._step_remote(remote)
+                if not self._stop:
+                    tiers.step(ready, self.sel, self._check_arena)
         finally:
             sd_notify("STOPPING=1")
             self.cleanup(remove=not self.settings.keep)
@@ -293,8 +273,8 @@ class Supervisor:
         released = self.ctx.store.release_owner(conn.id) if intact else 0
         self.ctx.reported.closed(conn.id)
         self._wake(self.claims.drop_owner(conn.id))
-        if self.remote is not None:
-            self.remote.drop_conn(conn.id)
+        if self.tiers is not None and self.tiers.remote is not None:
+            self.tiers.remote.drop_conn(conn.id)
         log.debug(
             "connection %d (pid %d) closed%s; released %d lease(s)",
             conn.id,
@@ -373,39 +353,6 @@ class Supervisor:
         if not conn.closing:
             self.io.drain(conn)
 
-    def _step_refill(self) -> None:
-        """One slice of the refill from ``--persist`` (``refill.py``)."""
-        refill = self.refill
-        assert refill is not None
-        try:
-            self._check_arena()
-            refill.step(time.monotonic() + self.settings.put_slice)
-        except ArenaCorruptError:
-            return
-        except Exception:  # a bug must cost the refill, not the supervisor
-            log.exception("internal error refilling the arena; the rest stays on disk")
-            refill.close()
-            refill.done = True
-        if refill.done:
-            if refill.fileno() >= 0:
-                self.sel.unregister(refill.fileno())
-            self.refill = None
-
-    def _step_remote(self, ready: bool) -> None:
-        """Fetch results in, one slice of putting them, answers due (``remotetier.py``)."""
-        remote = self.remote
-        assert remote is not None
-        try:
-            if ready or remote.busy:
-                self._check_arena()
-                remote.step(time.monotonic() + self.settings.put_slice)
-            remote.expire(time.monotonic())
-        except ArenaCorruptError:
-            return
-        except Exception:  # a bug must cost the remote tier's answers, not the supervisor
-            log.exception("internal error in the remote tier")
-            remote.expire(float("inf"))
-
     def _answer(self, conn_id: int, rid: int, reply: dict[str, Any]) -> None:
         """Reply to request ``rid`` of connection ``conn_id``, if it is still open."""
         conn = self.conns.get(conn_id)
@@ -434,15 +381,8 @@ class Supervisor:
             except (KeyError, ValueError):
                 pass
             self.listener.close(remove)
-        if self.persist is not None:
-            self.persist.close()  # (before the arena: the writer reads records from it)
-        if self.remote is not None:
-            try:
-                self.sel.unregister(self.remote.fileno())
-            except (KeyError, ValueError):
-                pass
-            self.remote.close()  # (before the arena, likewise)
-            self.remote = None
+        if self.tiers is not None:
+            self.tiers.close(self.sel)  # (before the arena: their writers read records from it)
         if self._ctx is not None:
             self._ctx.view.close()
         self.arena.close(remove)
