@@ -10,7 +10,10 @@ The budget is ``--cpu-budget`` cores, each one a byte of one file,
 (up to ``--threads``, 0: all) and runs that batch on as many threads; a decode step
 takes one core and one thread. The cores go back after each batch, so a decode step
 of another worker gets in between the batches of a long prefill, and a prefill picks
-up the cores others gave back at its next batch.
+up the cores others gave back at its next batch. When prefills wait for cores, the one
+with the fewest tokens left goes first, a long wait moving a prefill up (``cpuqueue.py``):
+prefills run one after another on all the cores instead of sharing them, and a short
+suffix passes a long cold prompt.
 
 Why locks and not a counting semaphore: a semaphore has no owner, so the cores of a
 worker killed while it evaluated would be lost until someone guessed how many it held.
@@ -44,7 +47,6 @@ import logging
 import math
 import os
 import stat
-import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -53,7 +55,11 @@ from typing import Any
 
 import posix_ipc
 
+from .cpuqueue import Queue
 from .errors import ConfigError, UnsafePathError
+from .ofd import OFD_AVAILABLE as _OFD
+from .ofd import is_held as _is_held
+from .ofd import lock as _lock
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +69,6 @@ USERS_BYTE = 1 << 40
 POLL_SECONDS = 0.05
 #: without a usable bell, waiters poll this often
 POLL_NO_BELL_SECONDS = 0.005
-
-# struct flock on 64-bit Linux: short l_type, l_whence; off_t l_start, l_len; pid_t l_pid
-_FLOCK = struct.Struct("hhqqi4x")
-_OFD = hasattr(fcntl, "F_OFD_SETLK") and _FLOCK.size == 32
 
 
 def budget_path(directory: str, name: str) -> Path:
@@ -108,24 +110,6 @@ def _cgroup_quota() -> float | None:
         if d == root or root not in d.parents:
             return best
         d = d.parent
-
-
-def _lock(fd: int, kind: int, start: int, wait: bool = False) -> bool:
-    """One byte's OFD lock: take (F_WRLCK/F_RDLCK) or give back (F_UNLCK); False: taken."""
-    cmd = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
-    try:
-        fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, start, 1, 0))
-        return True
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-
-
-def _is_held(fd: int, start: int) -> bool:
-    """Whether another open file holds byte ``start`` (``F_OFD_GETLK``)."""
-    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, 1, 0))
-    return bool(_FLOCK.unpack(res)[0] != fcntl.F_UNLCK)
 
 
 def _check_file(path: Path, st: os.stat_result) -> None:
@@ -235,6 +219,7 @@ class CpuBudget:
         self._bell = _open_bell(self._bell_name)
         self._pid = os.getpid()
         self._next = self._pid % self.cores
+        self._queue = Queue(self._fd)
 
     def _ensure(self) -> None:
         """After a fork, the child must not share the parent's locks: open its own."""
@@ -253,26 +238,46 @@ class CpuBudget:
                 into.append(slot)
         self._next = (self._next + 1) % self.cores
 
-    def take(self, want: int) -> Grant:
+    def _free(self) -> int:
+        return sum(not _is_held(self._fd, s) for s in range(self.cores))
+
+    def take(self, want: int, remaining: int = 1) -> Grant:
         """Wait (at most ``wait`` seconds) for one core, then take up to ``want`` in all
         of those free. After the wait the eval runs on one thread without a core
-        (``timed_out``): a stuck holder must not stop the worker."""
+        (``timed_out``): a stuck holder must not stop the worker.
+
+        ``remaining``: tokens the eval still has to evaluate, this batch included. A batch
+        of a prefill (``remaining`` > 1) lets the cores go first to waiting prefills with
+        less left to do (``cpuqueue.py``); a decode step takes a free core as it comes."""
         self._ensure()
         g = Grant()
         want = max(1, min(want, self.cores))
-        self._grab(want, g.slots)
-        if not g.slots:
-            t0 = time.monotonic()
-            deadline = t0 + self.wait
-            while not g.slots:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    g.timed_out = True
+        queue = self._queue if remaining > 1 else None
+        if queue is not None:
+            queue.wait(remaining, want)
+        t0 = time.monotonic()
+        deadline = t0 + self.wait
+        slept = False
+        while True:
+            allowed = want
+            if queue is not None:
+                ahead, _ = queue.ahead()
+                if ahead:
+                    allowed = min(want, self._free() - ahead)
+            if allowed > 0:
+                self._grab(allowed, g.slots)
+                if g.slots:
                     break
-                self._sleep(left)
-                self._grab(want, g.slots)
-            g.waited = time.monotonic() - t0
+            left = deadline - time.monotonic()
+            if left <= 0:
+                g.timed_out = True
+                break
+            self._sleep(left)
+            slept = True
+        g.waited = time.monotonic() - t0 if slept else 0.0
         g.threads = max(1, len(g.slots))
+        if queue is not None:
+            queue.run(len(g.slots))
         return g
 
     def _sleep(self, left: float) -> None:
@@ -284,15 +289,25 @@ class CpuBudget:
         except posix_ipc.BusyError:
             pass
 
-    def give_back(self, g: Grant) -> None:
-        """Release a grant's cores and wake as many waiters."""
+    def give_back(self, g: Grant, next_remaining: int = 0, next_want: int = 1) -> None:
+        """Release a grant's cores and wake the waiters. ``next_remaining``: tokens the
+        same prefill evaluates next (0: it is done), so that it is in line, at its place,
+        before its cores are free."""
+        queue = self._queue
+        if next_remaining > 1:
+            queue.wait(next_remaining, max(1, min(next_want, self.cores)))
+        elif queue.remaining:
+            queue.done()
         for slot in g.slots:
             _lock(self._fd, fcntl.F_UNLCK, slot)
         bell = self._bell
-        if bell is not None:
-            for _ in g.slots:
+        if bell is not None and g.slots:
+            # every waiting prefill looks at the board again (the one the cores are for
+            # may not be the one a single ring would wake), and one decode step per core
+            rings = len(g.slots) + queue.waiting()
+            for _ in range(rings):
                 try:
-                    if bell.value >= self.cores:  # nobody waits: do not pile up rings
+                    if bell.value >= rings:  # nobody waits: do not pile up rings
                         break
                     bell.release()
                 except posix_ipc.Error:
@@ -301,7 +316,7 @@ class CpuBudget:
 
     @contextmanager
     def cores_for(self, want: int) -> Iterator[Grant]:
-        g = self.take(want)
+        g = self.take(want, remaining=want)
         try:
             yield g
         finally:
@@ -392,14 +407,25 @@ def evaluate(
     batches ``Llama.eval`` makes itself), each on the cores free at its start, up to the
     budget's ``max_threads``; a single token (a decode step) on one core."""
     step = max(1, int(llm.n_batch))
-    for i in range(0, max(1, len(tokens)), step):
-        piece = tokens[i : i + step]
-        want = 1 if len(piece) <= 1 else budget.max_threads or budget.cores
-        with budget.cores_for(want) as g:
+    pieces = [tokens[i : i + step] for i in range(0, max(1, len(tokens)), step)]
+    left = len(tokens)
+
+    def wants(piece: Sequence[int]) -> int:
+        return 1 if len(piece) <= 1 else budget.max_threads or budget.cores
+
+    for k, piece in enumerate(pieces):
+        g = budget.take(wants(piece), remaining=left)
+        left -= len(piece)
+        more = k + 1 < len(pieces)
+        try:
             set_threads(llm, g.threads)
             if on_grant is not None:
                 on_grant(g, len(piece))
             orig_eval(piece)
+        except BaseException:
+            budget.give_back(g)
+            raise
+        budget.give_back(g, left if more else 0, wants(pieces[k + 1]) if more else 1)
 
 
 def run_eval(cache: Any, orig_eval: Callable[[Sequence[int]], None], tokens: Sequence[int]) -> None:
