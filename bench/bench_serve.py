@@ -232,7 +232,10 @@ def start_server(
             env["SHMKV_THREADS"] = str(cfg["budget_threads"])
         return common.Server.shmkv(sup, env, workdir, cfg["workers"])
     env = {"MODEL": model, "N_CTX": n_ctx, "N_THREADS": threads, "N_THREADS_BATCH": threads}
-    env["VERBOSE"] = "false"
+    # a stream runs to its end, as in shmkv serve's app: llama_cpp.server would otherwise
+    # cut it short whenever another request waits for its worker's model (a chat stream
+    # then ends after its role chunk, with no text)
+    env |= {"VERBOSE": "false", "INTERRUPT_REQUESTS": "false"}
     from shmkv.chat import default_chat_format  # (as shmkv serve: Gemma 3's own template)
 
     if chat_format := default_chat_format(model):
@@ -589,7 +592,8 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
 
 PHASES = {  # where a shmkv request's time to first token went, in order
     "queue": "client's send to the worker's app: connect, listen backlog, request headers",
-    "app": "the app to the generate call: parsing, chat template, tokenizing",
+    "app": "the app to the generate call: parsing, the worker's model lock (a request that "
+    "landed on a busy worker waits here), chat template, tokenizing",
     "coalesce wait": "waiting for another worker's prefill of the same prefix",
     "remote wait": "waiting for a fetch from --remote",
     "restore": "restoring a cached state from the arena",
@@ -665,15 +669,23 @@ def ideal_mean_ttft(
     return sum(ttfts) / len(ttfts) if ttfts else 0.0
 
 
+WAITS = ("queue", "app", "coalesce wait", "remote wait", "cpu wait")
+
+
 def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any] | None:
     """``ideal_mean_ttft`` for a shmkv cell: the prefills measured in one process on all
-    cores (``cfg["cold_prefill"]``), the cell's own mean TTFT of arena hits that waited for no
-    prefill and its mean decode time (total - TTFT)."""
-    measured, k = (cfg.get("cold_prefill") or {}).get("seconds"), out.get("cache") or {}
-    hit = (k.get("ttft_hit_no_wait") or {}).get("mean") or (k.get("ttft_hit") or {}).get("mean")
+    cores (``cfg["cold_prefill"]``); the cell's own requests that were not cold, their TTFT
+    less what they waited (queue, app, coalesce, remote and CPU waits), as a hit's cost;
+    and its mean decode time (total - TTFT)."""
+    measured, sys_tokens = (cfg.get("cold_prefill") or {}).get("seconds"), min(cfg["system_tokens"])
     done = [r for r in c["results"] if r["ttft"] is not None and r["total"] is not None]
-    if not measured or hit is None or not done:
+    warm = [
+        p for r in done if r.get("shmkv") and cache_class(r, sys_tokens) != "cold"
+        if (p := phases_of(r)) is not None
+    ]  # fmt: skip
+    if not measured or not warm or not done:
         return None
+    hit = sum(sum(p.values()) - sum(p[w] for w in WAITS) for p in warm) / len(warm)
     decode = sum(r["total"] - r["ttft"] for r in done) / len(done)
     prompts = cfg["request_prompts"][: c["planned"]]
     prefill = {int(p): s for p, s in measured.items()}
@@ -935,8 +947,8 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
                 f"- {c['arm']}@{c['concurrency']}: measured mean TTFT "
                 f"{common.fmt_s(i['measured_mean_ttft_s'])}; with every cold prefill alone on "
                 f"all cores, one at a time: {common.fmt_s(i['mean_ttft_s'])} (cold prefills "
-                f"as timed in one process, hits {common.fmt_s(i['hit_s'])} as this cell's "
-                f"hits that waited for no prefill, decode {common.fmt_s(i['decode_s'])})"
+                f"as timed in one process, others {common.fmt_s(i['hit_s'])}: this cell's "
+                f"hits and local reuses without their waits, decode {common.fmt_s(i['decode_s'])})"
             )
     if len(rows) == 1:
         return ""
