@@ -6,21 +6,35 @@ stopped above ``--max-rss``), each worker on ``--threads`` threads; ``shmkv`` (`
 on a supervisor of its own) and ``shmkv-exact`` (with ``--exact``), whose workers share one
 CPU budget of all cores (a prompt batch on every free core, up to ``--budget-threads``);
 ``shmkv-static`` (``--static-threads``: each worker on ``--threads`` threads, as before);
-``shmkv-q8_0`` (q8_0 K and V caches: states about half the size) and ``shmkv-chat`` (the
-same requests as chat messages), both on the CPU budget as ``shmkv``; ``llama-server`` and
-``llama-server-chat``: llama.cpp's own server, built by ``bench/llama_server.py`` from the
+``shmkv-q8_0`` (q8_0 K and V caches: states about half the size), on the CPU budget as
+``shmkv``; ``llama-server``: llama.cpp's own server, built by ``bench/llama_server.py`` from the
 llama.cpp sources the installed llama-cpp-python vendors (the same code as every other arm),
 one process with ``-np`` = ``--workers`` slots of ``--n-ctx`` each (``-c`` n_ctx x slots, KV
 not unified), ``--cache-ram`` (``--llama-server-cache-ram``, default the arena's size) and
-all cores.
+all cores. ``nocache-chat``, ``ramcache-chat``, ``llama-server-chat``, ``shmkv-chat`` and
+``shmkv-exact-chat`` are the same servers sent the same requests as chat messages.
 Each request is one of ``--prompts`` system prompts plus a short question in Gemma's turn
 format, streamed from ``/v1/completions`` on a new connection, the same sequence in every
-cell; the chat arm sends it as a system and a user message to ``/v1/chat/completions``,
-which the workers' Gemma 3 template turns into nearly the same prompt (system text, a blank
-line, question). A cell (arm, concurrency) starts fresh servers, warms every worker up,
-waits for a quiet machine and runs the sequence closed-loop, recording each request's TTFT,
-worker and cache use, and the memory and CPU of every server process (and the CPU other
-processes used meanwhile).
+cell; a chat arm sends it as a system and a user message to ``/v1/chat/completions``,
+which every server renders with Gemma 3's own template, the one ``shmkv serve`` registers
+for the packaged GGUF (which carries none): ``llama_cpp.server`` as ``CHAT_FORMAT`` (the
+format registered by ``plain_app.py``), llama-server as a ``--jinja --chat-template-file``
+(else it would fall back to ChatML). All render the same prompt (system text, a blank
+line, question; llama-server adds BOS as a token instead of the ``<bos>`` text). A cell
+(arm, concurrency) starts fresh servers, warms every worker up, waits for a quiet machine
+and runs the sequence closed-loop, recording each request's TTFT, worker and cache use, and
+the memory and CPU of every server process (and the CPU other processes used meanwhile).
+
+Where a shmkv request's time to first token went: every stream's first chunk says when the
+worker's app got the request and when its first token was sampled (``time.monotonic()``,
+one clock for the machine), and how long it waited for another worker's prefill, restored,
+waited for cores and evaluated the prompt's new tokens; set against the client's send
+time and first text, the "phases" table splits each cell's TTFT into queue, app,
+coalesce wait, remote wait, restore, CPU wait, prefill, first decode, other (in the worker)
+and response, per request class (cold, arena hit, local reuse), and gives what a scheduler
+that ran every cold prefill alone on all cores, one at a time, would get: the run first
+times one cold prefill of each system prompt in this process on all cores (``--no-ideal``:
+not).
 
     python bench/bench_serve.py                    # full run (~60 min)
     python bench/bench_serve.py --quick            # smoke run (~3 min)
@@ -39,6 +53,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import heapq
 import itertools
 import logging
 import os
@@ -75,10 +90,27 @@ ARMS = {  # name: (label, colour)
     "shmkv-q8_0": ("shmkv serve --cache-type-k q8_0 --cache-type-v q8_0", "#aa55cc"),
     "llama-server": ("llama.cpp llama-server -np N --cache-ram", "#dd4444"),
     "llama-server-chat": ("llama-server, /v1/chat/completions with a system message", "#ee8877"),
+    "nocache-chat": ("llama_cpp.server, no cache, /v1/chat/completions", "#bbbbbb"),
+    "ramcache-chat": ("llama_cpp.server + LlamaRAMCache, /v1/chat/completions", "#ddaa77"),
+    "shmkv-exact-chat": ("shmkv serve --exact, /v1/chat/completions", "#6699dd"),
 }
-# the same requests as messages, to /v1/chat/completions
-CHAT_ARMS = {"shmkv-chat", "llama-server-chat"}
+# the same requests as messages, to /v1/chat/completions: arm X-chat is arm X otherwise
+CHAT_ARMS = {a for a in ARMS if a.endswith("-chat")}
 LLAMA_SERVER_ARMS = {"llama-server", "llama-server-chat"}
+DEFAULT_ARMS = "nocache,ramcache,llama-server,shmkv,shmkv-exact"
+DEFAULT_ARMS += "," + ",".join(f"{a}-chat" for a in DEFAULT_ARMS.split(","))
+
+
+def server_arm(arm: str) -> str:
+    """The server an arm runs (its chat arm sends the same requests as messages)."""
+    return arm.removesuffix("-chat")
+
+
+def reference_arm(arm: str, ref: str) -> str:
+    """Arm ``ref`` on the endpoint of ``arm`` (``nocache`` -> ``nocache-chat`` for a chat arm)."""
+    return f"{ref}-chat" if arm in CHAT_ARMS else ref
+
+
 THEMES = [  # system prompts in turn: an opening, then the template of its lines
     "You are the archivist of a large museum. Follow these catalogue rules when answering "
     "visitors, and answer briefly.\n\n",
@@ -165,13 +197,29 @@ def llama_server_args(cfg: dict[str, Any]) -> list[str]:
     return args + ["--cache-ram", str(cfg["llama_server_cache_ram_mib"])]
 
 
+def chat_template_args(model: str, workdir: Path) -> list[str]:
+    """llama-server's chat template: the one ``shmkv serve`` renders chats with. The packaged
+    GGUF has none, and llama-server would fall back to ChatML; with Gemma 3's template as
+    a Jinja file it renders the shmkv workers' prompt (less the ``<bos>`` text: it adds BOS
+    as a token). Other models: their GGUF's, as everywhere."""
+    from shmkv.chat import GEMMA3_FORMAT, GEMMA3_TEMPLATE, default_chat_format
+
+    if default_chat_format(model) != GEMMA3_FORMAT:
+        return ["--jinja"]
+    path = workdir / "gemma3.jinja"
+    path.write_text(GEMMA3_TEMPLATE)
+    return ["--jinja", "--chat-template-file", str(path)]
+
+
 def start_server(
     arm: str, cfg: dict[str, Any], workdir: Path, sup: common.Supervisor | None
 ) -> common.Server:
     model, threads, n_ctx = cfg["model"], str(cfg["threads"]), str(cfg["n_ctx"])
     if arm in LLAMA_SERVER_ARMS:
-        binary = Path(cfg["llama_server_binary"])
-        return common.Server.llama_server(binary, llama_server_args(cfg), workdir, cfg["workers"])
+        binary, args = Path(cfg["llama_server_binary"]), llama_server_args(cfg)
+        args += chat_template_args(model, workdir)
+        return common.Server.llama_server(binary, args, workdir, cfg["workers"])
+    arm = server_arm(arm)
     if sup is not None:
         env = {"SHMKV_MODEL": model, "SHMKV_THREADS": threads, "SHMKV_N_CTX": n_ctx}
         env |= {"SHMKV_LOG_LEVEL": "info", "SHMKV_WORKER_TIMEOUT": "900"}
@@ -184,11 +232,19 @@ def start_server(
             env["SHMKV_THREADS"] = str(cfg["budget_threads"])
         return common.Server.shmkv(sup, env, workdir, cfg["workers"])
     env = {"MODEL": model, "N_CTX": n_ctx, "N_THREADS": threads, "N_THREADS_BATCH": threads}
-    env["VERBOSE"] = "false"
+    # a stream runs to its end, as in shmkv serve's app: llama_cpp.server would otherwise
+    # cut it short whenever another request waits for its worker's model (a chat stream
+    # then ends after its role chunk, with no text)
+    env |= {"VERBOSE": "false", "INTERRUPT_REQUESTS": "false"}
+    from shmkv.chat import default_chat_format  # (as shmkv serve: Gemma 3's own template)
+
+    if chat_format := default_chat_format(model):
+        env["CHAT_FORMAT"] = chat_format
     if arm == "ramcache":
         env |= {"CACHE": "true", "CACHE_TYPE": "ram"}
         env["CACHE_SIZE"] = str(cfg["ramcache_size_per_worker"])
-    return common.Server.llama_cpp(f"gunicorn-{arm}", env, workdir, cfg["workers"])
+    app = "plain_app:create_app()"  # (llama_cpp.server's, the template registered)
+    return common.Server.llama_cpp(f"gunicorn-{arm}", env, workdir, cfg["workers"], app)
 
 
 def smaps_pss(pid: int, path: str) -> int:
@@ -355,11 +411,11 @@ def run_load(
                 r.update(worker_pid=(r["shmkv"] or {}).get("worker_pid"), client_thread=c)
                 results[k].update(r, error=r["error"] or no_text)
 
-    t0 = time.perf_counter()
+    t0 = time.monotonic()  # (stream_completion's clock)
     in_threads(cc, client_loop)
     for r in results:  # relative to the start of the cell
         r["t_send"] = r["t_send"] - t0 if r["t_send"] else 0.0
-    return results, time.perf_counter() - t0
+    return results, time.monotonic() - t0
 
 
 def warm_up(srv: common.Server, rounds: int = 3) -> None:
@@ -534,6 +590,143 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     }
 
 
+PHASES = {  # where a shmkv request's time to first token went, in order
+    "queue": "client's send to the worker's app: connect, listen backlog, request headers",
+    "app": "the app to the generate call: parsing, the worker's model lock (a request that "
+    "landed on a busy worker waits here), chat template, tokenizing",
+    "coalesce wait": "waiting for another worker's prefill of the same prefix",
+    "remote wait": "waiting for a fetch from --remote",
+    "restore": "restoring a cached state from the arena",
+    "cpu wait": "the prefill's waits for cores of the CPU budget",
+    "prefill": "evaluating the prompt's new tokens (the suffix; all of it when cold), waits out",
+    "first decode": "sampling the first token, after the prefill",
+    "other": "the rest of the call to its first token: lookups, claims, checkpoint publishes",
+    "response": "first token to the client's first text: llama-cpp-python's stream, HTTP",
+}
+IN_CALL = ("coalesce wait", "remote wait", "restore", "cpu wait", "prefill", "first decode")
+
+
+def phases_of(r: dict[str, Any]) -> dict[str, float] | None:
+    """The phases of one request's TTFT, seconds (they sum to it), from the worker's ``*_at``
+    times and durations against the client's send time; None without them."""
+    k = r.get("shmkv") or {}
+    if r.get("sent_at") is None or r["ttft"] is None or "first_token_at" not in k:
+        return None
+    if "received_at" not in k:
+        return None
+    p = {
+        "queue": k["received_at"] - r["sent_at"],
+        "app": k["started_at"] - k["received_at"],
+        "coalesce wait": k["coalesce_wait_ms"] / 1e3,
+        "remote wait": k["remote_wait_ms"] / 1e3,
+        "restore": k["restore_ms"] / 1e3,
+        "cpu wait": k["cpu_wait_ms"] / 1e3,
+        "prefill": (k["prefill_ms"] - k["cpu_wait_ms"]) / 1e3,
+        "first decode": k["first_decode_ms"] / 1e3,
+    }
+    p["other"] = k["first_token_at"] - k["started_at"] - sum(p[x] for x in IN_CALL)
+    p["response"] = r["sent_at"] + r["ttft"] - k["first_token_at"]
+    return p
+
+
+def phase_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]:
+    """Per request class (all, cold, arena hit, local reuse: ``cache_class``): the mean of
+    each phase, seconds, and its share of the class's summed TTFT."""
+    rows = [(r, p) for r in rs if (p := phases_of(r)) is not None]
+    out: dict[str, Any] = {}
+    for cls in ("all", "cold", "hit", "local"):
+        sel = [(r, p) for r, p in rows if cls == "all" or cache_class(r, sys_tokens) == cls]
+        if not sel:
+            continue
+        ttft = sum(r["ttft"] for r, _ in sel)
+        sums = {ph: sum(p[ph] for _, p in sel) for ph in PHASES}
+        out[cls] = {
+            "n": len(sel),
+            "ttft_mean": ttft / len(sel),
+            "mean": {ph: v / len(sel) for ph, v in sums.items()},
+            "share": {ph: v / ttft if ttft else None for ph, v in sums.items()},
+        }
+    return out
+
+
+def ideal_mean_ttft(
+    prompts: list[int], cc: int, prefill: dict[int, float], hit: float, decode: float
+) -> float:
+    """Mean TTFT of the closed loop (``cc`` clients, the requests' system prompts in order)
+    if every system prompt's first request were prefilled alone on all cores (``prefill``
+    seconds), one prefill at a time in arrival order, a request for a prompt in prefill
+    waited for it and then took ``hit`` seconds as every other request did, and each
+    request then decoded for ``decode`` seconds."""
+    free, lane, ready, ttfts = [0.0] * cc, 0.0, {}, []
+    for p in prompts:
+        t = heapq.heappop(free)
+        if p in ready:
+            first = max(t, ready[p]) + hit
+        else:
+            first = lane = ready[p] = max(t, lane) + prefill[p]
+        ttfts.append(first - t)
+        heapq.heappush(free, first + decode)
+    return sum(ttfts) / len(ttfts) if ttfts else 0.0
+
+
+WAITS = ("queue", "app", "coalesce wait", "remote wait", "cpu wait")
+
+
+def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """``ideal_mean_ttft`` for a shmkv cell: the prefills measured in one process on all
+    cores (``cfg["cold_prefill"]``); the cell's own requests that were not cold, their TTFT
+    less what they waited (queue, app, coalesce, remote and CPU waits), as a hit's cost;
+    and its mean decode time (total - TTFT)."""
+    measured, sys_tokens = (cfg.get("cold_prefill") or {}).get("seconds"), min(cfg["system_tokens"])
+    done = [r for r in c["results"] if r["ttft"] is not None and r["total"] is not None]
+    warm = [
+        p for r in done if r.get("shmkv") and cache_class(r, sys_tokens) != "cold"
+        if (p := phases_of(r)) is not None
+    ]  # fmt: skip
+    if not measured or not warm or not done:
+        return None
+    hit = sum(sum(p.values()) - sum(p[w] for w in WAITS) for p in warm) / len(warm)
+    decode = sum(r["total"] - r["ttft"] for r in done) / len(done)
+    prompts = cfg["request_prompts"][: c["planned"]]
+    prefill = {int(p): s for p, s in measured.items()}
+    mean = ideal_mean_ttft(prompts, c["concurrency"], prefill, hit, decode)
+    return {
+        "mean_ttft_s": mean,
+        "hit_s": hit,
+        "decode_s": decode,
+        "measured_mean_ttft_s": out["ttft"].get("mean"),
+    }
+
+
+def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Seconds to the first token of each system prompt's first request, cold, in one
+    ``Llama`` in this process on all cores (after a warm-up): the fastest a cold prefill
+    gets here, the input of ``ideal``."""
+    import llama_cpp
+
+    cores = os.cpu_count() or 1
+    quiet = common.wait_until_quiet(cfg["max_load"], cfg["max_wait"])
+    llm = llama_cpp.Llama(
+        model_path=str(model), n_ctx=cfg["n_ctx"], n_threads=cores, n_threads_batch=cores,
+        verbose=False,
+    )  # fmt: skip
+    try:
+        llm.create_completion(TURN.format("Warm-up: name a colour."), max_tokens=1)
+        first = {}
+        for k, (p, _) in enumerate(wl.requests):
+            first.setdefault(p, k)
+        seconds = {}
+        for p, k in sorted(first.items()):
+            llm.reset()  # (nothing of the last prompt is reused)
+            t = time.monotonic()
+            llm.create_completion(wl.prompt(k), max_tokens=1, temperature=0.0)
+            seconds[str(p)] = time.monotonic() - t
+    finally:
+        llm.close()
+    how = "time to first token of each system prompt's first request, one Llama, all cores"
+    return {"seconds": seconds, "threads": cores, "how": how, "quiet": quiet}
+
+
 def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, Any]:
     """A cell's figures; ``nocache`` is the memory record of the no-cache cell of its level."""
     attempted = [r for r in c["results"] if r["t_send"]]
@@ -564,7 +757,7 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
         mem["arena_pss_per_process"] = {pid: p["arena_pss"] for pid, p in procs if p["arena_pss"]}
     elif c["arm"] in LLAMA_SERVER_ARMS:
         mem["cache_how"] = "--cache-ram: inside the server's PSS, not told apart"
-    elif c["arm"] == "ramcache":
+    elif server_arm(c["arm"]) == "ramcache":
         mem["cache_bytes"] = mem["workers_pss_growth"]
         mem["cache_how"] = "workers' PSS growth from after warm-up to the end"
         if nocache is not None:  # minus the growth the no-cache arm has too (logits, KV)
@@ -596,6 +789,7 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
     }
     if c["arm"].startswith("shmkv"):
         out["cache"] = shmkv_breakdown(ok, sys_tokens)
+        out["phases"] = phase_breakdown(ok, sys_tokens)
         if c["shmkv_stats"]:
             a, b = c["shmkv_stats"]["before"], c["shmkv_stats"]["after"]
             counters = "hits misses tokens_restored tokens_evaluated puts duplicate_puts"
@@ -670,13 +864,16 @@ def spread_table(rows: list[dict[str, Any]]) -> str:
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     f, b, cells = common.fmt_s, common.fmt_b, res["cells"]
-    ref = {c["concurrency"]: c["ttft"] for c in cells if c["arm"] == "nocache"}
+    ref = {
+        (c["arm"], c["concurrency"]): c["ttft"] for c in cells if server_arm(c["arm"]) == "nocache"
+    }
     base = {(c["arm"], c["concurrency"]): c["ttft"] for c in (baseline or {}).get("cells", [])}
     rows, detail = [], []
     for c in cells:
-        t, r, k, mem = c["ttft"], ref.get(c["concurrency"], {}), c.get("cache", {}), c["memory"]
+        t, k, mem = c["ttft"], c.get("cache", {}), c["memory"]
+        r = ref.get((reference_arm(c["arm"], "nocache"), c["concurrency"]), {})
         stopped = f" (stopped at {c['attempted']})" if c["aborted"] else ""
-        rel = r.get("n") and t.get("n") and c["arm"] != "nocache"
+        rel = r.get("n") and t.get("n") and server_arm(c["arm"]) != "nocache"
         rows.append(
             {
                 "arm": c["label"] + (f" (run {c['run'] + 1})" if res["config"]["runs"] > 1 else ""),
@@ -723,6 +920,44 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
             }
         )
     return common.dict_table(rows, left=2) + "\n\n" * bool(detail) + common.dict_table(detail)
+
+
+def markdown(rows: list[list[str]]) -> str:
+    """A markdown table; the first row is the header."""
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
+
+
+def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
+    """Each shmkv cell's phases per request class: mean and share of the summed TTFT; and
+    the ideal scheduler's mean TTFT (``ideal``) where the run measured its input."""
+    rows = [["cell", "requests", "n", "TTFT mean", *PHASES]]
+    notes = []
+    for c in cells:
+        for cls, ph in (c.get("phases") or {}).items():
+            cell = f"{c['arm']}@{c['concurrency']}" + (f"/{c['run'] + 1}" if c.get("run") else "")
+            label = {"all": "all", "cold": "cold", "hit": "arena hit", "local": "local reuse"}
+            share = ph["share"]
+            rows.append(
+                [cell, label[cls], str(ph["n"]), common.fmt_s(ph["ttft_mean"])]
+                + [f"{common.fmt_s(ph['mean'][k])} ({(share[k] or 0) * 100:.0f} %)" for k in PHASES]
+            )
+        if i := c.get("ideal"):
+            notes.append(
+                f"- {c['arm']}@{c['concurrency']}: measured mean TTFT "
+                f"{common.fmt_s(i['measured_mean_ttft_s'])}; with every cold prefill alone on "
+                f"all cores, one at a time: {common.fmt_s(i['mean_ttft_s'])} (cold prefills "
+                f"as timed in one process, others {common.fmt_s(i['hit_s'])}: this cell's "
+                f"hits and local reuses without their waits, decode {common.fmt_s(i['decode_s'])})"
+            )
+    if len(rows) == 1:
+        return ""
+    if cp := cfg.get("cold_prefill"):
+        secs = ", ".join(common.fmt_s(v) for v in cp["seconds"].values())
+        notes.insert(
+            0, f"- cold prefill per system prompt, one process, {cp['threads']} threads: {secs}"
+        )
+    return markdown(rows) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 def plot(plt: Any, res: dict[str, Any]) -> Any:
@@ -807,7 +1042,7 @@ opt = common.option
 @common.command("serve")
 @opt(
     "--arms",
-    default="nocache,ramcache,llama-server,shmkv,shmkv-exact,llama-server-chat,shmkv-chat",
+    default=DEFAULT_ARMS,
     help=f"Comma-separated, of {', '.join(ARMS)}.",
 )
 @opt("--requests", type=int, help="Requests per cell [60; quick 8].")
@@ -842,6 +1077,12 @@ opt = common.option
 @opt("--timeout", default=900.0, help="Per-request read timeout, seconds.")
 @opt("--model", help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
 @opt("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
+@opt(
+    "--ideal/--no-ideal",
+    default=True,
+    help="Time one cold prefill of each system prompt in this process on all cores first "
+    "(the input of the ideal-scheduler line of the phases table).",
+)
 def main(report: common.Report, o: Any) -> None:
     """Serve shared system prompts: no cache vs LlamaRAMCache vs llama-server vs shmkv."""
     from llama_cpp.server.settings import ModelSettings, ServerSettings
@@ -878,7 +1119,7 @@ def main(report: common.Report, o: Any) -> None:
 
         binary = o.llama_server_binary or llama_server.build()
         cfg |= dict(llama_server_binary=str(binary), llama_server_args=llama_server_args(cfg))
-    cfg |= dict(endpoint="/v1/completions", stream=True, temperature=0.0)
+    cfg |= dict(endpoint="/v1/completions", stream=True, temperature=0.0, phases=PHASES)
     cfg |= dict(chat_arms=sorted(CHAT_ARMS), chat_endpoint="/v1/chat/completions")
     cfg["chat_messages"] = [
         {"role": "system", "content": "{system}"},
@@ -889,6 +1130,9 @@ def main(report: common.Report, o: Any) -> None:
         raise click.BadParameter("prompt + max tokens must fit --n-ctx")
     wl = make_workload(model, cfg["prompts"], cfg["prompt_tokens_target"], n)
     cfg.update(system_tokens=wl.system_tokens, request_prompts=[p for p, _ in wl.requests])
+    if o.ideal and any(a.startswith("shmkv") for a in arms):
+        cfg["cold_prefill"] = measure_cold_prefill(model, wl, cfg)
+        log.info("cold prefill on all cores, one process: %s", cfg["cold_prefill"]["seconds"])
     what = "%d system prompts of %s tokens; %d requests; concurrency %s; arms %s"
     log.info(what, cfg["prompts"], wl.system_tokens, n, cfg["concurrency"], arms)
     fields = [*ModelSettings.model_fields, *ServerSettings.model_fields, "config_file"]
@@ -904,15 +1148,18 @@ def main(report: common.Report, o: Any) -> None:
         with tempfile.TemporaryDirectory(prefix="shmkv-bench-serve-") as tmp:
             grid = itertools.product(range(cfg["runs"]), arms, cfg["concurrency"])
             for run, arm, cc in grid:
-                n_cell = cfg["cacheless_requests"] if arm in ("nocache", "ramcache") else n
+                cacheless = server_arm(arm) in ("nocache", "ramcache")
+                n_cell = cfg["cacheless_requests"] if cacheless else n
                 log.info("run %d: cell %s, concurrency %d, %d requests", run + 1, arm, cc, n_cell)
                 cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)) | {"run": run})
                 nocache = {
                     c["concurrency"]: c["memory"]
                     for c in cells
-                    if c["arm"] == "nocache" and c["run"] == run
+                    if c["arm"] == reference_arm(arm, "nocache") and c["run"] == run
                 }
                 a = analyse_cell(cells[-1], min(wl.system_tokens), nocache.get(cc))
+                if a.get("phases"):
+                    a["ideal"] = ideal(cells[-1], a, cfg)
                 analysed.append(a | {"run": run})
                 done = f"{a['ok']} ok, {a['errors']} errors, {a['requests_per_s']:.2f} req/s"
                 stopped = f" (stopped: {a['aborted']})" if a["aborted"] else ""
@@ -952,6 +1199,8 @@ def main(report: common.Report, o: Any) -> None:
         f"load at each cell's start: {[c['quiet']['loadavg'][0] for c in analysed]}"
     )
     click.echo(table(res, report.baseline(quick)))
+    if phases := phase_table(analysed, cfg):
+        click.echo("\nwhere the shmkv arms' time to first token went (mean per request)\n" + phases)
     if cfg["runs"] > 1:
         click.echo(f"\nover {cfg['runs']} runs: median [min-max]\n" + spread_table(res["spread"]))
     if "met" in goal:

@@ -418,12 +418,21 @@ class Server:
         return srv.start([sys.executable, "-m", "shmkv.cli", "serve"], env)
 
     @classmethod
-    def llama_cpp(cls, name: str, env: dict[str, str], workdir: Path, workers: int) -> Server:
-        """llama-cpp-python's server app with the gunicorn settings of workers/gunicorn_conf.py."""
+    def llama_cpp(
+        cls,
+        name: str,
+        env: dict[str, str],
+        workdir: Path,
+        workers: int,
+        app: str = "llama_cpp.server.app:create_app()",
+    ) -> Server:
+        """llama-cpp-python's server app with the gunicorn settings of workers/gunicorn_conf.py
+        (``app``: gunicorn's app factory, importable from bench/ too)."""
         srv = cls(name, workdir, workers)
         args = f"-m gunicorn -w {workers} -k uvicorn_worker.UvicornWorker -b 127.0.0.1:{srv.port}"
         args += " --timeout 900 --graceful-timeout 30 --keep-alive 5 --log-level info"
-        return srv.start([sys.executable, *args.split(), "llama_cpp.server.app:create_app()"], env)
+        args += f" --pythonpath {HERE}"
+        return srv.start([sys.executable, *args.split(), app], env)
 
     @classmethod
     def llama_server(cls, binary: Path, args: list[str], workdir: Path, slots: int) -> Server:
@@ -480,11 +489,14 @@ class Server:
 
 
 def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """POST one streaming OpenAI request: when it was sent, when its first chunk and its first
-    text came (seconds after sending), its text, and the ``shmkv`` field of its first chunk."""
+    """POST one streaming OpenAI request: when it was sent (``t_send``, ``sent_at``:
+    ``time.monotonic()``, the clock of a shmkv worker's ``*_at`` times), when its first chunk
+    and its first text came (seconds after sending), its text, and the ``shmkv`` field of
+    its first chunk."""
     import httpx
 
-    r: dict[str, Any] = {"t_send": time.perf_counter(), "chunks": 0, "text_chunks": 0, "text": ""}
+    now = time.monotonic()
+    r: dict[str, Any] = {"t_send": now, "sent_at": now, "chunks": 0, "text_chunks": 0, "text": ""}
     r |= dict.fromkeys("ttft first_chunk total finish_reason status error shmkv".split())
     try:
         with client.stream("POST", url, json=body) as resp:
@@ -497,7 +509,7 @@ def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
                     continue
                 if (data := line[5:].strip()) == "[DONE]":
                     break
-                now, chunk = time.perf_counter() - r["t_send"], json.loads(data)
+                now, chunk = time.monotonic() - r["t_send"], json.loads(data)
                 r["chunks"] += 1
                 if r["first_chunk"] is None:
                     r["first_chunk"], r["shmkv"] = now, chunk.get("shmkv")
@@ -509,7 +521,7 @@ def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
                 r["finish_reason"] = choice.get("finish_reason") or r["finish_reason"]
     except (httpx.HTTPError, ValueError, OSError) as e:
         r["error"] = f"{type(e).__name__}: {e}"
-    r["total"] = time.perf_counter() - r["t_send"]
+    r["total"] = time.monotonic() - r["t_send"]
     return r
 
 

@@ -434,6 +434,7 @@ def run_eval(cache: Any, orig_eval: Callable[[Sequence[int]], None], tokens: Seq
     def count(g: Grant, n_tokens: int) -> None:
         if g.waited:
             cache.ledger.add(cpu_waits=1, cpu_wait_seconds=g.waited)
+            cache.last.cpu_wait_seconds += g.waited
         if g.timed_out:
             cache.ledger.add(cpu_wait_timeouts=1)
             log.warning(

@@ -5,7 +5,8 @@
 ``SharedCacheLlama`` overrides them instead. Either way ``generate`` goes to the
 cache (``SharedPrefixCache.generate``), ``eval`` runs under the cache's context
 guard while it keeps count of the logits rows the context fills, on the cores of
-the CPU budget if the cache has one (:func:`run_eval`, ``cpubudget.py``),
+the CPU budget if the cache has one (:func:`run_eval`, ``cpubudget.py``), timed
+while it is the call's prefill (``CallStats.prefill_seconds``),
 ``_create_completion`` tells the generate call it makes whether it reads the
 prompt's logits (:func:`run_completion`), and ``create_chat_completion`` tells the
 cache where its messages start (:func:`run_chat_completion`, ``boundaries.py``).
@@ -14,6 +15,7 @@ cache where its messages start (:func:`run_chat_completion`, ``boundaries.py``).
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +40,7 @@ def run_eval(cache: SharedPrefixCache, orig_eval: Any, tokens: Sequence[int]) ->
             guard.begin()
             # (on top of another tenant's cells, the context is then nobody's)
             cache.enter(cache.root_for(tenant.current()), reset=llm.n_tokens == 0)
-        start = llm.n_tokens
+        start, t0 = llm.n_tokens, time.monotonic()
         try:
             if cache.cpu is None:
                 orig_eval(tokens)
@@ -47,6 +49,10 @@ def run_eval(cache: SharedPrefixCache, orig_eval: Any, tokens: Sequence[int]) ->
         finally:
             if cache.logits_all and start <= cache.scores_valid:
                 cache.scores_valid = llm.n_tokens
+            last = cache.last
+            if not outside and not last.first_token_at:  # the call's prefill: timed
+                last.prefill_end_at = time.monotonic()
+                last.prefill_seconds += last.prefill_end_at - t0
 
 
 def run_completion(cache: SharedPrefixCache, orig: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:

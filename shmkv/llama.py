@@ -219,7 +219,7 @@ class Call:
         vocab = lc.llama_model_get_vocab(cache.llm.model)
         with cache.guard:
             self.generation = cache.guard.begin()
-            stats = cache.last = CallStats(prompt_tokens=len(tokens))
+            stats = cache.last = CallStats(prompt_tokens=len(tokens), started_at=time.monotonic())
             cache.ledger.add(calls=1)
             cache.call = self
             cache._release_orphaned_claims()
@@ -241,6 +241,7 @@ class Call:
                         return
                     if first:
                         first = False
+                        stats.first_token_at = time.monotonic()
                         self._prefilled(in_context)
                         prompt_capture = True
                 if not lc.llama_vocab_is_eog(vocab, tok):  # (completions stop at one)

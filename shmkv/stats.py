@@ -145,6 +145,37 @@ class CallStats:
     remote_wait_seconds: float = field(
         default=0.0, metadata={"kind": GAUGE, "help": "seconds waited for a fetch from --remote"}
     )
+    cpu_wait_seconds: float = field(
+        default=0.0,
+        metadata={
+            "kind": GAUGE,
+            "help": "seconds this call's evals waited for cores of the CPU budget (at the "
+            "first token: its prefill's waits)",
+        },
+    )
+    prefill_seconds: float = field(
+        default=0.0,
+        metadata={
+            "kind": GAUGE,
+            "help": "wall seconds of evaluating the prompt's new tokens (the suffix, or the "
+            "whole prompt when cold), summed over its evals, CPU waits included",
+        },
+    )
+    started_at: float = field(
+        default=0.0,
+        metadata={"kind": INFO, "help": "time.monotonic() when the call began"},
+    )
+    prefill_end_at: float = field(
+        default=0.0,
+        metadata={"kind": INFO, "help": "time.monotonic() when its prompt's last eval ended"},
+    )
+    first_token_at: float = field(
+        default=0.0,
+        metadata={
+            "kind": INFO,
+            "help": "time.monotonic() when its first token was sampled (0: not yet)",
+        },
+    )
     checkpoints: list[int] = field(
         default_factory=list,
         metadata={"kind": INFO, "help": "lengths of every checkpoint state published mid-prefill"},

@@ -747,7 +747,7 @@ class Server:
             if k.startswith("x-shmkv-")
         }
         info = {
-            k: (v == "true" if k == "hit" else float(v) if k == "restore_ms" else int(v))
+            k: (v == "true" if k == "hit" else float(v) if k.endswith(("_ms", "_at")) else int(v))
             for k, v in h.items()
         }
         return body.choices[0].text, info

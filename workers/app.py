@@ -10,7 +10,18 @@ completion says what the cache did: in its usage, as OpenAI's
 headers leave before the prompt is evaluated), an extra ``shmkv`` field in the first chunk::
 
     "shmkv": {"prompt_tokens": 1090, "restored_tokens": 1088, "evaluated_tokens": 2,
-              "cached_tokens": 1088, "restore_ms": 1.9, "hit": true, "worker_pid": 4242}
+              "cached_tokens": 1088, "restore_ms": 1.9, "hit": true, "worker_pid": 4242,
+              "coalesce_wait_ms": 0.0, "remote_wait_ms": 0.0, "cpu_wait_ms": 0.0,
+              "prefill_ms": 21.4, "first_decode_ms": 0.3, "received_at": 81234.501,
+              "started_at": 81234.507, "first_token_at": 81234.533, ...}
+
+The last ones say where the request's time to first token went in this worker
+(``cache_field``): from ``received_at`` (the app got the request) to ``started_at``
+(its generate call began: parsing, chat template, tokenizing), waiting for another
+worker's prefill or ``--remote``, restoring, evaluating the prompt's new tokens
+(``prefill_ms``, its waits for cores of the CPU budget included) and sampling the first
+token; ``*_at`` are ``time.monotonic()`` seconds, one clock for every process on the
+machine (``bench/bench_serve.py`` sets them against its send times).
 
 Settings come from ``shmkv.config`` (``SHMKV_*`` variables, set by ``shmkv serve``).
 """
@@ -22,6 +33,7 @@ import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,18 +72,51 @@ log = logging.getLogger("shmkv.worker")
 
 
 def cache_field(cache: SharedPrefixCache) -> dict[str, Any]:
+    """What the cache did for the last call, and where its time to first token went (read
+    at its first token; ``*_at`` are ``time.monotonic()`` seconds, the same clock in every
+    process of the machine, so that a client can set them against its own)."""
     last = cache.last
+
+    def ms(seconds: float) -> float:
+        return round(seconds * 1000, 3)
+
     return {
         "prompt_tokens": last.prompt_tokens,
         "restored_tokens": last.tokens_restored,
         "reused_local_tokens": last.tokens_reused_local,
         "evaluated_tokens": last.tokens_evaluated,
         "cached_tokens": last.cached_tokens,
-        "restore_ms": round(last.restore_seconds * 1000, 3),
+        "restore_ms": ms(last.restore_seconds),
         "prefill_threads": last.prefill_threads,
         "hit": last.hit,
         "worker_pid": os.getpid(),
+        "coalesce_wait_ms": ms(last.coalesce_wait_seconds),
+        "remote_wait_ms": ms(last.remote_wait_seconds),
+        "cpu_wait_ms": ms(last.cpu_wait_seconds),
+        "prefill_ms": ms(last.prefill_seconds),
+        "first_decode_ms": ms(max(0.0, last.first_token_at - last.prefill_end_at))
+        if last.prefill_end_at
+        else 0.0,
+        "started_at": round(last.started_at, 6),
+        "first_token_at": round(last.first_token_at, 6),
     }
+
+
+#: the ASGI scope key under which :class:`Received` leaves the request's arrival time
+RECEIVED = "shmkv.received_at"
+
+
+class Received:
+    """ASGI middleware, the outermost: when this worker's app began handling the request
+    (``time.monotonic()``, in the scope; after uvicorn parsed its headers), for the
+    ``received_at`` of :class:`CacheHeaders`."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        scope[RECEIVED] = time.monotonic()
+        await self.app(scope, receive, send)
 
 
 def _record(cache: SharedPrefixCache) -> None:
@@ -106,6 +151,8 @@ class CacheHeaders:
         async def send_annotated(message: dict) -> None:
             nonlocal streaming, annotated, held, ended
             field = context.get("shmkv") if context.exists() else None
+            if field and RECEIVED in scope:
+                field = {**field, "received_at": round(scope[RECEIVED], 6)}
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 streaming = any(
@@ -464,7 +511,8 @@ def create_app(settings: Settings | None = None):
         Middleware(TenantScope, per_api_key=settings.namespace_per_api_key)
     )
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
-    app.add_middleware(BusyGate)  # outermost: a worker accepts only while idle
+    app.add_middleware(BusyGate)  # a worker accepts only while idle
+    app.add_middleware(Received)  # outermost: when the request reached the app
     app.add_exception_handler(json.JSONDecodeError, _invalid_json)
     app.add_exception_handler(UnicodeDecodeError, _invalid_json)
 
