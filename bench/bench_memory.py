@@ -138,7 +138,7 @@ def served(kind: str, cfg: dict[str, Any], wl: Any, workdir: Path) -> dict[str, 
         st = sup.stats() if sup else {}
         out["arena_used"], out["arena_capacity"] = st.get("bytes_used", 0), arena_bytes(arena)
         out["total_pss_minus_arena_used"] = out["total_pss"] - out["arena_used"]
-        # the arena is reserved whole at start (posix_fallocate): all of it is resident
+        # what the arena mapping costs (all of --size with --reserve; else what it holds)
         out["total_pss_without_arena"] = out["total_pss"] - total["arena"]["pss"]
         return out
 
@@ -384,7 +384,7 @@ def main(report: common.Report, o: Any) -> None:
         by = {r["kind"]: r for r in res["served"]}
         s = by["shmkv"]
         click.echo(
-            f"shmkv arena: {common.fmt_b(s['arena_capacity'])} reserved and resident, "
+            f"shmkv arena: {common.fmt_b(s['arena_capacity'])} resident (allocated), "
             f"{common.fmt_b(s['arena_used'])} used"
         )
         if "llama-server" in by:

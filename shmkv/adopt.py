@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import mmap
 import os
 import stat
 import time
@@ -52,7 +51,7 @@ from .arena import (
     header_format,
     record_layout,
 )
-from .arenafile import ArenaFile, _same_file, check_ours
+from .arenafile import ArenaFile, _same_file, check_ours, map_arena
 from .config import Settings, format_size
 from .entry import Entry
 from .errors import (
@@ -175,9 +174,10 @@ def _check(af: ArenaFile, fd: int) -> Geometry | None:
 
 def _take(af: ArenaFile, fd: int, old: Geometry) -> Geometry:
     """Reserve, map and re-head the checked file; open the workers' read-only fd."""
-    size = old.arena_size
+    size, reserve = old.arena_size, af.settings.reserve
     try:
-        os.posix_fallocate(fd, 0, size)  # (its pages exist: this only makes sure)
+        # (its header and index exist, and with --reserve all of it: this only makes sure)
+        os.posix_fallocate(fd, 0, size if reserve else old.data_offset)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
             raise ShmSpaceError(
@@ -189,11 +189,10 @@ def _take(af: ArenaFile, fd: int, old: Geometry) -> Geometry:
         os.fchown(fd, -1, af.gid)
     os.fchmod(fd, af.file_mode)
     _magic, _version, state = header_format(os.pread(fd, 4096, 0))
-    mm = mmap.mmap(
-        fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-    )
-    ro = -1
+    mm = map_arena(fd, size, reserve, old.data_offset)
+    ro = rw = -1
     try:
+        rw = os.dup(fd)
         ro = os.open(af.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         if not _same_file(af.path, fd) or not _same_file(af.path, ro):
             raise UnsafePathError(f"{af.path} was replaced while being adopted: check --dir")
@@ -203,11 +202,12 @@ def _take(af: ArenaFile, fd: int, old: Geometry) -> Geometry:
         )
         ArenaWriter(mm, geometry).format()
     except BaseException:
-        if ro >= 0:
-            os.close(ro)
+        for d in (ro, rw):
+            if d >= 0:
+                os.close(d)
         mm.close()
         raise
-    af.mm, af.geometry, af.ro_fd = mm, geometry, ro
+    af.mm, af.geometry, af.ro_fd, af.rw_fd = mm, geometry, ro, rw
     log.info(
         "adopting arena %s left by supervisor pid %d (%s)",
         af.path,
@@ -229,11 +229,21 @@ class Adopted:
 
 
 def _valid(view: ArenaView, offset: int, gen: int) -> Record | None:
-    """The record (offset, gen) if every check a worker makes passes, payload included."""
+    """The record (offset, gen) if every check a worker makes passes, payload included.
+
+    Its pages must all exist before the mapping reads them: a slot of a damaged arena
+    may name a hole (``pages.py``), and a fault on one allocates it, or SIGBUSes when the
+    tmpfs is full. So the header is read with ``pread``, and the extent it claims is
+    looked up for holes (``SEEK_HOLE``) first.
+    """
     try:
+        head, _ = view.peek(offset, gen)
+        *_, extent = record_layout(head.n_tokens, head.fp_len, head.payload_len)
+        if os.lseek(view.fd, offset, os.SEEK_HOLE) < offset + extent:
+            return None
         rec = view.read_record(offset, gen)
         view.verify_meta(rec)
-    except ArenaCorruptError:
+    except (ArenaCorruptError, OSError):
         return None
     return rec if gen > 0 and view.verify_payload(rec) else None
 

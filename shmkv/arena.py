@@ -305,20 +305,35 @@ class ArenaView:
     """A worker's read-only view of the arena: lock-free lookup and record validation."""
 
     def __init__(self, fd: int, populate: bool = True) -> None:
-        size = os.fstat(fd).st_size
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        st = os.fstat(fd)
+        size = st.st_size
+        # ``populate``: map every page at once, if every page exists (a --reserve arena).
+        # The data region of an arena allocated as records are stored has holes, and a
+        # read fault on a hole of a shared tmpfs mapping allocates it (or SIGBUSes when
+        # the tmpfs is full): there, only the header and index are mapped at once, and
+        # a record's pages when it is read, under its lease (``pages.py``).
+        whole = populate and st.st_blocks * 512 >= size
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if whole else 0)
         self.mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
         try:
             self.geometry = Geometry.unpack(self.mm, size)
+            #: our own descriptor of the file, for lease-free reads (:meth:`peek`)
+            self.fd = os.dup(fd)
         except Exception:
             self.mm.close()
             raise
+        if populate and not whole:
+            for off in range(0, self.geometry.data_offset, mmap.PAGESIZE):
+                self.mm[off]
         self.file_size = size
         self._np = np.frombuffer(self.mm, dtype=np.uint8)
         self.base_address: int = self._np.ctypes.data
 
     def close(self) -> None:
         self._np = None  # type: ignore[assignment]
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         try:
             self.mm.close()
         except BufferError:  # a numpy view is still alive somewhere; unmapped at GC
@@ -373,7 +388,14 @@ class ArenaView:
 
     # -- records ---------------------------------------------------------------
     def read_record(self, offset: int, gen: int) -> Record:
-        """Parse and bounds-check the record at ``offset``; ArenaCorruptError if invalid."""
+        """Parse and bounds-check the record at ``offset``; ArenaCorruptError if invalid.
+
+        Reads the mapping: only under a lease (or as the supervisor, of a live record).
+        """
+        self._check_offset(offset)
+        return self._parse_record(self.mm, offset, gen)
+
+    def _check_offset(self, offset: int) -> None:
         g = self.geometry
         if not (
             g.data_offset <= offset
@@ -381,6 +403,37 @@ class ArenaView:
             and offset % PAGE == g.data_offset % PAGE
         ):
             raise ArenaCorruptError(f"record offset {offset} outside the data region")
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        """``n`` bytes of the file at ``offset``, read without the mapping: a hole reads as
+        zeros and stays a hole (a fault on it would allocate it, or SIGBUS)."""
+        try:
+            raw = os.pread(self.fd, n, offset)
+        except (OSError, ValueError):
+            raw = b""
+        if len(raw) != n:
+            raise ArenaCorruptError(f"cannot read {n} bytes of the arena at {offset}")
+        return raw
+
+    def peek(self, offset: int, gen: int) -> tuple[Record, np.ndarray]:
+        """A lease-free look at the record (offset, gen): its header and token ids, read
+        with ``pread`` (the record may be freed and its pages punched meanwhile: ``pages.py``).
+        ArenaCorruptError if it does not parse; nothing else of it is checked."""
+        self._check_offset(offset)
+        rec = self._parse_record(self._pread(REC_HEADER_SIZE, offset), 0, gen, offset)
+        raw = self._pread(4 * rec.n_tokens, rec.tokens_off)
+        return rec, np.frombuffer(raw, dtype="<i4")
+
+    def read_payload(self, rec: Record) -> bytes:
+        """A copy of ``rec``'s payload read with ``pread`` (lease-free, as :meth:`peek`)."""
+        return self._pread(rec.payload_len, rec.payload_off)
+
+    def _parse_record(
+        self, buf: mmap.mmap | bytes, at: int, gen: int, offset: int | None = None
+    ) -> Record:
+        """The record header found at ``buf[at:]``, which is arena offset ``offset``."""
+        g = self.geometry
+        offset = at if offset is None else offset
         (
             magic,
             version,
@@ -398,7 +451,7 @@ class ArenaView:
             _meta,
             created,
             publisher,
-        ) = _REC.unpack_from(self.mm, offset)
+        ) = _REC.unpack_from(buf, at)
         if magic != REC_MAGIC or version != FORMAT_VERSION:
             raise ArenaCorruptError(f"no record at offset {offset}")
         if rgen != gen:

@@ -3,9 +3,11 @@
 Runs in the supervisor only. Start-up order: take the name's lock file (flock,
 released by the kernel if we die, so a killed supervisor's name is simply
 taken over), remove the arena and temporary files a killed predecessor left,
-check and reserve the arena's space with ``posix_fallocate`` (a full tmpfs
-fails here, never with SIGBUS later), write the header, publish the file by
-rename, and open the read-only descriptor every worker is handed. The bytes
+check the arena's space, allocate it (``--reserve``: all of it, so that a full
+tmpfs fails here; by default only the header and index, and ``pages.py``
+allocates each record's pages before it is written, so that a full tmpfs costs
+a rejected put, never a SIGBUS), write the header, publish the file by rename,
+and open the read-only descriptor every worker is handed. The bytes
 are written through :class:`~shmkv.arena.ArenaWriter`. An arena a stopped or
 killed predecessor left is adopted instead (``adopt.py``) unless ``--fresh``.
 
@@ -90,6 +92,23 @@ def _unlink_if(path: Path, fd: int) -> None:
         log.warning("could not remove %s: %s", path, e)
 
 
+def map_arena(fd: int, size: int, reserve: bool, data_offset: int) -> mmap.mmap:
+    """The supervisor's writable mapping of the arena, its pages mapped at once: all of
+    them with ``reserve``, else the header and index only (faulting in the data region's
+    holes would allocate them: see ``pages.py``)."""
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if reserve else 0)
+    mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if not reserve:
+        prefault(mm, data_offset)
+    return mm
+
+
+def prefault(mm: mmap.mmap, end: int) -> None:
+    """Fault in the pages of [0, end) of ``mm`` (allocated ones: the header and index)."""
+    for off in range(0, end, mmap.PAGESIZE):
+        mm[off]
+
+
 class ArenaFile:
     """The lock file, the arena file with its writable mapping, and the read-only fd."""
 
@@ -103,6 +122,8 @@ class ArenaFile:
         self.lock_fd = -1
         #: the descriptor handed to every worker: it cannot be mapped writable
         self.ro_fd = -1
+        #: our writable descriptor: pages are allocated and punched through it (``pages.py``)
+        self.rw_fd = -1
         self.mm: mmap.mmap | None = None
         self.geometry: Geometry | None = None
         #: the file was truncated under the mapping: never write to it again
@@ -194,14 +215,24 @@ class ArenaFile:
     def _create(self) -> Geometry:
         self.remove_leftovers()
         size = self.settings.size
+        reserve = self.settings.reserve
         st = os.statvfs(self.path.parent)
         free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
         if size > free:
-            raise ShmSpaceError(
-                f"--size {format_size(size)} does not fit in {self.path.parent}: only "
-                f"{format_size(free)} free of {format_size(total)}. Lower --size, free space "
-                f"there, or enlarge the tmpfs (Docker: --shm-size)"
+            fix = (
+                "Lower --size, free space there, or enlarge the tmpfs (Docker: --shm-size)"
+                if reserve
+                else "Once it is full, puts are rejected (workers miss); lower --size, or "
+                "free or enlarge it (Docker: --shm-size), or use --reserve to claim all of "
+                "--size at start"
             )
+            msg = (
+                f"--size {format_size(size)} does not fit in {self.path.parent}: only "
+                f"{format_size(free)} free of {format_size(total)}. {fix}"
+            )
+            if reserve:
+                raise ShmSpaceError(msg)
+            log.warning("%s", msg)
         try:
             geom = Geometry.plan(size, self.settings.chunk_tokens, self.settings.index_slots)
         except ValueError as e:
@@ -217,8 +248,11 @@ class ArenaFile:
                 if os.fstat(fd).st_gid != self.gid:  # (no chown for our own group)
                     os.fchown(fd, -1, self.gid)
                 os.fchmod(fd, self.file_mode)  # our umask may have masked the group's read
+            allocated = size if reserve else geom.data_offset
             try:
-                os.posix_fallocate(fd, 0, size)
+                if not reserve:
+                    os.ftruncate(fd, size)  # sparse: pages.py allocates the data region
+                os.posix_fallocate(fd, 0, allocated)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
                     st = os.statvfs(self.path.parent)
@@ -228,12 +262,7 @@ class ArenaFile:
                         f"enlarge the tmpfs (Docker: --shm-size)"
                     ) from None
                 raise
-            self.mm = mmap.mmap(
-                fd,
-                size,
-                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                prot=mmap.PROT_READ | mmap.PROT_WRITE,
-            )
+            self.mm = map_arena(fd, size, reserve, geom.data_offset)
             ArenaWriter(self.mm, geom).format()
             self.geometry = geom
             # the workers' read-only descriptor, opened before the name is published
@@ -247,12 +276,12 @@ class ArenaFile:
             _unlink_if(tmp, fd)
             os.close(fd)
             raise
-        os.close(fd)
-        self.ro_fd = ro
+        self.rw_fd, self.ro_fd = fd, ro
         log.info(
-            "arena %s: %s, %d index slots, data %s, chunk %d tokens",
+            "arena %s: %s (%s), %d index slots, data %s, chunk %d tokens",
             self.path,
             format_size(size),
+            "reserved" if reserve else "allocated as records are stored",
             geom.index_slots,
             format_size(geom.data_size),
             geom.chunk_tokens,
@@ -299,6 +328,9 @@ class ArenaFile:
             except BufferError:
                 pass
             self.mm = None
+        if self.rw_fd >= 0:
+            os.close(self.rw_fd)
+            self.rw_fd = -1
         if self.ro_fd >= 0:
             if remove:
                 _unlink_if(self.path, self.ro_fd)

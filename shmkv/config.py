@@ -287,9 +287,20 @@ SETTINGS: dict[str, Setting] = {
             "size",
             parse_size,
             1 << 30,
-            "Arena size, reserved in full at start (e.g. 512M, 2G).",
+            "Arena size (e.g. 512M, 2G): the most the cache holds. Its memory is taken as "
+            "states are stored and given back as they are evicted, unless --reserve.",
             _SUP,
             "SIZE",
+        ),
+        Setting(
+            "reserve",
+            parse_bool,
+            False,
+            "Allocate and map all of --size at start (fails then if /dev/shm lacks the "
+            "room), instead of as states are stored: the arena's memory is then --size "
+            "however little it holds, but a full /dev/shm can never reject a put.",
+            _SUP,
+            is_flag=True,
         ),
         Setting(
             "chunk_tokens",

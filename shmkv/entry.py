@@ -29,3 +29,6 @@ class Entry:
     doomed: bool = False
     #: uid of the peer that put it
     publisher: int = 0
+    #: a lease of it was revoked or ended with its connection: its holder may still be
+    #: reading, so its pages are never punched (``pages.py``)
+    stale_readers: bool = False

@@ -145,6 +145,7 @@ class Context:
             bytes_used=store.bytes_used(),
             bytes_free=g.data_size - store.bytes_used(),
             bytes_capacity=g.data_size,
+            bytes_resident=store.pages.resident(),
             bytes_free_largest=store.alloc.largest(),
             free_extents=store.alloc.count(),
             index_used=len(store.owners),

@@ -300,14 +300,12 @@ class LmdbTier:
             if ev.payload_len > self.size:
                 self.errors["too_large"] = self.errors.get("too_large", 0) + 1
                 return
-            view = source.payload(ev)
-            if view is None:
+            data = source.payload(ev)
+            if data is None:
                 self.gone += 1
                 return
-            try:
-                txn.put(ev.content, view, db=self.blob)  # the one copy
-            finally:
-                view.release()
+            txn.put(ev.content, data, db=self.blob)
+            del data
             stored = txn.get(ev.content, db=self.blob)
             if stored is None or not same_payload(stored, ev):
                 txn.delete(ev.content, db=self.blob)  # evicted and reused while we copied

@@ -68,9 +68,7 @@ class ArenaReader(Protocol):
 
     def find_longest(self, digests: Sequence[bytes]) -> tuple[int, Slot] | None: ...
 
-    def read_record(self, offset: int, gen: int) -> Any: ...
-
-    def tokens(self, rec: Any) -> np.ndarray: ...
+    def peek(self, offset: int, gen: int) -> tuple[Any, np.ndarray]: ...
 
 
 # ------------------------------------------------------------ window rules
@@ -110,9 +108,10 @@ def peek(view: ArenaReader, slot: Slot, prompt: np.ndarray, trust: Trust = EVERY
     """A lease-free look at a record; None if it does not parse (the lease path re-checks
     whatever is then used)."""
     try:
-        rec = view.read_record(slot.rec_offset, slot.rec_gen)
+        # (read without the mapping: the record may be freed and its pages punched meanwhile)
+        rec, tokens = view.peek(slot.rec_offset, slot.rec_gen)
         trusted = trust.uids is None or trust.allows(rec.publisher)
-        return Peek(rec.n_tokens, common_prefix(view.tokens(rec), prompt), trusted)
+        return Peek(rec.n_tokens, common_prefix(tokens, prompt), trusted)
     except (ArenaCorruptError, ValueError):
         return None
 

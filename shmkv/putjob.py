@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
-from .arena import chain_digests, record_layout
+from .arena import PAGE, align, chain_digests, record_layout
 from .config import format_size
 from .entry import Entry
 from .errors import ArenaFullError, BadRequest, ChecksumMismatch, LimitExceeded
@@ -32,6 +32,12 @@ log = logging.getLogger("shmkv.store")
 #: a put's payload is copied (and checksummed) in pieces of this size, each followed by
 #: a look at the put's deadline
 COPY_PIECE = 8 << 20
+
+SHM_FULL = (
+    "no memory left for this state in the arena's tmpfs (its directory, --dir, is full): "
+    "free space there or enlarge it (Docker: --shm-size), lower --size, or start the "
+    "supervisor with --reserve to claim all of --size at start"
+)
 
 FULL = (
     "the arena is full of pinned or in-use entries: unpin some, or restart "
@@ -82,6 +88,10 @@ class PutJob:
         #: the space taken, once room was made; None before (and after abort)
         self.offset: int | None = None
         self.copied = 0
+        #: bytes from the record's start whose pages exist (``pages.py``)
+        self.allocated = 0
+        #: where the payload starts, from the record's start
+        self.payload_offset = record_layout(len(tokens), len(fingerprint), 0)[2]
         self.hasher = xxhash.xxh3_64()
         self.revoked = False
         self.steps = 0
@@ -200,7 +210,21 @@ class PutJob:
                 return False
         self.offset = store.alloc.alloc(self.extent)
         assert self.offset is not None  # it fits
+        self.allocated = 0
+        self._allocate(self.payload_offset)  # header, fingerprint, token ids
         return True
+
+    def _allocate(self, upto: int) -> None:
+        """Make the record's first ``upto`` bytes exist before they are written (a put
+        never writes into a hole: on a full tmpfs that is a SIGBUS); ArenaFullError if
+        the tmpfs has no room for them."""
+        assert self.offset is not None
+        upto = min(self.extent, align(upto, PAGE))
+        if upto > self.allocated:
+            if not self.store.pages.allocate(self.offset + self.allocated, upto - self.allocated):
+                self.store.counters.shm_full_puts += 1
+                raise ArenaFullError(SHM_FULL)
+            self.allocated = upto
 
     def _copy(self, deadline: float) -> bool:
         """Copy and checksum the payload, a piece at a time; True once all of it is in."""
@@ -211,6 +235,7 @@ class PutJob:
             )
             part = view[self.copied : self.copied + self.piece]
             try:
+                self._allocate(self.payload_offset + self.copied + len(part))
                 self.read(part, self.copied)
                 self.hasher.update(part)
                 self.copied += len(part)
@@ -244,6 +269,7 @@ class PutJob:
         """Give back the space taken (the put is over, done or not)."""
         if self.offset is not None:
             self.store.alloc.release(self.offset, self.extent)
+            self.store.pages.freed(self.offset, self.extent)
             self.offset = None
 
     def _record(self, offset: int) -> Entry:

@@ -179,14 +179,10 @@ class RedisWriter:
             pipe.expire(idx, conf.ttl)
             pipe.execute()
             return
-        view = source.payload(ev)
-        if view is None:
+        data = source.payload(ev)  # the one copy: checked below, then sent from
+        if data is None:
             self.gone += 1
             return
-        try:
-            data = bytes(view)  # the one copy: checked below, then sent from
-        finally:
-            view.release()
         if len(data) != ev.payload_len or xxhash.xxh3_64_intdigest(data) != ev.payload_xxh3:
             self.gone += 1  # evicted and reused while we copied
             return

@@ -336,6 +336,10 @@ class ArenaCounters:
 
     puts: int = counter("states stored")
     rejected_puts: int = counter("puts refused (no room, bad checksum, bad request)")
+    shm_full_puts: int = counter(
+        "puts refused because the arena's tmpfs (--dir) had no memory left for their pages "
+        "(also in rejected_puts)"
+    )
     duplicate_puts: int = counter("puts of a state already stored")
     evictions: int = counter("states evicted to make room")
     expired: int = counter(
@@ -397,6 +401,11 @@ class ArenaGauges:
     bytes_used: int = gauge("bytes of the data region in use", metric="arena_used_bytes")
     bytes_free: int = gauge("bytes of the data region not in use", metric="arena_free_bytes")
     bytes_capacity: int = gauge("bytes of the data region", metric="arena_capacity_bytes")
+    bytes_resident: int = gauge(
+        "bytes of the arena file allocated in its tmpfs, header and index included "
+        "(what it costs in memory; all of --size with --reserve)",
+        metric="arena_resident_bytes",
+    )
     bytes_free_largest: int = gauge(
         "largest free extent, bytes", metric="arena_largest_free_extent_bytes"
     )

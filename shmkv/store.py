@@ -31,6 +31,10 @@ at the next call, so that the supervisor can serve other peers between the
 slices of a put that must evict thousands of records or copy hundreds of MiB.
 Which record each index slot names is kept by :class:`~shmkv.owners.IndexOwners`.
 
+Pages of the data region exist only while a record needs them (``pages.py``):
+a put allocates before it writes, a freed extent is punched later, and never
+one that a revoked or disconnected lease holder may still be reading.
+
 Limits keep one peer from taking what all share: pinned states may take at
 most ``max_pinned`` bytes, a connection may hold at most ``max_leases`` leases.
 """
@@ -54,6 +58,7 @@ from .entry import Entry
 from .errors import LimitExceeded, NotFound
 from .leases import Leases
 from .owners import IndexOwners
+from .pages import Pages
 from .putjob import COPY_PIECE, FULL, PutJob
 from .stats import ArenaCounters, LimitCounters
 from .tiers import TierHook
@@ -76,8 +81,12 @@ class Store:
         max_pinned: int | None = None,
         max_leases: int = 256,
         limits: LimitCounters | None = None,
+        pages: Pages | None = None,
     ) -> None:
         self.arena = ArenaWriter(mm, geometry)
+        #: the data region's pages: allocated before a write, punched after a free
+        #: (default: a reserved arena, all allocated)
+        self.pages = Pages(-1, reserve=True) if pages is None else pages
         #: re-checks a stored record (header, metadata and payload checksums); a put of
         #: the same content replaces a copy that fails it
         self.intact = intact
@@ -119,6 +128,7 @@ class Store:
             return False
         for grant in stale:
             grant.revoked = True
+            self._stale_reader(grant.gen)
             self._unlease(grant.gen)
         self.counters.revocations += len(stale)
         log.warning(
@@ -140,9 +150,16 @@ class Store:
         self.counters.evictions += 1
         return True
 
+    def _stale_reader(self, gen: int) -> None:
+        """A lease of record ``gen`` ended while its holder may still be reading."""
+        e = self.entries.get(gen)
+        if e is not None:
+            e.stale_readers = True
+
     def _free(self, e: Entry) -> None:
         self.arena.zap_record(e.offset)
         self.alloc.release(e.offset, e.extent)
+        self.pages.freed(e.offset, e.extent, e.stale_readers)
         del self.entries[e.gen]
 
     def remove(self, e: Entry) -> None:
@@ -310,6 +327,7 @@ class Store:
         """
         lids = self.leases.of_owner(owner)
         for lid in lids:
+            self._stale_reader(self.leases[lid].gen)
             if self.release(lid, owner):
                 self.counters.leases_closed += 1
         return len(lids)

@@ -46,6 +46,7 @@ from .errors import (
 )
 from .listener import Conn, Listener
 from .ops import OPS, Context, Work
+from .pages import Pages
 from .protocol import MAX_U64, decode_body
 from .reports import Reports
 from .stats import LimitCounters
@@ -53,6 +54,9 @@ from .store import Store
 from .systemd import Watchdog, sd_notify
 from .tierloop import TierLoop
 from .ttl import Expiry
+
+#: most time given to punching freed pages per turn of the loop (``pages.py``)
+PUNCH_SLICE = 0.002
 
 __all__ = [
     "EXIT_ARENA_LOST",
@@ -122,6 +126,7 @@ class Supervisor:
             assert self.arena.mm is not None
             # to re-check records (adopting, every one: mapped at once, not page by page)
             view = ArenaView(self.arena.ro_fd, populate=adopted)
+            pages = Pages(self.arena.rw_fd, self.settings.reserve)
             store = Store(
                 self.arena.mm,
                 geometry,
@@ -130,9 +135,12 @@ class Supervisor:
                 max_pinned=geometry.data_size * self.settings.max_pinned_percent // 100,
                 max_leases=self.settings.max_leases,
                 limits=self.limits,
+                pages=pages,
             )
             if adopted:
                 adopt.rebuild(store, view)
+                for off, n in store.alloc.extents():  # (what the old arena held there)
+                    pages.freed(off, n)
             tiers = self.tiers = TierLoop(self.settings, self.arena, geometry.chunk_tokens)
             self._ctx = Context(
                 settings=self.settings,
@@ -208,7 +216,8 @@ class Supervisor:
                         left = max(0.0, due - now)
                         timeout = left if timeout is None else min(timeout, left)
                 timeout = 1.0 if timeout is None else min(timeout, 1.0)
-                timeout = 0.0 if self.work else tiers.timeout(now, timeout)
+                busy = self.work or self.ctx.store.pages.busy  # (pages to punch: pages.py)
+                timeout = 0.0 if busy else tiers.timeout(now, timeout)
                 ready: set[str] = set()
                 for key, events in self.sel.select(timeout):
                     if key.data is None:
@@ -225,6 +234,8 @@ class Supervisor:
                             self.io.flush(conn)
                 if self.work and not self._stop:
                     self._step_work()
+                if self.ctx.store.pages.busy and not self._stop and not self.arena.lost:
+                    self.ctx.store.pages.step(time.monotonic() + PUNCH_SLICE)
                 if not self._stop:
                     tiers.step(ready, self.sel, self._check_arena)
         finally:

@@ -114,20 +114,21 @@ class PayloadSource:
         finally:
             os.close(fd)
 
-    def payload(self, ev: Accepted) -> memoryview | None:
-        """The payload of ``ev``'s record if it is still in place, else None.
+    def payload(self, ev: Accepted) -> bytes | None:
+        """A copy of the payload of ``ev``'s record if it is still in place, else None.
 
-        The record may be evicted and its space reused while the caller copies from
-        this view: the caller checks the copy with :func:`same_payload`.
+        The record may be evicted, its pages punched and its space reused while we copy:
+        so the copy is read with ``pread`` (a hole reads as zeros, never faults: see
+        ``pages.py``), and the caller checks it with :func:`same_payload`.
         """
         try:
             self.view.check()
-            rec = self.view.read_record(ev.offset, ev.gen)
+            rec, _ = self.view.peek(ev.offset, ev.gen)
+            if rec.payload_len != ev.payload_len or rec.payload_xxh3 != ev.payload_xxh3:
+                return None
+            return self.view.read_payload(rec)
         except ArenaCorruptError:
             return None
-        if rec.payload_len != ev.payload_len or rec.payload_xxh3 != ev.payload_xxh3:
-            return None
-        return self.view.payload(rec)
 
     def close(self) -> None:
         self.view.close()

@@ -111,6 +111,10 @@ class FakeArena:
     def tokens(self, rec: Rec) -> np.ndarray:
         return rec.tokens
 
+    def peek(self, offset: int, gen: int) -> tuple[Rec, np.ndarray]:
+        rec = self.read_record(offset, gen)
+        return rec, rec.tokens
+
     # the supervisor's owners op
     def owners(self, digest: bytes, prompt: np.ndarray) -> list[tuple[int, int, int, int]]:
         self.owner_calls += 1
