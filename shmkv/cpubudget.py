@@ -69,12 +69,6 @@ USERS_BYTE = 1 << 40
 POLL_SECONDS = 0.05
 #: without a usable bell, waiters poll this often
 POLL_NO_BELL_SECONDS = 0.005
-#: a decode step lets prefills waiting for cores go first for at most this long
-DECODE_YIELD_SECONDS = 0.25
-#: a prefill batch waits at most this long for cores held by decode steps, so that it
-#: runs on all the cores it wants rather than start on fewer
-GATHER_SECONDS = 0.05
-GATHER_POLL_SECONDS = 0.002
 
 
 def budget_path(directory: str, name: str) -> Path:
@@ -202,13 +196,7 @@ class CpuBudget:
     """A handle on the deployment's CPU budget; one per llama context (its locks are its own)."""
 
     def __init__(
-        self,
-        directory: str,
-        name: str,
-        cores: int,
-        wait: float = 30.0,
-        max_threads: int = 0,
-        decode_yield: float = DECODE_YIELD_SECONDS,
+        self, directory: str, name: str, cores: int, wait: float = 30.0, max_threads: int = 0
     ) -> None:
         if not _OFD:
             raise ConfigError("the CPU budget needs Linux open-file-description locks")
@@ -219,8 +207,6 @@ class CpuBudget:
         self.wait = wait
         #: the most threads one batch takes (0: the whole budget)
         self.max_threads = max_threads
-        #: how long a decode step lets waiting prefills go first
-        self.decode_yield = decode_yield
         self._bell_name = bell_name(name)
         self._pid = -1
         self._fd = -1
@@ -262,32 +248,22 @@ class CpuBudget:
 
         ``remaining``: tokens the eval still has to evaluate, this batch included. A batch
         of a prefill (``remaining`` > 1) lets the cores go first to waiting prefills with
-        less left to do (``cpuqueue.py``), and waits briefly for cores decode steps hold;
-        a decode step lets waiting prefills go first (for at most ``decode_yield``
-        seconds): time to first token before the next token."""
+        less left to do (``cpuqueue.py``); a decode step takes a free core as it comes."""
         self._ensure()
         g = Grant()
         want = max(1, min(want, self.cores))
-        prefill = remaining > 1
-        queue = self._queue
-        if prefill:
+        queue = self._queue if remaining > 1 else None
+        if queue is not None:
             queue.wait(remaining, want)
         t0 = time.monotonic()
         deadline = t0 + self.wait
         slept = False
         while True:
-            allowed, poll = want, 0.0
-            now = time.monotonic()
-            if prefill or now < t0 + self.decode_yield:
-                seen = queue.look(decode=not prefill)
-                free = self._free() if seen.ahead or prefill else self.cores
-                allowed = min(want, free - seen.ahead)
-                decoding = self.cores - free - seen.prefill_cores
-                if prefill and 0 < allowed < want and decoding > 0 and now < t0 + GATHER_SECONDS:
-                    # the other cores are decode steps', free within one step (they let
-                    # waiting prefills go first): a whole batch on all of them beats
-                    # starting it on fewer
-                    allowed, poll = 0, GATHER_POLL_SECONDS
+            allowed = want
+            if queue is not None:
+                ahead, _ = queue.ahead()
+                if ahead:
+                    allowed = min(want, self._free() - ahead)
             if allowed > 0:
                 self._grab(allowed, g.slots)
                 if g.slots:
@@ -296,14 +272,11 @@ class CpuBudget:
             if left <= 0:
                 g.timed_out = True
                 break
-            if poll:
-                time.sleep(min(left, poll))
-            else:
-                self._sleep(left)
+            self._sleep(left)
             slept = True
         g.waited = time.monotonic() - t0 if slept else 0.0
         g.threads = max(1, len(g.slots))
-        if prefill:
+        if queue is not None:
             queue.run(len(g.slots))
         return g
 

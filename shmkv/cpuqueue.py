@@ -40,7 +40,7 @@ from .ofd import is_held, lock
 
 #: records in the board: the most contexts that queue by priority at once (more: they
 #: take cores in arrival order, as without a queue)
-SLOTS = 64
+SLOTS = 256
 #: file offset of the records (the cores' lock bytes are 0..cores-1)
 BOARD_OFFSET = 1 << 20
 #: lock byte of record i: LOCK_BASE + i (past the cpubudget's users byte)
@@ -89,43 +89,35 @@ class Queue:
         self.remaining = 0
         self._write(IDLE, 0, 0)
 
-    def look(self, decode: bool = False) -> Look:
-        """What the board says now, for a prefill in line (``decode``: for a decode step,
-        which has no record: every waiting prefill is ahead of it)."""
-        seen = Look()
+    def ahead(self) -> tuple[int, int]:
+        """(cores wanted by live waiting prefills ahead of ours, waiting prefills in all).
+        Ours is ahead of nobody when we have no record (the board is full)."""
         if self.slot is None:
-            return seen
+            return 0, 0
         try:
             raw = os.pread(self.fd, SLOTS * _REC.size, BOARD_OFFSET)
         except OSError:
-            return seen
+            return 0, 0
         now = time.monotonic()
         mine = (self._key(self.remaining, self.since, now), self.since, self.slot)
+        wanted = waiting = 0
         for j, (since, remaining, want, state) in enumerate(_REC.iter_unpack(raw)):
-            if j == self.slot or want <= 0 or state not in (WAITING, RUNNING):
+            if state != WAITING or j == self.slot or want <= 0:
                 continue
-            want = min(int(want), 1 << 16)
-            if state == RUNNING:
-                if is_held(self.fd, LOCK_BASE + j):
-                    seen.prefill_cores += want
-                continue
-            seen.waiting += 1
+            waiting += 1
             theirs = (self._key(remaining, since, now), since, j)
-            if (decode or theirs < mine) and is_held(self.fd, LOCK_BASE + j):
-                seen.ahead += want
-        return seen
+            if theirs < mine and is_held(self.fd, LOCK_BASE + j):
+                wanted += min(int(want), 1 << 16)
+        return wanted, waiting
 
     def waiting(self) -> int:
-        """Waiting records other than ours, live or not (how many to wake)."""
-        return self.look().waiting
-
-
-class Look:
-    """One reading of the board: cores wanted by live prefills in line ahead of the
-    reader (``ahead``), prefills in line (``waiting``, live or not), cores held by
-    running prefills (``prefill_cores``; the other held cores are decode steps')."""
-
-    __slots__ = ("ahead", "waiting", "prefill_cores")
-
-    def __init__(self) -> None:
-        self.ahead = self.waiting = self.prefill_cores = 0
+        """Live-or-not waiting records other than ours (how many to wake)."""
+        if self.slot is None:
+            return 0
+        try:
+            raw = os.pread(self.fd, SLOTS * _REC.size, BOARD_OFFSET)
+        except OSError:
+            return 0
+        return sum(
+            1 for j, rec in enumerate(_REC.iter_unpack(raw)) if rec[3] == WAITING and j != self.slot
+        )

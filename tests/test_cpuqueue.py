@@ -3,9 +3,7 @@ one real budget file, locks and bell.
 
 The prefill with the fewest tokens left goes first, whoever waited longer; a prefill
 between two batches keeps its place in line while its cores are free; a prefill that has
-waited long enough passes a stream of short ones; a waiter killed in line holds nobody up;
-a decode step lets a waiting prefill go first; a prefill batch waits a moment for a core a
-decode step holds rather than start on fewer.
+waited long enough passes a stream of short ones; a waiter killed in line holds nobody up.
 """
 
 from __future__ import annotations
@@ -31,14 +29,11 @@ ACTOR = r"""
 import json, sys, time
 from shmkv import cpubudget
 name, cores, steps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-b = cpubudget.CpuBudget("/dev/shm", name, cores, wait=60, decode_yield=float(sys.argv[4]))
+b = cpubudget.CpuBudget("/dev/shm", name, cores, wait=60)
 g = None
 for op, arg in steps:
     if op == "take":
         g = b.take(cores, remaining=arg)
-        print(json.dumps({"op": op, "arg": arg, "t": time.monotonic(), "threads": g.threads}),
-              flush=True)
-        continue
     elif op == "give_back":
         b.give_back(g, next_remaining=arg, next_want=cores)
     elif op == "sleep":
@@ -66,11 +61,9 @@ def name() -> str:
     Path(f"{SHM}/sem.{cpubudget.bell_name(n)[1:]}").unlink(missing_ok=True)
 
 
-def actor(
-    name: str, cores: int, steps: list[tuple[str, float]], decode_yield: float = 0.25
-) -> subprocess.Popen[str]:
+def actor(name: str, cores: int, steps: list[tuple[str, float]]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", ACTOR, name, str(cores), json.dumps(steps), str(decode_yield)],
+        [sys.executable, "-c", ACTOR, name, str(cores), json.dumps(steps)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -163,33 +156,3 @@ def test_a_waiter_killed_in_line_holds_nobody_up(name):
         b.give_back(g)
         got = events(long)[0]["t"] - t0
     assert got < 1.0, f"a dead waiter's record held the core back {got:.1f} s"
-
-
-def test_a_decode_step_lets_a_waiting_prefill_go_first(name):
-    """One core, held; a decode step waits for it, then a prefill gets in line: when the
-    core comes free the prefill runs first (without the rule the earlier waiter would)."""
-    with cpubudget.CpuBudget(SHM, name, 1, wait=60) as b:
-        g = b.take(1)
-        # (a yield longer than the test's start-ups, so that a slow machine cannot end it)
-        decode = actor(name, 1, [("take", 1), ("give_back", 0)], decode_yield=30)
-        time.sleep(0.5)  # (the decode step is asleep on the bell by now)
-        prefill = actor(name, 1, [("take", 1000), ("sleep", 0.2), ("give_back", 0)])
-        wait_until_in_line(name, 1)
-        b.give_back(g)
-        got_decode = next(e for e in events(decode) if e["op"] == "take")["t"]
-        got_prefill = events(prefill)[0]["t"]
-    assert got_prefill < got_decode, "the decode step took the core from a waiting prefill"
-    assert got_decode - got_prefill >= 0.15  # (it waited for the prefill's batch)
-
-
-def test_a_prefill_batch_waits_for_the_core_a_decode_step_holds(name):
-    """Two cores, one held by a decode step for 20 ms: a prefill batch that wants both
-    waits for it and runs on two threads, not on the one core free at its start."""
-    with cpubudget.CpuBudget(SHM, name, 2, wait=60) as b:
-        g = b.take(1, remaining=1)  # (a decode step: no record on the board)
-        prefill = actor(name, 2, [("take", 1000), ("give_back", 0)])
-        wait_until_in_line(name, 1)
-        time.sleep(0.02)
-        b.give_back(g)
-        got = events(prefill)[0]
-    assert got["threads"] == 2, "the prefill started its batch on one core"
