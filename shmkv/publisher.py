@@ -56,6 +56,9 @@ class Publisher:
         self._thread: threading.Thread | None = None
         self._thread_pid = -1
         self._reported_at = 0.0
+        #: seconds ``submit`` waits for room in a full queue (0: drop the state, as a
+        #: serving worker must not hold a request up; ``shmkv warm`` waits instead)
+        self.wait_for_room = 0.0
 
     def submit(
         self,
@@ -66,13 +69,17 @@ class Publisher:
         claimed: list[bytes] | None = None,
     ) -> bool:
         """Queue ``blob`` (the state of ``tokens``, keyed from ``root``) for the supervisor;
-        False (and the blob closed) if the queue is full. ``claimed``: digests to unclaim
-        if the put fails."""
+        False (and the blob closed) if the queue is full (after ``wait_for_room``).
+        ``claimed``: digests to unclaim if the put fails."""
         self._start()
         try:
             with self._cv:
                 self._pending += 1
-            self._queue.put_nowait(("put", root, tokens, blob, pin, claimed))
+            item = ("put", root, tokens, blob, pin, claimed)
+            if self.wait_for_room > 0:
+                self._queue.put(item, timeout=self.wait_for_room)
+            else:
+                self._queue.put_nowait(item)
         except queue.Full:
             with self._cv:
                 self._pending -= 1

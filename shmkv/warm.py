@@ -145,6 +145,9 @@ class Warmer:
         self.llm = load_llama(settings, model, threads)
         self.cache: SharedPrefixCache = attach(self.llm, settings=settings)
         self.cache.reader.ensure()  # no supervisor: say so now (warming is then pointless)
+        # a batch job waits for the supervisor rather than drop a state when its puts
+        # queue up (a prompt's checkpoints and its own state come in one burst)
+        self.cache.publisher.wait_for_room = 60.0
 
     def run(self, item: Item) -> Warmed:
         """Restore or prefill ``item`` and publish its state (a one-token completion)."""

@@ -433,4 +433,4 @@ def test_supervisor_restarts_after_a_kill_when_its_arena_fills_most_of_the_tmpfs
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-        subprocess.run(["umount", str(mnt)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

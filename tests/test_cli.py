@@ -504,7 +504,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     try:
         yield d
     finally:
-        subprocess.run(["umount", str(d)], check=False, capture_output=True)
+        subprocess.run(["umount", "-l", str(d)], check=False, capture_output=True)
 
 
 def test_shm_too_small_is_one_line_and_leaves_nothing(small_tmpfs: Path, tmp_path: Path) -> None:

@@ -103,7 +103,9 @@ def test_top_in_tmux(deployment, how: str, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "shmkv.cli", "top", "--interval", "0.3"]
     term = Tmux(cmd, sup.env, tmp_path / "status")
     try:
-        screen = wait_until(lambda: term.showing("hottest"), 20, "top's first screen")
+        # (curses draws a screen line by line: wait for its last row, not just the header)
+        screen = wait_until(lambda: term.showing(keys[0][:16]), 20, "top's first screen")
+        assert "hottest" in screen
         assert "arena " + sup.name in screen
         assert "40.0% since start (4 of 10 requests)" in screen, screen
         assert "3 (0 pinned, 0 B)" in screen and "workers 1" in screen
