@@ -3,7 +3,7 @@
 Runs in the supervisor only. Start-up order: take the name's lock file (flock,
 released by the kernel if we die, so a killed supervisor's name is simply
 taken over), remove the arena and temporary files a killed predecessor left,
-check the arena's space, allocate it (``--reserve``: all of it, so that a full
+check the arena's space, allocate it (``--reserve true``, the default: all of it, so that a full
 tmpfs fails here; by default only the header and index, and ``pages.py``
 allocates each record's pages before it is written, so that a full tmpfs costs
 a rejected put, never a SIGBUS), write the header, publish the file by rename,
@@ -223,8 +223,8 @@ class ArenaFile:
                 "Lower --size, free space there, or enlarge the tmpfs (Docker: --shm-size)"
                 if reserve
                 else "Once it is full, puts are rejected (workers miss); lower --size, or "
-                "free or enlarge it (Docker: --shm-size), or use --reserve to claim all of "
-                "--size at start"
+                "free or enlarge it (Docker: --shm-size), or use --reserve true (the "
+                "default) to claim all of --size at start"
             )
             msg = (
                 f"--size {format_size(size)} does not fit in {self.path.parent}: only "

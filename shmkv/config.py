@@ -295,12 +295,14 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "reserve",
             parse_bool,
-            False,
-            "Allocate and map all of --size at start (fails then if /dev/shm lacks the "
-            "room), instead of as states are stored: the arena's memory is then --size "
-            "however little it holds, but a full /dev/shm can never reject a put.",
+            True,
+            "true (the default): allocate and map all of --size at start (the start "
+            "fails if /dev/shm lacks the room; no put is ever refused for it), so the "
+            "arena takes --size however little it holds. false (experimental): pages are "
+            "allocated as states are stored and given back as they are evicted, so the "
+            "arena takes what it holds, and a full /dev/shm rejects puts.",
             _SUP,
-            is_flag=True,
+            "BOOL",
         ),
         Setting(
             "chunk_tokens",

@@ -412,13 +412,13 @@ def test_supervisor_restarts_after_a_kill_when_its_arena_fills_most_of_the_tmpfs
     procs = []
     try:
         env = {"SHMKV_DIR": str(mnt)}
-        sup = start_supervisor(tmp_path, "--reserve", "--size", "32M", env_extra=env)
+        sup = start_supervisor(tmp_path, "--reserve", "true", "--size", "32M", env_extra=env)
         procs.append(sup.proc)
         sup.proc.kill()
         sup.proc.wait(10)
         assert (mnt / f"shmkv-{sup.name}").exists()
         new = start_supervisor(
-            tmp_path, "--reserve", "--size", "32M", name=sup.name, env_extra=env, wait=False
+            tmp_path, "--reserve", "true", "--size", "32M", name=sup.name, env_extra=env, wait=False
         )
         procs.append(new.proc)
         wait_ready(new)

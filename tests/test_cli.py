@@ -511,14 +511,14 @@ def test_shm_too_small_is_one_line_and_leaves_nothing(small_tmpfs: Path, tmp_pat
     name = f"t{uuid.uuid4().hex[:10]}"
     sock = tmp_path / "small.sock"
     env = clean_env(SHMKV_NAME=name, SHMKV_SOCKET=str(sock))
-    # (--reserve: by default a too large arena only warns: test_lazy_arena.py)
-    res = shmkv("supervise", "--reserve", "--dir", str(small_tmpfs), "--size", "128M", env=env)
+    # (--reserve true, the default; with --reserve false a too large arena only warns)
+    res = shmkv("supervise", "--dir", str(small_tmpfs), "--size", "128M", env=env)
     assert res.returncode == 4
     assert_one_error_line(res, "--size 128.0 MiB", "64.0 MiB", str(small_tmpfs))
     assert os.listdir(small_tmpfs) == [] and not sock.exists()
     # partly used: the free space is what is reported
     (small_tmpfs / "filler").write_bytes(b"\0" * (10 << 20))
-    res = shmkv("supervise", "--reserve", "--dir", str(small_tmpfs), "--size", "60M", env=env)
+    res = shmkv("supervise", "--dir", str(small_tmpfs), "--size", "60M", env=env)
     assert res.returncode == 4
     assert_one_error_line(res, "60.0 MiB", "54.0 MiB")
     assert os.listdir(small_tmpfs) == ["filler"] and not sock.exists()

@@ -1,4 +1,5 @@
-"""The arena holds the memory of what it caches, not of its whole --size (``pages.py``).
+"""With ``--reserve false`` the arena holds the memory of what it caches, not of its whole
+--size (``pages.py``); ``--reserve true``, the default, allocates all of it at start.
 
 Real supervisors, real clients, real tmpfs: the arena file's allocated bytes
 (st_blocks) and the pages a reader maps follow what is stored; a tmpfs too small
@@ -56,7 +57,7 @@ def settled(sup) -> dict:
 
 
 def test_memory_follows_what_the_arena_holds(make_supervisor) -> None:
-    sup = make_supervisor("--size", "256M")
+    sup = make_supervisor("--size", "256M", "--reserve", "false")
     g = A.Geometry.plan(256 * MiB, 32)
     index = g.data_offset  # header + index: always allocated
     assert allocated(sup.arena) <= index + 64 * 1024, "the data region was allocated at start"
@@ -94,7 +95,7 @@ def test_memory_follows_what_the_arena_holds(make_supervisor) -> None:
 
 
 def test_reserve_allocates_the_whole_arena_at_start(make_supervisor) -> None:
-    sup = make_supervisor("--size", "64M", "--reserve")
+    sup = make_supervisor("--size", "64M", "--reserve", "true")
     assert allocated(sup.arena) >= 64 * MiB
     with sup.client() as c:
         b = blob(1, 8 * MiB)
@@ -125,7 +126,9 @@ def test_a_full_tmpfs_rejects_puts_and_kills_nobody(small_tmpfs: Path, make_supe
     """A 256 MiB arena in a 64 MiB tmpfs: it starts (with a warning naming --size and
     --reserve); puts past the tmpfs are rejected and counted; nobody gets SIGBUS; what is
     stored still reads back intact; and a clear gives the room back."""
-    sup = make_supervisor("--size", "256M", env_extra={"SHMKV_DIR": str(small_tmpfs)})
+    sup = make_supervisor(
+        "--size", "256M", "--reserve", "false", env_extra={"SHMKV_DIR": str(small_tmpfs)}
+    )
     log = sup.log()
     assert "--size" in log and "--reserve" in log, log
     c = sup.client()
@@ -174,7 +177,7 @@ def test_a_revoked_or_lost_lease_keeps_its_pages(make_supervisor) -> None:
     """The holder of a revoked lease (or of one its connection lost) may still be reading:
     its record's pages stay allocated after the record is freed, even once other records
     used and freed the same space, so that reading them never faults on a hole."""
-    sup = make_supervisor("--size", "16M", "--lease-timeout", "0.5")
+    sup = make_supervisor("--size", "16M", "--lease-timeout", "0.5", "--reserve", "false")
     c = sup.client()
     b1 = blob(1, 6 * MiB)
     c.put_bytes(b1.root, b1.tokens, b"fp", b1.data)
