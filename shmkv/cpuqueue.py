@@ -40,7 +40,7 @@ from .ofd import is_held, lock
 
 #: records in the board: the most contexts that queue by priority at once (more: they
 #: take cores in arrival order, as without a queue)
-SLOTS = 256
+SLOTS = 64
 #: file offset of the records (the cores' lock bytes are 0..cores-1)
 BOARD_OFFSET = 1 << 20
 #: lock byte of record i: LOCK_BASE + i (past the cpubudget's users byte)
@@ -89,20 +89,24 @@ class Queue:
         self.remaining = 0
         self._write(IDLE, 0, 0)
 
-    def ahead(self) -> tuple[int, int]:
-        """(cores wanted by live waiting prefills ahead of ours, waiting prefills in all).
-        Ours is ahead of nobody when we have no record (the board is full)."""
+    def _others(self) -> list[tuple[int, float, int, int, int]]:
+        """Every other record on the board: (slot, since, remaining, want, state); none when
+        we have no record (the board is full: we queue by arrival, as without a board)."""
         if self.slot is None:
-            return 0, 0
+            return []
         try:
             raw = os.pread(self.fd, SLOTS * _REC.size, BOARD_OFFSET)
         except OSError:
-            return 0, 0
+            return []
+        return [(j, *rec) for j, rec in enumerate(_REC.iter_unpack(raw)) if j != self.slot]
+
+    def ahead(self) -> tuple[int, int]:
+        """(cores wanted by live waiting prefills ahead of ours, waiting prefills in all)."""
         now = time.monotonic()
         mine = (self._key(self.remaining, self.since, now), self.since, self.slot)
         wanted = waiting = 0
-        for j, (since, remaining, want, state) in enumerate(_REC.iter_unpack(raw)):
-            if state != WAITING or j == self.slot or want <= 0:
+        for j, since, remaining, want, state in self._others():
+            if state != WAITING or want <= 0:
                 continue
             waiting += 1
             theirs = (self._key(remaining, since, now), since, j)
@@ -112,12 +116,4 @@ class Queue:
 
     def waiting(self) -> int:
         """Live-or-not waiting records other than ours (how many to wake)."""
-        if self.slot is None:
-            return 0
-        try:
-            raw = os.pread(self.fd, SLOTS * _REC.size, BOARD_OFFSET)
-        except OSError:
-            return 0
-        return sum(
-            1 for j, rec in enumerate(_REC.iter_unpack(raw)) if rec[3] == WAITING and j != self.slot
-        )
+        return sum(1 for rec in self._others() if rec[4] == WAITING)

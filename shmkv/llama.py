@@ -44,7 +44,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp as lc
 
-from . import boundaries, hooks, kvstate, policy, tenant
+from . import boundaries, capture, hooks, kvstate, policy, tenant
 from .arena import chain_digests, common_prefix
 from .client import Client
 from .config import Settings, resolve, trusted_uids
@@ -590,19 +590,6 @@ class SharedPrefixCache:
             self._unclaim(self._orphaned.pop())
 
     # ---------------------------------------------------------------- publish
-    def _coverage(self, tokens: np.ndarray, chunk: int, root: bytes) -> int:
-        """How many leading ``tokens`` a record of root ``root`` already holds (a hint)."""
-        try:
-            view = self.writer.ensure()
-            digests = (
-                self.call.digests_of(tokens, chunk)
-                if self.call is not None and self.call.root == root
-                else chain_digests(root, tokens, chunk)
-            )
-            return policy.coverage(view, tokens, digests, self.n_swa, self.trust())
-        except (ShmkvError, ValueError):
-            return 0
-
     def capture(
         self,
         n_tokens: int | None = None,
@@ -611,40 +598,9 @@ class SharedPrefixCache:
         min_new: int = 1,
         covered: int = 0,
     ) -> bool:
-        """Copy the context's current sequence state and queue it for the supervisor.
-
-        Only if it adds ``min_new`` tokens to what is cached (0: always, e.g. a
-        sliding-window checkpoint that a longer record cannot stand in for) and to
-        ``covered``, the leading tokens known to be published already (the prompt,
-        when its completion is captured). The state is published under the key root of
-        the tenant whose calls computed it (never, if the context is nobody's).
-        """
-        llm = self.llm
-        n = llm.n_tokens if n_tokens is None else n_tokens
-        root = self.context_root
-        if root is None or not self.policy.may_publish(n, self._aligned):
-            return False
-        chunk = self.chunk_tokens
-        if chunk is None or n < self.policy.rules.min_publish(chunk) or n != llm.n_tokens:
-            return False
-        tokens = np.array(llm.input_ids[:n], dtype=np.int32)
-        republish = self.call is not None and self.call.republish
-        if not republish and n - max(covered, self._coverage(tokens, chunk, root)) < min_new:
-            return False  # (nearly) all of it is cached already
-        try:
-            blob = kvstate.copy_out(llm, n, self.writer)
-        except (ShmkvError, OSError) as e:
-            self.ledger.fail("publish failed", e)
-            self.ledger.add(publish_failures=1)
-            return False
-        if blob is None:
-            return False  # the KV cache does not hold exactly these tokens
-        if not self.publisher.submit(root, tokens, blob, pin, claimed):
-            self.ledger.add(publish_dropped=1)
-            return False
-        self.ledger.add(publishes=1)
-        self.last.published += 1
-        return True
+        """Copy the context's current sequence state and queue it for the supervisor, if
+        it adds ``min_new`` tokens to what is cached and to ``covered`` (``capture.py``)."""
+        return capture.capture(self, n_tokens, pin, claimed, min_new, covered)
 
     def _publish_failed(self, err: BaseException, claimed: list[bytes] | None) -> None:
         """On the publisher thread: a put failed."""

@@ -128,8 +128,7 @@ class Store:
             return False
         for grant in stale:
             grant.revoked = True
-            self._stale_reader(grant.gen)
-            self._unlease(grant.gen)
+            self._unlease(grant.gen, reader_may_remain=True)
         self.counters.revocations += len(stale)
         log.warning(
             "revoked %d read lease(s) held longer than %.0fs", len(stale), self.lease_timeout
@@ -149,12 +148,6 @@ class Store:
         self.remove(self.entries[next(iter(self.lru))])
         self.counters.evictions += 1
         return True
-
-    def _stale_reader(self, gen: int) -> None:
-        """A lease of record ``gen`` ended while its holder may still be reading."""
-        e = self.entries.get(gen)
-        if e is not None:
-            e.stale_readers = True
 
     def _free(self, e: Entry) -> None:
         self.arena.zap_record(e.offset)
@@ -273,11 +266,13 @@ class Store:
         for tier in self.tiers:
             tier.used(e.content)
 
-    def _unlease(self, gen: int) -> None:
-        """One lease of record ``gen`` ended: free it if it was doomed and that was the last,
+    def _unlease(self, gen: int, reader_may_remain: bool = False) -> None:
+        """One lease of record ``gen`` ended (``reader_may_remain``: while its holder may
+        still be reading, ``pages.py``): free it if it was doomed and that was the last,
         else make it evictable again (as the most recently used) if that was the last."""
         e = self.entries.get(gen)
         if e is not None:
+            e.stale_readers |= reader_may_remain
             e.leases -= 1
             if e.leases == 0:
                 if e.doomed:
@@ -307,7 +302,7 @@ class Store:
         self._touch(e)
         return lid
 
-    def release(self, lid: int, owner: int) -> bool:
+    def release(self, lid: int, owner: int, reader_may_remain: bool = False) -> bool:
         """End a lease; False if it was revoked meanwhile (the read must be discarded)."""
         grant = self.leases.get(lid)
         if grant is None or grant.owner != owner:
@@ -315,7 +310,7 @@ class Store:
         del self.leases[lid]
         if grant.revoked:
             return False
-        self._unlease(grant.gen)
+        self._unlease(grant.gen, reader_may_remain)
         return True
 
     def release_owner(self, owner: int) -> int:
@@ -327,8 +322,7 @@ class Store:
         """
         lids = self.leases.of_owner(owner)
         for lid in lids:
-            self._stale_reader(self.leases[lid].gen)
-            if self.release(lid, owner):
+            if self.release(lid, owner, reader_may_remain=True):
                 self.counters.leases_closed += 1
         return len(lids)
 

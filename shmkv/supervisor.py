@@ -1,7 +1,7 @@
 """``shmkv supervise``: the process that owns the arena and is its only writer.
 
 One thread, one ``selectors`` loop, kept here: signals, accepting connections,
-dispatch of requests, work deferred over several turns. Signal handlers only
+dispatch of requests (work deferred over several turns: ``deferred.py``). Signal handlers only
 queue the signal number (through ``signal.set_wakeup_fd``); the loop dispatches
 it. The rest has a module each: the arena file's life in ``arenafile.py``, the
 socket and peer credentials in ``listener.py``, each connection's I/O (frames,
@@ -35,6 +35,7 @@ from .arenafile import ArenaFile, arena_path
 from .claims import Claims, Waiter
 from .config import Settings, group_id
 from .connio import MAX_BACKLOG, MAX_PENDING_FDS, ConnIO
+from .deferred import INTERNAL, Deferred
 from .errors import (
     EXIT_ARENA_LOST,
     EXIT_OK,
@@ -45,7 +46,7 @@ from .errors import (
     ShmkvError,
 )
 from .listener import Conn, Listener
-from .ops import OPS, Context, Work
+from .ops import OPS, Context
 from .pages import Pages
 from .protocol import MAX_U64, decode_body
 from .reports import Reports
@@ -93,8 +94,8 @@ class Supervisor:
         self.claims = Claims(
             ttl=settings.claim_timeout, max_per_owner=settings.max_claims, limits=self.limits
         )
-        #: requests worked on over several turns: conn id -> (conn, request id, work)
-        self.work: dict[int, tuple[Conn, int, Work]] = {}
+        #: requests worked on over several turns (``deferred.py``)
+        self.work = Deferred(self.io, self._check_arena, settings.put_slice)
         self.started = time.time()
         self._ctx: Context | None = None
         #: ``--persist``: the write-behind to disk, and the refill of a new arena from it
@@ -155,7 +156,7 @@ class Supervisor:
                 wake=self._wake,
                 close=self.io.close,
                 check_arena=self._check_arena,
-                defer=self._defer,
+                defer=self.work.defer,
                 limits=self.limits,
                 persist=tiers.persist,
                 expiry=Expiry(store, self.settings.ttl),
@@ -233,7 +234,7 @@ class Supervisor:
                         if events & selectors.EVENT_WRITE and not conn.closing:
                             self.io.flush(conn)
                 if self.work and not self._stop:
-                    self._step_work()
+                    self.work.step()
                 if self.ctx.store.pages.busy and not self._stop and not self.arena.lost:
                     self.ctx.store.pages.step(time.monotonic() + PUNCH_SLICE)
                 if not self._stop:
@@ -276,9 +277,7 @@ class Supervisor:
 
     def _closed(self, conn: Conn, reason: str) -> None:
         """What a connection held beyond its I/O, once :meth:`ConnIO.close` closed it."""
-        pending = self.work.pop(conn.id, None)
-        if pending is not None:
-            pending[2].abort()  # (its memfd goes to the closer thread)
+        self.work.abort(conn.id)
         # releasing may free a doomed record, which writes to the arena
         intact = not self.arena.lost and self.arena.intact()
         released = self.ctx.store.release_owner(conn.id) if intact else 0
@@ -324,46 +323,11 @@ class Supervisor:
             return
         except Exception:  # a bug must cost this request, not the supervisor
             log.exception("internal error handling a request from pid %d", conn.pid)
-            self.io.reply_error(conn, rid, ShmkvError("internal supervisor error (see its log)"))
+            self.io.reply_error(conn, rid, ShmkvError(INTERNAL))
             return
         self.io.reply(conn, rid, reply, fds)
 
-    # -------------------------------------------------------------- deferred work
-    def _defer(self, conn: Conn, rid: int, work: Work) -> None:
-        """Go on with ``work`` in later turns; the connection's next frames wait for it."""
-        assert conn.id not in self.work
-        self.work[conn.id] = (conn, rid, work)
-        conn.busy = True
-
-    def _step_work(self) -> None:
-        """One slice of one deferred request (round robin), then back to the loop."""
-        cid = next(iter(self.work))
-        conn, rid, work = self.work[cid]
-        error: ShmkvError | None = None
-        try:
-            self._check_arena()
-            reply = work.step(time.monotonic() + self.settings.put_slice)
-        except ShmkvError as e:
-            reply, error = None, e
-        except Exception:
-            log.exception("internal error handling a request from pid %d", conn.pid)
-            reply, error = None, ShmkvError("internal supervisor error (see its log)")
-        else:
-            if reply is None:
-                if self.work.pop(cid, None) is not None:  # (gone if its peer closed)
-                    self.work[cid] = (conn, rid, work)  # to the back of the line
-                return
-        self.work.pop(cid, None)
-        if error is not None:
-            work.abort()
-            self.io.reply_error(conn, rid, error)
-        else:
-            assert reply is not None
-            self.io.reply(conn, rid, reply)
-        conn.busy = False
-        if not conn.closing:
-            self.io.drain(conn)
-
+    # ------------------------------------------------------------------ replies
     def _answer(self, conn_id: int, rid: int, reply: dict[str, Any]) -> None:
         """Reply to request ``rid`` of connection ``conn_id``, if it is still open."""
         conn = self.conns.get(conn_id)
@@ -375,11 +339,7 @@ class Supervisor:
     def _wake(self, woken: list[tuple[Waiter, str]]) -> None:
         """Answer the claims that were waiting and have now ended."""
         for waiter, status in woken:
-            conn = self.conns.get(waiter.owner)
-            if conn is not None and not conn.closing:
-                self.io.reply(conn, waiter.rid, {"status": status})
-                if not conn.closing:
-                    self.io.flush(conn)
+            self._answer(waiter.owner, waiter.rid, {"status": status})
 
     # ----------------------------------------------------------------- cleanup
     def cleanup(self, remove: bool = True) -> None:
