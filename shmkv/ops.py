@@ -479,6 +479,17 @@ def _run(ctx: Context, conn: Conn, msg: dict[str, Any], work: Work) -> Reply:
     return None, None
 
 
+def _pin_refusal(conn: Conn) -> str:
+    """Why ``conn`` may not put a state pinned: pinning is an admin op on every path (a pin
+    outlives --ttl and takes a share of --max-pinned-percent the owner's pins then lack)."""
+    uid = os.geteuid()
+    return (
+        f"a put with pin is for the supervisor's own user (uid {uid}) or root, not uid "
+        f"{conn.uid}: a --group member may publish, not pin; put it without pin, and let "
+        f"uid {uid} pin it (`shmkv pin KEY`)"
+    )
+
+
 @op("put", attached=True, privilege=Privilege.ANY)
 def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     """Store a blob the worker sent as a memfd (SCM_RIGHTS), never as bytes."""
@@ -495,6 +506,9 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     fd = conn.fds.pop(0)
     work = None
     try:
+        if pinned and not Privilege.ADMIN.permits(conn):
+            ctx.store.counters.ops_denied += 1
+            raise PermissionDenied(_pin_refusal(conn))
         # F_GET_SEALS first: only shmem files (memfd) answer it, and it asks no file
         # system, where an fstat of a file on a hung FUSE mount would wait for its daemon
         try:

@@ -511,17 +511,21 @@ def test_cleanup_never_raises_when_its_files_were_replaced(tmp_path: Path) -> No
 
 # --------------------------------------------------------------- admin ops
 ADMIN_OPS = r"""
-import json, sys
+import json, os, sys
+import numpy as np
 from shmkv import Client
 from shmkv.errors import ShmkvError
 sock, key, pid = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
 out = {}
 with Client(socket_path=sock, timeout=5) as c:
+    tokens = np.arange(c.view.geometry.chunk_tokens, dtype=np.int32)
+    put_pinned = lambda: c.put_bytes(os.urandom(16), tokens, b"fp", b"p" * 4000, pin=True)
     for name, call in (
         ("clear", lambda: c.clear()),
         ("pin", lambda: c.pin(key, True)),
         ("unpin", lambda: c.pin(key, False)),
         ("worker_exit", lambda: c.worker_exit(pid)),
+        ("put_pinned", lambda: put_pinned()["key"].hex()),
         ("stats", lambda: c.stats()["entries"]),
     ):
         try:
@@ -535,7 +539,9 @@ print(json.dumps(out))
 def test_group_member_may_read_and_publish_but_not_administer(
     make_supervisor, public_dir: Path, member: pwd.struct_passwd
 ) -> None:
-    """clear, pin, unpin and worker_exit worked for any connected peer of the group."""
+    """clear, pin, unpin and worker_exit worked for any connected peer of the group, and a
+    member pinned through put(pin=True) (past --ttl, up to --max-pinned-percent, so that
+    the owner's own pin was refused) while its pin op was refused."""
     sock = public_dir / "s.sock"
     sup = make_supervisor(
         "--size", "16M", "--group", GROUP, env_extra={"SHMKV_SOCKET": str(sock)}, wait=False
@@ -546,13 +552,14 @@ def test_group_member_may_read_and_publish_but_not_administer(
         key = c.put_bytes(b"\x01" * 16, np.arange(chunk, dtype=np.int32), b"fp", b"o" * 4000)["key"]
         assert last_json(run_as(member, PUT_AND_READ, str(sock)))["put"] is True
         out = last_json(run_as(member, ADMIN_OPS, str(sock), key.hex(), str(os.getpid())))
-        for op in ("clear", "pin", "unpin", "worker_exit"):
+        for op in ("clear", "pin", "unpin", "worker_exit", "put_pinned"):
             code, message = out[op]
             assert code == "permission", out
             assert f"not uid {member.pw_uid}" in message and "--group member" in message
+        assert "put it without pin" in out["put_pinned"][1], out
         assert out["stats"] == ["ok", 2]
-        st = c.stats()  # our connection is still open, nothing was cleared or pinned
-        assert st["entries"] == 2 and st["pinned"] == 0 and st["ops_denied"] == 4
+        st = c.stats()  # our connection is still open, nothing was cleared, pinned or put
+        assert st["entries"] == 2 and st["pinned"] == 0 and st["ops_denied"] == 5
     res = shmkv("clear", "--socket", str(sock), env=clean_env(), user=member)
     assert res.returncode == 6
     assert_one_error_line(res, "'clear'", f"uid {member.pw_uid}")
