@@ -7,8 +7,9 @@ mode 0600 or 0640 (nobody else could have written it), of this format and of
 the geometry the settings ask for, as large as its header says. :func:`rebuild` then fills a fresh
 :class:`~shmkv.store.Store` from it: the records that index slots name, each
 checked as a worker checks it (bounds, header, metadata and whole-payload
-checksums, its chained digests against its key and the slots that name it),
-and nothing else.
+checksums, its chained digests against its key and the slots that name it, its
+generation and creation time in a range this supervisor can go on from), and
+nothing else.
 
 What a put had not finished when its supervisor died is never adopted. A put
 writes its payload, then token ids, fingerprint and header (with the metadata
@@ -69,6 +70,13 @@ log = logging.getLogger(__name__)
 
 #: the modes shmkv creates arena files with (0640: ``--group``); any other is not adopted
 ADOPTABLE_MODES = (0o600, 0o640)
+
+#: the highest generation adopted: half the u64 that records and slots keep it in, so
+#: the store counts up from any adopted one and never leaves that range (2**63 puts, or
+#: microseconds: 292,000 years). Above it, the file was written by something else.
+MAX_ADOPTED_GEN = (1 << 63) - 1
+#: the latest creation time adopted (the end of year 9999, which every tool can show)
+MAX_ADOPTED_CREATED = 253_402_300_799.0
 
 
 def open_leftover(af: ArenaFile) -> Geometry | None:
@@ -245,7 +253,26 @@ def _valid(view: ArenaView, offset: int, gen: int) -> Record | None:
         view.verify_meta(rec)
     except (ArenaCorruptError, OSError):
         return None
-    return rec if gen > 0 and view.verify_payload(rec) else None
+    if not _in_range(rec):
+        return None
+    return rec if view.verify_payload(rec) else None
+
+
+def _in_range(rec: Record) -> bool:
+    """Are the record's numbers ones this supervisor can use again? Its checksums say the
+    bytes are as written, not that a supervisor wrote them: a generation near 2**64 would
+    make every later put's generation overflow its u64 (what else a record carries is
+    bounded by its layout: ``ArenaView._parse_record``, or read from a u32 and kept as is).
+    """
+    ok = 0 < rec.gen <= MAX_ADOPTED_GEN and 0.0 <= rec.created <= MAX_ADOPTED_CREATED
+    if not ok:
+        log.warning(
+            "record at %d has generation %d, created %r: out of range, not adopted",
+            rec.offset,
+            rec.gen,
+            rec.created,
+        )
+    return ok
 
 
 def rebuild(store: Store, view: ArenaView) -> Adopted:

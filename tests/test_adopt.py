@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import random
 import signal
@@ -300,6 +301,64 @@ def test_flipped_bytes_drop_only_the_damaged_records(make_supervisor) -> None:
             assert read_back(c, seed) == want, seed
     assert check_records(new.arena) == (12 - len(damaged) - 1, [])
     assert "caught mid-write" in new.log()
+
+
+def _rewrite_record(path: Path, rec: A.Record, seed: int, gen: int, created: float) -> None:
+    """Rewrite record ``rec`` (of ``seed``'s blob) with another generation and creation
+    time, consistently: its header with a valid metadata checksum, and every index slot
+    that names it, as a writer of the file (the supervisor's uid) could."""
+    _, tokens, _ = known(seed)
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        g = A.Geometry.unpack(mm, len(mm))
+        A.ArenaWriter(mm, g).write_record(
+            rec.offset,
+            gen,
+            rec.key,
+            rec.root,
+            rec.n_chunks,
+            FP,
+            tokens.tobytes(),
+            rec.payload_len,
+            rec.payload_xxh3,
+            created,
+            rec.publisher,
+        )
+        for i in range(g.index_slots):
+            off = g.index_offset + i * A.SLOT_SIZE
+            used, roff, rgen = struct.unpack_from("<4xI16xQQ", mm, off)
+            if used and (roff, rgen) == (rec.offset, rec.gen):
+                struct.pack_into("<Q", mm, off + 32, gen)  # (the slot's record generation)
+
+
+def test_out_of_range_generation_or_time_is_not_adopted(make_supervisor) -> None:
+    """An adopted generation of 2**64-1 made every later put fail (struct.error, "internal
+    supervisor error"): adoption must drop a record whose numbers cannot be used again."""
+    sup = make_supervisor("--size", "32M")
+    recs: dict[int, A.Record] = {}
+    with sup.client() as c:
+        for seed in range(6):
+            put_known(c, seed)
+            recs[seed] = c.view.read_record(*_where(c, *known(seed)[:2]))
+    kill9(sup)
+    crafted = {
+        0: ((1 << 64) - 1, recs[0].created),  # the largest u64
+        1: (1 << 63, recs[1].created),  # past what a supervisor can count up from
+        2: (recs[2].gen, float("nan")),
+        3: (recs[3].gen, float("inf")),
+    }
+    for seed, (gen, created) in crafted.items():
+        _rewrite_record(sup.arena, recs[seed], seed, gen, created)
+    new = restart(make_supervisor, sup, "--size", "32M")
+    with new.client() as c:
+        st = c.stats()
+        assert (st["entries"], st["adopt_dropped"]) == (2, len(crafted)), st
+        for seed in range(6):
+            assert read_back(c, seed) == (None if seed in crafted else known(seed)[2]), seed
+        for seed in range(10, 13):  # later puts work, and their generations count on
+            put_known(c, seed)
+            assert read_back(c, seed) == known(seed)[2], seed
+        assert c.stats()["puts"] >= 3
+    assert check_records(new.arena) == (5, [])
 
 
 # ------------------------------------------------------------------- refusals
