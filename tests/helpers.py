@@ -696,6 +696,9 @@ class Server:
                 cwd=tmp_path,
             )
         self.base = f"http://127.0.0.1:{self.port}"
+        #: what /health and /metrics need with --api-key (its first key)
+        key = self.env.get("SHMKV_API_KEY", "").split(",")[0]
+        self.auth = {"Authorization": f"Bearer {key}"} if key else {}
         self.wait_workers(workers)
         # a new connection per request, so that requests spread over the workers
         self.client = openai.OpenAI(
@@ -723,7 +726,7 @@ class Server:
             pids = self.worker_pids()
             if len(pids) == n:  # every worker answers /health (a worker that is still
                 try:  # loading its model would skew which worker gets what)
-                    r = httpx.get(self.base + "/health", timeout=5)
+                    r = httpx.get(self.base + "/health", headers=self.auth, timeout=5)
                     if r.status_code == 200:
                         seen.add(r.json()["worker_pid"])
                         if pids <= seen:

@@ -165,7 +165,7 @@ def _reported(sup, misses: int) -> dict:
 
 
 def _health(srv: Server) -> dict:
-    return httpx.get(srv.base + "/health", timeout=10).json()["shmkv"][0]
+    return httpx.get(srv.base + "/health", headers=srv.auth, timeout=10).json()["shmkv"][0]
 
 
 def test_served_tenants_never_share_a_worker_context_or_the_arena(
@@ -313,5 +313,34 @@ def test_served_namespace_per_api_key(tmp_path, serve_model, make_supervisor, se
         assert one["restored_tokens"] >= one["prompt_tokens"] - 1, one
         assert _health(srv)["tenant_switches"] == 6
         assert sup.stats()["hits"] == 1
+    finally:
+        srv.stop()
+
+
+def test_served_health_and_metrics_need_the_api_key(tmp_path, serve_model, make_supervisor):
+    """With --api-key and --namespace-per-api-key, /health (worker pid, namespace, every
+    counter) and /metrics (entries, bytes, puts after a tenant's prompt) answered anyone
+    who could reach the port: without a key, /metrics is 401 and /health says only that
+    the worker is up; with a key (a Prometheus bearer token), both answer in full."""
+    sup = make_supervisor("--size", "128M")
+    env = {"SHMKV_API_KEY": "key-one,key-two", "SHMKV_NAMESPACE_PER_API_KEY": "true"}
+    srv = Server(sup, serve_model, workers=1, tmp_path=tmp_path, env=env)
+    try:
+        _served(srv, key="key-one")  # a tenant's traffic, which the counters show
+        wait_until(lambda: sup.stats()["entries"] >= 1, what="the tenant's state stored")
+        health, metrics = srv.base + "/health", srv.base + "/metrics"
+        for headers in ({}, {"Authorization": "Bearer key-three"}, {"Authorization": "key-one"}):
+            r = httpx.get(metrics, headers=headers, timeout=10)
+            assert r.status_code == 401, (headers, r.status_code, r.text)
+            assert "shmkv_" not in r.text and r.headers["www-authenticate"] == "Bearer"
+            r = httpx.get(health, headers=headers, timeout=10)
+            assert r.status_code == 200 and r.json() == {"status": "ok"}, (headers, r.text)
+        for key in ("key-one", "key-two"):
+            auth = {"Authorization": f"Bearer {key}"}
+            r = httpx.get(metrics, headers=auth, timeout=10)
+            assert r.status_code == 200 and "shmkv_arena_entries 1.0" in r.text, r.text
+            body = httpx.get(health, headers=auth, timeout=10).json()
+            assert body["status"] == "ok" and body["worker_pid"] in srv.worker_pids()
+            assert body["shmkv"][0]["connected"] is True and "http" in body, body
     finally:
         srv.stop()

@@ -3,7 +3,8 @@
 Runs inside one gunicorn (uvicorn) worker, after fork: the model is loaded
 here, never in the master, and the worker attaches to the shmkv supervisor
 here. Endpoints are llama-cpp-python's own (``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models``, ...) plus ``/health``. Every
+``/v1/chat/completions``, ``/v1/models``, ...) plus ``/health`` and ``/metrics`` (with
+``--api-key``: ``/metrics`` for the keys only, ``/health`` in full for them only). Every
 completion says what the cache did: in its usage, as OpenAI's
 ``prompt_tokens_details.cached_tokens`` (``usage.py``), and in
 ``X-Shmkv-Restored-Tokens`` and friends as response headers, and, in a stream (whose
@@ -46,7 +47,7 @@ from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
 from llama_cpp.server.model import LlamaProxy
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 from shmkv_workers.metrics import add_metrics_route
-from shmkv_workers.tenants import TenantScope, authenticate
+from shmkv_workers.tenants import Bearer, TenantScope, authenticate, key_check
 from shmkv_workers.usage import UsageDetails, include_usage, usage_chunk
 from shmkv_workers.worker import ACCEPTOR, BusyGate
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
@@ -518,8 +519,14 @@ def create_app(settings: Settings | None = None):
 
     add_metrics_route(app, settings)
 
+    key_ok = key_check(keys)
+
     @app.get("/health", tags=["shmkv"])
-    def health() -> dict[str, Any]:
+    def health(authorization: Bearer) -> dict[str, Any]:
+        """Liveness for anyone; the worker's pid, tenants and counters only with a key of
+        --api-key (they tell which tenants are served and how busy they are)."""
+        if not key_ok(authorization):
+            return {"status": "ok"}
         caches = list(live_caches())
         return {
             "status": "ok",

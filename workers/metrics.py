@@ -11,17 +11,20 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from shmkv_workers.tenants import authenticate
 
 from shmkv.config import Settings
 from shmkv.metrics import registry_for
 
 
 def add_metrics_route(app: Any, settings: Settings) -> None:
-    """Add ``GET /metrics`` to the FastAPI ``app``."""
-    from fastapi import Response
+    """Add ``GET /metrics`` to the FastAPI ``app``; with ``--api-key``, for those keys only
+    (the numbers tell which models and tenants are served, and how busy they are)."""
+    from fastapi import Depends, Response
 
     registry = registry_for(settings)
+    auth = [Depends(authenticate(settings.api_key))]
 
-    @app.get("/metrics", tags=["shmkv"], include_in_schema=False)
+    @app.get("/metrics", tags=["shmkv"], include_in_schema=False, dependencies=auth)
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

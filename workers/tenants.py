@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, status
@@ -150,22 +151,38 @@ async def _send(send: Any, response: tuple) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def authenticate(keys: list[str] | None) -> Any:
-    """A FastAPI dependency in place of llama-cpp-python's ``authenticate``: the bearer
-    token must be one of ``keys`` (None: any request passes)."""
+#: a request's bearer token, as FastAPI reads it (None: none sent)
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
+
+
+def key_check(keys: list[str] | None) -> Callable[[HTTPAuthorizationCredentials | None], bool]:
+    """Is a request's bearer token one of ``keys``? (Always, when there are none.)"""
     wanted = [k.encode() for k in keys or ()]
 
-    async def check(
-        authorization: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
-    ) -> Any:
+    def ok(authorization: HTTPAuthorizationCredentials | None) -> bool:
         if not wanted:
             return True
         given = authorization.credentials.encode("latin-1") if authorization else b""
-        ok = False
+        found = False
         for key in wanted:  # (every key compared, in constant time: no timing per key)
-            ok |= hmac.compare_digest(given, key)
-        if not ok:
-            raise HTTPException(status_code=status.HTTP_401_UNAUTHORIZED, detail="Invalid API key")
+            found |= hmac.compare_digest(given, key)
+        return found
+
+    return ok
+
+
+def authenticate(keys: list[str] | None) -> Any:
+    """A FastAPI dependency in place of llama-cpp-python's ``authenticate``: the bearer
+    token must be one of ``keys`` (None: any request passes). Also guards ``/metrics``."""
+    ok = key_check(keys)
+
+    async def check(authorization: Bearer) -> Any:
+        if not ok(authorization):
+            raise HTTPException(
+                status_code=status.HTTP_401_UNAUTHORIZED,
+                detail="Invalid API key: send Authorization: Bearer KEY, KEY one of --api-key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return authorization.credentials if authorization else True
 
     return check
