@@ -349,3 +349,37 @@ def test_restart_that_adopts_resumes_the_refill(make_supervisor, tmp_path):
     finally:
         assert again.stop() == 0
     no_internal_errors(again)
+
+
+@pytest.mark.parametrize("keep", ["half", "a few bytes"])
+def test_truncated_store_is_moved_aside_and_serves(make_supervisor, tmp_path, keep):
+    """A data.mdb shorter than LMDB's meta pages say (a full disk's torn copy, a restore
+    cut short) is moved aside and a new one started: no SIGBUS restart loop (issue 18)."""
+    disk = tmp_path / "persist"
+    args = ("--size", "64M", "--persist", str(disk))
+    blobs = [blob(700 + i, 64_000) for i in range(40)]
+    sup = make_supervisor(*args)
+    with sup.client() as c:
+        for b in blobs:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind to catch up")
+    assert sup.stop() == 0
+    data = disk / "data.mdb"
+    size = data.stat().st_size
+    os.truncate(data, size // 2 if keep == "half" else 7)
+    again = start_supervisor(tmp_path, *args, name=sup.name)
+    try:
+        st = wait_until(
+            lambda: (s := again.stats())["persist_on"] == 1 and s, 20, "a new store", step=0.1
+        )
+        assert st["persist_errors"].get("corrupt") == 1 and st["persist_records"] == 0, st
+        aside = list(disk.glob("data.mdb.corrupt-*"))
+        assert len(aside) == 1 and aside[0].stat().st_size == (size // 2 if keep == "half" else 7)
+        assert present(again, blobs[:1]) == [False]
+        with again.client() as c:  # serves, and persists again
+            c.put_bytes(blobs[0].root, blobs[0].tokens, b"fp", blobs[0].data)
+            assert c.lookup(blobs[0].digests()) is not None
+        wait_until(lambda: again.stats()["persisted"] == 1, 10, "the new state persisted")
+    finally:
+        assert again.stop() == 0, again.log()[-3000:]
+    no_internal_errors(again)
