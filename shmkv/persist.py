@@ -35,6 +35,7 @@ from pathlib import Path
 import lmdb
 import xxhash
 
+from . import lmdbfile
 from .arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
 from .config import format_size
 from .errors import TierError
@@ -174,21 +175,20 @@ class LmdbTier:
         _prepare_dir(self.path)
         if self._lock_fd < 0:
             self._lock_fd = self._lock()
-        try:
-            self.env = self._open_env()
-        except lmdb.Error as e:
-            unreadable = lmdb.InvalidError | lmdb.CorruptedError | lmdb.VersionMismatchError
-            if not isinstance(e, unreadable):
-                raise self._classify(e) from None
-            aside = self.path / f"data.mdb.corrupt-{int(time.time())}"
-            log.warning("%s is unreadable (%s): moved to %s, starting empty", self.path, e, aside)
-            self.errors["corrupt"] = self.errors.get("corrupt", 0) + 1
+        try:  # (a short file is mapped past its end: a SIGBUS at the first read there)
+            unsafe = lmdbfile.problem(self.path / "data.mdb")
+        except OSError as e:
+            raise TierError(f"cannot read {self.path / 'data.mdb'}: {e}", "io") from None
+        if unsafe is None:
             try:
-                os.replace(self.path / "data.mdb", aside)
-                (self.path / "lock.mdb").unlink(missing_ok=True)
                 self.env = self._open_env()
-            except (OSError, lmdb.Error) as e2:
-                raise TierError(f"cannot recreate {self.path}: {e2}", "corrupt") from None
+            except lmdb.Error as e:
+                unreadable = lmdb.InvalidError | lmdb.CorruptedError | lmdb.VersionMismatchError
+                if not isinstance(e, unreadable):
+                    raise self._classify(e) from None
+                unsafe = str(e)
+        if unsafe is not None:
+            self._start_anew(unsafe)
         self._load_index()
         self.pinned_at_open = frozenset(c for c, v in self.lru.items() if v[1])
         self.order = [c for c, v in reversed(self.lru.items()) if v[1]]
@@ -200,6 +200,19 @@ class LmdbTier:
             format_size(self.bytes),
             format_size(self.size),
         )
+
+    def _start_anew(self, problem: str) -> None:
+        """Move an unreadable ``data.mdb`` aside (``data.mdb.corrupt-TIME``), count it, and
+        open a new, empty one."""
+        aside = self.path / f"data.mdb.corrupt-{int(time.time())}"
+        log.warning("%s is unreadable (%s): moved to %s, starting empty", self.path, problem, aside)
+        self.errors["corrupt"] = self.errors.get("corrupt", 0) + 1
+        try:
+            os.replace(self.path / "data.mdb", aside)
+            (self.path / "lock.mdb").unlink(missing_ok=True)
+            self.env = self._open_env()
+        except (OSError, lmdb.Error) as e:
+            raise TierError(f"cannot recreate {self.path}: {e}", "corrupt") from None
 
     def _lock(self) -> int:
         p = self.path / "shmkv.lock"

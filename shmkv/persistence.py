@@ -36,8 +36,9 @@ class Persistence:
         store.tiers.append(self.writer)
         self.writer.start()
 
-    def start_refill(self, store: Store) -> Refill:
-        """Load the store's records into the (new, empty) arena, in the background."""
+    def start_refill(self, store: Store, held: frozenset[bytes] = frozenset()) -> Refill:
+        """Load the disk's records into the arena, in the background, but for ``held``
+        (the contents an adopted arena holds already)."""
         self.refill = Refill(
             store,
             self.disk,
@@ -45,6 +46,7 @@ class Persistence:
             self.stats,
             forget=lambda content: self.writer.offer(Forget(content)),
             source=self.writer,
+            held=held,
         )
         self.refill.start()
         return self.refill

@@ -10,6 +10,11 @@ requests. A record that fails a check is skipped, counted and removed from disk.
 refill never evicts: it stops once the arena is full, and each record it loads goes
 to the cold end of the arena's LRU (older than those loaded before it). What is not
 loaded yet is a miss, as for any prefix nobody published.
+
+Every record is one step, whatever becomes of it: loaded, skipped (a check failed, it
+can never fit, a pin past the limit), gone from disk meanwhile, or already in the
+arena (a worker republished it since the start, or an adopted arena held it: those
+the arena held when the refill started are not even read from disk).
 """
 
 from __future__ import annotations
@@ -49,8 +54,11 @@ class Refill:
         stats: PersistStats,
         forget: Callable[[bytes], None],
         source: TierHook | None = None,
+        held: frozenset[bytes] = frozenset(),
     ) -> None:
         self.store, self.disk, self.opened, self.stats = store, disk, opened, stats
+        #: the records the arena held at the start (adopted): not read from disk
+        self.held = held
         #: the disk's write-behind: not told of what it loads (the other tiers are)
         self.source = source
         #: tell the write-behind to remove a record found corrupt
@@ -82,6 +90,8 @@ class Refill:
         for content in self.disk.order:
             if self._stop.is_set():
                 return
+            if content in self.held:
+                continue
             try:
                 item = (content, self.disk.load(content))
             except TierError as e:
@@ -121,9 +131,11 @@ class Refill:
         except BlockingIOError:
             pass
         while not self.done and time.monotonic() < deadline:
-            if self._job is None and not self._next():
-                return
-            assert self._job is not None
+            if self._job is None:
+                if not self._next():
+                    return
+                if self._job is None:  # that record was a step of its own
+                    continue
             try:
                 entry = self._job.step(deadline)
             except ArenaFullError:
@@ -146,7 +158,9 @@ class Refill:
             self._job = None
 
     def _next(self) -> bool:
-        """Start the put of the next loaded record; False if none is ready."""
+        """Take the next loaded record: start its put (``_job``), or skip it, or find it
+        gone from disk or already in the arena (``_job`` stays None). False if none is
+        ready."""
         try:
             item = self._q.get_nowait()
         except queue.Empty:
@@ -214,14 +228,23 @@ class Refill:
             self.stats.refill_skipped,
         )
 
-    def close(self) -> None:
-        """Stop the reader thread (the supervisor stops); never raises."""
+    def abandon(self) -> None:
+        """End the refill now (after an internal error), without waiting for the reader
+        thread: it stops by itself; :meth:`close` joins it and closes the wake fd."""
         self._stop.set()
         if self._job is not None:
             self._job.abort()
             self._job = None
+        self.done = True
+        self.stats.refilling = 0
+
+    def close(self) -> None:
+        """Stop the reader thread (the supervisor stops); never raises, may run twice.
+        The loop unregisters :meth:`fileno` first: a closed number is soon reused."""
+        self.abandon()
         if self._thread.is_alive():
             self._thread.join(5.0)
         for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self._wake_r = self._wake_w = -1

@@ -101,7 +101,8 @@ class Supervisor:
         #: ``--persist``: the write-behind to disk, and the refill of a new arena from it
         #: ``--persist`` and ``--remote`` (``tierloop.py``; None until start)
         self.tiers: TierLoop | None = None
-        #: the arena was left by a supervisor before us and adopted (``adopt.py``): no refill
+        #: the arena was left by a supervisor before us and adopted (``adopt.py``): the refill
+        #: loads only what it lacks
         self.adopted = False
         self._signals: deque[int] = deque()
         self._stop = False
@@ -359,6 +360,10 @@ class Supervisor:
         self.arena.close(remove)
         if self._wake_r >= 0:
             signal.set_wakeup_fd(self._old_wakeup if self._old_wakeup is not None else -1)
+            try:  # (unregistered before closed, as every fd the loop watches)
+                self.sel.unregister(self._wake_r)
+            except (KeyError, ValueError):
+                pass
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._wake_r = self._wake_w = -1

@@ -33,7 +33,7 @@ class TierLoop:
         self.persist = Persistence(settings, arena.ro_fd) if settings.persist else None
         self.remote = Remote(settings, arena.ro_fd, chunk_tokens) if settings.remote else None
         self.refill: Refill | None = None
-        #: an adopted arena: no refill, but its pins come from the disk once it is open
+        #: an adopted arena: its pins come from the disk once it is open
         self._repin = False
 
     def attach(
@@ -51,14 +51,13 @@ class TierLoop:
             sel.register(self.remote.fileno(), selectors.EVENT_READ, "remote")
 
     def begin(self, store: Store, sel: selectors.BaseSelector, adopted: bool) -> None:
-        """Serving starts: a new arena is refilled from disk, an adopted one re-pinned."""
+        """Serving starts: the arena is refilled from disk (an adopted one with what it
+        lacks: its supervisor may have stopped mid-refill) and an adopted one re-pinned."""
         if self.persist is None:
             return
-        if adopted:
-            self._repin = True
-        else:
-            self.refill = self.persist.start_refill(store)
-            sel.register(self.refill.fileno(), selectors.EVENT_READ, "refill")
+        self._repin = adopted
+        self.refill = self.persist.start_refill(store, held=frozenset(store.by_content))
+        sel.register(self.refill.fileno(), selectors.EVENT_READ, "refill")
 
     def tick(self, store: Store) -> None:
         """Once a second."""
@@ -98,12 +97,20 @@ class TierLoop:
             return
         except Exception:  # a bug must cost the refill, not the supervisor
             log.exception("internal error refilling the arena; the rest stays on disk")
-            refill.close()
-            refill.done = True
+            refill.abandon()
         if refill.done:
-            if refill.fileno() >= 0:
+            self._end_refill(sel)
+
+    def _end_refill(self, sel: selectors.BaseSelector) -> None:
+        """Stop watching the refill's wake fd (closed later, by ``Persistence.close``:
+        unregistered first, or the next socket given its number could not be watched)."""
+        refill = self.refill
+        self.refill = None
+        if refill is not None:
+            try:
                 sel.unregister(refill.fileno())
-            self.refill = None
+            except (KeyError, ValueError):
+                pass
 
     def _step_remote(self, ready: bool, check_arena: Callable[[], None]) -> None:
         """Fetch results in, one slice of putting them, answers due (``remotetier.py``)."""
@@ -123,6 +130,7 @@ class TierLoop:
     def close(self, sel: selectors.BaseSelector) -> None:
         """Stop both (before the arena closes: their writers read records from it)."""
         if self.persist is not None:
+            self._end_refill(sel)
             self.persist.close()
         if self.remote is not None:
             try:

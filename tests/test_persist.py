@@ -8,8 +8,11 @@ its /dev/shm arena removed, and a new one started on the same --persist director
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
@@ -23,10 +26,12 @@ from helpers import (
     run_worker,
     start_supervisor,
     texts,
+    wait_ready,
     wait_until,
 )
 
 from shmkv import arena as A
+from shmkv.persist import DiskRecord
 
 
 def reboot(tmp_path: Path, sup: Sup, *args: str) -> Sup:
@@ -45,6 +50,36 @@ def persisted_all(sup: Sup) -> bool:
 def refilled(sup: Sup) -> dict:
     """The stats once the refill is over."""
     return wait_until(lambda: (st := sup.stats())["refilling"] == 0 and st, 30, "the refill")
+
+
+@contextmanager
+def store_locked(disk: Path) -> Iterator[None]:
+    """Hold ``disk``'s ``shmkv.lock`` (one supervisor per directory): a supervisor started
+    meanwhile serves, but its writer cannot open the store, so its refill waits."""
+    fd = os.open(disk / "shmkv.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def break_metadata(disk: Path, root: bytes) -> None:
+    """Flip a byte in the stored metadata of the record whose root is ``root`` (its
+    checksum then fails), with LMDB itself (the supervisor is stopped)."""
+    env = lmdb.open(str(disk), max_dbs=2, map_size=1 << 30)
+    meta = env.open_db(b"meta", create=False)
+    with env.begin(db=meta, write=True) as txn:
+        key, val = next((k, v) for k, v in txn.cursor() if DiskRecord.unpack(k, v).root == root)
+        bad = bytearray(val)
+        bad[-12] ^= 0xFF  # (a token id)
+        txn.put(key, bytes(bad))
+    env.close()
+
+
+def present(sup: Sup, blobs: list) -> list[bool]:
+    with sup.client() as c:
+        return [c.lookup(b.digests()) is not None for b in blobs]
 
 
 def no_internal_errors(*sups: Sup) -> None:
@@ -240,3 +275,111 @@ def test_unusable_directory_costs_no_request(make_supervisor, tmp_path):
     assert st["persist_on"] == 0 and st["persist_paused"] == 1
     assert sup.proc.poll() is None and os.path.exists(sup.arena)
     no_internal_errors(sup)
+
+
+def test_refill_steps_over_every_outcome_under_live_puts(make_supervisor, tmp_path):
+    """A refill meets a record a peer republished meanwhile, one whose metadata fails its
+    checksum, one that can never fit the new arena and one over the pin limit: each is a
+    step (issue 18: an assertion ended the refill, and its wake fd stayed registered after
+    close, so the next connection that reused the number killed the supervisor)."""
+    disk = tmp_path / "persist"
+    blobs = [blob(400 + i, 64_000) for i in range(48)]
+    huge, pinned = blob(500, 20 << 20), blob(501, 6 << 20)
+    sup = make_supervisor("--size", "64M", "--persist", str(disk))
+    with sup.client() as c:
+        c.put_bytes(huge.root, huge.tokens, b"fp", huge.data)
+        c.put_bytes(pinned.root, pinned.tokens, b"fp", pinned.data, pin=True)
+        for b in blobs:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind to catch up")
+    assert sup.stop() == 0
+    sup.arena.unlink(missing_ok=True)
+    break_metadata(disk, blobs[20].root)
+    args = ("--size", "16M", "--max-pinned-percent", "25", "--persist", str(disk))
+    with store_locked(disk):  # the refill waits: the republish is certainly first
+        again = make_supervisor(*args, name=sup.name)
+        republished = [blobs[0], blobs[30]]  # the last and a middle one in refill order
+        with again.client() as c:
+            for b in republished:
+                c.put_bytes(b.root, b.tokens, b"fp", b.data)
+        assert again.stats()["refilling"] == 1
+    try:
+        st = refilled(again)
+        assert again.proc.poll() is None, again.log()[-3000:]
+        # a skipped record each: the corrupt one, the one that can never fit, the pin
+        assert st["refill_skipped"] == 3, st
+        assert st["refilled"] == len(blobs) - 1 - len(republished), st
+        for _ in range(20):  # new connections reuse freed descriptor numbers
+            assert again.stats()["pid"] == again.proc.pid
+        assert present(again, blobs) == [i != 20 for i in range(len(blobs))]
+        assert present(again, [huge, pinned]) == [False, False]
+        wait_until(
+            lambda: again.stats()["persist_records"] == len(blobs) + 1, 10, "corrupt removed"
+        )
+    finally:
+        assert again.stop() == 0, again.log()[-3000:]
+    assert "Traceback" not in again.log() and "internal error" not in again.log()
+
+
+def test_restart_that_adopts_resumes_the_refill(make_supervisor, tmp_path):
+    """A supervisor killed before its refill finished leaves its arena; the next one adopts
+    it and still refills what is on disk but not in the arena."""
+    disk = tmp_path / "persist"
+    args = ("--size", "64M", "--persist", str(disk))
+    blobs = [blob(600 + i, 64_000) for i in range(40)]
+    sup = make_supervisor(*args)
+    with sup.client() as c:
+        for b in blobs:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind to catch up")
+    assert sup.stop() == 0
+    with store_locked(disk):  # killed before its refill loaded anything
+        mid = make_supervisor(*args, name=sup.name)
+        with mid.client() as c:
+            c.put_bytes(blobs[5].root, blobs[5].tokens, b"fp", blobs[5].data)
+        mid.proc.kill()
+        mid.proc.wait(10)
+    assert mid.arena.exists()
+    again = wait_ready(make_supervisor(*args, name=sup.name, wait=False))
+    try:
+        st = refilled(again)
+        # (the one put before the kill was adopted, not refilled)
+        assert st["refilled"] == len(blobs) - 1 and st["refill_skipped"] == 0, st
+        assert present(again, blobs) == [True] * len(blobs)
+    finally:
+        assert again.stop() == 0
+    no_internal_errors(again)
+
+
+@pytest.mark.parametrize("keep", ["half", "a few bytes"])
+def test_truncated_store_is_moved_aside_and_serves(make_supervisor, tmp_path, keep):
+    """A data.mdb shorter than LMDB's meta pages say (a full disk's torn copy, a restore
+    cut short) is moved aside and a new one started: no SIGBUS restart loop (issue 18)."""
+    disk = tmp_path / "persist"
+    args = ("--size", "64M", "--persist", str(disk))
+    blobs = [blob(700 + i, 64_000) for i in range(40)]
+    sup = make_supervisor(*args)
+    with sup.client() as c:
+        for b in blobs:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind to catch up")
+    assert sup.stop() == 0
+    data = disk / "data.mdb"
+    size = data.stat().st_size
+    os.truncate(data, size // 2 if keep == "half" else 7)
+    again = start_supervisor(tmp_path, *args, name=sup.name)
+    try:
+        st = wait_until(
+            lambda: (s := again.stats())["persist_on"] == 1 and s, 20, "a new store", step=0.1
+        )
+        assert st["persist_errors"].get("corrupt") == 1 and st["persist_records"] == 0, st
+        aside = list(disk.glob("data.mdb.corrupt-*"))
+        assert len(aside) == 1 and aside[0].stat().st_size == (size // 2 if keep == "half" else 7)
+        assert present(again, blobs[:1]) == [False]
+        with again.client() as c:  # serves, and persists again
+            c.put_bytes(blobs[0].root, blobs[0].tokens, b"fp", blobs[0].data)
+            assert c.lookup(blobs[0].digests()) is not None
+        wait_until(lambda: again.stats()["persisted"] == 1, 10, "the new state persisted")
+    finally:
+        assert again.stop() == 0, again.log()[-3000:]
+    no_internal_errors(again)
