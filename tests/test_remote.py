@@ -12,11 +12,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
+import xxhash
 from helpers import (
     CHUNK,
     SYSTEM,
@@ -25,7 +27,9 @@ from helpers import (
     completion,
     free_port,
     run_worker,
+    system_user,
     texts,
+    wait_for_socket,
     wait_until,
 )
 
@@ -359,3 +363,148 @@ def test_longer_records_of_other_suffixes_do_not_hide_the_shared_prefix(
             assert bytes(lease.payload) == shared.data
             assert lease.finish()
     no_internal_errors(a, b)
+
+
+# ------------------------------------------------------------------ trust (issue 18)
+def forge(
+    r: redis.Redis,
+    b,
+    payload: bytes,
+    uid: int,
+    key: bytes | None = None,
+    fp: bytes = b"fp",
+    **over,
+) -> bytes:
+    """What a hostile writer to Redis can store: a record of ``b``'s prompt with any
+    payload and publisher uid, checksums right, MACed under ``key`` if it has one (it
+    has not). Returns the record id."""
+    from shmkv import remotefmt as fmt
+
+    tok = np.ascontiguousarray(b.tokens, dtype="<i4").tobytes()
+    rid = fmt.remote_id(b.root, fp, tok)
+    parts = fmt.split(payload)
+    fields = dict(
+        root=b.root,
+        fingerprint=fp,
+        tokens=tok,
+        payload_len=len(payload),
+        payload_xxh3=xxhash.xxh3_64_intdigest(payload),
+        codec="none",
+        stored_len=len(payload),
+        created=time.time(),
+        publisher="evil/4242",
+        uid=uid,
+        digests=b"".join(fmt.piece_digest(p) for p in parts),
+    )
+    fields.update(over)
+    for i, part in enumerate(parts):
+        r.set(fmt.piece_key(rid, i), bytes(part))
+    r.set(fmt.manifest_key(rid), fmt.Manifest(**fields).pack(key))
+    last = A.chain_digests(b.root, b.tokens, CHUNK)[-1]
+    r.hset(fmt.index_key(b.root, CHUNK, last), rid.hex(), fmt.index_value(tok))
+    return rid
+
+
+def stored_manifest(r: redis.Redis, b, keys=(), fp: bytes = b"fp"):
+    from shmkv import remotefmt as fmt
+
+    tok = np.ascontiguousarray(b.tokens, dtype="<i4").tobytes()
+    rid = fmt.remote_id(b.root, fp, tok)
+    raw = r.get(fmt.manifest_key(rid))
+    return None if raw is None else fmt.unpack_manifest(rid, raw, keys)
+
+
+def publisher_in(sup: Sup, b) -> int:
+    with sup.client() as c:
+        hit = c.lookup(b.digests())
+        assert hit is not None
+        rows = [e for e in c.ls()["entries"] if e["root"] == b.root.hex()]
+    assert len(rows) == 1, rows
+    return rows[0]["publisher"]
+
+
+def settled(sup: Sup, n: int) -> dict:
+    """``sup``'s stats once its write-behind took ``n`` accepted records (written,
+    present or not trusted) and has none queued."""
+
+    def done():
+        st = sup.stats()
+        took = st["remote_written"] + st["remote_present"] + st.get("remote_untrusted", 0)
+        return took >= n and st["remote_queue"] == 0 and st
+
+    return wait_until(done, 20, "the remote write-behind")
+
+
+def test_untrusted_members_state_never_leaves_the_machine(make_supervisor, redis_server, tmp_path):
+    """Node A shares its arena with --group G and trusts one member (friend): the other
+    member's (evil's) state is never written to Redis, whatever its key; A's own state of
+    the same prompt is; the friend's record keeps the friend's uid through Redis into a
+    node that trusts the friend, and a node that does not refuses it."""
+    from test_publishers import GROUP, publish_as
+
+    evil = system_user("shmkv-test-evil", GROUP)
+    friend = system_user("shmkv-test-friend", GROUP)
+    d = Path(f"/tmp/shmkv-rem-{uuid.uuid4().hex[:10]}")
+    sock = d / "a.sock"
+    a = make_supervisor(
+        "--size", "64M", "--group", GROUP, "--remote", redis_server.url,
+        "--trust-publishers", "shmkv-test-friend",
+        env_extra={"SHMKV_SOCKET": str(sock)}, wait=False,
+    )  # fmt: skip
+    a.socket = str(sock)
+    try:
+        wait_for_socket(str(sock), a.proc)
+        p, q = blob(800, 300_000), blob(801, 300_000)
+        garbage = blob(802, 300_000).data
+        publish_as(evil, a, tmp_path, p.root, p.tokens, b"fp", garbage)
+        publish_as(friend, a, tmp_path, q.root, q.tokens, b"fp", q.data)
+        st = settled(a, 2)
+        r = redis_server.client()
+        assert stored_manifest(r, p) is None, "a --group member's state went to Redis"
+        assert st["remote_untrusted"] == 1 and st["remote_written"] == 1, st
+        assert stored_manifest(r, q).uid == friend[0]
+        with a.client() as c:  # A's own state of evil's prompt does go
+            c.put_bytes(p.root, p.tokens, b"fp", p.data)
+        settled(a, 3)
+        assert stored_manifest(r, p).uid == 0
+        b = make_supervisor("--size", "64M", "--remote", redis_server.url)  # default trust
+        c_ = make_supervisor(
+            "--size", "64M", "--remote", redis_server.url, "--trust-publishers", str(friend[0])
+        )
+        wait_until(lambda: b.stats()["remote_on"] and c_.stats()["remote_on"], 10, "nodes up")
+        assert _fetch_blob(b, p) == ("fetched", p.data)
+        assert _fetch_blob(b, q) == ("none", None)  # the friend of A is nobody to B
+        assert b.stats()["remote_fetch_untrusted"] == 1
+        assert _fetch_blob(c_, q) == ("fetched", q.data)
+        assert publisher_in(c_, q) == friend[0]  # never re-labelled as C's own
+        assert publisher_in(b, p) == 0
+        no_internal_errors(a, b, c_)
+    finally:
+        a.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_legitimate_writer_replaces_what_an_untrusted_writer_put_first(
+    make_supervisor, redis_server
+):
+    """A hostile writer to Redis stored a record of prompt P first (checksums right,
+    publisher a uid nobody trusts): node A's own state of P replaces it rather than
+    counting it as present, and node B fetches A's."""
+    p = blob(810, 200_000)
+    r = redis_server.client()
+    forge(r, p, blob(811, 200_000).data, uid=4242)
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
+    assert _fetch_blob(b, p) == ("none", None)  # (not a uid B trusts: a miss)
+    assert b.stats()["remote_fetch_untrusted"] == 1
+    with a.client() as c:
+        c.put_bytes(p.root, p.tokens, b"fp", p.data)
+    st = settled(a, 1)
+    assert st["remote_written"] == 1 and st["remote_present"] == 0, st
+    man = stored_manifest(r, p)
+    assert man.uid == 0 and man.payload_xxh3 == xxhash.xxh3_64_intdigest(p.data)
+    c2 = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    wait_until(lambda: c2.stats()["remote_on"], 10, "node C up")
+    assert _fetch_blob(c2, p) == ("fetched", p.data)
+    no_internal_errors(a, b, c2)
