@@ -508,3 +508,86 @@ def test_a_legitimate_writer_replaces_what_an_untrusted_writer_put_first(
     wait_until(lambda: c2.stats()["remote_on"], 10, "node C up")
     assert _fetch_blob(c2, p) == ("fetched", p.data)
     no_internal_errors(a, b, c2)
+
+
+# --------------------------------------------------------- bounded fetches (issue 18)
+def vm_hwm(pid: int) -> int:
+    """Peak resident bytes of process ``pid`` (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def sent_by(r: redis.Redis) -> int:
+    return int(r.info("stats")["total_net_output_bytes"])
+
+
+def test_a_record_larger_than_the_arena_is_refused_unread(make_supervisor, redis_server):
+    """Node A (256 MiB arena) stores a 160 MiB state; node B (64 MiB) misses on it three
+    times: B reads no piece of it (Redis sends B next to nothing), asks for its manifest
+    once, and B's peak memory does not grow by the state's size. A forged zstd record of
+    one small piece claiming 256 MiB of zeros (checksums right) is refused the same way."""
+    import zstandard
+
+    from shmkv import remotefmt as fmt
+
+    big = blob(820, 160 << 20)
+    a = make_supervisor("--size", "256M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    with a.client() as c:
+        c.put_bytes(big.root, big.tokens, b"fp", big.data)
+    written(a)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
+    r = redis_server.client()
+    bomb = blob(821, 1000)
+    zeros = 256 << 20
+    h = xxhash.xxh3_64()
+    for _ in range(zeros >> 24):
+        h.update(bytes(1 << 24))
+    frame = zstandard.ZstdCompressor(level=19).compress(bytes(zeros))
+    forge(
+        r, bomb, frame, uid=0, codec="zstd", payload_len=zeros, payload_xxh3=h.intdigest(),
+        stored_len=len(frame), digests=fmt.piece_digest(frame),
+    )  # fmt: skip
+    hwm, sent = vm_hwm(b.proc.pid), sent_by(r)
+    for _ in range(3):
+        assert _fetch_blob(b, big) == ("none", None)
+        assert _fetch_blob(b, bomb) == ("none", None)
+    assert sent_by(r) - sent < 1 << 20, "B read pieces of a record that can never fit"
+    assert vm_hwm(b.proc.pid) - hwm < 48 << 20
+    st = b.stats()
+    assert st["remote_fetch_too_big"] == 2 and st["remote_refused_skipped"] == 4, st
+    assert st["remote_pulled_bytes"] == 0 and st["remote_paused"] == 0, st
+    no_internal_errors(a, b)
+
+
+def test_a_key_of_the_wrong_type_is_a_miss_not_an_outage(make_supervisor, redis_server):
+    """A plain string at the index key of prompt X: B's fetch of X is a miss (counted),
+    an unrelated prompt Y is fetched, the tier never pauses; a node that stores X again
+    replaces the bad key, and X is fetched."""
+    from shmkv import remotefmt as fmt
+
+    x, y = blob(830, 100_000), blob(831, 100_000)
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    with a.client() as c:
+        c.put_bytes(x.root, x.tokens, b"fp", x.data)
+        c.put_bytes(y.root, y.tokens, b"fp", y.data)
+    written(a, 2)
+    r = redis_server.client()
+    r.set(fmt.index_key(x.root, CHUNK, x.digests()[-1]), b"not a hash")
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
+    for _ in range(2):
+        assert _fetch_blob(b, x)[0] == "none"
+    assert _fetch_blob(b, y) == ("fetched", y.data)
+    st = b.stats()
+    assert st["remote_bad_keys"] == 2 and st["remote_paused"] == 0, st
+    assert not st["remote_errors"] and st["remote_fetch_down"] == 0, st
+    c2 = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    with c2.client() as c:
+        c.put_bytes(x.root, x.tokens, b"fp", x.data)
+    st = settled(c2, 1)
+    assert st["remote_bad_keys"] == 1 and not st["remote_errors"], st
+    assert _fetch_blob(b, x) == ("fetched", x.data)
+    no_internal_errors(a, b, c2)
