@@ -591,3 +591,90 @@ def test_a_key_of_the_wrong_type_is_a_miss_not_an_outage(make_supervisor, redis_
     assert st["remote_bad_keys"] == 1 and not st["remote_errors"], st
     assert _fetch_blob(b, x) == ("fetched", x.data)
     no_internal_errors(a, b, c2)
+
+
+# ------------------------------------------------------- signed records (issue 18)
+K1, K2 = b"k1-" + b"a" * 40, b"k2-" + b"b" * 40
+
+
+def key_file(tmp_path: Path, name: str, *keys: bytes, mode: int = 0o600) -> str:
+    path = tmp_path / name
+    path.write_bytes(b"\n".join(keys) + b"\n")
+    path.chmod(mode)
+    return str(path)
+
+
+def test_a_key_file_must_be_ours_closed_and_long_enough(make_supervisor, redis_server, tmp_path):
+    for args, rc, says in [
+        (key_file(tmp_path, "open", K1, mode=0o644), 8, "chmod 600"),
+        (key_file(tmp_path, "short", b"x" * 31), 2, "at least 32 bytes"),
+        (key_file(tmp_path, "three", K1, K2, K1), 2, "previous one second"),
+    ]:
+        sup = make_supervisor(
+            "--size", "64M", "--remote", redis_server.url, "--remote-key-file", args, wait=False
+        )
+        assert sup.proc.wait(30) == rc, sup.log()
+        assert says in sup.log() and "Traceback" not in sup.log(), sup.log()
+
+
+def _put(sup: Sup, *blobs) -> None:
+    with sup.client() as c:
+        for b in blobs:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    written(sup, len(blobs))
+
+
+def test_a_node_with_a_key_restores_only_records_signed_with_it(
+    make_supervisor, redis_server, tmp_path
+):
+    """Records written by a node without the key, by a node with another key, an
+    unsigned forgery with every checksum right, and a signed manifest rewritten are
+    misses on a node with the key (counted, not deleted); records signed with the key
+    are fetched, by keyless nodes too; during a rotation (current key first, previous
+    second) both are accepted and only the current one signs."""
+    import msgpack
+
+    from shmkv import remotefmt as fmt
+
+    url = redis_server.url
+    k1 = key_file(tmp_path, "k1", K1)
+    rot = key_file(tmp_path, "rot", b"  " + K2 + b"  ", K1)  # (whitespace at the ends)
+    keyless = make_supervisor("--size", "64M", "--remote", url)
+    other = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file",
+                            key_file(tmp_path, "k2", K2))  # fmt: skip
+    a = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", k1)
+    a2 = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", k1)
+    bs = [blob(840 + i, 150_000) for i in range(8)]
+    _put(keyless, bs[0])
+    _put(other, bs[1])
+    _put(a, bs[2], bs[3], bs[5])
+    r = redis_server.client()
+    forge(r, bs[4], blob(850, 150_000).data, uid=0)  # an unsigned forgery, checksums right
+    # a signed manifest rewritten: another payload's checksums, the MAC kept
+    rid = fmt.remote_id(bs[3].root, b"fp", bs[3].tokens.astype("<i4").tobytes())
+    env = msgpack.unpackb(r.get(fmt.manifest_key(rid)))
+    body = msgpack.unpackb(env["m"])
+    evil = blob(851, 150_000).data
+    body["xxh3"] = xxhash.xxh3_64_intdigest(evil)
+    body["digests"] = fmt.piece_digest(evil)
+    r.set(fmt.piece_key(rid, 0), evil)
+    r.set(fmt.manifest_key(rid), msgpack.packb({**env, "m": msgpack.packb(body)}))
+    wait_until(lambda: a2.stats()["remote_on"], 10, "node A2 up")
+    for b in (bs[0], bs[1], bs[4], bs[3]):
+        assert _fetch_blob(a2, b) == ("none", None)
+    assert _fetch_blob(a2, bs[2]) == ("fetched", bs[2].data)
+    st = a2.stats()
+    assert st["remote_fetch_unverified"] == 4 and st["remote_corrupt"] == 0, st
+    assert stored_manifest(r, bs[0]) is not None  # (not ours to delete)
+    assert _fetch_blob(keyless, bs[5]) == ("fetched", bs[5].data)
+    # rotation: K2 current, K1 previous
+    r1 = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", rot)
+    r2 = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", rot)
+    wait_until(lambda: r1.stats()["remote_on"] and r2.stats()["remote_on"], 10, "nodes up")
+    assert _fetch_blob(r1, bs[5]) == ("fetched", bs[5].data)  # signed with K1
+    assert _fetch_blob(r1, bs[1]) == ("fetched", bs[1].data)  # signed with K2
+    _put(r1, bs[6])
+    assert stored_manifest(r, bs[6], (K2,)) is not None  # signed with the current key
+    assert _fetch_blob(r2, bs[6]) == ("fetched", bs[6].data)
+    assert _fetch_blob(a2, bs[6]) == ("none", None)  # K1 alone: not yet rotated
+    no_internal_errors(keyless, other, a, a2, r1, r2)
