@@ -372,10 +372,24 @@ SETTINGS: dict[str, Setting] = {
             "Share states between machines through Redis or Valkey at this URL "
             "(redis://HOST:PORT/DB, rediss://..., unix:///PATH, redis+cluster://HOST:PORT): "
             "accepted states are written behind to it, and a worker that misses asks the "
-            "supervisor to fetch a longer prefix from it. Whoever can write to that server "
-            "is trusted as a publisher [default: off].",
+            "supervisor to fetch a longer prefix from it. Only states of publishers the "
+            "supervisor trusts (its own uid and --trust-publishers) are written; without "
+            "--remote-key-file, whoever can write to that server is trusted as a publisher "
+            "[default: off].",
             _SUP,
             "URL",
+        ),
+        Setting(
+            "remote_key_file",
+            _optional_str,
+            None,
+            "File (mode 0600, ours) holding a key of at least 32 bytes: every --remote "
+            "record is signed with it (HMAC-SHA256 of its manifest, which names each "
+            "piece's digest), and only records signed with it are fetched. A second line "
+            "holds the previous key during a rotation (still accepted, never used to "
+            "sign) [default: off: anyone who can write to --remote is trusted].",
+            _SUP,
+            "PATH",
         ),
         Setting(
             "remote_cluster",
@@ -569,8 +583,9 @@ SETTINGS: dict[str, Setting] = {
             "Also restore cached states published by these users: names, uids or @group "
             "(its members), comma-separated; * for every user the supervisor lets publish. "
             "A worker always trusts its own uid and the supervisor's; this matters only "
-            "when the supervisor shares its arena with a --group.",
-            frozenset({"client", "serve"}),
+            "when the supervisor shares its arena with a --group. The supervisor writes "
+            "to --remote (and takes from it) only states of its own uid and of these.",
+            _ALL,
             "USERS",
         ),
         Setting(

@@ -8,7 +8,9 @@ One record, named by its remote id ``rid = BLAKE2b-128(root | fingerprint | toke
 
     shmkv:{<rid hex>}:p<i>   piece i of the payload (``PIECE`` bytes, the last shorter),
                              zstd-compressed as a whole first if the manifest says so
-    shmkv:{<rid hex>}:m      the manifest (msgpack, below), written after every piece
+    shmkv:{<rid hex>}:m      the manifest (msgpack, below), written after every piece:
+                             ``{"v": 2, "m": <body>, "mac": <HMAC-SHA256 or b"">}``, the
+                             body a msgpack map of the fields of :class:`Manifest`
 
 and each record is findable from a prompt through one hash per chunk prefix::
 
@@ -26,15 +28,21 @@ question share one index hash, and are told apart without a round trip each.
 
 A reader trusts nothing it reads here beyond what it checks: :func:`unpack_manifest`
 bounds every field and checks that root, fingerprint and tokens hash to the key it was
-read under; the payload is checked against the manifest's XXH3 once assembled; the
-arena's put checks it again, and the worker checks fingerprint, tokens and checksum
-before it restores, as for any local record.
+read under; each piece is checked against its BLAKE2b-128 digest in the manifest as it
+arrives, the payload against the manifest's XXH3 once assembled; the arena's put checks
+it again, and the worker checks fingerprint, tokens and checksum before it restores, as
+for any local record. With ``--remote-key-file`` the manifest's body (which names every
+piece's digest, the payload's length and the publisher's uid) carries an HMAC-SHA256
+under the key: a node with keys takes only records whose MAC verifies under one of them,
+so nobody who can merely write to Redis can make it restore a state they computed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +51,7 @@ import msgpack
 from .arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
 from .errors import TierError
 
-VERSION = 1
+VERSION = 2
 #: bytes per piece: one command per MiB keeps Redis responsive to other clients
 PIECE = 1 << 20
 #: the largest payload a manifest may describe (a 1M-token state of a big model fits)
@@ -51,6 +59,22 @@ MAX_PAYLOAD = 1 << 34
 MAX_PIECES = MAX_PAYLOAD // PIECE
 CODECS = ("none", "zstd")
 PREFIX = "shmkv"
+#: bytes of each piece's digest (BLAKE2b) in a manifest
+PIECE_DIGEST = 16
+#: the least key length of --remote-key-file, bytes
+MIN_KEY = 32
+#: the longest manifest a reader accepts (token ids and piece digests dominate)
+MAX_MANIFEST = 4 * MAX_TOKENS + PIECE_DIGEST * MAX_PIECES + 4096
+
+
+def piece_digest(piece: bytes | memoryview) -> bytes:
+    """What a manifest holds for one stored piece."""
+    return hashlib.blake2b(piece, digest_size=PIECE_DIGEST).digest()
+
+
+def mac(key: bytes, rid: bytes, body: bytes) -> bytes:
+    """The manifest MAC: HMAC-SHA256 of the record id and the manifest's body."""
+    return hmac.new(key, rid + body, hashlib.sha256).digest()
 
 
 def remote_id(root: bytes, fingerprint: bytes, tokens: bytes) -> bytes:
@@ -113,6 +137,10 @@ class Manifest:
     created: float
     #: who published it: "hostname/uid" of the node's supervisor and worker (informative)
     publisher: str
+    #: the uid that published it (the arena's publisher field): a fetched copy keeps it
+    uid: int
+    #: :func:`piece_digest` of each stored piece, concatenated
+    digests: bytes
 
     @property
     def n_tokens(self) -> int:
@@ -125,7 +153,8 @@ class Manifest:
     def rid(self) -> bytes:
         return remote_id(self.root, self.fingerprint, self.tokens)
 
-    def pack(self) -> bytes:
+    def pack(self, key: bytes | None = None) -> bytes:
+        """The stored manifest, MACed under ``key`` if given."""
         body: bytes = msgpack.packb(
             {
                 "v": VERSION,
@@ -139,22 +168,39 @@ class Manifest:
                 "pieces": self.pieces,
                 "created": self.created,
                 "publisher": self.publisher,
+                "uid": self.uid,
+                "digests": self.digests,
             },
             use_bin_type=True,
         )
-        return body
+        tag = b"" if key is None else mac(key, self.rid(), body)
+        out: bytes = msgpack.packb({"v": VERSION, "m": body, "mac": tag}, use_bin_type=True)
+        return out
 
 
-def unpack_manifest(rid: bytes, raw: bytes) -> Manifest:
-    """Check and read a manifest stored under ``rid``; TierError("corrupt") says what is wrong."""
-    if len(raw) > 64 + 8 * MAX_TOKENS:
-        raise TierError("remote manifest too large", "corrupt")
+def _unpack(raw: bytes) -> Any:
     try:
-        m: Any = msgpack.unpackb(
+        return msgpack.unpackb(
             raw, raw=False, max_map_len=32, max_array_len=0, max_str_len=256, strict_map_key=True
         )
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise TierError(f"remote manifest undecodable: {e}", "corrupt") from None
+
+
+def unpack_manifest(rid: bytes, raw: bytes, keys: Sequence[bytes] = ()) -> Manifest:
+    """Check and read a manifest stored under ``rid``; TierError("corrupt") says what is
+    wrong. With ``keys``, its MAC must verify under one of them, else TierError("unverified")."""
+    if len(raw) > MAX_MANIFEST:
+        raise TierError("remote manifest too large", "corrupt")
+    env = _unpack(raw)
+    if not isinstance(env, dict) or env.get("v") != VERSION:
+        raise TierError("remote manifest of another format version", "corrupt")
+    body, tag = env.get("m"), env.get("mac")
+    if not isinstance(body, bytes) or not isinstance(tag, bytes):
+        raise TierError("remote manifest's envelope is malformed", "corrupt")
+    if keys and not any(hmac.compare_digest(mac(k, rid, body), tag) for k in keys):
+        raise TierError("remote manifest not signed by any key of --remote-key-file", "unverified")
+    m = _unpack(body)
     if not isinstance(m, dict) or m.get("v") != VERSION:
         raise TierError("remote manifest of another format version", "corrupt")
 
@@ -177,13 +223,19 @@ def unpack_manifest(rid: bytes, raw: bytes) -> Manifest:
         stored_len=field("stored", int, 1, MAX_PAYLOAD + 1),
         created=float(field("created", float)),
         publisher=field("publisher", str, 0, 256),
+        uid=field("uid", int, 0, 1 << 32),
+        digests=field("digests", bytes, PIECE_DIGEST, PIECE_DIGEST * MAX_PIECES + 1),
     )
     if len(man.tokens) % 4 or man.codec not in CODECS:
         raise TierError("remote manifest has odd tokens or an unknown codec", "corrupt")
     if field("pieces", int, 1, MAX_PIECES + 1) != man.pieces:
         raise TierError("remote manifest's piece count does not match its length", "corrupt")
+    if len(man.digests) != PIECE_DIGEST * man.pieces:
+        raise TierError("remote manifest's piece digests do not match its length", "corrupt")
     if man.codec == "none" and man.stored_len != man.payload_len:
         raise TierError("remote manifest's lengths disagree", "corrupt")
+    if man.codec == "zstd" and man.stored_len >= man.payload_len:
+        raise TierError("remote manifest's compressed length is not smaller", "corrupt")
     if man.rid() != rid:
         raise TierError("remote manifest does not match its key", "corrupt")
     return man

@@ -6,9 +6,10 @@ the ``fetch`` op whether the remote tier holds a longer prefix of a prompt, and 
 by the loop: a fetch request goes to the fetcher thread (``remote.Fetcher``) and its
 peer's reply waits; what the thread found is put into the arena on the loop, a
 ``--put-slice`` at a time, through the same :class:`~shmkv.putjob.PutJob` as a worker's
-put (bounds, XXH3 of the payload), published under the supervisor's own uid and not
-written back. The peer is answered when its record is indexed, or at its deadline,
-whichever comes first: a fetch that outlives its deadline still lands in the arena
+put (bounds, XXH3 of the payload), published under the uid its manifest names (the
+publisher's on the node that wrote it; never re-labelled as ours) and not written back.
+The peer is answered when its record is indexed, or at its deadline, whichever comes
+first: a fetch that outlives its deadline still lands in the arena
 and warms it for the next request. Redis being down, slow or full costs an answer
 ("down", "timeout"), never a wait past the deadline.
 """
@@ -16,6 +17,7 @@ and warms it for the next request. Redis being down, slow or full costs an answe
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -24,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from .config import Settings
+from .config import Settings, trusted_uids
 from .errors import ChecksumMismatch, ShmkvError
 from .putjob import PutJob
-from .remote import Fetcher, FetchReq, FetchResult, RedisWriter, RemoteConf
+from .remote import Fetcher, FetchReq, FetchResult, RedisWriter, RemoteConf, load_keys
 from .stats import RemoteStats
 from .store import Store
 from .tiers import PayloadSource, WriteBehind
@@ -53,6 +55,8 @@ class Remote:
     """The write-behind to ``--remote`` and fetches from it."""
 
     def __init__(self, settings: Settings, ro_fd: int, chunk: int) -> None:
+        extra = trusted_uids(getattr(settings, "trust_publishers", "") or "")
+        key_file = getattr(settings, "remote_key_file", None)
         self.conf = RemoteConf(
             url=settings.remote,
             cluster=bool(settings.remote_cluster),
@@ -61,6 +65,8 @@ class Remote:
             codec=settings.remote_compress,
             timeout=float(settings.remote_timeout),
             node=socket.gethostname()[:64],
+            trusted=None if extra is None else frozenset({os.geteuid(), *extra}),
+            keys=load_keys(key_file) if key_file else (),
         )
         self.max_wait = float(settings.remote_wait)
         self.redis = RedisWriter(self.conf)
@@ -79,6 +85,7 @@ class Remote:
         """Write what ``store`` accepts behind; answer peers through ``answer(conn, rid,
         reply)``; tell ``indexed(digests)`` of each fetched record (claims wait on it)."""
         self._store, self._answer, self._indexed = store, answer, indexed
+        self.fetcher.capacity = store.geometry.data_size
         store.tiers.append(self.writer)
         self.writer.start()
         self.fetcher.start()
@@ -148,7 +155,8 @@ class Remote:
             else:
                 counter = f"remote_fetch_{res.status}"
                 setattr(self.stats, counter, getattr(self.stats, counter) + 1)
-                self._reply(res.key, {"status": res.status})
+                miss = res.status in ("untrusted", "unverified", "too_big")
+                self._reply(res.key, {"status": "none" if miss else res.status})
         while self._jobs and time.monotonic() < deadline:
             key, job = self._jobs[0]
             try:
@@ -183,6 +191,7 @@ class Remote:
                 man.payload_len,
                 man.payload_xxh3,
                 read,
+                publisher=man.uid,  # (the publisher's, trusted above: never ours instead)
             )
         except ShmkvError as e:  # (too short for this arena's chunk, or can never fit)
             self.stats.remote_fetch_refused += 1
@@ -215,6 +224,9 @@ class Remote:
         s.remote_dropped = w.dropped
         s.remote_gone = r.gone
         s.remote_corrupt = f.corrupt
+        s.remote_untrusted = r.untrusted
+        s.remote_bad_keys = r.bad_keys + f.bad_keys
+        s.remote_refused_skipped = f.refused_skipped
         s.remote_pulled_bytes = f.fetched_bytes
         s.remote_pull_seconds = f.fetch_seconds
         s.remote_bandwidth = int(f.bandwidth)

@@ -512,6 +512,26 @@ class RemoteStats:
     remote_fetch_busy: int = counter("fetch requests refused: too many outstanding")
     remote_fetch_corrupt: int = counter("fetched records rejected by a check (checksum, fields)")
     remote_fetch_refused: int = counter("fetched records the arena refused (too short, no room)")
+    remote_untrusted: int = counter(
+        "accepted records not written remotely: their publisher is neither the supervisor's "
+        "uid nor in its --trust-publishers"
+    )
+    remote_fetch_untrusted: int = counter(
+        "fetch requests whose remote record has a publisher the supervisor does not trust"
+    )
+    remote_fetch_unverified: int = counter(
+        "fetch requests whose remote record's MAC verifies under no --remote-key-file key"
+    )
+    remote_fetch_too_big: int = counter(
+        "fetch requests whose remote record can never fit this arena (refused unread)"
+    )
+    remote_refused_skipped: int = counter(
+        "remote records skipped unread: refused (too big, untrusted, unverified, corrupt) "
+        "less than a minute ago"
+    )
+    remote_bad_keys: int = counter(
+        "remote keys of the wrong type (not written by shmkv): a miss, or replaced"
+    )
     remote_corrupt: int = counter("remote records found corrupt and deleted")
     remote_pulled_bytes: int = counter("bytes read from the remote tier's pieces")
     remote_pull_seconds: float = seconds("seconds spent reading pieces from the remote tier")

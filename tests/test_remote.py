@@ -12,11 +12,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
+import xxhash
 from helpers import (
     CHUNK,
     SYSTEM,
@@ -25,7 +27,9 @@ from helpers import (
     completion,
     free_port,
     run_worker,
+    system_user,
     texts,
+    wait_for_socket,
     wait_until,
 )
 
@@ -359,3 +363,318 @@ def test_longer_records_of_other_suffixes_do_not_hide_the_shared_prefix(
             assert bytes(lease.payload) == shared.data
             assert lease.finish()
     no_internal_errors(a, b)
+
+
+# ------------------------------------------------------------------ trust (issue 18)
+def forge(
+    r: redis.Redis,
+    b,
+    payload: bytes,
+    uid: int,
+    key: bytes | None = None,
+    fp: bytes = b"fp",
+    **over,
+) -> bytes:
+    """What a hostile writer to Redis can store: a record of ``b``'s prompt with any
+    payload and publisher uid, checksums right, MACed under ``key`` if it has one (it
+    has not). Returns the record id."""
+    from shmkv import remotefmt as fmt
+
+    tok = np.ascontiguousarray(b.tokens, dtype="<i4").tobytes()
+    rid = fmt.remote_id(b.root, fp, tok)
+    parts = fmt.split(payload)
+    fields = dict(
+        root=b.root,
+        fingerprint=fp,
+        tokens=tok,
+        payload_len=len(payload),
+        payload_xxh3=xxhash.xxh3_64_intdigest(payload),
+        codec="none",
+        stored_len=len(payload),
+        created=time.time(),
+        publisher="evil/4242",
+        uid=uid,
+        digests=b"".join(fmt.piece_digest(p) for p in parts),
+    )
+    fields.update(over)
+    for i, part in enumerate(parts):
+        r.set(fmt.piece_key(rid, i), bytes(part))
+    r.set(fmt.manifest_key(rid), fmt.Manifest(**fields).pack(key))
+    last = A.chain_digests(b.root, b.tokens, CHUNK)[-1]
+    r.hset(fmt.index_key(b.root, CHUNK, last), rid.hex(), fmt.index_value(tok))
+    return rid
+
+
+def stored_manifest(r: redis.Redis, b, keys=(), fp: bytes = b"fp"):
+    from shmkv import remotefmt as fmt
+
+    tok = np.ascontiguousarray(b.tokens, dtype="<i4").tobytes()
+    rid = fmt.remote_id(b.root, fp, tok)
+    raw = r.get(fmt.manifest_key(rid))
+    return None if raw is None else fmt.unpack_manifest(rid, raw, keys)
+
+
+def publisher_in(sup: Sup, b) -> int:
+    with sup.client() as c:
+        hit = c.lookup(b.digests())
+        assert hit is not None
+        rows = [e for e in c.ls()["entries"] if e["root"] == b.root.hex()]
+    assert len(rows) == 1, rows
+    return rows[0]["publisher"]
+
+
+def settled(sup: Sup, n: int) -> dict:
+    """``sup``'s stats once its write-behind took ``n`` accepted records (written,
+    present or not trusted) and has none queued."""
+
+    def done():
+        st = sup.stats()
+        took = st["remote_written"] + st["remote_present"] + st.get("remote_untrusted", 0)
+        return took >= n and st["remote_queue"] == 0 and st
+
+    return wait_until(done, 20, "the remote write-behind")
+
+
+def test_untrusted_members_state_never_leaves_the_machine(make_supervisor, redis_server, tmp_path):
+    """Node A shares its arena with --group G and trusts one member (friend): the other
+    member's (evil's) state is never written to Redis, whatever its key; A's own state of
+    the same prompt is; the friend's record keeps the friend's uid through Redis into a
+    node that trusts the friend, and a node that does not refuses it."""
+    from test_publishers import GROUP, publish_as
+
+    evil = system_user("shmkv-test-evil", GROUP)
+    friend = system_user("shmkv-test-friend", GROUP)
+    d = Path(f"/tmp/shmkv-rem-{uuid.uuid4().hex[:10]}")
+    sock = d / "a.sock"
+    a = make_supervisor(
+        "--size", "64M", "--group", GROUP, "--remote", redis_server.url,
+        "--trust-publishers", "shmkv-test-friend",
+        env_extra={"SHMKV_SOCKET": str(sock)}, wait=False,
+    )  # fmt: skip
+    a.socket = str(sock)
+    try:
+        wait_for_socket(str(sock), a.proc)
+        p, q = blob(800, 300_000), blob(801, 300_000)
+        garbage = blob(802, 300_000).data
+        publish_as(evil, a, tmp_path, p.root, p.tokens, b"fp", garbage)
+        publish_as(friend, a, tmp_path, q.root, q.tokens, b"fp", q.data)
+        st = settled(a, 2)
+        r = redis_server.client()
+        assert stored_manifest(r, p) is None, "a --group member's state went to Redis"
+        assert st["remote_untrusted"] == 1 and st["remote_written"] == 1, st
+        assert stored_manifest(r, q).uid == friend[0]
+        with a.client() as c:  # A's own state of evil's prompt does go
+            c.put_bytes(p.root, p.tokens, b"fp", p.data)
+        settled(a, 3)
+        assert stored_manifest(r, p).uid == 0
+        b = make_supervisor("--size", "64M", "--remote", redis_server.url)  # default trust
+        c_ = make_supervisor(
+            "--size", "64M", "--remote", redis_server.url, "--trust-publishers", str(friend[0])
+        )
+        wait_until(lambda: b.stats()["remote_on"] and c_.stats()["remote_on"], 10, "nodes up")
+        assert _fetch_blob(b, p) == ("fetched", p.data)
+        assert _fetch_blob(b, q) == ("none", None)  # the friend of A is nobody to B
+        assert b.stats()["remote_fetch_untrusted"] == 1
+        assert _fetch_blob(c_, q) == ("fetched", q.data)
+        assert publisher_in(c_, q) == friend[0]  # never re-labelled as C's own
+        assert publisher_in(b, p) == 0
+        no_internal_errors(a, b, c_)
+    finally:
+        a.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_legitimate_writer_replaces_what_an_untrusted_writer_put_first(
+    make_supervisor, redis_server
+):
+    """A hostile writer to Redis stored a record of prompt P first (checksums right,
+    publisher a uid nobody trusts): node A's own state of P replaces it rather than
+    counting it as present, and node B fetches A's."""
+    p = blob(810, 200_000)
+    r = redis_server.client()
+    forge(r, p, blob(811, 200_000).data, uid=4242)
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
+    assert _fetch_blob(b, p) == ("none", None)  # (not a uid B trusts: a miss)
+    assert b.stats()["remote_fetch_untrusted"] == 1
+    with a.client() as c:
+        c.put_bytes(p.root, p.tokens, b"fp", p.data)
+    st = settled(a, 1)
+    assert st["remote_written"] == 1 and st["remote_present"] == 0, st
+    man = stored_manifest(r, p)
+    assert man.uid == 0 and man.payload_xxh3 == xxhash.xxh3_64_intdigest(p.data)
+    c2 = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    wait_until(lambda: c2.stats()["remote_on"], 10, "node C up")
+    assert _fetch_blob(c2, p) == ("fetched", p.data)
+    no_internal_errors(a, b, c2)
+
+
+# --------------------------------------------------------- bounded fetches (issue 18)
+def vm_hwm(pid: int) -> int:
+    """Peak resident bytes of process ``pid`` (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def sent_by(r: redis.Redis) -> int:
+    return int(r.info("stats")["total_net_output_bytes"])
+
+
+def test_a_record_larger_than_the_arena_is_refused_unread(make_supervisor, redis_server):
+    """Node A (256 MiB arena) stores a 160 MiB state; node B (64 MiB) misses on it three
+    times: B reads no piece of it (Redis sends B next to nothing), asks for its manifest
+    once, and B's peak memory does not grow by the state's size. A forged zstd record of
+    one small piece claiming 256 MiB of zeros (checksums right) is refused the same way."""
+    import zstandard
+
+    from shmkv import remotefmt as fmt
+
+    big = blob(820, 160 << 20)
+    a = make_supervisor("--size", "256M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    with a.client() as c:
+        c.put_bytes(big.root, big.tokens, b"fp", big.data)
+    written(a)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
+    r = redis_server.client()
+    bomb = blob(821, 1000)
+    zeros = 256 << 20
+    h = xxhash.xxh3_64()
+    for _ in range(zeros >> 24):
+        h.update(bytes(1 << 24))
+    frame = zstandard.ZstdCompressor(level=19).compress(bytes(zeros))
+    forge(
+        r, bomb, frame, uid=0, codec="zstd", payload_len=zeros, payload_xxh3=h.intdigest(),
+        stored_len=len(frame), digests=fmt.piece_digest(frame),
+    )  # fmt: skip
+    hwm, sent = vm_hwm(b.proc.pid), sent_by(r)
+    for _ in range(3):
+        assert _fetch_blob(b, big) == ("none", None)
+        assert _fetch_blob(b, bomb) == ("none", None)
+    assert sent_by(r) - sent < 1 << 20, "B read pieces of a record that can never fit"
+    assert vm_hwm(b.proc.pid) - hwm < 48 << 20
+    st = b.stats()
+    assert st["remote_fetch_too_big"] == 2 and st["remote_refused_skipped"] == 4, st
+    assert st["remote_pulled_bytes"] == 0 and st["remote_paused"] == 0, st
+    no_internal_errors(a, b)
+
+
+def test_a_key_of_the_wrong_type_is_a_miss_not_an_outage(make_supervisor, redis_server):
+    """A plain string at the index key of prompt X: B's fetch of X is a miss (counted),
+    an unrelated prompt Y is fetched, the tier never pauses; a node that stores X again
+    replaces the bad key, and X is fetched."""
+    from shmkv import remotefmt as fmt
+
+    x, y = blob(830, 100_000), blob(831, 100_000)
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    with a.client() as c:
+        c.put_bytes(x.root, x.tokens, b"fp", x.data)
+        c.put_bytes(y.root, y.tokens, b"fp", y.data)
+    written(a, 2)
+    r = redis_server.client()
+    r.set(fmt.index_key(x.root, CHUNK, x.digests()[-1]), b"not a hash")
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
+    for _ in range(2):
+        assert _fetch_blob(b, x)[0] == "none"
+    assert _fetch_blob(b, y) == ("fetched", y.data)
+    st = b.stats()
+    assert st["remote_bad_keys"] == 2 and st["remote_paused"] == 0, st
+    assert not st["remote_errors"] and st["remote_fetch_down"] == 0, st
+    c2 = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    with c2.client() as c:
+        c.put_bytes(x.root, x.tokens, b"fp", x.data)
+    st = settled(c2, 1)
+    assert st["remote_bad_keys"] == 1 and not st["remote_errors"], st
+    assert _fetch_blob(b, x) == ("fetched", x.data)
+    no_internal_errors(a, b, c2)
+
+
+# ------------------------------------------------------- signed records (issue 18)
+K1, K2 = b"k1-" + b"a" * 40, b"k2-" + b"b" * 40
+
+
+def key_file(tmp_path: Path, name: str, *keys: bytes, mode: int = 0o600) -> str:
+    path = tmp_path / name
+    path.write_bytes(b"\n".join(keys) + b"\n")
+    path.chmod(mode)
+    return str(path)
+
+
+def test_a_key_file_must_be_ours_closed_and_long_enough(make_supervisor, redis_server, tmp_path):
+    for args, rc, says in [
+        (key_file(tmp_path, "open", K1, mode=0o644), 8, "chmod 600"),
+        (key_file(tmp_path, "short", b"x" * 31), 2, "at least 32 bytes"),
+        (key_file(tmp_path, "three", K1, K2, K1), 2, "previous one second"),
+    ]:
+        sup = make_supervisor(
+            "--size", "64M", "--remote", redis_server.url, "--remote-key-file", args, wait=False
+        )
+        assert sup.proc.wait(30) == rc, sup.log()
+        assert says in sup.log() and "Traceback" not in sup.log(), sup.log()
+
+
+def _put(sup: Sup, *blobs) -> None:
+    with sup.client() as c:
+        for b in blobs:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    written(sup, len(blobs))
+
+
+def test_a_node_with_a_key_restores_only_records_signed_with_it(
+    make_supervisor, redis_server, tmp_path
+):
+    """Records written by a node without the key, by a node with another key, an
+    unsigned forgery with every checksum right, and a signed manifest rewritten are
+    misses on a node with the key (counted, not deleted); records signed with the key
+    are fetched, by keyless nodes too; during a rotation (current key first, previous
+    second) both are accepted and only the current one signs."""
+    import msgpack
+
+    from shmkv import remotefmt as fmt
+
+    url = redis_server.url
+    k1 = key_file(tmp_path, "k1", K1)
+    rot = key_file(tmp_path, "rot", b"  " + K2 + b"  ", K1)  # (whitespace at the ends)
+    keyless = make_supervisor("--size", "64M", "--remote", url)
+    other = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file",
+                            key_file(tmp_path, "k2", K2))  # fmt: skip
+    a = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", k1)
+    a2 = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", k1)
+    bs = [blob(840 + i, 150_000) for i in range(8)]
+    _put(keyless, bs[0])
+    _put(other, bs[1])
+    _put(a, bs[2], bs[3], bs[5])
+    r = redis_server.client()
+    forge(r, bs[4], blob(850, 150_000).data, uid=0)  # an unsigned forgery, checksums right
+    # a signed manifest rewritten: another payload's checksums, the MAC kept
+    rid = fmt.remote_id(bs[3].root, b"fp", bs[3].tokens.astype("<i4").tobytes())
+    env = msgpack.unpackb(r.get(fmt.manifest_key(rid)))
+    body = msgpack.unpackb(env["m"])
+    evil = blob(851, 150_000).data
+    body["xxh3"] = xxhash.xxh3_64_intdigest(evil)
+    body["digests"] = fmt.piece_digest(evil)
+    r.set(fmt.piece_key(rid, 0), evil)
+    r.set(fmt.manifest_key(rid), msgpack.packb({**env, "m": msgpack.packb(body)}))
+    wait_until(lambda: a2.stats()["remote_on"], 10, "node A2 up")
+    for b in (bs[0], bs[1], bs[4], bs[3]):
+        assert _fetch_blob(a2, b) == ("none", None)
+    assert _fetch_blob(a2, bs[2]) == ("fetched", bs[2].data)
+    st = a2.stats()
+    assert st["remote_fetch_unverified"] == 4 and st["remote_corrupt"] == 0, st
+    assert stored_manifest(r, bs[0]) is not None  # (not ours to delete)
+    assert _fetch_blob(keyless, bs[5]) == ("fetched", bs[5].data)
+    # rotation: K2 current, K1 previous
+    r1 = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", rot)
+    r2 = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", rot)
+    wait_until(lambda: r1.stats()["remote_on"] and r2.stats()["remote_on"], 10, "nodes up")
+    assert _fetch_blob(r1, bs[5]) == ("fetched", bs[5].data)  # signed with K1
+    assert _fetch_blob(r1, bs[1]) == ("fetched", bs[1].data)  # signed with K2
+    _put(r1, bs[6])
+    assert stored_manifest(r, bs[6], (K2,)) is not None  # signed with the current key
+    assert _fetch_blob(r2, bs[6]) == ("fetched", bs[6].data)
+    assert _fetch_blob(a2, bs[6]) == ("none", None)  # K1 alone: not yet rotated
+    no_internal_errors(keyless, other, a, a2, r1, r2)
