@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -78,8 +77,9 @@ def events(p: subprocess.Popen[str], timeout: float = 60) -> list[dict[str, floa
 def waiting_on_board(name: str) -> int:
     """Records in line on the budget's board, live or not, read from the file."""
     raw = Path(cpubudget.budget_path(SHM, name)).read_bytes()
-    board = raw[cpuqueue.BOARD_OFFSET : cpuqueue.BOARD_OFFSET + cpuqueue.SLOTS * 24]
-    return sum(rec[3] == cpuqueue.WAITING for rec in struct.iter_unpack("=dqii", board))
+    size = cpuqueue.SLOTS * cpuqueue.REC.size
+    board = raw[cpuqueue.BOARD_OFFSET : cpuqueue.BOARD_OFFSET + size].ljust(size, b"\0")
+    return sum(rec[3] == cpuqueue.WAITING for rec in cpuqueue.REC.iter_unpack(board))
 
 
 def wait_until_in_line(name: str, n: int) -> None:
