@@ -13,7 +13,10 @@ of another worker gets in between the batches of a long prefill, and a prefill p
 up the cores others gave back at its next batch. When prefills wait for cores, the one
 with the fewest tokens left goes first, a long wait moving a prefill up (``cpuqueue.py``):
 prefills run one after another on all the cores instead of sharing them, and a short
-suffix passes a long cold prompt.
+suffix passes a long cold prompt. A wait ends early when the cores' holders make no
+progress (a stopped process keeps its locks: ``cpuqueue.Queue.stalled``); a request whose
+eval stopped waiting once runs the rest of its evals without waiting (:class:`Request`),
+so a stuck holder costs each request one short wait, not one per token.
 
 Why locks and not a counting semaphore: a semaphore has no owner, so the cores of a
 worker killed while it evaluated would be lost until someone guessed how many it held.

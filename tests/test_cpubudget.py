@@ -3,9 +3,9 @@
 Several processes evaluate at once on one budget and log, from inside each eval, the
 threads llama.cpp ran it on; at no instant do the logged evals add up to more threads
 than the budget. A process killed while it holds cores leaks none; a stuck one delays
-others at most ``--cpu-wait``. Threads never change what the model computes: prompt and
-decode logits with the budget equal a one-thread cold run's bit for bit, with flash
-attention on and off.
+others at most ``--cpu-wait``, and a stopped one (no progress) one short wait per
+request. Threads never change what the model computes: prompt and decode logits with
+the budget equal a one-thread cold run's bit for bit, with flash attention on and off.
 """
 
 from __future__ import annotations
