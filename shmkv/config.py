@@ -671,8 +671,8 @@ SETTINGS: dict[str, Setting] = {
             "cpu_wait",
             _positive_float,
             30.0,
-            "Longest an eval waits for a free core of the CPU budget; then it runs on one "
-            "thread anyway (counted as cpu_wait_timeouts).",
+            "Longest an eval waits for a free core of the CPU budget; then it, and the rest "
+            "of its request, runs on one thread anyway (counted as cpu_wait_timeouts).",
             _SERVE,
             "SECONDS",
         ),

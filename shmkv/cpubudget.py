@@ -13,7 +13,10 @@ of another worker gets in between the batches of a long prefill, and a prefill p
 up the cores others gave back at its next batch. When prefills wait for cores, the one
 with the fewest tokens left goes first, a long wait moving a prefill up (``cpuqueue.py``):
 prefills run one after another on all the cores instead of sharing them, and a short
-suffix passes a long cold prompt.
+suffix passes a long cold prompt. A wait ends early when the cores' holders make no
+progress (a stopped process keeps its locks: ``cpuqueue.Queue.stalled``); a request whose
+eval stopped waiting once runs the rest of its evals without waiting (:class:`Request`),
+so a stuck holder costs each request one short wait, not one per token.
 
 Why locks and not a counting semaphore: a semaphore has no owner, so the cores of a
 worker killed while it evaluated would be lost until someone guessed how many it held.
@@ -181,15 +184,33 @@ def _open_bell(name: str) -> posix_ipc.Semaphore | None:
 
 
 class Grant:
-    """Cores one eval holds; ``threads`` is how many threads it runs on."""
+    """Cores one eval holds; ``threads`` is how many threads it runs on. ``timed_out``:
+    it stopped waiting without a core (``stalled``: because the holders of the cores made
+    no progress; else ``--cpu-wait`` ran out) and runs on one thread past the budget."""
 
-    __slots__ = ("slots", "threads", "waited", "timed_out")
+    __slots__ = ("slots", "threads", "waited", "timed_out", "stalled", "tokens", "started")
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: int = 1) -> None:
         self.slots: list[int] = []
         self.threads = 1
         self.waited = 0.0
         self.timed_out = False
+        self.stalled = False
+        self.tokens = tokens
+        self.started = 0.0
+
+
+class Request:
+    """What one request (a ``generate`` call) has learned of the budget. Once one of its
+    evals stopped waiting (``bypass``: the cores were held by a holder making no progress,
+    or none came free within ``--cpu-wait``), its later evals take only cores free at
+    once and otherwise run on one thread: a stuck holder costs a request one wait, not one
+    per token."""
+
+    __slots__ = ("bypass",)
+
+    def __init__(self) -> None:
+        self.bypass = False
 
 
 class CpuBudget:
@@ -212,6 +233,11 @@ class CpuBudget:
         self._fd = -1
         self._bell: posix_ipc.Semaphore | None = None
         self._next = 0  # where the next search for a free core starts
+        #: seconds per token per thread of this handle's last batch (False) and last
+        #: single-token step (True): what its next run expects to take (0: unknown)
+        self._rate = {False: 0.0, True: 0.0}
+        self._request_key: object = None
+        self._request = Request()
         self._open()
 
     def _open(self) -> None:
@@ -241,26 +267,47 @@ class CpuBudget:
     def _free(self) -> int:
         return sum(not _is_held(self._fd, s) for s in range(self.cores))
 
-    def take(self, want: int, remaining: int = 1) -> Grant:
+    def request(self, key: object) -> Request:
+        """The :class:`Request` of the call ``key`` stands for (the same object for the
+        same call; a new one when ``key`` is another object)."""
+        if key is not self._request_key:
+            self._request_key, self._request = key, Request()
+        return self._request
+
+    def _expect(self, tokens: int, threads: int) -> float:
+        """Seconds a run of ``tokens`` tokens on ``threads`` threads should take, from this
+        handle's last run of the kind (0: none yet)."""
+        return self._rate[tokens <= 1] * tokens / max(1, threads)
+
+    def take(
+        self, want: int, remaining: int = 1, tokens: int = 0, request: Request | None = None
+    ) -> Grant:
         """Wait (at most ``wait`` seconds) for one core, then take up to ``want`` in all
-        of those free. After the wait the eval runs on one thread without a core
-        (``timed_out``): a stuck holder must not stop the worker.
+        of those free. A wait ends early when the cores are held by holders that make no
+        progress (``cpuqueue.Queue.stalled``). After a wait that ended without a core the
+        eval runs on one thread without one (``timed_out``): a stuck holder must not stop
+        the worker, and the ``request``'s later evals do not wait again (``Request``).
 
         ``remaining``: tokens the eval still has to evaluate, this batch included. A batch
         of a prefill (``remaining`` > 1) lets the cores go first to waiting prefills with
-        less left to do (``cpuqueue.py``); a decode step takes a free core as it comes."""
+        less left to do (``cpuqueue.py``); a decode step takes a free core as it comes,
+        and goes first in line if there is none. ``tokens``: tokens in this batch (0: as
+        many as ``remaining``), from which the holder's record says how long it expects
+        to run."""
         self._ensure()
-        g = Grant()
+        g = Grant(tokens or max(1, remaining))
         want = max(1, min(want, self.cores))
-        queue = self._queue if remaining > 1 else None
-        if queue is not None:
+        queue = self._queue
+        prefill = remaining > 1
+        bypass = request is not None and request.bypass
+        if prefill:
             queue.wait(remaining, want)
         t0 = time.monotonic()
         deadline = t0 + self.wait
-        slept = False
+        slept = posted = False
         while True:
-            allowed = want
-            if queue is not None:
+            allowed, ahead = want, 0
+            if prefill:
                 ahead, _ = queue.ahead()
                 if ahead:
                     allowed = min(want, self._free() - ahead)
@@ -268,16 +315,26 @@ class CpuBudget:
                 self._grab(allowed, g.slots)
                 if g.slots:
                     break
+            if bypass:  # (this request stopped waiting once already)
+                break
+            if queue.stalled() > ahead:  # (the cores' holders make no progress)
+                g.timed_out = g.stalled = True
+                break
             left = deadline - time.monotonic()
             if left <= 0:
                 g.timed_out = True
                 break
+            if not prefill and not posted:  # first in line: a prefill's next batch waits
+                queue.wait(1, 1)
+                posted = True
             self._sleep(left)
             slept = True
-        g.waited = time.monotonic() - t0 if slept else 0.0
+        g.started = time.monotonic()
+        g.waited = g.started - t0 if slept else 0.0
         g.threads = max(1, len(g.slots))
-        if queue is not None:
-            queue.run(len(g.slots))
+        if g.timed_out and request is not None:
+            request.bypass = True
+        queue.run(len(g.slots), self._expect(g.tokens, g.threads))
         return g
 
     def _sleep(self, left: float) -> None:
@@ -294,9 +351,13 @@ class CpuBudget:
         same prefill evaluates next (0: it is done), so that it is in line, at its place,
         before its cores are free."""
         queue = self._queue
+        if g.started:  # what this handle's next run of the kind expects
+            took = time.monotonic() - g.started
+            self._rate[g.tokens <= 1] = took * g.threads / max(1, g.tokens)
+            g.started = 0.0
         if next_remaining > 1:
             queue.wait(next_remaining, max(1, min(next_want, self.cores)))
-        elif queue.remaining:
+        else:
             queue.done()
         for slot in g.slots:
             _lock(self._fd, fcntl.F_UNLCK, slot)
@@ -316,7 +377,7 @@ class CpuBudget:
 
     @contextmanager
     def cores_for(self, want: int) -> Iterator[Grant]:
-        g = self.take(want, remaining=want)
+        g = self.take(want, remaining=want, tokens=want)
         try:
             yield g
         finally:
@@ -402,10 +463,12 @@ def evaluate(
     orig_eval: Callable[[Sequence[int]], None],
     tokens: Sequence[int],
     on_grant: Callable[[Grant, int], None] | None = None,
+    request: Request | None = None,
 ) -> None:
     """``orig_eval(tokens)`` on cores of the budget, batch by batch (``n_batch`` tokens, the
     batches ``Llama.eval`` makes itself), each on the cores free at its start, up to the
-    budget's ``max_threads``; a single token (a decode step) on one core."""
+    budget's ``max_threads``; a single token (a decode step) on one core. ``request``:
+    the call the eval is part of (see :class:`Request`)."""
     step = max(1, int(llm.n_batch))
     pieces = [tokens[i : i + step] for i in range(0, max(1, len(tokens)), step)]
     left = len(tokens)
@@ -414,7 +477,7 @@ def evaluate(
         return 1 if len(piece) <= 1 else budget.max_threads or budget.cores
 
     for k, piece in enumerate(pieces):
-        g = budget.take(wants(piece), remaining=left)
+        g = budget.take(wants(piece), remaining=left, tokens=len(piece), request=request)
         left -= len(piece)
         more = k + 1 < len(pieces)
         try:
@@ -435,18 +498,29 @@ def run_eval(cache: Any, orig_eval: Callable[[Sequence[int]], None], tokens: Seq
         if g.waited:
             cache.ledger.add(cpu_waits=1, cpu_wait_seconds=g.waited)
             cache.last.cpu_wait_seconds += g.waited
-        if g.timed_out:
+        if g.timed_out:  # (once per call: its later evals do not wait)
             cache.ledger.add(cpu_wait_timeouts=1)
-            log.warning(
-                "no core of the CPU budget (%s) came free in %s s: evaluating on one thread "
-                "anyway (counted as cpu_wait_timeouts; raise --cpu-wait if this is normal load)",
-                cache.cpu.path,
-                cache.cpu.wait,
-            )
+            if g.stalled:
+                log.warning(
+                    "the cores of the CPU budget (%s) are held by a worker that makes no "
+                    "progress (stopped?): this call evaluates on its own thread, past the "
+                    "budget (counted as cpu_wait_timeouts)",
+                    cache.cpu.path,
+                )
+            else:
+                log.warning(
+                    "no core of the CPU budget (%s) came free in %s s: this call evaluates "
+                    "on its own thread anyway (counted as cpu_wait_timeouts; raise "
+                    "--cpu-wait if this is normal load)",
+                    cache.cpu.path,
+                    cache.cpu.wait,
+                )
         if n_tokens > 1:
             cache.last.prefill_threads = max(cache.last.prefill_threads, g.threads)
 
-    evaluate(cache.cpu, cache.llm, orig_eval, tokens, on_grant=count)
+    budget = cache.cpu
+    request = budget.request(cache.last)  # (a new CallStats per call)
+    evaluate(budget, cache.llm, orig_eval, tokens, on_grant=count, request=request)
 
 
 def for_settings(settings: Any) -> CpuBudget | None:

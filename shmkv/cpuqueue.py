@@ -19,19 +19,30 @@ on the record's lock byte; the kernel drops a dead process's locks, so a record 
 lock nobody holds is ignored whatever it says. A record is what the handle's current
 prefill still has to evaluate (tokens), how many cores its next batch wants, since when
 it has been in line (``CLOCK_MONOTONIC``, one clock for all processes), and whether it
-waits or runs. A prefill posts itself as waiting *before* it gives back the cores of one
-batch, so that a longer prefill woken by the release sees it and lets it take the cores
-for its next batch.
+waits or runs. A decode step that finds no free core posts itself too (one token left: it
+goes first), so that a prefill's next batch leaves it a core. A prefill posts itself as
+waiting *before* it gives back the cores of one batch, so that a longer prefill woken by
+the release sees it and lets it take the cores for its next batch.
 
 What a record can do: a stale, torn or forged one (only our uid can open the file,
 ``cpubudget._check_file``) can make a waiter defer when it need not, for at most a poll
-interval and never past ``--cpu-wait``; it cannot take or hold a core, which are only
-ever the core bytes' locks.
+interval and never past ``--cpu-wait``, or stop waiting when it need not (one call then
+runs one thread past the budget); it cannot take or hold a core, which are only ever the
+core bytes' locks.
+
+Holders that make no progress: a record that runs (a prefill batch or a decode step)
+carries when it began (its stamp) and how long its holder expects it to take (from its
+own last batches). A running record older than :func:`stall_bound` of that is stalled: a
+stopped process (SIGSTOP, a paused container, a debugger) keeps its locks, and so its
+cores, but uses no CPU. Waiters count a stalled holder's cores as free for admission
+(:meth:`Queue.stalled`); the locks still decide who holds a core, and the kernel still
+frees a dead holder's.
 """
 
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import struct
 import time
@@ -47,10 +58,25 @@ BOARD_OFFSET = 1 << 20
 LOCK_BASE = (1 << 40) + 4096
 #: a waiting prefill's priority improves by this many tokens per second in line
 AGING_TOKENS_PER_SECOND = 256.0
+#: a running record is stalled once older than this many times what its holder expected
+STALL_FACTOR = 4.0
+#: ... and at least this many seconds old
+STALL_MIN_SECONDS = 1.0
+#: a running record whose holder expected nothing yet (its first batch) is stalled after
+STALL_UNKNOWN_SECONDS = 5.0
 
 IDLE, WAITING, RUNNING = 0, 1, 2
-# since (monotonic seconds), tokens left, cores wanted, state
-_REC = struct.Struct("=dqii")
+#: since (monotonic seconds), tokens left, cores wanted (running: held), state,
+#: stamp (monotonic seconds the run began), expected seconds of the run (0: unknown)
+REC = struct.Struct("=dqiidd")
+
+
+def stall_bound(expect: float) -> float:
+    """Seconds after which a run its holder expected to take ``expect`` s (0: unknown) is
+    stalled."""
+    if not (math.isfinite(expect) and expect > 0):
+        return STALL_UNKNOWN_SECONDS
+    return max(STALL_MIN_SECONDS, STALL_FACTOR * expect)
 
 
 class Queue:
@@ -67,10 +93,12 @@ class Queue:
                 self._write(IDLE, 0, 0)
                 break
 
-    def _write(self, state: int, remaining: int, want: int) -> None:
+    def _write(
+        self, state: int, remaining: int, want: int, stamp: float = 0.0, expect: float = 0.0
+    ) -> None:
         if self.slot is not None:
-            rec = _REC.pack(self.since, remaining, want, state)
-            os.pwrite(self.fd, rec, BOARD_OFFSET + self.slot * _REC.size)
+            rec = REC.pack(self.since, remaining, want, state, stamp, expect)
+            os.pwrite(self.fd, rec, BOARD_OFFSET + self.slot * REC.size)
 
     def _key(self, remaining: int, since: float, now: float) -> float:
         return remaining - AGING_TOKENS_PER_SECOND * (now - since)
@@ -82,30 +110,35 @@ class Queue:
         self.remaining = remaining
         self._write(WAITING, remaining, want)
 
-    def run(self, cores: int) -> None:
-        self._write(RUNNING, self.remaining, cores)
+    def run(self, cores: int, expect: float = 0.0) -> None:
+        """Running on ``cores`` cores (0: none, past the budget), expecting to take
+        ``expect`` seconds (0: unknown), from now."""
+        self._write(RUNNING, self.remaining, cores, time.monotonic(), expect)
 
     def done(self) -> None:
         self.remaining = 0
         self._write(IDLE, 0, 0)
 
-    def _others(self) -> list[tuple[int, float, int, int, int]]:
-        """Every other record on the board: (slot, since, remaining, want, state); none when
+    def _others(self) -> list[tuple[int, float, int, int, int, float, float]]:
+        """Every other record on the board: (slot, since, remaining, want, state, stamp,
+        expect); none when
         we have no record (the board is full: we queue by arrival, as without a board)."""
         if self.slot is None:
             return []
         try:
-            raw = os.pread(self.fd, SLOTS * _REC.size, BOARD_OFFSET)
+            raw = os.pread(self.fd, SLOTS * REC.size, BOARD_OFFSET)
         except OSError:
             return []
-        return [(j, *rec) for j, rec in enumerate(_REC.iter_unpack(raw)) if j != self.slot]
+        if len(raw) < SLOTS * REC.size:  # (a new file: the board was never written)
+            raw = raw.ljust(SLOTS * REC.size, b"\0")
+        return [(j, *rec) for j, rec in enumerate(REC.iter_unpack(raw)) if j != self.slot]
 
     def ahead(self) -> tuple[int, int]:
         """(cores wanted by live waiting prefills ahead of ours, waiting prefills in all)."""
         now = time.monotonic()
         mine = (self._key(self.remaining, self.since, now), self.since, self.slot)
         wanted = waiting = 0
-        for j, since, remaining, want, state in self._others():
+        for j, since, remaining, want, state, _, _ in self._others():
             if state != WAITING or want <= 0:
                 continue
             waiting += 1
@@ -117,3 +150,15 @@ class Queue:
     def waiting(self) -> int:
         """Live-or-not waiting records other than ours (how many to wake)."""
         return sum(1 for rec in self._others() if rec[4] == WAITING)
+
+    def stalled(self) -> int:
+        """Cores held by live running records older than their :func:`stall_bound`: their
+        holders make no progress (a stopped process keeps its locks)."""
+        now = time.monotonic()
+        cores = 0
+        for j, _, _, want, state, stamp, expect in self._others():
+            if state != RUNNING or want <= 0 or not math.isfinite(stamp):
+                continue
+            if now - stamp > stall_bound(expect) and is_held(self.fd, LOCK_BASE + j):
+                cores += min(int(want), 1 << 16)
+        return cores

@@ -267,7 +267,8 @@ class WorkerCounters:
         "seconds evals waited for a free core of the CPU budget", reported=True
     )
     cpu_wait_timeouts: int = counter(
-        "evals that found no free core within --cpu-wait and ran on one thread anyway",
+        "requests that stopped waiting for the CPU budget (its holders made no progress, or "
+        "no core came free within --cpu-wait) and ran on one thread anyway",
         reported=True,
     )
     errors: dict[str, int] = by_kind(

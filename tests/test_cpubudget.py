@@ -3,9 +3,9 @@
 Several processes evaluate at once on one budget and log, from inside each eval, the
 threads llama.cpp ran it on; at no instant do the logged evals add up to more threads
 than the budget. A process killed while it holds cores leaks none; a stuck one delays
-others at most ``--cpu-wait``. Threads never change what the model computes: prompt and
-decode logits with the budget equal a one-thread cold run's bit for bit, with flash
-attention on and off.
+others at most ``--cpu-wait``, and a stopped one (no progress) one short wait per
+request. Threads never change what the model computes: prompt and decode logits with
+the budget equal a one-thread cold run's bit for bit, with flash attention on and off.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import EXTRA, HERE, SAMPLING, Server
+from helpers import EXTRA, HERE, SAMPLING, Server, wait_until
 
 from shmkv import cpubudget
 from shmkv.config import resolve
@@ -167,6 +167,112 @@ def test_a_stuck_holder_delays_others_at_most_cpu_wait(name):
     finally:
         holder.kill()
         holder.wait()
+
+
+# A worker on the budget (default --cpu-wait) that prefills a long prompt and stops itself
+# (SIGSTOP) inside its fourth batch, holding every core; SIGCONT lets it finish.
+STOPPED_PREFILL = r"""
+import os, signal, sys
+import llama_cpp
+from shmkv import cpubudget
+from shmkv.llama import attach
+
+model, name, cores, marker = sys.argv[1:5]
+llm = llama_cpp.Llama(model_path=model, n_ctx=2048, n_batch=64, n_ubatch=64, verbose=False)
+plain, batches = llm.eval, []
+
+def stopping(tokens):
+    batches.append(len(tokens))
+    if len(batches) == 4:  # (inside the hook: the cores are held)
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGSTOP)
+    plain(tokens)
+
+llm.eval = stopping
+cache = attach(llm, name=name, socket_path="/nonexistent/shmkv.sock")
+cache.cpu = cpubudget.CpuBudget("/dev/shm", name, int(cores))
+words = " ".join(f"w{k % 97}" for k in range(300))
+llm.create_completion(words, max_tokens=2, temperature=0.0, top_k=1)
+print(len(batches), flush=True)
+"""
+
+# Another worker of the same budget: one 16-token completion of a short prompt when told to
+# (its time and cpu_wait_timeouts); first the same completion while nobody holds a core.
+SIXTEEN_TOKENS = r"""
+import json, os, sys, time
+import llama_cpp
+from shmkv import cpubudget
+from shmkv.llama import attach
+
+model, name, cores, go = sys.argv[1:5]
+llm = llama_cpp.Llama(model_path=model, n_ctx=512, n_batch=64, n_ubatch=64, verbose=False)
+cache = attach(llm, name=name, socket_path="/nonexistent/shmkv.sock")
+cache.cpu = cpubudget.CpuBudget("/dev/shm", name, int(cores))
+no_eos = {llm.token_eos(): -1e9}
+
+def sixteen(prompt):
+    t0 = time.monotonic()
+    out = llm.create_completion(prompt, max_tokens=16, temperature=0.0, top_k=1,
+                                logit_bias=no_eos)
+    assert out["usage"]["completion_tokens"] == 16, out["usage"]
+    return time.monotonic() - t0
+
+normal = sixteen("a b c d e f g h")
+print(json.dumps({"ready": True}), flush=True)
+while not os.path.exists(go):
+    time.sleep(0.01)
+took = sixteen("h g f e d c b a")
+t = cache.ledger.totals
+print(json.dumps({"normal": normal, "took": took, "timeouts": t.cpu_wait_timeouts}), flush=True)
+"""
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_stopped_prefill_costs_another_worker_one_short_wait(tmp_path, models, name):
+    """A worker stopped mid-prefill (SIGSTOP: a paused container, a debugger) holds every
+    core; another worker's 16-token completion, at the default --cpu-wait, waits once for
+    the stalled holder (about a second), not --cpu-wait per token, counted once."""
+    cores, marker, go = 2, tmp_path / "stopped", tmp_path / "go"
+    b = subprocess.Popen(
+        [sys.executable, "-c", SIXTEEN_TOKENS, models["seed0"], name, str(cores), str(go)],
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    procs = [b]
+    try:
+        assert b.stdout is not None and json.loads(b.stdout.readline())["ready"]
+        a = subprocess.Popen(  # (once b is idle: a's batches take every core)
+            [sys.executable, "-c", STOPPED_PREFILL, models["seed0"], name, str(cores)]
+            + [str(marker)],
+            cwd=HERE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(a)
+        wait_until(lambda: marker.exists() and _stopped(a.pid), 60, "the prefill to stop")
+        assert cpubudget.held_cores(SHM, name, cores) == cores
+        go.touch()
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.append(b.stdout.readline()))
+        reader.start()
+        reader.join(30)  # (today: 17 evals x 30 s)
+        assert got, "the 16-token completion did not finish in 30 s behind a stopped holder"
+        res = json.loads(got[0])
+        assert res["took"] < res["normal"] + 4, res
+        assert res["timeouts"] == 1, "one wait per request, counted once"
+        assert b.wait(30) == 0
+        a.send_signal(signal.SIGCONT)
+        out, _ = a.communicate(timeout=60)
+        assert a.returncode == 0 and int(out) > 4, "the stopped prefill finishes when resumed"
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
 
 
 def test_cores_go_to_a_waiter_when_given_back(name):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 
 from shmkv import cpubudget, cpuqueue
 
@@ -48,6 +48,11 @@ for op, arg in steps:
             n += 1
         print(json.dumps({"op": op, "n": n, "t": time.monotonic()}), flush=True)
         continue
+    elif op == "batches":  # one prefill of ARG batches of 0.25 s, back to back
+        for k in range(int(arg), 0, -1):
+            g = b.take(cores, remaining=1000 * k)
+            time.sleep(0.25)
+            b.give_back(g, next_remaining=1000 * (k - 1), next_want=cores)
     print(json.dumps({"op": op, "arg": arg, "t": time.monotonic()}), flush=True)
 """
 
@@ -78,8 +83,9 @@ def events(p: subprocess.Popen[str], timeout: float = 60) -> list[dict[str, floa
 def waiting_on_board(name: str) -> int:
     """Records in line on the budget's board, live or not, read from the file."""
     raw = Path(cpubudget.budget_path(SHM, name)).read_bytes()
-    board = raw[cpuqueue.BOARD_OFFSET : cpuqueue.BOARD_OFFSET + cpuqueue.SLOTS * 24]
-    return sum(rec[3] == cpuqueue.WAITING for rec in struct.iter_unpack("=dqii", board))
+    size = cpuqueue.SLOTS * cpuqueue.REC.size
+    board = raw[cpuqueue.BOARD_OFFSET : cpuqueue.BOARD_OFFSET + size].ljust(size, b"\0")
+    return sum(rec[3] == cpuqueue.WAITING for rec in cpuqueue.REC.iter_unpack(board))
 
 
 def wait_until_in_line(name: str, n: int) -> None:
@@ -156,3 +162,34 @@ def test_a_waiter_killed_in_line_holds_nobody_up(name):
         b.give_back(g)
         got = events(long)[0]["t"] - t0
     assert got < 1.0, f"a dead waiter's record held the core back {got:.1f} s"
+
+
+def _held(name: str, cores: int) -> int:
+    try:
+        return cpubudget.held_cores(SHM, name, cores)
+    except FileNotFoundError:  # (not created yet)
+        return 0
+
+
+def test_a_decode_step_waits_at_most_about_one_batch(name):
+    """A long prefill takes every core batch after batch (0.25 s each), giving them back
+    in between; a decode step that finds no core goes first in line, so it gets one at
+    the next batch's end instead of losing every race to the prefill's next batch."""
+    cores, batch = 2, 0.25
+    prefill = actor(name, cores, [("batches", 16)])
+    try:
+        wait_until(lambda: _held(name, cores) == cores, 30, "the prefill to take the cores")
+        waits = []
+        with cpubudget.CpuBudget(SHM, name, cores, wait=60) as b:
+            for _ in range(6):
+                t0 = time.monotonic()
+                g = b.take(1)
+                waits.append(time.monotonic() - t0)
+                assert len(g.slots) == 1 and not g.timed_out
+                time.sleep(0.01)  # (the step)
+                b.give_back(g)
+        assert max(waits) < 2.5 * batch, waits
+        assert events(prefill)[-1]["op"] == "batches"
+    finally:
+        prefill.kill()
+        prefill.wait()
