@@ -47,9 +47,9 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
 import common  # noqa: E402
 
-from shmkv import arena  # noqa: E402
-from shmkv.client import Client  # noqa: E402
-from shmkv.config import format_size, parse_size  # noqa: E402
+from shmkv.core import arena  # noqa: E402
+from shmkv.core.client import Client  # noqa: E402
+from shmkv.core.config import format_size, parse_size  # noqa: E402
 
 log = logging.getLogger("bench_arena")
 
@@ -373,7 +373,7 @@ def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]) 
 # the measurement) until a line arrives on its stdin; it prints [[sent at, ms], ...].
 PINGER = r"""
 import json, select, socket, sys, time
-from shmkv.protocol import recv_msg, send_msg
+from shmkv.core.protocol import recv_msg, send_msg
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.settimeout(600)
 s.connect(sys.argv[1])

@@ -46,7 +46,7 @@ def one_chat(spec: dict[str, Any]) -> dict[str, Any]:
     """Load the model, run one streaming chat, say what the cache did."""
     import llama_cpp
 
-    from shmkv.chat import GEMMA3_FORMAT, register_gemma3
+    from shmkv.serving.chat_template import GEMMA3_FORMAT, register_gemma3
 
     register_gemma3()
     kw = dict(model_path=spec["model"], chat_format=GEMMA3_FORMAT, **spec["ctx"])

@@ -60,7 +60,7 @@ def run_plain(model: Path, texts: list[str], cfg: dict[str, Any]) -> dict[str, A
     """Cold TTFT of a plain Llama on all cores, and the budget's in-process overhead."""
     import llama_cpp
 
-    from shmkv import cpubudget
+    from shmkv.llama.cpu import budget as cpubudget
 
     cores = cfg["cores"]
     llm = llama_cpp.Llama(
@@ -218,7 +218,7 @@ opt = common.option
 @opt("--quick", is_flag=True, help="Smoke run: 2 rounds of 400-token prompts.")
 def main(report: common.Report, o: Any) -> None:
     """Cold TTFT on an idle deployment sharing the CPU budget vs one Llama on all cores."""
-    from shmkv.cpubudget import default_cores
+    from shmkv.llama.cpu.budget import default_cores
 
     arms = [a.strip() for a in o.arms.split(",") if a.strip()]
     if unknown := [a for a in arms if a not in ARMS]:

@@ -175,15 +175,15 @@ def probe(spec: dict[str, Any]) -> None:
     from llama_cpp.server.model import LlamaProxy
     from llama_cpp.server.settings import ModelSettings
 
-    from shmkv.config import resolve
-    from shmkv.served import model_settings
+    from shmkv.core.config import resolve
+    from shmkv.serving.model_settings import model_settings
 
     mark("imports")
     settings = resolve("serve", {"n_ctx": spec["n_ctx"]})
     ms = model_settings(settings, spec["model"], threads=spec["threads"])
     variant = spec["variant"]
     fields = {k: v for k, v in variant.items() if k in ModelSettings.model_fields}
-    extra = {"swa_full": settings.swa_full}  # (as shmkv.served.load_with)
+    extra = {"swa_full": settings.swa_full}  # (as shmkv.serving.model_settings.load_with)
     extra |= {k: v for k, v in variant.items() if k not in fields}  # Llama() arguments only
     ms = ms.model_copy(update=fields | {"verbose": True})
     plain = llama_cpp.Llama
@@ -346,7 +346,7 @@ def main(report: common.Report, o: Any) -> None:
     """Where a worker's memory goes (smaps by mapping, llama.cpp buffers), against llama-server."""
     import bench_serve
 
-    from shmkv.config import parse_size
+    from shmkv.core.config import parse_size
 
     model = common.model_path(o.model)
     parts = {p.strip() for p in o.parts.split(",")}

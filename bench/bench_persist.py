@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
 import common  # noqa: E402
 
-from shmkv import arena  # noqa: E402
+from shmkv.core import arena  # noqa: E402
 
 log = logging.getLogger("bench_persist")
 FP = b"bench-persist"

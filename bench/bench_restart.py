@@ -52,15 +52,15 @@ def state(i: int) -> tuple[bytes, np.ndarray, bytes]:
 
 def start(workdir: Path, name: str, size: str, *args: str) -> common.Child:
     sock = str(workdir / f"{name}.sock")
-    cmd = [sys.executable, "-m", "shmkv.cli", "supervise", "--name", name, "--socket", sock]
+    cmd = [sys.executable, "-m", "shmkv", "supervise", "--name", name, "--socket", sock]
     cmd += ["--size", size, *args]
     return common.Child("the supervisor", cmd, common.child_env(), workdir / f"{name}.log")
 
 
 def first_hit(sup: common.Supervisor, i: int, data: bytes, timeout: float = 60.0) -> float:
     """Poll until state ``i`` is read back intact; the monotonic time it was."""
-    from shmkv.arena import chain_digests
-    from shmkv.errors import ShmkvError
+    from shmkv.core.arena import chain_digests
+    from shmkv.core.errors import ShmkvError
 
     root, tokens, _ = state(i)
     deadline = time.monotonic() + timeout
@@ -83,7 +83,7 @@ def first_hit(sup: common.Supervisor, i: int, data: bytes, timeout: float = 60.0
 
 
 def answers(sup: common.Supervisor, timeout: float = 60.0) -> float:
-    from shmkv.errors import ShmkvError
+    from shmkv.core.errors import ShmkvError
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -164,7 +164,7 @@ def main(report: common.Report, o: Any) -> None:
     rounds = o.rounds or (2 if o.quick else 5)
     workdir = common.HERE / "out" / "restart-run"
     workdir.mkdir(parents=True, exist_ok=True)
-    logging.getLogger("shmkv.client").setLevel(logging.ERROR)  # (refused while it starts)
+    logging.getLogger("shmkv.core.client").setLevel(logging.ERROR)  # (refused while it starts)
     load_before = common.loadavg()
     res = run(workdir, size, rounds)
     cold, cold_tokens = cold_prefill_s()

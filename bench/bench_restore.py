@@ -106,8 +106,8 @@ def instrument(cache: Any, p: common.Probes) -> None:
     """Time the calls inside ``restore`` that the chart shows (``capture`` is already timed)."""
     import llama_cpp.llama_cpp as llama_c
 
-    from shmkv.arena import ArenaView
-    from shmkv.client import Lease
+    from shmkv.core.arena import ArenaView
+    from shmkv.core.client import Lease
 
     for owner, attr in ((cache, "restore"), (cache.reader, "acquire"), (Lease, "finish")):
         p.wrap(owner, attr)
@@ -177,7 +177,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     }
     probes = common.Probes()
     if cache is not None:
-        from shmkv.client import Client
+        from shmkv.core.client import Client
 
         t = time.perf_counter()  # what a worker's attach costs: connect + map (MAP_POPULATE)
         with Client(name=spec["name"], socket_path=spec["socket"]) as c:

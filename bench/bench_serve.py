@@ -207,7 +207,7 @@ def chat_template_args(model: str, workdir: Path) -> list[str]:
     GGUF has none, and llama-server would fall back to ChatML; with Gemma 3's template as
     a Jinja file it renders the shmkv workers' prompt (less the ``<bos>`` text: it adds BOS
     as a token). Other models: their GGUF's, as everywhere."""
-    from shmkv.chat import GEMMA3_FORMAT, GEMMA3_TEMPLATE, default_chat_format
+    from shmkv.serving.chat_template import GEMMA3_FORMAT, GEMMA3_TEMPLATE, default_chat_format
 
     if default_chat_format(model) != GEMMA3_FORMAT:
         return ["--jinja"]
@@ -241,7 +241,9 @@ def start_server(
     # cut it short whenever another request waits for its worker's model (a chat stream
     # then ends after its role chunk, with no text)
     env |= {"VERBOSE": "false", "INTERRUPT_REQUESTS": "false"}
-    from shmkv.chat import default_chat_format  # (as shmkv serve: Gemma 3's own template)
+    from shmkv.serving.chat_template import (
+        default_chat_format,  # (as shmkv serve: Gemma 3's own template)
+    )
 
     if chat_format := default_chat_format(model):
         env["CHAT_FORMAT"] = chat_format
@@ -1190,7 +1192,7 @@ def main(report: common.Report, o: Any) -> None:
     """Serve shared system prompts: no cache vs LlamaRAMCache vs llama-server vs shmkv."""
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    from shmkv.config import parse_size
+    from shmkv.core.config import parse_size
 
     quick = o.quick
     arms = [a.strip() for a in o.arms.split(",") if a.strip()]

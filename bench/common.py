@@ -346,7 +346,7 @@ class Supervisor:
         return SHM / f"shmkv-{self.name}"
 
     def client(self, **kw: Any) -> Any:
-        from shmkv.client import Client
+        from shmkv.core.client import Client
 
         return Client(name=self.name, socket_path=self.socket, **kw)
 
@@ -363,18 +363,18 @@ class Supervisor:
 def supervisor(
     workdir: Path, *args: str, env: dict[str, str] | None = None
 ) -> Iterator[Supervisor]:
-    """``python -m shmkv.cli supervise ARGS`` on a private name and socket (in ``env``, else
+    """``python -m shmkv supervise ARGS`` on a private name and socket (in ``env``, else
     :func:`child_env`), once it answers a ping; on exit it is stopped, and a bad exit or files
     left in /dev/shm are logged."""
     name = f"bench{uuid.uuid4().hex[:8]}"
     sock = str(workdir / f"{name}.sock")
-    cmd = [sys.executable, "-m", "shmkv.cli", "supervise", "--name", name, "--socket", sock]
+    cmd = [sys.executable, "-m", "shmkv", "supervise", "--name", name, "--socket", sock]
     cmd += ["--log-level", "warning", *args]
     child = Child("the supervisor", cmd, env or child_env(), workdir / f"{name}.log")
     sup = Supervisor(name, sock, child)
 
     def ready() -> bool:
-        from shmkv.errors import ShmkvError
+        from shmkv.core.errors import ShmkvError
 
         with contextlib.suppress(ShmkvError):
             return os.path.exists(sock) and bool(sup.request("ping"))
@@ -411,11 +411,11 @@ class Server:
 
     @classmethod
     def shmkv(cls, sup: Supervisor, env: dict[str, str], workdir: Path, workers: int) -> Server:
-        """``python -m shmkv.cli serve`` on ``sup`` (it starts no supervisor of its own)."""
+        """``python -m shmkv serve`` on ``sup`` (it starts no supervisor of its own)."""
         srv = cls("shmkv-serve", workdir, workers)
         ours = {"SHMKV_NAME": sup.name, "SHMKV_SOCKET": sup.socket, "SHMKV_PORT": str(srv.port)}
         env = {**ours, "SHMKV_WORKERS": str(workers), **env}
-        return srv.start([sys.executable, "-m", "shmkv.cli", "serve"], env)
+        return srv.start([sys.executable, "-m", "shmkv", "serve"], env)
 
     @classmethod
     def llama_cpp(
@@ -745,7 +745,7 @@ def model_path(model: str | None) -> Path:
     """``model``, or Gemma 3 270M Q4_K_M assembled from its PyPI package (as `shmkv serve`)."""
     if model:
         return Path(model)
-    from shmkv.models import default_model_path
+    from shmkv.serving.default_model import default_model_path
 
     return Path(default_model_path())
 

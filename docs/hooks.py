@@ -1,4 +1,4 @@
-"""MkDocs hook: the settings reference is generated from ``shmkv.config.SETTINGS``.
+"""MkDocs hook: the settings reference is generated from ``shmkv.core.config.SETTINGS``.
 
 A page that holds the line ``<!-- settings-table -->`` gets the table in its place, so the
 reference cannot drift from the one declaration of each setting.
@@ -13,7 +13,7 @@ SCOPES = {"supervise": "supervise", "serve": "serve", "client": "workers"}
 
 
 def _default(setting: Any) -> str:
-    from shmkv.config import format_size, parse_size
+    from shmkv.core.config import format_size, parse_size
 
     value = setting.default
     if value is None or value == [] or value == ():
@@ -28,7 +28,7 @@ def _default(setting: Any) -> str:
 
 
 def settings_table() -> str:
-    from shmkv.config import SETTINGS
+    from shmkv.core.config import SETTINGS
 
     rows = [
         "| flag | environment / config key | default | used by | what it does |",
@@ -40,9 +40,7 @@ def settings_table() -> str:
         text = " ".join(s.help.split()).replace("|", "\\|")
         if s.multiple:
             text += " (repeatable)"
-        rows.append(
-            f"| `{flag}` | `{s.env}` / `{s.name}` | {_default(s)} | {used} | {text} |"
-        )
+        rows.append(f"| `{flag}` | `{s.env}` / `{s.name}` | {_default(s)} | {used} | {text} |")
     return "\n".join(rows)
 
 

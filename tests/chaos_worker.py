@@ -25,9 +25,9 @@ import sys
 
 import llama_cpp
 
-import shmkv.client as SC
+import shmkv.core.client as SC
 import shmkv.llama as SL
-from shmkv.arena import ArenaView
+from shmkv.core.arena import ArenaView
 
 # flag bytes (read by chaos_harness.Worker in the test process)
 PHASES = [

@@ -32,8 +32,8 @@ import numpy as np
 import xxhash
 
 from shmkv import Client, SupervisorUnavailable
-from shmkv import arena as A
-from shmkv import protocol as P
+from shmkv.core import arena as A
+from shmkv.core import protocol as P
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -92,7 +92,7 @@ def shmkv(
 ) -> subprocess.CompletedProcess:
     """Run the ``shmkv`` CLI (as ``user``, see :func:`as_user`) and capture its output."""
     return subprocess.run(
-        [python_for(user), "-m", "shmkv.cli", *args],
+        [python_for(user), "-m", "shmkv", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -209,7 +209,7 @@ def python_for(user: pwd.struct_passwd | None) -> str:
 PUT_AND_READ = r"""
 import json, os, sys
 import numpy as np
-from shmkv import Client, arena as A
+from shmkv import Client; from shmkv.core import arena as A
 with Client(socket_path=sys.argv[1], timeout=5) as c:
     chunk = c.view.geometry.chunk_tokens
     root, tokens = os.urandom(16), np.arange(chunk, dtype=np.int32)
@@ -246,7 +246,7 @@ class Sup:
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "shmkv.cli", *args],
+            [sys.executable, "-m", "shmkv", *args],
             env=self.env,
             capture_output=True,
             text=True,
@@ -304,7 +304,7 @@ def start_supervisor(
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(
-            [python_for(user), "-m", "shmkv.cli", "supervise", *args],
+            [python_for(user), "-m", "shmkv", "supervise", *args],
             stdout=logf,
             stderr=subprocess.STDOUT,
             **spawn_kw(user, env),

@@ -35,7 +35,7 @@ from helpers import (
 )
 
 from shmkv import ArenaCorruptError, Client, NotFound, SupervisorUnavailable
-from shmkv import arena as A
+from shmkv.core import arena as A
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ def render_gemma3(messages: list[dict[str, Any]]) -> str:
 
 @pytest.fixture(scope="module")
 def gemma_model() -> str:
-    from shmkv.errors import ConfigError
-    from shmkv.models import default_model_path
+    from shmkv.core.errors import ConfigError
+    from shmkv.serving.default_model import default_model_path
 
     try:
         return default_model_path()
@@ -188,7 +188,7 @@ def test_serve_starts_without_warnings(tmp_path, serve_model):
     err_path = tmp_path / "serve.err"
     with open(err_path, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shmkv.cli", *args],
+            [sys.executable, "-m", "shmkv", *args],
             env=clean_env(SHMKV_THREADS="1", SHMKV_N_CTX="2048"),
             stdout=subprocess.DEVNULL,
             stderr=err,

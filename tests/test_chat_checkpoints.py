@@ -25,10 +25,10 @@ from helpers import EXTRA, N_CTX, SAMPLING, SYSTEM, Server, run_worker, texts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmkv import policy
-from shmkv.arena import common_prefix
-from shmkv.boundaries import HINT_SLACK, ChatBoundaries, formatter_of, prefix_lengths
-from shmkv.chat import gemma3_formatter
+from shmkv.core.arena import common_prefix
+from shmkv.llama import policy
+from shmkv.llama.boundaries import HINT_SLACK, ChatBoundaries, formatter_of, prefix_lengths
+from shmkv.serving.chat_template import gemma3_formatter
 
 SYS = {"role": "system", "content": SYSTEM}
 # user messages far longer than the 64-token tail checkpoint, different from the first word
@@ -151,7 +151,7 @@ def test_warm_pins_the_system_message_checkpoint(make_supervisor, models, vocab,
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"messages": [SYS, user(ASKS[0])]}) + "\n")
     res = subprocess.run(
-        [sys.executable, "-m", "shmkv.cli", "warm", "--model", models["swa"], "--pin", str(path)],
+        [sys.executable, "-m", "shmkv", "warm", "--model", models["swa"], "--pin", str(path)],
         env={**sup.env, "SHMKV_N_CTX": str(N_CTX)},
         capture_output=True,
         text=True,
@@ -207,9 +207,9 @@ def test_gemma3_system_boundary():
     """With Gemma 3's own template (the system message opens the first user turn) and
     its real tokenizer, the boundary falls right after the system text and its blank
     line, where chats with different questions part."""
-    from shmkv.chat import register_gemma3
-    from shmkv.errors import ConfigError
-    from shmkv.models import default_model_path
+    from shmkv.core.errors import ConfigError
+    from shmkv.serving.chat_template import register_gemma3
+    from shmkv.serving.default_model import default_model_path
 
     try:
         path = default_model_path()

@@ -24,9 +24,9 @@ import pytest
 from helpers import SHM, Sup, assert_one_error_line, clean_env, shmkv, wait_for_socket
 
 from shmkv import Client, __version__
-from shmkv import arena as A
-from shmkv.config import resolve
-from shmkv.errors import ArenaFullError, ConfigError
+from shmkv.core import arena as A
+from shmkv.core.config import resolve
+from shmkv.core.errors import ArenaFullError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -538,8 +538,8 @@ _AS_NOBODY = r"""
 import json, os, socket, sys, time
 import numpy as np
 import shmkv.cli
-from shmkv import Client, arena as A, protocol as P
-from shmkv.errors import ShmkvError
+from shmkv import Client; from shmkv.core import arena as A, protocol as P
+from shmkv.core.errors import ShmkvError
 np.ctypeslib.as_array  # load lazily imported modules while we still can
 uid, gid, mode, sock = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 delay = float(sys.argv[5])
@@ -771,7 +771,7 @@ def test_no_watchdog_for_another_pid(make_supervisor, tmp_path: Path) -> None:
 
 
 def test_pin_and_unpin_from_the_cli(supervisor) -> None:
-    from shmkv.arena import chain_digests
+    from shmkv.core.arena import chain_digests
 
     root = b"\x07" * 16
     tokens = np.arange(128, dtype=np.int32)

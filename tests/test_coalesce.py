@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from helpers import KW, SYSTEM, blob, completion, run_worker, texts
 
-from shmkv.arena import chain_digests
-from shmkv.claims import Claims
+from shmkv.core.arena import chain_digests
+from shmkv.supervisor.claims import Claims
 
 
 def test_claims_table_rules():

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 from helpers import EXTRA, HERE, SAMPLING, Server, wait_until
 
-from shmkv import cpubudget
-from shmkv.config import resolve
-from shmkv.errors import UnsafePathError
+from shmkv.core.config import resolve
+from shmkv.core.errors import UnsafePathError
+from shmkv.llama.cpu import budget as cpubudget
 
 SHM = "/dev/shm"
 
@@ -47,7 +47,7 @@ EVAL_WORKER = r"""
 import json, os, sys, time
 import llama_cpp
 from llama_cpp import llama_cpp as lc
-from shmkv import cpubudget
+from shmkv.llama.cpu import budget as cpubudget
 from shmkv.llama import attach
 
 model, name, cores, rounds, out, start_at = sys.argv[1:7]
@@ -114,7 +114,7 @@ def test_concurrent_evals_never_exceed_the_budget(tmp_path, models, name):
 
 HOLDER = r"""
 import sys, time
-from shmkv import cpubudget
+from shmkv.llama.cpu import budget as cpubudget
 b = cpubudget.CpuBudget("/dev/shm", sys.argv[1], int(sys.argv[2]))
 g = b.take(int(sys.argv[2]))
 print(len(g.slots), flush=True)
@@ -174,7 +174,7 @@ def test_a_stuck_holder_delays_others_at_most_cpu_wait(name):
 STOPPED_PREFILL = r"""
 import os, signal, sys
 import llama_cpp
-from shmkv import cpubudget
+from shmkv.llama.cpu import budget as cpubudget
 from shmkv.llama import attach
 
 model, name, cores, marker = sys.argv[1:5]
@@ -201,7 +201,7 @@ print(len(batches), flush=True)
 SIXTEEN_TOKENS = r"""
 import json, os, sys, time
 import llama_cpp
-from shmkv import cpubudget
+from shmkv.llama.cpu import budget as cpubudget
 from shmkv.llama import attach
 
 model, name, cores, go = sys.argv[1:5]
@@ -300,8 +300,8 @@ def test_cores_go_to_a_waiter_when_given_back(name):
 
 # ------------------------------------------------------------------ results unchanged
 def _gemma() -> str:
-    from shmkv.errors import ConfigError
-    from shmkv.models import default_model_path
+    from shmkv.core.errors import ConfigError
+    from shmkv.serving.default_model import default_model_path
 
     try:
         return default_model_path()

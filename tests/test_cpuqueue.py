@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from helpers import wait_until
 
-from shmkv import cpubudget, cpuqueue
+from shmkv.llama.cpu import budget as cpubudget
+from shmkv.llama.cpu import queue as cpuqueue
 
 SHM = "/dev/shm"
 
@@ -27,7 +28,7 @@ SHM = "/dev/shm"
 # as a JSON list of steps; prints a JSON line per step with the monotonic time it ended.
 ACTOR = r"""
 import json, sys, time
-from shmkv import cpubudget
+from shmkv.llama.cpu import budget as cpubudget
 name, cores, steps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 b = cpubudget.CpuBudget("/dev/shm", name, cores, wait=60)
 g = None

@@ -101,7 +101,7 @@ def test_exact_mode_on_gemma_gives_a_cold_runs_logits_bit_for_bit(supervisor, ca
     """The real model (the default of `shmkv serve`): three prompts sharing ~700 tokens.
     Every exact-mode run's last-prompt-token logits equal a plain Llama's cold pass."""
     from shmkv.llama import SharedCacheLlama
-    from shmkv.models import default_model_path
+    from shmkv.serving.default_model import default_model_path
 
     caplog.set_level(logging.WARNING)
     kw = {

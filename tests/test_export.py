@@ -14,15 +14,15 @@ import msgpack
 import pytest
 from helpers import SYSTEM, assert_one_error_line, completion, run_worker, texts
 
-from shmkv import statefile
-from shmkv.fingerprint import key_root
+from shmkv.cli import statefile
+from shmkv.llama.fingerprint import key_root
 
 PROMPT = SYSTEM + " Question: where does the cat sit?"
 
 
 def cli(sup, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "shmkv.cli", *args],
+        [sys.executable, "-m", "shmkv", *args],
         env=sup.env,
         input=stdin,
         capture_output=True,
@@ -166,7 +166,7 @@ def test_a_state_of_another_model_is_refused_with_model(
     root = key_root(fake + meta["variant"], meta["namespace"])
     tokens = statefile.StateReader(open(path, "rb"))
     tokens.open()
-    from shmkv.arena import chain_digests
+    from shmkv.core.arena import chain_digests
 
     key = chain_digests(root, tokens.tokens, meta["chunk_tokens"])[-1]
     forged = tmp_path / "forged.shmkv"

@@ -44,10 +44,10 @@ from helpers import Raw, assert_healthy, fd_count, memfd_with, put_msg, wait_unt
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
-from shmkv import arena as A
-from shmkv import protocol as P
-from shmkv.errors import ArenaFullError
-from shmkv.supervisor import MAX_PENDING_FDS
+from shmkv.core import arena as A
+from shmkv.core import protocol as P
+from shmkv.core.errors import ArenaFullError
+from shmkv.supervisor.loop import MAX_PENDING_FDS
 
 log = logging.getLogger(__name__)
 

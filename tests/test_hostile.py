@@ -40,10 +40,10 @@ from helpers import (
     texts,
 )
 
-from shmkv import arena as A
-from shmkv.errors import ArenaCorruptError
+from shmkv.core import arena as A
+from shmkv.core.errors import ArenaCorruptError
 from shmkv.llama import key_root, model_fingerprint
-from shmkv.supervisor import EXIT_ARENA_LOST
+from shmkv.supervisor.loop import EXIT_ARENA_LOST
 
 log = logging.getLogger(__name__)
 

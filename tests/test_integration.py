@@ -21,10 +21,10 @@ import redis
 from helpers import Blob, Sup, blob, free_port, start_supervisor, wait_ready, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-import shmkv.tenant
+import shmkv.llama.tenant
 from shmkv import Client
-from shmkv.fingerprint import key_root
-from shmkv.stats import PersistStats, RemoteStats, metric_name
+from shmkv.core.stats import PersistStats, RemoteStats, metric_name
+from shmkv.llama.fingerprint import key_root
 
 
 def keys(c: Client) -> set[str]:
@@ -325,7 +325,7 @@ def test_export_of_a_tenants_entry_says_why_it_cannot(make_supervisor) -> None:
     root narrowed by a salt) is refused by export with a line that says so."""
     sup = make_supervisor("--size", "16M")
     fp = b"fingerprint of some model"
-    root = shmkv.tenant.make("user-42").root(key_root(fp, ""))
+    root = shmkv.llama.tenant.make("user-42").root(key_root(fp, ""))
     b = blob(81, 10_000)
     with sup.client() as c:
         key = c.put_bytes(root, b.tokens, fp, b.data)["key"].hex()

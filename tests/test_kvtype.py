@@ -35,9 +35,9 @@ from helpers import (
 )
 from llama_cpp import llama_cpp as lc
 
-from shmkv.config import resolve
-from shmkv.errors import ConfigError
-from shmkv.kvtypes import KV_TYPES, llama_kwargs
+from shmkv.core.config import resolve
+from shmkv.core.errors import ConfigError
+from shmkv.core.kvtypes import KV_TYPES, llama_kwargs
 
 Q8 = {"type_k": llama_cpp.GGML_TYPE_Q8_0, "type_v": llama_cpp.GGML_TYPE_Q8_0, "flash_attn": True}
 Q8_ENV = {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"}
@@ -219,7 +219,7 @@ def test_warm_with_q8_0_keys_states_as_q8_0_workers_do(supervisor, q8_model, tmp
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps(prompt) + "\n")
     res = subprocess.run(
-        [sys.executable, "-m", "shmkv.cli", "warm", "--model", q8_model, str(path)],
+        [sys.executable, "-m", "shmkv", "warm", "--model", q8_model, str(path)],
         env={**supervisor.env, "SHMKV_N_CTX": str(KW["n_ctx"]), **Q8_ENV},
         capture_output=True,
         text=True,

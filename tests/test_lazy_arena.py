@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from helpers import Raw, assert_healthy, blob, no_signal_deaths, wait_until
 
-from shmkv import arena as A
-from shmkv.errors import ShmkvError
+from shmkv.core import arena as A
+from shmkv.core.errors import ShmkvError
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from helpers import Raw, assert_healthy, blob, wait_ready, wait_until
 
-from shmkv import arena as A
+from shmkv.core import arena as A
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -24,7 +24,7 @@ import pytest
 from helpers import CHUNK, MiB, Raw, Sup, blob, fd_count, put_msg, wait_until
 
 from shmkv import ShmkvError
-from shmkv import arena as A
+from shmkv.core import arena as A
 
 pytestmark = pytest.mark.timeout(300)
 

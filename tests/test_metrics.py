@@ -19,7 +19,7 @@ from helpers import ROOT, Raw, Server, free_port, shmkv, wait_ready, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from test_cli import put_and_hit
 
-from shmkv.stats import RESTORE_BUCKETS, WorkerCounters, metric_name
+from shmkv.core.stats import RESTORE_BUCKETS, WorkerCounters, metric_name
 
 DASHBOARD = ROOT / "workers" / "grafana" / "shmkv-dashboard.json"
 SYSTEM = " ".join(f"Rule {i}: the dog {i % 7} guards yard {i % 5}." for i in range(40))

@@ -30,8 +30,8 @@ from helpers import (
     wait_until,
 )
 
-from shmkv import arena as A
-from shmkv.persist import DiskRecord
+from shmkv.core import arena as A
+from shmkv.supervisor.tiers.disk.lmdb_store import DiskRecord
 
 
 def reboot(tmp_path: Path, sup: Sup, *args: str) -> Sup:

@@ -1,4 +1,4 @@
-"""Restore planning (``shmkv.policy``) against a fake arena view: no llama.cpp, no supervisor.
+"""Restore planning (``shmkv.llama.policy``) against a fake arena view: no llama.cpp, no supervisor.
 
 The fake view holds records (token id lists) indexed as the supervisor's store
 indexes them: every full chunk prefix of a record points at one of the records
@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmkv.arena import Hit, Slot, chain_digests, common_prefix
-from shmkv.errors import ArenaCorruptError
-from shmkv.policy import (
+from shmkv.core.arena import Hit, Slot, chain_digests, common_prefix
+from shmkv.core.errors import ArenaCorruptError
+from shmkv.llama.policy import (
     EVERYONE,
     SWA_MAX_PROBES,
     SWA_MIN_GAIN,

@@ -23,10 +23,10 @@ from helpers import Raw, assert_healthy, fd_count, memfd_with, put_msg, wait_unt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmkv import arena as A
-from shmkv import protocol as P
-from shmkv.errors import ArenaFullError, BadRequest, NotFound
-from shmkv.ops import OPS
+from shmkv.core import arena as A
+from shmkv.core import protocol as P
+from shmkv.core.errors import ArenaFullError, BadRequest, NotFound
+from shmkv.supervisor.ops import OPS
 
 pytestmark = pytest.mark.timeout(30)
 

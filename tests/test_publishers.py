@@ -38,7 +38,7 @@ from helpers import (
     wait_for_socket,
 )
 
-from shmkv import arena as A
+from shmkv.core import arena as A
 from shmkv.llama import key_root, model_fingerprint
 
 pytestmark = pytest.mark.timeout(240)

@@ -33,7 +33,7 @@ from helpers import (
     wait_until,
 )
 
-from shmkv import arena as A
+from shmkv.core import arena as A
 
 REDIS = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
@@ -378,7 +378,7 @@ def forge(
     """What a hostile writer to Redis can store: a record of ``b``'s prompt with any
     payload and publisher uid, checksums right, MACed under ``key`` if it has one (it
     has not). Returns the record id."""
-    from shmkv import remotefmt as fmt
+    from shmkv.supervisor.tiers.redis import layout as fmt
 
     tok = np.ascontiguousarray(b.tokens, dtype="<i4").tobytes()
     rid = fmt.remote_id(b.root, fp, tok)
@@ -406,7 +406,7 @@ def forge(
 
 
 def stored_manifest(r: redis.Redis, b, keys=(), fp: bytes = b"fp"):
-    from shmkv import remotefmt as fmt
+    from shmkv.supervisor.tiers.redis import layout as fmt
 
     tok = np.ascontiguousarray(b.tokens, dtype="<i4").tobytes()
     rid = fmt.remote_id(b.root, fp, tok)
@@ -530,7 +530,7 @@ def test_a_record_larger_than_the_arena_is_refused_unread(make_supervisor, redis
     one small piece claiming 256 MiB of zeros (checksums right) is refused the same way."""
     import zstandard
 
-    from shmkv import remotefmt as fmt
+    from shmkv.supervisor.tiers.redis import layout as fmt
 
     big = blob(820, 160 << 20)
     a = make_supervisor("--size", "256M", "--remote", redis_server.url)
@@ -566,7 +566,7 @@ def test_a_key_of_the_wrong_type_is_a_miss_not_an_outage(make_supervisor, redis_
     """A plain string at the index key of prompt X: B's fetch of X is a miss (counted),
     an unrelated prompt Y is fetched, the tier never pauses; a node that stores X again
     replaces the bad key, and X is fetched."""
-    from shmkv import remotefmt as fmt
+    from shmkv.supervisor.tiers.redis import layout as fmt
 
     x, y = blob(830, 100_000), blob(831, 100_000)
     a = make_supervisor("--size", "64M", "--remote", redis_server.url)
@@ -634,7 +634,7 @@ def test_a_node_with_a_key_restores_only_records_signed_with_it(
     second) both are accepted and only the current one signs."""
     import msgpack
 
-    from shmkv import remotefmt as fmt
+    from shmkv.supervisor.tiers.redis import layout as fmt
 
     url = redis_server.url
     k1 = key_file(tmp_path, "k1", K1)

@@ -11,8 +11,8 @@ import llama_cpp
 import pytest
 from helpers import EXTRA, N_CTX, SAMPLING, Server
 
-from shmkv.config import resolve
-from shmkv.served import load_llama
+from shmkv.core.config import resolve
+from shmkv.serving.model_settings import load_llama
 
 LONG = " ".join(f"Rule {i}: the cat {i % 7} sits on mat {i % 5}." for i in range(50))
 SHORT = " ".join(f"Rule {i}: the cat {i % 7} sits on mat {i % 5}." for i in range(12))
@@ -51,7 +51,7 @@ def test_a_served_window_model_gets_a_window_sized_cache(models):
 def test_the_setting_keys_states_only_of_window_models(models):
     """A window-sized cache holds other states than a full one: never the same key. A model
     without window layers is the same either way, and keyed as a default Llama's."""
-    from shmkv.fingerprint import model_fingerprint
+    from shmkv.llama.fingerprint import model_fingerprint
 
     def fp(model: str, **kw: bool) -> bytes:
         llm = llama_cpp.Llama(model, n_ctx=N_CTX, n_threads=1, verbose=False, **kw)
@@ -98,8 +98,8 @@ def test_a_worker_serving_without_shmkv_reloads_with_a_full_window_cache(models,
     model with a full window cache, and keeps a model without window layers as it is."""
     import shmkv_workers.app as app
 
-    from shmkv.errors import ShmkvError
-    from shmkv.served import model_settings
+    from shmkv.core.errors import ShmkvError
+    from shmkv.serving.model_settings import model_settings
 
     def no_cache(*_args, **_kw):
         raise ShmkvError("injected: no cache")

@@ -1,8 +1,8 @@
 """The supervisor's Store (allocator, index, LRU, pins, leases) over a real /dev/shm mapping.
 
-A Hypothesis state machine drives one :class:`shmkv.store.Store` through puts,
+A Hypothesis state machine drives one :class:`shmkv.supervisor.store.Store` through puts,
 leases, pins, removals and a fake clock, and after every step checks it against
-a read-only :class:`shmkv.arena.ArenaView` of the same file, as a worker sees it.
+a read-only :class:`shmkv.core.arena.ArenaView` of the same file, as a worker sees it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from shmkv import arena as A
-from shmkv.errors import (
+from shmkv.core import arena as A
+from shmkv.core.errors import (
     ArenaCorruptError,
     ArenaFullError,
     BadRequest,
@@ -39,7 +39,7 @@ from shmkv.errors import (
     LimitExceeded,
     NotFound,
 )
-from shmkv.store import Allocator, PutJob, Store
+from shmkv.supervisor.store import Allocator, PutJob, Store
 
 log = logging.getLogger(__name__)
 
@@ -1036,7 +1036,7 @@ def test_index_prefers_the_longest_record_ending_in_a_chunk_and_owners_tell_each
     """A chunk prefix points at the longest record whose last full chunk it is (a
     sliding-window model can restore only whole records), else at the shortest; the
     ``owners`` op lists the records behind a chunk prefix and how far a prompt matches each."""
-    from shmkv.arena import chain_digests
+    from shmkv.core.arena import chain_digests
 
     root, fp = b"r" * 16, b"fp"
     rng = np.random.default_rng(5)

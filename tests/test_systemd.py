@@ -188,7 +188,7 @@ def test_supervisor_makes_no_syscall_its_unit_denies(tmp_path: Path, group: str)
     log_path = tmp_path / "supervisor.log"
     with open(log_path, "wb") as log, notify:
         proc = subprocess.Popen(
-            [strace, "-f", "-qq", "-o", str(trace), sys.executable, "-m", "shmkv.cli", "supervise"]
+            [strace, "-f", "-qq", "-o", str(trace), sys.executable, "-m", "shmkv", "supervise"]
             + args,
             env=env,
             stdout=log,

@@ -16,10 +16,9 @@ import llama_cpp
 import pytest
 from helpers import EXTRA, KW, SAMPLING, SYSTEM, Server, wait_until
 
-from shmkv import tenant
-from shmkv.errors import InvalidTenant
-from shmkv.llama import SharedCacheLlama
-from shmkv.tenant import MAX_SALT_CHARS, SALT_HEADER
+from shmkv.core.errors import InvalidTenant
+from shmkv.llama import SharedCacheLlama, tenant
+from shmkv.llama.tenant import MAX_SALT_CHARS, SALT_HEADER
 
 PROMPT = SYSTEM + " Question: which cat sits on mat 3?"
 GREEDY = {"max_tokens": 8, "temperature": 0.0}

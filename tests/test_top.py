@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from helpers import Raw, shmkv, wait_until
 
-import shmkv.arena as A
+import shmkv.core.arena as A
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 
@@ -100,7 +100,7 @@ def deployment(make_supervisor):
 @pytest.mark.parametrize("how", ["q", "C-c"])
 def test_top_in_tmux(deployment, how: str, tmp_path: Path) -> None:
     sup, keys, raw = deployment
-    cmd = [sys.executable, "-m", "shmkv.cli", "top", "--interval", "0.3"]
+    cmd = [sys.executable, "-m", "shmkv", "top", "--interval", "0.3"]
     term = Tmux(cmd, sup.env, tmp_path / "status")
     try:
         # (curses draws a screen line by line: wait for its last row, not just the header)

@@ -45,7 +45,7 @@ from helpers import (
     wait_until,
 )
 
-from shmkv.errors import EXIT_UNTRUSTED
+from shmkv.core.errors import EXIT_UNTRUSTED
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -133,7 +133,7 @@ def error_line(sup: Sup, *needles: str) -> str:
 
 def default_dir(pw: pwd.struct_passwd) -> Path:
     """The socket directory ``pw``'s supervisor uses by default (no XDG_RUNTIME_DIR)."""
-    code = "from shmkv.config import default_socket_path as d; print(d('x'))"
+    code = "from shmkv.core.config import default_socket_path as d; print(d('x'))"
     out = run_as(pw, code)
     assert out.returncode == 0, out.stderr
     path = Path(out.stdout.strip()).parent
@@ -335,7 +335,7 @@ def test_serve_refuses_a_relay_of_another_uid(
     _, path = relay
     args = ["serve", "--model", public_model, "--socket", path, "--workers", "1"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shmkv.cli", *args, "--port", str(free_port())],
+        [sys.executable, "-m", "shmkv", *args, "--port", str(free_port())],
         env=clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -514,7 +514,7 @@ ADMIN_OPS = r"""
 import json, os, sys
 import numpy as np
 from shmkv import Client
-from shmkv.errors import ShmkvError
+from shmkv.core.errors import ShmkvError
 sock, key, pid = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
 out = {}
 with Client(socket_path=sock, timeout=5) as c:
@@ -579,7 +579,7 @@ sys.stdin.readline()
 REPORT_EXIT = r"""
 import json, sys
 from shmkv import Client
-from shmkv.errors import ShmkvError
+from shmkv.core.errors import ShmkvError
 try:
     with Client(socket_path=sys.argv[1], attach=False, timeout=5) as c:
         print(json.dumps(["ok", c.worker_exit(int(sys.argv[2]))]))

@@ -101,7 +101,7 @@ def test_pin_ttl_is_validated(supervisor) -> None:
         key = put(c, b)
     bad = supervisor.cli("pin", "--ttl", "0", key, check=False)
     assert bad.returncode != 0 and "--ttl" in bad.stderr
-    from shmkv.errors import BadRequest
+    from shmkv.core.errors import BadRequest
 
     with supervisor.client() as c:
         for ttl in (float("nan"), -1.0, 1e12):

@@ -30,7 +30,7 @@ CHAT = [
 
 def warm(sup, path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "shmkv.cli", "warm", *args, str(path)],
+        [sys.executable, "-m", "shmkv", "warm", *args, str(path)],
         env={**sup.env, **(env or {})},
         capture_output=True,
         text=True,
@@ -149,7 +149,7 @@ def test_warm_without_a_supervisor_says_so(models, tmp_path) -> None:
     path = jsonl(tmp_path, json.dumps(PROMPT))  # (a line that is a JSON string)
     env = clean_env(SHMKV_SOCKET=str(tmp_path / "none.sock"))
     res = subprocess.run(
-        [sys.executable, "-m", "shmkv.cli", "warm", "--model", models["seed0"], str(path)],
+        [sys.executable, "-m", "shmkv", "warm", "--model", models["seed0"], str(path)],
         env=env,
         capture_output=True,
         text=True,

@@ -32,7 +32,7 @@ from helpers import (
     texts,
 )
 
-from shmkv import arena as A
+from shmkv.core import arena as A
 
 log = logging.getLogger(__name__)
 
@@ -435,7 +435,7 @@ def test_failed_set_data_is_a_miss_not_a_corruption_report(supervisor, models):
 def test_lora_is_identified_by_its_content_not_its_path(tmp_path, models):
     from tinymodel import write_tiny_lora
 
-    from shmkv.fingerprint import model_fingerprint
+    from shmkv.llama.fingerprint import model_fingerprint
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

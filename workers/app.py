@@ -24,7 +24,7 @@ worker's prefill or ``--remote``, restoring, evaluating the prompt's new tokens
 token; ``*_at`` are ``time.monotonic()`` seconds, one clock for every process on the
 machine (``bench/bench_serve.py`` sets them against its send times).
 
-Settings come from ``shmkv.config`` (``SHMKV_*`` variables, set by ``shmkv serve``).
+Settings come from ``shmkv.core.config`` (``SHMKV_*`` variables, set by ``shmkv serve``).
 """
 
 from __future__ import annotations
@@ -54,20 +54,20 @@ from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.middleware import Middleware
 from starlette_context import context
 
-from shmkv import cpubudget
-from shmkv.chat import (  # noqa: F401 (the template's names, re-exported from here)
+from shmkv.core.config import Settings, resolve
+from shmkv.core.errors import ConfigError, ShmkvError
+from shmkv.core.kvtypes import describe
+from shmkv.core.stats import numbers
+from shmkv.llama import SharedPrefixCache, attach, live_caches
+from shmkv.llama.cpu import budget as cpubudget
+from shmkv.serving.chat_template import (  # noqa: F401 (the template's names, re-exported from here)
     GEMMA3_FORMAT,
     GEMMA3_TEMPLATE,
     gemma3_formatter,
     gemma3_messages,
 )
-from shmkv.config import Settings, resolve
-from shmkv.errors import ConfigError, ShmkvError
-from shmkv.kvtypes import describe
-from shmkv.llama import SharedPrefixCache, attach, live_caches
-from shmkv.models import default_model_path
-from shmkv.served import load_with, model_settings
-from shmkv.stats import numbers
+from shmkv.serving.default_model import default_model_path
+from shmkv.serving.model_settings import load_with, model_settings
 
 log = logging.getLogger("shmkv.worker")
 

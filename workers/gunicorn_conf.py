@@ -7,14 +7,14 @@ supervisor when a worker died, so whatever it held is released at once even
 if the kernel has not yet closed its socket. The workers share one CPU budget
 (``shmkv/cpubudget.py``); the master removes its file when it exits.
 
-Every value comes from ``shmkv.config`` (``SHMKV_*`` environment variables).
+Every value comes from ``shmkv.core.config`` (``SHMKV_*`` environment variables).
 """
 
 from __future__ import annotations
 
 import logging
 
-from shmkv.config import resolve
+from shmkv.core.config import resolve
 
 _s = resolve("serve")
 
@@ -43,14 +43,14 @@ def worker_exit(server, worker) -> None:  # in the worker
 
 
 def on_exit(server) -> None:  # in the master, after its workers stopped
-    from shmkv import cpubudget
+    from shmkv.llama.cpu import budget as cpubudget
 
     cpubudget.remove(_s.dir, _s.name)  # (unless another deployment on this name uses it)
 
 
 def child_exit(server, worker) -> None:  # in the master
-    from shmkv.client import Client
-    from shmkv.errors import ShmkvError
+    from shmkv.core.client import Client
+    from shmkv.core.errors import ShmkvError
 
     try:
         with Client(settings=_s, populate=False, attach=False) as c:

@@ -1,7 +1,7 @@
 """``/metrics`` on the API port: Prometheus exposition of the whole deployment.
 
 Runs in each gunicorn worker (a scrape lands on whichever worker accepts it).
-The numbers are the supervisor's (``shmkv.metrics``): its arena, and the sums of
+The numbers are the supervisor's (``shmkv.core.metrics``): its arena, and the sums of
 what every worker reported, dead ones included, so any worker gives the same
 answer and one scrape target covers the deployment.
 """
@@ -13,8 +13,8 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from shmkv_workers.tenants import authenticate
 
-from shmkv.config import Settings
-from shmkv.metrics import registry_for
+from shmkv.core.config import Settings
+from shmkv.core.metrics import registry_for
 
 
 def add_metrics_route(app: Any, settings: Settings) -> None:

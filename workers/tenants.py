@@ -3,7 +3,7 @@
 Runs inside one gunicorn (uvicorn) worker. :class:`TenantScope` reads a completion
 request's tenant parts (the ``cache_salt`` body field, the ``X-Shmkv-Cache-Salt``
 header, and with ``--namespace-per-api-key`` its bearer token) and runs the request
-inside ``shmkv.tenant.using(...)``: the context variable follows it into
+inside ``shmkv.llama.tenant.using(...)``: the context variable follows it into
 llama-cpp-python's threadpool, where the cache reads it when the completion starts.
 A salt shmkv does not accept gets a 400 that says the rule; a completion without a
 bearer token, when each key is a tenant, a 401. :func:`authenticate` replaces
@@ -23,8 +23,8 @@ from fastapi import Depends, HTTPException, status
 from fastapi.security import HTTPAuthorizationCredentials
 from llama_cpp.server.app import bearer_scheme
 
-from shmkv import tenant
-from shmkv.errors import InvalidTenant
+from shmkv.core.errors import InvalidTenant
+from shmkv.llama import tenant
 
 log = logging.getLogger("shmkv.worker")
 

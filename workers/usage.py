@@ -1,7 +1,7 @@
 """What the cache did, the OpenAI way: ``usage.prompt_tokens_details.cached_tokens``.
 
 Runs inside each gunicorn (uvicorn) worker, around llama-cpp-python's server app
-(``app.py``). The number is :attr:`shmkv.stats.CallStats.cached_tokens`: prompt
+(``app.py``). The number is :attr:`shmkv.core.stats.CallStats.cached_tokens`: prompt
 tokens not evaluated because the context already held them (restored from the
 arena, or kept from the worker's own context).
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from starlette_context import context
 
-from shmkv.stats import CallStats
+from shmkv.core.stats import CallStats
 
 log = logging.getLogger("shmkv.worker")
 

@@ -28,8 +28,8 @@ from gunicorn.arbiter import Arbiter
 from uvicorn.server import Server
 from uvicorn_worker import UvicornWorker
 
-from shmkv.config import resolve
-from shmkv.stats import HttpCounters
+from shmkv.core.config import resolve
+from shmkv.core.stats import HttpCounters
 
 log = logging.getLogger("shmkv.worker")
 

@@ -1,0 +1,686 @@
+"""The arena: one file in /dev/shm, its byte layout, read and written.
+
+Imported by every process, and the only module that knows the layout, in both
+directions. Workers (and the supervisor, to re-check records) map the file
+PROT_READ through :class:`ArenaView` and never write. The supervisor, the one
+writer, writes through :class:`ArenaWriter` (``store.py`` for the index and
+records, ``arenafile.py`` for the header); nothing else packs these structs.
+
+Layout (all integers little-endian)::
+
+    0           header (4 KiB): magic, format version, geometry, arena id,
+                mutable word (state)
+    4 KiB       index: ``index_slots`` slots of 64 bytes, an open-addressing
+                (linear probing) hash table from 16-byte chunk-prefix digests
+                to records; each slot is guarded by a seqlock word
+    data_offset data region: records in 4 KiB-aligned extents
+
+A record is ``header (128 B) | fingerprint | token ids (int32) | payload``.
+It carries its key (the digest of its last full chunk), the root digest its
+chain started from, its publisher's uid (the supervisor's word, from the put's
+connection), a model fingerprint (opaque bytes), its token ids, the payload
+length, an XXH3-64 checksum of the payload and one of everything else.
+
+Keys are chained: ``d1 = H(root, chunk1)``, ``dk = H(d(k-1), chunk k)`` over
+fixed-length chunks of ``chunk_tokens`` token ids, H = BLAKE2b-128. A record of
+n full chunks is indexed under all n digests, so the presence of a chunk
+prefix is monotone (if k chunks are present, so are k-1) and the longest
+cached prefix is found by binary search: O(log chunks) probes, no socket.
+
+Nothing read from the arena is trusted: every offset is bounds-checked and a
+record is only used once its magic, generation, checksums, fingerprint and
+token ids all match. A torn or stale read therefore costs a miss, never a
+wrong answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from shmkv.core.errors import ArenaCorruptError
+
+MAGIC = b"SHMKVAR\x00"
+FORMAT_VERSION = 2
+HEADER_SIZE = 4096
+SLOT_SIZE = 64
+PAGE = 4096
+DIGEST_SIZE = 16
+MAX_TOKENS = 1 << 20
+MAX_FINGERPRINT = 1024
+MAX_PROBE = 128
+
+# Header: immutable part, then its checksum, then mutable words.
+_HDR = struct.Struct("<8sIIQQQQQIII16sd")
+_HDR_CSUM_OFF = 128
+_STATE_OFF = 144  # u32: 1 live, 2 closed
+STATE_LIVE, STATE_CLOSED = 1, 2
+
+# Index slot: seq (seqlock, odd while written), used flag, digest, record offset,
+# record generation, chunk count of this digest.
+_SLOT = struct.Struct("<II16sQQI")
+_SEQ = struct.Struct("<I")
+
+# Record header: magic, format version, flags, generation, key, root, token count,
+# chunk count, fingerprint length, tokens offset, payload offset, payload length,
+# payload checksum, metadata checksum, created, publisher uid.
+REC_MAGIC = b"SKVR"
+REC_HEADER_SIZE = 128
+_REC = struct.Struct("<4sHHQ16s16sIIIIQQQQdI")
+_U64 = struct.Struct("<Q")
+
+
+def align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def chain_digests(root: bytes, tokens: np.ndarray | Sequence[int], chunk: int) -> list[bytes]:
+    """Digests of every full chunk prefix of ``tokens``, chained from ``root``."""
+    arr = np.asarray(tokens, dtype="<i4")
+    out: list[bytes] = []
+    prev = root
+    raw = arr.tobytes()
+    step = chunk * 4
+    for k in range(len(arr) // chunk):
+        h = hashlib.blake2b(prev, digest_size=DIGEST_SIZE)
+        h.update(raw[k * step : (k + 1) * step])
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def slot_home(digest: bytes, n_slots: int) -> int:
+    """The slot a digest's linear-probing path starts at."""
+    return int.from_bytes(digest[:8], "little") & (n_slots - 1)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What every process must agree on; read from the arena header."""
+
+    arena_size: int
+    index_offset: int
+    index_slots: int
+    data_offset: int
+    data_size: int
+    chunk_tokens: int
+    supervisor_pid: int
+    created: float
+    arena_id: bytes
+
+    @classmethod
+    def plan(cls, arena_size: int, chunk_tokens: int, index_slots: int = 0) -> Geometry:
+        """Lay out an arena of ``arena_size`` bytes."""
+        if index_slots == 0:
+            index_slots = max(4096, arena_size // (16 * 1024))
+        index_slots = 1 << (index_slots - 1).bit_length()
+        index_bytes = align(index_slots * SLOT_SIZE, PAGE)
+        data_offset = HEADER_SIZE + index_bytes
+        data_size = (arena_size - data_offset) // PAGE * PAGE
+        if data_size < PAGE:
+            raise ValueError(
+                f"arena size {arena_size} leaves no room for data after a "
+                f"{index_slots}-slot index: raise --size or lower --index-slots"
+            )
+        return cls(
+            arena_size,
+            HEADER_SIZE,
+            index_slots,
+            data_offset,
+            data_size,
+            chunk_tokens,
+            os.getpid(),
+            0.0,
+            os.urandom(16),
+        )
+
+    def pack(self) -> bytes:
+        body = _HDR.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            HEADER_SIZE,
+            self.arena_size,
+            self.index_offset,
+            self.index_slots,
+            self.data_offset,
+            self.data_size,
+            self.chunk_tokens,
+            SLOT_SIZE,
+            self.supervisor_pid,
+            self.arena_id,
+            self.created,
+        )
+        return body + b"\0" * (_HDR_CSUM_OFF - len(body))
+
+    @classmethod
+    def unpack(cls, buf: mmap.mmap | bytes, file_size: int) -> Geometry:
+        """Read and validate the header; raise ArenaCorruptError on any inconsistency."""
+        if file_size < HEADER_SIZE:
+            raise ArenaCorruptError(f"arena file is {file_size} bytes, smaller than its header")
+        head = bytes(buf[:_HDR_CSUM_OFF])
+        (csum,) = _U64.unpack_from(buf, _HDR_CSUM_OFF)
+        if xxhash.xxh3_64_intdigest(head) != csum:
+            raise ArenaCorruptError("arena header checksum mismatch: restart the supervisor")
+        (magic, version, hsize, size, ioff, slots, doff, dsize, chunk, ssize, pid, aid, created) = (
+            _HDR.unpack_from(head)
+        )
+        if magic != MAGIC:
+            raise ArenaCorruptError("not a shmkv arena (bad magic)")
+        if version != FORMAT_VERSION:
+            raise ArenaCorruptError(
+                f"arena format {version}, this shmkv reads {FORMAT_VERSION}: "
+                "run the same shmkv version as the supervisor"
+            )
+        ok = (
+            hsize == HEADER_SIZE
+            and ssize == SLOT_SIZE
+            and ioff == HEADER_SIZE
+            and slots > 0
+            and slots & (slots - 1) == 0
+            and doff == align(ioff + slots * SLOT_SIZE, PAGE)
+            and doff + dsize <= size <= file_size
+            and 0 < chunk <= MAX_TOKENS
+        )
+        if not ok:
+            raise ArenaCorruptError(
+                f"arena geometry is inconsistent (file {file_size} bytes): restart the supervisor"
+            )
+        return cls(size, ioff, slots, doff, dsize, chunk, pid, created, aid)
+
+
+def header_checksum(head: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(head)
+
+
+def header_format(buf: mmap.mmap | bytes) -> tuple[bytes, int, int]:
+    """(magic, format version, state) of an arena header, unchecked: what a file claims.
+
+    Read before :meth:`Geometry.unpack` to tell another format (refused) from damage.
+    """
+    magic, version = struct.unpack_from("<8sI", buf, 0)
+    (state,) = _SEQ.unpack_from(buf, _STATE_OFF)
+    return bytes(magic), int(version), int(state)
+
+
+@dataclass(frozen=True)
+class Slot:
+    digest: bytes
+    rec_offset: int
+    rec_gen: int
+    n_chunks: int
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A cached chunk prefix: ``chunks`` full chunks, found at ``slot``."""
+
+    chunks: int
+    slot: Slot
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading token ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def probe_path(
+    read_slot: Callable[[int], tuple[int, Slot | None]], digest: bytes, n_slots: int
+) -> tuple[int | None, Slot | None]:
+    """Walk ``digest``'s probe path; the one lookup the view and the writer share.
+
+    ``read_slot(i)`` gives (used flag, slot or None). Returns (i, slot) for the
+    slot holding ``digest``; (i, None) for the first empty slot when it is absent
+    (where an insert goes); (None, None) when the walk hit ``MAX_PROBE``.
+    """
+    i = slot_home(digest, n_slots)
+    for _ in range(min(MAX_PROBE, n_slots)):
+        used, slot = read_slot(i)
+        if not used:
+            return i, None
+        if slot is not None and slot.digest == digest:
+            return i, slot
+        i = (i + 1) & (n_slots - 1)
+    return None, None
+
+
+@dataclass(frozen=True)
+class Record:
+    """A validated record header: where its parts are, what it claims to be."""
+
+    offset: int
+    gen: int
+    key: bytes
+    root: bytes
+    n_tokens: int
+    n_chunks: int
+    fp_off: int
+    fp_len: int
+    tokens_off: int
+    payload_off: int
+    payload_len: int
+    payload_xxh3: int
+    created: float
+    #: uid of the process that published it (SO_PEERCRED of its put's connection)
+    publisher: int
+
+    @property
+    def end(self) -> int:
+        return self.payload_off + self.payload_len
+
+
+def record_layout(n_tokens: int, fp_len: int, payload_len: int) -> tuple[int, int, int, int]:
+    """(fingerprint offset, tokens offset, payload offset, extent size), record-relative."""
+    fp_off = REC_HEADER_SIZE
+    tok_off = align(fp_off + fp_len, 8)
+    pay_off = align(tok_off + 4 * n_tokens, 64)
+    return fp_off, tok_off, pay_off, align(pay_off + payload_len, PAGE)
+
+
+_META_CSUM_OFF = struct.calcsize("<4sHHQ16s16sIIIIQQQ")  # the u64 before `created`
+
+
+def meta_checksum(
+    header: bytes, fingerprint: bytes | memoryview, tokens: bytes | memoryview
+) -> int:
+    h = xxhash.xxh3_64()
+    h.update(header[:_META_CSUM_OFF])
+    h.update(header[_META_CSUM_OFF + 8 : _REC.size])
+    h.update(fingerprint)
+    h.update(tokens)
+    return h.intdigest()
+
+
+class ArenaView:
+    """A worker's read-only view of the arena: lock-free lookup and record validation."""
+
+    def __init__(self, fd: int, populate: bool = True) -> None:
+        st = os.fstat(fd)
+        size = st.st_size
+        # ``populate``: map every page at once, if every page exists (a --reserve arena).
+        # The data region of an arena allocated as records are stored has holes, and a
+        # read fault on a hole of a shared tmpfs mapping allocates it (or SIGBUSes when
+        # the tmpfs is full): there, only the header and index are mapped at once, and
+        # a record's pages when it is read, under its lease (``pages.py``).
+        whole = populate and st.st_blocks * 512 >= size
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if whole else 0)
+        self.mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        try:
+            self.geometry = Geometry.unpack(self.mm, size)
+            #: our own descriptor of the file, for lease-free reads (:meth:`peek`)
+            self.fd = os.dup(fd)
+        except Exception:
+            self.mm.close()
+            raise
+        if populate and not whole:
+            for off in range(0, self.geometry.data_offset, mmap.PAGESIZE):
+                self.mm[off]
+        self.file_size = size
+        self._np = np.frombuffer(self.mm, dtype=np.uint8)
+        self.base_address: int = self._np.ctypes.data
+
+    def close(self) -> None:
+        self._np = None  # type: ignore[assignment]
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            self.mm.close()
+        except BufferError:  # a numpy view is still alive somewhere; unmapped at GC
+            pass
+
+    # -- mutable header words -------------------------------------------------
+    def state(self) -> int:
+        return int(_SEQ.unpack_from(self.mm, _STATE_OFF)[0])
+
+    # -- index ------------------------------------------------------------------
+    def read_slot(self, i: int) -> tuple[int, Slot | None]:
+        """Seqlock read of slot i: (used flag, slot or None)."""
+        g = self.geometry
+        off = g.index_offset + i * SLOT_SIZE
+        for _ in range(64):
+            seq1 = _SEQ.unpack_from(self.mm, off)[0]
+            if seq1 & 1:
+                continue
+            seq, used, digest, roff, rgen, nch = _SLOT.unpack_from(self.mm, off)
+            if _SEQ.unpack_from(self.mm, off)[0] == seq1 == seq:
+                return used, (Slot(digest, roff, rgen, nch) if used else None)
+        return 0, None  # writer kept it busy: treat as a miss
+
+    def probe(self, digest: bytes) -> Slot | None:
+        """Find ``digest`` in the index; None if absent."""
+        return probe_path(self.read_slot, digest, self.geometry.index_slots)[1]
+
+    def check(self) -> None:
+        """Raise ArenaCorruptError if the file shrank under the mapping.
+
+        Reading a page past the end of a truncated file is a SIGBUS, so this runs
+        before every lookup and restore (one fstat). Only the arena's owner (or
+        root) can truncate it; a window between this check and the copy remains.
+        """
+        if self.mm.size() < self.file_size:
+            raise ArenaCorruptError(
+                "the arena file was truncated under its mapping: restart `shmkv supervise`"
+            )
+
+    def find_longest(self, digests: Sequence[bytes]) -> tuple[int, Slot] | None:
+        """Longest k such that digests[k-1] is indexed, by binary search; (k, slot)."""
+        self.check()
+        lo, hi, best = 1, len(digests), None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            slot = self.probe(digests[mid - 1])
+            if slot is not None:
+                best, lo = (mid, slot), mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+    # -- records ---------------------------------------------------------------
+    def read_record(self, offset: int, gen: int) -> Record:
+        """Parse and bounds-check the record at ``offset``; ArenaCorruptError if invalid.
+
+        Reads the mapping: only under a lease (or as the supervisor, of a live record).
+        """
+        self._check_offset(offset)
+        return self._parse_record(self.mm, offset, gen)
+
+    def _check_offset(self, offset: int) -> None:
+        g = self.geometry
+        if not (
+            g.data_offset <= offset
+            and offset + REC_HEADER_SIZE <= g.data_offset + g.data_size
+            and offset % PAGE == g.data_offset % PAGE
+        ):
+            raise ArenaCorruptError(f"record offset {offset} outside the data region")
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        """``n`` bytes of the file at ``offset``, read without the mapping: a hole reads as
+        zeros and stays a hole (a fault on it would allocate it, or SIGBUS)."""
+        try:
+            raw = os.pread(self.fd, n, offset)
+        except (OSError, ValueError):
+            raw = b""
+        if len(raw) != n:
+            raise ArenaCorruptError(f"cannot read {n} bytes of the arena at {offset}")
+        return raw
+
+    def peek(self, offset: int, gen: int) -> tuple[Record, np.ndarray]:
+        """A lease-free look at the record (offset, gen): its header and token ids, read
+        with ``pread`` (the record may be freed and its pages punched meanwhile: ``pages.py``).
+        ArenaCorruptError if it does not parse; nothing else of it is checked."""
+        self._check_offset(offset)
+        rec = self._parse_record(self._pread(REC_HEADER_SIZE, offset), 0, gen, offset)
+        raw = self._pread(4 * rec.n_tokens, rec.tokens_off)
+        return rec, np.frombuffer(raw, dtype="<i4")
+
+    def read_payload(self, rec: Record) -> bytes:
+        """A copy of ``rec``'s payload read with ``pread`` (lease-free, as :meth:`peek`)."""
+        return self._pread(rec.payload_len, rec.payload_off)
+
+    def _parse_record(
+        self, buf: mmap.mmap | bytes, at: int, gen: int, offset: int | None = None
+    ) -> Record:
+        """The record header found at ``buf[at:]``, which is arena offset ``offset``."""
+        g = self.geometry
+        offset = at if offset is None else offset
+        (
+            magic,
+            version,
+            _flags,
+            rgen,
+            key,
+            root,
+            n_tok,
+            n_ch,
+            fp_len,
+            tok_off,
+            pay_off,
+            pay_len,
+            pay_csum,
+            _meta,
+            created,
+            publisher,
+        ) = _REC.unpack_from(buf, at)
+        if magic != REC_MAGIC or version != FORMAT_VERSION:
+            raise ArenaCorruptError(f"no record at offset {offset}")
+        if rgen != gen:
+            raise ArenaCorruptError(f"record at {offset} is generation {rgen}, expected {gen}")
+        fp_o, tok_o, pay_o, extent = record_layout(n_tok, fp_len, pay_len)
+        if (
+            n_tok > MAX_TOKENS
+            or fp_len > MAX_FINGERPRINT
+            or tok_off != tok_o
+            or pay_off != pay_o
+            or n_ch != n_tok // g.chunk_tokens
+            or offset + extent > g.data_offset + g.data_size
+        ):
+            raise ArenaCorruptError(f"record at {offset} has inconsistent lengths")
+        return Record(
+            offset,
+            rgen,
+            key,
+            root,
+            n_tok,
+            n_ch,
+            offset + fp_o,
+            fp_len,
+            offset + tok_o,
+            offset + pay_o,
+            pay_len,
+            pay_csum,
+            created,
+            publisher,
+        )
+
+    def verify_meta(self, rec: Record) -> None:
+        hdr = bytes(self.mm[rec.offset : rec.offset + REC_HEADER_SIZE])
+        (stored,) = _U64.unpack_from(hdr, _META_CSUM_OFF)
+        got = meta_checksum(hdr, self.fingerprint(rec), self.tokens(rec).data)
+        if got != stored:
+            raise ArenaCorruptError(f"record at {rec.offset}: metadata checksum mismatch")
+
+    def fingerprint(self, rec: Record) -> memoryview:
+        return memoryview(self.mm)[rec.fp_off : rec.fp_off + rec.fp_len]
+
+    def tokens(self, rec: Record) -> np.ndarray:
+        return np.frombuffer(self.mm, dtype="<i4", count=rec.n_tokens, offset=rec.tokens_off)
+
+    def payload(self, rec: Record) -> memoryview:
+        return memoryview(self.mm)[rec.payload_off : rec.payload_off + rec.payload_len]
+
+    def payload_address(self, rec: Record) -> int:
+        """Address of the payload in this process: what llama_state_seq_set_data reads."""
+        return self.base_address + rec.payload_off
+
+    def verify_payload(self, rec: Record) -> bool:
+        return xxhash.xxh3_64_intdigest(self.payload(rec)) == rec.payload_xxh3
+
+    def intact(self, offset: int, gen: int) -> bool:
+        """Whether the record (offset, gen) passes every check a worker makes."""
+        try:
+            rec = self.read_record(offset, gen)
+            self.verify_meta(rec)
+            return self.verify_payload(rec)
+        except ArenaCorruptError:
+            return False
+
+    def scan(self) -> list[Slot]:
+        """Every used slot (for diagnostics and tests; O(index size))."""
+        out = []
+        for i in range(self.geometry.index_slots):
+            used, slot = self.read_slot(i)
+            if used and slot is not None:
+                out.append(slot)
+        return out
+
+
+class ArenaWriter:
+    """The supervisor's writable side of the layout; runs only there, on its one thread.
+
+    Writes in an order that keeps lock-free readers safe: an index slot changes
+    under its seqlock (odd while written); a record's parts are written before
+    its header, and ``store.py`` points no slot at a record before that.
+    """
+
+    def __init__(self, mm: mmap.mmap, geometry: Geometry) -> None:
+        self.mm = mm
+        self.geometry = geometry
+
+    # -- header -----------------------------------------------------------------
+    def format(self) -> None:
+        """Write a fresh header: the geometry, its checksum, state live."""
+        head = self.geometry.pack()
+        self.mm[: len(head)] = head
+        _U64.pack_into(self.mm, _HDR_CSUM_OFF, header_checksum(head))
+        self.set_state(STATE_LIVE)
+
+    def set_state(self, state: int) -> None:
+        _SEQ.pack_into(self.mm, _STATE_OFF, state)
+
+    # -- index ------------------------------------------------------------------
+    def _slot_off(self, i: int) -> int:
+        return self.geometry.index_offset + i * SLOT_SIZE
+
+    def used_slots(self) -> tuple[list[Slot], int]:
+        """Every used slot whose write completed, and how many were caught mid-write.
+
+        For adopting an arena a killed supervisor left: a slot whose seqlock word is
+        odd was being written when it died, and names nothing reliable.
+        """
+        g = self.geometry
+        words = np.frombuffer(
+            self.mm, dtype="<u4", count=g.index_slots * SLOT_SIZE // 4, offset=g.index_offset
+        ).reshape(g.index_slots, SLOT_SIZE // 4)
+        used = words[:, 1] != 0
+        torn = used & (words[:, 0] & 1 == 1)
+        out = []
+        for i in np.flatnonzero(used & ~torn).tolist():
+            _seq, _used, digest, roff, rgen, nch = _SLOT.unpack_from(self.mm, self._slot_off(i))
+            out.append(Slot(digest, roff, rgen, nch))
+        del words
+        return out, int(torn.sum())
+
+    def clear_index(self) -> None:
+        """Empty every slot at once, each under its seqlock (odd, cleared, even again)."""
+        g = self.geometry
+        words = np.frombuffer(
+            self.mm, dtype="<u4", count=g.index_slots * SLOT_SIZE // 4, offset=g.index_offset
+        ).reshape(g.index_slots, SLOT_SIZE // 4)
+        words[:, 0] |= 1
+        words[:, 1:] = 0
+        words[:, 0] += 1
+        del words
+
+    def read_slot(self, i: int) -> tuple[int, Slot | None]:
+        """Slot i as last written (no seqlock: this is the only process writing it)."""
+        _seq, used, digest, roff, rgen, nch = _SLOT.unpack_from(self.mm, self._slot_off(i))
+        return used, (Slot(digest, roff, rgen, nch) if used else None)
+
+    def _write_slot(self, i: int, slot: Slot | None) -> None:
+        off = self._slot_off(i)
+        seq = _SEQ.unpack_from(self.mm, off)[0]
+        odd = (seq + 1) & 0xFFFFFFFF
+        _SEQ.pack_into(self.mm, off, odd)
+        if slot is None:
+            _SLOT.pack_into(self.mm, off, odd, 0, b"\0" * DIGEST_SIZE, 0, 0, 0)
+        else:
+            _SLOT.pack_into(
+                self.mm, off, odd, 1, slot.digest, slot.rec_offset, slot.rec_gen, slot.n_chunks
+            )
+        _SEQ.pack_into(self.mm, off, (seq + 2) & 0xFFFFFFFF)
+
+    def index_set(self, slot: Slot) -> bool:
+        """Point ``slot.digest`` at its record; False if its probe path has no room."""
+        i, _ = probe_path(self.read_slot, slot.digest, self.geometry.index_slots)
+        if i is None:
+            return False
+        self._write_slot(i, slot)
+        return True
+
+    def index_del(self, digest: bytes) -> None:
+        """Remove ``digest``; later slots of its run move back into the hole (no tombstones)."""
+        n = self.geometry.index_slots
+        hole, found = probe_path(self.read_slot, digest, n)
+        if hole is None or found is None:
+            return
+        self._write_slot(hole, None)
+        j = (hole + 1) & (n - 1)
+        while True:
+            used, slot = self.read_slot(j)
+            if not used or slot is None:
+                return
+            home = slot_home(slot.digest, n)
+            # can the entry at j move into the hole? (its home is not in (hole, j])
+            if (j - home) % n >= (j - hole) % n:
+                self._write_slot(hole, slot)
+                self._write_slot(j, None)
+                hole = j
+            j = (j + 1) & (n - 1)
+
+    # -- records ----------------------------------------------------------------
+    def payload(self, offset: int, n_tokens: int, fp_len: int, payload_len: int) -> memoryview:
+        """Where the payload of the record at ``offset`` goes; filled before ``write_record``."""
+        _, _, pay_off, _ = record_layout(n_tokens, fp_len, payload_len)
+        return memoryview(self.mm)[offset + pay_off : offset + pay_off + payload_len]
+
+    def write_record(
+        self,
+        offset: int,
+        gen: int,
+        key: bytes,
+        root: bytes,
+        n_chunks: int,
+        fingerprint: bytes,
+        tokens: bytes,
+        payload_len: int,
+        payload_xxh3: int,
+        created: float,
+        publisher: int,
+    ) -> None:
+        """Write the fingerprint, token ids and header of a record whose payload is in place.
+
+        ``tokens`` are the raw little-endian int32 ids; ``publisher`` the uid that put it.
+        The header goes last, with its metadata checksum over header, fingerprint and
+        token ids.
+        """
+        n_tokens = len(tokens) // 4
+        fp_off, tok_off, pay_off, _ = record_layout(n_tokens, len(fingerprint), payload_len)
+        self.mm[offset + fp_off : offset + fp_off + len(fingerprint)] = fingerprint
+        self.mm[offset + tok_off : offset + tok_off + len(tokens)] = tokens
+        hdr = bytearray(
+            _REC.pack(
+                REC_MAGIC,
+                FORMAT_VERSION,
+                0,
+                gen,
+                key,
+                root,
+                n_tokens,
+                n_chunks,
+                len(fingerprint),
+                tok_off,
+                pay_off,
+                payload_len,
+                payload_xxh3,
+                0,
+                created,
+                publisher,
+            )
+        )
+        _U64.pack_into(hdr, _META_CSUM_OFF, meta_checksum(bytes(hdr), fingerprint, tokens))
+        self.mm[offset : offset + len(hdr)] = hdr
+
+    def zap_record(self, offset: int) -> None:
+        """Clear a freed record's magic: a stale lookup fails at the header, not at a checksum."""
+        self.mm[offset : offset + 4] = b"\0\0\0\0"

@@ -1,0 +1,30 @@
+"""What runs in a process that holds a llama-cpp-python ``Llama``: restore prompt state
+from the arena before prefill, publish new state after it.
+
+``shmkv.llama`` is the public face (``attach``, ``SharedCacheLlama``, ...); the mechanism is
+in the modules of this package: ``cache.py`` (the cache object and one call's steps),
+``hooks.py`` (the hooks on a ``Llama``), ``restore.py``, ``capture.py``, ``policy.py`` (which
+state a prompt restores and publishes: pure), ``kvstate.py`` (llama.cpp state in and out),
+``publisher.py``, ``fingerprint.py``, ``tenant.py``, ``counters.py`` and ``cpu/`` (the CPU
+budget). Nothing here imports the supervisor.
+"""
+
+from shmkv.llama.cache import (
+    SharedCacheLlama,
+    SharedPrefixCache,
+    attach,
+    close_all,
+    key_root,
+    live_caches,
+    model_fingerprint,
+)
+
+__all__ = [
+    "SharedCacheLlama",
+    "SharedPrefixCache",
+    "attach",
+    "close_all",
+    "key_root",
+    "live_caches",
+    "model_fingerprint",
+]

@@ -1,0 +1,729 @@
+"""llama-cpp-python integration: restore prompt state from the arena, publish new state.
+
+Runs inside a worker, around its own ``llama_cpp.Llama``. Every completion and
+chat completion of llama-cpp-python goes through ``Llama.generate``, so that is
+the one hook:
+
+* before prefill, the longest cached prefix of the prompt is found in the
+  arena (lock-free), leased, checked (fingerprint, token ids, checksums) and
+  restored with ``llama_state_seq_set_data`` straight from the read-only
+  mapping; ``input_ids``/``n_tokens`` are set so that llama-cpp-python only
+  evaluates the rest;
+* at the first generated token the KV cache holds exactly the prompt: its
+  state is copied into a memfd (one memcpy) and handed to a background thread
+  that passes it to the supervisor; the same happens for prompt + completion
+  when the generation ends, so the next turn of a chat continues anywhere.
+
+Keys are chained from a root digest of everything that makes a blob
+restorable here (``fingerprint.py``) and the caller's namespace, narrowed per call
+by its tenant (``tenant.py``): a call finds and publishes only its tenant's records,
+and a context that holds another tenant's cells is wiped before the call uses it.
+Which record
+to restore and which checkpoints to publish is planned in ``policy.py``; the
+state moves in and out of llama.cpp in ``kvstate.py``; one restore is carried
+out and counted in ``restorer.py``; the hooks on ``Llama`` are in ``hooks.py``;
+where a chat's messages start (checkpoints for sliding windows) in ``boundaries.py``;
+``publisher.py`` talks to the supervisor off the token path. This module wires
+them together and keeps the worker's counters (``shmkv.core.stats``). Any failure
+of the cache (no supervisor, mismatch, corrupt blob, failed ``set_data``) is
+logged once, counted, and costs a cold prefill: generation never fails because of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+from llama_cpp import llama_cpp as lc
+
+from shmkv.core.arena import chain_digests, common_prefix
+from shmkv.core.client import Client
+from shmkv.core.config import Settings, resolve, trusted_uids
+from shmkv.core.errors import ArenaCorruptError, ShmkvError
+from shmkv.core.stats import CallStats
+from shmkv.llama import boundaries, capture, hooks, kvstate, policy, tenant
+from shmkv.llama.counters import Ledger
+from shmkv.llama.cpu.budget import CpuBudget
+from shmkv.llama.fingerprint import key_root, model_fingerprint
+from shmkv.llama.publisher import Publisher
+from shmkv.llama.restore import Restorer
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "SharedCacheLlama",
+    "SharedPrefixCache",
+    "attach",
+    "close_all",
+    "key_root",
+    "live_caches",
+    "model_fingerprint",
+]
+
+#: claim a prefill (and wait for another worker's) only if at least this many chunks remain
+COALESCE_MIN_CHUNKS = 2
+#: prefills shorter than this do not count towards the measured prefill speed
+PREFILL_SAMPLE_MIN = 64
+
+_LIVE: weakref.WeakSet[SharedPrefixCache] = weakref.WeakSet()
+
+
+def live_caches() -> list[SharedPrefixCache]:
+    """Caches attached in this process (for health checks and shutdown hooks)."""
+    return list(_LIVE)
+
+
+def close_all() -> None:
+    """Flush and close every cache of this process (e.g. from gunicorn's worker_exit)."""
+    for cache in live_caches():
+        try:
+            cache.close()
+        except Exception:  # shutting down: never fail the exit path
+            log.debug("closing a shmkv cache failed", exc_info=True)
+
+
+class Call:
+    """One ``generate`` call: its prompt, the prompt's digest chain, and its steps.
+
+    What belongs to one call lives here, not on the cache: the divergence checkpoint
+    the plan asked for, whether a corrupt record was met, the digests it claimed.
+    Its steps go through the cache's ``restore_or_claim`` and ``capture``.
+    """
+
+    def __init__(
+        self, cache: SharedPrefixCache, tokens: Sequence[int], prompt_logits: bool = False
+    ) -> None:
+        self.cache = cache
+        self.tokens = tokens
+        self.prompt = np.asarray(tokens, dtype=np.int32)
+        #: the key root of this call's tenant (the one in effect when the call started)
+        self.root = cache.root_for(tenant.current())
+        #: the caller reads the logits of the prompt's tokens (``echo`` with ``logprobs``):
+        #: only tokens this context evaluated itself may be kept, none restored
+        self.prompt_logits = prompt_logits
+        #: the guard's number for this call (``ContextGuard.begin``)
+        self.generation = 0
+        self._chains: dict[int, list[bytes]] = {}
+        #: publish the state of this many prompt tokens during the prefill (0: none)
+        self.checkpoint_at = 0
+        #: where the prompt's chat messages start (``hint_boundaries``): checkpoints there
+        self.boundaries: tuple[int, ...] = ()
+        #: met a corrupt record: publish a good copy even if one seems cached
+        self.republish = False
+        #: chunk digests this call claimed: other workers wait for their publish
+        self.claimed: list[bytes] | None = None
+        #: when the prefill began (perf_counter), to measure the model's prefill speed
+        self.prefill_started = time.perf_counter()
+
+    def is_for(self, tokens: Sequence[int], root: bytes) -> bool:
+        """Whether this is the call of ``tokens`` by the tenant whose root is ``root``."""
+        if root != self.root:
+            return False
+        return tokens is self.tokens or (
+            len(tokens) == len(self.prompt)
+            and np.array_equal(np.asarray(tokens, dtype=np.int32), self.prompt)
+        )
+
+    def digests(self, chunk: int) -> list[bytes]:
+        """The prompt's digest chain, computed once (per chunk size)."""
+        chain = self._chains.get(chunk)
+        if chain is None:
+            chain = self._chains[chunk] = chain_digests(self.root, self.prompt, chunk)
+        return chain
+
+    def digests_of(self, tokens: np.ndarray, chunk: int) -> list[bytes]:
+        """The digest chain of other ``tokens`` (a prefix of the prompt, or the prompt
+        and its completion), reusing the prompt's as far as they agree."""
+        known = self._chains.get(chunk)
+        shared = common_prefix(tokens, self.prompt) // chunk if known is not None else 0
+        if known is None or not shared:
+            return chain_digests(self.root, tokens, chunk)
+        head = known[:shared]  # (each digest chains from the one before it)
+        return head + chain_digests(head[-1], tokens[shared * chunk :], chunk)
+
+    def coalesce(self) -> int:
+        """Restore; then, if a long prefill remains, claim it (other workers wait for its
+        publish) or wait for whoever claimed it and restore again."""
+        cache = self.cache
+        if self.prompt_logits:  # a restore brings cells, not the logits of their tokens
+            return cache.keep_local(self.prompt, limit=cache.scores_valid)
+        reused = self.fetch(cache.restore(self.tokens))
+        budget = cache.settings.coalesce_wait
+        chunk = cache.chunk_tokens if budget > 0 else None
+        if chunk is None:
+            return reused
+        deadline = time.monotonic() + budget
+        for _ in range(4):
+            start = reused // chunk
+            left = deadline - time.monotonic()
+            if len(self.prompt) // chunk - start < COALESCE_MIN_CHUNKS or left <= 0:
+                return reused
+            digests = self.digests(chunk)[start:]
+            t0 = time.perf_counter()
+            try:
+                status = cache.reader.claim(digests, left)
+            except ShmkvError as e:
+                cache.ledger.fail("claim failed", e)
+                return reused
+            if status == "go":
+                self.claimed = digests
+                return reused
+            cache.last.coalesce_wait_seconds += time.perf_counter() - t0
+            cache.ledger.add(coalesced_waits=1)
+            reused = cache.restore(self.tokens)
+            if status == "timeout":
+                return reused
+        return reused
+
+    def fetch(self, reused: int) -> int:
+        """On a miss, or a hit much shorter than the prompt, ask the supervisor to fetch a
+        longer prefix from ``--remote`` (one round trip, bounded wait); restore it if it
+        came. Returns the prompt tokens now in the context."""
+        cache = self.cache
+        chunk, wait = cache.chunk_tokens, float(getattr(cache.settings, "remote_wait", 0.0))
+        if not chunk or wait <= 0 or not cache.reader.attach_info.get("remote"):
+            return reused
+        if len(self.prompt) - reused < COALESCE_MIN_CHUNKS * chunk:
+            return reused
+        t0 = time.perf_counter()
+        try:
+            status = cache.reader.fetch(self.root, self.prompt, reused, wait, cache.prefill_tps)
+        except ShmkvError as e:
+            cache.ledger.fail("fetch failed", e)
+            return reused
+        cache.last.remote = status
+        cache.last.remote_wait_seconds = time.perf_counter() - t0
+        cache.ledger.add(remote_asked=1)
+        if status != "fetched":
+            return reused
+        again = cache.restore(self.tokens)
+        if again > reused:
+            cache.ledger.add(remote_restored=1)
+        return max(again, reused)
+
+    def run(self, orig_generate: Any, reset: bool, kwargs: dict[str, Any]) -> Iterator[int]:
+        """Restore, prefill with checkpoints, generate, publish; yields the tokens.
+
+        Each step between two tokens holds the cache's context guard; the consumer may
+        run the steps on different threads, one at a time.
+        """
+        cache, tokens = self.cache, self.tokens
+        vocab = lc.llama_model_get_vocab(cache.llm.model)
+        with cache.guard:
+            self.generation = cache.guard.begin()
+            stats = cache.last = CallStats(prompt_tokens=len(tokens), started_at=time.monotonic())
+            cache.ledger.add(calls=1)
+            cache.call = self
+            cache._release_orphaned_claims()
+            cache.enter(self.root, reset)
+            in_context = self._prepare(reset)
+            gen = orig_generate(tokens, reset=reset, **kwargs)
+        first = True
+        prompt_capture = False  # due once the first token is out (off the TTFT path)
+        try:
+            sent = None
+            while True:
+                with cache.guard:
+                    if prompt_capture:
+                        prompt_capture = False
+                        self._capture_prompt()
+                    try:
+                        tok = gen.send(sent) if sent is not None else next(gen)
+                    except StopIteration:
+                        return
+                    if first:
+                        first = False
+                        stats.first_token_at = time.monotonic()
+                        self._prefilled(in_context)
+                        prompt_capture = True
+                if not lc.llama_vocab_is_eog(vocab, tok):  # (completions stop at one)
+                    stats.completion_tokens += 1
+                sent = yield tok
+        finally:
+            self._finish(gen, first, prompt_capture)
+
+    def _prepare(self, reset: bool) -> int:
+        """Restore (or claim) and prefill up to the checkpoints; the tokens in context."""
+        cache, tokens = self.cache, self.tokens
+        reused = 0
+        if reset and tokens:
+            try:
+                reused = cache.restore_or_claim(tokens)
+            except Exception as e:  # the cache must never break generation
+                cache.ledger.fail("restore error", e)
+                cache._go_cold()
+        cache.last.tokens_reused_local = max(0, reused - cache.last.tokens_restored)
+        if cache.last.tokens_reused_local:
+            cache.ledger.add(tokens_reused_local=cache.last.tokens_reused_local)
+        self.prefill_started = time.perf_counter()
+        in_context = reused  # (what the checkpoint prefill evaluates counts as evaluated)
+        if reset and tokens:
+            in_context = min(in_context, self._prefill_checkpoints(reused))
+        return in_context
+
+    def _finish(self, gen: Any, first: bool, prompt_capture: bool) -> None:
+        """The call ended or was closed: publish what it computed, end its claims.
+
+        Only with the context guard, and only if no other call has started since: a
+        stream its reader abandoned may be closed late, on another thread, while the
+        context is in use or holds another call's cells. Its capture is then dropped
+        (and counted) and its claims are ended by the next call.
+        """
+        cache = self.cache
+        if cache.publisher.on_its_thread() or not cache.guard.try_hold(self.generation):
+            gen.close()  # (llama-cpp-python's generate has no cleanup of its own)
+            if prompt_capture or not first:
+                cache.ledger.add(captures_dropped=1)
+            if self.claimed:
+                cache._orphan_claims(self.claimed)
+                self.claimed = None
+            cache.publisher.report_soon()
+            return
+        try:
+            gen.close()
+            if prompt_capture:  # stopped right after the first token: the KV is the prompt
+                self._capture_prompt()
+            elif not first:  # prompt + completion: worth a blob if it adds a chunk or more
+                self._safe_capture(min_new=cache.chunk_tokens or 1, covered=len(self.tokens))
+            elif self.claimed:  # ended before the prompt was evaluated
+                claimed, self.claimed = self.claimed, None
+                cache._unclaim(claimed)
+        finally:
+            cache.guard.release()
+        cache.publisher.report_soon()
+
+    def _prefill_checkpoints(self, reused: int) -> int:
+        """Prefill up to each checkpoint the policy wants, publishing the state at each.
+
+        Returns the tokens now in the context. llama-cpp-python's own batching, from
+        where its own prefix match would start, so the numbers are one eval's.
+        """
+        cache, llm, tokens = self.cache, self.cache.llm, self.tokens
+        plan = cache.policy.checkpoints(
+            len(tokens), reused, self.checkpoint_at, cache.chunk_tokens, self.boundaries
+        )
+        self.checkpoint_at = 0
+        if plan.aligned is not None:
+            cache._aligned = plan.aligned
+        if not plan.points:
+            return reused
+        try:
+            llm.n_tokens = min(reused, len(tokens) - 1)
+            for p in plan.points:
+                llm.eval(tokens[llm.n_tokens : p])
+                if cache.capture(n_tokens=p, min_new=plan.min_new):
+                    cache.ledger.add(checkpoints=1)
+                    if p in self.boundaries:
+                        cache.ledger.add(boundary_checkpoints=1)
+                    cache.last.checkpoint = p
+                    cache.last.checkpoints.append(p)
+            return llm.n_tokens
+        except Exception as e:  # never break generation: go cold
+            cache.ledger.fail("checkpoint failed", e)
+            cache._go_cold()
+            return 0
+
+    def _prefilled(self, in_context: int) -> None:
+        """At the first token: count what was evaluated, tell ``on_prefill``."""
+        cache, n_prompt = self.cache, len(self.tokens)
+        evaluated = max(0, n_prompt - in_context)
+        if in_context >= n_prompt:
+            evaluated = 1  # llama-cpp-python replays the last token for logits
+        cache.last.tokens_evaluated = evaluated
+        cache.measured_prefill(evaluated, time.perf_counter() - self.prefill_started)
+        cache.ledger.add(tokens_evaluated=evaluated)
+        if cache.on_prefill is not None:
+            try:
+                cache.on_prefill(cache)
+            except Exception as e:
+                cache.ledger.fail("on_prefill callback failed", e)
+
+    def _capture_prompt(self) -> None:
+        """Publish the prompt's state (the KV holds exactly the prompt), end our claims."""
+        claimed, self.claimed = self.claimed, None
+        queued = self.cache.llm.n_tokens == len(self.tokens) and self._safe_capture(claimed)
+        if claimed and not queued:
+            self.cache._unclaim(claimed)
+
+    def _safe_capture(
+        self, claimed: list[bytes] | None = None, min_new: int = 1, covered: int = 0
+    ) -> bool:
+        try:
+            return self.cache.capture(claimed=claimed, min_new=min_new, covered=covered)
+        except Exception as e:
+            self.cache.ledger.fail("publish failed", e)
+            return False
+
+
+class SharedPrefixCache:
+    """Connects one ``Llama`` to a shmkv arena; see the module docstring."""
+
+    def __init__(
+        self,
+        llm: llama_cpp.Llama,
+        name: str | None = None,
+        namespace: str | None = None,
+        socket_path: str | None = None,
+        min_tokens: int | None = None,
+        settings: Settings | None = None,
+        publish: bool = True,
+        verify: bool = True,
+        max_pending: int = 2,
+        exact: bool | None = None,
+    ) -> None:
+        if settings is None:
+            settings = resolve(
+                "client",
+                {
+                    "name": name,
+                    "socket": socket_path,
+                    "namespace": namespace,
+                    "min_tokens": min_tokens,
+                    "exact": exact,
+                },
+            )
+        self.llm = llm
+        self.settings = settings
+        self.namespace: str = settings.namespace
+        self.fingerprint = model_fingerprint(llm)
+        #: sliding-window width (0: none); such states keep only the window of those layers
+        self.n_swa = max(0, int(lc.llama_model_n_swa(llm.model)))
+        #: exact mode: restore only at multiples of n_batch (see ``policy.Exact``)
+        self.exact: bool = bool(settings.exact)
+        self.align = max(1, int(llm.n_batch))
+        # exact-mode states live under their own keys: fast-mode ones were not computed in
+        # whole batches
+        self.root = key_root(
+            self.fingerprint + (b"|exact|%d" % self.align if self.exact else b""), self.namespace
+        )
+        #: the key root of the tenant whose calls computed the context's cells (None:
+        #: mixed, a continuation across tenants: nothing of it is published)
+        self.context_root: bytes | None = self.root
+        self.publish_enabled = publish
+        self.verify = verify
+        #: publishers trusted besides our uid and the supervisor's (None: everyone)
+        self._trusted = trusted_uids(getattr(settings, "trust_publishers", ""))
+        self.policy = policy.strategy(
+            policy.Rules(
+                n_swa=self.n_swa,
+                exact=self.exact,
+                align=self.align,
+                min_tokens=settings.min_tokens,
+                publish=publish,
+                checkpoint_tail=settings.checkpoint_tail,
+            )
+        )
+        #: leading context tokens computed in whole, aligned batches (exact mode)
+        self._aligned = 0
+        self.ledger = Ledger(log)
+        #: the labels of this cache's counters in the supervisor's metrics: the model's
+        #: alias (``workers/app.py`` sets the served alias) and the namespace
+        self.ledger.labels = (Path(str(getattr(llm, "model_path", "") or "")).stem, self.namespace)
+        #: this worker's running totals (``shmkv.core.stats.WorkerCounters``)
+        self.totals = self.ledger.totals
+        self.reader = Client(settings=settings)
+        self.publisher = Publisher(
+            settings, self.fingerprint, self.ledger, self._publish_failed, max_pending
+        )
+        self.last = CallStats()
+        #: the current (or last) call
+        self.call: Call | None = None
+        #: one step of one call touches the context at a time (see ``kvstate.ContextGuard``)
+        self.guard = kvstate.ContextGuard()
+        self._restorer = Restorer(self)
+        #: claims of calls closed late, for the next call to end (on the reader's thread)
+        self._orphaned: list[list[bytes]] = []
+        #: the context keeps every token's logits (``Llama(logits_all=True)``)
+        self.logits_all = bool(getattr(llm, "_logits_all", False))
+        #: leading rows of ``llm.scores`` that hold the logits of ``llm.input_ids`` (a
+        #: restore sets tokens and cells, not the logits of those tokens)
+        self.scores_valid = 0
+        #: set by the hooked ``_create_completion`` for the generate call it makes, on
+        #: its thread: whether that call reads the prompt's logits (None: not known)
+        self._completion = threading.local()
+        self._closed = False
+        #: this context's measured prefill speed, tokens/s (0: not measured yet); the
+        #: supervisor weighs a fetch from --remote against it
+        self.prefill_tps = 0.0
+        #: called with this cache at the first token of every call (``last`` is filled)
+        self.on_prefill: Callable[[SharedPrefixCache], None] | None = None
+        #: the deployment's CPU budget its evals run on (``shmkv.llama.cpu.budget``; None: the
+        #: context's own threads)
+        self.cpu: CpuBudget | None = None
+        #: token prefixes hinted for the next call (``hint_boundaries``)
+        self.hints = boundaries.Hints()
+        #: renders a chat's leading messages (``create_chat_completion``), where it helps
+        self.chat_boundaries = (
+            boundaries.ChatBoundaries(llm) if self.policy.wants_boundaries else None
+        )
+        _LIVE.add(self)
+        try:  # attach now (after fork, at model load), not on the first request
+            self.reader.ensure()
+        except ArenaCorruptError as e:  # e.g. a damaged header: say so, not "unavailable"
+            self.ledger.fail("corrupt arena", e)
+        except ShmkvError as e:
+            self.ledger.fail("supervisor unavailable", e)
+
+    @property
+    def writer(self) -> Client:
+        """The publisher's connection (puts and counter reports)."""
+        return self.publisher.writer
+
+    @property
+    def chunk_tokens(self) -> int | None:
+        try:
+            return self.reader.view.geometry.chunk_tokens
+        except ShmkvError:
+            return None
+
+    def trust(self) -> policy.Trust:
+        """Whose states this worker restores: its own uid's, the supervisor's, and those of
+        ``--trust-publishers`` (everyone's with ``*``)."""
+        extra = self._trusted
+        if extra is None:
+            return policy.EVERYONE
+        sup = self.reader.supervisor_uid
+        return policy.Trust(frozenset({os.geteuid(), *extra, *([] if sup is None else [sup])}))
+
+    def _owners(self, trust: policy.Trust) -> policy.Owners:
+        """The supervisor's ``owners``, for records of trusted publishers only."""
+        uids = None if trust.uids is None else sorted(trust.uids)
+        return lambda digest, tokens: self.reader.owners(digest, tokens, uids)
+
+    def root_for(self, who: tenant.Tenant | None) -> bytes:
+        """The key root of calls by tenant ``who`` (None: the deployment's own)."""
+        return self.root if who is None else who.root(self.root)
+
+    def enter(self, root: bytes, reset: bool = True) -> None:
+        """A call of the tenant whose key root is ``root`` is about to use the context.
+
+        If another tenant's calls computed its cells, they are wiped: this call reuses
+        none of them (a faster answer would tell it they were there). A continuation
+        (``reset`` False: the caller asked to go on from the context as it is) keeps
+        them, and the context is then nobody's: nothing of it is published.
+        """
+        if self.context_root == root:
+            return
+        if not reset:
+            self.context_root = None
+            return
+        if self.llm.n_tokens:
+            self.ledger.add(tenant_switches=1)
+        kvstate.forget(self.llm, wipe=True)
+        self._aligned = 0
+        self.scores_valid = 0
+        self.context_root = root
+
+    def measured_prefill(self, tokens: int, seconds: float) -> None:
+        """Fold one prefill of ``tokens`` in ``seconds`` into :attr:`prefill_tps`."""
+        if tokens < PREFILL_SAMPLE_MIN or seconds <= 0:
+            return  # (a short prefill is dominated by fixed costs)
+        tps = tokens / seconds
+        self.prefill_tps = tps if not self.prefill_tps else 0.7 * self.prefill_tps + 0.3 * tps
+
+    def _go_cold(self) -> None:
+        """Forget the context's tokens: llama-cpp-python prefills the whole prompt."""
+        kvstate.forget(self.llm)
+        self._aligned = 0
+
+    # ---------------------------------------------------------------- restore
+    def _call_for(self, tokens: Sequence[int]) -> Call:
+        root = self.root_for(tenant.current())
+        if self.call is None or not self.call.is_for(tokens, root):
+            self.call = Call(self, tokens)
+        return self.call
+
+    def restore(self, tokens: Sequence[int]) -> int:
+        """Restore the longest usable cached prefix of ``tokens`` if it beats the context's own
+        (the current tenant's records only; another tenant's cells in the context are wiped).
+
+        Returns the number of tokens now in the context that match ``tokens``.
+        """
+        call = self._call_for(tokens)
+        self.enter(call.root)
+        return self._restorer.restore(call)
+
+    def keep_local(
+        self, prompt: np.ndarray, held: int | None = None, limit: int | None = None
+    ) -> int:
+        """How many of its own tokens the context keeps for ``prompt``; cuts it to that
+        where the policy (or ``limit``, a cap on what it may keep) says so."""
+        llm = self.llm
+        if held is None:
+            ids = np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32)
+            held = common_prefix(ids, prompt)
+        if limit is not None:
+            held = min(held, limit)
+        pos_min = kvstate.pos_min(llm) if held and self.n_swa > 0 else -1
+        local, cut = self.policy.keep_local(policy.Local(held, pos_min, self._aligned), len(prompt))
+        if (cut or limit is not None) and local < llm.n_tokens:
+            llm.n_tokens = local
+        return local
+
+    def restore_or_claim(self, tokens: Sequence[int]) -> int:
+        """Restore, and if a long prefill remains, claim it or wait for whoever claimed it.
+
+        Returns the number of prompt tokens already in the context.
+        """
+        return self._call_for(tokens).coalesce()
+
+    def _unclaim(self, digests: list[bytes]) -> None:
+        try:
+            self.reader.unclaim(digests)
+        except ShmkvError as e:
+            log.debug("unclaim failed: %s", e)
+
+    def _orphan_claims(self, digests: list[bytes]) -> None:
+        """Claims of a call closed late, on any thread: the next call ends them."""
+        self._orphaned.append(digests)  # (list.append is atomic)
+
+    def _release_orphaned_claims(self) -> None:
+        while self._orphaned:
+            self._unclaim(self._orphaned.pop())
+
+    # ---------------------------------------------------------------- publish
+    def capture(
+        self,
+        n_tokens: int | None = None,
+        pin: bool = False,
+        claimed: list[bytes] | None = None,
+        min_new: int = 1,
+        covered: int = 0,
+    ) -> bool:
+        """Copy the context's current sequence state and queue it for the supervisor, if
+        it adds ``min_new`` tokens to what is cached and to ``covered`` (``capture.py``)."""
+        return capture.capture(self, n_tokens, pin, claimed, min_new, covered)
+
+    def _publish_failed(self, err: BaseException, claimed: list[bytes] | None) -> None:
+        """On the publisher thread: a put failed."""
+        self.ledger.fail("publish failed", err)
+        self.ledger.add(publish_failures=1)
+        if claimed:  # nobody else will index them: let the waiters go
+            self._unclaim(claimed)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until queued publishes and counters reached the supervisor."""
+        return self.publisher.flush(timeout)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.publisher.close()
+        self.reader.close()
+        if self.cpu is not None:
+            self.cpu.close()
+
+    def hint_boundaries(self, prefixes: Sequence[Sequence[int] | np.ndarray]) -> None:
+        """Message boundaries of the next call's prompt, as token prefixes of it: a model
+        whose states cannot be cut back (sliding windows) publishes a checkpoint where
+        its prompt stops matching each (those worth it), which later prompts sharing that
+        much restore whole (a prefix the prompt does not match is ignored:
+        ``boundaries.Hints``). The hooked
+        ``create_chat_completion`` hints each chat (``boundaries.py``); for a prompt of
+        your own, ``hint_boundaries([tokens[:n1], tokens[:n2]])`` before
+        ``create_completion(tokens)``.
+        """
+        self.hints.add(prefixes)
+
+    def generate(
+        self, orig_generate: Any, tokens: Sequence[int], reset: bool = True, **kwargs: Any
+    ) -> Iterator[int]:
+        """The body of the hooked ``Llama.generate``."""
+        wants = hooks.take_prompt_logits(self)
+        # (a generate call that did not come through a completion may read any logits)
+        call = Call(self, list(tokens), prompt_logits=self.logits_all and wants is not False)
+        call.boundaries = self.hints.take(call.prompt)
+        return (yield from call.run(orig_generate, reset, kwargs))
+
+    def eval(self, orig_eval: Any, tokens: Sequence[int]) -> None:
+        """The body of the hooked ``Llama.eval``: under the guard, and keeping count of the
+        logits rows it fills (``scores_valid``)."""
+        hooks.run_eval(self, orig_eval, tokens)
+
+    def completion(self, orig: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """The body of the hooked ``Llama._create_completion``: tells the generate call it
+        makes (on this thread) whether it reads the prompt's logits."""
+        return hooks.run_completion(self, orig, *args, **kwargs)
+
+    def chat_completion(self, orig: Any, *args: Any, **kwargs: Any) -> Any:
+        """The body of the hooked ``Llama.create_chat_completion``: hints where the
+        messages of its prompt start (``boundaries.py``)."""
+        return hooks.run_chat_completion(self, orig, *args, **kwargs)
+
+
+def attach(
+    llm: llama_cpp.Llama,
+    name: str | None = None,
+    namespace: str | None = None,
+    socket_path: str | None = None,
+    **kwargs: Any,
+) -> SharedPrefixCache:
+    """Make an existing ``Llama`` share prompt state through the arena ``name``.
+
+    Returns the cache object (also at ``llm.shmkv``); ``llm.shmkv.last`` tells what
+    the last call restored and evaluated.
+    """
+    existing = getattr(llm, "shmkv", None)
+    if isinstance(existing, SharedPrefixCache):
+        return existing
+    cache = SharedPrefixCache(
+        llm, name=name, namespace=namespace, socket_path=socket_path, **kwargs
+    )
+    hooks.install(cache, llm)
+    llm.shmkv = cache  # type: ignore[attr-defined]
+    return cache
+
+
+class SharedCacheLlama(llama_cpp.Llama):
+    """A drop-in ``llama_cpp.Llama`` whose prompts are shared through a shmkv arena.
+
+    Extra keyword arguments: ``shmkv_name``, ``shmkv_namespace``, ``shmkv_socket``,
+    ``shmkv_min_tokens``, ``shmkv_exact``. ``self.shmkv.last`` tells what the last call
+    restored.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        shmkv_name: str | None = None,
+        shmkv_namespace: str | None = None,
+        shmkv_socket: str | None = None,
+        shmkv_min_tokens: int | None = None,
+        shmkv_exact: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.shmkv = SharedPrefixCache(
+            self,
+            name=shmkv_name,
+            namespace=shmkv_namespace,
+            socket_path=shmkv_socket,
+            min_tokens=shmkv_min_tokens,
+            exact=shmkv_exact,
+        )
+
+    def generate(  # type: ignore[override]
+        self,
+        tokens: Sequence[int],
+        reset: bool = True,
+        **kwargs: Any,
+    ) -> Iterator[int]:
+        return self.shmkv.generate(super().generate, tokens, reset=reset, **kwargs)
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        self.shmkv.eval(super().eval, tokens)
+
+    def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        return self.shmkv.completion(super()._create_completion, *args, **kwargs)
+
+    def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
+        return self.shmkv.chat_completion(super().create_chat_completion, *args, **kwargs)

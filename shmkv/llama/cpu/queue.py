@@ -1,0 +1,164 @@
+"""Which prefill of a CPU budget gets the cores first: the one with the least left to do.
+
+Runs inside each worker, under its :class:`~shmkv.llama.cpu.budget.CpuBudget` (one queue slot per
+llama context). Decode steps do not queue here: they take a free core as they come.
+
+Why: when several workers prefill at once on a budget of a few cores, sharing the cores
+between them makes every one of them as late as the last (four 1,000-token prompts on two
+cores all answer after about four prefill times). Giving the cores to the prefill with the
+fewest tokens left, one at a time, answers the first after one prefill time, the second
+after two, and so on, and lets a short suffix (an arena hit evaluating its question) pass
+a long cold prompt at its next batch: the mean time to first token falls, the total work
+is the same. A prefill that has waited long moves up (``AGING_TOKENS_PER_SECOND``), so a
+stream of short ones cannot starve a long one; the budget's ``--cpu-wait`` still bounds
+every wait.
+
+How: a board of :data:`SLOTS` records in the budget file, past the cores' lock bytes.
+Each handle owns one record for its life by holding an open-file-description write lock
+on the record's lock byte; the kernel drops a dead process's locks, so a record whose
+lock nobody holds is ignored whatever it says. A record is what the handle's current
+prefill still has to evaluate (tokens), how many cores its next batch wants, since when
+it has been in line (``CLOCK_MONOTONIC``, one clock for all processes), and whether it
+waits or runs. A decode step that finds no free core posts itself too (one token left: it
+goes first), so that a prefill's next batch leaves it a core. A prefill posts itself as
+waiting *before* it gives back the cores of one batch, so that a longer prefill woken by
+the release sees it and lets it take the cores for its next batch.
+
+What a record can do: a stale, torn or forged one (only our uid can open the file,
+``cpubudget._check_file``) can make a waiter defer when it need not, for at most a poll
+interval and never past ``--cpu-wait``, or stop waiting when it need not (one call then
+runs one thread past the budget); it cannot take or hold a core, which are only ever the
+core bytes' locks.
+
+Holders that make no progress: a record that runs (a prefill batch or a decode step)
+carries when it began (its stamp) and how long its holder expects it to take (from its
+own last batches). A running record older than :func:`stall_bound` of that is stalled: a
+stopped process (SIGSTOP, a paused container, a debugger) keeps its locks, and so its
+cores, but uses no CPU. Waiters count a stalled holder's cores as free for admission
+(:meth:`Queue.stalled`); the locks still decide who holds a core, and the kernel still
+frees a dead holder's.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import struct
+import time
+
+from shmkv.llama.cpu.ofd import is_held, lock
+
+#: records in the board: the most contexts that queue by priority at once (more: they
+#: take cores in arrival order, as without a queue)
+SLOTS = 64
+#: file offset of the records (the cores' lock bytes are 0..cores-1)
+BOARD_OFFSET = 1 << 20
+#: lock byte of record i: LOCK_BASE + i (past the cpubudget's users byte)
+LOCK_BASE = (1 << 40) + 4096
+#: a waiting prefill's priority improves by this many tokens per second in line
+AGING_TOKENS_PER_SECOND = 256.0
+#: a running record is stalled once older than this many times what its holder expected
+STALL_FACTOR = 4.0
+#: ... and at least this many seconds old
+STALL_MIN_SECONDS = 1.0
+#: a running record whose holder expected nothing yet (its first batch) is stalled after
+STALL_UNKNOWN_SECONDS = 5.0
+
+IDLE, WAITING, RUNNING = 0, 1, 2
+#: since (monotonic seconds), tokens left, cores wanted (running: held), state,
+#: stamp (monotonic seconds the run began), expected seconds of the run (0: unknown)
+REC = struct.Struct("=dqiidd")
+
+
+def stall_bound(expect: float) -> float:
+    """Seconds after which a run its holder expected to take ``expect`` s (0: unknown) is
+    stalled."""
+    if not (math.isfinite(expect) and expect > 0):
+        return STALL_UNKNOWN_SECONDS
+    return max(STALL_MIN_SECONDS, STALL_FACTOR * expect)
+
+
+class Queue:
+    """One handle's record on the board of the budget file ``fd``."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.slot: int | None = None
+        self.since = 0.0
+        self.remaining = 0
+        for i in range(SLOTS):
+            if lock(fd, fcntl.F_WRLCK, LOCK_BASE + i):
+                self.slot = i
+                self._write(IDLE, 0, 0)
+                break
+
+    def _write(
+        self, state: int, remaining: int, want: int, stamp: float = 0.0, expect: float = 0.0
+    ) -> None:
+        if self.slot is not None:
+            rec = REC.pack(self.since, remaining, want, state, stamp, expect)
+            os.pwrite(self.fd, rec, BOARD_OFFSET + self.slot * REC.size)
+
+    def _key(self, remaining: int, since: float, now: float) -> float:
+        return remaining - AGING_TOKENS_PER_SECOND * (now - since)
+
+    def wait(self, remaining: int, want: int) -> None:
+        """In line for a batch, with ``remaining`` tokens left to evaluate."""
+        if self.remaining == 0:
+            self.since = time.monotonic()
+        self.remaining = remaining
+        self._write(WAITING, remaining, want)
+
+    def run(self, cores: int, expect: float = 0.0) -> None:
+        """Running on ``cores`` cores (0: none, past the budget), expecting to take
+        ``expect`` seconds (0: unknown), from now."""
+        self._write(RUNNING, self.remaining, cores, time.monotonic(), expect)
+
+    def done(self) -> None:
+        self.remaining = 0
+        self._write(IDLE, 0, 0)
+
+    def _others(self) -> list[tuple[int, float, int, int, int, float, float]]:
+        """Every other record on the board: (slot, since, remaining, want, state, stamp,
+        expect); none when
+        we have no record (the board is full: we queue by arrival, as without a board)."""
+        if self.slot is None:
+            return []
+        try:
+            raw = os.pread(self.fd, SLOTS * REC.size, BOARD_OFFSET)
+        except OSError:
+            return []
+        if len(raw) < SLOTS * REC.size:  # (a new file: the board was never written)
+            raw = raw.ljust(SLOTS * REC.size, b"\0")
+        return [(j, *rec) for j, rec in enumerate(REC.iter_unpack(raw)) if j != self.slot]
+
+    def ahead(self) -> tuple[int, int]:
+        """(cores wanted by live waiting prefills ahead of ours, waiting prefills in all)."""
+        now = time.monotonic()
+        mine = (self._key(self.remaining, self.since, now), self.since, self.slot)
+        wanted = waiting = 0
+        for j, since, remaining, want, state, _, _ in self._others():
+            if state != WAITING or want <= 0:
+                continue
+            waiting += 1
+            theirs = (self._key(remaining, since, now), since, j)
+            if theirs < mine and is_held(self.fd, LOCK_BASE + j):
+                wanted += min(int(want), 1 << 16)
+        return wanted, waiting
+
+    def waiting(self) -> int:
+        """Live-or-not waiting records other than ours (how many to wake)."""
+        return sum(1 for rec in self._others() if rec[4] == WAITING)
+
+    def stalled(self) -> int:
+        """Cores held by live running records older than their :func:`stall_bound`: their
+        holders make no progress (a stopped process keeps its locks)."""
+        now = time.monotonic()
+        cores = 0
+        for j, _, _, want, state, stamp, expect in self._others():
+            if state != RUNNING or want <= 0 or not math.isfinite(stamp):
+                continue
+            if now - stamp > stall_bound(expect) and is_held(self.fd, LOCK_BASE + j):
+                cores += min(int(want), 1 << 16)
+        return cores

@@ -1,0 +1,298 @@
+"""Sequence state in and out of a llama.cpp context: the mechanism under ``policy.py``.
+
+Runs inside a worker, on the thread that holds the context's :class:`ContextGuard`;
+the only module that calls llama.cpp's state API. :func:`apply` carries out a
+restore plan: it leases the planned record, checks it (fingerprint, token
+ids, payload checksum, the arena still whole, the lease still intact) and
+hands the payload straight from the read-only mapping to
+``llama_state_seq_set_data``; it decides nothing and counts nothing, but says
+what happened. :func:`copy_out` copies the context's state into a memfd for
+publishing; :func:`forget` makes the context start from scratch.
+llama-cpp-python uses sequence 0 only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+
+import llama_cpp
+import numpy as np
+from llama_cpp import llama_cpp as lc
+
+from shmkv.core.arena import Hit, common_prefix
+from shmkv.core.client import Blob, Client, Lease
+from shmkv.core.errors import (
+    ArenaCorruptError,
+    LeaseLost,
+    ModelMismatchError,
+    NotFound,
+    ShmkvError,
+    StateRefused,
+    UntrustedPublisher,
+)
+from shmkv.llama.policy import EVERYONE, Trust, context_allows_cut, window_allows_cut
+
+log = logging.getLogger(__name__)
+
+SEQ = 0
+
+
+class ContextGuard:
+    """Who may touch one llama.cpp context now, and whether its cells are still a call's.
+
+    A thread holds the guard while it runs a step of a call (restore, prefill, a
+    token, a capture); the thread that holds it may enter it again. llama-cpp-python's
+    server runs the steps of one stream on any thread of a pool, one at a time, under
+    its model lock; a stream it abandons is closed later, by the garbage collector,
+    on whatever thread that runs on, maybe while another call decodes. Such a late
+    close asks :meth:`try_hold`, which refuses while anyone holds the guard (that
+    thread included) and once another call has started (``generation``).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._depth = 0
+        #: bumped by :meth:`begin`: each call, and each evaluation outside a call
+        self.generation = 0
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the guard."""
+        return self._owner == threading.get_ident()
+
+    def __enter__(self) -> ContextGuard:
+        me = threading.get_ident()
+        if self._owner != me:
+            self._lock.acquire()
+            self._owner = me
+        self._depth += 1
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+            self._lock.release()
+
+    def begin(self) -> int:
+        """(Holding the guard.) The context's cells now belong to a new call: its number."""
+        self.generation += 1
+        return self.generation
+
+    def try_hold(self, generation: int) -> bool:
+        """Hold the guard, without waiting, if nobody does and the cells are still those of
+        call ``generation``; the caller then calls :meth:`release`."""
+        if self.held_here() or not self._lock.acquire(blocking=False):
+            return False
+        if self.generation != generation:
+            self._lock.release()
+            return False
+        self._owner, self._depth = threading.get_ident(), 1
+        return True
+
+
+def pos_min(llm: llama_cpp.Llama) -> int:
+    """The first position the context's KV cells still hold (-1: none)."""
+    return int(lc.llama_memory_seq_pos_min(lc.llama_get_memory(llm.ctx), SEQ))
+
+
+def forget(llm: llama_cpp.Llama, wipe: bool = False) -> None:
+    """Go cold: llama-cpp-python prefills the whole prompt on its next call.
+
+    ``wipe`` also clears the KV cells (after a restore left them half set).
+    """
+    if wipe:
+        lc.llama_memory_clear(lc.llama_get_memory(llm.ctx), False)
+    llm.n_tokens = 0
+    llm._requires_eval = True
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What applying a restore plan did: the tokens restored, or why none."""
+
+    restored: int = 0
+    #: (kind, message): the message only, never the exception, whose traceback would
+    #: tie the caller's frame (and the arena view in it) into a reference cycle that
+    #: keeps a replaced arena mapped until the cyclic GC runs
+    failure: tuple[str, str] | None = None
+    #: the failure is a restore failure (counted, and reported to the supervisor)
+    failed: bool = False
+    #: the record failed our checks; the supervisor was asked to re-check it
+    corrupt: bool = False
+    #: the record was evicted between the lookup and the lease
+    evicted: bool = False
+    #: llama.cpp refused the state (it passed our checks): a miss, nobody is told
+    refused: bool = False
+    #: the record's publisher is not one this worker trusts (a miss, not a failure)
+    untrusted: bool = False
+
+
+def apply(
+    llm: llama_cpp.Llama,
+    reader: Client,
+    hit: Hit,
+    prompt: np.ndarray,
+    *,
+    chunk: int,
+    local: int,
+    keep: int,
+    n_swa: int,
+    fingerprint: bytes,
+    verify: bool = True,
+    trust: Trust = EVERYONE,
+) -> Applied:
+    """Lease the record behind ``hit`` and :func:`load` it; never raises a ShmkvError."""
+    try:
+        lease = reader.acquire(hit)
+    except NotFound:
+        return Applied(evicted=True)
+    except ArenaCorruptError as e:
+        _suspect(reader, hit)
+        return Applied(failure=("corrupt record", str(e)), failed=True, corrupt=True)
+    except ShmkvError as e:
+        return Applied(failure=("supervisor unavailable", str(e)))
+    restored = 0
+    try:
+        try:
+            restored = load(
+                llm,
+                lease,
+                prompt,
+                need=hit.chunks * chunk,
+                local=local,
+                keep=keep,
+                n_swa=n_swa,
+                fingerprint=fingerprint,
+                verify=verify,
+                trust=trust,
+            )
+        finally:
+            lease.finish()  # (tokens_restored: in the ledger's reported totals)
+    except UntrustedPublisher as e:
+        return Applied(failure=("untrusted publisher", str(e)), untrusted=True)
+    except LeaseLost as e:  # (the bytes may have changed under the copy: not a bad record)
+        # a lease void because its connection went (a supervisor restart) is not a
+        # revocation: the supervisor was unavailable for that restore
+        kind = "supervisor unavailable" if lease.lost else "lease revoked"
+        return Applied(failure=(kind, str(e)))
+    except StateRefused as e:  # (a state made for another context: not a bad record)
+        return Applied(failure=("state refused", str(e)), refused=True)
+    except ArenaCorruptError as e:
+        _suspect(reader, hit)
+        return Applied(failure=("corrupt record", str(e)), failed=True, corrupt=True)
+    except ModelMismatchError as e:
+        return Applied(failure=("model mismatch", str(e)), failed=True)
+    except ShmkvError as e:
+        return Applied(failure=("cache error", str(e)), failed=True)
+    return Applied(restored=restored)
+
+
+def _suspect(reader: Client, hit: Hit) -> None:
+    """Ask the supervisor to re-check (and drop) a record that failed our checks."""
+    try:
+        reader.request({"op": "suspect", "offset": hit.slot.rec_offset, "gen": hit.slot.rec_gen})
+    except ShmkvError as e:
+        log.debug("suspect report failed: %s", e)
+
+
+def load(
+    llm: llama_cpp.Llama,
+    lease: Lease,
+    prompt: np.ndarray,
+    *,
+    need: int,
+    local: int,
+    keep: int,
+    n_swa: int,
+    fingerprint: bytes,
+    verify: bool = True,
+    trust: Trust = EVERYONE,
+) -> int:
+    """Restore the leased record into the context if it gives more than ``local`` tokens.
+
+    ``need``: the leading tokens its key promised; ``keep``: keep at most these.
+    Returns the tokens now restored (0: not worth it, the context untouched). Raises
+    UntrustedPublisher (a record of a publisher ``trust`` does not allow, never
+    restored), ModelMismatchError, ArenaCorruptError, StateRefused (llama.cpp does
+    not take the state) or LeaseLost; a context it touched is then cold. The lease
+    is released (``finish``) once the state is in.
+    """
+    rec = lease.record
+    if not trust.allows(rec.publisher):
+        raise UntrustedPublisher(
+            f"a cached state published by uid {rec.publisher}, which this worker does not "
+            f"trust, was skipped: add that user to --trust-publishers (SHMKV_TRUST_PUBLISHERS) "
+            f"to restore its states"
+        )
+    if lease.fingerprint() != fingerprint:
+        raise ModelMismatchError("cached blob belongs to another model/context setup")
+    cached = lease.tokens()
+    if rec.n_tokens < need or not np.array_equal(cached[:need], prompt[:need]):
+        raise ArenaCorruptError("cached token ids do not match their key digest")
+    common = min(common_prefix(cached, prompt), keep)
+    cut = min(common, len(prompt) - 1)
+    if common <= local or not window_allows_cut(n_swa, rec.n_tokens, cut):
+        return 0  # (nothing gained, or a window state that cannot be cut this far)
+    lease.view.check()
+    if verify and not lease.view.verify_payload(rec):
+        raise ArenaCorruptError("blob payload fails its checksum")
+    ptr = ctypes.cast(lease.address, ctypes.POINTER(ctypes.c_uint8))
+    mem = lc.llama_get_memory(llm.ctx)
+    # Start from an empty cache with its head at cell 0, as a cold prefill does, so
+    # the restored cells sit where a prefill would have put them.
+    lc.llama_memory_clear(mem, False)
+    llm.n_tokens = 0
+    try:
+        n = lc.llama_state_seq_set_data(llm.ctx, ptr, rec.payload_len, SEQ)
+        if n != rec.payload_len:
+            raise StateRefused(
+                f"llama_state_seq_set_data accepted {n} of {rec.payload_len} bytes: the "
+                "state does not fit this context (published by a worker with other settings?)"
+            )
+        if common < rec.n_tokens and not lc.llama_memory_seq_rm(mem, SEQ, common, -1):
+            raise ModelMismatchError("the context cannot cut a restored state back")
+        if not context_allows_cut(n_swa, pos_min(llm), cut):  # (planning prevents this)
+            raise ModelMismatchError(
+                "a restored sliding-window state lacks the window its cut needs"
+            )
+        if not lease.finish():  # (tokens_restored: in the ledger's reported totals)
+            raise LeaseLost("a read lease was revoked, or its connection lost, during the restore")
+    except BaseException:
+        forget(llm, wipe=True)
+        raise
+    llm.input_ids[:common] = prompt[:common]
+    llm.n_tokens = common
+    llm._requires_eval = True
+    return common
+
+
+def copy_out(llm: llama_cpp.Llama, n_tokens: int, writer: Client) -> Blob | None:
+    """The context's state, copied into a memfd blob; None unless the KV holds exactly
+    ``n_tokens`` tokens. Raises ShmkvError or OSError."""
+    if lc.llama_memory_seq_pos_max(lc.llama_get_memory(llm.ctx), SEQ) + 1 != n_tokens:
+        return None
+    size = lc.llama_state_seq_get_size(llm.ctx, SEQ)
+    if size <= 0:
+        return None
+
+    def fill(addr: int, sz: int) -> None:
+        got = lc.llama_state_seq_get_data(
+            llm.ctx, ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), sz, SEQ
+        )
+        if got != sz:
+            raise ShmkvError(f"llama_state_seq_get_data wrote {got} of {sz} bytes")
+
+    return writer.prepare(size, fill)

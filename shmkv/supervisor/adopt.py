@@ -1,0 +1,423 @@
+"""Adopting the arena a stopped or killed supervisor left, so the cache survives a restart.
+
+Runs in the supervisor, at start, while it holds the name's lock (so no live
+supervisor owns the file); :func:`remove_left` runs in ``shmkv clear``.
+:func:`open_leftover` opens and checks the file itself: a plain file of our uid,
+mode 0600 or 0640 (nobody else could have written it), of this format and of
+the geometry the settings ask for, as large as its header says. :func:`rebuild` then fills a fresh
+:class:`~shmkv.supervisor.store.Store` from it: the records that index slots name, each
+checked as a worker checks it (bounds, header, metadata and whole-payload
+checksums, its chained digests against its key and the slots that name it, its
+generation and creation time in a range this supervisor can go on from), and
+nothing else.
+
+What a put had not finished when its supervisor died is never adopted. A put
+writes its payload, then token ids, fingerprint and header (with the metadata
+checksum) and only then points index slots at the record (``putjob.py``), and an
+eviction takes a record out of every slot before it clears its header and frees
+its space: so a slot names only a record whose bytes were complete, a slot
+caught mid-write has an odd seqlock word and is skipped, and the checksums catch
+bytes damaged since. The data region is never scanned for record headers: a
+publisher chooses its payload's bytes and could plant a header in them that
+claims another publisher's uid.
+
+Workers still attached to the dead supervisor reattach as after any restart:
+their connection is gone, so every lease of it is void (``client.Lease``), and
+records put from now on get generations above any the old supervisor handed
+out, so no old ``(offset, gen)`` names a new record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import stat
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from shmkv import __version__
+from shmkv.core.arena import (
+    FORMAT_VERSION,
+    MAGIC,
+    STATE_CLOSED,
+    ArenaView,
+    ArenaWriter,
+    Geometry,
+    Record,
+    chain_digests,
+    header_format,
+    record_layout,
+)
+from shmkv.core.config import Settings, format_size
+from shmkv.core.errors import (
+    ArenaCorruptError,
+    ArenaExistsError,
+    ArenaIncompatibleError,
+    ShmSpaceError,
+    UnsafePathError,
+    setup_error,
+)
+from shmkv.supervisor.arenafile import ArenaFile, _same_file, check_ours, map_arena
+from shmkv.supervisor.put import content_digest
+from shmkv.supervisor.record import Entry
+from shmkv.supervisor.store import Store
+
+log = logging.getLogger(__name__)
+
+#: the modes shmkv creates arena files with (0640: ``--group``); any other is not adopted
+ADOPTABLE_MODES = (0o600, 0o640)
+
+#: the highest generation adopted: half the u64 that records and slots keep it in, so
+#: the store counts up from any adopted one and never leaves that range (2**63 puts, or
+#: microseconds: 292,000 years). Above it, the file was written by something else.
+MAX_ADOPTED_GEN = (1 << 63) - 1
+#: the latest creation time adopted (the end of year 9999, which every tool can show)
+MAX_ADOPTED_CREATED = 253_402_300_799.0
+
+
+def open_leftover(af: ArenaFile) -> Geometry | None:
+    """Take over the arena file a previous supervisor left; its new geometry, or None.
+
+    None: there is no file, or nothing in it is worth keeping (a damaged header, or
+    a size, chunk length or index size other than the settings ask for); the caller
+    then creates a fresh arena, which removes this one. Raises UnsafePathError
+    (not a plain file of ours, or a mode that let others write it) and
+    ArenaIncompatibleError (another format): those are never adopted, and never
+    removed without being asked (``--fresh``, ``shmkv clear``).
+    """
+    try:
+        return _open_leftover(af)
+    except OSError as e:
+        raise setup_error(e, af.path, "--dir") from None
+
+
+def _refusal(af: ArenaFile, problem: str) -> str:
+    name = af.settings.name
+    return (
+        f"{af.path} {problem}: not adopted. Start with an empty arena with "
+        f"`shmkv supervise --fresh` (SHMKV_FRESH=true), or remove it with "
+        f"`shmkv clear --name {name}` while no supervisor runs"
+    )
+
+
+def _open_leftover(af: ArenaFile) -> Geometry | None:
+    af.remove_leftovers(arena=False)  # half-made files of a supervisor killed at start
+    try:
+        check_ours(af.path, os.lstat(af.path), "arena file")
+    except FileNotFoundError:
+        return None
+    fd = os.open(af.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        geometry = _check(af, fd)
+        if geometry is None:
+            return None
+        return _take(af, fd, geometry)
+    finally:
+        os.close(fd)
+
+
+def _check(af: ArenaFile, fd: int) -> Geometry | None:
+    """The left arena's geometry if it may and should be adopted (see open_leftover)."""
+    st = os.fstat(fd)
+    check_ours(af.path, st, "arena file")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode not in ADOPTABLE_MODES:
+        raise UnsafePathError(
+            _refusal(af, f"has mode {mode:04o}, not 0600 or 0640: others may have written it")
+        )
+    head = os.pread(fd, 4096, 0)
+    if len(head) < 4096:
+        log.warning("%s is %d bytes, too short to be an arena: starting empty", af.path, len(head))
+        return None
+    magic, version, _state = header_format(head)
+    if magic != MAGIC:
+        log.warning("%s is not a shmkv arena (bad magic): starting empty", af.path)
+        return None
+    if version != FORMAT_VERSION:
+        raise ArenaIncompatibleError(
+            _refusal(
+                af,
+                f"holds an arena of format {version}, and this shmkv ({__version__}) "
+                f"reads format {FORMAT_VERSION}",
+            )
+        )
+    try:
+        old = Geometry.unpack(head, st.st_size)
+    except ArenaCorruptError as e:
+        log.warning("%s has a damaged header (%s): starting empty", af.path, e)
+        return None
+    if old.arena_size != st.st_size:
+        log.warning(
+            "%s is %d bytes, its header says %d: starting empty",
+            af.path,
+            st.st_size,
+            old.arena_size,
+        )
+        return None
+    s = af.settings
+    try:
+        want = Geometry.plan(s.size, s.chunk_tokens, s.index_slots)
+    except ValueError:
+        return None  # the fresh arena's creation reports it
+    layout = ("arena_size", "index_slots", "data_offset", "data_size", "chunk_tokens")
+    if any(getattr(old, f) != getattr(want, f) for f in layout):
+        log.warning(
+            "%s was made for --size %s, --chunk-tokens %d, %d index slots; the settings "
+            "now ask for %s, %d, %d: starting empty",
+            af.path,
+            format_size(old.arena_size),
+            old.chunk_tokens,
+            old.index_slots,
+            format_size(want.arena_size),
+            want.chunk_tokens,
+            want.index_slots,
+        )
+        return None
+    return old
+
+
+def _take(af: ArenaFile, fd: int, old: Geometry) -> Geometry:
+    """Reserve, map and re-head the checked file; open the workers' read-only fd."""
+    size, reserve = old.arena_size, af.settings.reserve
+    try:
+        # (its header and index exist, and with --reserve all of it: this only makes sure)
+        os.posix_fallocate(fd, 0, size if reserve else old.data_offset)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            raise ShmSpaceError(
+                f"cannot reserve the {format_size(size)} of {af.path}: enlarge the tmpfs, or "
+                f"start with --fresh and a smaller --size"
+            ) from None
+        raise
+    if af.gid is not None and os.fstat(fd).st_gid != af.gid:
+        os.fchown(fd, -1, af.gid)
+    os.fchmod(fd, af.file_mode)
+    _magic, _version, state = header_format(os.pread(fd, 4096, 0))
+    mm = map_arena(fd, size, reserve, old.data_offset)
+    ro = rw = -1
+    try:
+        rw = os.dup(fd)
+        ro = os.open(af.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        if not _same_file(af.path, fd) or not _same_file(af.path, ro):
+            raise UnsafePathError(f"{af.path} was replaced while being adopted: check --dir")
+        # a new identity: workers that attach now are this supervisor's
+        geometry = dataclasses.replace(
+            old, supervisor_pid=os.getpid(), created=time.time(), arena_id=os.urandom(16)
+        )
+        ArenaWriter(mm, geometry).format()
+    except BaseException:
+        for d in (ro, rw):
+            if d >= 0:
+                os.close(d)
+        mm.close()
+        raise
+    af.mm, af.geometry, af.ro_fd, af.rw_fd = mm, geometry, ro, rw
+    log.info(
+        "adopting arena %s left by supervisor pid %d (%s)",
+        af.path,
+        old.supervisor_pid,
+        "stopped" if state == STATE_CLOSED else "killed or crashed",
+    )
+    return geometry
+
+
+@dataclass
+class Adopted:
+    """What :func:`rebuild` found: records adopted and dropped, slots caught mid-write."""
+
+    entries: int = 0
+    bytes: int = 0
+    dropped: int = 0
+    torn_slots: int = 0
+    seconds: float = 0.0
+
+
+def _valid(view: ArenaView, offset: int, gen: int) -> Record | None:
+    """The record (offset, gen) if every check a worker makes passes, payload included.
+
+    Its pages must all exist before the mapping reads them: a slot of a damaged arena
+    may name a hole (``pages.py``), and a fault on one allocates it, or SIGBUSes when the
+    tmpfs is full. So the header is read with ``pread``, and the extent it claims is
+    looked up for holes (``SEEK_HOLE``) first.
+    """
+    try:
+        head, _ = view.peek(offset, gen)
+        *_, extent = record_layout(head.n_tokens, head.fp_len, head.payload_len)
+        if os.lseek(view.fd, offset, os.SEEK_HOLE) < offset + extent:
+            return None
+        rec = view.read_record(offset, gen)
+        view.verify_meta(rec)
+    except (ArenaCorruptError, OSError):
+        return None
+    if not _in_range(rec):
+        return None
+    return rec if view.verify_payload(rec) else None
+
+
+def _in_range(rec: Record) -> bool:
+    """Are the record's numbers ones this supervisor can use again? Its checksums say the
+    bytes are as written, not that a supervisor wrote them: a generation near 2**64 would
+    make every later put's generation overflow its u64 (what else a record carries is
+    bounded by its layout: ``ArenaView._parse_record``, or read from a u32 and kept as is).
+    """
+    ok = 0 < rec.gen <= MAX_ADOPTED_GEN and 0.0 <= rec.created <= MAX_ADOPTED_CREATED
+    if not ok:
+        log.warning(
+            "record at %d has generation %d, created %r: out of range, not adopted",
+            rec.offset,
+            rec.gen,
+            rec.created,
+        )
+    return ok
+
+
+def rebuild(store: Store, view: ArenaView) -> Adopted:
+    """Fill the empty ``store`` with the intact records of the adopted arena.
+
+    ``view`` reads the arena as a worker does. The index is rebuilt from the records
+    kept: slots that named damaged records are gone, each chunk digest points at the
+    owner :meth:`IndexOwners.point` chooses, LRU order is the records' age (oldest
+    evicted first: the layout keeps no last use), every entry counts as used at
+    adoption (what ``--ttl`` measures from), and no entry is pinned.
+    """
+    t0 = time.monotonic()
+    out = Adopted()
+    g = store.geometry
+    slots, out.torn_slots = store.arena.used_slots()
+    named: dict[tuple[int, int], dict[bytes, int]] = defaultdict(dict)
+    for s in slots:
+        named[(s.rec_offset, s.rec_gen)][s.digest] = s.n_chunks
+    kept: list[tuple[Record, bytes, list[bytes]]] = []
+    for (offset, gen), by_slot in named.items():
+        rec = _valid(view, offset, gen)
+        if rec is None:
+            out.dropped += 1
+            continue
+        tokens = view.tokens(rec).tobytes()
+        digests = chain_digests(rec.root, view.tokens(rec), g.chunk_tokens)
+        chain = {d: k for k, d in enumerate(digests, 1)}
+        if not digests or digests[-1] != rec.key:
+            out.dropped += 1
+            continue
+        if all(chain.get(d) != k for d, k in by_slot.items()):
+            out.dropped += 1  # only damaged slots name it
+            continue
+        fp = bytes(view.fingerprint(rec))
+        kept.append((rec, content_digest(rec.root, fp, tokens, rec.publisher), digests))
+    kept = _without_overlaps(kept, out)
+    kept = _without_duplicates(kept, out)
+    store.arena.clear_index()
+    # the arena keeps no last use: a record's age says nothing of when it was last used
+    # (a system prompt hit every second may be days old), so each counts as used now:
+    # --ttl runs from the adoption, never from the put (or every record older than
+    # --ttl would go at the first tick after a restart)
+    now = store.clock()
+    for rec, content, digests in sorted(kept, key=lambda t: (t[0].created, t[0].gen)):
+        *_, extent = record_layout(rec.n_tokens, rec.fp_len, rec.payload_len)
+        store.alloc.reserve(rec.offset, extent)
+        e = Entry(
+            rec.gen,
+            rec.offset,
+            extent,
+            rec.key,
+            rec.root,
+            rec.n_tokens,
+            rec.payload_len,
+            digests,
+            content,
+            rec.created,
+            last_used=now,
+            publisher=rec.publisher,
+        )
+        store.entries[e.gen] = e
+        store.by_content[content] = e.gen
+        store.lru[e.gen] = None
+        for k, d in enumerate(digests, 1):
+            store.index.add(d, k, e.gen, e.n_tokens)
+        out.entries += 1
+        out.bytes += rec.payload_len
+    chunk_of = {d: k for e in store.entries.values() for k, d in enumerate(e.digests, 1)}
+    for d in list(store.owners):
+        if not store.index.point(d, chunk_of[d]):
+            log.warning("index probe limit reached; adopted prefix %s not indexed", d.hex()[:12])
+    # above every generation the old supervisor handed out (even of records it had
+    # dropped since), so that no old (offset, gen) names a new record: a put takes
+    # more than a microsecond
+    top = max((e.gen for e in store.entries.values()), default=0)
+    store._next_gen = max(top + 1, int(time.time() * 1e6))
+    store.counters.adopted += out.entries
+    store.counters.adopt_dropped += out.dropped
+    out.seconds = time.monotonic() - t0
+    log.info(
+        "adopted %d entries (%s) in %.3f s; dropped %d damaged or half-written record(s)%s",
+        out.entries,
+        format_size(out.bytes),
+        out.seconds,
+        out.dropped,
+        f", {out.torn_slots} index slot(s) caught mid-write" if out.torn_slots else "",
+    )
+    return out
+
+
+def _without_overlaps(
+    kept: list[tuple[Record, bytes, list[bytes]]], out: Adopted
+) -> list[tuple[Record, bytes, list[bytes]]]:
+    """Drop records whose extents overlap (only damage can make two live ones overlap)."""
+    kept = sorted(kept, key=lambda t: t[0].offset)
+    bad: set[int] = set()
+    end, last = -1, -1
+    for i, (rec, _, _) in enumerate(kept):
+        *_, extent = record_layout(rec.n_tokens, rec.fp_len, rec.payload_len)
+        if rec.offset < end:
+            bad.update((i, last))
+        if rec.offset + extent > end:
+            end, last = rec.offset + extent, i
+    out.dropped += len(bad)
+    return [t for i, t in enumerate(kept) if i not in bad]
+
+
+def _without_duplicates(
+    kept: list[tuple[Record, bytes, list[bytes]]], out: Adopted
+) -> list[tuple[Record, bytes, list[bytes]]]:
+    """One record per content (the newest), as the store keeps it."""
+    newest: dict[bytes, tuple[Record, bytes, list[bytes]]] = {}
+    for t in kept:
+        have = newest.get(t[1])
+        if have is None or have[0].gen < t[0].gen:
+            newest[t[1]] = t
+    out.dropped += len(kept) - len(newest)
+    return list(newest.values())
+
+
+def remove_left(settings: Settings, why: str) -> Path | None:
+    """``shmkv clear`` with no supervisor answering: remove the arena file a stopped or
+    killed supervisor left, so that the next start is empty; the path removed, or None.
+
+    Takes the name's lock first, as a supervisor would: while a supervisor holds it
+    (alive but not answering: ``why``) nothing is removed.
+    """
+    af = ArenaFile(settings, None)
+    try:
+        af.lock()
+    except ArenaExistsError:
+        try:
+            pid = af.lock_path.read_text().strip() or "?"
+        except OSError:
+            pid = "?"
+        raise ArenaExistsError(
+            f"a supervisor (pid {pid}) holds arena {settings.name!r} but does not answer "
+            f"({why}): stop it first (its own shutdown removes the arena unless --keep), "
+            f"then run `shmkv clear` again"
+        ) from None
+    try:
+        existed = os.path.lexists(af.path)
+        af.remove_leftovers(arena=True)
+    except OSError as e:
+        raise setup_error(e, af.path, "--dir") from None
+    finally:
+        af.close(remove=True)
+    return af.path if existed else None

@@ -1,0 +1,427 @@
+"""``--persist DIR``: the arena's records written behind to an LMDB store, and read back.
+
+Runs in the supervisor, off its loop: :class:`LmdbTier` is the
+:class:`~shmkv.supervisor.tiers.base.Backend` of a write-behind (its writer thread calls
+``open`` and ``apply``), and the refill's reader thread (``refill.py``) calls :meth:`LmdbTier.load`.
+This module owns the on-disk byte format, both ways.
+
+Why LMDB (py-lmdb) rather than files of our own: a commit is atomic and a crash
+leaves the last committed state (copy-on-write B-tree, no log to replay), readers
+never block the one writer, and values are read straight from its mapping. It is
+opened without ``writemap``, so a full disk is a failed commit (paused and counted
+here), never a SIGBUS. LMDB does not checksum its pages; shmkv checksums every record
+(metadata and payload, XXH3-64) and a refill checks both, as for any put.
+
+Layout: DIR (0700, ours) holds ``data.mdb`` and ``lock.mdb`` (0600) and ``shmkv.lock``
+(a flock: one supervisor per DIR). Two databases keyed by a record's 16-byte content
+digest (``putjob.content_digest``): ``meta`` holds ``header | fingerprint | token ids |
+XXH3-64 of all before``, ``blob`` the payload. The size bound (``--persist-size``) is
+on payload bytes, kept by LRU (a put or a hit is a use; pinned records go last).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import stat
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import lmdb
+import xxhash
+
+from shmkv.core.arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
+from shmkv.core.config import format_size
+from shmkv.core.errors import TierError
+from shmkv.supervisor.put import content_digest
+from shmkv.supervisor.tiers.base import (
+    Accepted,
+    Event,
+    Forget,
+    PayloadSource,
+    Pinned,
+    Used,
+    same_payload,
+)
+from shmkv.supervisor.tiers.disk import lmdbfile
+
+log = logging.getLogger(__name__)
+
+MAGIC, VERSION = b"SKVP", 1
+# magic, version, flags (bit 0: pinned), publisher, payload length, payload XXH3,
+# created, last used (wall clock), root, token count, fingerprint length
+_HEAD = struct.Struct("<4sHHIQQdd16sII")
+_U64 = struct.Struct("<Q")
+PINNED = 1
+#: free space under which a failed commit counts as a full disk
+_LOW_SPACE = 16 << 20
+
+
+@dataclass(frozen=True)
+class DiskRecord:
+    """A record's metadata as stored in ``meta``."""
+
+    root: bytes
+    fingerprint: bytes
+    tokens: bytes
+    publisher: int
+    pinned: bool
+    payload_len: int
+    payload_xxh3: int
+    created: float
+    last_used: float
+
+    def pack(self) -> bytes:
+        head = _HEAD.pack(
+            MAGIC,
+            VERSION,
+            PINNED if self.pinned else 0,
+            self.publisher,
+            self.payload_len,
+            self.payload_xxh3,
+            self.created,
+            self.last_used,
+            self.root,
+            len(self.tokens) // 4,
+            len(self.fingerprint),
+        )
+        body = head + self.fingerprint + self.tokens
+        return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
+
+    @classmethod
+    def unpack(cls, content: bytes, buf: bytes) -> DiskRecord:
+        """Check and read a ``meta`` value; TierError("corrupt") names what is wrong."""
+        if len(buf) < _HEAD.size + 8:
+            raise TierError("record metadata truncated", "corrupt")
+        body, (csum,) = buf[:-8], _U64.unpack(buf[-8:])
+        if xxhash.xxh3_64_intdigest(body) != csum:
+            raise TierError("record metadata checksum mismatch", "corrupt")
+        magic, version, flags, publisher, plen, pxxh3, created, used, root, n_tok, fp_len = (
+            _HEAD.unpack_from(body)
+        )
+        if magic != MAGIC or version != VERSION:
+            raise TierError(f"record format {magic!r} v{version}, not v{VERSION}", "corrupt")
+        if not (
+            0 < n_tok <= MAX_TOKENS
+            and fp_len <= MAX_FINGERPRINT
+            and plen > 0
+            and len(body) == _HEAD.size + fp_len + 4 * n_tok
+        ):
+            raise TierError("record metadata has inconsistent lengths", "corrupt")
+        fp = body[_HEAD.size : _HEAD.size + fp_len]
+        tokens = body[_HEAD.size + fp_len :]
+        if content_digest(root, fp, tokens, publisher) != content:
+            raise TierError("record metadata does not match its key", "corrupt")
+        return cls(root, fp, tokens, publisher, bool(flags & PINNED), plen, pxxh3, created, used)
+
+    @staticmethod
+    def peek(buf: memoryview) -> tuple[int, bool, float] | None:
+        """(payload length, pinned, last used) from a header, unchecked; None if it is no
+        header (the full check is :meth:`unpack`, at load)."""
+        if len(buf) < _HEAD.size + 8:
+            return None
+        magic, version, flags, _pub, plen, _x, _c, used, *_ = _HEAD.unpack_from(buf)
+        if magic != MAGIC or version != VERSION:
+            return None
+        return plen, bool(flags & PINNED), used
+
+
+def _prepare_dir(path: Path) -> None:
+    """Create DIR (0700) if missing; TierError unless it is a directory only we can write."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        raise TierError(
+            f"cannot create --persist {path}: {e.strerror}: fix the path or its permissions",
+            "unwritable",
+        ) from None
+    problem = None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory (or is a symbolic link)"
+    elif st.st_uid != os.geteuid():
+        problem = f"is owned by uid {st.st_uid}, not by us (uid {os.geteuid()})"
+    elif st.st_mode & 0o022:
+        problem = "is writable by group or others (anyone who can write it can plant states)"
+    if problem:
+        raise TierError(f"--persist {path} {problem}: use a directory of ours, mode 0700", "unsafe")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise TierError(f"--persist {path} is not writable: fix its permissions", "unwritable")
+
+
+class LmdbTier:
+    """The LMDB store of ``--persist``: the write-behind's backend, and the refill's source."""
+
+    name = "persist"
+
+    def __init__(self, path: str | Path, size: int) -> None:
+        self.path = Path(path)
+        #: most payload bytes kept
+        self.size = size
+        self.env: lmdb.Environment | None = None
+        self._lock_fd = -1
+        #: content -> [payload length, pinned, last used], least recently used first
+        self.lru: OrderedDict[bytes, list[object]] = OrderedDict()
+        self.bytes = 0
+        #: what a refill loads, in its order (pinned, then most recently used first)
+        self.order: list[bytes] = []
+        self.written = self.written_bytes = self.gone = self.evicted = 0
+        #: records skipped without pausing, by kind
+        self.errors: dict[str, int] = {}
+        self._new: list[int] = []
+        #: the records stored pinned when the store was opened (an adopted arena takes
+        #: its pins from here: the arena file keeps none)
+        self.pinned_at_open: frozenset[bytes] = frozenset()
+
+    # ------------------------------------------------------------------- open
+    def open(self) -> None:
+        _prepare_dir(self.path)
+        if self._lock_fd < 0:
+            self._lock_fd = self._lock()
+        try:  # (a short file is mapped past its end: a SIGBUS at the first read there)
+            unsafe = lmdbfile.problem(self.path / "data.mdb")
+        except OSError as e:
+            raise TierError(f"cannot read {self.path / 'data.mdb'}: {e}", "io") from None
+        if unsafe is None:
+            try:
+                self.env = self._open_env()
+            except lmdb.Error as e:
+                unreadable = lmdb.InvalidError | lmdb.CorruptedError | lmdb.VersionMismatchError
+                if not isinstance(e, unreadable):
+                    raise self._classify(e) from None
+                unsafe = str(e)
+        if unsafe is not None:
+            self._start_anew(unsafe)
+        self._load_index()
+        self.pinned_at_open = frozenset(c for c, v in self.lru.items() if v[1])
+        self.order = [c for c, v in reversed(self.lru.items()) if v[1]]
+        self.order += [c for c, v in reversed(self.lru.items()) if not v[1]]
+        log.info(
+            "persist %s: %d states, %s of %s",
+            self.path,
+            len(self.lru),
+            format_size(self.bytes),
+            format_size(self.size),
+        )
+
+    def _start_anew(self, problem: str) -> None:
+        """Move an unreadable ``data.mdb`` aside (``data.mdb.corrupt-TIME``), count it, and
+        open a new, empty one."""
+        aside = self.path / f"data.mdb.corrupt-{int(time.time())}"
+        log.warning("%s is unreadable (%s): moved to %s, starting empty", self.path, problem, aside)
+        self.errors["corrupt"] = self.errors.get("corrupt", 0) + 1
+        try:
+            os.replace(self.path / "data.mdb", aside)
+            (self.path / "lock.mdb").unlink(missing_ok=True)
+            self.env = self._open_env()
+        except (OSError, lmdb.Error) as e:
+            raise TierError(f"cannot recreate {self.path}: {e}", "corrupt") from None
+
+    def _lock(self) -> int:
+        p = self.path / "shmkv.lock"
+        try:
+            fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise TierError(f"cannot open {p}: {e.strerror}", "unwritable") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise TierError(
+                f"--persist {self.path} is in use by another supervisor: give each arena "
+                f"its own directory",
+                "in_use",
+            ) from None
+        return fd
+
+    def _open_env(self) -> lmdb.Environment:
+        # room for copy-on-write and for freed pages a reader may still see
+        return lmdb.open(
+            str(self.path),
+            map_size=2 * self.size + (64 << 20),
+            max_dbs=2,
+            mode=0o600,
+            readahead=False,
+            meminit=False,
+            max_readers=16,
+        )
+
+    def _load_index(self) -> None:
+        assert self.env is not None
+        self.meta = self.env.open_db(b"meta")
+        self.blob = self.env.open_db(b"blob")
+        rows, bad = [], []
+        with self.env.begin(db=self.meta, buffers=True) as txn:
+            for key, val in txn.cursor():
+                got = DiskRecord.peek(val) if len(key) == DIGEST_SIZE else None
+                if got is None:
+                    bad.append(bytes(key))
+                else:
+                    rows.append((got[2], bytes(key), got[0], got[1]))
+        rows.sort()
+        self.lru = OrderedDict((c, [n, pinned, used]) for used, c, n, pinned in rows)
+        self.bytes = sum(n for _, _, n, _ in rows)
+        if bad:
+            self.errors["corrupt"] = self.errors.get("corrupt", 0) + len(bad)
+            with self.env.begin(write=True) as txn:
+                for c in bad:
+                    self._delete(txn, c)
+
+    # ------------------------------------------------------------------ write
+    def apply(self, batch: list[Event], source: PayloadSource) -> None:
+        if self.env is None:
+            self.open()
+        env = self.env
+        assert env is not None
+        used: dict[bytes, float] = {}
+        self._new = []
+        try:
+            with env.begin(write=True, buffers=True) as txn:
+                for ev in batch:
+                    if isinstance(ev, Accepted):
+                        self._accepted(txn, ev, source)
+                    elif isinstance(ev, Used):
+                        used[ev.content] = ev.when
+                    elif isinstance(ev, Pinned):
+                        self._update(txn, ev.content, pinned=ev.pinned)
+                    elif isinstance(ev, Forget) and ev.content in self.lru:
+                        self._delete(txn, ev.content)
+                for content, when in used.items():
+                    self._update(txn, content, last_used=when)
+                self._evict(txn)
+        except lmdb.Error as e:
+            err = self._classify(e)
+            try:
+                self._load_index()  # what the failed transaction did to the index is undone
+            except lmdb.Error:
+                env.close()
+                self.env = None  # reopened by the write-behind after its pause
+            raise err from None
+        self.written += len(self._new)
+        self.written_bytes += sum(self._new)
+
+    def _accepted(self, txn: lmdb.Transaction, ev: Accepted, source: PayloadSource) -> None:
+        rec = DiskRecord(
+            ev.root,
+            ev.fingerprint,
+            ev.tokens,
+            ev.publisher,
+            ev.pinned,
+            ev.payload_len,
+            ev.payload_xxh3,
+            ev.created,
+            ev.when,
+        )
+        if ev.content not in self.lru:
+            if ev.payload_len > self.size:
+                self.errors["too_large"] = self.errors.get("too_large", 0) + 1
+                return
+            data = source.payload(ev)
+            if data is None:
+                self.gone += 1
+                return
+            txn.put(ev.content, data, db=self.blob)
+            del data
+            stored = txn.get(ev.content, db=self.blob)
+            if stored is None or not same_payload(stored, ev):
+                txn.delete(ev.content, db=self.blob)  # evicted and reused while we copied
+                self.gone += 1
+                return
+            self.bytes += ev.payload_len
+            self._new.append(ev.payload_len)
+        txn.put(ev.content, rec.pack(), db=self.meta)
+        self.lru[ev.content] = [ev.payload_len, ev.pinned, ev.when]
+        self.lru.move_to_end(ev.content)
+
+    def _update(
+        self,
+        txn: lmdb.Transaction,
+        content: bytes,
+        pinned: bool | None = None,
+        last_used: float | None = None,
+    ) -> None:
+        row = self.lru.get(content)
+        raw = txn.get(content, db=self.meta) if row is not None else None
+        if row is None or raw is None:
+            return
+        try:
+            rec = DiskRecord.unpack(content, bytes(raw))
+        except TierError:
+            self.errors["corrupt"] = self.errors.get("corrupt", 0) + 1
+            self._delete(txn, content)
+            return
+        if pinned is not None:
+            rec, row[1] = replace(rec, pinned=pinned), pinned
+        if last_used is not None:
+            rec, row[2] = replace(rec, last_used=last_used), last_used
+            self.lru.move_to_end(content)
+        txn.put(content, rec.pack(), db=self.meta)
+
+    def _delete(self, txn: lmdb.Transaction, content: bytes) -> None:
+        txn.delete(content, db=self.meta)
+        txn.delete(content, db=self.blob)
+        row = self.lru.pop(content, None)
+        if row is not None:
+            self.bytes -= int(row[0])  # type: ignore[call-overload]
+
+    def _evict(self, txn: lmdb.Transaction) -> None:
+        """Least recently used first, unpinned before pinned, until within ``size``."""
+        for pinned in (False, True):
+            if self.bytes <= self.size:
+                return
+            for content in [c for c, row in self.lru.items() if row[1] == pinned]:
+                if self.bytes <= self.size:
+                    return
+                self._delete(txn, content)
+                self.evicted += 1
+
+    def _classify(self, e: lmdb.Error) -> TierError:
+        if isinstance(e, lmdb.MapFullError):
+            return TierError(f"{self.path}: LMDB map full ({e}); lower --persist-size", "map_full")
+        try:
+            free = shutil.disk_usage(self.path).free
+        except OSError:
+            free = -1
+        if 0 <= free < _LOW_SPACE:
+            return TierError(
+                f"{self.path}: disk full ({format_size(free)} free): free space there or "
+                f"lower --persist-size",
+                "disk_full",
+            )
+        if not os.access(self.path, os.W_OK):
+            return TierError(f"{self.path} is not writable: fix its permissions", "unwritable")
+        return TierError(f"{self.path}: {e}", "io")
+
+    # ------------------------------------------------------------------- read
+    def load(self, content: bytes) -> tuple[DiskRecord, bytes] | None:
+        """A record and a private copy of its payload (refill thread); None if it is gone.
+
+        TierError("corrupt") if its metadata fails its checks; the payload's checksum is
+        checked by the put that takes it into the arena.
+        """
+        assert self.env is not None
+        with self.env.begin(buffers=True) as txn:
+            raw = txn.get(content, db=self.meta)
+            if raw is None:
+                return None
+            rec = DiskRecord.unpack(content, bytes(raw))
+            blob = txn.get(content, db=self.blob)
+            if blob is None or len(blob) != rec.payload_len:
+                raise TierError("record payload missing or of the wrong length", "corrupt")
+            return rec, bytes(blob)
+
+    def close(self) -> None:
+        if self.env is not None:
+            try:
+                self.env.close()
+            except lmdb.Error:
+                pass
+            self.env = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1

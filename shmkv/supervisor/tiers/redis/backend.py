@@ -1,0 +1,616 @@
+"""``--remote URL``: the arena's records written behind to Redis / Valkey, and fetched back.
+
+Runs in the supervisor, off its loop, on two threads with a connection each:
+
+* :class:`RedisWriter` is the :class:`~shmkv.supervisor.tiers.base.Backend` of a write-behind: each
+  record the arena accepts is copied from the arena (read-only mapping, XXH3-checked
+  copy), optionally zstd-compressed, and written as pieces, then, once every piece is
+  stored, its manifest, then its index entries (``remotefmt.py``), all with a TTL. A
+  record is visible only through its manifest, so a Redis that dies (or fills up)
+  between the pieces and the manifest leaves nothing a reader can take for a record.
+* :class:`Fetcher` answers "does the remote tier hold a longer prefix of this prompt?"
+  (one pipelined round trip to the index, one to the candidates' manifests), decides
+  whether fetching beats prefilling (measured fetch bandwidth against the worker's
+  measured prefill speed), fetches the pieces and checks the payload; the loop
+  (``remotetier.py``) then puts it into the arena like any other record.
+
+Every Redis failure (refused, timed out, ``OOM`` under ``maxmemory``, cluster down) is
+a :class:`~shmkv.core.errors.TierError`: counted by kind, the tier paused with a growing
+delay, never raised into the loop, never waited on by a worker beyond its bound. One
+key of the wrong type (``WRONGTYPE``) is a miss for the lookup that read it, counted,
+never an outage.
+
+Trust: a record leaves the machine only if its publisher is trusted by this supervisor
+(its own uid and ``--trust-publishers``); the manifest carries the publisher's uid, and
+a fetched record is put into the arena under that uid (never re-labelled as ours), and
+only if this supervisor trusts it too. With ``--remote-key-file`` every manifest is
+MACed and only records whose MAC verifies are fetched (``remotefmt.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import stat
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from shmkv.core.arena import DIGEST_SIZE, chain_digests, record_layout
+from shmkv.core.errors import ConfigError, TierError, UnsafePathError
+from shmkv.supervisor.tiers.base import FIRST_BACKOFF, MAX_BACKOFF, Accepted, Event, PayloadSource
+from shmkv.supervisor.tiers.redis import layout as fmt
+
+log = logging.getLogger(__name__)
+
+#: candidate records whose manifests one lookup reads
+MAX_CANDIDATES = 4
+#: index hashes one lookup reads (the deepest chunk prefixes first)
+MAX_PROBES = 256
+#: fetch requests waiting for the fetcher thread; past it a request is answered "busy"
+MAX_FETCH_QUEUE = 64
+#: assumed fetch bandwidth (bytes/s) before one was measured
+DEFAULT_BANDWIDTH = 200e6
+#: pieces one round trip reads (the fetch holds at most this much beyond the record)
+PIECES_PER_READ = 8
+#: refused records remembered (their ids), and for how long (seconds)
+MAX_REFUSED, REFUSED_TTL = 4096, 60.0
+#: keys a --remote-key-file holds: the current one (signs), and the previous one
+MAX_KEYS = 2
+
+
+def load_keys(path: str) -> tuple[bytes, ...]:
+    """The keys of ``--remote-key-file``: one per line, current first, at most two, each
+    of at least :data:`~shmkv.supervisor.tiers.redis.layout.MIN_KEY` bytes (whitespace at
+    their ends ignored).
+    The file must be ours and closed to others (UnsafePathError, exit 8)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"--remote-key-file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or mode & 0o077:
+            raise UnsafePathError(
+                f"--remote-key-file {path}: must be a regular file owned by uid "
+                f"{os.geteuid()} with mode 0600 (it is uid {st.st_uid}, mode {mode:04o}): "
+                f"chown {os.geteuid()} {path}; chmod 600 {path}"
+            )
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    keys = tuple(line.strip() for line in raw.splitlines() if line.strip())
+    if not keys or len(keys) > MAX_KEYS or any(len(k) < fmt.MIN_KEY for k in keys):
+        raise ConfigError(
+            f"--remote-key-file {path}: write one key of at least {fmt.MIN_KEY} bytes "
+            f"(e.g. `head -c 32 /dev/urandom | base64 > {path}`), or two lines for a "
+            f"rotation: the current key first, the previous one second"
+        )
+    return keys
+
+
+def connect(url: str, cluster: bool, timeout: float) -> Any:
+    """A redis-py client for ``url`` (``redis://``, ``rediss://``, ``unix://``; a
+    ``+cluster`` scheme such as ``redis+cluster://`` or ``cluster`` means Redis Cluster).
+
+    No retries inside redis-py: a failure comes back at once, and the tier's own
+    backoff decides when to try again.
+    """
+    try:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+    except ImportError:  # pragma: no cover (an extra)
+        raise ConfigError("--remote needs the redis package: pip install 'shmkv[remote]'") from None
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.removesuffix("+cluster") not in ("redis", "rediss", "unix"):
+        raise ConfigError(
+            f"--remote {url!r}: use redis://HOST:PORT/DB, rediss://... (TLS), "
+            f"unix:///path/to/redis.sock, or redis+cluster://HOST:PORT"
+        )
+    if scheme.endswith("+cluster"):
+        cluster, url = True, scheme.removesuffix("+cluster") + "://" + rest
+    common: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    if cluster:
+        if scheme.startswith("unix"):
+            raise ConfigError("--remote-cluster needs redis:// or rediss:// addresses")
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, cluster_error_retry_attempts=1, **common)
+    return redis.Redis.from_url(url, **common)
+
+
+def classify(e: Exception) -> TierError:
+    """A TierError of the right kind for a redis-py (or socket) failure."""
+    import redis.exceptions as rex
+
+    text = str(e) or type(e).__name__
+    if isinstance(e, TierError):
+        return e
+    # (a pipeline's error quotes the failed command, a piece's bytes among them: drop it)
+    text = text.rsplit("caused error:", 1)[-1].strip()[:200]
+    if isinstance(e, rex.ResponseError) and ("OOM" in text or "maxmemory" in text):
+        return TierError(f"remote tier full ({text}); raise its maxmemory", "full")
+    if isinstance(e, rex.TimeoutError | TimeoutError | socket.timeout):
+        return TierError(f"remote tier timed out: {text}", "timeout")
+    if isinstance(e, rex.ConnectionError | ConnectionError | OSError):
+        return TierError(f"remote tier unreachable: {text}", "down")
+    if isinstance(e, rex.RedisError):
+        return TierError(f"remote tier error: {text}", "error")
+    return TierError(f"remote tier: {type(e).__name__}: {text}", "internal")
+
+
+@dataclass(frozen=True)
+class RemoteConf:
+    url: str
+    cluster: bool
+    ttl: int
+    chunk: int
+    codec: str
+    timeout: float
+    #: "hostname/uid" written into manifests (informative)
+    node: str
+    #: the supervisor's uid and --trust-publishers (None: everyone): whose records go
+    #: to Redis, and whose fetched records come into the arena
+    trusted: frozenset[int] | None = None
+    #: --remote-key-file: manifests are signed with the first, verified under any
+    keys: tuple[bytes, ...] = field(default=(), repr=False)
+
+    def trusts(self, uid: int) -> bool:
+        return self.trusted is None or uid in self.trusted
+
+
+def is_wrongtype(e: BaseException) -> bool:
+    """A reply about one key (of another type, or moved), not about the server."""
+    import redis.exceptions as rex
+
+    return isinstance(e, rex.ResponseError) and str(e).startswith("WRONGTYPE")
+
+
+def _compress(codec: str, data: bytes | memoryview) -> bytes | memoryview:
+    if codec == "zstd":
+        import zstandard
+
+        out: bytes = zstandard.ZstdCompressor(level=1).compress(data)
+        return out
+    return data
+
+
+def _decompress(codec: str, data: bytearray, payload_len: int) -> bytearray | bytes:
+    """The payload of ``data``: never more than ``payload_len`` bytes are produced (the
+    manifest's length, checked against the arena before anything was read)."""
+    if codec == "none":
+        return data
+    import zstandard
+
+    try:
+        if zstandard.frame_content_size(data) != payload_len:
+            raise TierError("remote payload's frame size does not match its manifest", "corrupt")
+        # (the frame says its size, checked equal to payload_len: zstd allocates that
+        # much and fails past it, never more)
+        out: bytes = zstandard.ZstdDecompressor().decompress(data, max_output_size=payload_len)
+        return out
+    except zstandard.ZstdError as e:
+        raise TierError(f"remote payload undecodable: {e}", "corrupt") from None
+
+
+class RedisWriter:
+    """The write-behind's backend: records in pieces, then manifest, then index; a TTL."""
+
+    name = "remote"
+
+    def __init__(self, conf: RemoteConf) -> None:
+        self.conf = conf
+        self.r: Any = None
+        self.written = self.written_bytes = self.stored_bytes = self.gone = self.present = 0
+        #: records not written: their publisher is not trusted; keys of the wrong type
+        self.untrusted = self.bad_keys = 0
+
+    def open(self) -> None:
+        try:
+            if self.r is None:
+                self.r = connect(self.conf.url, self.conf.cluster, self.conf.timeout)
+            self.r.ping()
+        except Exception as e:
+            raise classify(e) from None
+
+    def apply(self, batch: list[Event], source: PayloadSource) -> None:
+        try:
+            for ev in batch:  # (uses and pins stay local: a remote record lives its TTL)
+                if isinstance(ev, Accepted):
+                    self._write(ev, source)
+        except Exception as e:
+            raise classify(e) from None
+
+    def _held(self, rid: bytes) -> bool:
+        """Redis holds a record ``rid`` that we would write ourselves: whole, signed
+        with our current key (if we have keys), by a publisher we trust. Anything else
+        (another writer's, unsigned, of an untrusted publisher, garbage) is replaced."""
+        try:
+            raw = self.r.get(fmt.manifest_key(rid))
+        except Exception as e:
+            if not is_wrongtype(e):
+                raise
+            self.bad_keys += 1
+            return False
+        if raw is None:
+            return False
+        try:
+            man = fmt.unpack_manifest(rid, raw, self.conf.keys[:1])
+        except TierError:
+            return False
+        return self.conf.trusts(man.uid)
+
+    def _write(self, ev: Accepted, source: PayloadSource) -> None:
+        conf = self.conf
+        if not conf.trusts(ev.publisher):  # (a --group member's state stays here)
+            self.untrusted += 1
+            return
+        rid = fmt.remote_id(ev.root, ev.fingerprint, ev.tokens)
+        idx = fmt.index_key(ev.root, conf.chunk, self._last_digest(ev))
+        if self._held(rid):  # (another node, or we, stored it)
+            self.present += 1
+            self._index(idx, rid, ev.tokens)
+            return
+        data = source.payload(ev)  # the one copy: checked below, then sent from
+        if data is None:
+            self.gone += 1
+            return
+        if len(data) != ev.payload_len or xxhash.xxh3_64_intdigest(data) != ev.payload_xxh3:
+            self.gone += 1  # evicted and reused while we copied
+            return
+        stored = _compress(conf.codec, data)
+        codec = conf.codec
+        if codec != "none" and len(stored) >= len(data):  # (incompressible: store as is)
+            stored, codec = data, "none"
+        parts = fmt.split(stored)
+        man = fmt.Manifest(
+            ev.root,
+            ev.fingerprint,
+            ev.tokens,
+            ev.payload_len,
+            ev.payload_xxh3,
+            codec,
+            len(stored),
+            ev.created,
+            f"{conf.node}/{ev.publisher}",
+            ev.publisher,
+            b"".join(fmt.piece_digest(p) for p in parts),
+        )
+        ttl_ms = conf.ttl * 1000
+        pipe = self.r.pipeline(transaction=False)
+        for i, part in enumerate(parts):
+            pipe.set(fmt.piece_key(rid, i), bytes(part), px=ttl_ms + 60_000)
+        pipe.execute()  # every piece stored before the manifest makes them a record
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(fmt.manifest_key(rid), man.pack(conf.keys[0] if conf.keys else None), px=ttl_ms)
+        pipe.execute()
+        self._index(idx, rid, ev.tokens)
+        self.written += 1
+        self.written_bytes += ev.payload_len
+        self.stored_bytes += len(stored)
+
+    def _index(self, idx: str, rid: bytes, tokens: bytes) -> None:
+        """Add ``rid`` to the index hash ``idx``; a key of another type there (not ours)
+        is replaced."""
+        for _ in range(2):
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hset(idx, rid.hex(), fmt.index_value(tokens))
+            pipe.expire(idx, self.conf.ttl)
+            res = pipe.execute(raise_on_error=False)
+            err = next((x for x in res if isinstance(x, Exception)), None)
+            if err is None:
+                return
+            if not is_wrongtype(err):
+                raise err
+            self.bad_keys += 1
+            self.r.delete(idx)
+
+    def _last_digest(self, ev: Accepted) -> bytes:
+        tokens = np.frombuffer(ev.tokens, dtype="<i4")
+        chain = chain_digests(ev.root, tokens, self.conf.chunk)
+        return chain[-1] if chain else ev.root
+
+    def close(self) -> None:
+        if self.r is not None:
+            try:
+                self.r.close()
+            except Exception:  # closing: nothing to do about it
+                pass
+            self.r = None
+
+
+@dataclass
+class FetchReq:
+    """What a worker asked: the longest remote prefix of ``prompt`` beyond ``have`` tokens."""
+
+    key: int
+    root: bytes
+    prompt: np.ndarray
+    have: int
+    #: the worker's measured prefill speed, tokens/s (0: not measured yet)
+    prefill_tps: float
+
+
+@dataclass
+class FetchResult:
+    key: int
+    #: "found", "none", "not_worth", "down", "corrupt"; misses counted apart:
+    #: "untrusted" (a publisher we do not trust), "unverified" (no MAC under our keys),
+    #: "too_big" (more than this arena can hold)
+    status: str
+    manifest: fmt.Manifest | None = None
+    payload: bytes | bytearray | None = None
+
+
+class Fetcher:
+    """The fetcher thread: lookups and fetches, one at a time, results to the loop."""
+
+    def __init__(self, conf: RemoteConf) -> None:
+        self.conf = conf
+        self.r: Any = None
+        #: the data region's size: a record whose extent is larger is refused unread
+        self.capacity = 0
+        #: records refused (rid -> until, monotonic): not read again for a while
+        self._refused: OrderedDict[bytes, float] = OrderedDict()
+        self._q: queue.Queue[FetchReq | None] = queue.Queue(MAX_FETCH_QUEUE)
+        self.results: queue.Queue[FetchResult] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stop = threading.Event()
+        self._down_until = 0.0
+        self._backoff = FIRST_BACKOFF
+        #: measured: bytes/s of piece reads (EWMA), seconds of a lookup round trip
+        self.bandwidth = 0.0
+        self.rtt = 0.0
+        #: counted on this thread, read by the loop's ``stats``
+        self.errors: dict[str, int] = {}
+        self.corrupt = self.bad_keys = self.refused_skipped = 0
+        self.fetched_bytes = 0
+        self.fetch_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="shmkv-fetch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def fileno(self) -> int:
+        return self._wake_r
+
+    def down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def submit(self, req: FetchReq) -> bool:
+        """Queue ``req``; False if the queue is full (never blocks)."""
+        try:
+            self._q.put_nowait(req)
+            return True
+        except queue.Full:
+            return False
+
+    def drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # ------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            req = self._q.get()
+            if req is None:
+                return
+            if self.down():
+                res = FetchResult(req.key, "down")
+            else:
+                try:
+                    if self.r is None:
+                        self.r = connect(self.conf.url, self.conf.cluster, self.conf.timeout)
+                    res = self._fetch(req)
+                    self._backoff = FIRST_BACKOFF
+                except Exception as e:
+                    res = FetchResult(req.key, "down")
+                    self._failed(classify(e))
+            self.results.put(res)
+            del res  # (the loop holds the payload while it puts it; we do not)
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass
+
+    def _failed(self, err: TierError) -> None:
+        self.errors[err.kind] = self.errors.get(err.kind, 0) + 1
+        if not self.down():
+            log.warning("remote fetch: paused %.1f s (%s): %s", self._backoff, err.kind, err)
+        self._down_until = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, MAX_BACKOFF)
+
+    def _results(self, pipe: Any) -> list[Any]:
+        """A pipeline's replies; one of a key of the wrong type is None (a miss, counted),
+        any other error is raised (the server's, not one key's)."""
+        out = []
+        for x in pipe.execute(raise_on_error=False):
+            if isinstance(x, Exception):
+                if not is_wrongtype(x):
+                    raise x
+                self.bad_keys += 1
+                x = None
+            out.append(x)
+        return out
+
+    def _known_bad(self, rid: bytes) -> bool:
+        until = self._refused.get(rid)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self._refused[rid]
+            return False
+        self.refused_skipped += 1
+        return True
+
+    def _refuse(self, rid: bytes) -> None:
+        self._refused[rid] = time.monotonic() + REFUSED_TTL
+        self._refused.move_to_end(rid)
+        while len(self._refused) > MAX_REFUSED:
+            self._refused.popitem(last=False)
+
+    def _fits(self, man: fmt.Manifest) -> bool:
+        *_, extent = record_layout(man.n_tokens, len(man.fingerprint), man.payload_len)
+        return extent <= self.capacity
+
+    def _fetch(self, req: FetchReq) -> FetchResult:
+        conf, r = self.conf, self.r
+        n_prompt = len(req.prompt)
+        first = max(0, req.have // conf.chunk - 1)
+        digests = chain_digests(req.root, req.prompt, conf.chunk)[first:][-MAX_PROBES:]
+        t0 = time.perf_counter()
+        pipe = r.pipeline(transaction=False)
+        for d in digests:
+            pipe.hgetall(fmt.index_key(req.root, conf.chunk, d))
+        cands: list[tuple[int, bytes]] = []
+        prompt_bytes = np.ascontiguousarray(req.prompt, dtype="<i4").tobytes()
+        tags: dict[int, str] = {}  # (the prompt's own tag at each length asked)
+        for h in self._results(pipe):
+            for k, v in (h or {}).items():
+                parsed = fmt.parse_index_value(v)
+                try:
+                    rid = bytes.fromhex(k.decode())
+                except (ValueError, UnicodeDecodeError):
+                    continue
+                if parsed is None or len(rid) != DIGEST_SIZE:
+                    continue
+                n, tag = parsed
+                if not req.have < n <= n_prompt:
+                    continue
+                if n not in tags:
+                    tags[n] = fmt.tokens_tag(prompt_bytes[: 4 * n])
+                if tag == tags[n] and not self._known_bad(rid):  # (a prefix of this prompt)
+                    cands.append((n, rid))
+        self.rtt = time.perf_counter() - t0
+        if not cands:
+            return FetchResult(req.key, "none")
+        cands = sorted(set(cands), reverse=True)[:MAX_CANDIDATES]
+        pipe = r.pipeline(transaction=False)
+        for _, rid in cands:
+            pipe.get(fmt.manifest_key(rid))
+        man = None
+        miss = "none"
+        for (n, rid), raw in zip(cands, self._results(pipe), strict=True):
+            if raw is None:
+                continue
+            try:
+                m = fmt.unpack_manifest(rid, raw, conf.keys)
+            except TierError as e:
+                if e.kind == "unverified":  # (maybe another key's: not ours to delete)
+                    self._refuse(rid)
+                    miss = "unverified"
+                else:
+                    self._corrupt(rid, e)
+                continue
+            toks = np.frombuffer(m.tokens, dtype="<i4")
+            if m.root != req.root or m.n_tokens != n or not np.array_equal(toks, req.prompt[:n]):
+                continue
+            if not conf.trusts(m.uid):
+                self._refuse(rid)
+                miss = "untrusted"
+                continue
+            if not self._fits(m):  # (before a byte of it is read)
+                log.info(
+                    "remote record %s refused unread: %d bytes can never fit this arena",
+                    rid.hex()[:12],
+                    m.payload_len,
+                )
+                self._refuse(rid)
+                miss = "too_big"
+                continue
+            man = m
+            break
+        if man is None:
+            return FetchResult(req.key, miss)
+        bw = self.bandwidth or DEFAULT_BANDWIDTH
+        cost = self.rtt + man.stored_len / bw
+        if req.prefill_tps > 0 and cost >= (man.n_tokens - req.have) / req.prefill_tps:
+            return FetchResult(req.key, "not_worth", man)
+        rid = man.rid()
+        try:
+            stored = self._read_pieces(rid, man)
+            if stored is None:
+                return FetchResult(req.key, "none")  # expired or evicted under maxmemory
+            payload = _decompress(man.codec, stored, man.payload_len)
+            del stored
+            if (
+                len(payload) != man.payload_len
+                or xxhash.xxh3_64_intdigest(payload) != man.payload_xxh3
+            ):
+                raise TierError("remote payload checksum mismatch", "corrupt")
+        except TierError as e:
+            if e.kind != "corrupt":
+                raise
+            self._corrupt(rid, e)
+            return FetchResult(req.key, "corrupt")
+        return FetchResult(req.key, "found", man, payload)
+
+    def _read_pieces(self, rid: bytes, man: fmt.Manifest) -> bytearray | None:
+        """The stored bytes of ``man``'s record, each piece checked against its digest as
+        it arrives, a few pieces per round trip; None if a piece is missing."""
+        out = bytearray(man.stored_len)
+        pos = 0
+        t1 = time.perf_counter()
+        for lo in range(0, man.pieces, PIECES_PER_READ):
+            hi = min(man.pieces, lo + PIECES_PER_READ)
+            pipe = self.r.pipeline(transaction=False)
+            for i in range(lo, hi):
+                pipe.get(fmt.piece_key(rid, i))
+            for i, part in zip(range(lo, hi), self._results(pipe), strict=True):
+                if part is None:
+                    return None
+                want = min(fmt.PIECE, man.stored_len - pos)
+                d = fmt.PIECE_DIGEST
+                if len(part) != want or fmt.piece_digest(part) != man.digests[i * d : i * d + d]:
+                    raise TierError(f"remote piece {i} does not match its manifest", "corrupt")
+                out[pos : pos + want] = part
+                pos += want
+                self.fetched_bytes += want
+        dt = time.perf_counter() - t1
+        self.fetch_seconds += dt
+        if dt > 0:
+            got = man.stored_len / dt
+            self.bandwidth = got if not self.bandwidth else 0.7 * self.bandwidth + 0.3 * got
+        return out
+
+    def _corrupt(self, rid: bytes, e: TierError) -> None:
+        self.corrupt += 1
+        self._refuse(rid)
+        log.warning("remote record %s rejected: %s", rid.hex()[:12], e)
+        try:
+            self.r.delete(fmt.manifest_key(rid))  # nobody fetches it again
+        except Exception as e2:
+            log.debug("cannot delete the corrupt remote record: %s", e2)
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._q.put_nowait(None)
+        except queue.Full:
+            pass
+        if self._thread.is_alive():
+            self._thread.join(self.conf.timeout * 3 + 1.0)
+        if self.r is not None and not self._thread.is_alive():
+            try:
+                self.r.close()
+            except Exception:  # closing: nothing to do about it
+                pass
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        self._wake_r = self._wake_w = -1

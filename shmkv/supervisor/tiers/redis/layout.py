@@ -1,0 +1,251 @@
+"""The remote tier's layout in Redis / Valkey: key names and the manifest, both ways.
+
+Runs in the supervisor (its remote writer and fetcher threads). Nobody else builds
+these keys or packs a manifest.
+
+One record, named by its remote id ``rid = BLAKE2b-128(root | fingerprint | token ids)``
+(no publisher: two nodes that publish the same prompt share one copy), is::
+
+    shmkv:{<rid hex>}:p<i>   piece i of the payload (``PIECE`` bytes, the last shorter),
+                             zstd-compressed as a whole first if the manifest says so
+    shmkv:{<rid hex>}:m      the manifest (msgpack, below), written after every piece:
+                             ``{"v": 2, "m": <body>, "mac": <HMAC-SHA256 or b"">}``, the
+                             body a msgpack map of the fields of :class:`Manifest`
+
+and each record is findable from a prompt through one hash per chunk prefix::
+
+    shmkv:{<root hex>}:x<chunk>:<digest hex>   HASH  rid -> "<token count>:<tokens tag>"
+
+where ``digest`` is the chained digest of the record's last full chunk prefix
+(``arena.chain_digests``, the keys the arena itself uses, rooted in the model's
+fingerprint, context settings and tenant namespace). ``{...}`` is a Redis Cluster hash
+tag: a record's pieces and manifest share one slot, and all index hashes of one root
+share one slot, so a lookup is one pipelined round trip on one node. Every key has a
+TTL (``--remote-ttl``). The tokens tag (:func:`tokens_tag`, 8 bytes of BLAKE2b of the
+record's token ids) lets a lookup keep only the records that are a prefix of its prompt
+before it reads a manifest: many prompts that share a system prompt and differ in their
+question share one index hash, and are told apart without a round trip each.
+
+A reader trusts nothing it reads here beyond what it checks: :func:`unpack_manifest`
+bounds every field and checks that root, fingerprint and tokens hash to the key it was
+read under; each piece is checked against its BLAKE2b-128 digest in the manifest as it
+arrives, the payload against the manifest's XXH3 once assembled; the arena's put checks
+it again, and the worker checks fingerprint, tokens and checksum before it restores, as
+for any local record. With ``--remote-key-file`` the manifest's body (which names every
+piece's digest, the payload's length and the publisher's uid) carries an HMAC-SHA256
+under the key: a node with keys takes only records whose MAC verifies under one of them,
+so nobody who can merely write to Redis can make it restore a state they computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from shmkv.core.arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
+from shmkv.core.errors import TierError
+
+VERSION = 2
+#: bytes per piece: one command per MiB keeps Redis responsive to other clients
+PIECE = 1 << 20
+#: the largest payload a manifest may describe (a 1M-token state of a big model fits)
+MAX_PAYLOAD = 1 << 34
+MAX_PIECES = MAX_PAYLOAD // PIECE
+CODECS = ("none", "zstd")
+PREFIX = "shmkv"
+#: bytes of each piece's digest (BLAKE2b) in a manifest
+PIECE_DIGEST = 16
+#: the least key length of --remote-key-file, bytes
+MIN_KEY = 32
+#: the longest manifest a reader accepts (token ids and piece digests dominate)
+MAX_MANIFEST = 4 * MAX_TOKENS + PIECE_DIGEST * MAX_PIECES + 4096
+
+
+def piece_digest(piece: bytes | memoryview) -> bytes:
+    """What a manifest holds for one stored piece."""
+    return hashlib.blake2b(piece, digest_size=PIECE_DIGEST).digest()
+
+
+def mac(key: bytes, rid: bytes, body: bytes) -> bytes:
+    """The manifest MAC: HMAC-SHA256 of the record id and the manifest's body."""
+    return hmac.new(key, rid + body, hashlib.sha256).digest()
+
+
+def remote_id(root: bytes, fingerprint: bytes, tokens: bytes) -> bytes:
+    """The record's name in the remote tier (see the module docstring)."""
+    return hashlib.blake2b(root + fingerprint + tokens, digest_size=DIGEST_SIZE).digest()
+
+
+def tokens_tag(tokens: bytes) -> str:
+    """A short tag of a record's token ids (little-endian int32 bytes), kept in the index."""
+    return hashlib.blake2b(tokens, digest_size=8).hexdigest()
+
+
+def index_value(tokens: bytes) -> str:
+    """What the index hash holds for a record of ``tokens``: its length and tag."""
+    return f"{len(tokens) // 4}:{tokens_tag(tokens)}"
+
+
+def parse_index_value(raw: bytes) -> tuple[int, str] | None:
+    """``(token count, tag)`` of an index value, or None if it is not one."""
+    try:
+        n, _, tag = raw.decode("ascii").partition(":")
+        count = int(n)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not 0 < count <= MAX_TOKENS or len(tag) != 16:
+        return None
+    return count, tag
+
+
+def manifest_key(rid: bytes) -> str:
+    return f"{PREFIX}:{{{rid.hex()}}}:m"
+
+
+def piece_key(rid: bytes, i: int) -> str:
+    return f"{PREFIX}:{{{rid.hex()}}}:p{i}"
+
+
+def index_key(root: bytes, chunk: int, digest: bytes) -> str:
+    return f"{PREFIX}:{{{root.hex()}}}:x{chunk}:{digest.hex()}"
+
+
+def n_pieces(stored_len: int) -> int:
+    return max(1, -(-stored_len // PIECE))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a record is and how its payload is stored."""
+
+    root: bytes
+    fingerprint: bytes
+    #: token ids, little-endian int32
+    tokens: bytes
+    #: payload length and XXH3-64 (of the payload itself, before compression)
+    payload_len: int
+    payload_xxh3: int
+    codec: str
+    #: bytes stored in the pieces (compressed length, or payload_len)
+    stored_len: int
+    created: float
+    #: who published it: "hostname/uid" of the node's supervisor and worker (informative)
+    publisher: str
+    #: the uid that published it (the arena's publisher field): a fetched copy keeps it
+    uid: int
+    #: :func:`piece_digest` of each stored piece, concatenated
+    digests: bytes
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+    @property
+    def pieces(self) -> int:
+        return n_pieces(self.stored_len)
+
+    def rid(self) -> bytes:
+        return remote_id(self.root, self.fingerprint, self.tokens)
+
+    def pack(self, key: bytes | None = None) -> bytes:
+        """The stored manifest, MACed under ``key`` if given."""
+        body: bytes = msgpack.packb(
+            {
+                "v": VERSION,
+                "root": self.root,
+                "fp": self.fingerprint,
+                "tokens": self.tokens,
+                "len": self.payload_len,
+                "xxh3": self.payload_xxh3,
+                "codec": self.codec,
+                "stored": self.stored_len,
+                "pieces": self.pieces,
+                "created": self.created,
+                "publisher": self.publisher,
+                "uid": self.uid,
+                "digests": self.digests,
+            },
+            use_bin_type=True,
+        )
+        tag = b"" if key is None else mac(key, self.rid(), body)
+        out: bytes = msgpack.packb({"v": VERSION, "m": body, "mac": tag}, use_bin_type=True)
+        return out
+
+
+def _unpack(raw: bytes) -> Any:
+    try:
+        return msgpack.unpackb(
+            raw, raw=False, max_map_len=32, max_array_len=0, max_str_len=256, strict_map_key=True
+        )
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise TierError(f"remote manifest undecodable: {e}", "corrupt") from None
+
+
+def unpack_manifest(rid: bytes, raw: bytes, keys: Sequence[bytes] = ()) -> Manifest:
+    """Check and read a manifest stored under ``rid``; TierError("corrupt") says what is
+    wrong. With ``keys``, its MAC must verify under one of them, else TierError("unverified")."""
+    if len(raw) > MAX_MANIFEST:
+        raise TierError("remote manifest too large", "corrupt")
+    env = _unpack(raw)
+    if not isinstance(env, dict) or env.get("v") != VERSION:
+        raise TierError("remote manifest of another format version", "corrupt")
+    body, tag = env.get("m"), env.get("mac")
+    if not isinstance(body, bytes) or not isinstance(tag, bytes):
+        raise TierError("remote manifest's envelope is malformed", "corrupt")
+    if keys and not any(hmac.compare_digest(mac(k, rid, body), tag) for k in keys):
+        raise TierError("remote manifest not signed by any key of --remote-key-file", "unverified")
+    m = _unpack(body)
+    if not isinstance(m, dict) or m.get("v") != VERSION:
+        raise TierError("remote manifest of another format version", "corrupt")
+
+    def field(name: str, typ: type, lo: int = 0, hi: int = 1 << 64) -> Any:
+        v = m.get(name)
+        if not isinstance(v, typ) or isinstance(v, bool):
+            raise TierError(f"remote manifest field {name!r} missing or mistyped", "corrupt")
+        n = len(v) if isinstance(v, bytes | str) else v
+        if isinstance(n, int) and not lo <= n < hi:
+            raise TierError(f"remote manifest field {name!r} out of range", "corrupt")
+        return v
+
+    man = Manifest(
+        root=field("root", bytes, DIGEST_SIZE, DIGEST_SIZE + 1),
+        fingerprint=field("fp", bytes, 0, MAX_FINGERPRINT + 1),
+        tokens=field("tokens", bytes, 4, 4 * MAX_TOKENS + 1),
+        payload_len=field("len", int, 1, MAX_PAYLOAD + 1),
+        payload_xxh3=field("xxh3", int, 0, 1 << 64),
+        codec=field("codec", str, 1, 16),
+        stored_len=field("stored", int, 1, MAX_PAYLOAD + 1),
+        created=float(field("created", float)),
+        publisher=field("publisher", str, 0, 256),
+        uid=field("uid", int, 0, 1 << 32),
+        digests=field("digests", bytes, PIECE_DIGEST, PIECE_DIGEST * MAX_PIECES + 1),
+    )
+    if len(man.tokens) % 4 or man.codec not in CODECS:
+        raise TierError("remote manifest has odd tokens or an unknown codec", "corrupt")
+    if field("pieces", int, 1, MAX_PIECES + 1) != man.pieces:
+        raise TierError("remote manifest's piece count does not match its length", "corrupt")
+    if len(man.digests) != PIECE_DIGEST * man.pieces:
+        raise TierError("remote manifest's piece digests do not match its length", "corrupt")
+    if man.codec == "none" and man.stored_len != man.payload_len:
+        raise TierError("remote manifest's lengths disagree", "corrupt")
+    if man.codec == "zstd" and man.stored_len >= man.payload_len:
+        raise TierError("remote manifest's compressed length is not smaller", "corrupt")
+    if man.rid() != rid:
+        raise TierError("remote manifest does not match its key", "corrupt")
+    return man
+
+
+def split(data: bytes | memoryview) -> list[bytes | memoryview]:
+    """``data`` in pieces of :data:`PIECE` bytes (views, no copy)."""
+    view = memoryview(data)
+    return [view[i : i + PIECE] for i in range(0, max(1, len(view)), PIECE)]
+
+
+def now() -> float:
+    return time.time()
