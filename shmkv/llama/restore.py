@@ -106,8 +106,9 @@ class Restorer:
             return Restored(local)
         trust = self.trust()
         try:
+            owners = self.owners(trust)
             plan = self.policy.plan(
-                view, prompt, chunk, digests, hit, local, self.owners(trust), trust
+                policy.Lookup(view, prompt, chunk, digests, hit, local, owners, trust)
             )
         except ShmkvError as e:  # (the owners round trip)
             ledger.fail("supervisor unavailable", e)
