@@ -25,10 +25,12 @@ import sys
 from typing import Any
 
 from gunicorn.arbiter import Arbiter
+from shmkv_workers import compat
 from uvicorn.server import Server
 from uvicorn_worker import UvicornWorker
 
 from shmkv.core.config import resolve
+from shmkv.core.errors import ConfigError
 from shmkv.core.stats import HttpCounters
 
 log = logging.getLogger("shmkv.worker")
@@ -56,14 +58,16 @@ class IdleAcceptor:
         """Take over accepting from uvicorn's asyncio servers (best effort)."""
         self.read_timeout = read_timeout
         try:
-            for srv in servers:  # asyncio.base_events.Server: its raw listening sockets
-                for sock in srv._sockets:
-                    self.listening.append((srv.get_loop(), sock, srv._protocol_factory))
+            self.listening = compat.listening_sockets(servers)
+        except ConfigError as e:  # an event loop without these internals: accept as usual
+            log.warning("cannot take over accepting: %s", e)
+            return
+        try:
             for loop, sock, _ in self.listening:
                 loop.remove_reader(sock.fileno())
             self.active = True
             self._listen(self.busy == 0)
-        except Exception:  # an event loop without these internals: accept as usual
+        except Exception:  # (the loop refused the takeover): accept as usual
             log.warning("cannot take over accepting; every worker accepts", exc_info=True)
             self.listening = []
 
