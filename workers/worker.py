@@ -14,6 +14,10 @@ A connection that has sent no request yet (idle, or slow to send its headers or
 body) never stops a worker from accepting others; one that has not sent its
 request's headers ``--request-read-timeout`` seconds after it was accepted is
 closed.
+
+The listening sockets are asyncio internals, read through ``compat.py`` (which names the
+versions it was read from); without them every worker accepts as plain uvicorn does.
+:class:`ShmkvWorker` overrides ``UvicornWorker._serve`` (``compat.check`` verifies it).
 """
 
 from __future__ import annotations
