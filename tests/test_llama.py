@@ -167,3 +167,38 @@ def test_no_supervisor_runs_cold_and_logs_once(models):
     ]
     assert sum("cold prefill" in ln for ln in warnings) == 1, got["stderr"]
     assert len(warnings) <= 3, got["stderr"]
+
+
+def test_a_llama_cpp_python_without_an_internal_shmkv_uses_fails_at_attach(models, monkeypatch):
+    """shmkv/llama/compat.py: on a version it was not read from, attach checks each
+    llama-cpp-python internal it uses; one missing is one ConfigError naming the fix."""
+    import logging
+
+    import llama_cpp
+    import pytest
+
+    from shmkv.core.errors import ConfigError
+    from shmkv.llama import attach, compat
+
+    llm = llama_cpp.Llama(models["seed0"], verbose=False, **KW)
+    try:
+        monkeypatch.setattr(llama_cpp, "__version__", "9.9.9")
+        monkeypatch.setattr(compat, "_warned", False)
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        compat.log.addHandler(handler)
+        try:
+            compat.check(llm)  # every internal still there: a warning, once
+            compat.check(llm)
+        finally:
+            compat.log.removeHandler(handler)
+        assert len(records) == 1 and "0.3.36" in records[0].getMessage()
+        monkeypatch.delattr(llm, "_requires_eval")  # (as a version without it would be)
+        with pytest.raises(ConfigError) as err:
+            attach(llm, name="absent", socket_path="/tmp/shmkv-absent-test.sock")
+        message = str(err.value)
+        assert "9.9.9 lacks _requires_eval" in message and "llama-cpp-python==0.3.36" in message
+        assert getattr(llm, "shmkv", None) is None
+    finally:
+        llm.close()

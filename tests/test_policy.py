@@ -25,6 +25,7 @@ from shmkv.llama.policy import (
     SWA_MIN_GAIN,
     Exact,
     Local,
+    Lookup,
     Plain,
     Plan,
     Rules,
@@ -165,7 +166,7 @@ def plan_for(
         rows = arena.owners(digest, prompt)  # (the supervisor keeps trusted publishers' only)
         return [r for r in rows if trust.allows(arena.recs[(r[0], r[1])].publisher)]
 
-    return strat.plan(arena, prompt, CHUNK, digests, hit, local, owners, trust)
+    return strat.plan(Lookup(arena, prompt, CHUNK, digests, hit, local, owners, trust))
 
 
 def longest(arena: FakeArena, prompt: np.ndarray) -> int:

@@ -6,6 +6,7 @@ The tiny model stands in for a real one; outputs are compared with a plain
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -220,3 +221,50 @@ def test_a_busy_worker_accepts_no_new_connection(tmp_path, serve_model, make_sup
             pass
     finally:
         srv.stop()
+
+
+def test_accepting_falls_back_to_plain_asyncio_on_a_server_without_its_internals(caplog):
+    """workers/compat.py: an asyncio server of a version without ``_sockets`` leaves every
+    connection to asyncio's own accept loop (with one warning naming the versions known);
+    one with them is taken over and counts what it accepts."""
+    from shmkv_workers.worker import IdleAcceptor
+
+    async def main() -> None:
+        async def hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"hello")
+            await writer.drain()
+            writer.close()
+
+        async def ask(port: int) -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                return await asyncio.wait_for(reader.read(), 30)
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(hello, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+
+        class OtherVersion:  # an asyncio server whose listening sockets are elsewhere
+            def get_loop(self) -> asyncio.AbstractEventLoop:
+                return server.get_loop()
+
+        plain = IdleAcceptor()
+        plain.attach([OtherVersion()], read_timeout=30.0)
+        assert not plain.active and plain.listening == []
+        assert await ask(port) == b"hello"  # asyncio's own accept loop still serves
+        assert plain.counters.connections_accepted == 0
+
+        taken = IdleAcceptor()
+        taken.attach([server], read_timeout=30.0)
+        assert taken.active and taken.listening
+        assert await ask(port) == b"hello"
+        assert taken.counters.connections_accepted == 1
+        taken.stop()
+        server.close()
+        await server.wait_closed()
+
+    with caplog.at_level(logging.WARNING, logger="shmkv.worker"):
+        asyncio.run(main())
+    warned = [r.getMessage() for r in caplog.records if "cannot take over" in r.getMessage()]
+    assert len(warned) == 1 and "uvicorn 0.54.0" in warned[0], warned

@@ -29,7 +29,6 @@ Settings come from ``shmkv.core.config`` (``SHMKV_*`` variables, set by ``shmkv 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -43,9 +42,9 @@ import llama_cpp
 import llama_cpp.server.app as server_app
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from llama_cpp.server.errors import ErrorResponse, RouteErrorHandler
-from llama_cpp.server.model import LlamaProxy
+from llama_cpp.server.errors import ErrorResponse
 from llama_cpp.server.settings import ModelSettings, ServerSettings
+from shmkv_workers import compat
 from shmkv_workers.metrics import add_metrics_route
 from shmkv_workers.tenants import Bearer, TenantScope, authenticate, key_check
 from shmkv_workers.usage import UsageDetails, include_usage, usage_chunk
@@ -126,6 +125,19 @@ def _record(cache: SharedPrefixCache) -> None:
         context["shmkv"] = cache_field(cache)
 
 
+async def send_error(
+    send: Any, status: int, message: str, code: str, param: str | None = None
+) -> None:
+    """Answer with an OpenAI-style ``invalid_request_error`` (raw ASGI: from middleware)."""
+    error = {"message": message, "type": "invalid_request_error"}
+    if param is not None:
+        error["param"] = param
+    body = json.dumps({"error": {**error, "code": code}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 class CacheHeaders:
     """ASGI middleware: ``X-Shmkv-*`` response headers for non-streaming completions.
 
@@ -189,29 +201,12 @@ class CacheHeaders:
             if match is None:
                 raise
             log.info("refused a stream: %s", e)
-            body = json.dumps(
-                {
-                    "error": {
-                        "message": f"This model's maximum context length is {match[2]} tokens, "
-                        f"however the prompt has {match[1]} tokens. Please reduce the "
-                        "length of the prompt or messages.",
-                        "type": "invalid_request_error",
-                        "param": "messages",
-                        "code": "context_length_exceeded",
-                    }
-                }
-            ).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 400,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                    ],
-                }
+            message = (
+                f"This model's maximum context length is {match[2]} tokens, however the "
+                f"prompt has {match[1]} tokens. Please reduce the length of the prompt or "
+                "messages."
             )
-            await send({"type": "http.response.body", "body": body})
+            await send_error(send, 400, message, "context_length_exceeded", param="messages")
             return
         if held is not None:  # a stream that ended without a single event
             await send(held)
@@ -288,26 +283,8 @@ class BodyLimit:
                 raise
 
     async def _refuse(self, send: Any) -> None:
-        body = json.dumps(
-            {
-                "error": {
-                    "message": f"request body over {self.limit} bytes (--max-request-bytes)",
-                    "type": "invalid_request_error",
-                    "code": "request_too_large",
-                }
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        message = f"request body over {self.limit} bytes (--max-request-bytes)"
+        await send_error(send, 413, message, "request_too_large")
 
 
 # ------------------------------------------------------------ streams
@@ -332,10 +309,10 @@ async def _event_publisher(
     (``usage.py``).
     """
     with_usage = await include_usage(request)
-    server_settings = next(server_app.get_server_settings())
+    server_settings = compat.server_settings()
     interrupt_requests = server_settings.interrupt_requests if server_settings else False
-    async with contextlib.asynccontextmanager(server_app.get_llama_proxy)() as llama_proxy:
-        llama = server_app.prepare_request_resources(body, llama_proxy, body_model, kwargs)
+    async with compat.llama_proxy() as llama_proxy:
+        llama = compat.prepare_request_resources(body, llama_proxy, body_model, kwargs)
         async with inner_send_chan:
             iterator = None
             try:
@@ -348,7 +325,7 @@ async def _event_publisher(
                     await inner_send_chan.send(dict(data=json.dumps(chunk)))
                     if await request.is_disconnected():
                         raise anyio.get_cancelled_exc_class()()
-                    if interrupt_requests and server_app.llama_outer_lock.locked():
+                    if interrupt_requests and compat.model_lock_wanted():
                         await inner_send_chan.send(dict(data="[DONE]"))
                         raise anyio.get_cancelled_exc_class()()
                 if with_usage and (final := usage_chunk(llama, last)) is not None:
@@ -374,11 +351,8 @@ def _invalid(message: str, code: str, param: str | None = None) -> ErrorResponse
     return ErrorResponse(message=message, type="invalid_request_error", param=param, code=code)
 
 
-def _client_errors_are_4xx() -> None:
-    """Wrap the route handler's error formatter: a failed validation is a 422 (once)."""
-    plain = RouteErrorHandler.error_message_wrapper
-    if getattr(plain, "shmkv", False):
-        return
+def _client_errors_are_4xx(plain: Any) -> Any:
+    """Wrap the route handler's error formatter: a failed validation is a 422."""
 
     def error_message_wrapper(self, error: Exception, body: Any = None):
         if isinstance(error, RequestValidationError):
@@ -389,8 +363,7 @@ def _client_errors_are_4xx() -> None:
             return 422, _invalid(f"invalid request: {problems}", "invalid_request")
         return plain(self, error, body)
 
-    error_message_wrapper.shmkv = True  # type: ignore[attr-defined]
-    RouteErrorHandler.error_message_wrapper = error_message_wrapper  # type: ignore[method-assign]
+    return error_message_wrapper
 
 
 async def _invalid_json(request: Any, exc: Exception) -> JSONResponse:
@@ -402,8 +375,8 @@ async def _invalid_json(request: Any, exc: Exception) -> JSONResponse:
 
 
 def make_loader(settings: Settings):
-    """A LlamaProxy loader that attaches every model it loads to the shmkv arena."""
-    plain = LlamaProxy.load_llama_from_model_settings
+    """A ``LlamaProxy`` loader that attaches every model it loads to the shmkv arena."""
+    plain = compat.original_loader()
 
     def load(model_settings: ModelSettings) -> llama_cpp.Llama:
         try:
@@ -456,24 +429,20 @@ def _aliases(settings: Settings, models: list[str]) -> list[str]:
     return names
 
 
-def _named_by_alias() -> None:
+def _named_by_alias(plain: Any) -> Any:
     """Responses carry the served model's alias in ``model``, not the client's string
     nor (when the client sent none) the GGUF's path on this server."""
-    plain = server_app.prepare_request_resources
-    if getattr(plain, "shmkv", False):
-        return
 
     def prepare_request_resources(
         body: Any, llama_proxy: Any, body_model: str | None, kwargs: dict[str, Any]
     ) -> llama_cpp.Llama:
         llama = plain(body, llama_proxy, body_model, kwargs)
-        alias = getattr(llama_proxy, "_current_model_alias", None)
+        alias = compat.current_alias(llama_proxy)
         if alias:
             kwargs["model"] = alias
         return llama
 
-    prepare_request_resources.shmkv = True  # type: ignore[attr-defined]
-    server_app.prepare_request_resources = prepare_request_resources
+    return prepare_request_resources
 
 
 def create_app(settings: Settings | None = None):
@@ -499,13 +468,14 @@ def create_app(settings: Settings | None = None):
         api_key=keys[0] if keys else None,
         interrupt_requests=False,
     )
-    LlamaProxy.load_llama_from_model_settings = staticmethod(make_loader(settings))  # type: ignore[method-assign]
-    server_app.get_event_publisher = _event_publisher  # (the routes look it up per request)
-    _client_errors_are_4xx()
-    _named_by_alias()
+    compat.check()
+    compat.replace_loader(make_loader(settings))
+    compat.replace_event_publisher(_event_publisher)
+    compat.wrap_error_formatter(_client_errors_are_4xx)
+    compat.wrap_request_resources(_named_by_alias)
     app = server_app.create_app(server_settings=server_settings, model_settings=settings_of_models)
 
-    app.dependency_overrides[server_app.authenticate] = authenticate(keys)
+    app.dependency_overrides[compat.authenticate_dependency()] = authenticate(keys)
     app.user_middleware.append(Middleware(CacheHeaders))  # innermost: inside the context
     app.user_middleware.append(Middleware(UsageDetails))
     app.user_middleware.append(  # each completion runs as its request's cache tenant

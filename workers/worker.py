@@ -14,6 +14,10 @@ A connection that has sent no request yet (idle, or slow to send its headers or
 body) never stops a worker from accepting others; one that has not sent its
 request's headers ``--request-read-timeout`` seconds after it was accepted is
 closed.
+
+The listening sockets are asyncio internals, read through ``compat.py`` (which names the
+versions it was read from); without them every worker accepts as plain uvicorn does.
+:class:`ShmkvWorker` overrides ``UvicornWorker._serve`` (``compat.check`` verifies it).
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ import sys
 from typing import Any
 
 from gunicorn.arbiter import Arbiter
+from shmkv_workers import compat
 from uvicorn.server import Server
 from uvicorn_worker import UvicornWorker
 
 from shmkv.core.config import resolve
+from shmkv.core.errors import ConfigError
 from shmkv.core.stats import HttpCounters
 
 log = logging.getLogger("shmkv.worker")
@@ -56,14 +62,16 @@ class IdleAcceptor:
         """Take over accepting from uvicorn's asyncio servers (best effort)."""
         self.read_timeout = read_timeout
         try:
-            for srv in servers:  # asyncio.base_events.Server: its raw listening sockets
-                for sock in srv._sockets:
-                    self.listening.append((srv.get_loop(), sock, srv._protocol_factory))
+            self.listening = compat.listening_sockets(servers)
+        except ConfigError as e:  # an event loop without these internals: accept as usual
+            log.warning("cannot take over accepting: %s", e)
+            return
+        try:
             for loop, sock, _ in self.listening:
                 loop.remove_reader(sock.fileno())
             self.active = True
             self._listen(self.busy == 0)
-        except Exception:  # an event loop without these internals: accept as usual
+        except Exception:  # (the loop refused the takeover): accept as usual
             log.warning("cannot take over accepting; every worker accepts", exc_info=True)
             self.listening = []
 

@@ -31,6 +31,7 @@ import numpy as np
 from llama_cpp.llama_chat_format import get_chat_completion_handler
 
 from shmkv.core.arena import common_prefix
+from shmkv.llama import compat
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def formatter_of(llm: llama_cpp.Llama) -> Callable[..., Any] | None:
     try:
         handler = (
             llm.chat_handler
-            or llm._chat_handlers.get(llm.chat_format or "")
+            or compat.registered_chat_handler(llm)
             or get_chat_completion_handler(llm.chat_format)  # type: ignore[arg-type]
         )
     except Exception:  # (no such format: the completion itself will say so)

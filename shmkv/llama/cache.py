@@ -21,10 +21,13 @@ and a context that holds another tenant's cells is wiped before the call uses it
 Which record
 to restore and which checkpoints to publish is planned in ``policy.py``; the
 state moves in and out of llama.cpp in ``kvstate.py``; one restore is carried
-out and counted in ``restorer.py``; the hooks on ``Llama`` are in ``hooks.py``;
+out and counted in ``restore.py``, a state published in ``capture.py``; what the
+context holds besides its tokens is its ``kvstate.ContextState``, the prefills it
+claimed are ended by ``claims.py``; the hooks on ``Llama`` are in ``hooks.py``;
 where a chat's messages start (checkpoints for sliding windows) in ``boundaries.py``;
-``publisher.py`` talks to the supervisor off the token path. This module wires
-them together and keeps the worker's counters (``shmkv.core.stats``). Any failure
+``publisher.py`` talks to the supervisor off the token path; llama-cpp-python's
+internals are touched in ``compat.py`` only. This module wires them together (they
+never import it) and keeps the worker's counters (``shmkv.core.stats``). Any failure
 of the cache (no supervisor, mismatch, corrupt blob, failed ``set_data``) is
 logged once, counted, and costs a cold prefill: generation never fails because of it.
 """
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -49,8 +51,11 @@ from shmkv.core.client import Client
 from shmkv.core.config import Settings, resolve, trusted_uids
 from shmkv.core.errors import ArenaCorruptError, ShmkvError
 from shmkv.core.stats import CallStats
-from shmkv.llama import boundaries, capture, hooks, kvstate, policy, tenant
+from shmkv.llama import boundaries, compat, hooks, kvstate, policy, tenant
+from shmkv.llama.capture import Capturer
+from shmkv.llama.claims import Claims
 from shmkv.llama.counters import Ledger
+from shmkv.llama.cpu import budget as cpubudget
 from shmkv.llama.cpu.budget import CpuBudget
 from shmkv.llama.fingerprint import key_root, model_fingerprint
 from shmkv.llama.publisher import Publisher
@@ -222,7 +227,7 @@ class Call:
             stats = cache.last = CallStats(prompt_tokens=len(tokens), started_at=time.monotonic())
             cache.ledger.add(calls=1)
             cache.call = self
-            cache._release_orphaned_claims()
+            cache.claims.end_orphaned()
             cache.enter(self.root, reset)
             in_context = self._prepare(reset)
             gen = orig_generate(tokens, reset=reset, **kwargs)
@@ -259,7 +264,7 @@ class Call:
                 reused = cache.restore_or_claim(tokens)
             except Exception as e:  # the cache must never break generation
                 cache.ledger.fail("restore error", e)
-                cache._go_cold()
+                cache.go_cold()
         cache.last.tokens_reused_local = max(0, reused - cache.last.tokens_restored)
         if cache.last.tokens_reused_local:
             cache.ledger.add(tokens_reused_local=cache.last.tokens_reused_local)
@@ -283,7 +288,7 @@ class Call:
             if prompt_capture or not first:
                 cache.ledger.add(captures_dropped=1)
             if self.claimed:
-                cache._orphan_claims(self.claimed)
+                cache.claims.orphan(self.claimed)
                 self.claimed = None
             cache.publisher.report_soon()
             return
@@ -295,7 +300,7 @@ class Call:
                 self._safe_capture(min_new=cache.chunk_tokens or 1, covered=len(self.tokens))
             elif self.claimed:  # ended before the prompt was evaluated
                 claimed, self.claimed = self.claimed, None
-                cache._unclaim(claimed)
+                cache.claims.end(claimed)
         finally:
             cache.guard.release()
         cache.publisher.report_soon()
@@ -312,7 +317,7 @@ class Call:
         )
         self.checkpoint_at = 0
         if plan.aligned is not None:
-            cache._aligned = plan.aligned
+            cache.context.aligned = plan.aligned
         if not plan.points:
             return reused
         try:
@@ -328,7 +333,7 @@ class Call:
             return llm.n_tokens
         except Exception as e:  # never break generation: go cold
             cache.ledger.fail("checkpoint failed", e)
-            cache._go_cold()
+            cache.go_cold()
             return 0
 
     def _prefilled(self, in_context: int) -> None:
@@ -351,7 +356,7 @@ class Call:
         claimed, self.claimed = self.claimed, None
         queued = self.cache.llm.n_tokens == len(self.tokens) and self._safe_capture(claimed)
         if claimed and not queued:
-            self.cache._unclaim(claimed)
+            self.cache.claims.end(claimed)
 
     def _safe_capture(
         self, claimed: list[bytes] | None = None, min_new: int = 1, covered: int = 0
@@ -390,6 +395,7 @@ class SharedPrefixCache:
                     "exact": exact,
                 },
             )
+        compat.check(llm)
         self.llm = llm
         self.settings = settings
         self.namespace: str = settings.namespace
@@ -404,9 +410,8 @@ class SharedPrefixCache:
         self.root = key_root(
             self.fingerprint + (b"|exact|%d" % self.align if self.exact else b""), self.namespace
         )
-        #: the key root of the tenant whose calls computed the context's cells (None:
-        #: mixed, a continuation across tenants: nothing of it is published)
-        self.context_root: bytes | None = self.root
+        #: what the cache knows about its context's cells (their tenant, ...)
+        self.context = kvstate.ContextState(root=self.root)
         self.publish_enabled = publish
         self.verify = verify
         #: publishers trusted besides our uid and the supervisor's (None: everyone)
@@ -421,8 +426,6 @@ class SharedPrefixCache:
                 checkpoint_tail=settings.checkpoint_tail,
             )
         )
-        #: leading context tokens computed in whole, aligned batches (exact mode)
-        self._aligned = 0
         self.ledger = Ledger(log)
         #: the labels of this cache's counters in the supervisor's metrics: the model's
         #: alias (``workers/app.py`` sets the served alias) and the namespace
@@ -438,17 +441,25 @@ class SharedPrefixCache:
         self.call: Call | None = None
         #: one step of one call touches the context at a time (see ``kvstate.ContextGuard``)
         self.guard = kvstate.ContextGuard()
-        self._restorer = Restorer(self)
-        #: claims of calls closed late, for the next call to end (on the reader's thread)
-        self._orphaned: list[list[bytes]] = []
+        self.restorer = Restorer(
+            llm,
+            self.reader,
+            self.ledger,
+            self.policy,
+            self.context,
+            self.fingerprint,
+            verify,
+            self.trust,
+        )
+        self.capturer = Capturer(
+            llm, self.context, self.policy, self.publisher, self.ledger, self.trust
+        )
+        #: the prefills this cache's calls claimed, ended here when they will not publish
+        self.claims = Claims(self.reader)
         #: the context keeps every token's logits (``Llama(logits_all=True)``)
-        self.logits_all = bool(getattr(llm, "_logits_all", False))
-        #: leading rows of ``llm.scores`` that hold the logits of ``llm.input_ids`` (a
-        #: restore sets tokens and cells, not the logits of those tokens)
-        self.scores_valid = 0
-        #: set by the hooked ``_create_completion`` for the generate call it makes, on
-        #: its thread: whether that call reads the prompt's logits (None: not known)
-        self._completion = threading.local()
+        self.logits_all = compat.logits_all(llm)
+        #: whether the generate call a completion makes reads the prompt's logits
+        self.prompt_logits = hooks.PromptLogits()
         self._closed = False
         #: this context's measured prefill speed, tokens/s (0: not measured yet); the
         #: supervisor weighs a fetch from --remote against it
@@ -493,10 +504,16 @@ class SharedPrefixCache:
         sup = self.reader.supervisor_uid
         return policy.Trust(frozenset({os.geteuid(), *extra, *([] if sup is None else [sup])}))
 
-    def _owners(self, trust: policy.Trust) -> policy.Owners:
-        """The supervisor's ``owners``, for records of trusted publishers only."""
-        uids = None if trust.uids is None else sorted(trust.uids)
-        return lambda digest, tokens: self.reader.owners(digest, tokens, uids)
+    @property
+    def context_root(self) -> bytes | None:
+        """The key root of the tenant whose calls computed the context's cells (None:
+        mixed, a continuation across tenants: nothing of it is published)."""
+        return self.context.root
+
+    @property
+    def scores_valid(self) -> int:
+        """Leading rows of ``llm.scores`` that hold the logits of ``llm.input_ids``."""
+        return self.context.scores_valid
 
     def root_for(self, who: tenant.Tenant | None) -> bytes:
         """The key root of calls by tenant ``who`` (None: the deployment's own)."""
@@ -510,17 +527,14 @@ class SharedPrefixCache:
         (``reset`` False: the caller asked to go on from the context as it is) keeps
         them, and the context is then nobody's: nothing of it is published.
         """
-        if self.context_root == root:
+        if self.context.root == root:
             return
         if not reset:
-            self.context_root = None
+            self.context.root = None
             return
         if self.llm.n_tokens:
             self.ledger.add(tenant_switches=1)
-        kvstate.forget(self.llm, wipe=True)
-        self._aligned = 0
-        self.scores_valid = 0
-        self.context_root = root
+        self.context.wipe(self.llm, root)
 
     def measured_prefill(self, tokens: int, seconds: float) -> None:
         """Fold one prefill of ``tokens`` in ``seconds`` into :attr:`prefill_tps`."""
@@ -529,10 +543,9 @@ class SharedPrefixCache:
         tps = tokens / seconds
         self.prefill_tps = tps if not self.prefill_tps else 0.7 * self.prefill_tps + 0.3 * tps
 
-    def _go_cold(self) -> None:
+    def go_cold(self) -> None:
         """Forget the context's tokens: llama-cpp-python prefills the whole prompt."""
-        kvstate.forget(self.llm)
-        self._aligned = 0
+        self.context.go_cold(self.llm)
 
     # ---------------------------------------------------------------- restore
     def _call_for(self, tokens: Sequence[int]) -> Call:
@@ -549,24 +562,19 @@ class SharedPrefixCache:
         """
         call = self._call_for(tokens)
         self.enter(call.root)
-        return self._restorer.restore(call)
+        done = self.restorer.restore(call.prompt, call.digests, self.last)
+        if done.checkpoint:
+            call.checkpoint_at = done.checkpoint
+        if done.corrupt:
+            call.republish = True
+        return done.tokens
 
     def keep_local(
         self, prompt: np.ndarray, held: int | None = None, limit: int | None = None
     ) -> int:
         """How many of its own tokens the context keeps for ``prompt``; cuts it to that
         where the policy (or ``limit``, a cap on what it may keep) says so."""
-        llm = self.llm
-        if held is None:
-            ids = np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32)
-            held = common_prefix(ids, prompt)
-        if limit is not None:
-            held = min(held, limit)
-        pos_min = kvstate.pos_min(llm) if held and self.n_swa > 0 else -1
-        local, cut = self.policy.keep_local(policy.Local(held, pos_min, self._aligned), len(prompt))
-        if (cut or limit is not None) and local < llm.n_tokens:
-            llm.n_tokens = local
-        return local
+        return self.restorer.keep_local(prompt, held, limit)
 
     def restore_or_claim(self, tokens: Sequence[int]) -> int:
         """Restore, and if a long prefill remains, claim it or wait for whoever claimed it.
@@ -574,20 +582,6 @@ class SharedPrefixCache:
         Returns the number of prompt tokens already in the context.
         """
         return self._call_for(tokens).coalesce()
-
-    def _unclaim(self, digests: list[bytes]) -> None:
-        try:
-            self.reader.unclaim(digests)
-        except ShmkvError as e:
-            log.debug("unclaim failed: %s", e)
-
-    def _orphan_claims(self, digests: list[bytes]) -> None:
-        """Claims of a call closed late, on any thread: the next call ends them."""
-        self._orphaned.append(digests)  # (list.append is atomic)
-
-    def _release_orphaned_claims(self) -> None:
-        while self._orphaned:
-            self._unclaim(self._orphaned.pop())
 
     # ---------------------------------------------------------------- publish
     def capture(
@@ -600,14 +594,16 @@ class SharedPrefixCache:
     ) -> bool:
         """Copy the context's current sequence state and queue it for the supervisor, if
         it adds ``min_new`` tokens to what is cached and to ``covered`` (``capture.py``)."""
-        return capture.capture(self, n_tokens, pin, claimed, min_new, covered)
+        return self.capturer.capture(
+            self.chunk_tokens, self.last, self.call, n_tokens, pin, claimed, min_new, covered
+        )
 
     def _publish_failed(self, err: BaseException, claimed: list[bytes] | None) -> None:
         """On the publisher thread: a put failed."""
         self.ledger.fail("publish failed", err)
         self.ledger.add(publish_failures=1)
         if claimed:  # nobody else will index them: let the waiters go
-            self._unclaim(claimed)
+            self.claims.end(claimed)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until queued publishes and counters reached the supervisor."""
@@ -638,7 +634,7 @@ class SharedPrefixCache:
         self, orig_generate: Any, tokens: Sequence[int], reset: bool = True, **kwargs: Any
     ) -> Iterator[int]:
         """The body of the hooked ``Llama.generate``."""
-        wants = hooks.take_prompt_logits(self)
+        wants = self.prompt_logits.take()
         # (a generate call that did not come through a completion may read any logits)
         call = Call(self, list(tokens), prompt_logits=self.logits_all and wants is not False)
         call.boundaries = self.hints.take(call.prompt)
@@ -646,18 +642,39 @@ class SharedPrefixCache:
 
     def eval(self, orig_eval: Any, tokens: Sequence[int]) -> None:
         """The body of the hooked ``Llama.eval``: under the guard, and keeping count of the
-        logits rows it fills (``scores_valid``)."""
-        hooks.run_eval(self, orig_eval, tokens)
+        logits rows it fills (``scores_valid``), on the cores of the CPU budget if the cache
+        has one (``cpu/budget.py``), timed while it is the call's prefill
+        (``CallStats.prefill_seconds``)."""
+        llm, guard, context = self.llm, self.guard, self.context
+        outside = not guard.held_here()
+        with guard:
+            if outside:  # not a step of a call: the cells are nobody's now
+                guard.begin()
+                # (on top of another tenant's cells, the context is then nobody's)
+                self.enter(self.root_for(tenant.current()), reset=llm.n_tokens == 0)
+            start, t0 = llm.n_tokens, time.monotonic()
+            try:
+                if self.cpu is None:
+                    orig_eval(tokens)
+                else:  # on cores of the deployment's CPU budget
+                    cpubudget.run_eval(self, orig_eval, tokens)
+            finally:
+                if self.logits_all and start <= context.scores_valid:
+                    context.scores_valid = llm.n_tokens
+                last = self.last
+                if not outside and not last.first_token_at:  # the call's prefill: timed
+                    last.prefill_end_at = time.monotonic()
+                    last.prefill_seconds += last.prefill_end_at - t0
 
     def completion(self, orig: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
         """The body of the hooked ``Llama._create_completion``: tells the generate call it
         makes (on this thread) whether it reads the prompt's logits."""
-        return hooks.run_completion(self, orig, *args, **kwargs)
+        return hooks.run_completion(self.prompt_logits, orig, *args, **kwargs)
 
     def chat_completion(self, orig: Any, *args: Any, **kwargs: Any) -> Any:
         """The body of the hooked ``Llama.create_chat_completion``: hints where the
         messages of its prompt start (``boundaries.py``)."""
-        return hooks.run_chat_completion(self, orig, *args, **kwargs)
+        return hooks.run_chat_completion(self.chat_boundaries, self.hints, orig, *args, **kwargs)
 
 
 def attach(
@@ -683,13 +700,15 @@ def attach(
     return cache
 
 
-class SharedCacheLlama(llama_cpp.Llama):
+class SharedCacheLlama(compat.CompletionOverride, llama_cpp.Llama):
     """A drop-in ``llama_cpp.Llama`` whose prompts are shared through a shmkv arena.
 
     Extra keyword arguments: ``shmkv_name``, ``shmkv_namespace``, ``shmkv_socket``,
     ``shmkv_min_tokens``, ``shmkv_exact``. ``self.shmkv.last`` tells what the last call
     restored.
     """
+
+    shmkv: SharedPrefixCache
 
     def __init__(
         self,
@@ -721,9 +740,6 @@ class SharedCacheLlama(llama_cpp.Llama):
 
     def eval(self, tokens: Sequence[int]) -> None:
         self.shmkv.eval(super().eval, tokens)
-
-    def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        return self.shmkv.completion(super()._create_completion, *args, **kwargs)
 
     def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
         return self.shmkv.chat_completion(super().create_chat_completion, *args, **kwargs)

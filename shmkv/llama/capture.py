@@ -4,76 +4,112 @@ Runs inside each worker, on the thread of the call that computed the state. A st
 published only if the context belongs to a tenant (its key root), the cache policy lets
 a state of that length go, and it adds ``min_new`` tokens to what the arena already
 holds; it is then copied out of the context (``kvstate.copy_out``) and queued for the
-publisher thread (``publisher.py``), never waited for.
+publisher thread (``publisher.py``), never waited for. :class:`Capturer` is given what
+it works with (the ``Llama``, the context's state, the policy, the publisher, the
+ledger), never the cache.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
+import llama_cpp
 import numpy as np
 
 from shmkv.core.arena import chain_digests
 from shmkv.core.errors import ShmkvError
+from shmkv.core.stats import CallStats
 from shmkv.llama import kvstate, policy
-
-if TYPE_CHECKING:
-    from shmkv.llama.cache import SharedPrefixCache
-
-
-def capture(
-    cache: SharedPrefixCache,
-    n_tokens: int | None = None,
-    pin: bool = False,
-    claimed: list[bytes] | None = None,
-    min_new: int = 1,
-    covered: int = 0,
-) -> bool:
-    """Copy the context's current sequence state and queue it for the supervisor.
-
-    Only if it adds ``min_new`` tokens to what is cached (0: always, e.g. a
-    sliding-window checkpoint that a longer record cannot stand in for) and to
-    ``covered``, the leading tokens known to be published already (the prompt,
-    when its completion is captured). The state is published under the key root of
-    the tenant whose calls computed it (never, if the context is nobody's).
-    """
-    llm = cache.llm
-    n = llm.n_tokens if n_tokens is None else n_tokens
-    root = cache.context_root
-    if root is None or not cache.policy.may_publish(n, cache._aligned):
-        return False
-    chunk = cache.chunk_tokens
-    if chunk is None or n < cache.policy.rules.min_publish(chunk) or n != llm.n_tokens:
-        return False
-    tokens = np.array(llm.input_ids[:n], dtype=np.int32)
-    republish = cache.call is not None and cache.call.republish
-    if not republish and n - max(covered, coverage(cache, tokens, chunk, root)) < min_new:
-        return False  # (nearly) all of it is cached already
-    try:
-        blob = kvstate.copy_out(llm, n, cache.writer)
-    except (ShmkvError, OSError) as e:
-        cache.ledger.fail("publish failed", e)
-        cache.ledger.add(publish_failures=1)
-        return False
-    if blob is None:
-        return False  # the KV cache does not hold exactly these tokens
-    if not cache.publisher.submit(root, tokens, blob, pin, claimed):
-        cache.ledger.add(publish_dropped=1)
-        return False
-    cache.ledger.add(publishes=1)
-    cache.last.published += 1
-    return True
+from shmkv.llama.counters import Ledger
+from shmkv.llama.publisher import Publisher
 
 
-def coverage(cache: SharedPrefixCache, tokens: np.ndarray, chunk: int, root: bytes) -> int:
-    """How many leading ``tokens`` a record of root ``root`` already holds (a hint)."""
-    try:
-        view = cache.writer.ensure()
-        digests = (
-            cache.call.digests_of(tokens, chunk)
-            if cache.call is not None and cache.call.root == root
-            else chain_digests(root, tokens, chunk)
-        )
-        return policy.coverage(view, tokens, digests, cache.n_swa, cache.trust())
-    except (ShmkvError, ValueError):
-        return 0
+class Prompt(Protocol):
+    """What a capture asks of the call whose state it publishes (``cache.Call``)."""
+
+    @property
+    def root(self) -> bytes: ...
+
+    @property
+    def republish(self) -> bool: ...
+
+    def digests_of(self, tokens: np.ndarray, chunk: int) -> list[bytes]: ...
+
+
+class Capturer:
+    """Publishes one context's state."""
+
+    def __init__(
+        self,
+        llm: llama_cpp.Llama,
+        context: kvstate.ContextState,
+        strategy: policy.Strategy,
+        publisher: Publisher,
+        ledger: Ledger,
+        trust: Callable[[], policy.Trust],
+    ) -> None:
+        self.llm, self.context, self.policy = llm, context, strategy
+        self.publisher, self.ledger, self.trust = publisher, ledger, trust
+
+    def capture(
+        self,
+        chunk: int | None,
+        last: CallStats,
+        call: Prompt | None = None,
+        n_tokens: int | None = None,
+        pin: bool = False,
+        claimed: list[bytes] | None = None,
+        min_new: int = 1,
+        covered: int = 0,
+    ) -> bool:
+        """Copy the context's current sequence state and queue it for the supervisor.
+
+        Only if it adds ``min_new`` tokens to what is cached (0: always, e.g. a
+        sliding-window checkpoint that a longer record cannot stand in for) and to
+        ``covered``, the leading tokens known to be published already (the prompt,
+        when its completion is captured). The state is published under the key root of
+        the tenant whose calls computed it (never, if the context is nobody's).
+        ``chunk``: the arena's chunk size (None: not attached); ``last``: the numbers of
+        the current call, ``call`` (if any).
+        """
+        llm = self.llm
+        n = llm.n_tokens if n_tokens is None else n_tokens
+        root = self.context.root
+        if root is None or not self.policy.may_publish(n, self.context.aligned):
+            return False
+        if chunk is None or n < self.policy.rules.min_publish(chunk) or n != llm.n_tokens:
+            return False
+        tokens = np.array(llm.input_ids[:n], dtype=np.int32)
+        republish = call is not None and call.republish
+        if not republish and n - max(covered, self.coverage(tokens, chunk, root, call)) < min_new:
+            return False  # (nearly) all of it is cached already
+        try:
+            blob = kvstate.copy_out(llm, n, self.publisher.writer)
+        except (ShmkvError, OSError) as e:
+            self.ledger.fail("publish failed", e)
+            self.ledger.add(publish_failures=1)
+            return False
+        if blob is None:
+            return False  # the KV cache does not hold exactly these tokens
+        if not self.publisher.submit(root, tokens, blob, pin, claimed):
+            self.ledger.add(publish_dropped=1)
+            return False
+        self.ledger.add(publishes=1)
+        last.published += 1
+        return True
+
+    def coverage(
+        self, tokens: np.ndarray, chunk: int, root: bytes, call: Prompt | None = None
+    ) -> int:
+        """How many leading ``tokens`` a record of root ``root`` already holds (a hint)."""
+        try:
+            view = self.publisher.writer.ensure()
+            digests = (
+                call.digests_of(tokens, chunk)
+                if call is not None and call.root == root
+                else chain_digests(root, tokens, chunk)
+            )
+            return policy.coverage(view, tokens, digests, self.policy.rules.n_swa, self.trust())
+        except (ShmkvError, ValueError):
+            return 0

@@ -19,6 +19,7 @@ import msgpack
 from llama_cpp import llama_cpp as lc
 
 from shmkv.core.arena import DIGEST_SIZE
+from shmkv.llama import compat
 
 _SAMPLE_BYTES = 1 << 16
 _SAMPLES = 16
@@ -76,7 +77,8 @@ def file_identity(path: str | os.PathLike[str]) -> bytes:
 def context_description(llm: llama_cpp.Llama) -> dict[str, Any]:
     """Everything besides the weights that decides whether a blob restores correctly."""
     params = llm.context_params
-    ctx = {name: getattr(params, name) for name, _t in params._fields_ if name not in _CTX_IGNORED}
+    names = compat.context_param_names(params)
+    ctx = {name: getattr(params, name) for name in names if name not in _CTX_IGNORED}
     ctx = {
         k: (round(v, 6) if isinstance(v, float) else v)
         for k, v in ctx.items()

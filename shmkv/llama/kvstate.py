@@ -34,6 +34,7 @@ from shmkv.core.errors import (
     StateRefused,
     UntrustedPublisher,
 )
+from shmkv.llama import compat
 from shmkv.llama.policy import EVERYONE, Trust, context_allows_cut, window_allows_cut
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,35 @@ def forget(llm: llama_cpp.Llama, wipe: bool = False) -> None:
     if wipe:
         lc.llama_memory_clear(lc.llama_get_memory(llm.ctx), False)
     llm.n_tokens = 0
-    llm._requires_eval = True
+    compat.requires_eval(llm)
+
+
+@dataclass
+class ContextState:
+    """What a cache knows about its context's cells besides llama-cpp-python's own
+    ``input_ids``/``n_tokens``; shared by the cache, its restorer (``restore.py``), its
+    captures (``capture.py``) and its eval hook, changed only under the context guard."""
+
+    #: the key root of the tenant whose calls computed the cells (None: mixed, a
+    #: continuation across tenants: nothing of them is published)
+    root: bytes | None
+    #: leading tokens computed in whole, aligned batches (exact mode)
+    aligned: int = 0
+    #: leading rows of ``llm.scores`` that hold the logits of ``llm.input_ids`` (a
+    #: restore sets tokens and cells, not the logits of those tokens)
+    scores_valid: int = 0
+
+    def go_cold(self, llm: llama_cpp.Llama) -> None:
+        """Forget the context's tokens: llama-cpp-python prefills the whole prompt."""
+        forget(llm)
+        self.aligned = 0
+
+    def wipe(self, llm: llama_cpp.Llama, root: bytes) -> None:
+        """Clear the cells for the calls of the tenant whose key root is ``root``."""
+        forget(llm, wipe=True)
+        self.aligned = 0
+        self.scores_valid = 0
+        self.root = root
 
 
 @dataclass(frozen=True)
@@ -275,7 +304,7 @@ def load(
         raise
     llm.input_ids[:common] = prompt[:common]
     llm.n_tokens = common
-    llm._requires_eval = True
+    compat.requires_eval(llm)
     return common
 
 

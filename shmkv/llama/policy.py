@@ -162,6 +162,20 @@ class Local:
 
 
 @dataclass(frozen=True)
+class Lookup:
+    """One prompt's lookup in the arena: what every strategy plans from."""
+
+    view: ArenaReader  #: lease-free reads of the arena
+    prompt: np.ndarray
+    chunk: int  #: the arena's chunk size, in tokens
+    digests: Sequence[bytes]  #: the prompt's digest chain
+    hit: Hit | None  #: the longest indexed chunk prefix of the prompt
+    local: int  #: what the context keeps of its own
+    owners: Owners  #: the records of a chunk prefix, of trusted publishers only
+    trust: Trust = EVERYONE
+
+
+@dataclass(frozen=True)
 class Plan:
     """What to restore for one prompt.
 
@@ -216,25 +230,17 @@ class Strategy:
             return 0, True
         return keep, False
 
-    def plan(
-        self,
-        view: ArenaReader,
-        prompt: np.ndarray,
-        chunk: int,
-        digests: Sequence[bytes],
-        hit: Hit | None,
-        local: int,
-        owners: Owners,
-        trust: Trust = EVERYONE,
-    ) -> Plan:
-        """The record to restore for ``prompt``, given the longest indexed prefix ``hit``.
+    def plan(self, lookup: Lookup) -> Plan:
+        """The record to restore for the lookup's prompt, given its longest indexed
+        prefix ``lookup.hit``.
 
-        ``digests`` is the prompt's digest chain, ``local`` what the context keeps of
-        its own. ``owners`` (which lists trusted publishers' records only) is asked at
-        most once, and only for sliding windows or when the indexed record's publisher
-        is not trusted; such a record is never planned (``trust``).
+        ``lookup.owners`` (which lists trusted publishers' records only) is asked at most
+        once, and only for sliding windows or when the indexed record's publisher is not
+        trusted; such a record is never planned (``lookup.trust``).
         """
-        plan = self.choose(view, prompt, chunk, digests, hit, local, owners, trust)
+        view, prompt, chunk = lookup.view, lookup.prompt, lookup.chunk
+        local, trust = lookup.local, lookup.trust
+        plan = self.choose(lookup)
         hit = plan.hit
         if hit is None or hit.chunks * chunk + chunk <= local:
             return replace(plan, hit=None, miss=hit is None and local < chunk)
@@ -251,39 +257,22 @@ class Strategy:
             return replace(plan, hit=None, known=known)
         return replace(plan, known=known)
 
-    def choose(
-        self,
-        view: ArenaReader,
-        prompt: np.ndarray,
-        chunk: int,
-        digests: Sequence[bytes],
-        hit: Hit | None,
-        local: int,
-        owners: Owners,
-        trust: Trust = EVERYONE,
-    ) -> Plan:
+    def choose(self, lookup: Lookup) -> Plan:
         """The strategy's own choice of record, before the lease-or-not decision."""
         raise NotImplementedError
 
-    def trusted_instead(
-        self,
-        view: ArenaReader,
-        prompt: np.ndarray,
-        chunk: int,
-        digests: Sequence[bytes],
-        hit: Hit,
-        owners: Owners,
-        trust: Trust,
-    ) -> Plan:
+    def trusted_instead(self, lookup: Lookup, hit: Hit) -> Plan:
         """The record ``hit`` points at is an untrusted publisher's: the best trusted one.
 
         The other records of its chunk prefix first (``owners``: one round trip), then
         shorter chunk prefixes by lease-free peeks. The index points a chunk prefix at
         one record, which may be anyone's; this worker's own copy is then beside it.
         """
+        view, prompt, chunk, digests = lookup.view, lookup.prompt, lookup.chunk, lookup.digests
+        trust = lookup.trust
         top, n = hit.chunks, len(prompt)
         best, best_common = None, 0
-        for off, gen, _n_rec, c in owners(digests[top - 1], prompt):
+        for off, gen, _n_rec, c in lookup.owners(digests[top - 1], prompt):
             if c >= top * chunk and c > best_common:
                 best, best_common = Hit(top, Slot(digests[top - 1], off, gen, top)), c
         if best is not None:
@@ -320,24 +309,16 @@ class Strategy:
 class Plain(Strategy):
     """A state can be cut back to any shorter prefix: the longest cached prefix wins."""
 
-    def choose(
-        self,
-        view: ArenaReader,
-        prompt: np.ndarray,
-        chunk: int,
-        digests: Sequence[bytes],
-        hit: Hit | None,
-        local: int,
-        owners: Owners,
-        trust: Trust = EVERYONE,
-    ) -> Plan:
+    def choose(self, lookup: Lookup) -> Plan:
+        view, prompt, chunk = lookup.view, lookup.prompt, lookup.chunk
+        hit, local, trust = lookup.hit, lookup.local, lookup.trust
         n = len(prompt)
         if hit is None or trust.uids is None or hit.chunks * chunk + chunk <= local:
             return Plan(hit=hit, keep=n)
         looked = peek(view, hit.slot, prompt, trust)
         if looked is None or looked.trusted:
             return Plan(hit=hit, keep=n, known=None if looked is None else looked.common)
-        return self.trusted_instead(view, prompt, chunk, digests, hit, owners, trust)
+        return self.trusted_instead(lookup, hit)
 
 
 class SlidingWindow(Strategy):
@@ -345,17 +326,7 @@ class SlidingWindow(Strategy):
 
     wants_boundaries = True
 
-    def choose(
-        self,
-        view: ArenaReader,
-        prompt: np.ndarray,
-        chunk: int,
-        digests: Sequence[bytes],
-        hit: Hit | None,
-        local: int,
-        owners: Owners,
-        trust: Trust = EVERYONE,
-    ) -> Plan:
+    def choose(self, lookup: Lookup) -> Plan:
         """The best record this model can restore, and where the prompt diverges.
 
         1. The record the longest chunk prefix points at, if the prompt runs to its
@@ -369,6 +340,8 @@ class SlidingWindow(Strategy):
         A record of an untrusted publisher is skipped like one that does not fit, and
         tells nothing about where the prompt diverges.
         """
+        view, prompt, chunk, digests = lookup.view, lookup.prompt, lookup.chunk, lookup.digests
+        hit, local, owners, trust = lookup.hit, lookup.local, lookup.owners, lookup.trust
         n = len(prompt)
         if hit is None or hit.chunks * chunk + chunk <= local:
             return Plan(hit=hit, keep=n)
@@ -526,19 +499,11 @@ class Exact(Strategy):
         align = self.rules.align
         return min(keep, local.aligned, n_prompt - 1) // align * align, True
 
-    def choose(
-        self,
-        view: ArenaReader,
-        prompt: np.ndarray,
-        chunk: int,
-        digests: Sequence[bytes],
-        hit: Hit | None,
-        local: int,
-        owners: Owners,
-        trust: Trust = EVERYONE,
-    ) -> Plan:
+    def choose(self, lookup: Lookup) -> Plan:
         """The longest multiple of n_batch that a cached state (of a trusted publisher)
         gives."""
+        view, prompt, chunk, digests = lookup.view, lookup.prompt, lookup.chunk, lookup.digests
+        hit, local, owners, trust = lookup.hit, lookup.local, lookup.owners, lookup.trust
         align = self.rules.align
         if align % chunk:
             return Plan(

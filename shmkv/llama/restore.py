@@ -2,62 +2,117 @@
 
 :class:`Restorer` finds the prompt's longest cached prefix (lock-free lookup), has
 ``policy.py`` plan which record to restore, lets ``kvstate.apply`` carry the plan
-out, and counts what happened on the cache's ledger and ``last``. Failures cost a
-cold prefill, never the generation.
+out, and counts what happened on the cache's ledger and the call's ``CallStats``.
+It is given what it works with (the ``Llama``, the reader connection, the ledger, the
+policy, the context's :class:`~shmkv.llama.kvstate.ContextState`), never the cache.
+Failures cost a cold prefill, never the generation.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import llama_cpp
 import numpy as np
 
 from shmkv.core.arena import common_prefix
+from shmkv.core.client import Client
 from shmkv.core.errors import ArenaCorruptError, ShmkvError
-from shmkv.llama import kvstate
+from shmkv.core.stats import CallStats
+from shmkv.llama import kvstate, policy
+from shmkv.llama.counters import Ledger
 
-if TYPE_CHECKING:
-    from shmkv.llama.cache import Call, SharedPrefixCache
+
+@dataclass(frozen=True)
+class Restored:
+    """What one restore did for a call."""
+
+    #: prompt tokens now in the context
+    tokens: int
+    #: publish the state of this many prompt tokens during the prefill (0: none)
+    checkpoint: int = 0
+    #: met a corrupt record: the call publishes a good copy even if one seems cached
+    corrupt: bool = False
 
 
 class Restorer:
-    """Restores the longest usable cached prefix of a call's prompt into the cache's context."""
+    """Restores the longest usable cached prefix of a prompt into one context."""
 
-    def __init__(self, cache: SharedPrefixCache) -> None:
-        self.cache = cache
+    def __init__(
+        self,
+        llm: llama_cpp.Llama,
+        reader: Client,
+        ledger: Ledger,
+        strategy: policy.Strategy,
+        context: kvstate.ContextState,
+        fingerprint: bytes,
+        verify: bool,
+        trust: Callable[[], policy.Trust],
+    ) -> None:
+        self.llm, self.reader, self.ledger = llm, reader, ledger
+        self.policy, self.context = strategy, context
+        self.fingerprint, self.verify, self.trust = fingerprint, verify, trust
 
-    def restore(self, call: Call) -> int:
-        """Restore the longest usable cached prefix of ``call``'s prompt if it beats the
-        context's own; returns the number of tokens now in the context that match it."""
-        cache = self.cache
-        llm, ledger, reader = cache.llm, cache.ledger, cache.reader
-        prompt = call.prompt
+    def owners(self, trust: policy.Trust) -> policy.Owners:
+        """The supervisor's ``owners``, for records of trusted publishers only."""
+        uids = None if trust.uids is None else sorted(trust.uids)
+        return lambda digest, tokens: self.reader.owners(digest, tokens, uids)
+
+    def keep_local(
+        self, prompt: np.ndarray, held: int | None = None, limit: int | None = None
+    ) -> int:
+        """How many of its own tokens the context keeps for ``prompt``; cuts it to that
+        where the policy (or ``limit``, a cap on what it may keep) says so."""
+        llm = self.llm
+        if held is None:
+            ids = np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32)
+            held = common_prefix(ids, prompt)
+        if limit is not None:
+            held = min(held, limit)
+        n_swa = self.policy.rules.n_swa
+        pos_min = kvstate.pos_min(llm) if held and n_swa > 0 else -1
+        local, cut = self.policy.keep_local(
+            policy.Local(held, pos_min, self.context.aligned), len(prompt)
+        )
+        if (cut or limit is not None) and local < llm.n_tokens:
+            llm.n_tokens = local
+        return local
+
+    def restore(
+        self, prompt: np.ndarray, digests_of: Callable[[int], list[bytes]], last: CallStats
+    ) -> Restored:
+        """Restore the longest usable cached prefix of ``prompt`` (whose digest chain for
+        a chunk size is ``digests_of(chunk)``) if it beats the context's own; counted in
+        ``last``, the call's numbers."""
+        llm, ledger, reader = self.llm, self.ledger, self.reader
         held = common_prefix(np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32), prompt)
-        local = cache.keep_local(prompt, held=held)
+        local = self.keep_local(prompt, held=held)
         t0 = time.perf_counter()
         try:
             view = reader.ensure()
             chunk = view.geometry.chunk_tokens
             if len(prompt) < chunk:
-                return local
-            digests = call.digests(chunk)
+                return Restored(local)
+            digests = digests_of(chunk)
             hit = reader.lookup(digests)
         except ArenaCorruptError as e:
             ledger.fail("corrupt arena", e)
             ledger.add(restore_failures=1)
-            return local
+            return Restored(local)
         except ShmkvError as e:
             ledger.fail("supervisor unavailable", e)
-            return local
-        trust = cache.trust()
+            return Restored(local)
+        trust = self.trust()
         try:
-            plan = cache.policy.plan(
-                view, prompt, chunk, digests, hit, local, cache._owners(trust), trust
+            owners = self.owners(trust)
+            plan = self.policy.plan(
+                policy.Lookup(view, prompt, chunk, digests, hit, local, owners, trust)
             )
         except ShmkvError as e:  # (the owners round trip)
             ledger.fail("supervisor unavailable", e)
-            return local
+            return Restored(local)
         if plan.problem:
             ledger.fail(*plan.problem)
         if plan.window_unusable:
@@ -66,10 +121,8 @@ class Restorer:
             ledger.add(untrusted=plan.untrusted)
         if plan.miss:
             ledger.add(misses=1)
-        if plan.checkpoint:
-            call.checkpoint_at = plan.checkpoint
         if plan.hit is None:
-            return local
+            return Restored(local, checkpoint=plan.checkpoint)
         done = kvstate.apply(
             llm,
             reader,
@@ -78,17 +131,15 @@ class Restorer:
             chunk=chunk,
             local=local,
             keep=plan.keep,
-            n_swa=cache.n_swa,
-            fingerprint=cache.fingerprint,
-            verify=cache.verify,
+            n_swa=self.policy.rules.n_swa,
+            fingerprint=self.fingerprint,
+            verify=self.verify,
             trust=trust,
         )
         if done.failure:
             ledger.fail(*done.failure)
         if done.failed:
             ledger.add(restore_failures=1)
-        if done.corrupt:
-            call.republish = True
         if done.evicted:
             ledger.add(misses=1)
         if done.refused:
@@ -96,13 +147,13 @@ class Restorer:
         if done.untrusted:
             ledger.add(untrusted=1, misses=1)
         if not done.restored:
-            return local if llm.n_tokens else 0  # (0: the context went cold)
+            in_context = local if llm.n_tokens else 0  # (0: the context went cold)
+            return Restored(in_context, checkpoint=plan.checkpoint, corrupt=done.corrupt)
         # the rows past what the context held are another prompt's logits, or none
-        cache.scores_valid = min(cache.scores_valid, held)
+        self.context.scores_valid = min(self.context.scores_valid, held)
         dt = time.perf_counter() - t0
         ledger.add(hits=1, tokens_restored=done.restored, restore_seconds=dt)
-        last = cache.last
         last.tokens_restored = done.restored
         last.restore_seconds = dt
         last.hit = True
-        return done.restored
+        return Restored(done.restored, checkpoint=plan.checkpoint, corrupt=done.corrupt)

@@ -452,9 +452,11 @@ def set_threads(llm: Any, n: int) -> None:
     """
     import llama_cpp
 
-    if getattr(llm, "_shmkv_threads", None) != n:
-        llama_cpp.llama_set_n_threads(llm._ctx.ctx, 1, n)
-        llm._shmkv_threads = n
+    from shmkv.llama import compat
+
+    if compat.threads_of(llm) != n:
+        llama_cpp.llama_set_n_threads(llm.ctx, 1, n)
+        compat.remember_threads(llm, n)
 
 
 def evaluate(
