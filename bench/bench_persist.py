@@ -166,12 +166,7 @@ def ttft_cost(tmp: Path, model: Path, threads: int, repeats: int, persist: bool)
         for i in range(1, repeats + 1):
             llm.reset()  # (no reuse of the context's own cells: every request restores)
             llm._ctx.kv_cache_clear()
-            t = time.perf_counter()
-            stream = llm.create_completion(prefix + f" Question {i}?", stream=True, **gen)
-            next(iter(stream))
-            ttfts.append(time.perf_counter() - t)
-            for _ in stream:
-                pass
+            ttfts.append(common.first_token(llm, prefix + f" Question {i}?", **gen)["ttft"])
             assert cache.last.hit, cache.last
         cache.close()
         st = sup.stats()

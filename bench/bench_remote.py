@@ -95,12 +95,8 @@ def flush(url: str) -> None:
 
 def ttft(llm: Any, prompt: str, max_tokens: int = 4) -> tuple[float, str]:
     """Seconds to the first streamed chunk, and the whole (greedy) text."""
-    t0, first, text = time.perf_counter(), None, ""
-    for c in llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, stream=True):
-        if first is None:
-            first = time.perf_counter() - t0
-        text += c["choices"][0]["text"]
-    return first or 0.0, text
+    r = common.first_token(llm, prompt, max_tokens=max_tokens, temperature=0.0)
+    return r["ttft"], r["text"]
 
 
 def caught_up(sup: common.Supervisor, timeout: float = 60) -> dict[str, Any]:

@@ -51,8 +51,11 @@ import common  # noqa: E402
 
 log = logging.getLogger("bench_restore")
 
-GOAL_HIT_OVER_FLOOR = 1.10
-GOAL_COLD_OVER_HIT = 50.0
+GOAL_HIT_OVER_FLOOR, GOAL_COLD_OVER_HIT = 1.10, 50.0
+GOALS = [  # on the ratios of TTFT p50
+    ("hit_over_floor_p50", "<=", GOAL_HIT_OVER_FLOOR),
+    ("cold_over_hit_p50", ">=", GOAL_COLD_OVER_HIT),
+]
 # the q8_0 arms' context: what `shmkv serve --cache-type-k q8_0 --cache-type-v q8_0` gives
 # (llama_cpp.GGML_TYPE_Q8_0; llama.cpp needs flash attention for a quantized V cache)
 Q8_0_CTX = {"type_k": 8, "type_v": 8, "flash_attn": True}
@@ -76,30 +79,6 @@ Where Who Give Write Compare Choose Find Count Check""".split()
 
 
 # ==================================================== arms (`bench_restore.py _arm SPEC`)
-
-
-def stream(llm: Any, prompt: str, gen: dict[str, Any], before: Any = None) -> dict[str, Any]:
-    """One streaming completion: seconds to its first chunk, between the first two, in all.
-
-    ``before`` runs first inside the timed region (the floor's set_data); ``t0`` is the
-    absolute perf_counter start, to place capture() calls against it.
-    """
-    t0 = time.perf_counter()
-    if before is not None:
-        before()
-    stamps, parts = [], []
-    for chunk in llm.create_completion(prompt, stream=True, **gen):
-        if len(stamps) < 2:
-            stamps.append(time.perf_counter() - t0)
-        parts.append(chunk["choices"][0]["text"])
-    total = time.perf_counter() - t0
-    return {
-        "ttft": stamps[0] if stamps else total,
-        "total": total,
-        "gap12": stamps[1] - stamps[0] if len(stamps) > 1 else None,
-        "t0": t0,
-        "text": "".join(parts),
-    }
 
 
 def instrument(cache: Any, p: common.Probes) -> None:
@@ -185,14 +164,16 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
             res["attach_seconds"] = time.perf_counter() - t
         probes.wrap(cache, "capture")
     llm.reset()
-    res["warmup"] = stream(llm, spec["warmup"], gen)  # first touch of weights and buffers
+    res["warmup"] = common.first_token(
+        llm, spec["warmup"], **gen
+    )  # first touch of weights and buffers
     if cache is not None:
         cache.flush()
 
     def run(text: str, before: Any = None, detail: bool = False, **extra: Any) -> dict[str, Any]:
         llm.reset()
         probes.take()
-        r = {**stream(llm, prefix + text, gen, before=before), **extra}
+        r = {**common.first_token(llm, prefix + text, before, **gen), **extra}
         steps, calls = probes.take()
         if kind == "ramcache":
             r.update(
@@ -260,8 +241,10 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
             )
         llm.reset()  # llama-cpp-python's own same-process prefix reuse: no reset from here on
         (_, s0), *rest = spec["suffixes_local"]
-        res["local_first"] = stream(llm, prefix + s0, gen)
-        res["local"] = [{**stream(llm, prefix + s, gen), "suffix": i} for i, s in rest]
+        res["local_first"] = common.first_token(llm, prefix + s0, **gen)
+        res["local"] = [
+            {**common.first_token(llm, prefix + s, **gen), "suffix": i} for i, s in rest
+        ]
     elif kind == "ramcache":
         ramcache = llama_cpp.LlamaRAMCache(capacity_bytes=RAMCACHE_CAPACITY)
         llm.set_cache(ramcache)
@@ -498,8 +481,8 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "ratios": ratios,
         "publish": publish,
         "goals_met": {
-            "hit_over_floor": ratios["hit_over_floor_p50"] <= GOAL_HIT_OVER_FLOOR,
-            "cold_over_hit": ratios["cold_over_hit_p50"] >= GOAL_COLD_OVER_HIT,
+            g["goal"].removesuffix("_p50"): g["met"]
+            for g in common.check_goals(GOALS, {"": ratios})
         },
         "hit": {
             "restore_seconds": S([r["last"]["restore_seconds"] for r in on + off]),

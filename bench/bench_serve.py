@@ -41,6 +41,21 @@ not).
     python bench/bench_serve.py --arms shmkv --concurrency 4 --requests 30
     python bench/bench_serve.py --arms shmkv,shmkv-chat,shmkv-q8_0 --concurrency 4
     python bench/bench_serve.py --arms llama-server,shmkv,llama-server-chat,shmkv-chat --runs 3
+    python bench/bench_serve.py --arms shmkv,shmkv-static --concurrency 1 --prompts 5 \
+        --requests 5 --idle 1 --budget-overhead     # the CPU budget: cold prompts, idle
+    python bench/bench_serve.py --arms shmkv,llama-server --concurrency 4 --requests 16 \
+        --prompts 4 --by-mapping --stages default,swa_full=true   # memory per worker
+
+The CPU budget: with concurrency 1 and as many system prompts as requests, every request is
+cold on an idle deployment (``--idle``), and the goal sets its mean TTFT against one
+``Llama`` on all cores (``--ideal`` times it); ``--budget-overhead`` adds the budget's own
+cost on one context. Memory per worker: ``--by-mapping`` prints every server process's PSS
+by what its mappings hold (``common.smaps``: code, weights, arena, other shared memory,
+anonymous); ``--stages`` runs one process per variant of the workers' llama settings that
+imports what a worker imports, loads the model as a worker does and prefills a system
+prompt, with its anonymous memory after each step, llama.cpp's buffer sizes, the prefill
+time and the greedy text (a cut that changes the text is no cut). ``--arms ""`` runs no
+cell.
 
 Server memory is the PSS of every server process (llama-server: its one process; shmkv: the
 gunicorn master and workers, `shmkv serve` and the supervisor, the arena counted once); with
@@ -78,12 +93,18 @@ import common  # noqa: E402
 
 log = logging.getLogger("bench_serve")
 
-# issue 13's goals, at concurrency 4 unless said: shmkv's mean TTFT (completions and chat)
-GOAL_MEAN_TTFT, GOAL_CONCURRENCY = 0.45, 4
-GOAL_VS_LLAMA_SERVER = 4.0  # llama-server's mean TTFT over shmkv's, same endpoint, at least
-GOAL_P50_OVER_FLOOR = 1.5  # shmkv's p50 TTFT over the restore floor + suffix, at most
-GOAL_THROUGHPUT_CONCURRENCY = 10  # req/s at this concurrency at least llama-server's
-GOAL_MEMORY = 1.5  # PSS - arena used over llama-server's PSS, at most
+# issue 13's goals on the shmkv arms (completions and chat), at concurrency 4 but req/s (at
+# 10) and the CPU budget's (at 1: `--concurrency 1 --prompts N --requests N --idle 1`, every
+# request cold on an idle deployment, against one Llama on all cores)
+GOAL_MEAN_TTFT, GOAL_CONCURRENCY, GOAL_THROUGHPUT_CONCURRENCY = 0.45, 4, 10
+GOALS = [
+    ("mean TTFT (s)", "<=", GOAL_MEAN_TTFT),
+    ("llama-server's mean TTFT / shmkv's", ">=", 4.0),
+    ("p50 TTFT / (restore floor + suffix)", "<=", 1.5),
+    ("req/s / llama-server's req/s", ">=", 1.0),
+    ("PSS - arena used / llama-server's PSS", "<=", 1.5),
+    ("cold TTFT / one process's on all cores", "<=", 1.10),
+]
 SEED = 11
 ARMS = {  # name: (label, colour)
     "nocache": ("llama_cpp.server, no cache", "#888888"),
@@ -254,27 +275,18 @@ def start_server(
     return common.Server.llama_cpp(f"gunicorn-{arm}", env, workdir, cfg["workers"], app)
 
 
-def smaps_pss(pid: int, path: str) -> int:
-    """PSS of the mappings of ``path`` in process ``pid``."""
-    pss, inside = 0, False
-    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
-                inside = line.rstrip().endswith(path)
-            elif inside and line.startswith("Pss:"):
-                pss += int(line.split()[1]) * 1024
-    return pss
-
-
-def mem_snapshot(pids: dict[str, list[int]], arena: Path | None) -> dict[str, Any]:
-    """RSS/PSS/USS of every server process by role, and the arena's PSS counted once."""
+def mem_snapshot(pids: dict[str, list[int]], model: str, arena: Path | None) -> dict[str, Any]:
+    """RSS/PSS/USS of every server process by role and by what its mappings hold
+    (``common.smaps``), and the arena's PSS counted once."""
     procs: dict[str, Any] = {}
     for role, plist in pids.items():
         for pid in plist:
-            with contextlib.suppress(psutil.Error):
-                mi, in_arena = psutil.Process(pid).memory_full_info(), arena and str(arena)
-                pss = smaps_pss(pid, in_arena) if in_arena else 0
-                procs[str(pid)] = dict(role=role, rss=mi.rss, pss=mi.pss, uss=mi.uss, arena_pss=pss)
+            kinds = common.smaps(pid, model, str(arena or ""))
+            tot = {m: sum(k[m] for k in kinds.values()) for m in ("rss", "pss", "private")}
+            if tot["rss"]:
+                procs[str(pid)] = dict(role=role, rss=tot["rss"], pss=tot["pss"])
+                procs[str(pid)] |= dict(uss=tot["private"], arena_pss=kinds["arena"]["pss"])
+                procs[str(pid)]["kinds"] = kinds
     workers = [r for r in procs.values() if r["role"] == "worker"]
     out = {
         "processes": procs,
@@ -410,6 +422,7 @@ def run_load(
                 with lock:
                     if (k := next(nxt, None)) is None:
                         return
+                time.sleep(cfg.get("idle", 0.0))  # (every worker's threads asleep)
                 if as_chat:
                     r = chat(client, srv, wl.messages(k), cfg["max_tokens"], seed=SEED)
                 else:
@@ -474,10 +487,10 @@ def run_cell(
             return [p for ps in pids().values() for p in ps]
 
         arena = sup.arena if sup else None
-        mem0, at_abort = mem_snapshot(pids(), arena), {}
+        mem0, at_abort = mem_snapshot(pids(), cfg["model"], arena), {}
 
         def abort_now() -> None:  # memory as it is, then SIGKILL: nothing graceful to wait for
-            at_abort.update(mem_snapshot(pids(), arena))
+            at_abort.update(mem_snapshot(pids(), cfg["model"], arena))
             srv.stop(kill=True)
 
         noise = common.Noise(flat)
@@ -495,7 +508,7 @@ def run_cell(
             cell["aborted"], cell["abort_s"] = watch.reason, (watch.abort_at or t0) - t0
         elif sup is not None:
             time.sleep(1.0)  # the publisher threads deliver the last puts and counters
-        mem1 = at_abort or mem_snapshot(pids(), arena)
+        mem1 = at_abort or mem_snapshot(pids(), cfg["model"], arena)
         if sup is not None:
             with contextlib.suppress(Exception):
                 cell["shmkv_stats"] = {"before": stats0, "after": sup.stats()}
@@ -725,14 +738,49 @@ def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict
         seconds = {}
         for p, k in sorted(first.items()):
             llm.reset()  # (nothing of the last prompt is reused)
-            t = time.monotonic()
-            llm.create_completion(wl.prompt(k), max_tokens=1, temperature=0.0)
-            seconds[str(p)] = time.monotonic() - t
+            seconds[str(p)] = common.first_token(llm, wl.prompt(k), max_tokens=1)["ttft"]
         floor = measure_floor(llm, wl)
+        overhead = budget_overhead(llm, [wl.prompt(k) for k in first.values()], cores)
     finally:
         llm.close()
     how = "time to first token of each system prompt's first request, one Llama, all cores"
-    return {"seconds": seconds, "threads": cores, "how": how, "quiet": quiet, "floor": floor}
+    out = {"seconds": seconds, "threads": cores, "how": how, "quiet": quiet, "floor": floor}
+    return out | ({"budget_overhead": overhead} if cfg["budget_overhead"] else {})
+
+
+def budget_overhead(llm: Any, texts: list[str], cores: int) -> dict[str, Any]:
+    """The CPU budget's own cost on one context: each prompt, then 16 single-token decode
+    steps, through ``cpubudget.evaluate`` (batches negotiated, threads set per call) and
+    through plain ``Llama.eval`` on all cores."""
+    import uuid
+
+    import llama_cpp
+
+    from shmkv.llama.cpu import budget as cpubudget
+
+    name, plain = f"bench{uuid.uuid4().hex[:8]}", llm.eval
+    budget, times = cpubudget.CpuBudget(str(common.SHM), name, cores), collections.defaultdict(list)
+    try:
+        for text, how in itertools.product(texts, ("plain", "budget")):
+            llm.reset()
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
+            llama_cpp.llama_set_n_threads(llm._ctx.ctx, cores, cores)
+            llm._shmkv_threads = None  # (what cpubudget.set_threads last set is void)
+            run = (
+                plain
+                if how == "plain"
+                else functools.partial(cpubudget.evaluate, budget, llm, plain)
+            )
+            for step, toks in enumerate([llm.tokenize(text.encode()), *[[1]] * 16]):
+                t = time.perf_counter()
+                run(toks if step == 0 else [llm.input_ids[llm.n_tokens - 1]])
+                times[f"{'prefill' if step == 0 else 'decode_step'}_{how}"].append(
+                    time.perf_counter() - t
+                )
+    finally:
+        budget.close()
+        cpubudget.remove(str(common.SHM), name)
+    return {k: common.summary(v) for k, v in times.items()}
 
 
 def measure_floor(llm: Any, wl: Workload) -> dict[str, Any]:
@@ -860,57 +908,166 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
     return out
 
 
+# ========================================================= one worker's memory
+
+
+#: a variant of the workers' llama settings: "default" (as `shmkv serve` loads a model) or
+#: key=value;key=value of Llama keyword arguments that change it
+VARIANTS = "default,swa_full=true,n_ubatch=256,n_ubatch=128"
+BUFFERS = {  # llama.cpp's log lines of the buffers it allocates (MiB)
+    "weights_mapped": r"CPU_Mapped model buffer size =\s*([\d.]+) MiB",
+    "weights_repacked": r"CPU_REPACK model buffer size =\s*([\d.]+) MiB",
+    "kv": r"CPU KV buffer size =\s*([\d.]+) MiB",
+    "output": r"CPU\s+output buffer size =\s*([\d.]+) MiB",
+    "compute": r"CPU compute buffer size =\s*([\d.]+) MiB",
+}
+
+
+def probe(spec: dict[str, Any]) -> None:
+    """In a process of its own (``bench_serve.py _probe SPEC``): what a worker imports, the
+    model as a worker loads it (with the variant's keyword arguments), a prefill; anonymous
+    memory after each step, JSON lines on stdout (llama.cpp logs on stderr)."""
+    import json
+
+    def mark(stage: str, **kw: Any) -> None:
+        kinds = common.smaps("self", spec["model"])
+        print(json.dumps({"stage": stage, "kinds": kinds, **kw}), flush=True)
+
+    mark("interpreter")
+    import llama_cpp
+    import shmkv_workers.app  # noqa: F401  (what a served worker imports)
+    from llama_cpp.server.model import LlamaProxy
+    from llama_cpp.server.settings import ModelSettings
+
+    from shmkv.core.config import resolve
+    from shmkv.serving.model_settings import model_settings
+
+    mark("imports")
+    settings = resolve("serve", {"n_ctx": spec["n_ctx"]})
+    ms = model_settings(settings, spec["model"], threads=spec["threads"])
+    variant = spec["variant"]
+    fields = {k: v for k, v in variant.items() if k in ModelSettings.model_fields}
+    extra = {"swa_full": settings.swa_full}  # (as shmkv.serving.model_settings.load_with)
+    extra |= {k: v for k, v in variant.items() if k not in fields}  # Llama() arguments only
+    ms = ms.model_copy(update=fields | {"verbose": True})
+    plain = llama_cpp.Llama
+    llama_cpp.Llama = functools.partial(plain, **extra)  # type: ignore[misc]
+    try:
+        llm = LlamaProxy.load_llama_from_model_settings(ms)
+    finally:
+        llama_cpp.Llama = plain  # type: ignore[misc]
+    mark("model")
+    runs = []
+    for prompt in spec["prompts"]:
+        llm.reset()  # cold, every time: outputs compared across variants
+        runs.append(common.first_token(llm, prompt, max_tokens=16, temperature=0.0, seed=11))
+    mark("prefill", texts=[r["text"] for r in runs], seconds=[r["total"] for r in runs])
+
+
+def stages(variant: str, cfg: dict[str, Any], prompts: list[str], workdir: Path) -> dict[str, Any]:
+    """One probe process for ``variant``: anonymous RSS by step, llama.cpp's buffers, text."""
+    import json
+    import subprocess
+
+    kwargs: dict[str, Any] = {}
+    for item in [] if variant == "default" else variant.split(";"):
+        k, v = (x.strip() for x in item.split("=", 1))
+        kwargs[k] = int(v) if v.isdigit() else {"true": True, "false": False}.get(v.lower(), v)
+    spec = dict(model=cfg["model"], n_ctx=cfg["n_ctx"], threads=cfg["threads"])
+    spec |= dict(variant=kwargs, prompts=prompts)
+    with open(err := workdir / "probe.log", "wb") as f:
+        args = [sys.executable, __file__, "_probe", json.dumps(spec)]
+        proc = subprocess.run(args, stdout=subprocess.PIPE, stderr=f, env=common.child_env())
+    logtext = err.read_text(errors="replace")
+    if proc.returncode:
+        raise click.ClickException(f"probe {variant} failed:\n{logtext[-3000:]}")
+    marks = [json.loads(line) for line in proc.stdout.decode().splitlines() if line[:1] == "{"]
+    last = marks[-1]
+    return {
+        "variant": variant,
+        "kwargs": kwargs,
+        "anon_rss": {m["stage"]: m["kinds"]["anon"]["rss"] for m in marks},
+        "code_rss": last["kinds"]["code"]["rss"],
+        "weights_rss": last["kinds"]["weights"]["rss"],
+        "llama_buffers": {
+            k: sum(float(x) for x in re.findall(rx, logtext)) * 2**20 for k, rx in BUFFERS.items()
+        },
+        "prompt_seconds": last["seconds"],
+        "texts": last["texts"],
+    }
+
+
+def stages_table(rows: list[dict[str, Any]]) -> str:
+    b, base = common.fmt_b, rows[0]
+    out = []
+    for r in rows:
+        a, buf = r["anon_rss"], r["llama_buffers"]
+        out.append(
+            {
+                "variant": r["variant"],
+                "anon: python": b(a["interpreter"]),
+                "+ imports": b(a["imports"] - a["interpreter"]),
+                "+ model & context": b(a["model"] - a["imports"]),
+                "+ prefill": b(a["prefill"] - a["model"]),
+                "anon total": b(a["prefill"]),
+                "vs default": b(a["prefill"] - base["anon_rss"]["prefill"]),
+                "KV buf": b(buf["kv"]),
+                "compute buf": b(buf["compute"]),
+                "repacked": b(buf["weights_repacked"]),
+                "prompt s": common.fmt_s(min(r["prompt_seconds"])),
+                "same text": "yes" if r["texts"] == base["texts"] else "NO",
+            }
+        )
+    return common.dict_table(out)
+
+
+def mapping_table(cells: list[dict[str, Any]]) -> str:
+    """Each cell's server processes at its end, by role: PSS by what the mappings hold."""
+    b, rows = common.fmt_b, []
+    for c in cells:
+        groups: dict[str, list[Any]] = {}
+        for p in c["memory"]["end"]["processes"].values():
+            groups.setdefault(p["role"], []).append(p["kinds"])
+        for role, kinds in [*groups.items(), ("all", [k for g in groups.values() for k in g])]:
+            n = len(kinds) if role != "all" else 1
+            row = {"cell": cell_key(c), "process": role + (f" (x{n}, each)" if n > 1 else "")}
+            row |= {f"{k} PSS": b(sum(x[k]["pss"] for x in kinds) / n) for k in common.KINDS}
+            row["anon private"] = b(sum(x["anon"]["private"] for x in kinds) / n)
+            row["PSS"] = b(sum(v["pss"] for x in kinds for v in x.values()) / n)
+            rows.append(row)
+    return common.dict_table(rows, left=2)
+
+
 # ================================================================== reports
 
 
 def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
-    """Issue 13's goals, each checked on every run's cells it applies to (a goal whose
-    cells did not run is not listed)."""
-    checks: list[dict[str, Any]] = []
-    floor = ((cfg.get("cold_prefill") or {}).get("floor") or {}).get("ttft", {}).get("p50")
-
-    def check(what: str, c: dict[str, Any], value: float | None, bound: float, le: bool) -> None:
-        if value is not None:
-            met = value <= bound if le else value >= bound
-            cell = f"{c['arm']}@{c['concurrency']}" + (f" run {c['run']}" if c.get("run") else "")
-            checks.append({"goal": what, "cell": cell, "value": value, "bound": bound, "met": met})
-
-    def ref(c: dict[str, Any]) -> dict[str, Any] | None:
-        name = "llama-server-chat" if c["arm"] in CHAT_ARMS else "llama-server"
-        key = (name, c["concurrency"], c.get("run", 0))
-        same = (r for r in cells if (r["arm"], r["concurrency"], r.get("run", 0)) == key)
-        return next(same, None)
-
+    """GOALS, each checked on every run's shmkv cells it applies to (a goal whose cells did
+    not run is not listed)."""
+    cp = cfg.get("cold_prefill") or {}
+    floor = (cp.get("floor") or {}).get("ttft", {}).get("p50")
+    alone = sum(cp["seconds"].values()) / len(cp["seconds"]) if cp.get("seconds") else None
+    where = {}
     for c in cells:
         if c["arm"] not in ("shmkv", "shmkv-chat") or not c["ttft"].get("n"):
             continue
-        r = ref(c)
+        ref = next((r for r in cells if r["arm"] == reference_arm(c["arm"], "llama-server")
+                    and (r["concurrency"], r.get("run", 0)) == (c["concurrency"], c.get("run", 0))
+                    and r["ttft"].get("n")), None)  # fmt: skip
+        m, cold = {}, c.get("cache", {}).get("ttft_cold", {}).get("mean")
         if c["concurrency"] == GOAL_CONCURRENCY:
-            check("mean TTFT (s)", c, c["ttft"]["mean"], GOAL_MEAN_TTFT, True)
-            if r and r["ttft"].get("n"):
-                ratio = r["ttft"]["mean"] / c["ttft"]["mean"]
-                check("llama-server's mean TTFT / shmkv's", c, ratio, GOAL_VS_LLAMA_SERVER, False)
-            if floor:
-                over = c["ttft"]["p50"] / floor
-                check("p50 TTFT / (restore floor + suffix)", c, over, GOAL_P50_OVER_FLOOR, True)
-            mem = c["memory"].get("vs_llama_server")
-            check("PSS - arena used / llama-server's PSS", c, mem, GOAL_MEMORY, True)
-        if c["concurrency"] == GOAL_THROUGHPUT_CONCURRENCY and r and r["requests_per_s"]:
-            ratio = c["requests_per_s"] / r["requests_per_s"]
-            check("req/s / llama-server's req/s", c, ratio, 1.0, False)
-    return {"checks": checks, "floor_p50_s": floor}
-
-
-def goal_lines(goal: dict[str, Any]) -> str:
-    rows = [["goal", "cell", "value", "bound", ""]]
-    for g in goal["checks"]:
-        le = g["goal"].startswith(("mean", "p50", "PSS"))
-        bound = ("<= " if le else ">= ") + f"{g['bound']:g}"
-        met = "met" if g["met"] else "MISSED"
-        rows.append([g["goal"], g["cell"], f"{g['value']:.3g}", bound, met])
-    if floor := goal.get("floor_p50_s"):
-        rows.append(["(restore floor + suffix, p50)", "one Llama", common.fmt_s(floor), "", ""])
-    return markdown(rows)
+            m["mean TTFT (s)"] = c["ttft"]["mean"]
+            m["llama-server's mean TTFT / shmkv's"] = (
+                ref and ref["ttft"]["mean"] / c["ttft"]["mean"]
+            )
+            m["p50 TTFT / (restore floor + suffix)"] = floor and c["ttft"]["p50"] / floor
+            m["PSS - arena used / llama-server's PSS"] = c["memory"].get("vs_llama_server")
+        if c["concurrency"] == GOAL_THROUGHPUT_CONCURRENCY and ref and ref["requests_per_s"]:
+            m["req/s / llama-server's req/s"] = c["requests_per_s"] / ref["requests_per_s"]
+        if c["concurrency"] == 1 and cold and alone:
+            m["cold TTFT / one process's on all cores"] = cold / alone
+        where[f"{c['arm']}@{c['concurrency']}" + (f" run {c['run']}" if c.get("run") else "")] = m
+    return {"checks": common.check_goals(GOALS, where), "floor_p50_s": floor}
 
 
 def llama_server_ratio(c: dict[str, Any], cells: list[dict[str, Any]]) -> float | None:
@@ -1067,6 +1224,8 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
 
 def plot(plt: Any, res: dict[str, Any]) -> Any:
     cells, cfg = res["cells"], res["config"]
+    if not cells:
+        return plt.figure()
     arms = [a for a in ARMS if any(c["arm"] == a for c in cells)]
     concs = sorted({c["concurrency"] for c in cells})
     by = {(c["arm"], c["concurrency"]): c for c in cells}
@@ -1182,6 +1341,12 @@ opt = common.option
 @opt("--timeout", default=900.0, help="Per-request read timeout, seconds.")
 @opt("--model", help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
 @opt("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
+@opt("--idle", default=0.0, help="Seconds each client waits before each request.")
+@opt("--budget-overhead", is_flag=True, help="Also time prefills and decode steps through the "
+     "CPU budget against plain Llama.eval, in one process (with --ideal).")  # fmt: skip
+@opt("--by-mapping", is_flag=True, help="Also print each cell's PSS by mapping (smaps).")
+@opt("--stages", default="", help=f"Also load one worker per variant, in a process of its own, "
+     f"and report its memory by step (e.g. {VARIANTS}).")  # fmt: skip
 @opt(
     "--ideal/--no-ideal",
     default=True,
@@ -1217,6 +1382,7 @@ def main(report: common.Report, o: Any) -> None:
         "min_available": parse_size(o.min_available),
     }
     cfg["runs"] = max(1, o.runs)
+    cfg |= common.pick(vars(o), "idle budget_overhead stages")
     cfg["llama_server_threads"] = o.llama_server_threads
     cfg["llama_server_cache_ram_mib"] = parse_size(o.llama_server_cache_ram or o.arena_size) >> 20
     if LLAMA_SERVER_ARMS & set(arms):
@@ -1238,6 +1404,10 @@ def main(report: common.Report, o: Any) -> None:
     if o.ideal and any(a.startswith("shmkv") for a in arms):
         cfg["cold_prefill"] = measure_cold_prefill(model, wl, cfg)
         log.info("cold prefill on all cores, one process: %s", cfg["cold_prefill"]["seconds"])
+    if o.stages:
+        with tempfile.TemporaryDirectory(prefix="shmkv-bench-stages-") as tmp:
+            prompts = [wl.prompt(0), wl.prompt(min(1, n - 1))]
+            cfg["stages_result"] = [stages(v, cfg, prompts, Path(tmp)) for v in o.stages.split(",")]
     what = "%d system prompts of %s tokens; %d requests; concurrency %s; arms %s"
     log.info(what, cfg["prompts"], wl.system_tokens, n, cfg["concurrency"], arms)
     fields = [*ModelSettings.model_fields, *ServerSettings.model_fields, "config_file"]
@@ -1299,12 +1469,32 @@ def main(report: common.Report, o: Any) -> None:
         f"load at each cell's start: {[c['quiet']['loadavg'][0] for c in analysed]}"
     )
     click.echo(table(res, report.baseline(quick)))
+    if o.by_mapping and cells:
+        click.echo(
+            "\nserver processes at the end of each cell, PSS by mapping\n" + mapping_table(cells)
+        )
+    if o.stages:
+        click.echo("\none worker's llama.cpp context, by step (anonymous RSS)")
+        click.echo(stages_table(cfg["stages_result"]))
     if phases := phase_table(analysed, cfg):
         click.echo("\nwhere the shmkv arms' time to first token went (mean per request)\n" + phases)
     if cfg["runs"] > 1:
         click.echo(f"\nover {cfg['runs']} runs: median [min-max]\n" + spread_table(res["spread"]))
+    if bo := (cfg.get("cold_prefill") or {}).get("budget_overhead"):
+        f = common.fmt_s
+        click.echo(
+            "\nthe CPU budget's own cost, one context (mean; Llama.eval vs cpubudget.evaluate):"
+        )
+        for what in ("prefill", "decode_step"):
+            click.echo(
+                f"  {what}: {f(bo[what + '_plain']['mean'])} vs {f(bo[what + '_budget']['mean'])}"
+            )
     if goal["checks"]:
-        click.echo("\ngoals\n" + goal_lines(goal))
+        click.echo("\ngoals\n" + common.goal_table(goal["checks"]))
+        if goal["floor_p50_s"]:
+            click.echo(
+                f"(restore floor + suffix, p50, one Llama: {common.fmt_s(goal['floor_p50_s'])})"
+            )
     report.write(res, plot, "the run was interrupted" * interrupted)
     if interrupted:
         raise SystemExit(130)
@@ -1320,4 +1510,9 @@ def _sigterm(_signum: int, _frame: Any) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "_probe":
+        import json
+
+        probe(json.loads(sys.argv[2]))
+    else:
+        main()

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import logging
+import operator
 import os
 import platform
 import shutil
@@ -266,6 +267,52 @@ def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
         "modified": git("status", "--porcelain", "--", *paths).splitlines(),
         "code_digest": h.hexdigest(),
     }
+
+
+# ------------------------------------------------------ memory and in-process timing
+
+KINDS = ("code", "weights", "arena", "shm", "anon")  # what a mapping holds (smaps)
+
+
+def smaps(pid: int | str, model: str = "", arena: str = "") -> dict[str, dict[str, int]]:
+    """RSS, PSS and private bytes of process ``pid``'s mappings (/proc/PID/smaps) by what they
+    hold: code (the interpreter, libraries, other files), the model's weights (the GGUF
+    mapping), the arena mapping, other shared memory, anonymous memory (heap: KV cache,
+    compute buffers, Python objects). All zero if the process is gone."""
+    out = {k: {"rss": 0, "pss": 0, "private": 0} for k in KINDS}
+    cur = out["anon"]
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's header: range perms ... path
+                parts = line.split(None, 5)
+                path = parts[5].strip().removesuffix(" (deleted)") if len(parts) > 5 else ""
+                kind = "weights" if path == model else "arena" if arena and path == arena else ""
+                if not kind and path.startswith(("/dev/shm/", "/memfd:", "/SYSV")):
+                    kind = "shm"
+                elif not kind and (path.startswith("/") or path in ("[vdso]", "[vvar]")):
+                    kind = "code"
+                cur = out[kind or "anon"]  # [heap], [stack], [anon:...], no name
+            elif line.startswith(("Rss:", "Pss:", "Private_Clean:", "Private_Dirty:")):
+                key = line.split(":")[0].lower()
+                cur["private" if key.startswith("private") else key] += int(line.split()[1]) << 10
+    return out
+
+
+def first_token(llm: Any, prompt: Any, before: Any = None, **gen: Any) -> dict[str, Any]:
+    """One streamed completion in this process: seconds to its first chunk (``ttft``),
+    between the first two (``gap12``), in all (``total``), its start (``t0``, perf_counter)
+    and its text; ``before`` runs first, inside the timed region."""
+    t0, stamps, parts = time.perf_counter(), [], []
+    if before is not None:
+        before()
+    for chunk in llm.create_completion(prompt, stream=True, **gen):
+        if len(stamps) < 2:
+            stamps.append(time.perf_counter() - t0)
+        parts.append(chunk["choices"][0]["text"])
+    total = time.perf_counter() - t0
+    gap12 = stamps[1] - stamps[0] if len(stamps) > 1 else None
+    ttft = stamps[0] if stamps else total
+    return {"ttft": ttft, "total": total, "gap12": gap12, "t0": t0, "text": "".join(parts)}
 
 
 # -------------------------------------------------------------------- processes
@@ -523,6 +570,32 @@ def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
         r["error"] = f"{type(e).__name__}: {e}"
     r["total"] = time.monotonic() - r["t_send"]
     return r
+
+
+# ------------------------------------------------------------------------ goals
+
+OPS = {"<=": operator.le, ">=": operator.ge}
+
+
+def check_goals(
+    goals: list[tuple[str, str, float]], where: dict[str, dict[str, float | None]]
+) -> list[dict[str, Any]]:
+    """Each goal (metric, "<=" or ">=", bound) against the value of that metric at each place
+    (a cell, or "" for the run) that has one."""
+    return [
+        {"goal": m, "cell": w, "value": v, "bound": b, "op": op, "met": OPS[op](float(v), b)}
+        for m, op, b in goals
+        for w, values in where.items()
+        if (v := values.get(m)) is not None
+    ]
+
+
+def goal_table(checks: list[dict[str, Any]]) -> str:
+    rows = [["goal", "cell", "value", "bound", ""]]
+    for g in checks:
+        met = "met" if g["met"] else "MISSED"
+        rows.append([g["goal"], g["cell"], f"{g['value']:.3g}", f"{g['op']} {g['bound']:g}", met])
+    return grid(rows, left=2)
 
 
 # ------------------------------------------------------------ command line and reports
