@@ -30,7 +30,7 @@ import numpy as np
 from shmkv.core.arena import chain_digests
 from shmkv.core.config import Settings
 from shmkv.core.errors import BadInput, NotFound, ShmkvError
-from shmkv.llama.cache import SharedPrefixCache, attach
+from shmkv.llama import SharedPrefixCache, attach
 from shmkv.serving.model_settings import load_llama
 
 log = logging.getLogger(__name__)
