@@ -51,8 +51,7 @@ import math
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -374,14 +373,6 @@ class CpuBudget:
                 except posix_ipc.Error:
                     break
         g.slots = []
-
-    @contextmanager
-    def cores_for(self, want: int) -> Iterator[Grant]:
-        g = self.take(want, remaining=want, tokens=want)
-        try:
-            yield g
-        finally:
-            self.give_back(g)
 
     # ------------------------------------------------------------------ observing
     def held(self) -> int:
