@@ -39,7 +39,9 @@ from shmkv.core.errors import (
     LimitExceeded,
     NotFound,
 )
-from shmkv.supervisor.store import Allocator, PutJob, Store
+from shmkv.supervisor.allocator import Allocator
+from shmkv.supervisor.put import PutJob
+from shmkv.supervisor.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -137,8 +137,7 @@ def stats_fetcher(settings: Settings) -> Callable[[], dict[str, Any]]:
     attach), opened again after a supervisor restart; thread-safe."""
     from shmkv.core.client import Client
 
-    client = Client(settings=settings, populate=False, attach=False)
-    client._backoff = 0.0
+    client = Client(settings=settings, populate=False, attach=False, backoff=False)
     lock = threading.Lock()
 
     def fetch() -> dict[str, Any]:

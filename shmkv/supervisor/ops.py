@@ -53,7 +53,8 @@ from shmkv.supervisor.claims import GO, Claims, Waiter
 from shmkv.supervisor.fdcloser import discard
 from shmkv.supervisor.fdcloser import pending as fds_closing
 from shmkv.supervisor.listener import Conn
-from shmkv.supervisor.store import PutJob, Store
+from shmkv.supervisor.put import PutJob
+from shmkv.supervisor.store import Store
 from shmkv.supervisor.ttl import Expiry
 from shmkv.supervisor.worker_counters import Reports
 

@@ -149,8 +149,7 @@ class Refill:
                 continue
             if entry is None:
                 return
-            if entry.gen in self.store.lru:  # older than every record loaded before
-                self.store.lru.move_to_end(entry.gen, last=False)
+            self.store.make_oldest(entry)  # older than every record loaded before
             self.stats.refilled += 1
             self.stats.refilled_bytes += entry.payload_len
             if self.stats.refilled == 1:
