@@ -74,14 +74,6 @@ def info(help: str, default: Any = "") -> Any:
     return field(default=default, metadata={"kind": INFO, "help": help})
 
 
-def help_of(cls: type, name: str) -> str:
-    """The help text of field ``name`` of schema class ``cls``."""
-    for f in fields(cls):
-        if f.name == name:
-            return str(f.metadata["help"])
-    raise KeyError(name)
-
-
 def metric_name(f: Any) -> str:
     """The Prometheus name of schema field ``f`` (a ``dataclasses.Field``), without
     ``shmkv_`` and ``_total``."""
