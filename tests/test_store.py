@@ -31,6 +31,7 @@ from hypothesis.stateful import (
 )
 
 from shmkv.core import arena as A
+from shmkv.core import keys
 from shmkv.core.errors import (
     ArenaCorruptError,
     ArenaFullError,
@@ -334,7 +335,7 @@ class StoreMachine(RuleBasedStateMachine):
             else:
                 assert e.gen not in self.known
                 self.known[e.gen] = Known(
-                    r, tokens, data, A.chain_digests(r, tokens, CHUNK), e.offset, publisher
+                    r, tokens, data, keys.chain_digests(r, tokens, CHUNK), e.offset, publisher
                 )
             assert e.publisher == publisher
             if pin:
@@ -479,7 +480,7 @@ class StoreMachine(RuleBasedStateMachine):
                         p.root,
                         p.tokens,
                         p.payload,
-                        A.chain_digests(p.root, p.tokens, CHUNK),
+                        keys.chain_digests(p.root, p.tokens, CHUNK),
                         e.offset,
                         p.publisher,
                     )
@@ -904,28 +905,28 @@ def test_stale_lease_is_revoked_and_only_it(small_arena: ArenaFile) -> None:
 def test_chain_digests_properties() -> None:
     root = bytes(range(16))
     toks = np.arange(50, dtype=np.int32)
-    ds = A.chain_digests(root, toks, 8)
+    ds = keys.chain_digests(root, toks, 8)
     assert len(ds) == 6 and all(len(d) == A.DIGEST_SIZE for d in ds)
     assert len(set(ds)) == 6
     # prefix-closed: a prefix of whole chunks has the same leading digests
     for k in range(7):
-        assert A.chain_digests(root, toks[: k * 8], 8) == ds[:k]
+        assert keys.chain_digests(root, toks[: k * 8], 8) == ds[:k]
     # the trailing partial chunk does not count; lists and arrays agree
-    assert A.chain_digests(root, list(range(55)), 8) == ds
-    assert A.chain_digests(root, toks[:7], 8) == []
+    assert keys.chain_digests(root, list(range(55)), 8) == ds
+    assert keys.chain_digests(root, toks[:7], 8) == []
     # deterministic, and each digest covers its whole prefix: a change in chunk 3
     # changes digests 3.. and nothing before
     other = toks.copy()
     other[2 * 8 + 5] += 1
-    ds2 = A.chain_digests(root, other, 8)
+    ds2 = keys.chain_digests(root, other, 8)
     assert ds2[:2] == ds[:2] and all(a != b for a, b in zip(ds2[2:], ds[2:], strict=True))
     # the root (salt/model key) separates every digest
-    ds3 = A.chain_digests(bytes(16), toks, 8)
+    ds3 = keys.chain_digests(bytes(16), toks, 8)
     assert not set(ds3) & set(ds)
     # the chunk length matters too
-    assert A.chain_digests(root, toks, 4)[1] != ds[0]
+    assert keys.chain_digests(root, toks, 4)[1] != ds[0]
     # negative ids stay distinct from positive ones
-    assert A.chain_digests(root, [-1] * 8, 8) != A.chain_digests(root, [1] * 8, 8)
+    assert keys.chain_digests(root, [-1] * 8, 8) != keys.chain_digests(root, [1] * 8, 8)
 
 
 @pytest.fixture
@@ -1038,7 +1039,7 @@ def test_index_prefers_the_longest_record_ending_in_a_chunk_and_owners_tell_each
     """A chunk prefix points at the longest record whose last full chunk it is (a
     sliding-window model can restore only whole records), else at the shortest; the
     ``owners`` op lists the records behind a chunk prefix and how far a prompt matches each."""
-    from shmkv.core.arena import chain_digests
+    from shmkv.core.keys import chain_digests
 
     root, fp = b"r" * 16, b"fp"
     rng = np.random.default_rng(5)

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from shmkv.core.arena import chain_digests
 from shmkv.core.config import Settings
 from shmkv.core.errors import BadInput, NotFound, ShmkvError
+from shmkv.core.keys import chain_digests
 from shmkv.llama.cache import SharedPrefixCache, attach
 from shmkv.serving.model_settings import load_llama
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shmkv.core.arena import chain_digests
 from shmkv.core.errors import ShmkvError
+from shmkv.core.keys import chain_digests
 from shmkv.llama import kvstate, policy
 
 if TYPE_CHECKING:

@@ -48,7 +48,6 @@ from shmkv.core.arena import (
     ArenaWriter,
     Geometry,
     Record,
-    chain_digests,
     header_format,
     record_layout,
 )
@@ -61,8 +60,8 @@ from shmkv.core.errors import (
     UnsafePathError,
     setup_error,
 )
+from shmkv.core.keys import chain_digests, content_digest
 from shmkv.supervisor.arenafile import ArenaFile, _same_file, check_ours, map_arena
-from shmkv.supervisor.put import content_digest
 from shmkv.supervisor.record import Entry
 from shmkv.supervisor.store import Store
 

@@ -9,7 +9,6 @@ the slices of a put that must evict thousands of records or copy hundreds of MiB
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -18,9 +17,10 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
-from shmkv.core.arena import PAGE, ArenaWriter, Geometry, align, chain_digests, record_layout
+from shmkv.core.arena import PAGE, ArenaWriter, Geometry, align, record_layout
 from shmkv.core.config import format_size
 from shmkv.core.errors import ArenaFullError, BadRequest, ChecksumMismatch, LimitExceeded
+from shmkv.core.keys import chain_digests, content_digest
 from shmkv.core.stats import ArenaCounters
 from shmkv.supervisor.allocator import Allocator
 from shmkv.supervisor.pages import Pages
@@ -43,13 +43,6 @@ FULL = (
     "the arena is full of pinned or in-use entries: unpin some, or restart "
     "`shmkv supervise` with a larger --size (or --index-slots)"
 )
-
-
-def content_digest(root: bytes, fingerprint: bytes, tok_bytes: bytes, publisher: int) -> bytes:
-    """What makes two puts the same record: root, fingerprint, token ids and publisher."""
-    return hashlib.blake2b(
-        root + fingerprint + tok_bytes + publisher.to_bytes(4, "little"), digest_size=16
-    ).digest()
 
 
 class PutStore(Protocol):

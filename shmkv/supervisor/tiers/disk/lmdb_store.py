@@ -14,7 +14,7 @@ here), never a SIGBUS. LMDB does not checksum its pages; shmkv checksums every r
 
 Layout: DIR (0700, ours) holds ``data.mdb`` and ``lock.mdb`` (0600) and ``shmkv.lock``
 (a flock: one supervisor per DIR). Two databases keyed by a record's 16-byte content
-digest (``putjob.content_digest``): ``meta`` holds ``header | fingerprint | token ids |
+digest (``keys.content_digest``): ``meta`` holds ``header | fingerprint | token ids |
 XXH3-64 of all before``, ``blob`` the payload. The size bound (``--persist-size``) is
 on payload bytes, kept by LRU (a put or a hit is a use; pinned records go last).
 """
@@ -38,7 +38,7 @@ import xxhash
 from shmkv.core.arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
 from shmkv.core.config import format_size
 from shmkv.core.errors import TierError
-from shmkv.supervisor.put import content_digest
+from shmkv.core.keys import content_digest
 from shmkv.supervisor.tiers.base import (
     Accepted,
     Event,

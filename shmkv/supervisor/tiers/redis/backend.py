@@ -43,8 +43,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from shmkv.core.arena import DIGEST_SIZE, chain_digests, record_layout
+from shmkv.core.arena import DIGEST_SIZE, record_layout
 from shmkv.core.errors import ConfigError, TierError, UnsafePathError
+from shmkv.core.keys import chain_digests, remote_id
 from shmkv.supervisor.tiers.base import FIRST_BACKOFF, MAX_BACKOFF, Accepted, Event, PayloadSource
 from shmkv.supervisor.tiers.redis import layout as fmt
 
@@ -258,7 +259,7 @@ class RedisWriter:
         if not conf.trusts(ev.publisher):  # (a --group member's state stays here)
             self.untrusted += 1
             return
-        rid = fmt.remote_id(ev.root, ev.fingerprint, ev.tokens)
+        rid = remote_id(ev.root, ev.fingerprint, ev.tokens)
         idx = fmt.index_key(ev.root, conf.chunk, self._last_digest(ev))
         if self._held(rid):  # (another node, or we, stored it)
             self.present += 1
