@@ -325,18 +325,18 @@ class PutJob:
         store.counters.puts += 1
         store.counters.bytes_put += self.payload_len
         ev = Accepted(
-            self.content,
-            self.root,
-            self.fingerprint,
-            self.tok_bytes,
-            self.publisher,
-            pin,
-            self.payload_len,
-            self.xxh3,
-            created,
-            offset,
-            gen,
-            created,
+            root=self.root,
+            fingerprint=self.fingerprint,
+            tokens=self.tok_bytes,
+            publisher=self.publisher,
+            pinned=pin,
+            payload_len=self.payload_len,
+            payload_xxh3=self.xxh3,
+            created=created,
+            content=self.content,
+            offset=offset,
+            gen=gen,
+            when=created,
         )
         store.tell_tiers(ev, self.source)
         return e

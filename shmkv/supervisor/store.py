@@ -61,7 +61,7 @@ from shmkv.supervisor.leases import Leases
 from shmkv.supervisor.pages import Pages
 from shmkv.supervisor.put import COPY_PIECE, PutJob
 from shmkv.supervisor.record import Entry
-from shmkv.supervisor.tiers.base import Accepted, TierHook
+from shmkv.supervisor.tiers.base import Accepted, RecordMeta, TierHook, bytes_reader
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +276,30 @@ class Store:
         return PutJob.start(
             self, root, tokens, fingerprint, payload_len, payload_xxh3, read, pin, piece, publisher
         )
+
+    def put_record(
+        self,
+        meta: RecordMeta,
+        payload: bytes | bytearray | memoryview,
+        source: TierHook | None,
+        may_evict: bool = True,
+    ) -> PutJob:
+        """Start putting a record that the tier ``source`` holds (a refill from disk, a
+        fetch from Redis): :meth:`begin_put` of ``meta`` (its publisher's uid, never ours
+        instead; pinned if it was) and ``payload``; ``source`` is not told of it, every
+        other tier is. ``may_evict`` False: refuse (ArenaFullError) rather than evict."""
+        job = self.begin_put(
+            meta.root,
+            np.frombuffer(meta.tokens, dtype="<i4"),
+            meta.fingerprint,
+            meta.payload_len,
+            meta.payload_xxh3,
+            bytes_reader(payload),
+            pin=meta.pinned,
+            publisher=meta.publisher,
+        )
+        job.may_evict, job.source = may_evict, source
+        return job
 
     def put(
         self,

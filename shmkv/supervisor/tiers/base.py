@@ -46,24 +46,51 @@ FIRST_BACKOFF, MAX_BACKOFF = 0.5, 30.0
 
 
 @dataclass(frozen=True)
-class Accepted:
-    """The arena accepted a record: its identity and metadata, and where its payload is."""
+class RecordMeta:
+    """A record's identity and metadata, as the arena holds it and every tier keeps it."""
 
-    #: the record's content digest (root, fingerprint, tokens, publisher): its key in a tier
-    content: bytes
     root: bytes
     fingerprint: bytes
     #: token ids, little-endian int32
     tokens: bytes
+    #: the uid that published it (the arena's publisher field)
     publisher: int
     pinned: bool
     payload_len: int
     payload_xxh3: int
+    #: wall-clock time of the first put
     created: float
+
+
+@dataclass(frozen=True)
+class Accepted(RecordMeta):
+    """The arena accepted a record: its identity and metadata, and where its payload is."""
+
+    #: the record's content digest (root, fingerprint, tokens, publisher): its key in a tier
+    content: bytes
     offset: int
     gen: int
     #: wall-clock time of the put (a use)
     when: float
+
+
+def bytes_reader(payload: bytes | bytearray | memoryview) -> Callable[[memoryview, int], None]:
+    """A ``Store.begin_put`` reader of a payload a tier holds in memory."""
+    src = memoryview(payload)
+
+    def read(view: memoryview, pos: int) -> None:
+        view[:] = src[pos : pos + len(view)]
+
+    return read
+
+
+def merged_errors(*counts: dict[str, int]) -> dict[str, int]:
+    """One tier's failures by kind: the sum of its threads' counts."""
+    out: dict[str, int] = {}
+    for errors in counts:
+        for kind, n in errors.items():
+            out[kind] = out.get(kind, 0) + n
+    return out
 
 
 @dataclass(frozen=True)

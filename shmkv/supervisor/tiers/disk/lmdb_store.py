@@ -45,6 +45,7 @@ from shmkv.supervisor.tiers.base import (
     Forget,
     PayloadSource,
     Pinned,
+    RecordMeta,
     Used,
     same_payload,
 )
@@ -63,17 +64,10 @@ _LOW_SPACE = 16 << 20
 
 
 @dataclass(frozen=True)
-class DiskRecord:
+class DiskRecord(RecordMeta):
     """A record's metadata as stored in ``meta``."""
 
-    root: bytes
-    fingerprint: bytes
-    tokens: bytes
-    publisher: int
-    pinned: bool
-    payload_len: int
-    payload_xxh3: int
-    created: float
+    #: wall-clock time of its last use (a put or a hit)
     last_used: float
 
     def pack(self) -> bytes:

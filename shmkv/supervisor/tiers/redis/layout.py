@@ -51,6 +51,7 @@ import msgpack
 from shmkv.core.arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
 from shmkv.core.errors import TierError
 from shmkv.core.keys import remote_id
+from shmkv.supervisor.tiers.base import RecordMeta
 
 VERSION = 2
 #: bytes per piece: one command per MiB keeps Redis responsive to other clients
@@ -145,6 +146,19 @@ class Manifest:
     @property
     def pieces(self) -> int:
         return n_pieces(self.stored_len)
+
+    def meta(self) -> RecordMeta:
+        """The record's metadata for the arena (a pin is not shared between nodes)."""
+        return RecordMeta(
+            self.root,
+            self.fingerprint,
+            self.tokens,
+            self.uid,
+            False,
+            self.payload_len,
+            self.payload_xxh3,
+            self.created,
+        )
 
     def rid(self) -> bytes:
         return remote_id(self.root, self.fingerprint, self.tokens)
