@@ -45,9 +45,9 @@ from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
 from shmkv.core import arena as A
-from shmkv.core import keys
 from shmkv.core import protocol as P
 from shmkv.core.errors import ArenaFullError
+from shmkv.core.keys import chain_digests
 from shmkv.supervisor.loop import MAX_PENDING_FDS
 
 log = logging.getLogger(__name__)
@@ -769,7 +769,7 @@ def worker_roundtrip(sup) -> None:
             fuzz_counts["worker_found_arena_pinned_full"] += 1
             c.clear()
             c.put_bytes(root, tokens, b"well-behaved", data)
-        hit = c.lookup(keys.chain_digests(root, tokens, chunk))
+        hit = c.lookup(chain_digests(root, tokens, chunk))
         assert hit is not None and hit.chunks == 2
         with c.acquire(hit) as lease:
             assert bytes(lease.payload) == data

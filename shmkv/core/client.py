@@ -681,7 +681,8 @@ class Client(Connection):
         return int(self.request(msg)["count"])
 
     def report(self, **counters: int) -> None:
-        """Report running totals (reporter 0 of this connection; see ``reports.py``)."""
+        """Report running totals (reporter 0 of this connection; see
+        ``supervisor/worker_counters.py``)."""
         counters = {k: v for k, v in counters.items() if v}
         if counters:
             self.request({"op": "report", "counters": counters})

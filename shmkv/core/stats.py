@@ -11,7 +11,7 @@ Two owners keep counters:
 * a worker (:class:`WorkerCounters`) counts what its cache did for its calls;
   the fields marked ``reported`` are also sent to the supervisor (as running
   totals since the worker started, in ``report`` messages), which keeps each
-  worker's latest totals and the sums of workers gone (``reports.py``), per
+  worker's latest totals and the sums of workers gone (``supervisor/worker_counters.py``), per
   model and tenant label;
 * the supervisor (:class:`ArenaCounters`) counts what its arena did.
 

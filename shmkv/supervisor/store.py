@@ -108,7 +108,7 @@ class Store:
         #: the supervisor's uid: its records win an index slot (see ``IndexOwners.point``)
         self.uid = os.geteuid()
         self._next_gen = 1
-        #: write-behind tiers told of every record accepted, used, pinned (``tiers.py``)
+        #: write-behind tiers told of every record accepted, used, pinned (``tiers/base.py``)
         self.tiers: list[TierHook] = []
         #: chunk digests' owners and the slot each points at
         self.index = IndexOwners(self.arena, self.entries, geometry.chunk_tokens, self.uid)

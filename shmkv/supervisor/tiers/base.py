@@ -5,7 +5,7 @@ accepted, used, pinned or unpinned, or released by ``--ttl``); :class:`WriteBehi
 turns each into an event on a bounded queue and never blocks: an event that does not
 fit, or that comes while the tier is paused after a failure, is dropped and counted.
 One writer thread per tier takes the events in batches and applies them to its
-:class:`Backend` (LMDB on disk in ``persist.py``). A failure (a full disk, an
+:class:`Backend` (LMDB on disk in ``tiers/disk/lmdb_store.py``). A failure (a full disk, an
 unwritable directory, a corrupt file) pauses the tier for a delay that doubles up to
 :data:`MAX_BACKOFF`, is counted by kind and logged once per pause, and never reaches
 a worker.

@@ -1,6 +1,6 @@
 """``--persist`` wired into the supervisor: write-behind, LMDB store, refill, numbers.
 
-Runs in the supervisor. :class:`Persistence` is what ``supervisor.py`` holds: made at
+Runs in the supervisor. :class:`Persistence` is what ``loop.py`` holds: made at
 start (no disk I/O there: the writer thread opens the store), hooked into the store
 (every record accepted, used, pinned goes to the write-behind), asked to refill a
 new arena once the socket serves, read for ``stats`` and closed at shutdown.

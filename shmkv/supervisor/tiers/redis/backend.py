@@ -5,14 +5,14 @@ Runs in the supervisor, off its loop, on two threads with a connection each:
 * :class:`RedisWriter` is the :class:`~shmkv.supervisor.tiers.base.Backend` of a write-behind: each
   record the arena accepts is copied from the arena (read-only mapping, XXH3-checked
   copy), optionally zstd-compressed, and written as pieces, then, once every piece is
-  stored, its manifest, then its index entries (``remotefmt.py``), all with a TTL. A
+  stored, its manifest, then its index entries (``tiers/redis/layout.py``), all with a TTL. A
   record is visible only through its manifest, so a Redis that dies (or fills up)
   between the pieces and the manifest leaves nothing a reader can take for a record.
 * :class:`Fetcher` answers "does the remote tier hold a longer prefix of this prompt?"
   (one pipelined round trip to the index, one to the candidates' manifests), decides
   whether fetching beats prefilling (measured fetch bandwidth against the worker's
   measured prefill speed), fetches the pieces and checks the payload; the loop
-  (``remotetier.py``) then puts it into the arena like any other record.
+  (``tiers/redis/tier.py``) then puts it into the arena like any other record.
 
 Every Redis failure (refused, timed out, ``OOM`` under ``maxmemory``, cluster down) is
 a :class:`~shmkv.core.errors.TierError`: counted by kind, the tier paused with a growing
@@ -24,7 +24,7 @@ Trust: a record leaves the machine only if its publisher is trusted by this supe
 (its own uid and ``--trust-publishers``); the manifest carries the publisher's uid, and
 a fetched record is put into the arena under that uid (never re-labelled as ours), and
 only if this supervisor trusts it too. With ``--remote-key-file`` every manifest is
-MACed and only records whose MAC verifies are fetched (``remotefmt.py``).
+MACed and only records whose MAC verifies are fetched (``tiers/redis/layout.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``--remote`` wired into the supervisor: the write-behind to Redis, and fetches into the arena.
 
-Runs in the supervisor. :class:`Remote` is what ``supervisor.py`` holds: hooked into the
+Runs in the supervisor. :class:`Remote` is what ``loop.py`` holds: hooked into the
 store (every record accepted goes to the write-behind, ``remote.RedisWriter``), asked by
 the ``fetch`` op whether the remote tier holds a longer prefix of a prompt, and stepped
 by the loop: a fetch request goes to the fetcher thread (``remote.Fetcher``) and its
