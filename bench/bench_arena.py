@@ -50,6 +50,7 @@ import common  # noqa: E402
 from shmkv.core import arena  # noqa: E402
 from shmkv.core.client import Client  # noqa: E402
 from shmkv.core.config import format_size, parse_size  # noqa: E402
+from shmkv.core.keys import chain_digests  # noqa: E402
 
 log = logging.getLogger("bench_arena")
 
@@ -190,11 +191,11 @@ def bench_lookup(
     prompts: list[tuple[int, list[bytes], np.ndarray]] = []
     for _ in range(plan.prompts_per_depth):  # misses: nothing of it is cached
         toks = random_tokens(rng, PROMPT_CHUNKS * chunk)
-        prompts.append((0, arena.chain_digests(ROOT, toks, chunk), toks))
+        prompts.append((0, chain_digests(ROOT, toks, chunk), toks))
     for d, bucket in sorted(keep.items()):
         for toks in bucket:
             full = np.concatenate([toks, random_tokens(rng, (PROMPT_CHUNKS - d) * chunk)])
-            prompts.append((d, arena.chain_digests(ROOT, full, chunk), full))
+            prompts.append((d, chain_digests(ROOT, full, chunk), full))
     probes = []  # correctness and probe counts, untimed
     for d, digests, _ in prompts:
         hit = client.lookup(counting := CountingDigests(digests))
@@ -246,7 +247,7 @@ def bench_lookup(
             "log2_chunks": round(float(np.log2(PROMPT_CHUNKS)), 2),
         },
         "prompts": len(prompts),
-        "chain_digests": us(timed(lambda: arena.chain_digests(ROOT, toks, chunk), 2000)),
+        "chain_digests": us(timed(lambda: chain_digests(ROOT, toks, chunk), 2000)),
         "private_set": us(run(set_lookup)),
         "ramcache": bench_ramcache(plan, rng, chunk, prompts),
     }
@@ -330,7 +331,7 @@ def put_floors(src: np.ndarray) -> dict[str, Any]:
 # ------------------------------------------------------------ 3. lookup -> pointer
 def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]) -> dict[str, Any]:
     """Lookup + lease + record/meta check (+ payload checksum) of a 16 MiB blob, vs memcpy."""
-    digests = [arena.chain_digests(ROOT, t, chunk) for t in blobs[-8:]]
+    digests = [chain_digests(ROOT, t, chunk) for t in blobs[-8:]]
     view = client.view
     for d in digests:  # warm the pages and check every target once
         hit = client.lookup(d)
@@ -415,7 +416,7 @@ def bench_fragmented(quick: bool, seed: int, code: Path | None) -> dict[str, Any
                 root = i.to_bytes(16, "little")
                 tokens = random_tokens(rng, chunk)
                 client.put_bytes(root, tokens, FINGERPRINT, payload)
-                keys.append(arena.chain_digests(root, tokens, chunk))
+                keys.append(chain_digests(root, tokens, chunk))
             t_fill = time.perf_counter() - t0
             used = keys[1::2]
             rng.shuffle(used)  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
 import common  # noqa: E402
 
-from shmkv.core import arena  # noqa: E402
+from shmkv.core.keys import chain_digests  # noqa: E402
 
 log = logging.getLogger("bench_persist")
 FP = b"bench-persist"
@@ -74,7 +74,7 @@ def put_copies(sup: common.Supervisor, states: list[dict[str, Any]], n: int) -> 
             s = states[i % len(states)]
             root = os.urandom(16)
             c.put_bytes(root, s["tokens"], FP, s["data"])
-            digests.append(arena.chain_digests(root, s["tokens"], chunk))
+            digests.append(chain_digests(root, s["tokens"], chunk))
     return digests
 
 

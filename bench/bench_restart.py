@@ -59,8 +59,8 @@ def start(workdir: Path, name: str, size: str, *args: str) -> common.Child:
 
 def first_hit(sup: common.Supervisor, i: int, data: bytes, timeout: float = 60.0) -> float:
     """Poll until state ``i`` is read back intact; the monotonic time it was."""
-    from shmkv.core.arena import chain_digests
     from shmkv.core.errors import ShmkvError
+    from shmkv.core.keys import chain_digests
 
     root, tokens, _ = state(i)
     deadline = time.monotonic() + timeout

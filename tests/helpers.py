@@ -34,6 +34,7 @@ import xxhash
 from shmkv import Client, SupervisorUnavailable
 from shmkv.core import arena as A
 from shmkv.core import protocol as P
+from shmkv.core.keys import chain_digests
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -209,12 +210,13 @@ def python_for(user: pwd.struct_passwd | None) -> str:
 PUT_AND_READ = r"""
 import json, os, sys
 import numpy as np
-from shmkv import Client; from shmkv.core import arena as A
+from shmkv import Client
+from shmkv.core.keys import chain_digests
 with Client(socket_path=sys.argv[1], timeout=5) as c:
     chunk = c.view.geometry.chunk_tokens
     root, tokens = os.urandom(16), np.arange(chunk, dtype=np.int32)
     c.put_bytes(root, tokens, b"fp", b"m" * 3000)
-    hit = c.lookup(A.chain_digests(root, tokens, chunk))
+    hit = c.lookup(chain_digests(root, tokens, chunk))
     with c.acquire(hit) as lease:
         ok = bytes(lease.payload) == b"m" * 3000 and lease.finish()
 print(json.dumps({"put": ok}))
@@ -350,7 +352,7 @@ class Blob(NamedTuple):
     data: bytes
 
     def digests(self, chunk: int = CHUNK) -> list[bytes]:
-        return A.chain_digests(self.root, self.tokens, chunk)
+        return chain_digests(self.root, self.tokens, chunk)
 
 
 def blob(seed: int, size: int, n_tokens: int = 2 * CHUNK) -> Blob:
@@ -465,7 +467,7 @@ def assert_healthy(sup: Sup) -> None:
         chunk = c.view.geometry.chunk_tokens
         tokens = np.arange(2 * chunk, dtype=np.int32)
         c.put_bytes(root, tokens, b"fp", data)
-        hit = c.lookup(A.chain_digests(root, tokens, chunk))
+        hit = c.lookup(chain_digests(root, tokens, chunk))
         assert hit is not None and hit.chunks == 2
         with c.acquire(hit) as lease:
             assert bytes(lease.payload) == data

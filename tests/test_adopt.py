@@ -36,6 +36,7 @@ from helpers import (
 
 from shmkv import ArenaCorruptError, Client, NotFound, SupervisorUnavailable
 from shmkv.core import arena as A
+from shmkv.core.keys import chain_digests
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def check_records(
                 or bytes(view.payload(rec)) != data
             ):
                 problems.append(f"record {rec.gen} at {rec.offset} (seed {tokens[0]}) differs")
-            if s.digest not in A.chain_digests(root, want_tokens, CHUNK):
+            if s.digest not in chain_digests(root, want_tokens, CHUNK):
                 problems.append(f"slot {s.digest.hex()[:12]} names record {rec.gen} wrongly")
     finally:
         view.close()
@@ -103,7 +104,7 @@ def check_records(
 def read_back(c: Client, seed: int, max_size: int = 300_000) -> bytes | None:
     """The payload of ``seed``'s blob as a worker reads it (None: a miss)."""
     root, tokens, _ = known(seed, max_size)
-    hit = c.lookup(A.chain_digests(root, tokens, CHUNK))
+    hit = c.lookup(chain_digests(root, tokens, CHUNK))
     if hit is None or hit.chunks != len(tokens) // CHUNK:
         return None
     with c.acquire(hit) as lease:
@@ -112,7 +113,7 @@ def read_back(c: Client, seed: int, max_size: int = 300_000) -> bytes | None:
 
 
 def _where(c: Client, root: bytes, tokens: np.ndarray) -> tuple[int, int]:
-    hit = c.lookup(A.chain_digests(root, tokens, CHUNK))
+    hit = c.lookup(chain_digests(root, tokens, CHUNK))
     return hit.slot.rec_offset, hit.slot.rec_gen
 
 
@@ -267,7 +268,7 @@ def test_flipped_bytes_drop_only_the_damaged_records(make_supervisor) -> None:
         for seed in range(12):
             put_known(c, seed)
             root, tokens, _ = known(seed)
-            hit = c.lookup(A.chain_digests(root, tokens, CHUNK))
+            hit = c.lookup(chain_digests(root, tokens, CHUNK))
             recs[seed] = c.view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
         g = c.view.geometry
         slots = {i: c.view.read_slot(i)[1] for i in range(g.index_slots)}
@@ -460,7 +461,7 @@ def test_old_lease_and_old_generations_never_read_a_reused_extent(make_superviso
         for seed in range(3):
             put_known(reader, seed, 2_000_000)
         root, tokens, data = known(0, 2_000_000)
-        hit = reader.lookup(A.chain_digests(root, tokens, CHUNK))
+        hit = reader.lookup(chain_digests(root, tokens, CHUNK))
         lease = reader.acquire(hit)
         old_gens = {s.rec_gen for s in reader.view.scan()}
         r2, t2, _ = known(2, 2_000_000)

@@ -27,6 +27,7 @@ from shmkv import Client, __version__
 from shmkv.core import arena as A
 from shmkv.core.config import resolve
 from shmkv.core.errors import ArenaFullError, ConfigError
+from shmkv.core.keys import chain_digests
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def put_and_hit(c: Client, n_chunks: int = 2, size: int = 10_000) -> tuple[dict,
     tokens = np.arange(n_chunks * g.chunk_tokens, dtype=np.int32)
     data = os.urandom(size)
     reply = c.put_bytes(root, tokens, b"fp", data)
-    hit = c.lookup(A.chain_digests(root, tokens, g.chunk_tokens))
+    hit = c.lookup(chain_digests(root, tokens, g.chunk_tokens))
     assert hit is not None and hit.chunks == n_chunks
     with c.acquire(hit) as lease:
         assert bytes(lease.payload) == data
@@ -172,7 +173,7 @@ def test_ls_json_and_clear(make_supervisor) -> None:
         st = sup.stats_json()
         assert st["entries"] == 0 and st["bytes_used"] == 0
         g = c.view.geometry
-        assert c.lookup(A.chain_digests(root, np.arange(n_tok), g.chunk_tokens)) is None
+        assert c.lookup(chain_digests(root, np.arange(n_tok), g.chunk_tokens)) is None
 
 
 def test_env_vars_are_honoured(make_supervisor, tmp_path: Path) -> None:
@@ -352,7 +353,7 @@ def test_signal_removes_socket_arena_and_lock(make_supervisor, sig: int) -> None
     c = sup.client()
     _, root, n_tok = put_and_hit(c)
     g = c.view.geometry
-    hit = c.lookup(A.chain_digests(root, np.arange(n_tok), g.chunk_tokens))
+    hit = c.lookup(chain_digests(root, np.arange(n_tok), g.chunk_tokens))
     lease = c.acquire(hit)  # a lease still held at exit
     assert sup.stop(sig) == 0
     assert not Path(sup.socket).exists()
@@ -538,7 +539,8 @@ _AS_NOBODY = r"""
 import json, os, socket, sys, time
 import numpy as np
 import shmkv.cli
-from shmkv import Client; from shmkv.core import arena as A, protocol as P
+from shmkv import Client; from shmkv.core import protocol as P
+from shmkv.core.keys import chain_digests
 from shmkv.core.errors import ShmkvError
 np.ctypeslib.as_array  # load lazily imported modules while we still can
 uid, gid, mode, sock = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -569,7 +571,7 @@ try:
         chunk = c.view.geometry.chunk_tokens
         tokens = np.arange(chunk, dtype=np.int32)
         c.put_bytes(root, tokens, b"fp", b"n" * 1000)
-        hit = c.lookup(A.chain_digests(root, tokens, chunk))
+        hit = c.lookup(chain_digests(root, tokens, chunk))
         with c.acquire(hit) as lease:
             ok = bytes(lease.payload) == b"n" * 1000 and lease.finish()
     print(json.dumps({"ok": ok, "uid": os.getuid()}))
@@ -771,7 +773,7 @@ def test_no_watchdog_for_another_pid(make_supervisor, tmp_path: Path) -> None:
 
 
 def test_pin_and_unpin_from_the_cli(supervisor) -> None:
-    from shmkv.core.arena import chain_digests
+    from shmkv.core.keys import chain_digests
 
     root = b"\x07" * 16
     tokens = np.arange(128, dtype=np.int32)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import KW, SYSTEM, blob, completion, run_worker, texts
 
-from shmkv.core.arena import chain_digests
+from shmkv.core.keys import chain_digests
 from shmkv.supervisor.claims import Claims
 
 

@@ -27,7 +27,7 @@ import pytest
 from helpers import CHUNK, MiB, blob, try_stats, wait_until
 
 from shmkv import ArenaCorruptError, Client, SupervisorUnavailable
-from shmkv.core.arena import chain_digests
+from shmkv.core.keys import chain_digests
 
 log = logging.getLogger(__name__)
 

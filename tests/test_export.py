@@ -15,7 +15,7 @@ import pytest
 from helpers import SYSTEM, assert_one_error_line, completion, run_worker, texts
 
 from shmkv.cli import statefile
-from shmkv.llama.fingerprint import key_root
+from shmkv.core.keys import key_root
 
 PROMPT = SYSTEM + " Question: where does the cat sit?"
 
@@ -166,7 +166,7 @@ def test_a_state_of_another_model_is_refused_with_model(
     root = key_root(fake + meta["variant"], meta["namespace"])
     tokens = statefile.StateReader(open(path, "rb"))
     tokens.open()
-    from shmkv.core.arena import chain_digests
+    from shmkv.core.keys import chain_digests
 
     key = chain_digests(root, tokens.tokens, meta["chunk_tokens"])[-1]
     forged = tmp_path / "forged.shmkv"
@@ -189,3 +189,15 @@ def test_export_needs_the_namespace_and_a_key(exported) -> None:
     res = cli(a, "export", "xyz", "-o", str(path) + ".x")
     assert_one_error_line(text(res), "not a key")
     assert not Path(str(path) + ".x").exists()
+
+
+def test_the_state_file_code_needs_no_llama_cpp() -> None:
+    """Reading, checking and moving a state file derives keys (``shmkv.core.keys``) without
+    loading llama.cpp: a machine that only moves files needs no model runtime."""
+    code = (
+        "import sys, shmkv.cli.statefile, shmkv.cli.transfer; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'llama_cpp'))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"

@@ -47,6 +47,7 @@ from hypothesis import strategies as st
 from shmkv.core import arena as A
 from shmkv.core import protocol as P
 from shmkv.core.errors import ArenaFullError
+from shmkv.core.keys import chain_digests
 from shmkv.supervisor.loop import MAX_PENDING_FDS
 
 log = logging.getLogger(__name__)
@@ -768,7 +769,7 @@ def worker_roundtrip(sup) -> None:
             fuzz_counts["worker_found_arena_pinned_full"] += 1
             c.clear()
             c.put_bytes(root, tokens, b"well-behaved", data)
-        hit = c.lookup(A.chain_digests(root, tokens, chunk))
+        hit = c.lookup(chain_digests(root, tokens, chunk))
         assert hit is not None and hit.chunks == 2
         with c.acquire(hit) as lease:
             assert bytes(lease.payload) == data

@@ -42,6 +42,7 @@ from helpers import (
 
 from shmkv.core import arena as A
 from shmkv.core.errors import ArenaCorruptError
+from shmkv.core.keys import chain_digests
 from shmkv.llama import key_root, model_fingerprint
 from shmkv.supervisor.loop import EXIT_ARENA_LOST
 
@@ -199,7 +200,7 @@ def test_arena_writes_after_truncation_never_sigbus_the_supervisor(
     c = sup.client()
     root, toks = os.urandom(16), np.arange(64, dtype=np.int32)
     c.put_bytes(root, toks, b"fp", os.urandom(100_000))
-    lease = c.acquire(c.lookup(A.chain_digests(root, toks, 64)))
+    lease = c.acquire(c.lookup(chain_digests(root, toks, 64)))
     if then == "release-doomed":
         with sup.client(attach=False) as admin:
             admin.clear()  # the leased entry is doomed: its release frees (writes) it

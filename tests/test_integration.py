@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import shmkv.llama.tenant
 from shmkv import Client
+from shmkv.core.keys import key_root
 from shmkv.core.stats import PersistStats, RemoteStats, metric_name
-from shmkv.llama.fingerprint import key_root
 
 
 def keys(c: Client) -> set[str]:

@@ -25,6 +25,7 @@ from helpers import CHUNK, MiB, Raw, Sup, blob, fd_count, put_msg, wait_until
 
 from shmkv import ShmkvError
 from shmkv.core import arena as A
+from shmkv.core.keys import chain_digests
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -132,10 +133,10 @@ def test_a_pinned_put_of_the_whole_region_cannot_lock_every_later_put_out(make_s
             c.put_bytes(small.root, small.tokens, b"fp", small.data, pin=True)
         assert exc.value.code == "limit"
         c.put_bytes(small.root, small.tokens, b"fp", small.data)  # unpinned: fine
-        key = A.chain_digests(small.root, small.tokens, CHUNK)[-1]
+        key = chain_digests(small.root, small.tokens, CHUNK)[-1]
         with pytest.raises(ShmkvError, match="--max-pinned-percent"):
             c.pin(key)  # the pin op has the same limit
-        c.pin(A.chain_digests(half.root, half.tokens, CHUNK)[-1], False)
+        c.pin(chain_digests(half.root, half.tokens, CHUNK)[-1], False)
         assert c.pin(key) == 1
     st = sup.stats()
     assert st["pins_refused"] == 3, st
@@ -294,7 +295,7 @@ def test_a_huge_put_into_a_fragmented_arena_keeps_ping_under_100ms(make_supervis
     np.random.default_rng(1).shuffle(touched)
     with sup.client(timeout=30) as c:
         for root, tokens in touched:
-            hit = c.lookup(A.chain_digests(root, tokens, CHUNK))
+            hit = c.lookup(chain_digests(root, tokens, CHUNK))
             with c.acquire(hit) as lease:
                 lease.finish()
     big = b"\x5a" * (cap * 3 // 10)
@@ -312,7 +313,7 @@ def test_a_huge_put_into_a_fragmented_arena_keeps_ping_under_100ms(make_supervis
     assert len(pings) > 10 and max(pings) < 100, (pings[-5:], len(pings), took, st["evictions"])
     assert st["puts_sliced"] == 1, st
     with sup.client() as c:
-        hit = c.lookup(A.chain_digests(root, tokens, CHUNK))
+        hit = c.lookup(chain_digests(root, tokens, CHUNK))
         assert hit is not None and hit.chunks == 4
         with c.acquire(hit) as lease:
             assert lease.record.payload_len == len(big)

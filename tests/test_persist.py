@@ -30,7 +30,7 @@ from helpers import (
     wait_until,
 )
 
-from shmkv.core import arena as A
+from shmkv.core.keys import chain_digests
 from shmkv.supervisor.tiers.disk.lmdb_store import DiskRecord
 
 
@@ -266,7 +266,7 @@ def test_unusable_directory_costs_no_request(make_supervisor, tmp_path):
     b = blob(7, 50_000)
     with sup.client() as c:
         c.put_bytes(b.root, b.tokens, b"fp", b.data)
-        hit = c.lookup(A.chain_digests(b.root, b.tokens, c.view.geometry.chunk_tokens))
+        hit = c.lookup(chain_digests(b.root, b.tokens, c.view.geometry.chunk_tokens))
         with c.acquire(hit) as lease:
             assert np.array_equal(lease.tokens(), b.tokens) and lease.finish()
     st = wait_until(

@@ -17,8 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmkv.core.arena import Hit, Slot, chain_digests, common_prefix
+from shmkv.core.arena import Hit, Slot, common_prefix
 from shmkv.core.errors import ArenaCorruptError
+from shmkv.core.keys import chain_digests
 from shmkv.llama.policy import (
     EVERYONE,
     SWA_MAX_PROBES,

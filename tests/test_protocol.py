@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from shmkv.core import arena as A
 from shmkv.core import protocol as P
 from shmkv.core.errors import ArenaFullError, BadRequest, NotFound
+from shmkv.core.keys import chain_digests
 from shmkv.supervisor.ops import OPS
 
 pytestmark = pytest.mark.timeout(30)
@@ -336,7 +337,7 @@ def test_put_whose_checksum_does_not_match(supervisor, attached: Raw) -> None:
     assert st["entries"] == 0 and st["bytes_used"] == 0 and st["rejected_puts"] == 1
     # and nothing was indexed: a lookup for those tokens misses
     with supervisor.client() as c:
-        assert c.lookup(A.chain_digests(b"r" * 16, tokens, c.view.geometry.chunk_tokens)) is None
+        assert c.lookup(chain_digests(b"r" * 16, tokens, c.view.geometry.chunk_tokens)) is None
     assert_healthy(supervisor)
 
 
@@ -386,7 +387,7 @@ def test_release_of_a_lease_not_held(supervisor, attached: Raw) -> None:
         chunk = c.view.geometry.chunk_tokens
         tokens = np.arange(chunk, dtype=np.int32)
         c.put_bytes(root, tokens, b"fp", b"q" * 500)
-        hit = c.lookup(A.chain_digests(root, tokens, chunk))
+        hit = c.lookup(chain_digests(root, tokens, chunk))
         lease = c.acquire(hit)
         assert error_code(attached.call({"op": "release", "lease": lease.id})) == "not_found"
         assert c.stats()["leases_active"] == 1
@@ -403,7 +404,7 @@ def test_leases_of_a_closed_raw_connection_are_released(supervisor, attached: Ra
         chunk = c.view.geometry.chunk_tokens
         tokens = np.arange(chunk, dtype=np.int32)
         c.put_bytes(root, tokens, b"fp", b"q" * 500)
-        slot = c.lookup(A.chain_digests(root, tokens, chunk)).slot
+        slot = c.lookup(chain_digests(root, tokens, chunk)).slot
     for _ in range(3):
         assert attached.call({"op": "acquire", "offset": slot.rec_offset, "gen": slot.rec_gen})[
             "ok"

@@ -38,7 +38,7 @@ from helpers import (
     wait_for_socket,
 )
 
-from shmkv.core import arena as A
+from shmkv.core.keys import chain_digests
 from shmkv.llama import key_root, model_fingerprint
 
 pytestmark = pytest.mark.timeout(240)
@@ -149,7 +149,7 @@ def test_a_put_records_its_publishers_uid_and_garbage_never_shadows_the_real_cop
             [users["evil"][0], users["friend"][0], os.geteuid()]
         )
         # the index points the supervisor's own users at their copy
-        hit = c.lookup(A.chain_digests(root, tokens, CHUNK))
+        hit = c.lookup(chain_digests(root, tokens, CHUNK))
         with c.acquire(hit) as lease:
             assert lease.record.publisher == os.geteuid()
             assert bytes(lease.payload) == real
@@ -170,7 +170,7 @@ def genuine_state(sup: Sup, tiny: dict, prompt: str) -> tuple[list[int], bytes]:
     tokens = tiny["llm"].tokenize(prompt.encode())
     run_worker(sup, tiny["model"], [completion(prompt)])
     with sup.client() as c:
-        hit = c.lookup(A.chain_digests(tiny["root"], tokens, CHUNK))
+        hit = c.lookup(chain_digests(tiny["root"], tokens, CHUNK))
         with c.acquire(hit) as lease:
             assert lease.record.n_tokens == len(tokens)
             state = bytes(lease.payload)

@@ -33,7 +33,7 @@ from helpers import (
     wait_until,
 )
 
-from shmkv.core import arena as A
+from shmkv.core.keys import chain_digests
 
 REDIS = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
@@ -357,7 +357,7 @@ def test_longer_records_of_other_suffixes_do_not_hide_the_shared_prefix(
     question = np.concatenate([shared.tokens, rng.integers(0, 30_000, 5).astype("<i4")])
     with b.client() as c:
         assert c.fetch(shared.root, question, 0, 5.0, 0.0) == "fetched"
-        hit = c.lookup(A.chain_digests(shared.root, question, CHUNK))
+        hit = c.lookup(chain_digests(shared.root, question, CHUNK))
         assert hit is not None
         with c.acquire(hit) as lease:
             assert bytes(lease.payload) == shared.data
@@ -378,10 +378,11 @@ def forge(
     """What a hostile writer to Redis can store: a record of ``b``'s prompt with any
     payload and publisher uid, checksums right, MACed under ``key`` if it has one (it
     has not). Returns the record id."""
+    from shmkv.core.keys import chain_digests, remote_id
     from shmkv.supervisor.tiers.redis import layout as fmt
 
     tok = np.ascontiguousarray(b.tokens, dtype="<i4").tobytes()
-    rid = fmt.remote_id(b.root, fp, tok)
+    rid = remote_id(b.root, fp, tok)
     parts = fmt.split(payload)
     fields = dict(
         root=b.root,
@@ -400,16 +401,17 @@ def forge(
     for i, part in enumerate(parts):
         r.set(fmt.piece_key(rid, i), bytes(part))
     r.set(fmt.manifest_key(rid), fmt.Manifest(**fields).pack(key))
-    last = A.chain_digests(b.root, b.tokens, CHUNK)[-1]
+    last = chain_digests(b.root, b.tokens, CHUNK)[-1]
     r.hset(fmt.index_key(b.root, CHUNK, last), rid.hex(), fmt.index_value(tok))
     return rid
 
 
 def stored_manifest(r: redis.Redis, b, keys=(), fp: bytes = b"fp"):
+    from shmkv.core.keys import remote_id
     from shmkv.supervisor.tiers.redis import layout as fmt
 
     tok = np.ascontiguousarray(b.tokens, dtype="<i4").tobytes()
-    rid = fmt.remote_id(b.root, fp, tok)
+    rid = remote_id(b.root, fp, tok)
     raw = r.get(fmt.manifest_key(rid))
     return None if raw is None else fmt.unpack_manifest(rid, raw, keys)
 
@@ -634,6 +636,7 @@ def test_a_node_with_a_key_restores_only_records_signed_with_it(
     second) both are accepted and only the current one signs."""
     import msgpack
 
+    from shmkv.core.keys import remote_id
     from shmkv.supervisor.tiers.redis import layout as fmt
 
     url = redis_server.url
@@ -651,7 +654,7 @@ def test_a_node_with_a_key_restores_only_records_signed_with_it(
     r = redis_server.client()
     forge(r, bs[4], blob(850, 150_000).data, uid=0)  # an unsigned forgery, checksums right
     # a signed manifest rewritten: another payload's checksums, the MAC kept
-    rid = fmt.remote_id(bs[3].root, b"fp", bs[3].tokens.astype("<i4").tobytes())
+    rid = remote_id(bs[3].root, b"fp", bs[3].tokens.astype("<i4").tobytes())
     env = msgpack.unpackb(r.get(fmt.manifest_key(rid)))
     body = msgpack.unpackb(env["m"])
     evil = blob(851, 150_000).data

@@ -39,7 +39,10 @@ from shmkv.core.errors import (
     LimitExceeded,
     NotFound,
 )
-from shmkv.supervisor.store import Allocator, PutJob, Store
+from shmkv.core.keys import chain_digests
+from shmkv.supervisor.allocator import Allocator
+from shmkv.supervisor.put import PutJob
+from shmkv.supervisor.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +335,7 @@ class StoreMachine(RuleBasedStateMachine):
             else:
                 assert e.gen not in self.known
                 self.known[e.gen] = Known(
-                    r, tokens, data, A.chain_digests(r, tokens, CHUNK), e.offset, publisher
+                    r, tokens, data, chain_digests(r, tokens, CHUNK), e.offset, publisher
                 )
             assert e.publisher == publisher
             if pin:
@@ -477,7 +480,7 @@ class StoreMachine(RuleBasedStateMachine):
                         p.root,
                         p.tokens,
                         p.payload,
-                        A.chain_digests(p.root, p.tokens, CHUNK),
+                        chain_digests(p.root, p.tokens, CHUNK),
                         e.offset,
                         p.publisher,
                     )
@@ -902,28 +905,28 @@ def test_stale_lease_is_revoked_and_only_it(small_arena: ArenaFile) -> None:
 def test_chain_digests_properties() -> None:
     root = bytes(range(16))
     toks = np.arange(50, dtype=np.int32)
-    ds = A.chain_digests(root, toks, 8)
+    ds = chain_digests(root, toks, 8)
     assert len(ds) == 6 and all(len(d) == A.DIGEST_SIZE for d in ds)
     assert len(set(ds)) == 6
     # prefix-closed: a prefix of whole chunks has the same leading digests
     for k in range(7):
-        assert A.chain_digests(root, toks[: k * 8], 8) == ds[:k]
+        assert chain_digests(root, toks[: k * 8], 8) == ds[:k]
     # the trailing partial chunk does not count; lists and arrays agree
-    assert A.chain_digests(root, list(range(55)), 8) == ds
-    assert A.chain_digests(root, toks[:7], 8) == []
+    assert chain_digests(root, list(range(55)), 8) == ds
+    assert chain_digests(root, toks[:7], 8) == []
     # deterministic, and each digest covers its whole prefix: a change in chunk 3
     # changes digests 3.. and nothing before
     other = toks.copy()
     other[2 * 8 + 5] += 1
-    ds2 = A.chain_digests(root, other, 8)
+    ds2 = chain_digests(root, other, 8)
     assert ds2[:2] == ds[:2] and all(a != b for a, b in zip(ds2[2:], ds[2:], strict=True))
     # the root (salt/model key) separates every digest
-    ds3 = A.chain_digests(bytes(16), toks, 8)
+    ds3 = chain_digests(bytes(16), toks, 8)
     assert not set(ds3) & set(ds)
     # the chunk length matters too
-    assert A.chain_digests(root, toks, 4)[1] != ds[0]
+    assert chain_digests(root, toks, 4)[1] != ds[0]
     # negative ids stay distinct from positive ones
-    assert A.chain_digests(root, [-1] * 8, 8) != A.chain_digests(root, [1] * 8, 8)
+    assert chain_digests(root, [-1] * 8, 8) != chain_digests(root, [1] * 8, 8)
 
 
 @pytest.fixture
@@ -1036,7 +1039,7 @@ def test_index_prefers_the_longest_record_ending_in_a_chunk_and_owners_tell_each
     """A chunk prefix points at the longest record whose last full chunk it is (a
     sliding-window model can restore only whole records), else at the shortest; the
     ``owners`` op lists the records behind a chunk prefix and how far a prompt matches each."""
-    from shmkv.core.arena import chain_digests
+    from shmkv.core.keys import chain_digests
 
     root, fp = b"r" * 16, b"fp"
     rng = np.random.default_rng(5)

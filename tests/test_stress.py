@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from shmkv import ArenaCorruptError, ArenaFullError, Client, NotFound
-from shmkv.core.arena import chain_digests
+from shmkv.core.keys import chain_digests
 
 log = logging.getLogger(__name__)
 

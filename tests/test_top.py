@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from helpers import Raw, shmkv, wait_until
 
-import shmkv.core.arena as A
+from shmkv.core.keys import chain_digests
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 
@@ -73,7 +73,7 @@ def publish(c, n: int, hits: int) -> str:
     tokens = np.arange(n * g.chunk_tokens, dtype=np.int32)
     reply = c.put_bytes(root, tokens, b"fp", os.urandom(20_000))
     for _ in range(hits):
-        hit = c.lookup(A.chain_digests(root, tokens, g.chunk_tokens))
+        hit = c.lookup(chain_digests(root, tokens, g.chunk_tokens))
         with c.acquire(hit) as lease:
             assert lease.finish()
     return reply["key"].hex()

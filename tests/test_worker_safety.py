@@ -33,6 +33,7 @@ from helpers import (
 )
 
 from shmkv.core import arena as A
+from shmkv.core.keys import chain_digests
 
 log = logging.getLogger(__name__)
 
@@ -428,7 +429,7 @@ def test_failed_set_data_is_a_miss_not_a_corruption_report(supervisor, models):
     assert st["corrupt_removed"] == 0 and st["restore_failures"] == 0
     assert st["states_refused"] == 1
     with supervisor.client() as c:  # the record is still there
-        hit = c.lookup(A.chain_digests(root, tokens, chunk))
+        hit = c.lookup(chain_digests(root, tokens, chunk))
         assert hit is not None and hit.chunks == len(tokens) // chunk
 
 

@@ -175,8 +175,7 @@ def _client(config_file: str | None, cli: dict[str, Any]) -> Client:
         # the client's "running without the cache" warning would repeat the one error
         # line fails_cleanly prints
         logging.getLogger("shmkv.core.client").setLevel(logging.ERROR)
-    client = Client(settings=settings, populate=False, attach=False)
-    client._backoff = 0.0
+    client = Client(settings=settings, populate=False, attach=False, backoff=False)
     return client
 
 

@@ -16,8 +16,8 @@ Reading trusts nothing: lengths are bounded before anything is allocated (and a
 regular file's size must be exactly what the metadata adds up to), the metadata
 is decoded within msgpack limits and every field is type- and range-checked, the
 digest covers the whole file, and the claims are re-derived: the key root from
-the fingerprint, namespace and variant (``fingerprint.key_root``), the key from
-the root and the token ids (``arena.chain_digests``). A file that fails any of it
+the fingerprint, namespace and variant (``keys.key_root``), the key from
+the root and the token ids (``keys.chain_digests``). A file that fails any of it
 is refused whole (:class:`StateFileError`), never imported in part.
 """
 
@@ -33,10 +33,10 @@ import msgpack
 import numpy as np
 
 from shmkv import __version__
-from shmkv.core.arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS, chain_digests
+from shmkv.core.arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
 from shmkv.core.errors import ProtocolError, StateFileError
+from shmkv.core.keys import chain_digests, key_root
 from shmkv.core.protocol import Limits, decode_body
-from shmkv.llama.fingerprint import key_root
 
 MAGIC = b"SHMKVSTF"
 FORMAT_VERSION = 1

@@ -34,7 +34,7 @@ from shmkv.core.errors import (
     StateFileError,
     UntrustedPublisher,
 )
-from shmkv.llama.fingerprint import key_root
+from shmkv.core.keys import key_root
 
 log = logging.getLogger(__name__)
 

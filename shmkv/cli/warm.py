@@ -1,7 +1,7 @@
 """``shmkv warm``: prefill prompts ahead of traffic, so that the first request is a hit.
 
 Runs in the ``shmkv`` command's process. It loads the model as a served worker
-does (``served.py``: the same ``ModelSettings``, the same chat format, so the same
+does (``serving/model_settings.py``: the same ``ModelSettings``, the same chat format, so the same
 fingerprint and the same prompt tokens) with the cache attached, and runs each
 input line as a one-token completion: the cache restores what is cached, prefills
 the rest and publishes the prompt's state (and, for a sliding-window model, its
@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from shmkv.core.arena import chain_digests
 from shmkv.core.config import Settings
 from shmkv.core.errors import BadInput, NotFound, ShmkvError
+from shmkv.core.keys import chain_digests
 from shmkv.llama import SharedPrefixCache, attach
 from shmkv.serving.model_settings import load_llama
 

@@ -35,7 +35,6 @@ wrong answer.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import struct
@@ -79,21 +78,6 @@ _U64 = struct.Struct("<Q")
 
 def align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
-
-
-def chain_digests(root: bytes, tokens: np.ndarray | Sequence[int], chunk: int) -> list[bytes]:
-    """Digests of every full chunk prefix of ``tokens``, chained from ``root``."""
-    arr = np.asarray(tokens, dtype="<i4")
-    out: list[bytes] = []
-    prev = root
-    raw = arr.tobytes()
-    step = chunk * 4
-    for k in range(len(arr) // chunk):
-        h = hashlib.blake2b(prev, digest_size=DIGEST_SIZE)
-        h.update(raw[k * step : (k + 1) * step])
-        prev = h.digest()
-        out.append(prev)
-    return out
 
 
 def slot_home(digest: bytes, n_slots: int) -> int:

@@ -258,6 +258,7 @@ class Connection:
         settings: Settings | None = None,
         populate: bool = True,
         attach: bool = True,
+        backoff: bool = True,
     ) -> None:
         if settings is None:
             settings = resolve("client", {"name": name, "socket": socket_path, "timeout": timeout})
@@ -268,13 +269,16 @@ class Connection:
         self.populate = populate
         #: False for admin tools (stats, ls, clear): no arena mapping, not counted as a worker
         self.attach = attach
+        #: False for admin tools and scrapes: every call tries to connect again, with no
+        #: back-off after a supervisor that could not be reached
+        self._backoff_min = _BACKOFF_MIN if backoff else 0.0
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
         self._view: ArenaView | None = None
         self._pid = os.getpid()
         self._next_id = 1
         self._retry_at = 0.0
-        self._backoff = _BACKOFF_MIN
+        self._backoff = self._backoff_min
         self._closed = False
         #: bumped whenever the connection is dropped: a lease belongs to one generation
         self.generation = 0
@@ -336,7 +340,7 @@ class Connection:
                 raise ArenaCorruptError("arena id does not match the supervisor's")
             self._view = view
             self.attach_info = reply
-            self._backoff = _BACKOFF_MIN
+            self._backoff = self._backoff_min
             log.info(
                 "attached to shmkv arena %r (supervisor pid %s)",
                 self.name,
@@ -677,7 +681,8 @@ class Client(Connection):
         return int(self.request(msg)["count"])
 
     def report(self, **counters: int) -> None:
-        """Report running totals (reporter 0 of this connection; see ``reports.py``)."""
+        """Report running totals (reporter 0 of this connection; see
+        ``supervisor/worker_counters.py``)."""
         counters = {k: v for k, v in counters.items() if v}
         if counters:
             self.request({"op": "report", "counters": counters})

@@ -8,7 +8,7 @@ are one consistent snapshot and no thread touches the store) and turns every
 field of :class:`~shmkv.core.stats.SupervisorStats` into a metric family: there is no
 second list of names. Names are ``shmkv_`` + the field's ``metric`` name, with
 ``_total`` for counters; the workers' counters carry ``model`` and ``tenant``
-labels (bounded by the supervisor, ``reports.py``), failures a ``kind`` label.
+labels (bounded by the supervisor, ``supervisor/worker_counters.py``), failures a ``kind`` label.
 When the supervisor does not answer, only ``shmkv_supervisor_up 0`` is exposed.
 """
 
@@ -137,8 +137,7 @@ def stats_fetcher(settings: Settings) -> Callable[[], dict[str, Any]]:
     attach), opened again after a supervisor restart; thread-safe."""
     from shmkv.core.client import Client
 
-    client = Client(settings=settings, populate=False, attach=False)
-    client._backoff = 0.0
+    client = Client(settings=settings, populate=False, attach=False, backoff=False)
     lock = threading.Lock()
 
     def fetch() -> dict[str, Any]:

@@ -11,7 +11,7 @@ Two owners keep counters:
 * a worker (:class:`WorkerCounters`) counts what its cache did for its calls;
   the fields marked ``reported`` are also sent to the supervisor (as running
   totals since the worker started, in ``report`` messages), which keeps each
-  worker's latest totals and the sums of workers gone (``reports.py``), per
+  worker's latest totals and the sums of workers gone (``supervisor/worker_counters.py``), per
   model and tenant label;
 * the supervisor (:class:`ArenaCounters`) counts what its arena did.
 
@@ -72,14 +72,6 @@ def gauge(help: str, metric: str | None = None) -> Any:
 def info(help: str, default: Any = "") -> Any:
     """An identity field (name, pid, version): not a number to aggregate."""
     return field(default=default, metadata={"kind": INFO, "help": help})
-
-
-def help_of(cls: type, name: str) -> str:
-    """The help text of field ``name`` of schema class ``cls``."""
-    for f in fields(cls):
-        if f.name == name:
-            return str(f.metadata["help"])
-    raise KeyError(name)
 
 
 def metric_name(f: Any) -> str:

@@ -46,10 +46,11 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp as lc
 
-from shmkv.core.arena import chain_digests, common_prefix
+from shmkv.core.arena import common_prefix
 from shmkv.core.client import Client
 from shmkv.core.config import Settings, resolve, trusted_uids
 from shmkv.core.errors import ArenaCorruptError, ShmkvError
+from shmkv.core.keys import chain_digests, key_root
 from shmkv.core.stats import CallStats
 from shmkv.llama import boundaries, compat, hooks, kvstate, policy, tenant
 from shmkv.llama.capture import Capturer
@@ -57,7 +58,7 @@ from shmkv.llama.claims import Claims
 from shmkv.llama.counters import Ledger
 from shmkv.llama.cpu import budget as cpubudget
 from shmkv.llama.cpu.budget import CpuBudget
-from shmkv.llama.fingerprint import key_root, model_fingerprint
+from shmkv.llama.fingerprint import model_fingerprint
 from shmkv.llama.publisher import Publisher
 from shmkv.llama.restore import Restorer
 

@@ -17,8 +17,8 @@ from typing import Protocol
 import llama_cpp
 import numpy as np
 
-from shmkv.core.arena import chain_digests
 from shmkv.core.errors import ShmkvError
+from shmkv.core.keys import chain_digests
 from shmkv.core.stats import CallStats
 from shmkv.llama import kvstate, policy
 from shmkv.llama.counters import Ledger

@@ -1,11 +1,12 @@
-"""What makes a sequence blob restorable here: the model fingerprint and the key root.
+"""What makes a sequence blob restorable here: the model fingerprint.
 
 Runs inside a worker, once, when its cache attaches. A blob restores
 correctly only into a context with the same weights, KV types, flash
 attention, sliding-window and RoPE settings, context size, LoRA and llama.cpp
 version; the fingerprint covers all of these and is stored beside every blob.
 Every key chain starts from a root digest of the fingerprint and the tenant
-namespace, so different models, setups or tenants never share a key.
+namespace (``shmkv.core.keys.key_root``), so different models, setups or tenants
+never share a key.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import llama_cpp
 import msgpack
 from llama_cpp import llama_cpp as lc
 
-from shmkv.core.arena import DIGEST_SIZE
 from shmkv.llama import compat
 
 _SAMPLE_BYTES = 1 << 16
@@ -116,11 +116,4 @@ def model_fingerprint(llm: llama_cpp.Llama) -> bytes:
     h = hashlib.blake2b(digest_size=32)
     h.update(file_identity(llm.model_path))
     h.update(msgpack.packb(context_description(llm), use_bin_type=True))
-    return h.digest()
-
-
-def key_root(fingerprint: bytes, namespace: str) -> bytes:
-    """Root digest of every key chain: fingerprint plus tenant namespace."""
-    h = hashlib.blake2b(fingerprint, digest_size=DIGEST_SIZE, person=b"shmkv-root")
-    h.update(namespace.encode())
     return h.digest()

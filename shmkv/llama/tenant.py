@@ -2,7 +2,7 @@
 
 Runs inside a worker: in the library (around a ``Llama`` call) and in the served
 app, which sets the tenant of each request. A tenant narrows the deployment's key
-root (model fingerprint and ``--namespace``, ``fingerprint.key_root``): its parts (a
+root (model fingerprint and ``--namespace``, ``keys.key_root``): its parts (a
 request's ``cache_salt``, the ``X-Shmkv-Cache-Salt`` header, an API key's identity)
 go through BLAKE2b keyed with that root, so every call of one tenant chains its keys
 from a root no other tenant's calls share, and no part appears in a key as it is.

@@ -13,7 +13,7 @@ nothing else.
 
 What a put had not finished when its supervisor died is never adopted. A put
 writes its payload, then token ids, fingerprint and header (with the metadata
-checksum) and only then points index slots at the record (``putjob.py``), and an
+checksum) and only then points index slots at the record (``put.py``), and an
 eviction takes a record out of every slot before it clears its header and frees
 its space: so a slot names only a record whose bytes were complete, a slot
 caught mid-write has an odd seqlock word and is skipped, and the checksums catch
@@ -48,7 +48,6 @@ from shmkv.core.arena import (
     ArenaWriter,
     Geometry,
     Record,
-    chain_digests,
     header_format,
     record_layout,
 )
@@ -61,8 +60,8 @@ from shmkv.core.errors import (
     UnsafePathError,
     setup_error,
 )
+from shmkv.core.keys import chain_digests, content_digest
 from shmkv.supervisor.arenafile import ArenaFile, _same_file, check_ours, map_arena
-from shmkv.supervisor.put import content_digest
 from shmkv.supervisor.record import Entry
 from shmkv.supervisor.store import Store
 
@@ -333,22 +332,15 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
             last_used=now,
             publisher=rec.publisher,
         )
-        store.entries[e.gen] = e
-        store.by_content[content] = e.gen
-        store.lru[e.gen] = None
-        for k, d in enumerate(digests, 1):
-            store.index.add(d, k, e.gen, e.n_tokens)
+        store.insert(e, point=False)
         out.entries += 1
         out.bytes += rec.payload_len
-    chunk_of = {d: k for e in store.entries.values() for k, d in enumerate(e.digests, 1)}
-    for d in list(store.owners):
-        if not store.index.point(d, chunk_of[d]):
-            log.warning("index probe limit reached; adopted prefix %s not indexed", d.hex()[:12])
+    store.point_all()
     # above every generation the old supervisor handed out (even of records it had
     # dropped since), so that no old (offset, gen) names a new record: a put takes
     # more than a microsecond
     top = max((e.gen for e in store.entries.values()), default=0)
-    store._next_gen = max(top + 1, int(time.time() * 1e6))
+    store.gens_from(max(top + 1, int(time.time() * 1e6)))
     store.counters.adopted += out.entries
     store.counters.adopt_dropped += out.dropped
     out.seconds = time.monotonic() - t0

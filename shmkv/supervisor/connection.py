@@ -8,7 +8,7 @@ bounded), hands each frame in order to the supervisor's dispatch, queues and
 flushes replies (with descriptors), bounds the bytes of replies a peer leaves
 unread (``--max-unread`` per connection, ``--max-unread-total`` in all), and closes
 a connection: its socket and the descriptors no put took go to the closer thread
-(``closer.py``). What a request does is the supervisor's (``supervisor.py``) and
+(``fdcloser.py``). What a request does is the supervisor's (``loop.py``) and
 the ops' (``ops.py``); a close tells the supervisor through ``closed``.
 """
 

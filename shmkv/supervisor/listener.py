@@ -259,7 +259,7 @@ class Listener:
                 send_msg(sock, {"ok": False, "id": 0, "error": refusal.to_wire()})
             except OSError:
                 pass
-            discard_socket(sock)  # (it may hold descriptors the peer sent: see closer.py)
+            discard_socket(sock)  # (it may hold descriptors the peer sent: see fdcloser.py)
             return None
         conn = Conn(sock, self._next_id, pid, uid, gid, ppid=parent_pid(pid))
         self._next_id += 1

@@ -5,7 +5,7 @@ dispatch of requests (work deferred over several turns: ``deferred.py``). Signal
 queue the signal number (through ``signal.set_wakeup_fd``); the loop dispatches
 it. The rest has a module each: the arena file's life in ``arenafile.py``, the
 socket and peer credentials in ``listener.py``, each connection's I/O (frames,
-descriptors, replies, unread limits, close) in ``connio.py``, the requests in
+descriptors, replies, unread limits, close) in ``connection.py``, the requests in
 ``ops.py``, the records in ``store.py``, systemd notifications in ``systemd.py``.
 
 Start-up order: lock the arena's name, adopt the arena a stopped or killed
@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 
 class Supervisor:
     """The loop: signals, accepting connections, dispatch of requests to ``ops``, deferred
-    work; each connection's I/O is :class:`ConnIO`'s (``connio.py``)."""
+    work; each connection's I/O is :class:`ConnIO`'s (``connection.py``)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -100,7 +100,7 @@ class Supervisor:
         self.started = time.time()
         self._ctx: Context | None = None
         #: ``--persist``: the write-behind to disk, and the refill of a new arena from it
-        #: ``--persist`` and ``--remote`` (``tierloop.py``; None until start)
+        #: ``--persist`` and ``--remote`` (``tiers/loop.py``; None until start)
         self.tiers: TierLoop | None = None
         #: the arena was left by a supervisor before us and adopted (``adopt.py``): the refill
         #: loads only what it lacks

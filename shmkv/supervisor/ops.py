@@ -53,7 +53,8 @@ from shmkv.supervisor.claims import GO, Claims, Waiter
 from shmkv.supervisor.fdcloser import discard
 from shmkv.supervisor.fdcloser import pending as fds_closing
 from shmkv.supervisor.listener import Conn
-from shmkv.supervisor.store import PutJob, Store
+from shmkv.supervisor.put import PutJob
+from shmkv.supervisor.store import Store
 from shmkv.supervisor.ttl import Expiry
 from shmkv.supervisor.worker_counters import Reports
 
@@ -412,7 +413,7 @@ def report(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     """A worker's running totals (``counters``) for one of its caches (``reporter``, an id
     of the worker's choosing), labelled with the ``model`` alias and ``tenant`` it serves.
 
-    Totals, not deltas: see ``reports.py`` for why the sums then never go backwards.
+    Totals, not deltas: see ``worker_counters.py`` for why the sums then never go backwards.
     """
     counters = get_counters(msg)
     reporter = get_int(msg, "reporter", 0, MAX_U64, required=False, default=0)
@@ -466,7 +467,7 @@ class PutWork:
 
     def _close_fd(self) -> None:
         if self.fd >= 0:
-            discard(self.fd)  # (a close never runs on the loop: see closer.py)
+            discard(self.fd)  # (a close never runs on the loop: see fdcloser.py)
             self.fd = -1
 
 
@@ -536,7 +537,7 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
         work = PutWork(ctx, fd, job)
     finally:
         if work is None:
-            discard(fd)  # (a close never runs on the loop: see closer.py)
+            discard(fd)  # (a close never runs on the loop: see fdcloser.py)
     return _run(ctx, conn, msg, work)
 
 
@@ -552,7 +553,7 @@ def fetch(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     measured speed, 0 if unknown), it is fetched into the arena and the reply says
     "fetched"; else "none", "not_worth", "down", "busy", or "timeout" at ``wait``
     seconds (capped by ``--remote-wait``). The Redis I/O is on the fetcher thread; the
-    loop answers when it is done or at the deadline (``remotetier.py``).
+    loop answers when it is done or at the deadline (``tiers/redis/tier.py``).
     """
     root = get_digest(msg, "root")
     tokens = np.frombuffer(get_tokens(msg), dtype="<i4")

@@ -1,15 +1,14 @@
 """Which pages of the arena's data region exist: allocated before a write, punched after a free.
 
 Runs in the supervisor only, on its one thread (the arena's single writer). With
-``--reserve false`` (experimental; the default reserves all of ``--size`` at start:
-a hostile-message fuzz test saw, about once in six runs, a well-behaved connection
-closed in this mode, not yet explained) the arena file is sparse: only its header and index
-are allocated at start, so that the memory it takes (in /dev/shm, and in the
-PSS of every process mapping it) follows what the cache holds, not ``--size``.
+``--reserve false`` (experimental; the default reserves all of ``--size`` at start)
+the arena file is sparse: only its header and index are allocated at start, so that
+the memory it takes (in /dev/shm, and in the PSS of every process mapping it) follows
+what the cache holds, not ``--size``.
 
 * A write allocates first. A put allocates exactly the pages it is about to
   write (``fallocate``, mode 0) before it copies a byte into them
-  (``putjob.py``). If the tmpfs is full (or its size limit, or a memory cgroup's,
+  (``put.py``). If the tmpfs is full (or its size limit, or a memory cgroup's,
   is reached) the put is rejected and its space given back: the worker misses,
   and nobody ever writes into a hole, which SIGBUSes on a full tmpfs.
 * A free punches later. A freed record's extent goes on a list of pages to

@@ -9,23 +9,23 @@ the slices of a put that must evict thousands of records or copy hundreds of MiB
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import xxhash
 
-from shmkv.core.arena import PAGE, align, chain_digests, record_layout
+from shmkv.core.arena import PAGE, ArenaWriter, Geometry, align, record_layout
 from shmkv.core.config import format_size
 from shmkv.core.errors import ArenaFullError, BadRequest, ChecksumMismatch, LimitExceeded
+from shmkv.core.keys import chain_digests, content_digest
+from shmkv.core.stats import ArenaCounters
+from shmkv.supervisor.allocator import Allocator
+from shmkv.supervisor.pages import Pages
 from shmkv.supervisor.record import Entry
 from shmkv.supervisor.tiers.base import Accepted, TierHook
-
-if TYPE_CHECKING:
-    from shmkv.supervisor.store import Store
 
 log = logging.getLogger("shmkv.supervisor.store")
 
@@ -45,11 +45,27 @@ FULL = (
 )
 
 
-def content_digest(root: bytes, fingerprint: bytes, tok_bytes: bytes, publisher: int) -> bytes:
-    """What makes two puts the same record: root, fingerprint, token ids and publisher."""
-    return hashlib.blake2b(
-        root + fingerprint + tok_bytes + publisher.to_bytes(4, "little"), digest_size=16
-    ).digest()
+class PutStore(Protocol):
+    """What a put needs of the store (:class:`~shmkv.supervisor.store.Store`, which
+    makes each job and imports this module, never the other way)."""
+
+    geometry: Geometry
+    arena: ArenaWriter
+    alloc: Allocator
+    pages: Pages
+    counters: ArenaCounters
+    index_capacity: int
+    uid: int
+    clock: Callable[[], float]
+
+    def duplicate(self, content: bytes, pin: bool) -> Entry | None: ...
+    def check_pin(self, extent: int) -> None: ...
+    def fits(self, extent: int, digests: list[bytes]) -> bool: ...
+    def evict_one(self) -> bool: ...
+    def revoke_stale_leases(self) -> bool: ...
+    def take_gen(self) -> int: ...
+    def insert(self, e: Entry, point: bool = True) -> None: ...
+    def tell_tiers(self, ev: Accepted, source: TierHook | None = None) -> None: ...
 
 
 class PutJob:
@@ -64,7 +80,7 @@ class PutJob:
 
     def __init__(
         self,
-        store: Store,
+        store: PutStore,
         root: bytes,
         tokens: np.ndarray,
         tok_bytes: bytes,
@@ -105,7 +121,7 @@ class PutJob:
     @classmethod
     def start(
         cls,
-        store: Store,
+        store: PutStore,
         root: bytes,
         tokens: np.ndarray,
         fingerprint: bytes,
@@ -127,7 +143,7 @@ class PutJob:
         tok_bytes = tokens.astype("<i4", copy=False).tobytes()
         content = content_digest(root, fingerprint, tok_bytes, publisher)
         try:
-            dup = store._duplicate(content, pin)
+            dup = store.duplicate(content, pin)
         except LimitExceeded:
             store.counters.rejected_puts += 1
             raise
@@ -158,7 +174,7 @@ class PutJob:
             )
         if pin:
             try:
-                store._check_pin(job.extent)
+                store.check_pin(job.extent)
             except LimitExceeded:
                 store.counters.rejected_puts += 1
                 raise
@@ -198,11 +214,11 @@ class PutJob:
     def _make_room(self, deadline: float) -> bool:
         """Evict until the extent fits and the index has room, then take the space."""
         store = self.store
-        while not store._fits(self.extent, self.digests):
+        while not store.fits(self.extent, self.digests):
             if not self.may_evict:
                 raise ArenaFullError("no room left without evicting")
-            if not store._evict_one():
-                if not self.revoked and store._revoke_stale_leases():
+            if not store.evict_one():
+                if not self.revoked and store.revoke_stale_leases():
                     self.revoked = True
                     continue
                 raise ArenaFullError(FULL)
@@ -255,13 +271,12 @@ class PutJob:
         store = self.store
         assert self.offset is not None
         # another put of the same content may have finished between our steps
-        if self.content in store.by_content:
-            dup = store._duplicate(self.content, self.pin)
-            if dup is not None:
-                self.abort()
-                return dup
+        dup = store.duplicate(self.content, self.pin)
+        if dup is not None:
+            self.abort()
+            return dup
         if self.pin:
-            store._check_pin(self.extent)  # others may have pinned between our steps
+            store.check_pin(self.extent)  # others may have pinned between our steps
         offset, self.offset = self.offset, None
         return self._record(offset)
 
@@ -275,8 +290,7 @@ class PutJob:
     def _record(self, offset: int) -> Entry:
         """Write the record of a filled and checked payload, then index it."""
         store = self.store
-        gen = store._next_gen
-        store._next_gen += 1
+        gen = store.take_gen()
         created = time.time()
         digests, pin = self.digests, self.pin
         store.arena.write_record(
@@ -307,34 +321,22 @@ class PutJob:
             last_used=store.clock(),
             publisher=self.publisher,
         )
-        store.entries[gen] = e
-        store.by_content[self.content] = gen
-        for k, d in enumerate(digests, 1):
-            store.index.add(d, k, gen, len(self.tokens))
-            if not store.index.point(d, k):
-                log.warning("index probe limit reached; entry %s only partly indexed", d.hex()[:12])
-        if pin:
-            store.pinned_bytes += e.extent
-        else:
-            store.lru[gen] = None
+        store.insert(e)
         store.counters.puts += 1
         store.counters.bytes_put += self.payload_len
-        if any(tier is not self.source for tier in store.tiers):
-            ev = Accepted(
-                self.content,
-                self.root,
-                self.fingerprint,
-                self.tok_bytes,
-                self.publisher,
-                pin,
-                self.payload_len,
-                self.xxh3,
-                created,
-                offset,
-                gen,
-                created,
-            )
-            for tier in store.tiers:
-                if tier is not self.source:
-                    tier.accepted(ev)
+        ev = Accepted(
+            root=self.root,
+            fingerprint=self.fingerprint,
+            tokens=self.tok_bytes,
+            publisher=self.publisher,
+            pinned=pin,
+            payload_len=self.payload_len,
+            payload_xxh3=self.xxh3,
+            created=created,
+            content=self.content,
+            offset=offset,
+            gen=gen,
+            when=created,
+        )
+        store.tell_tiers(ev, self.source)
         return e

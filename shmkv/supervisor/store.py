@@ -59,13 +59,11 @@ from shmkv.supervisor.allocator import Allocator
 from shmkv.supervisor.chunk_owners import IndexOwners
 from shmkv.supervisor.leases import Leases
 from shmkv.supervisor.pages import Pages
-from shmkv.supervisor.put import COPY_PIECE, FULL, PutJob
+from shmkv.supervisor.put import COPY_PIECE, PutJob
 from shmkv.supervisor.record import Entry
-from shmkv.supervisor.tiers.base import TierHook
+from shmkv.supervisor.tiers.base import Accepted, RecordMeta, TierHook, bytes_reader
 
 log = logging.getLogger(__name__)
-
-__all__ = ["COPY_PIECE", "FULL", "Allocator", "Entry", "PutJob", "Store"]
 
 
 class Store:
@@ -110,7 +108,7 @@ class Store:
         #: the supervisor's uid: its records win an index slot (see ``IndexOwners.point``)
         self.uid = os.geteuid()
         self._next_gen = 1
-        #: write-behind tiers told of every record accepted, used, pinned (``tiers.py``)
+        #: write-behind tiers told of every record accepted, used, pinned (``tiers/base.py``)
         self.tiers: list[TierHook] = []
         #: chunk digests' owners and the slot each points at
         self.index = IndexOwners(self.arena, self.entries, geometry.chunk_tokens, self.uid)
@@ -118,7 +116,7 @@ class Store:
         self.owners = self.index.owners
 
     # ---------------------------------------------------------------- eviction
-    def _revoke_stale_leases(self) -> bool:
+    def revoke_stale_leases(self) -> bool:
         """Revoke leases older than lease_timeout; True if any was revoked.
 
         Each holder learns it at its release (``valid: False``); nobody else is affected.
@@ -135,19 +133,27 @@ class Store:
         )
         return True
 
-    def _fits(self, extent: int, digests: list[bytes]) -> bool:
+    def fits(self, extent: int, digests: list[bytes]) -> bool:
+        """Would a record of ``extent`` bytes and these chunk digests fit now (space and
+        index slots), without evicting?"""
         if self.alloc.largest() < extent:
             return False
         new = sum(1 for d in digests if d not in self.owners)
         return len(self.owners) + new <= self.index_capacity
 
-    def _evict_one(self) -> bool:
+    def evict_one(self) -> bool:
         """Evict the least recently used evictable entry; False if there is none."""
         if not self.lru:
             return False
         self.remove(self.entries[next(iter(self.lru))])
         self.counters.evictions += 1
         return True
+
+    def make_oldest(self, e: Entry) -> None:
+        """Make ``e``, if evictable, the first to be evicted (a refill loads the newest
+        record first)."""
+        if e.gen in self.lru:
+            self.lru.move_to_end(e.gen, last=False)
 
     def _free(self, e: Entry) -> None:
         self.arena.zap_record(e.offset)
@@ -170,8 +176,51 @@ class Store:
         if e.leases == 0:
             self._free(e)
 
+    # ------------------------------------------------------------------ records
+    def take_gen(self) -> int:
+        """The generation of a new record (each is handed out once, in increasing order)."""
+        gen = self._next_gen
+        self._next_gen += 1
+        return gen
+
+    def gens_from(self, gen: int) -> None:
+        """Hand out generations from ``gen`` on (an adoption: above every old record's)."""
+        self._next_gen = gen
+
+    def insert(self, e: Entry, point: bool = True) -> None:
+        """Index a record written in full at ``e.offset`` (space taken from ``alloc``).
+
+        ``point``: point its chunk digests' index slots now (``IndexOwners.point``); an
+        adoption inserts every record first and then calls :meth:`point_all` once.
+        """
+        self.entries[e.gen] = e
+        self.by_content[e.content] = e.gen
+        for k, d in enumerate(e.digests, 1):
+            self.index.add(d, k, e.gen, e.n_tokens)
+            if point and not self.index.point(d, k):
+                log.warning("index probe limit reached; entry %s only partly indexed", d.hex()[:12])
+        if e.pinned:
+            self.pinned_bytes += e.extent
+        else:
+            self.lru[e.gen] = None
+
+    def point_all(self) -> None:
+        """Point every chunk digest's index slot at the owner ``IndexOwners.point`` chooses."""
+        chunk_of = {d: k for e in self.entries.values() for k, d in enumerate(e.digests, 1)}
+        for d in list(self.owners):
+            if not self.index.point(d, chunk_of[d]):
+                log.warning(
+                    "index probe limit reached; adopted prefix %s not indexed", d.hex()[:12]
+                )
+
+    def tell_tiers(self, ev: Accepted, source: TierHook | None = None) -> None:
+        """Tell every tier but ``source`` (where the record came from) of ``ev``."""
+        for tier in self.tiers:
+            if tier is not source:
+                tier.accepted(ev)
+
     # --------------------------------------------------------------------- put
-    def _duplicate(self, content: bytes, pin: bool) -> Entry | None:
+    def duplicate(self, content: bytes, pin: bool) -> Entry | None:
         """The live, intact record of the same content (touched), if there is one."""
         dup = self.by_content.get(content)
         if dup is None:
@@ -189,7 +238,7 @@ class Store:
         self.counters.duplicate_puts += 1
         return e
 
-    def _check_pin(self, extent: int) -> None:
+    def check_pin(self, extent: int) -> None:
         """Raise LimitExceeded if pinning ``extent`` more bytes would pass ``max_pinned``."""
         if self.pinned_bytes + extent > self.max_pinned:
             self.limits.pins_refused += 1
@@ -227,6 +276,30 @@ class Store:
         return PutJob.start(
             self, root, tokens, fingerprint, payload_len, payload_xxh3, read, pin, piece, publisher
         )
+
+    def put_record(
+        self,
+        meta: RecordMeta,
+        payload: bytes | bytearray | memoryview,
+        source: TierHook | None,
+        may_evict: bool = True,
+    ) -> PutJob:
+        """Start putting a record that the tier ``source`` holds (a refill from disk, a
+        fetch from Redis): :meth:`begin_put` of ``meta`` (its publisher's uid, never ours
+        instead; pinned if it was) and ``payload``; ``source`` is not told of it, every
+        other tier is. ``may_evict`` False: refuse (ArenaFullError) rather than evict."""
+        job = self.begin_put(
+            meta.root,
+            np.frombuffer(meta.tokens, dtype="<i4"),
+            meta.fingerprint,
+            meta.payload_len,
+            meta.payload_xxh3,
+            bytes_reader(payload),
+            pin=meta.pinned,
+            publisher=meta.publisher,
+        )
+        job.may_evict, job.source = may_evict, source
+        return job
 
     def put(
         self,
@@ -338,7 +411,7 @@ class Store:
             return
         if e.pinned != pinned:
             if pinned:
-                self._check_pin(e.extent)
+                self.check_pin(e.extent)
                 self.pinned_bytes += e.extent
                 self.lru.pop(e.gen, None)
             else:

@@ -14,7 +14,7 @@ so a million idle records cost many short ticks, never one long stall.
 * A leased record is never released here: it is in use. Nothing here revokes a lease.
 
 Released records are counted in ``expired`` (``shmkv stats``), and the store's
-write-behind tiers are told (``tiers.py``): ``--persist`` removes its copy too, so a
+write-behind tiers are told (``tiers/base.py``): ``--persist`` removes its copy too, so a
 reboot's refill does not bring back what expired (the remote tier keeps its copy for
 its own ``--remote-ttl``: other nodes may still use it).
 """

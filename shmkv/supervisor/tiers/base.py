@@ -5,7 +5,7 @@ accepted, used, pinned or unpinned, or released by ``--ttl``); :class:`WriteBehi
 turns each into an event on a bounded queue and never blocks: an event that does not
 fit, or that comes while the tier is paused after a failure, is dropped and counted.
 One writer thread per tier takes the events in batches and applies them to its
-:class:`Backend` (LMDB on disk in ``persist.py``). A failure (a full disk, an
+:class:`Backend` (LMDB on disk in ``tiers/disk/lmdb_store.py``). A failure (a full disk, an
 unwritable directory, a corrupt file) pauses the tier for a delay that doubles up to
 :data:`MAX_BACKOFF`, is counted by kind and logged once per pause, and never reaches
 a worker.
@@ -46,24 +46,51 @@ FIRST_BACKOFF, MAX_BACKOFF = 0.5, 30.0
 
 
 @dataclass(frozen=True)
-class Accepted:
-    """The arena accepted a record: its identity and metadata, and where its payload is."""
+class RecordMeta:
+    """A record's identity and metadata, as the arena holds it and every tier keeps it."""
 
-    #: the record's content digest (root, fingerprint, tokens, publisher): its key in a tier
-    content: bytes
     root: bytes
     fingerprint: bytes
     #: token ids, little-endian int32
     tokens: bytes
+    #: the uid that published it (the arena's publisher field)
     publisher: int
     pinned: bool
     payload_len: int
     payload_xxh3: int
+    #: wall-clock time of the first put
     created: float
+
+
+@dataclass(frozen=True)
+class Accepted(RecordMeta):
+    """The arena accepted a record: its identity and metadata, and where its payload is."""
+
+    #: the record's content digest (root, fingerprint, tokens, publisher): its key in a tier
+    content: bytes
     offset: int
     gen: int
     #: wall-clock time of the put (a use)
     when: float
+
+
+def bytes_reader(payload: bytes | bytearray | memoryview) -> Callable[[memoryview, int], None]:
+    """A ``Store.begin_put`` reader of a payload a tier holds in memory."""
+    src = memoryview(payload)
+
+    def read(view: memoryview, pos: int) -> None:
+        view[:] = src[pos : pos + len(view)]
+
+    return read
+
+
+def merged_errors(*counts: dict[str, int]) -> dict[str, int]:
+    """One tier's failures by kind: the sum of its threads' counts."""
+    out: dict[str, int] = {}
+    for errors in counts:
+        for kind, n in errors.items():
+            out[kind] = out.get(kind, 0) + n
+    return out
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 the refill of a new arena from it) and ``--remote`` (write-behind to Redis / Valkey and
 fetches from it). Runs in the supervisor, on its loop: it opens the tiers, tells the loop
 how long it may sleep and which of its descriptors to watch, and runs their slices of
-work (``refill.py``, ``remotetier.py``) between the loop's other work.
+work (``refill.py``, ``tiers/redis/tier.py``) between the loop's other work.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class TierLoop:
                 pass
 
     def _step_remote(self, ready: bool, check_arena: Callable[[], None]) -> None:
-        """Fetch results in, one slice of putting them, answers due (``remotetier.py``)."""
+        """Fetch results in, one slice of putting them, answers due (``tiers/redis/tier.py``)."""
         remote = self.remote
         assert remote is not None
         try:

@@ -14,7 +14,7 @@ here), never a SIGBUS. LMDB does not checksum its pages; shmkv checksums every r
 
 Layout: DIR (0700, ours) holds ``data.mdb`` and ``lock.mdb`` (0600) and ``shmkv.lock``
 (a flock: one supervisor per DIR). Two databases keyed by a record's 16-byte content
-digest (``putjob.content_digest``): ``meta`` holds ``header | fingerprint | token ids |
+digest (``keys.content_digest``): ``meta`` holds ``header | fingerprint | token ids |
 XXH3-64 of all before``, ``blob`` the payload. The size bound (``--persist-size``) is
 on payload bytes, kept by LRU (a put or a hit is a use; pinned records go last).
 """
@@ -38,13 +38,14 @@ import xxhash
 from shmkv.core.arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
 from shmkv.core.config import format_size
 from shmkv.core.errors import TierError
-from shmkv.supervisor.put import content_digest
+from shmkv.core.keys import content_digest
 from shmkv.supervisor.tiers.base import (
     Accepted,
     Event,
     Forget,
     PayloadSource,
     Pinned,
+    RecordMeta,
     Used,
     same_payload,
 )
@@ -63,17 +64,10 @@ _LOW_SPACE = 16 << 20
 
 
 @dataclass(frozen=True)
-class DiskRecord:
+class DiskRecord(RecordMeta):
     """A record's metadata as stored in ``meta``."""
 
-    root: bytes
-    fingerprint: bytes
-    tokens: bytes
-    publisher: int
-    pinned: bool
-    payload_len: int
-    payload_xxh3: int
-    created: float
+    #: wall-clock time of its last use (a put or a hit)
     last_used: float
 
     def pack(self) -> bytes:

@@ -1,6 +1,6 @@
 """How long an LMDB ``data.mdb`` must be, from its own meta pages, read without mapping it.
 
-Runs in the supervisor's persist writer thread, before ``persist.py`` opens the store.
+Runs in the supervisor's persist writer thread, before ``tiers/disk/lmdb_store.py`` opens the store.
 LMDB maps the file and reads its pages through the mapping: a file shorter than its
 last page (cut short by a failed copy, a restore, a filesystem repair) is a SIGBUS
 on the first read past its end, which no ``try`` catches. LMDB itself reads only the

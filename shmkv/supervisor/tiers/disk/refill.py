@@ -26,8 +26,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from shmkv.core.arena import DIGEST_SIZE
 from shmkv.core.errors import ArenaFullError, ChecksumMismatch, ShmkvError, TierError
 from shmkv.core.stats import PersistStats
@@ -149,8 +147,7 @@ class Refill:
                 continue
             if entry is None:
                 return
-            if entry.gen in self.store.lru:  # older than every record loaded before
-                self.store.lru.move_to_end(entry.gen, last=False)
+            self.store.make_oldest(entry)  # older than every record loaded before
             self.stats.refilled += 1
             self.stats.refilled_bytes += entry.payload_len
             if self.stats.refilled == 1:
@@ -189,23 +186,7 @@ class Refill:
     def _begin(self, rec: DiskRecord, payload: bytes) -> PutJob:
         if len(rec.root) != DIGEST_SIZE:
             raise TierError("bad root", "corrupt")
-        src = memoryview(payload)
-
-        def read(view: memoryview, pos: int) -> None:
-            view[:] = src[pos : pos + len(view)]
-
-        job = self.store.begin_put(
-            rec.root,
-            np.frombuffer(rec.tokens, dtype="<i4"),
-            rec.fingerprint,
-            rec.payload_len,
-            rec.payload_xxh3,
-            read,
-            pin=rec.pinned,
-            publisher=rec.publisher,
-        )
-        job.may_evict, job.source = False, self.source
-        return job
+        return self.store.put_record(rec, payload, self.source, may_evict=False)
 
     def _skip(self, content: bytes, e: ShmkvError) -> None:
         self.stats.refill_skipped += 1

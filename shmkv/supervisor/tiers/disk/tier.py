@@ -1,6 +1,6 @@
 """``--persist`` wired into the supervisor: write-behind, LMDB store, refill, numbers.
 
-Runs in the supervisor. :class:`Persistence` is what ``supervisor.py`` holds: made at
+Runs in the supervisor. :class:`Persistence` is what ``loop.py`` holds: made at
 start (no disk I/O there: the writer thread opens the store), hooked into the store
 (every record accepted, used, pinned goes to the write-behind), asked to refill a
 new arena once the socket serves, read for ``stats`` and closed at shutdown.
@@ -14,7 +14,7 @@ from shmkv.core.config import Settings
 from shmkv.core.errors import LimitExceeded
 from shmkv.core.stats import PersistStats
 from shmkv.supervisor.store import Store
-from shmkv.supervisor.tiers.base import Forget, PayloadSource, WriteBehind
+from shmkv.supervisor.tiers.base import Forget, PayloadSource, WriteBehind, merged_errors
 from shmkv.supervisor.tiers.disk.lmdb_store import LmdbTier
 from shmkv.supervisor.tiers.disk.refill import Refill
 
@@ -86,10 +86,7 @@ class Persistence:
         s.persist_dropped = w.dropped
         s.persist_gone = d.gone
         s.persist_evictions = d.evicted
-        errors = dict(w.errors)
-        for k, v in d.errors.items():
-            errors[k] = errors.get(k, 0) + v
-        s.persist_errors = errors
+        s.persist_errors = merged_errors(w.errors, d.errors)
         return s
 
     def close(self) -> None:

@@ -5,14 +5,14 @@ Runs in the supervisor, off its loop, on two threads with a connection each:
 * :class:`RedisWriter` is the :class:`~shmkv.supervisor.tiers.base.Backend` of a write-behind: each
   record the arena accepts is copied from the arena (read-only mapping, XXH3-checked
   copy), optionally zstd-compressed, and written as pieces, then, once every piece is
-  stored, its manifest, then its index entries (``remotefmt.py``), all with a TTL. A
+  stored, its manifest, then its index entries (``tiers/redis/layout.py``), all with a TTL. A
   record is visible only through its manifest, so a Redis that dies (or fills up)
   between the pieces and the manifest leaves nothing a reader can take for a record.
 * :class:`Fetcher` answers "does the remote tier hold a longer prefix of this prompt?"
   (one pipelined round trip to the index, one to the candidates' manifests), decides
   whether fetching beats prefilling (measured fetch bandwidth against the worker's
   measured prefill speed), fetches the pieces and checks the payload; the loop
-  (``remotetier.py``) then puts it into the arena like any other record.
+  (``tiers/redis/tier.py``) then puts it into the arena like any other record.
 
 Every Redis failure (refused, timed out, ``OOM`` under ``maxmemory``, cluster down) is
 a :class:`~shmkv.core.errors.TierError`: counted by kind, the tier paused with a growing
@@ -24,7 +24,7 @@ Trust: a record leaves the machine only if its publisher is trusted by this supe
 (its own uid and ``--trust-publishers``); the manifest carries the publisher's uid, and
 a fetched record is put into the arena under that uid (never re-labelled as ours), and
 only if this supervisor trusts it too. With ``--remote-key-file`` every manifest is
-MACed and only records whose MAC verifies are fetched (``remotefmt.py``).
+MACed and only records whose MAC verifies are fetched (``tiers/redis/layout.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from shmkv.core.arena import DIGEST_SIZE, chain_digests, record_layout
+from shmkv.core.arena import DIGEST_SIZE, record_layout
 from shmkv.core.errors import ConfigError, TierError, UnsafePathError
+from shmkv.core.keys import chain_digests, remote_id
 from shmkv.supervisor.tiers.base import FIRST_BACKOFF, MAX_BACKOFF, Accepted, Event, PayloadSource
 from shmkv.supervisor.tiers.redis import layout as fmt
 
@@ -258,7 +259,7 @@ class RedisWriter:
         if not conf.trusts(ev.publisher):  # (a --group member's state stays here)
             self.untrusted += 1
             return
-        rid = fmt.remote_id(ev.root, ev.fingerprint, ev.tokens)
+        rid = remote_id(ev.root, ev.fingerprint, ev.tokens)
         idx = fmt.index_key(ev.root, conf.chunk, self._last_digest(ev))
         if self._held(rid):  # (another node, or we, stored it)
             self.present += 1

@@ -17,7 +17,7 @@ and each record is findable from a prompt through one hash per chunk prefix::
     shmkv:{<root hex>}:x<chunk>:<digest hex>   HASH  rid -> "<token count>:<tokens tag>"
 
 where ``digest`` is the chained digest of the record's last full chunk prefix
-(``arena.chain_digests``, the keys the arena itself uses, rooted in the model's
+(``keys.chain_digests``, the keys the arena itself uses, rooted in the model's
 fingerprint, context settings and tenant namespace). ``{...}`` is a Redis Cluster hash
 tag: a record's pieces and manifest share one slot, and all index hashes of one root
 share one slot, so a lookup is one pipelined round trip on one node. Every key has a
@@ -50,6 +50,8 @@ import msgpack
 
 from shmkv.core.arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
 from shmkv.core.errors import TierError
+from shmkv.core.keys import remote_id
+from shmkv.supervisor.tiers.base import RecordMeta
 
 VERSION = 2
 #: bytes per piece: one command per MiB keeps Redis responsive to other clients
@@ -75,11 +77,6 @@ def piece_digest(piece: bytes | memoryview) -> bytes:
 def mac(key: bytes, rid: bytes, body: bytes) -> bytes:
     """The manifest MAC: HMAC-SHA256 of the record id and the manifest's body."""
     return hmac.new(key, rid + body, hashlib.sha256).digest()
-
-
-def remote_id(root: bytes, fingerprint: bytes, tokens: bytes) -> bytes:
-    """The record's name in the remote tier (see the module docstring)."""
-    return hashlib.blake2b(root + fingerprint + tokens, digest_size=DIGEST_SIZE).digest()
 
 
 def tokens_tag(tokens: bytes) -> str:
@@ -149,6 +146,19 @@ class Manifest:
     @property
     def pieces(self) -> int:
         return n_pieces(self.stored_len)
+
+    def meta(self) -> RecordMeta:
+        """The record's metadata for the arena (a pin is not shared between nodes)."""
+        return RecordMeta(
+            self.root,
+            self.fingerprint,
+            self.tokens,
+            self.uid,
+            False,
+            self.payload_len,
+            self.payload_xxh3,
+            self.created,
+        )
 
     def rid(self) -> bytes:
         return remote_id(self.root, self.fingerprint, self.tokens)

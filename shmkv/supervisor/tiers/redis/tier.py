@@ -1,6 +1,6 @@
 """``--remote`` wired into the supervisor: the write-behind to Redis, and fetches into the arena.
 
-Runs in the supervisor. :class:`Remote` is what ``supervisor.py`` holds: hooked into the
+Runs in the supervisor. :class:`Remote` is what ``loop.py`` holds: hooked into the
 store (every record accepted goes to the write-behind, ``remote.RedisWriter``), asked by
 the ``fetch`` op whether the remote tier holds a longer prefix of a prompt, and stepped
 by the loop: a fetch request goes to the fetcher thread (``remote.Fetcher``) and its
@@ -31,7 +31,7 @@ from shmkv.core.errors import ChecksumMismatch, ShmkvError
 from shmkv.core.stats import RemoteStats
 from shmkv.supervisor.put import PutJob
 from shmkv.supervisor.store import Store
-from shmkv.supervisor.tiers.base import PayloadSource, WriteBehind
+from shmkv.supervisor.tiers.base import PayloadSource, WriteBehind, merged_errors
 from shmkv.supervisor.tiers.redis.backend import (
     Fetcher,
     FetchReq,
@@ -185,27 +185,15 @@ class Remote:
     def _begin(self, res: FetchResult) -> None:
         man, payload = res.manifest, res.payload
         assert man is not None and payload is not None and self._store is not None
-        src = memoryview(payload)
-
-        def read(view: memoryview, pos: int) -> None:
-            view[:] = src[pos : pos + len(view)]
-
         try:
-            job = self._store.begin_put(
-                man.root,
-                np.frombuffer(man.tokens, dtype="<i4"),
-                man.fingerprint,
-                man.payload_len,
-                man.payload_xxh3,
-                read,
-                publisher=man.uid,  # (the publisher's, trusted above: never ours instead)
-            )
+            # (the publisher's uid, trusted above: never ours instead; not written back to
+            # Redis, to --persist yes)
+            job = self._store.put_record(man.meta(), payload, self.writer)
         except ShmkvError as e:  # (too short for this arena's chunk, or can never fit)
             self.stats.remote_fetch_refused += 1
             log.info("remote record not put into the arena: %s", e)
             self._reply(res.key, {"status": "none"})
             return
-        job.source = self.writer  # (not written back to Redis; to --persist, yes)
         if job.done:  # a worker here published it meanwhile
             self._done(res.key, man.n_tokens, 0, [])
         else:
@@ -237,10 +225,7 @@ class Remote:
         s.remote_pulled_bytes = f.fetched_bytes
         s.remote_pull_seconds = f.fetch_seconds
         s.remote_bandwidth = int(f.bandwidth)
-        errors = dict(w.errors)
-        for k, v in f.errors.items():
-            errors[k] = errors.get(k, 0) + v
-        s.remote_errors = errors
+        s.remote_errors = merged_errors(w.errors, f.errors)
         return s
 
     def close(self) -> None:
