@@ -6,7 +6,7 @@ The ones the supervisor sums over all workers (``stats.REPORTED``) are sent,
 as running totals under this ledger's reporter id, by the publisher thread
 (:meth:`report`), so the worker's own totals and the supervisor's sums cannot
 drift apart, and a lost or repeated report changes nothing (see
-``shmkv/reports.py``). Failures are counted by kind and logged once per kind.
+``shmkv/supervisor/worker_counters.py``). Failures are counted by kind and logged once per kind.
 """
 
 from __future__ import annotations

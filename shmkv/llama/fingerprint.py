@@ -34,7 +34,7 @@ _CTX_IGNORED = {
     # factors) is chosen from n_ctx_seq, and a state must fit the context's cells
     "n_ctx",
     # how a prompt is split into batches: the same cells; the numbers' batch dependence
-    # is exact mode's concern, which keys on n_batch itself (llama.py)
+    # is exact mode's concern, which keys on n_batch itself (cache.py)
     "n_batch",
     "n_ubatch",
     # CPU scheduling

@@ -11,7 +11,7 @@ The budget is ``--cpu-budget`` cores, each one a byte of one file,
 takes one core and one thread. The cores go back after each batch, so a decode step
 of another worker gets in between the batches of a long prefill, and a prefill picks
 up the cores others gave back at its next batch. When prefills wait for cores, the one
-with the fewest tokens left goes first, a long wait moving a prefill up (``cpuqueue.py``):
+with the fewest tokens left goes first, a long wait moving a prefill up (``queue.py``):
 prefills run one after another on all the cores instead of sharing them, and a short
 suffix passes a long cold prompt. A wait ends early when the cores' holders make no
 progress (a stopped process keeps its locks: ``cpuqueue.Queue.stalled``); a request whose
@@ -289,7 +289,7 @@ class CpuBudget:
 
         ``remaining``: tokens the eval still has to evaluate, this batch included. A batch
         of a prefill (``remaining`` > 1) lets the cores go first to waiting prefills with
-        less left to do (``cpuqueue.py``); a decode step takes a free core as it comes,
+        less left to do (``queue.py``); a decode step takes a free core as it comes,
         and goes first in line if there is none. ``tokens``: tokens in this batch (0: as
         many as ``remaining``), from which the holder's record says how long it expects
         to run."""

@@ -1,5 +1,5 @@
 """Byte-range locks on open file descriptions (``F_OFD_SETLK``, Linux): the CPU budget's cores
-and queue slots (``cpubudget.py``, ``cpuqueue.py``), in whichever process uses them.
+and queue slots (``budget.py``, ``queue.py``), in whichever process uses them.
 
 An OFD lock belongs to the open file, not to the process: two handles in one process
 exclude each other, a forked child does not inherit its parent's, and the kernel drops
