@@ -5,7 +5,7 @@ attaches to the supervisor after fork (llama.cpp threads and contexts never
 cross a fork). A worker flushes and detaches on exit; the master tells the
 supervisor when a worker died, so whatever it held is released at once even
 if the kernel has not yet closed its socket. The workers share one CPU budget
-(``shmkv/shmkv/llama/cpu/budget.py``); the master removes its file when it exits.
+(``shmkv/llama/cpu/budget.py``); the master removes its file when it exits.
 
 Every value comes from ``shmkv.core.config`` (``SHMKV_*`` environment variables).
 """

@@ -2,7 +2,7 @@
 
 Runs wherever prompts are rendered the way the served workers render them: in each
 gunicorn worker (``workers/app.py``) and in ``shmkv warm`` and ``shmkv export``
-(``shmkv/model_settings.py``), so that a warmed or exported chat prompt is token for token
+(``shmkv/serving/model_settings.py``), so that a warmed or exported chat prompt is token for token
 the prompt a served request sends. Needs only llama-cpp-python (its Jinja2 formatter).
 """
 
