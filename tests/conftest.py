@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import EXTRA, N_CTX, SAMPLING, SHM, Sup, start_supervisor
+
+from tests.support.helpers import EXTRA, N_CTX, SAMPLING, SHM, Sup, start_supervisor
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def supervisor(make_supervisor) -> Sup:
 def models(tmp_path_factory) -> dict[str, str]:
     """Tiny random-weight GGUFs: two llamas with the same shapes and different weights
     (seed0, seed1) and a Gemma 3 with a 32-token sliding window (swa)."""
-    from tinymodel import write_tiny_gemma3, write_tiny_llama
+    from tests.support.tinymodel import write_tiny_gemma3, write_tiny_llama
 
     d = tmp_path_factory.mktemp("models")
     out = {}
@@ -57,7 +58,7 @@ def models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def serve_model(tmp_path_factory) -> str:
     """The tiny llama the gunicorn tests serve (its own weights: seed 3)."""
-    from tinymodel import write_tiny_llama
+    from tests.support.tinymodel import write_tiny_llama
 
     path = tmp_path_factory.mktemp("serve-model") / "tiny.gguf"
     write_tiny_llama(path, seed=3)
@@ -87,7 +88,7 @@ def serve_reference(serve_model) -> Callable[..., str]:
 @pytest.fixture(scope="session")
 def chaos_refs(models):
     """Cold greedy outputs of the chaos prompts, computed on demand (chaos_harness.Refs)."""
-    from chaos_harness import Refs
+    from tests.chaos.harness import Refs
 
     return Refs(models["seed0"])
 
@@ -96,6 +97,6 @@ def chaos_refs(models):
 def chaos_summary() -> Iterator[None]:
     """One summary line of every chaos test that ran, logged when the session ends."""
     yield
-    from chaos_harness import log_summary
+    from tests.chaos.harness import log_summary
 
     log_summary()
