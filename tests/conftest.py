@@ -1,5 +1,5 @@
 """Shared fixtures: real `shmkv supervise` processes on private names and sockets, and the
-tiny models the test session writes. Plain helpers live in helpers.py."""
+tiny models the test session writes. Plain helpers live in the support package (tests/support/)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import EXTRA, N_CTX, SAMPLING, SHM, Sup, start_supervisor
+from tests.support import SHM
+from tests.support.servers import EXTRA, N_CTX, SAMPLING
+from tests.support.supervisors import Sup, start_supervisor
 
 
 @pytest.fixture
@@ -83,20 +85,3 @@ def serve_reference(serve_model) -> Callable[..., str]:
         return llm.create_completion(prompt, **params)["choices"][0]["text"]
 
     return run
-
-
-@pytest.fixture(scope="session")
-def chaos_refs(models):
-    """Cold greedy outputs of the chaos prompts, computed on demand (chaos_harness.Refs)."""
-    from tests.chaos.harness import Refs
-
-    return Refs(models["seed0"])
-
-
-@pytest.fixture(scope="session")
-def chaos_summary() -> Iterator[None]:
-    """One summary line of every chaos test that ran, logged when the session ends."""
-    yield
-    from tests.chaos.harness import log_summary
-
-    log_summary()

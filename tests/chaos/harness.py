@@ -1,5 +1,5 @@
 """What the four chaos files share: the prompts, the llama worker driver (``Worker``, the
-parent side of ``chaos_worker.py``), cold references, the arena balance check and the
+parent side of ``chaos/worker.py``), cold references, the arena balance check and the
 summary of every kill.
 
 Runs in the pytest process. The chaos files, every one of them SIGKILLing real processes:
@@ -39,7 +39,9 @@ import llama_cpp
 
 from shmkv import Client
 from tests.chaos.worker import COUNT_OFF, FLAG, FLAGS_SIZE, PHASES, READY, STOP
-from tests.support.helpers import KW, SHM, wait_until
+from tests.support import SHM
+from tests.support.llama_workers import KW
+from tests.support.waiting import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +174,7 @@ class Refs:
 
 
 class Worker:
-    """One ``chaos_worker.py`` process, started ahead of time, and its flags file."""
+    """One ``chaos/worker.py`` process, started ahead of time, and its flags file."""
 
     def __init__(self, tmp_path: Path, tag: str) -> None:
         self.tag = tag

@@ -3,7 +3,7 @@
 Two workers keep serving while the supervisor is killed in the middle of their requests
 (restoring, publishing, generating): they run cold meanwhile, then restore from the new
 supervisor's arena and let go of the old one. The file ends with reproducers of the bugs
-these restarts found. What every chaos file checks after each trial is in chaos_harness.py.
+these restarts found. What every chaos file checks after each trial is in harness.py.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from tests.chaos.harness import (
     stale_arena_maps,
     wait_flag,
 )
-from tests.support.helpers import blob, try_stats, wait_ready, wait_until
+from tests.support.blobs import blob
+from tests.support.supervisors import try_stats, wait_ready
+from tests.support.waiting import wait_until
 
 log = logging.getLogger(__name__)
 

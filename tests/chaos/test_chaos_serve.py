@@ -1,7 +1,7 @@
 """Chaos, part 4: gunicorn workers (workers/app.py) and the supervisor SIGKILLed under HTTP
 clients.
 
-What every chaos file checks after each trial is in chaos_harness.py.
+What every chaos file checks after each trial is in harness.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from tests.chaos.harness import (
     shm_files,
     socket_litter,
 )
-from tests.support.helpers import Server, wait_ready, wait_until
+from tests.support.servers import Server
+from tests.support.supervisors import wait_ready
+from tests.support.waiting import wait_until
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Client threads hammer one supervisor with puts into a small arena (puts evict co
 leased reads and clears, and the supervisor is killed in the operation the test picks, or
 while it starts up (a half-made arena file or socket); it is restarted on the same name and
 socket each time and must take the leftovers over. The file ends with reproducers of the
-bugs these kills found. What every chaos file checks after each trial is in chaos_harness.py.
+bugs these kills found. What every chaos file checks after each trial is in harness.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ from tests.chaos.harness import (
     shm_files,
     socket_litter,
 )
-from tests.support.helpers import SHM, Blob, blob, start_supervisor, wait_ready, wait_until
+from tests.support import SHM
+from tests.support.blobs import Blob, blob
+from tests.support.supervisors import start_supervisor, wait_ready
+from tests.support.waiting import wait_until
 
 log = logging.getLogger(__name__)
 

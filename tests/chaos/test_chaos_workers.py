@@ -1,11 +1,11 @@
 """Chaos, part 1: llama workers SIGKILLed in restore, publish and generation.
 
-Workers (``chaos_worker.py``: SharedCacheLlama on the tiny model, a loop of requests over
+Workers (``chaos/worker.py``: SharedCacheLlama on the tiny model, a loop of requests over
 three long system prompts with suffixes drawn at random from a pool) are killed in a phase
 the test picks (restore, lease, set_data, claim, prefill, capture, get_data, put, decode) or
 after a random delay. The worker raises a flag byte in a shared file around each step, so the
 phases a kill hit are read exactly, after the kill. What every chaos file checks after each
-trial, and the settings of the number of trials, are in chaos_harness.py.
+trial, and the settings of the number of trials, are in harness.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tests.chaos.harness import (
     socket_litter,
     wait_flag,
 )
-from tests.support.helpers import fd_count, wait_until
+from tests.support.waiting import fd_count, wait_until
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,10 @@ import pytest
 
 from shmkv import ArenaCorruptError, Client, SupervisorUnavailable
 from shmkv.core.arena import chain_digests
-from tests.support.helpers import CHUNK, MiB, blob, try_stats, wait_until
+from tests.support import MiB
+from tests.support.blobs import CHUNK, blob
+from tests.support.supervisors import try_stats
+from tests.support.waiting import wait_until
 
 log = logging.getLogger(__name__)
 

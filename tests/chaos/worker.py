@@ -29,7 +29,7 @@ import shmkv.core.client as SC
 import shmkv.llama as SL
 from shmkv.core.arena import ArenaView
 
-# flag bytes (read by chaos_harness.Worker in the test process)
+# flag bytes (read by harness.Worker in the test process)
 PHASES = [
     "request",
     "restore",

@@ -26,7 +26,9 @@ from shmkv import Client, __version__
 from shmkv.core import arena as A
 from shmkv.core.config import resolve
 from shmkv.core.errors import ArenaFullError, ConfigError
-from tests.support.helpers import SHM, Sup, assert_one_error_line, clean_env, shmkv, wait_for_socket
+from tests.support import SHM
+from tests.support.cli import assert_one_error_line, clean_env, shmkv
+from tests.support.supervisors import Sup, wait_for_socket
 
 log = logging.getLogger(__name__)
 

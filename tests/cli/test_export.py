@@ -15,7 +15,8 @@ import pytest
 
 from shmkv.cli import statefile
 from shmkv.llama.fingerprint import key_root
-from tests.support.helpers import SYSTEM, assert_one_error_line, completion, run_worker, texts
+from tests.support.cli import assert_one_error_line
+from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
 
 PROMPT = SYSTEM + " Question: where does the cat sit?"
 

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import shmkv.core.arena as A
-from tests.support.helpers import Raw, shmkv, wait_until
+from tests.support.cli import shmkv
+from tests.support.peer import Raw
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 

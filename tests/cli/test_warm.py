@@ -9,17 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.helpers import (
-    EXTRA,
-    KW,
-    N_CTX,
-    SAMPLING,
-    SYSTEM,
-    Server,
-    completion,
-    run_worker,
-    texts,
-)
+from tests.support.llama_workers import KW, SYSTEM, completion, run_worker, texts
+from tests.support.servers import EXTRA, N_CTX, SAMPLING, Server
 
 PROMPT = SYSTEM + " Question: which mat is the cat on?"
 CHAT = [
@@ -144,7 +135,7 @@ def test_warm_reports_and_skips_bad_lines(make_supervisor, models, tmp_path) -> 
 
 
 def test_warm_without_a_supervisor_says_so(models, tmp_path) -> None:
-    from tests.support.helpers import assert_one_error_line, clean_env
+    from tests.support.cli import assert_one_error_line, clean_env
 
     path = jsonl(tmp_path, json.dumps(PROMPT))  # (a line that is a JSON string)
     env = clean_env(SHMKV_SOCKET=str(tmp_path / "none.sock"))

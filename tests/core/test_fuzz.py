@@ -1,6 +1,6 @@
 """A long Hypothesis fuzz of the supervisor's socket protocol (>= 10,000 messages).
 
-tests/test_protocol.py checks each hostile input by hand and runs a short fuzz
+tests/core/test_protocol.py checks each hostile input by hand and runs a short fuzz
 on one connection. This one sends well over ten thousand generated frames over
 several connections at once (attached workers, an unattached admin peer and
 throw-away connections), mixing:
@@ -47,7 +47,9 @@ from shmkv.core import arena as A
 from shmkv.core import protocol as P
 from shmkv.core.errors import ArenaFullError
 from shmkv.supervisor.loop import MAX_PENDING_FDS
-from tests.support.helpers import Raw, assert_healthy, fd_count, memfd_with, put_msg, wait_until
+from tests.support.peer import Raw, memfd_with, put_msg
+from tests.support.supervisors import assert_healthy
+from tests.support.waiting import fd_count, wait_until
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shmkv.core.stats import RESTORE_BUCKETS, WorkerCounters, metric_name
 from tests.cli.test_cli import put_and_hit
-from tests.support.helpers import ROOT, Raw, Server, free_port, shmkv, wait_ready, wait_until
+from tests.support import ROOT
+from tests.support.cli import shmkv
+from tests.support.peer import Raw
+from tests.support.servers import Server, free_port
+from tests.support.supervisors import wait_ready
+from tests.support.waiting import wait_until
 
 DASHBOARD = ROOT / "workers" / "grafana" / "shmkv-dashboard.json"
 SYSTEM = " ".join(f"Rule {i}: the dog {i % 7} guards yard {i % 5}." for i in range(40))

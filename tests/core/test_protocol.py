@@ -26,7 +26,9 @@ from shmkv.core import arena as A
 from shmkv.core import protocol as P
 from shmkv.core.errors import ArenaFullError, BadRequest, NotFound
 from shmkv.supervisor.ops import OPS
-from tests.support.helpers import Raw, assert_healthy, fd_count, memfd_with, put_msg, wait_until
+from tests.support.peer import Raw, memfd_with, put_msg
+from tests.support.supervisors import assert_healthy
+from tests.support.waiting import fd_count, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 

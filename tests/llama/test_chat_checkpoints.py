@@ -28,7 +28,8 @@ from shmkv.core.arena import common_prefix
 from shmkv.llama import policy
 from shmkv.llama.boundaries import HINT_SLACK, ChatBoundaries, formatter_of, prefix_lengths
 from shmkv.serving.chat_template import gemma3_formatter
-from tests.support.helpers import EXTRA, N_CTX, SAMPLING, SYSTEM, Server, run_worker, texts
+from tests.support.llama_workers import SYSTEM, run_worker, texts
+from tests.support.servers import EXTRA, N_CTX, SAMPLING, Server
 
 SYS = {"role": "system", "content": SYSTEM}
 # user messages far longer than the 64-token tail checkpoint, different from the first word

@@ -11,7 +11,8 @@ import pytest
 
 from shmkv.core.arena import chain_digests
 from shmkv.supervisor.claims import Claims
-from tests.support.helpers import KW, SYSTEM, blob, completion, run_worker, texts
+from tests.support.blobs import blob
+from tests.support.llama_workers import KW, SYSTEM, completion, run_worker, texts
 
 
 def test_claims_table_rules():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from llama_cpp import llama_cpp as C
 
-from tests.support.helpers import SYSTEM, completion, last_logits, run_worker, texts
+from tests.support.llama_workers import SYSTEM, completion, last_logits, run_worker, texts
 
 EXACT = {"SHMKV_EXACT": "true"}
 BATCH = {"n_batch": 128, "n_ubatch": 128}

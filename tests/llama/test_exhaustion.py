@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.support.helpers import (
+from tests.support.llama_workers import (
     BarrierWorker,
     completion,
     finish_worker,

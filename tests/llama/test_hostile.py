@@ -29,21 +29,12 @@ from shmkv.core import arena as A
 from shmkv.core.errors import ArenaCorruptError
 from shmkv.llama import key_root, model_fingerprint
 from shmkv.supervisor.loop import EXIT_ARENA_LOST
-from tests.support.helpers import (
-    EXTRA,
-    KW,
-    SAMPLING,
-    SHM,
-    SYSTEM,
-    BarrierWorker,
-    Server,
-    completion,
-    flip_payload_bytes,
-    no_signal_deaths,
-    run_worker,
-    start_supervisor,
-    texts,
-)
+from tests.support import SHM
+from tests.support.blobs import flip_payload_bytes
+from tests.support.llama_workers import KW, SYSTEM, BarrierWorker, completion, run_worker, texts
+from tests.support.servers import EXTRA, SAMPLING, Server
+from tests.support.supervisors import start_supervisor
+from tests.support.waiting import no_signal_deaths
 
 log = logging.getLogger(__name__)
 

@@ -23,21 +23,9 @@ from llama_cpp import llama_cpp as lc
 from shmkv.core.config import resolve
 from shmkv.core.errors import ConfigError
 from shmkv.core.kvtypes import KV_TYPES, llama_kwargs
-from tests.support.helpers import (
-    EXTRA,
-    KW,
-    N_CTX,
-    SAMPLING,
-    SYSTEM,
-    Server,
-    assert_one_error_line,
-    clean_env,
-    completion,
-    free_port,
-    run_worker,
-    shmkv,
-    texts,
-)
+from tests.support.cli import assert_one_error_line, clean_env, shmkv
+from tests.support.llama_workers import KW, SYSTEM, completion, run_worker, texts
+from tests.support.servers import EXTRA, N_CTX, SAMPLING, Server, free_port
 
 Q8 = {"type_k": llama_cpp.GGML_TYPE_Q8_0, "type_v": llama_cpp.GGML_TYPE_Q8_0, "flash_attn": True}
 Q8_ENV = {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"}

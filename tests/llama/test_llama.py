@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.support.helpers import KW, SYSTEM, completion, flip_payload_bytes, run_worker, texts
+from tests.support.blobs import flip_payload_bytes
+from tests.support.llama_workers import KW, SYSTEM, completion, run_worker, texts
 
 
 def test_shared_system_prompt_different_suffixes_across_processes(supervisor, models):

@@ -28,18 +28,11 @@ import pytest
 
 from shmkv.core import arena as A
 from shmkv.llama import key_root, model_fingerprint
-from tests.support.helpers import (
-    CHUNK,
-    KW,
-    ROOT,
-    SYSTEM,
-    Sup,
-    completion,
-    run_worker,
-    system_user,
-    texts,
-    wait_for_socket,
-)
+from tests.support import ROOT
+from tests.support.blobs import CHUNK
+from tests.support.llama_workers import KW, SYSTEM, completion, run_worker, texts
+from tests.support.supervisors import Sup, wait_for_socket
+from tests.support.users import system_user
 
 pytestmark = pytest.mark.timeout(240)
 

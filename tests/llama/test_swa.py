@@ -15,7 +15,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp as C
 
-from tests.support.helpers import KW, SYSTEM, completion, last_logits, run_worker, texts
+from tests.support.llama_workers import KW, SYSTEM, completion, last_logits, run_worker, texts
 
 QUESTIONS = [
     " Question: who sits?",

@@ -18,7 +18,8 @@ import httpx
 import jinja2
 import pytest
 
-from tests.support.helpers import EXTRA, SAMPLING, Server, clean_env, free_port
+from tests.support.cli import clean_env
+from tests.support.servers import EXTRA, SAMPLING, Server, free_port
 
 SYSTEM = "You are a terse geography tutor. Answer with one word, then stop."
 QUESTION = "What is the capital of France?"
@@ -219,7 +220,7 @@ def test_serve_starts_without_warnings(tmp_path, serve_model):
 
 def test_serve_refuses_more_aliases_than_models(tmp_path, serve_model):
     """Checked before anything starts: one line, no supervisor, no workers."""
-    from tests.support.helpers import assert_one_error_line, shmkv
+    from tests.support.cli import assert_one_error_line, shmkv
 
     sock = str(tmp_path / "none.sock")
     res = shmkv("serve", "--model", serve_model, "--model-alias", "a,b", "--socket", sock)

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.helpers import EXTRA, Server
+from tests.support.servers import EXTRA, Server
 
 log = logging.getLogger(__name__)
 SYSTEM = " ".join(f"Rule {i}: the owl {i % 7} watches tower {i % 5}." for i in range(45))

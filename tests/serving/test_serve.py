@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.support.helpers import EXTRA, SAMPLING, Server, start_supervisor
+from tests.support.servers import EXTRA, SAMPLING, Server
+from tests.support.supervisors import start_supervisor
 
 log = logging.getLogger(__name__)
 SYSTEM = " ".join(f"Policy {i}: the cat {i % 7} guards mat {i % 5}." for i in range(45))

@@ -12,7 +12,7 @@ import pytest
 
 from shmkv.core.config import resolve
 from shmkv.serving.model_settings import load_llama
-from tests.support.helpers import EXTRA, N_CTX, SAMPLING, Server
+from tests.support.servers import EXTRA, N_CTX, SAMPLING, Server
 
 LONG = " ".join(f"Rule {i}: the cat {i % 7} sits on mat {i % 5}." for i in range(50))
 SHORT = " ".join(f"Rule {i}: the cat {i % 7} sits on mat {i % 5}." for i in range(12))

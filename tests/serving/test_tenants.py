@@ -18,7 +18,9 @@ import pytest
 from shmkv.core.errors import InvalidTenant
 from shmkv.llama import SharedCacheLlama, tenant
 from shmkv.llama.tenant import MAX_SALT_CHARS, SALT_HEADER
-from tests.support.helpers import EXTRA, KW, SAMPLING, SYSTEM, Server, wait_until
+from tests.support.llama_workers import KW, SYSTEM
+from tests.support.servers import EXTRA, SAMPLING, Server
+from tests.support.waiting import wait_until
 
 PROMPT = SYSTEM + " Question: which cat sits on mat 3?"
 GREEDY = {"max_tokens": 8, "temperature": 0.0}

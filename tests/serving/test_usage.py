@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.helpers import EXTRA, N_CTX, SAMPLING, Server
+from tests.support.servers import EXTRA, N_CTX, SAMPLING, Server
 
 SYSTEM = " ".join(f"Rule {i}: the owl {i % 7} keeps branch {i % 5}." for i in range(45))
 MESSAGES = [{"role": "system", "content": SYSTEM}]

@@ -21,18 +21,8 @@ import numpy as np
 import pytest
 
 from shmkv.core import arena as A
-from tests.support.helpers import (
-    EXTRA,
-    KW,
-    N_CTX,
-    SAMPLING,
-    SYSTEM,
-    Server,
-    completion,
-    last_logits,
-    run_worker,
-    texts,
-)
+from tests.support.llama_workers import KW, SYSTEM, completion, last_logits, run_worker, texts
+from tests.support.servers import EXTRA, N_CTX, SAMPLING, Server
 
 log = logging.getLogger(__name__)
 

@@ -24,18 +24,11 @@ import pytest
 
 from shmkv import ArenaCorruptError, Client, NotFound, SupervisorUnavailable
 from shmkv.core import arena as A
-from tests.support.helpers import (
-    CHUNK,
-    SYSTEM,
-    Sup,
-    assert_one_error_line,
-    completion,
-    run_worker,
-    texts,
-    try_stats,
-    wait_ready,
-    wait_until,
-)
+from tests.support.blobs import CHUNK
+from tests.support.cli import assert_one_error_line
+from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
+from tests.support.supervisors import Sup, try_stats, wait_ready
+from tests.support.waiting import wait_until
 
 log = logging.getLogger(__name__)
 

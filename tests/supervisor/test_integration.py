@@ -24,15 +24,10 @@ import shmkv.llama.tenant
 from shmkv import Client
 from shmkv.core.stats import PersistStats, RemoteStats, metric_name
 from shmkv.llama.fingerprint import key_root
-from tests.support.helpers import (
-    Blob,
-    Sup,
-    blob,
-    free_port,
-    start_supervisor,
-    wait_ready,
-    wait_until,
-)
+from tests.support.blobs import Blob, blob
+from tests.support.servers import free_port
+from tests.support.supervisors import Sup, start_supervisor, wait_ready
+from tests.support.waiting import wait_until
 
 
 def keys(c: Client) -> set[str]:

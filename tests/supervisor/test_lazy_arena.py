@@ -20,7 +20,10 @@ import pytest
 
 from shmkv.core import arena as A
 from shmkv.core.errors import ShmkvError
-from tests.support.helpers import Raw, assert_healthy, blob, no_signal_deaths, wait_until
+from tests.support.blobs import blob
+from tests.support.peer import Raw
+from tests.support.supervisors import assert_healthy
+from tests.support.waiting import no_signal_deaths, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20

@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 
 from shmkv.core import arena as A
-from tests.support.helpers import Raw, assert_healthy, blob, wait_ready, wait_until
+from tests.support.blobs import blob
+from tests.support.peer import Raw
+from tests.support.supervisors import assert_healthy, wait_ready
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -24,7 +24,11 @@ import pytest
 
 from shmkv import ShmkvError
 from shmkv.core import arena as A
-from tests.support.helpers import CHUNK, MiB, Raw, Sup, blob, fd_count, put_msg, wait_until
+from tests.support import MiB
+from tests.support.blobs import CHUNK, blob
+from tests.support.peer import Raw, put_msg
+from tests.support.supervisors import Sup
+from tests.support.waiting import fd_count, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,7 +53,7 @@ def ping_ms(raw: Raw, n: int) -> list[float]:
 
 PINGER = r"""
 import json, select, sys, time
-from tests.support.helpers import Raw
+from tests.support.peer import Raw
 raw = Raw(sys.argv[1], timeout=60)
 print("ready", flush=True)
 out = []

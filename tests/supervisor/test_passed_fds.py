@@ -25,15 +25,9 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from tests.support.helpers import (
-    Raw,
-    Sup,
-    assert_healthy,
-    fd_count,
-    memfd_with,
-    put_msg,
-    wait_until,
-)
+from tests.support.peer import Raw, memfd_with, put_msg
+from tests.support.supervisors import Sup, assert_healthy
+from tests.support.waiting import fd_count, wait_until
 
 log = logging.getLogger(__name__)
 

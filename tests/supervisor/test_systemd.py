@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import PUT_AND_READ, clean_env, make_group, shmkv
+from tests.support import ROOT
+from tests.support.cli import clean_env, shmkv
+from tests.support.users import PUT_AND_READ, make_group
 
-ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "workers" / "systemd"
 
 

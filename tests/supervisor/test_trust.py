@@ -27,25 +27,13 @@ import numpy as np
 import pytest
 
 from shmkv.core.errors import EXIT_UNTRUSTED
-from tests.support.helpers import (
-    PUT_AND_READ,
-    SHM,
-    SYSTEM,
-    Sup,
-    as_user,
-    assert_one_error_line,
-    clean_env,
-    completion,
-    free_port,
-    make_user,
-    run_worker,
-    shmkv,
-    start_supervisor,
-    texts,
-    user_python,
-    wait_for_socket,
-    wait_until,
-)
+from tests.support import SHM
+from tests.support.cli import assert_one_error_line, clean_env, shmkv
+from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
+from tests.support.servers import free_port
+from tests.support.supervisors import Sup, start_supervisor, wait_for_socket
+from tests.support.users import PUT_AND_READ, as_user, make_user, user_python
+from tests.support.waiting import wait_until
 
 pytestmark = [
     pytest.mark.timeout(240),

@@ -10,7 +10,9 @@ import time
 import numpy as np
 
 from shmkv import Client
-from tests.support.helpers import SYSTEM, Blob, blob, completion, run_worker, texts, wait_until
+from tests.support.blobs import Blob, blob
+from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
+from tests.support.waiting import wait_until
 
 
 def keys(c: Client) -> set[str]:

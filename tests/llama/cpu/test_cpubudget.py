@@ -26,7 +26,9 @@ import pytest
 from shmkv.core.config import resolve
 from shmkv.core.errors import UnsafePathError
 from shmkv.llama.cpu import budget as cpubudget
-from tests.support.helpers import EXTRA, SAMPLING, TESTS, Server, wait_until
+from tests.support import TESTS
+from tests.support.servers import EXTRA, SAMPLING, Server
+from tests.support.waiting import wait_until
 
 SHM = "/dev/shm"
 

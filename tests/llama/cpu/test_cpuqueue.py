@@ -20,7 +20,7 @@ import pytest
 
 from shmkv.llama.cpu import budget as cpubudget
 from shmkv.llama.cpu import queue as cpuqueue
-from tests.support.helpers import wait_until
+from tests.support.waiting import wait_until
 
 SHM = "/dev/shm"
 

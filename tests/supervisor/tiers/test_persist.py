@@ -21,17 +21,10 @@ import pytest
 
 from shmkv.core import arena as A
 from shmkv.supervisor.tiers.disk.lmdb_store import DiskRecord
-from tests.support.helpers import (
-    SYSTEM,
-    Sup,
-    blob,
-    completion,
-    run_worker,
-    start_supervisor,
-    texts,
-    wait_ready,
-    wait_until,
-)
+from tests.support.blobs import blob
+from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
+from tests.support.supervisors import Sup, start_supervisor, wait_ready
+from tests.support.waiting import wait_until
 
 
 def reboot(tmp_path: Path, sup: Sup, *args: str) -> Sup:

@@ -21,19 +21,12 @@ import redis
 import xxhash
 
 from shmkv.core import arena as A
-from tests.support.helpers import (
-    CHUNK,
-    SYSTEM,
-    Sup,
-    blob,
-    completion,
-    free_port,
-    run_worker,
-    system_user,
-    texts,
-    wait_for_socket,
-    wait_until,
-)
+from tests.support.blobs import CHUNK, blob
+from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
+from tests.support.servers import free_port
+from tests.support.supervisors import Sup, wait_for_socket
+from tests.support.users import system_user
+from tests.support.waiting import wait_until
 
 REDIS = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(

@@ -1,0 +1,54 @@
+"""Blobs that are a pure function of a seed, so that any process can rebuild and check them."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from shmkv.core import arena as A
+
+CHUNK = 64  # the supervisor's default --chunk-tokens
+
+
+class Blob(NamedTuple):
+    """A blob as a worker publishes it: key root, token ids and payload."""
+
+    root: bytes
+    tokens: np.ndarray
+    data: bytes
+
+    def digests(self, chunk: int = CHUNK) -> list[bytes]:
+        return A.chain_digests(self.root, self.tokens, chunk)
+
+
+def blob(seed: int, size: int, n_tokens: int = 2 * CHUNK) -> Blob:
+    """A blob that is a pure function of ``seed``, so that any process can rebuild it and
+    check what it reads."""
+    root = hashlib.blake2b(b"blob-%d" % seed, digest_size=16).digest()
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 30_000, n_tokens).astype("<i4")
+    return Blob(root, tokens, rng.bytes(size))
+
+
+def flip_payload_bytes(arena_path: Path) -> int:
+    """Flip bytes in the middle of every record's payload (as a stray writer would)."""
+    fd = os.open(arena_path, os.O_RDONLY)
+    try:
+        view = A.ArenaView(fd, populate=False)
+    finally:
+        os.close(fd)
+    records = {(s.rec_offset, s.rec_gen) for s in view.scan()}
+    targets = [view.read_record(off, gen) for off, gen in records]
+    view.close()
+    with open(arena_path, "r+b") as f:
+        for rec in targets:
+            pos = rec.payload_off + rec.payload_len // 2
+            f.seek(pos)
+            b = f.read(16)
+            f.seek(pos)
+            f.write(bytes(x ^ 0xFF for x in b))
+    return len(targets)
