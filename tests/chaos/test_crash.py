@@ -29,7 +29,7 @@ from shmkv import ArenaCorruptError, Client, SupervisorUnavailable
 from shmkv.core.arena import chain_digests
 from tests.support import MiB
 from tests.support.blobs import CHUNK, blob
-from tests.support.supervisors import try_stats
+from tests.support.supervisors import no_internal_errors, try_stats
 from tests.support.waiting import wait_until
 
 log = logging.getLogger(__name__)
@@ -44,11 +44,6 @@ def put(client: Client, seed: int, size: int) -> tuple[bytes, np.ndarray, bytes]
 
 def key_of(root: bytes, tokens: np.ndarray) -> str:
     return chain_digests(root, tokens, CHUNK)[-1].hex()
-
-
-def assert_clean_log(sup) -> None:
-    text = sup.log()
-    assert "Traceback" not in text and "internal error" not in text, text[-4000:]
 
 
 def sup_fds(sup) -> int:
@@ -187,7 +182,7 @@ def test_reader_killed_mid_read_releases_lease_and_entry_becomes_evictable(make_
         assert idle_fds(c, sup) == base_fds
         assert_round_trip(c, 7)
     assert sup.proc.poll() is None
-    assert_clean_log(sup)
+    no_internal_errors(sup)
 
 
 @pytest.mark.timeout(60)
@@ -209,7 +204,7 @@ def test_reader_killed_holding_lease_on_cleared_entry_frees_its_space(make_super
         assert c.stats()["leases_active"] == 0
         assert_round_trip(c, 8)
     assert sup.proc.poll() is None
-    assert_clean_log(sup)
+    no_internal_errors(sup)
 
 
 @pytest.mark.stress
@@ -239,7 +234,7 @@ def test_readers_killed_at_random_points_leak_nothing(make_supervisor):
         assert c.clear() == len(seeds)
         assert c.stats()["bytes_used"] == 0
     assert sup.proc.poll() is None
-    assert_clean_log(sup)
+    no_internal_errors(sup)
 
 
 # ------------------------------------------------------------------ dead writers
@@ -287,7 +282,7 @@ def test_writer_killed_mid_put_leaves_arena_consistent(make_supervisor):
         assert_round_trip(fresh, 9, 4 * MiB)
         assert_consistent(fresh)
     assert sup.proc.poll() is None
-    assert_clean_log(sup)
+    no_internal_errors(sup)
 
 
 # ------------------------------------------------- writes through a worker's map
@@ -361,7 +356,7 @@ def test_raw_write_into_worker_mapping_segfaults_and_changes_nothing(supervisor,
         st = c.stats()
         assert st["leases_active"] == 0 and st["entries"] == 1
     assert supervisor.proc.poll() is None
-    assert_clean_log(supervisor)
+    no_internal_errors(supervisor)
 
 
 def test_mprotect_worker_mapping_writable_fails_with_eacces(supervisor):
@@ -416,7 +411,7 @@ def test_supervisor_killed_client_fails_fast_then_reconnects(make_supervisor, tm
     finally:
         c.close()
     assert new.stop() == 0
-    assert_clean_log(new)
+    no_internal_errors(new)
 
 
 @pytest.mark.timeout(60)
@@ -444,7 +439,7 @@ def test_lease_of_a_dropped_connection_fails_finish_once_its_space_is_reused(mak
         wait_until(lambda: try_stats(c), timeout=15, what="the client to reconnect")
         assert_round_trip(c, 20)
     assert sup.proc.poll() is None
-    assert_clean_log(sup)
+    no_internal_errors(sup)
 
 
 @pytest.mark.timeout(60)
@@ -468,7 +463,7 @@ def test_frozen_supervisor_costs_a_client_its_timeout_not_a_hang(make_supervisor
     finally:
         c.close()
     assert sup.proc.poll() is None
-    assert_clean_log(sup)
+    no_internal_errors(sup)
 
 
 # --------------------------------------------------------------- corrupt records

@@ -27,7 +27,7 @@ from shmkv.core import arena as A
 from tests.support.blobs import CHUNK
 from tests.support.cli import assert_one_error_line
 from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
-from tests.support.supervisors import Sup, try_stats, wait_ready
+from tests.support.supervisors import Sup, kill9, restart, try_stats
 from tests.support.waiting import wait_until
 
 log = logging.getLogger(__name__)
@@ -107,15 +107,6 @@ def read_back(c: Client, seed: int, max_size: int = 300_000) -> bytes | None:
 def _where(c: Client, root: bytes, tokens: np.ndarray) -> tuple[int, int]:
     hit = c.lookup(A.chain_digests(root, tokens, CHUNK))
     return hit.slot.rec_offset, hit.slot.rec_gen
-
-
-def kill9(sup: Sup) -> None:
-    sup.proc.kill()
-    assert sup.proc.wait(10) == -signal.SIGKILL
-
-
-def restart(make_supervisor, sup: Sup, *args: str) -> Sup:
-    return wait_ready(make_supervisor(*args, name=sup.name, wait=False))
 
 
 # ------------------------------------------------------------------------ adopt

@@ -10,7 +10,6 @@ tier is involved), real sockets and shared memory, blobs put through the client.
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import time
 from dataclasses import fields
@@ -26,7 +25,14 @@ from shmkv.core.stats import PersistStats, RemoteStats, metric_name
 from shmkv.llama.fingerprint import key_root
 from tests.support.blobs import Blob, blob
 from tests.support.servers import free_port
-from tests.support.supervisors import Sup, start_supervisor, wait_ready
+from tests.support.supervisors import (
+    Sup,
+    kill9,
+    no_internal_errors,
+    persisted_all,
+    restart,
+    start_supervisor,
+)
 from tests.support.waiting import wait_until
 
 
@@ -45,26 +51,6 @@ def use(c: Client, b: Blob) -> None:
     with c.acquire(hit) as lease:
         assert bytes(lease.payload) == b.data
         assert lease.finish()
-
-
-def kill9(sup: Sup) -> None:
-    sup.proc.kill()
-    assert sup.proc.wait(10) == -signal.SIGKILL
-
-
-def restart(make_supervisor, sup: Sup, *args: str) -> Sup:
-    return wait_ready(make_supervisor(*args, name=sup.name, wait=False))
-
-
-def persisted_all(sup: Sup) -> bool:
-    st = sup.stats()
-    return st["persist_queue"] == 0 and st["persisted"] + st["persist_gone"] >= st["puts"] > 0
-
-
-def no_internal_errors(*sups: Sup) -> None:
-    for sup in sups:
-        log = sup.log()
-        assert "Traceback" not in log and "internal error" not in log, log[-3000:]
 
 
 # ------------------------------------------------------------------ adopt x --ttl

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,3 +160,27 @@ def assert_healthy(sup: Sup) -> None:
             assert lease.finish(len(tokens))
     assert sup.proc.poll() is None
     assert "internal error" not in sup.log() and "Traceback" not in sup.log(), sup.log()
+
+
+def kill9(sup: Sup) -> None:
+    """SIGKILL ``sup`` and check that the kill is what ended it."""
+    sup.proc.kill()
+    assert sup.proc.wait(10) == -signal.SIGKILL
+
+
+def restart(make_supervisor: Callable[..., Sup], sup: Sup, *args: str) -> Sup:
+    """A new supervisor on ``sup``'s name (``make_supervisor``: the fixture), once it answers."""
+    return wait_ready(make_supervisor(*args, name=sup.name, wait=False))
+
+
+def no_internal_errors(*sups: Sup) -> None:
+    """No traceback and no internal error in any of the supervisors' logs."""
+    for sup in sups:
+        log = sup.log()
+        assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+
+
+def persisted_all(sup: Sup) -> bool:
+    """Whether ``--persist``'s write-behind has written (or dropped) every put so far."""
+    st = sup.stats()
+    return st["persist_queue"] == 0 and st["persisted"] + st["persist_gone"] >= st["puts"] > 0

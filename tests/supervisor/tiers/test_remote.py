@@ -24,7 +24,7 @@ from shmkv.core import arena as A
 from tests.support.blobs import CHUNK, blob
 from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
 from tests.support.servers import free_port
-from tests.support.supervisors import Sup, wait_for_socket
+from tests.support.supervisors import Sup, no_internal_errors, wait_for_socket
 from tests.support.users import system_user
 from tests.support.waiting import wait_until
 
@@ -85,12 +85,6 @@ def redis_server(tmp_path):
     srv = RedisProc(tmp_path / "redis")
     yield srv
     srv.kill()
-
-
-def no_internal_errors(*sups: Sup) -> None:
-    for sup in sups:
-        log = sup.log()
-        assert "Traceback" not in log and "internal error" not in log, log[-3000:]
 
 
 def written(sup: Sup, n: int = 1) -> dict:
