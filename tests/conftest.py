@@ -11,6 +11,7 @@ import pytest
 from tests.support import SHM
 from tests.support.servers import EXTRA, N_CTX, SAMPLING
 from tests.support.supervisors import Sup, start_supervisor
+from tests.support.tmpfs import mounted_tmpfs
 
 
 @pytest.fixture
@@ -32,6 +33,15 @@ def make_supervisor(tmp_path: Path) -> Iterator:
             for p in leftovers:
                 p.unlink()
             assert sup.proc.returncode != 0 or not leftovers, f"left behind {leftovers}"
+
+
+@pytest.fixture
+def small_tmpfs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs (root only: skips without), unmounted at teardown; another size or
+    mode with ``@pytest.mark.small_tmpfs(size="2m", mode="0700")``."""
+    marker = request.node.get_closest_marker("small_tmpfs")
+    with mounted_tmpfs(tmp_path / "smallshm", **(marker.kwargs if marker else {})) as d:
+        yield d
 
 
 @pytest.fixture

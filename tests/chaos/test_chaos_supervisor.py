@@ -400,18 +400,14 @@ def test_temporary_socket_of_a_killed_supervisor_is_removed_at_start(make_superv
 
 
 @pytest.mark.timeout(60)
-def test_supervisor_restarts_after_a_kill_when_its_arena_fills_most_of_the_tmpfs(tmp_path):
+@pytest.mark.small_tmpfs(size="48m")
+def test_supervisor_restarts_after_a_kill_when_its_arena_fills_most_of_the_tmpfs(
+    tmp_path, small_tmpfs
+):
     """The stale arena of a killed supervisor counted against the new one's space check: with
     --size over half the tmpfs (Docker's 64 MB /dev/shm, say) it never restarted. (With
     --reserve: an arena allocated as records are stored takes what it holds only.)"""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "shm"
-    mnt.mkdir()
-    if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)], capture_output=True
-    ).returncode:
-        pytest.skip("cannot mount a tmpfs here")
+    mnt = small_tmpfs
     procs = []
     try:
         env = {"SHMKV_DIR": str(mnt)}
@@ -436,4 +432,3 @@ def test_supervisor_restarts_after_a_kill_when_its_arena_fills_most_of_the_tmpfs
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

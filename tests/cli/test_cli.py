@@ -486,29 +486,6 @@ def test_config_file_reaches_a_real_supervisor(make_supervisor, tmp_path: Path) 
     assert st["bytes_capacity"] == A.Geometry.plan(24 << 20, 32).data_size
 
 
-def _mounted_tmpfs(path: Path, size: str) -> bool:
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if res.returncode != 0:
-        log.warning("cannot mount a tmpfs: %s", res.stderr.strip())
-    return res.returncode == 0
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    d = tmp_path / "smallshm"
-    d.mkdir()
-    if not _mounted_tmpfs(d, "64m"):
-        pytest.skip("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False, capture_output=True)
-
-
 def test_shm_too_small_is_one_line_and_leaves_nothing(small_tmpfs: Path, tmp_path: Path) -> None:
     name = f"t{uuid.uuid4().hex[:10]}"
     sock = tmp_path / "small.sock"

@@ -11,9 +11,7 @@ still be copying).
 from __future__ import annotations
 
 import os
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -106,23 +104,6 @@ def test_reserve_allocates_the_whole_arena_at_start(make_supervisor) -> None:
         assert c.clear() == 1
     time.sleep(0.3)
     assert allocated(sup.arena) >= 64 * MiB, "a --reserve arena gave pages back"
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    d = tmp_path / "smallshm"
-    d.mkdir()
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(d)], capture_output=True
-    )
-    if res.returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False, capture_output=True)
 
 
 def test_a_full_tmpfs_rejects_puts_and_kills_nobody(small_tmpfs: Path, make_supervisor) -> None:

@@ -197,24 +197,7 @@ def test_persist_size_keeps_the_most_recent_and_pins(make_supervisor, tmp_path):
         no_internal_errors(sup, again)
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path):
-    """A 2 MiB tmpfs (root only), unmounted at teardown."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
+@pytest.mark.small_tmpfs(size="2m", mode="0700")
 def test_full_disk_pauses_persistence_and_costs_no_request(make_supervisor, small_tmpfs):
     sup = make_supervisor("--size", "64M", "--persist", str(small_tmpfs / "db"))
     blobs = [blob(200 + i, 300_000) for i in range(24)]
