@@ -3,6 +3,8 @@ tiny models the test session writes. Plain helpers live in the support package (
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,6 +44,15 @@ def small_tmpfs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path
     marker = request.node.get_closest_marker("small_tmpfs")
     with mounted_tmpfs(tmp_path / "smallshm", **(marker.kwargs if marker else {})) as d:
         yield d
+
+
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A directory every user can traverse (pytest's tmp_path is 0700 root)."""
+    d = Path(tempfile.mkdtemp(prefix="shmkv-public-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

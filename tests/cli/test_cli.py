@@ -6,17 +6,14 @@ import grp
 import json
 import logging
 import os
-import pwd
 import signal
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +24,10 @@ from shmkv.core import arena as A
 from shmkv.core.config import resolve
 from shmkv.core.errors import ArenaFullError, ConfigError
 from tests.support import SHM
+from tests.support.blobs import put_and_hit
 from tests.support.cli import assert_one_error_line, clean_env, shmkv
 from tests.support.supervisors import Sup, wait_for_socket
+from tests.support.users import system_user
 
 log = logging.getLogger(__name__)
 
@@ -67,21 +66,6 @@ def wait_serving(sup: Sup, sock: str | None = None, timeout: float = 15) -> None
 
 def leftovers(name: str, directory: Path = SHM) -> list[Path]:
     return sorted(directory.glob(f"shmkv-{name}*"))
-
-
-def put_and_hit(c: Client, n_chunks: int = 2, size: int = 10_000) -> tuple[dict, bytes, int]:
-    """Put one blob and read it back through a lease; returns (put reply, root, tokens)."""
-    g = c.view.geometry
-    root = os.urandom(16)
-    tokens = np.arange(n_chunks * g.chunk_tokens, dtype=np.int32)
-    data = os.urandom(size)
-    reply = c.put_bytes(root, tokens, b"fp", data)
-    hit = c.lookup(A.chain_digests(root, tokens, g.chunk_tokens))
-    assert hit is not None and hit.chunks == n_chunks
-    with c.acquire(hit) as lease:
-        assert bytes(lease.payload) == data
-        assert lease.finish(len(tokens))
-    return reply, root, len(tokens)
 
 
 # ------------------------------------------------------------------------ basics
@@ -558,20 +542,7 @@ except ShmkvError as e:
 """
 
 
-def _nobody() -> tuple[int, int]:
-    try:
-        pw = pwd.getpwnam("nobody")
-    except KeyError:
-        subprocess.run(
-            ["useradd", "-r", "-s", "/usr/sbin/nologin", "shmkvpeer"],
-            check=True,
-            capture_output=True,
-        )
-        pw = pwd.getpwnam("shmkvpeer")
-    return pw.pw_uid, pw.pw_gid
-
-
-def run_as(
+def run_peer(
     uid: int, gid: int, mode: str, sock: str, connect_delay: float = 0.0
 ) -> subprocess.CompletedProcess:
     """Run a client, the CLI or a raw socket that drops to uid/gid after its imports."""
@@ -586,24 +557,8 @@ def run_as(
 
 
 @pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A socket directory other users can traverse (pytest's tmp_path is 0700)."""
-    d = Path(tempfile.mkdtemp(prefix="shmkv-peer-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
-
-
-@pytest.fixture
 def other_user() -> tuple[int, int]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run a client as another user")
-    uid, gid = _nobody()
-    if uid == os.geteuid():
-        pytest.skip("no other user available")
-    return uid, gid
+    return system_user("shmkv-test-peer")
 
 
 def _peer_supervisor(make_supervisor, public_dir: Path, *args: str) -> tuple[Sup, Path]:
@@ -620,7 +575,7 @@ def test_peer_of_another_uid_is_refused(
     sup, sock = _peer_supervisor(make_supervisor, public_dir)
     sock.chmod(0o666)  # reachable: only SO_PEERCRED stands in the way
     for _ in range(3):
-        res = run_as(uid, gid, "raw", str(sock))
+        res = run_peer(uid, gid, "raw", str(sock))
         assert res.returncode == 0, res.stderr
         out = json.loads(res.stdout.strip().splitlines()[-1])
         reply = out["reply"]
@@ -644,10 +599,10 @@ def test_refused_client_and_cli_see_permission_denied(
     uid, gid = other_user
     _, sock = _peer_supervisor(make_supervisor, public_dir)
     sock.chmod(0o666)
-    res = run_as(uid, gid, "client", str(sock), connect_delay=0.3)
+    res = run_peer(uid, gid, "client", str(sock), connect_delay=0.3)
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["type"] == "PermissionDenied", out
-    res = run_as(uid, gid, "cli", str(sock), connect_delay=0.3)
+    res = run_peer(uid, gid, "cli", str(sock), connect_delay=0.3)
     assert res.returncode == 6
     assert_one_error_line(res, f"uid {uid}", "--group")
 
@@ -657,7 +612,7 @@ def test_socket_mode_keeps_other_users_out(
 ) -> None:
     uid, gid = other_user
     sup, sock = _peer_supervisor(make_supervisor, public_dir)
-    res = run_as(uid, gid, "cli", str(sock))  # socket is 0600: connect() itself fails
+    res = run_peer(uid, gid, "cli", str(sock))  # socket is 0600: connect() itself fails
     assert res.returncode == 6
     assert_one_error_line(res, "permission", str(sock), "--group")
     assert sup.proc.poll() is None
@@ -668,7 +623,7 @@ def test_group_member_is_let_in(
 ) -> None:
     uid, gid = other_user
     sup, sock = _peer_supervisor(make_supervisor, public_dir, "--group", str(gid))
-    res = run_as(uid, gid, "client", str(sock))
+    res = run_peer(uid, gid, "client", str(sock))
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out == {"ok": True, "uid": uid}, (out, res.stderr)
     with Client(socket_path=str(sock)) as c:

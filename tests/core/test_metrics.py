@@ -15,14 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from shmkv.core.stats import RESTORE_BUCKETS, WorkerCounters, metric_name
-from tests.cli.test_cli import put_and_hit
 from tests.support import ROOT
+from tests.support.blobs import put_and_hit
 from tests.support.cli import shmkv
 from tests.support.peer import Raw
-from tests.support.servers import Server, free_port
+from tests.support.servers import Server, free_port, scrape
 from tests.support.supervisors import wait_ready
 from tests.support.waiting import wait_until
 
@@ -34,19 +33,6 @@ WORKER_FAMILIES = {
     for f in fields(WorkerCounters)
     if f.metadata.get("reported") and f.name != "restore_seconds"
 }
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of a scrape: ``name{label="v",...}`` -> value."""
-    r = httpx.get(url, timeout=10)
-    assert r.status_code == 200, r.text
-    assert r.headers["content-type"].startswith("text/plain")
-    out = {}
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}"] = s.value
-    return out
 
 
 def wait_metrics(port: int) -> str:

@@ -12,12 +12,8 @@ cannot keep the real state out. Real users: a group ``shmkv-test-grp`` with memb
 
 from __future__ import annotations
 
-import grp
-import json
 import os
 import shutil
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,38 +24,12 @@ import pytest
 
 from shmkv.core import arena as A
 from shmkv.llama import key_root, model_fingerprint
-from tests.support import ROOT
 from tests.support.blobs import CHUNK
 from tests.support.llama_workers import KW, SYSTEM, completion, run_worker, texts
 from tests.support.supervisors import Sup, wait_for_socket
-from tests.support.users import system_user
+from tests.support.users import GROUP, publish_as, system_user
 
 pytestmark = pytest.mark.timeout(240)
-
-GROUP = "shmkv-test-grp"
-
-# Runs as root until its imports are done and its input is read, then as uid/gid (with
-# the group), and publishes one blob.
-PUBLISH_AS = r"""
-import json, os, sys
-import numpy as np
-from shmkv import Client
-np.ctypeslib.as_array  # load lazily imported modules while we still can
-spec = json.load(open(sys.argv[1]))
-with open(spec["payload"], "rb") as f:
-    payload = f.read()
-os.setgroups(spec["groups"])
-os.setgid(spec["gid"])
-os.setuid(spec["uid"])
-with Client(socket_path=spec["socket"], timeout=10) as c:
-    reply = c.put_bytes(
-        bytes.fromhex(spec["root"]),
-        np.array(spec["tokens"], dtype=np.int32),
-        bytes.fromhex(spec["fp"]),
-        payload,
-    )
-print(json.dumps({"gen": reply["gen"], "uid": os.getuid()}))
-"""
 
 
 @pytest.fixture
@@ -86,43 +56,6 @@ def group_sup(make_supervisor, users) -> Iterator[Sup]:
     finally:
         sup.stop()
         shutil.rmtree(d, ignore_errors=True)
-
-
-def publish_as(
-    user: tuple[int, int],
-    sup: Sup,
-    tmp_path: Path,
-    root: bytes,
-    tokens: np.ndarray | list[int],
-    fp: bytes,
-    payload: bytes,
-) -> dict:
-    """Publish one blob as ``user`` (a member of GROUP), in a process of that uid."""
-    tag = uuid.uuid4().hex[:8]
-    (tmp_path / f"payload-{tag}").write_bytes(payload)
-    spec = {
-        "uid": user[0],
-        "gid": user[1],
-        "groups": [grp.getgrnam(GROUP).gr_gid],
-        "socket": sup.socket,
-        "root": root.hex(),
-        "tokens": [int(t) for t in tokens],
-        "fp": fp.hex(),
-        "payload": str(tmp_path / f"payload-{tag}"),
-    }
-    (tmp_path / f"spec-{tag}.json").write_text(json.dumps(spec))
-    res = subprocess.run(
-        [sys.executable, "-c", PUBLISH_AS, str(tmp_path / f"spec-{tag}.json")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        cwd="/",
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["uid"] == user[0]
-    return out
 
 
 def test_a_put_records_its_publishers_uid_and_garbage_never_shadows_the_real_copy(

@@ -17,14 +17,13 @@ from dataclasses import fields
 import httpx
 import pytest
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 import shmkv.llama.tenant
 from shmkv import Client
 from shmkv.core.stats import PersistStats, RemoteStats, metric_name
 from shmkv.llama.fingerprint import key_root
 from tests.support.blobs import Blob, blob
-from tests.support.servers import free_port
+from tests.support.servers import free_port, scrape
 from tests.support.supervisors import (
     Sup,
     kill9,
@@ -162,18 +161,6 @@ def test_a_pin_with_a_ttl_does_not_come_back_for_ever(make_supervisor, tmp_path)
 
 
 # ------------------------------------------------------ /metrics x --persist, --remote
-def scrape(url: str) -> dict[str, tuple[str, float]]:
-    """Every sample of a scrape: ``name{label="v",...}`` -> (family type, value)."""
-    r = httpx.get(url, timeout=10)
-    assert r.status_code == 200, r.text
-    out = {}
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}"] = (fam.type, s.value)
-    return out
-
-
 def test_metrics_and_stats_show_the_persist_and_remote_groups(make_supervisor, tmp_path) -> None:
     """`shmkv stats` has the persist_* and remote_* numbers; /metrics derives from the same
     schema, so it must have them too (counters as _total, by-kind failures labelled)."""
@@ -216,7 +203,7 @@ def test_metrics_and_stats_show_the_persist_and_remote_groups(make_supervisor, t
 
 def _scrape_or_none(url: str) -> dict | None:
     try:
-        return scrape(url)
+        return scrape(url, kinds=True)
     except httpx.HTTPError:
         return None
 

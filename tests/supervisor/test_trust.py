@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +31,7 @@ from tests.support.cli import assert_one_error_line, clean_env, shmkv
 from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
 from tests.support.servers import free_port
 from tests.support.supervisors import Sup, start_supervisor, wait_for_socket
-from tests.support.users import PUT_AND_READ, as_user, make_user, user_python
+from tests.support.users import GROUP, PUT_AND_READ, as_user, make_user, user_python
 from tests.support.waiting import wait_until
 
 pytestmark = [
@@ -40,12 +39,7 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create and run as other users"),
 ]
 
-EVIL, VICTIM, MEMBER, GROUP = (
-    "shmkv-test-evil",
-    "shmkv-test-victim",
-    "shmkv-test-member",
-    "shmkv-test-grp",
-)
+EVIL, VICTIM, MEMBER = "shmkv-test-evil", "shmkv-test-victim", "shmkv-test-member"
 
 
 # ------------------------------------------------------------------- helpers
@@ -62,15 +56,6 @@ def victim() -> pwd.struct_passwd:
 @pytest.fixture
 def member() -> pwd.struct_passwd:
     return make_user(MEMBER, (GROUP,))
-
-
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A directory every user can traverse (pytest's tmp_path is 0700 root)."""
-    d = Path(tempfile.mkdtemp(prefix="shmkv-trust-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def owned_dir(parent: Path, pw: pwd.struct_passwd, mode: int = 0o755) -> Path:

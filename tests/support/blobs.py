@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from shmkv import Client
 from shmkv.core import arena as A
 
 CHUNK = 64  # the supervisor's default --chunk-tokens
@@ -52,3 +53,18 @@ def flip_payload_bytes(arena_path: Path) -> int:
             f.seek(pos)
             f.write(bytes(x ^ 0xFF for x in b))
     return len(targets)
+
+
+def put_and_hit(c: Client, n_chunks: int = 2, size: int = 10_000) -> tuple[dict, bytes, int]:
+    """Put one blob and read it back through a lease; returns (put reply, root, tokens)."""
+    g = c.view.geometry
+    root = os.urandom(16)
+    tokens = np.arange(n_chunks * g.chunk_tokens, dtype=np.int32)
+    data = os.urandom(size)
+    reply = c.put_bytes(root, tokens, b"fp", data)
+    hit = c.lookup(A.chain_digests(root, tokens, g.chunk_tokens))
+    assert hit is not None and hit.chunks == n_chunks
+    with c.acquire(hit) as lease:
+        assert bytes(lease.payload) == data
+        assert lease.finish(len(tokens))
+    return reply, root, len(tokens)

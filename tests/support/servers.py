@@ -131,3 +131,20 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def scrape(url: str, kinds: bool = False) -> dict[str, Any]:
+    """Every sample of a Prometheus scrape of ``url``, parsed with prometheus_client's own
+    parser: ``name{label="v",...}`` -> value, or -> (family type, value) with ``kinds``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(url, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    out: dict[str, Any] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = (fam.type, s.value) if kinds else s.value
+    return out

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import grp
+import json
 import os
 import pwd
 import subprocess
 import sys
 import sysconfig
 import time
+import uuid
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from tests.support import ROOT
 
@@ -25,7 +29,11 @@ def _retry(cmd: list[str]) -> subprocess.CompletedProcess:
     return res
 
 
-def make_group(name: str = "shmkv-test-grp") -> grp.struct_group:
+#: the group the tests make, with --group
+GROUP = "shmkv-test-grp"
+
+
+def make_group(name: str = GROUP) -> grp.struct_group:
     """A real group made for the tests (root only); reused if it exists."""
     try:
         return grp.getgrnam(name)
@@ -122,3 +130,65 @@ def system_user(name: str, group: str | None = None) -> tuple[int, int]:
         pytest.skip("needs root to create and run as other users")
     pw = make_user(name, (group,) if group is not None else ())
     return pw.pw_uid, pw.pw_gid
+
+
+# Runs as root until its imports are done and its input is read, then as uid/gid (with
+# the group), and publishes one blob.
+PUBLISH_AS = r"""
+import json, os, sys
+import numpy as np
+from shmkv import Client
+np.ctypeslib.as_array  # load lazily imported modules while we still can
+spec = json.load(open(sys.argv[1]))
+with open(spec["payload"], "rb") as f:
+    payload = f.read()
+os.setgroups(spec["groups"])
+os.setgid(spec["gid"])
+os.setuid(spec["uid"])
+with Client(socket_path=spec["socket"], timeout=10) as c:
+    reply = c.put_bytes(
+        bytes.fromhex(spec["root"]),
+        np.array(spec["tokens"], dtype=np.int32),
+        bytes.fromhex(spec["fp"]),
+        payload,
+    )
+print(json.dumps({"gen": reply["gen"], "uid": os.getuid()}))
+"""
+
+
+def publish_as(
+    user: tuple[int, int],
+    sup: Any,
+    tmp_path: Path,
+    root: bytes,
+    tokens: np.ndarray | list[int],
+    fp: bytes,
+    payload: bytes,
+) -> dict:
+    """Publish one blob as ``user`` (uid, gid: a member of GROUP) to ``sup`` (a Sup), in a process
+    that drops to that uid after its imports; its reply."""
+    tag = uuid.uuid4().hex[:8]
+    (tmp_path / f"payload-{tag}").write_bytes(payload)
+    spec = {
+        "uid": user[0],
+        "gid": user[1],
+        "groups": [grp.getgrnam(GROUP).gr_gid],
+        "socket": sup.socket,
+        "root": root.hex(),
+        "tokens": [int(t) for t in tokens],
+        "fp": fp.hex(),
+        "payload": str(tmp_path / f"payload-{tag}"),
+    }
+    (tmp_path / f"spec-{tag}.json").write_text(json.dumps(spec))
+    res = subprocess.run(
+        [sys.executable, "-c", PUBLISH_AS, str(tmp_path / f"spec-{tag}.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd="/",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["uid"] == user[0]
+    return out

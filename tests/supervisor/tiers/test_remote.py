@@ -25,7 +25,7 @@ from tests.support.blobs import CHUNK, blob
 from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
 from tests.support.servers import free_port
 from tests.support.supervisors import Sup, no_internal_errors, wait_for_socket
-from tests.support.users import system_user
+from tests.support.users import GROUP, publish_as, system_user
 from tests.support.waiting import wait_until
 
 REDIS = shutil.which("redis-server")
@@ -427,8 +427,6 @@ def test_untrusted_members_state_never_leaves_the_machine(make_supervisor, redis
     member's (evil's) state is never written to Redis, whatever its key; A's own state of
     the same prompt is; the friend's record keeps the friend's uid through Redis into a
     node that trusts the friend, and a node that does not refuses it."""
-    from test_publishers import GROUP, publish_as
-
     evil = system_user("shmkv-test-evil", GROUP)
     friend = system_user("shmkv-test-friend", GROUP)
     d = Path(f"/tmp/shmkv-rem-{uuid.uuid4().hex[:10]}")
