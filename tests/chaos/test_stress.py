@@ -29,6 +29,7 @@ import pytest
 
 from shmkv import ArenaCorruptError, ArenaFullError, Client, NotFound
 from shmkv.core.arena import chain_digests
+from tests.support.blobs import payload_for
 from tests.support.supervisors import no_internal_errors
 
 log = logging.getLogger(__name__)
@@ -59,14 +60,13 @@ def record_len(f: int, c: int) -> int:
     return c * CHUNK + tail
 
 
-def payload_for(root: bytes, tokens: np.ndarray) -> np.ndarray:
-    """The bytes a record with this key must hold: seeded by a hash of root + tokens."""
+def record_payload(root: bytes, tokens: np.ndarray) -> np.ndarray:
+    """The bytes a record with this key must hold (:func:`payload_for`), of a log-uniform
+    size in [MIN_BLOB, MAX_BLOB] that is a function of the key too."""
     h = hashlib.blake2b(root + tokens.astype("<i4").tobytes(), digest_size=16).digest()
-    seed = int.from_bytes(h[:8], "little")
-    # log-uniform size in [MIN_BLOB, MAX_BLOB]
     frac = int.from_bytes(h[8:12], "little") / 2**32
     size = int(MIN_BLOB * (MAX_BLOB / MIN_BLOB) ** frac)
-    return np.frombuffer(np.random.default_rng(seed).bytes(size), dtype=np.uint8)
+    return np.frombuffer(payload_for(root, tokens, size), dtype=np.uint8)
 
 
 class KeySpace:
@@ -86,7 +86,7 @@ class KeySpace:
     def payload(self, f: int, n: int) -> np.ndarray:
         got = self._payloads.get((f, n))
         if got is None:
-            got = self._payloads[(f, n)] = payload_for(self.roots[f], self.tokens[f][:n])
+            got = self._payloads[(f, n)] = record_payload(self.roots[f], self.tokens[f][:n])
         return got
 
 

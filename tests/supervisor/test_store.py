@@ -7,7 +7,6 @@ a read-only :class:`shmkv.core.arena.ArenaView` of the same file, as a worker se
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import mmap
@@ -40,6 +39,7 @@ from shmkv.core.errors import (
     NotFound,
 )
 from shmkv.supervisor.store import Allocator, PutJob, Store
+from tests.support.blobs import payload_for
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +108,6 @@ class ArenaFile:
 def write_header(mm: mmap.mmap, geometry: A.Geometry) -> None:
     """The header the supervisor writes (ArenaFile.create), checksum included."""
     A.ArenaWriter(mm, geometry).format()
-
-
-def payload_for(root: bytes, tokens: np.ndarray, size: int) -> bytes:
-    """Deterministic bytes for a blob, derived from its key, so every read can be verified."""
-    seed = int.from_bytes(
-        hashlib.blake2b(root + tokens.tobytes(), digest_size=8).digest(), "little"
-    )
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
 def filler(data: bytes):

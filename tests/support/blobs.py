@@ -68,3 +68,10 @@ def put_and_hit(c: Client, n_chunks: int = 2, size: int = 10_000) -> tuple[dict,
         assert bytes(lease.payload) == data
         assert lease.finish(len(tokens))
     return reply, root, len(tokens)
+
+
+def payload_for(root: bytes, tokens: np.ndarray, size: int) -> bytes:
+    """``size`` bytes that are a pure function of a blob's key (root + token ids), so that
+    every read can be verified."""
+    h = hashlib.blake2b(root + tokens.astype("<i4").tobytes(), digest_size=16).digest()
+    return np.random.default_rng(int.from_bytes(h[:8], "little")).bytes(size)
