@@ -22,7 +22,7 @@ import shmkv.llama.tenant
 from shmkv import Client
 from shmkv.core.stats import PersistStats, RemoteStats, metric_name
 from shmkv.llama.fingerprint import key_root
-from tests.support.blobs import Blob, blob
+from tests.support.blobs import Blob, blob, put_blob, stored_keys, use_blob
 from tests.support.servers import free_port, scrape
 from tests.support.supervisors import (
     Sup,
@@ -35,23 +35,6 @@ from tests.support.supervisors import (
 from tests.support.waiting import wait_until
 
 
-def keys(c: Client) -> set[str]:
-    return {r["key"] for r in c.ls()["entries"]}
-
-
-def put(c: Client, b: Blob, pin: bool = False) -> str:
-    return c.put_bytes(b.root, b.tokens, b"fp", b.data, pin=pin)["key"].hex()
-
-
-def use(c: Client, b: Blob) -> None:
-    """What a worker's hit does: look the state up, lease it, read it, release it."""
-    hit = c.lookup(b.digests())
-    assert hit is not None
-    with c.acquire(hit) as lease:
-        assert bytes(lease.payload) == b.data
-        assert lease.finish()
-
-
 # ------------------------------------------------------------------ adopt x --ttl
 def test_adopted_states_do_not_all_expire_at_the_first_tick(make_supervisor) -> None:
     """A state in use for longer than --ttl when its supervisor is killed: the arena keeps
@@ -62,22 +45,22 @@ def test_adopted_states_do_not_all_expire_at_the_first_tick(make_supervisor) -> 
     sup = make_supervisor(*args)
     b = blob(31, 20_000)
     with sup.client() as c:
-        key = put(c, b)
+        key = put_blob(c, b)
         deadline = time.monotonic() + 4.5  # older than --ttl, never idle for it
         while time.monotonic() < deadline:
-            use(c, b)
+            use_blob(c, b)
             time.sleep(0.4)
-        assert key in keys(c)
+        assert key in stored_keys(c)
     kill9(sup)
     new = restart(make_supervisor, sup, *args)
     adopted = time.monotonic()
     with new.client() as c:
         assert c.stats()["adopted"] == 1
         time.sleep(1.6)  # at least one tick of the new supervisor
-        assert key in keys(c), new.log()
+        assert key in stored_keys(c), new.log()
         assert c.stats()["expired"] == 0
         # nobody uses it: it goes --ttl after the adoption
-        wait_until(lambda: key not in keys(c), 8, "the adopted state to expire")
+        wait_until(lambda: key not in stored_keys(c), 8, "the adopted state to expire")
         assert time.monotonic() - adopted > 2.5
         assert c.stats()["expired"] == 1
     no_internal_errors(new)
@@ -91,12 +74,12 @@ def test_an_expired_state_does_not_come_back_after_a_reboot(make_supervisor, tmp
     sup = make_supervisor("--size", "32M", "--persist", str(disk), "--ttl", "1.5")
     idle, used = blob(41, 20_000), blob(42, 20_000)
     with sup.client() as c:
-        idle_key, used_key = put(c, idle), put(c, used)
+        idle_key, used_key = put_blob(c, idle), put_blob(c, used)
         wait_until(lambda: persisted_all(sup), 20, "the write-behind")
         while c.stats()["expired"] == 0:  # keep `used` in use until `idle` expired
-            use(c, used)
+            use_blob(c, used)
             time.sleep(0.3)
-        assert idle_key not in keys(c) and used_key in keys(c)
+        assert idle_key not in stored_keys(c) and used_key in stored_keys(c)
         wait_until(lambda: sup.stats()["persist_records"] == 1, 10, "the disk to forget it")
     assert sup.stop() == 0, sup.log()
     sup.arena.unlink(missing_ok=True)  # what a reboot does to /dev/shm
@@ -105,9 +88,9 @@ def test_an_expired_state_does_not_come_back_after_a_reboot(make_supervisor, tmp
         st = wait_until(lambda: (s := again.stats())["refilling"] == 0 and s, 30, "the refill")
         assert st["refilled"] == 1, st
         with again.client() as c:
-            assert keys(c) == {used_key}
+            assert stored_keys(c) == {used_key}
             assert c.lookup(idle.digests()) is None
-            use(c, used)
+            use_blob(c, used)
     finally:
         assert again.stop() == 0
     no_internal_errors(sup, again)
@@ -125,7 +108,7 @@ def test_a_restart_that_adopts_keeps_the_pins_the_disk_keeps(make_supervisor, tm
     sup = make_supervisor(*args)
     pinned, plain = blob(71, 20_000), blob(72, 20_000)
     with sup.client() as c:
-        pinned_key, plain_key = put(c, pinned, pin=True), put(c, plain)
+        pinned_key, plain_key = put_blob(c, pinned, pin=True), put_blob(c, plain)
     wait_until(lambda: persisted_all(sup), 20, "the write-behind")
     kill9(sup)
     new = restart(make_supervisor, sup, *args)
@@ -144,7 +127,7 @@ def test_a_pin_with_a_ttl_does_not_come_back_for_ever(make_supervisor, tmp_path)
     sup = make_supervisor("--size", "32M", "--persist", str(disk))
     short, kept = blob(73, 20_000), blob(74, 20_000)
     with sup.client() as c:
-        short_key, kept_key = put(c, short, pin=True), put(c, kept, pin=True)
+        short_key, kept_key = put_blob(c, short, pin=True), put_blob(c, kept, pin=True)
         assert c.pin(bytes.fromhex(short_key), ttl=3600) == 1
         assert pins(c) == {short_key: True, kept_key: True}
     wait_until(lambda: persisted_all(sup), 20, "the write-behind")
@@ -172,7 +155,7 @@ def test_metrics_and_stats_show_the_persist_and_remote_groups(make_supervisor, t
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}/metrics"
     with sup.client() as c:
-        put(c, blob(51, 30_000))
+        put_blob(c, blob(51, 30_000))
     wait_until(lambda: persisted_all(sup), 20, "the write-behind")
     st = wait_until(lambda: (s := sup.stats())["remote_errors"] and s, 20, "a remote failure")
     s = wait_until(lambda: _scrape_or_none(url), 10, "the metrics port")
@@ -247,7 +230,7 @@ def fetch(sup: Sup, b: Blob) -> str:
     with sup.client() as c:
         status = c.fetch(b.root, b.tokens, 0, 5.0, 0.0)
         if status == "fetched":
-            use(c, b)
+            use_blob(c, b)
         return status
 
 
@@ -262,7 +245,7 @@ def test_a_state_from_one_tier_reaches_the_other(make_supervisor, tmp_path, redi
     )  # fmt: skip
     shared = blob(61, 40_000, n_tokens=256)
     with a.client() as c:
-        put(c, shared)
+        put_blob(c, shared)
     wait_until(lambda: a.stats()["remote_written"] == 1, 20, "A's write to Redis")
     wait_until(lambda: b.stats()["remote_on"] == 1, 20, "B's connection to Redis")
     assert fetch(b, shared) == "fetched"
@@ -278,7 +261,7 @@ def test_a_state_from_one_tier_reaches_the_other(make_supervisor, tmp_path, redi
     c0 = make_supervisor("--size", "32M", "--persist", str(disk))
     local = blob(62, 40_000, n_tokens=256)
     with c0.client() as c:
-        put(c, local)
+        put_blob(c, local)
     wait_until(lambda: persisted_all(c0), 20, "C's write-behind")
     assert c0.stop() == 0, c0.log()
     c0.arena.unlink(missing_ok=True)  # a reboot

@@ -14,7 +14,6 @@ import os
 import struct
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,11 +38,11 @@ from shmkv.core.errors import (
     NotFound,
 )
 from shmkv.supervisor.store import Allocator, PutJob, Store
+from tests.support import SHM
 from tests.support.blobs import payload_for
 
 log = logging.getLogger(__name__)
 
-SHM = Path("/dev/shm")
 PAGE = A.PAGE
 
 

@@ -75,3 +75,22 @@ def payload_for(root: bytes, tokens: np.ndarray, size: int) -> bytes:
     every read can be verified."""
     h = hashlib.blake2b(root + tokens.astype("<i4").tobytes(), digest_size=16).digest()
     return np.random.default_rng(int.from_bytes(h[:8], "little")).bytes(size)
+
+
+def stored_keys(c: Client) -> set[str]:
+    """The keys (hex) of every state the supervisor lists."""
+    return {r["key"] for r in c.ls()["entries"]}
+
+
+def put_blob(c: Client, b: Blob, pin: bool = False) -> str:
+    """Put ``b`` (fingerprint b"fp"); its key (hex)."""
+    return c.put_bytes(b.root, b.tokens, b"fp", b.data, pin=pin)["key"].hex()
+
+
+def use_blob(c: Client, b: Blob) -> None:
+    """What a worker's hit does: look the state up, lease it, read it, release it."""
+    hit = c.lookup(b.digests())
+    assert hit is not None
+    with c.acquire(hit) as lease:
+        assert bytes(lease.payload) == b.data
+        assert lease.finish()
