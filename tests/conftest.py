@@ -1,13 +1,19 @@
 """Shared fixtures: real `shmkv supervise` processes on private names and sockets, and the
-tiny models the test session writes. Plain helpers live in helpers.py."""
+tiny models the test session writes. Plain helpers live in the support package (tests/support/)."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import EXTRA, N_CTX, SAMPLING, SHM, Sup, start_supervisor
+
+from tests.support import SHM
+from tests.support.servers import EXTRA, N_CTX, SAMPLING
+from tests.support.supervisors import Sup, start_supervisor
+from tests.support.tmpfs import mounted_tmpfs
 
 
 @pytest.fixture
@@ -32,6 +38,24 @@ def make_supervisor(tmp_path: Path) -> Iterator:
 
 
 @pytest.fixture
+def small_tmpfs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs (root only: skips without), unmounted at teardown; another size or
+    mode with ``@pytest.mark.small_tmpfs(size="2m", mode="0700")``."""
+    marker = request.node.get_closest_marker("small_tmpfs")
+    with mounted_tmpfs(tmp_path / "smallshm", **(marker.kwargs if marker else {})) as d:
+        yield d
+
+
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A directory every user can traverse (pytest's tmp_path is 0700 root)."""
+    d = Path(tempfile.mkdtemp(prefix="shmkv-public-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
 def supervisor(make_supervisor) -> Sup:
     """One supervisor with a 64 MiB arena."""
     return make_supervisor("--size", "64M")
@@ -41,7 +65,7 @@ def supervisor(make_supervisor) -> Sup:
 def models(tmp_path_factory) -> dict[str, str]:
     """Tiny random-weight GGUFs: two llamas with the same shapes and different weights
     (seed0, seed1) and a Gemma 3 with a 32-token sliding window (swa)."""
-    from tinymodel import write_tiny_gemma3, write_tiny_llama
+    from tests.support.tinymodel import write_tiny_gemma3, write_tiny_llama
 
     d = tmp_path_factory.mktemp("models")
     out = {}
@@ -57,7 +81,7 @@ def models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def serve_model(tmp_path_factory) -> str:
     """The tiny llama the gunicorn tests serve (its own weights: seed 3)."""
-    from tinymodel import write_tiny_llama
+    from tests.support.tinymodel import write_tiny_llama
 
     path = tmp_path_factory.mktemp("serve-model") / "tiny.gguf"
     write_tiny_llama(path, seed=3)
@@ -82,20 +106,3 @@ def serve_reference(serve_model) -> Callable[..., str]:
         return llm.create_completion(prompt, **params)["choices"][0]["text"]
 
     return run
-
-
-@pytest.fixture(scope="session")
-def chaos_refs(models):
-    """Cold greedy outputs of the chaos prompts, computed on demand (chaos_harness.Refs)."""
-    from chaos_harness import Refs
-
-    return Refs(models["seed0"])
-
-
-@pytest.fixture(scope="session")
-def chaos_summary() -> Iterator[None]:
-    """One summary line of every chaos test that ran, logged when the session ends."""
-    yield
-    from chaos_harness import log_summary
-
-    log_summary()

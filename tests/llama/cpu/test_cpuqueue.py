@@ -1,0 +1,196 @@
+"""Which prefill gets the CPU budget's cores first (shmkv/cpuqueue.py): real processes on
+one real budget file, locks and bell.
+
+The prefill with the fewest tokens left goes first, whoever waited longer; a prefill
+between two batches keeps its place in line while its cores are free; a prefill that has
+waited long enough passes a stream of short ones; a waiter killed in line holds nobody up.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shmkv.llama.cpu import budget as cpubudget
+from shmkv.llama.cpu import queue as cpuqueue
+from tests.support.waiting import wait_until
+
+SHM = "/dev/shm"
+
+# One process on the budget: "take REMAINING [hold] [give_back NEXT] [pause] [take NEXT]..."
+# as a JSON list of steps; prints a JSON line per step with the monotonic time it ended.
+ACTOR = r"""
+import json, sys, time
+from shmkv.llama.cpu import budget as cpubudget
+name, cores, steps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+b = cpubudget.CpuBudget("/dev/shm", name, cores, wait=60)
+g = None
+for op, arg in steps:
+    if op == "take":
+        g = b.take(cores, remaining=arg)
+    elif op == "give_back":
+        b.give_back(g, next_remaining=arg, next_want=cores)
+    elif op == "sleep":
+        time.sleep(arg)
+    elif op == "loop_short":   # short prefills back to back for ARG seconds
+        end = time.monotonic() + arg
+        n = 0
+        while time.monotonic() < end:
+            g = b.take(cores, remaining=20)
+            time.sleep(0.02)
+            b.give_back(g)
+            n += 1
+        print(json.dumps({"op": op, "n": n, "t": time.monotonic()}), flush=True)
+        continue
+    elif op == "batches":  # one prefill of ARG batches of 0.25 s, back to back
+        for k in range(int(arg), 0, -1):
+            g = b.take(cores, remaining=1000 * k)
+            time.sleep(0.25)
+            b.give_back(g, next_remaining=1000 * (k - 1), next_want=cores)
+    print(json.dumps({"op": op, "arg": arg, "t": time.monotonic()}), flush=True)
+"""
+
+
+@pytest.fixture
+def name() -> str:
+    n = f"q{uuid.uuid4().hex[:10]}"
+    yield n
+    cpubudget.remove(SHM, n)
+    Path(cpubudget.budget_path(SHM, n)).unlink(missing_ok=True)
+    Path(f"{SHM}/sem.{cpubudget.bell_name(n)[1:]}").unlink(missing_ok=True)
+
+
+def actor(name: str, cores: int, steps: list[tuple[str, float]]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", ACTOR, name, str(cores), json.dumps(steps)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def events(p: subprocess.Popen[str], timeout: float = 60) -> list[dict[str, float]]:
+    out, _ = p.communicate(timeout=timeout)
+    assert p.returncode == 0, out
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def waiting_on_board(name: str) -> int:
+    """Records in line on the budget's board, live or not, read from the file."""
+    raw = Path(cpubudget.budget_path(SHM, name)).read_bytes()
+    size = cpuqueue.SLOTS * cpuqueue.REC.size
+    board = raw[cpuqueue.BOARD_OFFSET : cpuqueue.BOARD_OFFSET + size].ljust(size, b"\0")
+    return sum(rec[3] == cpuqueue.WAITING for rec in cpuqueue.REC.iter_unpack(board))
+
+
+def wait_until_in_line(name: str, n: int) -> None:
+    end = time.monotonic() + 30
+    while waiting_on_board(name) < n:
+        assert time.monotonic() < end, f"fewer than {n} prefills in line after 30 s"
+        time.sleep(0.02)
+
+
+def test_shortest_prefill_first_whoever_waited_longer(name):
+    """One core, held; a 1,000-token prefill gets in line, then a 20-token one: when the
+    core comes free the short one runs first (a bell ring alone would wake the long one)."""
+    with cpubudget.CpuBudget(SHM, name, 1, wait=60) as b:
+        g = b.take(1)
+        long = actor(name, 1, [("take", 1000), ("sleep", 0.3), ("give_back", 0)])
+        wait_until_in_line(name, 1)
+        short = actor(name, 1, [("take", 20), ("sleep", 0.3), ("give_back", 0)])
+        wait_until_in_line(name, 2)
+        b.give_back(g)
+        got_long = events(long)[0]["t"]
+        got_short = events(short)[0]["t"]
+    assert got_short < got_long, "the long prefill took the core before the short one"
+    assert got_long - got_short >= 0.25  # (the long one waited for the short one's batch)
+
+
+def test_a_prefill_between_batches_keeps_its_place(name):
+    """A prefill gives back its core after a batch with 500 tokens to go and takes it again
+    50 ms later; a 2,000-token prefill in line all the while does not get it in between."""
+    with cpubudget.CpuBudget(SHM, name, 1, wait=60) as b:
+        g = b.take(1)
+        first = actor(
+            name,
+            1,
+            [("take", 1000), ("sleep", 0.2), ("give_back", 500), ("sleep", 0.05)]
+            + [("take", 500), ("sleep", 0.2), ("give_back", 0)],
+        )
+        wait_until_in_line(name, 1)
+        second = actor(name, 1, [("take", 2000), ("give_back", 0)])
+        wait_until_in_line(name, 2)
+        b.give_back(g)
+        steps = events(first)
+        got_second = events(second)[0]["t"]
+    second_batch = steps[3]["t"]  # (the take of its 500 remaining)
+    assert second_batch < got_second, "the longer prefill took the core between two batches"
+
+
+def test_a_long_wait_passes_a_stream_of_short_prefills(name):
+    """Short prefills back to back for 12 s on one core do not starve a 1,000-token one:
+    it ages ahead of them within ~1,000 / AGING_TOKENS_PER_SECOND seconds."""
+    shorts = actor(name, 1, [("loop_short", 12.0)])
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    long = actor(name, 1, [("take", 1000), ("give_back", 0)])
+    got = events(long)[0]["t"] - t0
+    n = events(shorts)[0]["n"]
+    bound = 1000 / cpuqueue.AGING_TOKENS_PER_SECOND + 2.5
+    assert got < bound, f"the long prefill waited {got:.1f} s (bound {bound:.1f} s)"
+    assert n > 20  # (the short ones did run)
+
+
+def test_a_waiter_killed_in_line_holds_nobody_up(name):
+    """A 5-token prefill killed while in line leaves a record that says it goes first;
+    nobody holds its slot's lock any more, so a 1,000-token prefill is not held up."""
+    with cpubudget.CpuBudget(SHM, name, 1, wait=60) as b:
+        g = b.take(1)
+        long = actor(name, 1, [("take", 1000), ("give_back", 0)])
+        wait_until_in_line(name, 1)
+        doomed = actor(name, 1, [("take", 5)])
+        wait_until_in_line(name, 2)
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        assert waiting_on_board(name) == 2  # (its record is still there, saying "waiting")
+        t0 = time.monotonic()
+        b.give_back(g)
+        got = events(long)[0]["t"] - t0
+    assert got < 1.0, f"a dead waiter's record held the core back {got:.1f} s"
+
+
+def _held(name: str, cores: int) -> int:
+    try:
+        return cpubudget.held_cores(SHM, name, cores)
+    except FileNotFoundError:  # (not created yet)
+        return 0
+
+
+def test_a_decode_step_waits_at_most_about_one_batch(name):
+    """A long prefill takes every core batch after batch (0.25 s each), giving them back
+    in between; a decode step that finds no core goes first in line, so it gets one at
+    the next batch's end instead of losing every race to the prefill's next batch."""
+    cores, batch = 2, 0.25
+    prefill = actor(name, cores, [("batches", 16)])
+    try:
+        wait_until(lambda: _held(name, cores) == cores, 30, "the prefill to take the cores")
+        waits = []
+        with cpubudget.CpuBudget(SHM, name, cores, wait=60) as b:
+            for _ in range(6):
+                t0 = time.monotonic()
+                g = b.take(1)
+                waits.append(time.monotonic() - t0)
+                assert len(g.slots) == 1 and not g.timed_out
+                time.sleep(0.01)  # (the step)
+                b.give_back(g)
+        assert max(waits) < 2.5 * batch, waits
+        assert events(prefill)[-1]["op"] == "batches"
+    finally:
+        prefill.kill()
+        prefill.wait()

@@ -1,0 +1,107 @@
+"""Coalescing: a worker about to prefill a prefix another worker is already prefilling waits
+for that worker's publish instead of computing it again."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from shmkv.core.keys import chain_digests
+from shmkv.supervisor.claims import Claims
+from tests.support.blobs import blob
+from tests.support.llama_workers import KW, SYSTEM, completion, run_worker, texts
+
+
+def test_claims_table_rules():
+    c = Claims(ttl=10)
+    d = [bytes([i]) * 16 for i in range(3)]
+    assert c.claim(1, 1, d, now=0, wait=5) == ("go", None)
+    status, w = c.claim(2, 7, d[1:], now=0, wait=5)  # d[1] is claimed by 1
+    assert status == "wait" and w.rid == 7
+    assert c.claim(1, 2, d[1:], now=0, wait=5)[0] == "go"  # an owner never waits on itself
+    assert [(x.rid, s) for x, s in c.indexed([d[1]])] == [(7, "ready")]
+    _, w = c.claim(2, 8, d[2:], now=1, wait=2)
+    assert [(x.rid, s) for x, s in c.expire(now=3.5)] == [(8, "timeout")]
+    _, w = c.claim(2, 9, d[2:], now=4, wait=100)
+    assert [(x.rid, s) for x, s in c.drop_owner(1)] == [(9, "retry")]
+    assert c.claim(3, 1, d, now=5, wait=5)[0] == "go"
+    assert [s for _, s in c.expire(now=16)] == []  # claims expire silently without waiters
+    assert not c.claims and not c.waiters
+
+
+def test_waiter_is_woken_by_the_put_that_indexes_the_claimed_digest(supervisor):
+    root, tokens, data = blob(1, 50_000, n_tokens=4 * 64)
+    ds = chain_digests(root, tokens, 64)
+    with supervisor.client() as a, supervisor.client() as b:
+        assert a.claim(ds, wait=5) == "go"
+        result = {}
+
+        def wait_b():
+            t0 = time.monotonic()
+            result["status"] = b.claim(ds, wait=10)
+            result["waited"] = time.monotonic() - t0
+
+        t = threading.Thread(target=wait_b)
+        t.start()
+        time.sleep(0.3)
+        assert t.is_alive()  # b waits for a
+        a.put_bytes(root, tokens, b"fp", data)
+        t.join(5)
+        assert result["status"] == "ready" and result["waited"] >= 0.25
+        hit = b.lookup(ds)
+        assert hit is not None and hit.chunks == len(ds)
+
+
+def test_waiter_gets_retry_when_the_claimer_dies_and_timeout_on_its_deadline(supervisor):
+    ds = blob(2, 0, n_tokens=4 * 64).digests()
+    a = supervisor.client()
+    with supervisor.client() as b:
+        assert a.claim(ds, wait=5) == "go"
+        t0 = time.monotonic()
+        assert b.claim(ds, wait=0.3) == "timeout"
+        assert 0.25 <= time.monotonic() - t0 < 3
+        threading.Timer(0.3, a.close).start()
+        assert b.claim(ds, wait=10) == "retry"
+        assert b.claim(ds, wait=10) == "go"  # nobody holds it any more
+
+
+@pytest.mark.parametrize("publisher", [False, True])
+def test_llama_worker_waits_for_a_prefill_in_flight(supervisor, models, publisher):
+    """A worker whose prompt another worker is prefilling waits instead of prefilling too;
+    when that worker publishes it restores, when it gives up it computes: same output."""
+    import llama_cpp
+
+    from shmkv.llama import key_root, model_fingerprint
+
+    prompt = SYSTEM + " Question: who waits?"
+    llm = llama_cpp.Llama(model_path=models["seed0"], verbose=False, **KW)
+    tokens = np.array(llm.tokenize(prompt.encode()), dtype=np.int32)
+    root = key_root(model_fingerprint(llm), "")
+    del llm
+    ds = chain_digests(root, tokens, 64)
+    cold = run_worker(None, models["seed0"], [completion(prompt)], mode="cold")
+    claimer = supervisor.client()
+    assert claimer.claim(ds, wait=5) == "go"  # a slow worker prefilling this prompt
+    if publisher:  # another worker, not coalescing, computes and publishes it meanwhile
+        env_timer = threading.Timer(
+            1.0,
+            lambda: run_worker(
+                supervisor, models["seed0"], [completion(prompt)], env={"SHMKV_COALESCE_WAIT": "0"}
+            ),
+        )
+    else:  # the slow worker dies without publishing
+        env_timer = threading.Timer(1.0, claimer.close)
+    env_timer.start()
+    got = run_worker(supervisor, models["seed0"], [completion(prompt)])
+    env_timer.join()
+    claimer.close()
+    assert texts(got) == texts(cold)
+    last = got["results"][0]["last"]
+    assert last["coalesce_wait_seconds"] >= 0.5
+    if publisher:
+        assert last["tokens_restored"] > 500  # it waited and restored
+    else:
+        assert last["tokens_restored"] == 0 and last["tokens_evaluated"] == len(tokens)

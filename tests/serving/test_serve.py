@@ -1,0 +1,272 @@
+"""Real gunicorn workers, a real supervisor and the official `openai` client, on 127.0.0.1.
+
+The tiny model stands in for a real one; outputs are compared with a plain
+``llama_cpp.Llama`` given the same settings and sampling parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.support.servers import EXTRA, SAMPLING, Server
+from tests.support.supervisors import start_supervisor
+
+log = logging.getLogger(__name__)
+SYSTEM = " ".join(f"Policy {i}: the cat {i % 7} guards mat {i % 5}." for i in range(45))
+
+
+@pytest.fixture
+def server(tmp_path, serve_model, make_supervisor):
+    sup = make_supervisor("--size", "256M")
+    srv = Server(sup, serve_model, workers=3, tmp_path=tmp_path)
+    yield srv
+    srv.stop()
+
+
+def test_openai_client_cold_then_hits_on_other_workers(server, serve_reference):
+    prompts = [SYSTEM + f" Question {i}: which mat?" for i in range(12)]
+    text, first = server.complete(prompts[0])
+    assert text == serve_reference(prompts[0])
+    assert first["restored_tokens"] == 0 and first["evaluated_tokens"] > 500
+    restored_by: dict[int, int] = {}
+    results: dict[str, tuple[str, dict]] = {}
+
+    def ask(batch: list[str]) -> None:
+        for p in batch:
+            results[p] = server.complete(p)
+
+    # two clients at a time, so that requests land on several workers
+    threads = [threading.Thread(target=ask, args=(prompts[1 + k :: 2],)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == len(prompts) - 1
+    for p, (text, info) in results.items():
+        assert text == serve_reference(p), p
+        if info["restored_tokens"]:
+            restored_by[info["worker_pid"]] = info["restored_tokens"]
+    others = {pid for pid in restored_by if pid != first["worker_pid"]}
+    assert others, f"no other worker restored from the arena: {restored_by}"
+    assert all(n >= 500 for n in restored_by.values())
+    st = server.sup.stats_json()
+    assert st["tokens_restored"] >= sum(restored_by.values())
+    assert st["workers_attached"] >= 3
+    log.info(
+        "restored by worker: %s; supervisor stats: hits=%d tokens_restored=%d",
+        restored_by,
+        st["hits"],
+        st["tokens_restored"],
+    )
+
+
+def test_streaming_and_chat(server, serve_reference):
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Which cat guards mat 3?"},
+    ]
+    want = serve_reference(messages=messages)
+    got = server.client.chat.completions.create(
+        model="tiny", messages=messages, extra_body=EXTRA, **SAMPLING
+    )
+    assert got.choices[0].message.content == want
+    for _ in range(3):  # stream the same prompt, which some worker now restores
+        chunks = list(
+            server.client.chat.completions.create(
+                model="tiny", messages=messages, stream=True, extra_body=EXTRA, **SAMPLING
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == want
+        info = chunks[0].model_extra["shmkv"]
+        assert info["prompt_tokens"] > 500
+    prompt = SYSTEM + " Stream me."
+    chunks = list(
+        server.client.completions.create(
+            model="tiny", prompt=prompt, stream=True, extra_body=EXTRA, **SAMPLING
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == serve_reference(prompt)
+    models = server.client.models.list()
+    assert len(models.data) == 1
+
+
+def test_kill9_worker_mid_request(server, serve_reference):
+    prompt = SYSTEM + " A long story:"
+    server.complete(prompt)  # warm the arena
+    stream = server.client.completions.create(
+        model="tiny", prompt=prompt, stream=True, max_tokens=1500, temperature=0.0, extra_body=EXTRA
+    )
+    first = next(iter(stream))
+    victim = first.model_extra["shmkv"]["worker_pid"]
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises((openai.APIError, httpx.HTTPError)):
+        for _ in stream:
+            pass
+    # the others keep answering, with outputs equal to a cold run
+    for i in range(4):
+        p = SYSTEM + f" After the crash {i}."
+        text, _ = server.complete(p)
+        assert text == serve_reference(p)
+    server.wait_workers(3)
+    assert victim not in server.worker_pids()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        st = server.sup.stats_json()
+        if st["leases_active"] == 0 and st["workers_attached"] <= 3 * 2 + 1:
+            break
+        time.sleep(0.2)
+    assert st["leases_active"] == 0
+    assert st["workers_attached"] <= 3 * 2 + 1, st  # the dead worker's connections are gone
+
+
+def test_kill9_supervisor_workers_answer_cold_then_reattach(server, serve_reference, tmp_path):
+    sup = server.sup
+    prompt = SYSTEM + " Before the outage."
+    server.complete(prompt)
+    os.kill(sup.proc.pid, signal.SIGKILL)
+    sup.proc.wait(10)
+    errors: list[BaseException] = []
+
+    def ask(i: int) -> None:
+        try:
+            p = SYSTEM + f" During the outage {i}."
+            text, info = server.complete(p)
+            assert text == serve_reference(p)
+            assert info["restored_tokens"] == 0
+        except BaseException as e:  # collected and re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    # restart the supervisor on the same name and socket; the stale socket is taken over
+    new = start_supervisor(tmp_path, "--size", "256M", name=sup.name)
+    server.sup.proc = new.proc
+    try:
+        deadline = time.monotonic() + 30
+        restored = 0
+        i = 0
+        while time.monotonic() < deadline and not restored:
+            # two system prompts in turn: a worker that served the last request (its
+            # own context reuses that prompt) must restore the other one from the arena
+            p = ("Preface. " if i % 2 else "") + SYSTEM + f" After the restart {i}."
+            text, info = server.complete(p)
+            assert text == serve_reference(p)
+            restored = info["restored_tokens"]
+            i += 1
+            time.sleep(0.3)
+        assert restored > 500, f"workers never used the restarted supervisor's arena: {info}"
+    finally:
+        new.stop()
+
+
+def test_more_concurrent_streams_than_workers_all_complete(server, serve_reference):
+    """More streams at once than workers: none is cut short (a busy worker accepts no new
+    connection, and llama-cpp-python's server, which interrupts a stream when another
+    request waits for the model, runs with interrupt_requests=False)."""
+    prompts = [SYSTEM + f" Concurrent {i}." for i in range(8)]
+    out: dict[str, str] = {}
+    errors: list[BaseException] = []
+
+    def stream(p: str) -> None:
+        try:
+            chunks = server.client.completions.create(
+                model="tiny", prompt=p, stream=True, extra_body=EXTRA, **SAMPLING
+            )
+            out[p] = "".join(c.choices[0].text for c in chunks)
+        except BaseException as e:  # collected below
+            errors.append(e)
+
+    threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert out == {p: serve_reference(p) for p in prompts}
+
+
+def test_a_busy_worker_accepts_no_new_connection(tmp_path, serve_model, make_supervisor):
+    """While one worker streams a long completion, new connections all go to the idle one
+    (workers/worker.py), instead of queueing behind the busy worker."""
+    sup = make_supervisor("--size", "128M")
+    srv = Server(sup, serve_model, workers=2, tmp_path=tmp_path)
+    try:
+        stream = srv.client.completions.create(
+            model="tiny",
+            prompt=SYSTEM + " Long story:",
+            stream=True,
+            max_tokens=1500,
+            temperature=0.0,
+            extra_body=EXTRA,
+        )
+        it = iter(stream)
+        busy = next(it).model_extra["shmkv"]["worker_pid"]
+        pids = [
+            srv.complete(SYSTEM + f" Quick {i}.", max_tokens=2)[1]["worker_pid"] for i in range(6)
+        ]
+        assert busy not in pids, (busy, pids)
+        for _ in it:  # the long stream still completes
+            pass
+    finally:
+        srv.stop()
+
+
+def test_accepting_falls_back_to_plain_asyncio_on_a_server_without_its_internals(caplog):
+    """workers/compat.py: an asyncio server of a version without ``_sockets`` leaves every
+    connection to asyncio's own accept loop (with one warning naming the versions known);
+    one with them is taken over and counts what it accepts."""
+    from shmkv_workers.worker import IdleAcceptor
+
+    async def main() -> None:
+        async def hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"hello")
+            await writer.drain()
+            writer.close()
+
+        async def ask(port: int) -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                return await asyncio.wait_for(reader.read(), 30)
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(hello, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+
+        class OtherVersion:  # an asyncio server whose listening sockets are elsewhere
+            def get_loop(self) -> asyncio.AbstractEventLoop:
+                return server.get_loop()
+
+        plain = IdleAcceptor()
+        plain.attach([OtherVersion()], read_timeout=30.0)
+        assert not plain.active and plain.listening == []
+        assert await ask(port) == b"hello"  # asyncio's own accept loop still serves
+        assert plain.counters.connections_accepted == 0
+
+        taken = IdleAcceptor()
+        taken.attach([server], read_timeout=30.0)
+        assert taken.active and taken.listening
+        assert await ask(port) == b"hello"
+        assert taken.counters.connections_accepted == 1
+        taken.stop()
+        server.close()
+        await server.wait_closed()
+
+    with caplog.at_level(logging.WARNING, logger="shmkv.worker"):
+        asyncio.run(main())
+    warned = [r.getMessage() for r in caplog.records if "cannot take over" in r.getMessage()]
+    assert len(warned) == 1 and "uvicorn 0.54.0" in warned[0], warned

@@ -1,0 +1,498 @@
+"""A restarted supervisor adopts the arena its stopped or killed predecessor left.
+
+Real supervisors SIGKILLed and restarted on the same name: what the old one had
+stored is served at once (checked byte for byte, and with llama.cpp against a
+cold run); what was damaged or half-written is dropped; a file of another format,
+mode or owner is refused; ``--fresh`` and ``shmkv clear`` start empty on purpose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import random
+import signal
+import struct
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmkv import ArenaCorruptError, Client, NotFound, SupervisorUnavailable
+from shmkv.core import arena as A
+from shmkv.core.keys import chain_digests
+from tests.support.blobs import CHUNK
+from tests.support.cli import assert_one_error_line
+from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
+from tests.support.supervisors import Sup, kill9, restart, try_stats
+from tests.support.waiting import wait_until
+
+log = logging.getLogger(__name__)
+
+FP = b"adopt-test-fingerprint"
+
+
+# ------------------------------------------------------------------ known blobs
+def known(seed: int, max_size: int = 300_000) -> tuple[bytes, np.ndarray, bytes]:
+    """(root, tokens, payload): a pure function of ``seed``, which the first token
+    carries, so that whatever record is found in an arena can be checked."""
+    rng = np.random.default_rng(seed)
+    n_tok = CHUNK * int(rng.integers(1, 4)) + int(rng.integers(0, CHUNK))
+    tokens = rng.integers(0, 30_000, n_tok).astype("<i4")
+    tokens[0] = seed
+    root = hashlib.blake2b(b"adopt-%d" % seed, digest_size=16).digest()
+    return root, tokens, rng.bytes(int(rng.integers(1000, max_size)))
+
+
+def put_known(c: Client, seed: int, max_size: int = 300_000) -> None:
+    root, tokens, data = known(seed, max_size)
+    c.put_bytes(root, tokens, FP, data)
+
+
+def check_records(
+    path: Path, max_size: int = 300_000, strict: bool = True
+) -> tuple[int, list[str]]:
+    """Every record an arena file's index names, against what was put: (count, problems).
+
+    ``strict``: a slot naming no valid record is a problem too (not in an arena a
+    killed supervisor left, where adoption drops what such slots name)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        view = A.ArenaView(fd, populate=False)
+    finally:
+        os.close(fd)
+    problems, seen = [], set()
+    try:
+        for s in view.scan():
+            if (s.rec_offset, s.rec_gen) in seen:
+                continue
+            seen.add((s.rec_offset, s.rec_gen))
+            try:
+                rec = view.read_record(s.rec_offset, s.rec_gen)
+                view.verify_meta(rec)
+            except ArenaCorruptError as e:
+                if strict:
+                    problems.append(f"slot {s.digest.hex()[:12]}: {e}")
+                continue
+            tokens = view.tokens(rec).copy()
+            root, want_tokens, data = known(int(tokens[0]), max_size)
+            if (
+                rec.root != root
+                or not np.array_equal(tokens, want_tokens)
+                or bytes(view.fingerprint(rec)) != FP
+                or bytes(view.payload(rec)) != data
+            ):
+                problems.append(f"record {rec.gen} at {rec.offset} (seed {tokens[0]}) differs")
+            if s.digest not in chain_digests(root, want_tokens, CHUNK):
+                problems.append(f"slot {s.digest.hex()[:12]} names record {rec.gen} wrongly")
+    finally:
+        view.close()
+    return len(seen), problems
+
+
+def read_back(c: Client, seed: int, max_size: int = 300_000) -> bytes | None:
+    """The payload of ``seed``'s blob as a worker reads it (None: a miss)."""
+    root, tokens, _ = known(seed, max_size)
+    hit = c.lookup(chain_digests(root, tokens, CHUNK))
+    if hit is None or hit.chunks != len(tokens) // CHUNK:
+        return None
+    with c.acquire(hit) as lease:
+        data = bytes(lease.payload)
+        return data if lease.finish() else None
+
+
+def _where(c: Client, root: bytes, tokens: np.ndarray) -> tuple[int, int]:
+    hit = c.lookup(chain_digests(root, tokens, CHUNK))
+    return hit.slot.rec_offset, hit.slot.rec_gen
+
+
+# ------------------------------------------------------------------------ adopt
+def test_kill9_restart_serves_every_entry_at_once(make_supervisor) -> None:
+    sup = make_supervisor("--size", "64M")
+    with sup.client() as c:
+        for seed in range(50):
+            put_known(c, seed)
+        old_id = c.view.geometry.arena_id
+    inode = sup.arena.stat().st_ino
+    kill9(sup)
+    new = restart(make_supervisor, sup, "--size", "64M")
+    assert sup.arena.stat().st_ino == inode  # the same file, adopted
+    with new.client() as c:
+        st = c.stats()
+        assert (st["entries"], st["adopted"], st["adopt_dropped"]) == (50, 50, 0), st
+        assert c.view.geometry.arena_id != old_id  # a new supervisor: workers reattach
+        for seed in range(50):
+            assert read_back(c, seed) == known(seed)[2], seed
+        assert c.stats()["hits"] == 50
+        put_known(c, 50)  # and it goes on storing
+        assert read_back(c, 50) == known(50)[2]
+    assert check_records(new.arena) == (51, [])
+    assert "adopted 50 entries" in new.log()
+
+
+def test_clean_stop_with_keep_is_adopted_and_fresh_starts_empty(make_supervisor) -> None:
+    sup = make_supervisor("--size", "16M", "--keep")
+    with sup.client() as c:
+        for seed in range(5):
+            put_known(c, seed)
+    assert sup.stop() == 0
+    again = restart(make_supervisor, sup, "--size", "16M", "--keep")
+    with again.client() as c:
+        assert c.stats()["entries"] == 5
+        assert read_back(c, 3) == known(3)[2]
+    assert again.stop() == 0
+    fresh = restart(make_supervisor, sup, "--size", "16M", "--fresh")
+    with fresh.client() as c:
+        assert c.stats()["entries"] == 0
+        assert read_back(c, 3) is None
+    assert "adopting" not in fresh.log()
+
+
+def test_other_geometry_starts_empty(make_supervisor) -> None:
+    sup = make_supervisor("--size", "16M")
+    with sup.client() as c:
+        put_known(c, 1)
+    kill9(sup)
+    new = restart(make_supervisor, sup, "--size", "32M")
+    with new.client() as c:
+        assert c.stats()["entries"] == 0 and c.view.geometry.arena_size == 32 << 20
+    assert "starting empty" in new.log()
+
+
+# --------------------------------------------------------- kill -9 during puts
+PUTS_TRIALS = 16
+
+
+@pytest.mark.timeout(300)
+def test_kill9_during_puts_never_adopts_a_half_written_record(make_supervisor) -> None:
+    """Three writers put (and so evict) without pause into a small arena; the supervisor is
+    SIGKILLed at random moments and restarted each time. Every record each adopted
+    arena names must be byte for byte what was put; most trials adopt many."""
+    rnd = random.Random(11)
+    size = 1_500_000
+    args = ("--size", "8M", "--put-slice", "0.001")
+    box = [make_supervisor(*args)]
+    stop, paused = threading.Event(), threading.Event()
+    idle = [threading.Event() for _ in range(3)]
+    puts = [0]
+
+    def writer(i: int) -> None:
+        c = box[0].client(timeout=2.0)
+        seed = 1000 + i
+        while not stop.is_set():
+            if paused.is_set():
+                idle[i].set()
+                time.sleep(0.005)
+                continue
+            idle[i].clear()
+            c._backoff = 0.0
+            try:
+                put_known(c, seed, size)
+                puts[0] += 1
+            except SupervisorUnavailable:
+                time.sleep(0.005)
+            except Exception:  # (a refusal while the arena is full of the others' puts)
+                time.sleep(0.001)
+            seed += 3
+        c.close()
+
+    threads = [threading.Thread(target=writer, args=(i,), daemon=True) for i in range(3)]
+    adopted, dropped, problems = [], [], []
+    for t in threads:
+        t.start()
+    try:
+        for trial in range(PUTS_TRIALS):
+            n0 = puts[0]
+            wait_until(lambda n0=n0: puts[0] > n0 + 3, 30, "the writers to put")
+            time.sleep(rnd.uniform(0.0, 0.03))
+            sup = box[0]
+            kill9(sup)
+            paused.set()
+            wait_until(lambda: all(e.is_set() for e in idle), 30, "the writers to pause")
+            _, bad = check_records(sup.arena, size, strict=False)  # what may be adopted
+            problems += [f"trial {trial} (left): {p}" for p in bad]
+            sup = box[0] = restart(make_supervisor, sup, *args)
+            with sup.client(attach=False) as c:
+                st = c.stats()
+            adopted.append(st["adopted"])
+            dropped.append(st["adopt_dropped"])
+            n_after, bad = check_records(sup.arena, size)
+            problems += [f"trial {trial}: {p}" for p in bad]
+            if n_after != st["entries"]:
+                problems.append(f"trial {trial}: {n_after} records indexed, {st['entries']} kept")
+            paused.clear()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not problems, problems
+    log.info(
+        "kill -9 during puts: adopted %s records, dropped %s, %d puts", adopted, dropped, puts[0]
+    )
+    assert sum(1 for a in adopted if a > 0) >= PUTS_TRIALS // 2, adopted
+
+
+# ---------------------------------------------------------------------- damage
+def _flip(path: Path, pos: int, n: int = 4) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(n)
+        f.seek(pos)
+        f.write(bytes(x ^ 0x5A for x in b))
+
+
+def test_flipped_bytes_drop_only_the_damaged_records(make_supervisor) -> None:
+    sup = make_supervisor("--size", "32M")
+    recs: dict[int, A.Record] = {}
+    with sup.client() as c:
+        for seed in range(12):
+            put_known(c, seed)
+            root, tokens, _ = known(seed)
+            hit = c.lookup(chain_digests(root, tokens, CHUNK))
+            recs[seed] = c.view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
+        g = c.view.geometry
+        slots = {i: c.view.read_slot(i)[1] for i in range(g.index_slots)}
+    kill9(sup)
+    damaged = {
+        0: recs[0].payload_off + recs[0].payload_len - 3,  # the payload's last bytes
+        1: recs[1].payload_off,  # its first
+        2: recs[2].tokens_off + 8,  # token ids
+        3: recs[3].fp_off + 2,  # fingerprint
+        4: recs[4].offset + 8,  # header: generation
+        5: recs[5].offset + 60,  # header: token count
+    }
+    for pos in damaged.values():
+        _flip(sup.arena, pos)
+    # every slot naming record 6 caught mid-write (odd seqlock word): nothing names it
+    for i, s in slots.items():
+        if s is not None and s.rec_offset == recs[6].offset:
+            off = g.index_offset + i * A.SLOT_SIZE
+            with open(sup.arena, "r+b") as f:
+                f.seek(off)
+                (seq,) = struct.unpack("<I", f.read(4))
+                f.seek(off)
+                f.write(struct.pack("<I", seq | 1))
+    new = restart(make_supervisor, sup, "--size", "32M")
+    with new.client() as c:
+        st = c.stats()
+        assert st["entries"] == 12 - len(damaged) - 1, st
+        assert st["adopt_dropped"] == len(damaged), st
+        for seed in range(12):
+            want = None if seed in damaged or seed == 6 else known(seed)[2]
+            assert read_back(c, seed) == want, seed
+    assert check_records(new.arena) == (12 - len(damaged) - 1, [])
+    assert "caught mid-write" in new.log()
+
+
+def _rewrite_record(path: Path, rec: A.Record, seed: int, gen: int, created: float) -> None:
+    """Rewrite record ``rec`` (of ``seed``'s blob) with another generation and creation
+    time, consistently: its header with a valid metadata checksum, and every index slot
+    that names it, as a writer of the file (the supervisor's uid) could."""
+    _, tokens, _ = known(seed)
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        g = A.Geometry.unpack(mm, len(mm))
+        A.ArenaWriter(mm, g).write_record(
+            rec.offset,
+            gen,
+            rec.key,
+            rec.root,
+            rec.n_chunks,
+            FP,
+            tokens.tobytes(),
+            rec.payload_len,
+            rec.payload_xxh3,
+            created,
+            rec.publisher,
+        )
+        for i in range(g.index_slots):
+            off = g.index_offset + i * A.SLOT_SIZE
+            used, roff, rgen = struct.unpack_from("<4xI16xQQ", mm, off)
+            if used and (roff, rgen) == (rec.offset, rec.gen):
+                struct.pack_into("<Q", mm, off + 32, gen)  # (the slot's record generation)
+
+
+def test_out_of_range_generation_or_time_is_not_adopted(make_supervisor) -> None:
+    """An adopted generation of 2**64-1 made every later put fail (struct.error, "internal
+    supervisor error"): adoption must drop a record whose numbers cannot be used again."""
+    sup = make_supervisor("--size", "32M")
+    recs: dict[int, A.Record] = {}
+    with sup.client() as c:
+        for seed in range(6):
+            put_known(c, seed)
+            recs[seed] = c.view.read_record(*_where(c, *known(seed)[:2]))
+    kill9(sup)
+    crafted = {
+        0: ((1 << 64) - 1, recs[0].created),  # the largest u64
+        1: (1 << 63, recs[1].created),  # past what a supervisor can count up from
+        2: (recs[2].gen, float("nan")),
+        3: (recs[3].gen, float("inf")),
+    }
+    for seed, (gen, created) in crafted.items():
+        _rewrite_record(sup.arena, recs[seed], seed, gen, created)
+    new = restart(make_supervisor, sup, "--size", "32M")
+    with new.client() as c:
+        st = c.stats()
+        assert (st["entries"], st["adopt_dropped"]) == (2, len(crafted)), st
+        for seed in range(6):
+            assert read_back(c, seed) == (None if seed in crafted else known(seed)[2]), seed
+        for seed in range(10, 13):  # later puts work, and their generations count on
+            put_known(c, seed)
+            assert read_back(c, seed) == known(seed)[2], seed
+        assert c.stats()["puts"] >= 3
+    assert check_records(new.arena) == (5, [])
+
+
+# ------------------------------------------------------------------- refusals
+def test_another_format_version_is_refused_never_adopted(make_supervisor, tmp_path) -> None:
+    sup = make_supervisor("--size", "16M")
+    with sup.client() as c:
+        put_known(c, 1)
+    kill9(sup)
+    _flip(sup.arena, 8, 1)  # the format version (magic is bytes 0-7)
+    before = sup.arena.read_bytes()
+    refused = make_supervisor("--size", "16M", name=sup.name, wait=False)
+    assert refused.proc.wait(30) == 9
+    line = assert_one_error_line(_as_result(refused), "format", "--fresh", "shmkv clear")
+    assert str(sup.arena) in line
+    assert sup.arena.read_bytes() == before  # neither adopted nor removed
+    fresh = restart(make_supervisor, sup, "--size", "16M", "--fresh")
+    with fresh.client() as c:
+        assert c.stats()["entries"] == 0
+
+
+def test_a_file_others_could_write_is_refused(make_supervisor, tmp_path) -> None:
+    sup = make_supervisor("--size", "16M")
+    with sup.client() as c:
+        put_known(c, 1)
+    kill9(sup)
+    os.chmod(sup.arena, 0o660)
+    refused = make_supervisor("--size", "16M", name=sup.name, wait=False)
+    assert refused.proc.wait(30) == 8
+    assert_one_error_line(_as_result(refused), "0660", "--fresh", "shmkv clear")
+    assert sup.arena.exists()
+    os.chmod(sup.arena, 0o600)
+    again = restart(make_supervisor, sup, "--size", "16M")
+    with again.client() as c:
+        assert c.stats()["entries"] == 1
+
+
+def test_another_owners_file_is_refused(make_supervisor, tmp_path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the file away")
+    sup = make_supervisor("--size", "16M")
+    kill9(sup)
+    os.chown(sup.arena, 65534, -1)
+    try:
+        refused = make_supervisor("--size", "16M", name=sup.name, wait=False)
+        assert refused.proc.wait(30) == 8
+        assert_one_error_line(_as_result(refused), "owned by uid 65534")
+    finally:
+        sup.arena.unlink()
+
+
+class _Res:
+    def __init__(self, sup: Sup) -> None:
+        self.returncode = sup.proc.returncode
+        self.stdout = ""
+        self.stderr = sup.log()
+
+
+def _as_result(sup: Sup) -> _Res:
+    """A stopped supervisor's exit code and output, as assert_one_error_line takes them."""
+    return _Res(sup)
+
+
+# ---------------------------------------------------------------- shmkv clear
+def test_clear_removes_a_stopped_supervisors_arena(make_supervisor) -> None:
+    sup = make_supervisor("--size", "16M")
+    with sup.client() as c:
+        put_known(c, 1)
+    res = sup.cli("clear")  # a running supervisor: its entries go, as always
+    assert "removed 1 entries" in res.stdout
+    with sup.client() as c:
+        put_known(c, 2)
+    kill9(sup)
+    res = sup.cli("clear")
+    assert res.returncode == 0 and str(sup.arena) in res.stdout, res
+    assert not sup.arena.exists() and not Path(str(sup.arena) + ".lock").exists()
+    new = restart(make_supervisor, sup, "--size", "16M")
+    with new.client() as c:
+        assert c.stats()["entries"] == 0
+    # a supervisor that holds the name but does not answer: refused, nothing removed
+    os.kill(new.proc.pid, signal.SIGSTOP)
+    try:
+        res = new.cli("clear", "--timeout", "1", check=False)
+    finally:
+        os.kill(new.proc.pid, signal.SIGCONT)
+    assert_one_error_line(res, f"pid {new.proc.pid}", "stop it")
+    assert res.returncode == 3 and new.arena.exists()
+
+
+# ------------------------------------------------------- old readers, new arena
+def test_old_lease_and_old_generations_never_read_a_reused_extent(make_supervisor) -> None:
+    """A worker leased a record of the killed supervisor and is still reading it when the
+    adopted arena reuses its space: its lease is void (the read is discarded), and
+    records stored from now on never reuse an old generation, so no (offset, gen) a
+    worker saw before the restart names a new record."""
+    args = ("--size", "8M", "--put-slice", "0.001")
+    sup = make_supervisor(*args)
+    reader = sup.client(timeout=2.0)
+    try:
+        for seed in range(3):
+            put_known(reader, seed, 2_000_000)
+        root, tokens, data = known(0, 2_000_000)
+        hit = reader.lookup(chain_digests(root, tokens, CHUNK))
+        lease = reader.acquire(hit)
+        old_gens = {s.rec_gen for s in reader.view.scan()}
+        r2, t2, _ = known(2, 2_000_000)
+        last = reader.view.read_record(*_where(reader, r2, t2))
+        assert last.gen == max(old_gens)
+        kill9(sup)
+        # the newest record is damaged, so dropped: its generation was the highest
+        _flip(sup.arena, last.payload_off + 100)
+        new = restart(make_supervisor, sup, *args)
+        with new.client() as c:
+            assert c.stats()["adopted"] == 2
+            for seed in range(10, 30):  # evicts record 0 and reuses its space
+                put_known(c, seed, 2_000_000)
+                if c.stats()["evictions"] >= 2:
+                    break
+            assert read_back(c, 0, 2_000_000) is None
+            new_gens = [
+                c.view.read_record(s.rec_offset, s.rec_gen).gen
+                for s in c.view.scan()
+                if c.view.tokens(c.view.read_record(s.rec_offset, s.rec_gen))[0] >= 10
+            ]
+            assert new_gens and min(new_gens) > max(old_gens)
+        assert bytes(lease.payload) != data  # its extent now holds another record
+        assert lease.finish() is False  # ... and the reader learns its read is void
+        with pytest.raises(NotFound):  # the old (offset, gen) names nothing now
+            wait_until(lambda: try_stats(reader), 15, "the reader to reconnect")
+            reader.acquire(hit)
+    finally:
+        reader.close()
+
+
+# ----------------------------------------------------------------- with llama
+def test_llama_restores_after_kill9_and_restart_equal_to_cold(make_supervisor, models) -> None:
+    """Prompts cached before a kill -9 are restored by a new worker after the restart, with
+    no prefill of the cached part, and give a cold run's greedy tokens."""
+    prompts = [SYSTEM + f" Question {i}: which cat sits on which mat?" for i in range(3)]
+    jobs = [completion(p, max_tokens=12) for p in prompts]
+    cold = run_worker(None, models["seed0"], jobs, mode="cold")
+    sup = make_supervisor("--size", "64M")
+    first = run_worker(sup, models["seed0"], jobs)
+    assert texts(first) == texts(cold)
+    kill9(sup)
+    new = restart(make_supervisor, sup, "--size", "64M")
+    again = run_worker(new, models["seed0"], jobs)
+    assert texts(again) == texts(cold)
+    for r in again["results"]:
+        last = r["last"]
+        assert last["hit"] and last["tokens_evaluated"] <= 1, last
+        assert last["tokens_restored"] >= last["prompt_tokens"] - 1, last
+    assert new.stats_json()["adopted"] >= 3

@@ -1,0 +1,356 @@
+"""``--persist``: states written behind to LMDB survive a reboot (the arena in /dev/shm is
+gone) and come back, most recently used first, while the supervisor serves; a corrupt
+record on disk is skipped; a full disk pauses persistence and costs no request.
+
+Real supervisors, real llama.cpp on the tiny model; a "reboot" is a supervisor stopped,
+its /dev/shm arena removed, and a new one started on the same --persist directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+
+from shmkv.core.keys import chain_digests
+from shmkv.supervisor.tiers.disk.lmdb_store import DiskRecord
+from tests.support.blobs import blob
+from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
+from tests.support.supervisors import (
+    Sup,
+    no_internal_errors,
+    persisted_all,
+    start_supervisor,
+    wait_ready,
+)
+from tests.support.waiting import wait_until
+
+
+def reboot(tmp_path: Path, sup: Sup, *args: str) -> Sup:
+    """Stop ``sup`` once its puts are on disk, remove its arena, start it again."""
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind to catch up")
+    assert sup.stop() == 0, sup.log()
+    sup.arena.unlink(missing_ok=True)  # what a reboot does to /dev/shm
+    return start_supervisor(tmp_path, *args, name=sup.name)
+
+
+def refilled(sup: Sup) -> dict:
+    """The stats once the refill is over."""
+    return wait_until(lambda: (st := sup.stats())["refilling"] == 0 and st, 30, "the refill")
+
+
+@contextmanager
+def store_locked(disk: Path) -> Iterator[None]:
+    """Hold ``disk``'s ``shmkv.lock`` (one supervisor per directory): a supervisor started
+    meanwhile serves, but its writer cannot open the store, so its refill waits."""
+    fd = os.open(disk / "shmkv.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def break_metadata(disk: Path, root: bytes) -> None:
+    """Flip a byte in the stored metadata of the record whose root is ``root`` (its
+    checksum then fails), with LMDB itself (the supervisor is stopped)."""
+    env = lmdb.open(str(disk), max_dbs=2, map_size=1 << 30)
+    meta = env.open_db(b"meta", create=False)
+    with env.begin(db=meta, write=True) as txn:
+        key, val = next((k, v) for k, v in txn.cursor() if DiskRecord.unpack(k, v).root == root)
+        bad = bytearray(val)
+        bad[-12] ^= 0xFF  # (a token id)
+        txn.put(key, bytes(bad))
+    env.close()
+
+
+def present(sup: Sup, blobs: list) -> list[bool]:
+    with sup.client() as c:
+        return [c.lookup(b.digests()) is not None for b in blobs]
+
+
+def test_reboot_refills_the_arena_and_hits_equal_cold(make_supervisor, tmp_path, models):
+    disk = tmp_path / "persist"
+    args = ("--size", "64M", "--persist", str(disk))
+    prompt = SYSTEM + " Question: what survives a reboot?"
+    jobs = [completion(prompt), completion(SYSTEM + " Question: and the mats?")]
+    cold = run_worker(None, models["seed0"], jobs, mode="cold")
+    sup = make_supervisor(*args)
+    first = run_worker(sup, models["seed0"], jobs[:1])
+    assert texts(first) == texts(cold)[:1]
+    again = reboot(tmp_path, sup, *args)
+    try:
+        st = refilled(again)
+        assert st["refilled"] >= 1 and st["refill_skipped"] == 0, st
+        assert st["entries"] == st["refilled"]
+        got = [run_worker(again, models["seed0"], [job]) for job in jobs]  # fresh processes
+        assert [texts(g)[0] for g in got] == texts(cold)
+        exact, other = (g["results"][0]["last"] for g in got)
+        assert exact["hit"] and exact["tokens_restored"] >= exact["prompt_tokens"] - 1
+        assert other["hit"] and other["tokens_restored"] > 500  # the shared system prompt
+    finally:
+        assert again.stop() == 0
+        no_internal_errors(sup, again)
+
+
+def _flip_on_disk(disk: Path) -> int:
+    """Flip 16 bytes in the middle of every payload in ``disk``'s data.mdb, in the file
+    itself (as bit rot would); returns how many payloads."""
+    env = lmdb.open(str(disk), max_dbs=2, readonly=True, lock=False)
+    with env.begin(db=env.open_db(b"blob", create=False)) as txn:
+        windows = [bytes(v[len(v) // 2 : len(v) // 2 + 64]) for _, v in txn.cursor()]
+    env.close()
+    data = bytearray((disk / "data.mdb").read_bytes())
+    for w in windows:
+        pos = data.find(w)
+        assert pos >= 0
+        data[pos + 24 : pos + 40] = bytes(b ^ 0xFF for b in data[pos + 24 : pos + 40])
+    (disk / "data.mdb").write_bytes(bytes(data))
+    return len(windows)
+
+
+def test_flipped_byte_on_disk_is_skipped_and_output_unchanged(make_supervisor, tmp_path, models):
+    disk = tmp_path / "persist"
+    args = ("--size", "64M", "--persist", str(disk))
+    prompt = SYSTEM + " Question: is the disk intact?"
+    cold = run_worker(None, models["seed0"], [completion(prompt)], mode="cold")
+    sup = make_supervisor(*args)
+    run_worker(sup, models["seed0"], [completion(prompt)])
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind")
+    assert sup.stop() == 0
+    n = _flip_on_disk(disk)
+    assert n >= 1
+    again = start_supervisor(tmp_path, *args, name=sup.name)
+    try:
+        st = refilled(again)
+        assert st["refill_skipped"] == n and st["refilled"] == 0, st
+        assert st["entries"] == 0
+        # the corrupt copies were removed from disk, and a new run is cold and correct
+        wait_until(lambda: again.stats()["persist_records"] == 0, 10, "corrupt records removed")
+        got = run_worker(again, models["seed0"], [completion(prompt)])
+        assert texts(got) == texts(cold)
+        assert not got["results"][0]["last"]["hit"]
+        wait_until(lambda: again.stats()["persisted"] >= 1, 10, "the new state persisted")
+    finally:
+        assert again.stop() == 0
+        no_internal_errors(again)
+
+
+def test_refill_is_most_recent_first_and_never_evicts(make_supervisor, tmp_path):
+    """A smaller arena after the restart takes the most recently used states, then stops."""
+    disk = tmp_path / "persist"
+    blobs = [blob(i, 1 << 20) for i in range(12)]
+    sup = make_supervisor("--size", "64M", "--persist", str(disk))
+    with sup.client() as c:
+        for b in blobs:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+        hit = c.lookup(blobs[0].digests())  # blob 0 used last: the most recent of all
+        with c.acquire(hit) as lease:
+            assert lease.finish()
+    again = reboot(tmp_path, sup, "--size", "6M", "--persist", str(disk))
+    try:
+        st = refilled(again)
+        assert 3 <= st["refilled"] < len(blobs) and st["evictions"] == 0, st
+        order = [0, *range(11, 0, -1)]  # most recently used first
+        with again.client() as c:
+            present = [c.lookup(blobs[i].digests()) is not None for i in order]
+            assert present == [True] * st["refilled"] + [False] * (len(blobs) - st["refilled"])
+            hit = c.lookup(blobs[0].digests())
+            with c.acquire(hit) as lease:
+                assert bytes(lease.payload) == blobs[0].data and lease.finish()
+        assert st["persist_records"] == len(blobs)  # what did not fit stays on disk
+    finally:
+        assert again.stop() == 0
+        no_internal_errors(sup, again)
+
+
+def test_persist_size_keeps_the_most_recent_and_pins(make_supervisor, tmp_path):
+    disk = tmp_path / "persist"
+    args = ("--size", "64M", "--persist", str(disk), "--persist-size", "3M")
+    blobs = [blob(100 + i, 700_000) for i in range(8)]
+    sup = make_supervisor(*args)
+    with sup.client() as c:
+        c.put_bytes(blobs[0].root, blobs[0].tokens, b"fp", blobs[0].data, pin=True)
+        for b in blobs[1:]:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind")
+    st = sup.stats()
+    assert st["persist_bytes"] <= 3 << 20 and st["persist_evictions"] >= 3, st
+    again = reboot(tmp_path, sup, *args)
+    try:
+        st = refilled(again)
+        with again.client() as c:
+            present = [c.lookup(b.digests()) is not None for b in blobs]
+        kept = st["persist_records"]
+        # the pinned one and the most recent ones; the oldest unpinned went first
+        assert present == [True] + [False] * (8 - kept) + [True] * (kept - 1), (present, st)
+        assert st["pinned"] == 1
+    finally:
+        assert again.stop() == 0
+        no_internal_errors(sup, again)
+
+
+@pytest.mark.small_tmpfs(size="2m", mode="0700")
+def test_full_disk_pauses_persistence_and_costs_no_request(make_supervisor, small_tmpfs):
+    sup = make_supervisor("--size", "64M", "--persist", str(small_tmpfs / "db"))
+    blobs = [blob(200 + i, 300_000) for i in range(24)]
+    with sup.client() as c:
+        for i, b in enumerate(blobs):  # every put and every read is served
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+            for old in (blobs[0], b):
+                hit = c.lookup(old.digests())
+                assert hit is not None, i
+                with c.acquire(hit) as lease:
+                    assert bytes(lease.payload) == old.data and lease.finish()
+    st = wait_until(
+        lambda: (s := sup.stats())["persist_errors"].get("disk_full") and s, 20, "a full disk"
+    )
+    assert st["persist_paused"] == 1 or st["persist_dropped"] >= 1, st
+    assert st["persisted"] < len(blobs) and st["puts"] == len(blobs)
+    # room again: persistence resumes by itself
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_tmpfs)], check=True)
+    more = [blob(300 + i, 300_000) for i in range(40)]
+
+    def resumed() -> bool:
+        b = more.pop()
+        with sup.client() as c:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+        s = sup.stats()
+        return s["persist_paused"] == 0 and s["persisted"] > st["persisted"]
+
+    wait_until(resumed, 30, "persistence to resume", step=0.5)
+    assert sup.proc.poll() is None
+    no_internal_errors(sup)
+    assert "persist: paused (disk_full)" in sup.log() and "persist: resumed" in sup.log()
+
+
+def test_unusable_directory_costs_no_request(make_supervisor, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    sup = make_supervisor("--size", "16M", "--persist", str(tmp_path / "file" / "db"))
+    b = blob(7, 50_000)
+    with sup.client() as c:
+        c.put_bytes(b.root, b.tokens, b"fp", b.data)
+        hit = c.lookup(chain_digests(b.root, b.tokens, c.view.geometry.chunk_tokens))
+        with c.acquire(hit) as lease:
+            assert np.array_equal(lease.tokens(), b.tokens) and lease.finish()
+    st = wait_until(
+        lambda: (s := sup.stats())["persist_errors"].get("unwritable") and s, 10, "the error"
+    )
+    assert st["persist_on"] == 0 and st["persist_paused"] == 1
+    assert sup.proc.poll() is None and os.path.exists(sup.arena)
+    no_internal_errors(sup)
+
+
+def test_refill_steps_over_every_outcome_under_live_puts(make_supervisor, tmp_path):
+    """A refill meets a record a peer republished meanwhile, one whose metadata fails its
+    checksum, one that can never fit the new arena and one over the pin limit: each is a
+    step (issue 18: an assertion ended the refill, and its wake fd stayed registered after
+    close, so the next connection that reused the number killed the supervisor)."""
+    disk = tmp_path / "persist"
+    blobs = [blob(400 + i, 64_000) for i in range(48)]
+    huge, pinned = blob(500, 20 << 20), blob(501, 6 << 20)
+    sup = make_supervisor("--size", "64M", "--persist", str(disk))
+    with sup.client() as c:
+        c.put_bytes(huge.root, huge.tokens, b"fp", huge.data)
+        c.put_bytes(pinned.root, pinned.tokens, b"fp", pinned.data, pin=True)
+        for b in blobs:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind to catch up")
+    assert sup.stop() == 0
+    sup.arena.unlink(missing_ok=True)
+    break_metadata(disk, blobs[20].root)
+    args = ("--size", "16M", "--max-pinned-percent", "25", "--persist", str(disk))
+    with store_locked(disk):  # the refill waits: the republish is certainly first
+        again = make_supervisor(*args, name=sup.name)
+        republished = [blobs[0], blobs[30]]  # the last and a middle one in refill order
+        with again.client() as c:
+            for b in republished:
+                c.put_bytes(b.root, b.tokens, b"fp", b.data)
+        assert again.stats()["refilling"] == 1
+    try:
+        st = refilled(again)
+        assert again.proc.poll() is None, again.log()[-3000:]
+        # a skipped record each: the corrupt one, the one that can never fit, the pin
+        assert st["refill_skipped"] == 3, st
+        assert st["refilled"] == len(blobs) - 1 - len(republished), st
+        for _ in range(20):  # new connections reuse freed descriptor numbers
+            assert again.stats()["pid"] == again.proc.pid
+        assert present(again, blobs) == [i != 20 for i in range(len(blobs))]
+        assert present(again, [huge, pinned]) == [False, False]
+        wait_until(
+            lambda: again.stats()["persist_records"] == len(blobs) + 1, 10, "corrupt removed"
+        )
+    finally:
+        assert again.stop() == 0, again.log()[-3000:]
+    no_internal_errors(again)
+
+
+def test_restart_that_adopts_resumes_the_refill(make_supervisor, tmp_path):
+    """A supervisor killed before its refill finished leaves its arena; the next one adopts
+    it and still refills what is on disk but not in the arena."""
+    disk = tmp_path / "persist"
+    args = ("--size", "64M", "--persist", str(disk))
+    blobs = [blob(600 + i, 64_000) for i in range(40)]
+    sup = make_supervisor(*args)
+    with sup.client() as c:
+        for b in blobs:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind to catch up")
+    assert sup.stop() == 0
+    with store_locked(disk):  # killed before its refill loaded anything
+        mid = make_supervisor(*args, name=sup.name)
+        with mid.client() as c:
+            c.put_bytes(blobs[5].root, blobs[5].tokens, b"fp", blobs[5].data)
+        mid.proc.kill()
+        mid.proc.wait(10)
+    assert mid.arena.exists()
+    again = wait_ready(make_supervisor(*args, name=sup.name, wait=False))
+    try:
+        st = refilled(again)
+        # (the one put before the kill was adopted, not refilled)
+        assert st["refilled"] == len(blobs) - 1 and st["refill_skipped"] == 0, st
+        assert present(again, blobs) == [True] * len(blobs)
+    finally:
+        assert again.stop() == 0
+    no_internal_errors(again)
+
+
+@pytest.mark.parametrize("keep", ["half", "a few bytes"])
+def test_truncated_store_is_moved_aside_and_serves(make_supervisor, tmp_path, keep):
+    """A data.mdb shorter than LMDB's meta pages say (a full disk's torn copy, a restore
+    cut short) is moved aside and a new one started: no SIGBUS restart loop (issue 18)."""
+    disk = tmp_path / "persist"
+    args = ("--size", "64M", "--persist", str(disk))
+    blobs = [blob(700 + i, 64_000) for i in range(40)]
+    sup = make_supervisor(*args)
+    with sup.client() as c:
+        for b in blobs:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind to catch up")
+    assert sup.stop() == 0
+    data = disk / "data.mdb"
+    size = data.stat().st_size
+    os.truncate(data, size // 2 if keep == "half" else 7)
+    again = start_supervisor(tmp_path, *args, name=sup.name)
+    try:
+        st = wait_until(
+            lambda: (s := again.stats())["persist_on"] == 1 and s, 20, "a new store", step=0.1
+        )
+        assert st["persist_errors"].get("corrupt") == 1 and st["persist_records"] == 0, st
+        aside = list(disk.glob("data.mdb.corrupt-*"))
+        assert len(aside) == 1 and aside[0].stat().st_size == (size // 2 if keep == "half" else 7)
+        assert present(again, blobs[:1]) == [False]
+        with again.client() as c:  # serves, and persists again
+            c.put_bytes(blobs[0].root, blobs[0].tokens, b"fp", blobs[0].data)
+            assert c.lookup(blobs[0].digests()) is not None
+        wait_until(lambda: again.stats()["persisted"] == 1, 10, "the new state persisted")
+    finally:
+        assert again.stop() == 0, again.log()[-3000:]
+    no_internal_errors(again)

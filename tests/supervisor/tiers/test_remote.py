@@ -1,0 +1,665 @@
+"""``--remote``: two supervisors (two "nodes", two arenas) share states through one Redis.
+
+Real ``redis-server`` processes on loopback ports (a single one, and a three-node
+Redis Cluster), real supervisors, real llama.cpp on the tiny model: a worker on node B
+restores what node A published and its tokens equal a cold run's; Redis killed in the
+middle of puts and restarted from its append-only file never hands out a partial
+record and neither node stops serving; a record damaged in Redis is rejected.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import xxhash
+
+from shmkv.core.keys import chain_digests, remote_id
+from tests.support.blobs import CHUNK, blob
+from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
+from tests.support.servers import free_port
+from tests.support.supervisors import Sup, no_internal_errors, wait_for_socket
+from tests.support.users import GROUP, publish_as, system_user
+from tests.support.waiting import wait_until
+
+REDIS = shutil.which("redis-server")
+pytestmark = pytest.mark.skipif(
+    REDIS is None, reason="needs redis-server (apt-get install redis-server; .ci/run does)"
+)
+
+
+class RedisProc:
+    """One redis-server on a loopback port, its files in ``dir``."""
+
+    def __init__(self, dir: Path, port: int | None = None, *extra: str) -> None:
+        self.dir, self.port, self.extra = dir, port or free_port(), extra
+        dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+            + ["--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning"]
+            + list(self.extra or ("--appendonly", "no")),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        r = redis.Redis(port=self.port, socket_timeout=1)
+        try:
+            wait_until(lambda: self._pings(r), 15, f"redis-server on port {self.port}")
+        except AssertionError:
+            self.kill()
+            raise
+        finally:
+            r.close()
+
+    @staticmethod
+    def _pings(r: redis.Redis) -> bool:
+        try:
+            return bool(r.ping())
+        except redis.RedisError:
+            return False
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    srv = RedisProc(tmp_path / "redis")
+    yield srv
+    srv.kill()
+
+
+def written(sup: Sup, n: int = 1) -> dict:
+    """``sup``'s stats once its write-behind wrote ``n`` records and has none queued."""
+    return wait_until(
+        lambda: (st := sup.stats())["remote_written"] >= n and st["remote_queue"] == 0 and st,
+        20,
+        "the remote write-behind",
+    )
+
+
+PROMPT = SYSTEM + " Question: which mat does the cat on the other node sit on?"
+
+
+def cross_node(make_supervisor, models, url: str, *extra: str) -> tuple[Sup, Sup, dict]:
+    """Node A publishes PROMPT, a fresh worker on node B restores it: greedy equals cold."""
+    cold = run_worker(None, models["seed0"], [completion(PROMPT)], mode="cold")
+    a = make_supervisor("--size", "64M", "--remote", url, *extra)
+    b = make_supervisor("--size", "64M", "--remote", url, *extra)
+    first = run_worker(a, models["seed0"], [completion(PROMPT)])
+    assert texts(first) == texts(cold)
+    written(a)
+    got = run_worker(b, models["seed0"], [completion(PROMPT)])
+    assert texts(got) == texts(cold)
+    last = got["results"][0]["last"]
+    assert last["remote"] == "fetched", last
+    assert last["hit"] and last["tokens_restored"] >= last["prompt_tokens"] - 1, last
+    assert got["totals"]["remote_restored"] == 1
+    st = b.stats()
+    assert st["remote_fetched"] == 1 and st["remote_written"] == 0, st  # (not written back)
+    return a, b, st
+
+
+def test_node_b_restores_what_node_a_published(make_supervisor, models, redis_server):
+    a, b, _ = cross_node(make_supervisor, models, redis_server.url)
+    # the next worker on B hits B's arena without asking Redis again
+    again = run_worker(b, models["seed0"], [completion(PROMPT)])
+    assert again["results"][0]["last"]["remote"] == "" and again["results"][0]["last"]["hit"]
+    no_internal_errors(a, b)
+
+
+def test_corrupt_record_in_redis_is_rejected(make_supervisor, models, redis_server):
+    cold = run_worker(None, models["seed0"], [completion(PROMPT)], mode="cold")
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    run_worker(a, models["seed0"], [completion(PROMPT)])
+    n = written(a)["remote_written"]
+    r = redis_server.client()
+    pieces = [k for k in r.scan_iter("shmkv:*:p0")]
+    assert len(pieces) == n
+    for k in pieces:  # one flipped byte in the middle of every record's first piece
+        mid = r.strlen(k) // 2
+        r.setrange(k, mid, bytes([r.getrange(k, mid, mid)[0] ^ 0x40]))
+    got = run_worker(b, models["seed0"], [completion(PROMPT)])
+    assert texts(got) == texts(cold)
+    last = got["results"][0]["last"]
+    assert last["remote"] == "corrupt" and not last["hit"], last
+    st = b.stats()
+    assert st["remote_corrupt"] >= 1 and st["remote_fetched"] == 0 and st["entries"] >= 1, st
+    # the damaged record was deleted, and B's own good copy took its place: a third node
+    # restores that
+    written(b)
+    c = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    third = run_worker(c, models["seed0"], [completion(PROMPT)])
+    assert texts(third) == texts(cold) and third["results"][0]["last"]["remote"] == "fetched"
+    no_internal_errors(a, b)
+
+
+def _fetch_blob(sup: Sup, b, wait: float = 5.0) -> tuple[str, bytes | None]:
+    """Ask ``sup`` to fetch blob ``b`` from Redis; (status, payload now in its arena)."""
+    with sup.client() as c:
+        status = c.fetch(b.root, b.tokens, 0, wait, 0.0)
+        hit = c.lookup(b.digests())
+        if hit is None:
+            return status, None
+        with c.acquire(hit) as lease:
+            data = bytes(lease.payload)
+            assert lease.finish()
+        return status, data
+
+
+def test_redis_killed_mid_puts_never_serves_a_partial_record(make_supervisor, tmp_path):
+    """Redis (append-only file, fsync always) is killed while node A writes 4-piece records
+    behind, and restarted on the same files: whatever node B fetches is whole and right,
+    and both nodes serve all along, never waiting past their bound."""
+    srv = RedisProc(tmp_path / "aof", None, "--appendonly", "yes", "--appendfsync", "always")
+    try:
+        a = make_supervisor("--size", "96M", "--remote", srv.url, "--remote-timeout", "0.5")
+        b = make_supervisor("--size", "96M", "--remote", srv.url, "--remote-timeout", "0.5")
+        blobs = [blob(500 + i, (4 << 20) - 1000) for i in range(12)]
+        with a.client() as c:
+            for i, bl in enumerate(blobs):
+                c.put_bytes(bl.root, bl.tokens, b"fp", bl.data)
+                if i == 3:
+                    time.sleep(0.2)  # some written, the writer busy with the next
+                    srv.kill()
+            for bl in blobs:  # node A serves its own arena all along
+                assert c.lookup(bl.digests()) is not None
+        # node B, Redis down: answered at once (or at the bound), never a wrong record
+        t0 = time.monotonic()
+        status, data = _fetch_blob(b, blobs[0], wait=1.0)
+        assert time.monotonic() - t0 < 1.0 + 2.5 and data is None and status != "fetched"
+        srv.start()  # the same port and append-only file: what was fsynced is back
+        wait_until(lambda: b.stats()["remote_paused"] == 0 or _probe(b), 40, "B resumes")
+        seen = {"fetched": 0}
+        for bl in blobs:
+            status, data = _fetch_blob(b, bl)
+            assert status in ("fetched", "none"), status
+            if status == "fetched":
+                seen["fetched"] += 1
+                assert data == bl.data  # whole and right, never part of a record
+            else:
+                assert data is None
+        assert 1 <= seen["fetched"] < len(blobs), seen
+        # A resumes writing behind by itself; a new record goes across
+        late = blob(600, 300_000)
+        with a.client() as c:
+            wait_until(lambda: _put_and_written(a, c, late), 60, "A resumes", step=1.0)
+        assert _fetch_blob(b, late) == ("fetched", late.data)
+        st = a.stats()
+        assert st["remote_errors"] and st["remote_dropped"] >= 1, st
+        no_internal_errors(a, b)
+    finally:
+        srv.kill()
+
+
+def _probe(sup: Sup) -> bool:
+    with sup.client() as c:
+        b = blob(999, 1000)
+        return c.fetch(b.root, b.tokens, 0, 1.0, 0.0) == "none"
+
+
+def _put_and_written(sup: Sup, c, b) -> bool:
+    before = sup.stats()["remote_written"]
+    c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    time.sleep(0.3)
+    if sup.stats()["remote_written"] > before:
+        return True
+    c.clear()  # (put again next time: the tier dropped it while paused)
+    return False
+
+
+def test_redis_down_costs_no_request(make_supervisor, models):
+    """Nothing listens at --remote: workers run as without it, and say why."""
+    cold = run_worker(None, models["seed0"], [completion(PROMPT)], mode="cold")
+    sup = make_supervisor("--size", "64M", "--remote", f"redis://127.0.0.1:{free_port()}/0")
+    t0 = time.monotonic()
+    first = run_worker(sup, models["seed0"], [completion(PROMPT)])
+    assert texts(first) == texts(cold)
+    assert first["results"][0]["last"]["remote"] in ("down", "timeout")
+    again = run_worker(sup, models["seed0"], [completion(PROMPT)])  # a fresh worker
+    assert texts(again) == texts(cold)
+    assert again["results"][0]["last"]["hit"]  # the local cache is unaffected
+    assert time.monotonic() - t0 < 60
+    st = sup.stats()
+    assert st["remote_on"] == 0 and st["remote_errors"].get("down", 0) >= 1, st
+    no_internal_errors(sup)
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is a port too."""
+    while (p := free_port()) > 55000:
+        pass
+    return p
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """Three redis-server in cluster mode on loopback ports, joined into one cluster."""
+    ports = [cluster_port() for _ in range(3)]
+    nodes: list[RedisProc] = []
+    try:
+        for p in ports:
+            nodes.append(
+                RedisProc(tmp_path / f"c{p}", p, "--cluster-enabled", "yes", "--appendonly", "no")
+            )
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports]]
+            + ["--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        r = redis.Redis(port=ports[0])
+        wait_until(lambda: r.execute_command("CLUSTER INFO").get("cluster_state") == "ok", 30, "ok")
+        yield ports
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+def test_cluster_node_b_restores_what_node_a_published(make_supervisor, models, redis_cluster):
+    url = f"redis+cluster://127.0.0.1:{redis_cluster[0]}"
+    a, b, _ = cross_node(make_supervisor, models, url)
+    # the record's pieces and manifest share a slot, and the keys really are spread out
+    from redis.cluster import RedisCluster
+
+    rc = RedisCluster(host="127.0.0.1", port=redis_cluster[0])
+    keys = [k.decode() for k in rc.scan_iter("shmkv:*", target_nodes=RedisCluster.ALL_NODES)]
+    slots = {rc.keyslot(k) for k in keys if k.endswith(":m")}
+    for k in keys:
+        if ":p" in k:
+            assert rc.keyslot(k) == rc.keyslot(k.rsplit(":", 1)[0] + ":m")
+    assert slots and np.all([isinstance(s, int) for s in slots])
+    rc.close()
+    no_internal_errors(a, b)
+
+
+def test_full_redis_is_counted_and_costs_no_request(make_supervisor, tmp_path):
+    """A Redis at its maxmemory (noeviction) refuses writes with OOM: the tier pauses and
+    counts it; the node's own arena serves every put and read."""
+    srv = RedisProc(
+        tmp_path / "full", None, "--maxmemory", "3mb", "--maxmemory-policy", "noeviction"
+    )
+    try:
+        sup = make_supervisor("--size", "64M", "--remote", srv.url)
+        blobs = [blob(700 + i, 1 << 20) for i in range(8)]
+        with sup.client() as c:
+            for b in blobs:
+                c.put_bytes(b.root, b.tokens, b"fp", b.data)
+                time.sleep(0.05)
+            for b in blobs:
+                hit = c.lookup(b.digests())
+                assert hit is not None
+                with c.acquire(hit) as lease:
+                    assert bytes(lease.payload) == b.data and lease.finish()
+        st = wait_until(lambda: (s := sup.stats())["remote_errors"].get("full") and s, 20, "an OOM")
+        assert st["remote_written"] < len(blobs) and st["puts"] == len(blobs), st
+        assert "remote: paused (full)" in sup.log()
+        no_internal_errors(sup)
+    finally:
+        srv.kill()
+
+
+def test_longer_records_of_other_suffixes_do_not_hide_the_shared_prefix(
+    make_supervisor, redis_server
+):
+    """Many prompts share a system prompt and differ only in their question: node A has
+    stored states of several such prompts, each at least as long as node B's shared-prefix
+    record would need, under the same index hash as the prefix itself. B's new question
+    must still fetch the record of the shared prefix (it used to look only at the longest
+    few candidates, all other questions, and answer "none")."""
+    url = redis_server.url
+    a = make_supervisor("--size", "64M", "--remote", url)
+    b = make_supervisor("--size", "64M", "--remote", url)
+    shared = blob(700, 200_000, n_tokens=2 * CHUNK + 10)
+    rng = np.random.default_rng(700)
+    others = [
+        np.concatenate([shared.tokens, rng.integers(0, 30_000, 5).astype("<i4")]) for _ in range(8)
+    ]
+    with a.client() as c:
+        c.put_bytes(shared.root, shared.tokens, b"fp", shared.data)
+        for i, toks in enumerate(others):
+            c.put_bytes(shared.root, toks, b"fp", blob(710 + i, 100_000).data)
+    written(a, 1 + len(others))
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B to reach Redis")
+    question = np.concatenate([shared.tokens, rng.integers(0, 30_000, 5).astype("<i4")])
+    with b.client() as c:
+        assert c.fetch(shared.root, question, 0, 5.0, 0.0) == "fetched"
+        hit = c.lookup(chain_digests(shared.root, question, CHUNK))
+        assert hit is not None
+        with c.acquire(hit) as lease:
+            assert bytes(lease.payload) == shared.data
+            assert lease.finish()
+    no_internal_errors(a, b)
+
+
+# ------------------------------------------------------------------ trust (issue 18)
+def forge(
+    r: redis.Redis,
+    b,
+    payload: bytes,
+    uid: int,
+    key: bytes | None = None,
+    fp: bytes = b"fp",
+    **over,
+) -> bytes:
+    """What a hostile writer to Redis can store: a record of ``b``'s prompt with any
+    payload and publisher uid, checksums right, MACed under ``key`` if it has one (it
+    has not). Returns the record id."""
+    from shmkv.supervisor.tiers.redis import layout as fmt
+
+    tok = np.ascontiguousarray(b.tokens, dtype="<i4").tobytes()
+    rid = remote_id(b.root, fp, tok)
+    parts = fmt.split(payload)
+    fields = dict(
+        root=b.root,
+        fingerprint=fp,
+        tokens=tok,
+        payload_len=len(payload),
+        payload_xxh3=xxhash.xxh3_64_intdigest(payload),
+        codec="none",
+        stored_len=len(payload),
+        created=time.time(),
+        publisher="evil/4242",
+        uid=uid,
+        digests=b"".join(fmt.piece_digest(p) for p in parts),
+    )
+    fields.update(over)
+    for i, part in enumerate(parts):
+        r.set(fmt.piece_key(rid, i), bytes(part))
+    r.set(fmt.manifest_key(rid), fmt.Manifest(**fields).pack(key))
+    last = chain_digests(b.root, b.tokens, CHUNK)[-1]
+    r.hset(fmt.index_key(b.root, CHUNK, last), rid.hex(), fmt.index_value(tok))
+    return rid
+
+
+def stored_manifest(r: redis.Redis, b, keys=(), fp: bytes = b"fp"):
+    from shmkv.supervisor.tiers.redis import layout as fmt
+
+    tok = np.ascontiguousarray(b.tokens, dtype="<i4").tobytes()
+    rid = remote_id(b.root, fp, tok)
+    raw = r.get(fmt.manifest_key(rid))
+    return None if raw is None else fmt.unpack_manifest(rid, raw, keys)
+
+
+def publisher_in(sup: Sup, b) -> int:
+    with sup.client() as c:
+        hit = c.lookup(b.digests())
+        assert hit is not None
+        rows = [e for e in c.ls()["entries"] if e["root"] == b.root.hex()]
+    assert len(rows) == 1, rows
+    return rows[0]["publisher"]
+
+
+def settled(sup: Sup, n: int) -> dict:
+    """``sup``'s stats once its write-behind took ``n`` accepted records (written,
+    present or not trusted) and has none queued."""
+
+    def done():
+        st = sup.stats()
+        took = st["remote_written"] + st["remote_present"] + st.get("remote_untrusted", 0)
+        return took >= n and st["remote_queue"] == 0 and st
+
+    return wait_until(done, 20, "the remote write-behind")
+
+
+def test_untrusted_members_state_never_leaves_the_machine(make_supervisor, redis_server, tmp_path):
+    """Node A shares its arena with --group G and trusts one member (friend): the other
+    member's (evil's) state is never written to Redis, whatever its key; A's own state of
+    the same prompt is; the friend's record keeps the friend's uid through Redis into a
+    node that trusts the friend, and a node that does not refuses it."""
+    evil = system_user("shmkv-test-evil", GROUP)
+    friend = system_user("shmkv-test-friend", GROUP)
+    d = Path(f"/tmp/shmkv-rem-{uuid.uuid4().hex[:10]}")
+    sock = d / "a.sock"
+    a = make_supervisor(
+        "--size", "64M", "--group", GROUP, "--remote", redis_server.url,
+        "--trust-publishers", "shmkv-test-friend",
+        env_extra={"SHMKV_SOCKET": str(sock)}, wait=False,
+    )  # fmt: skip
+    a.socket = str(sock)
+    try:
+        wait_for_socket(str(sock), a.proc)
+        p, q = blob(800, 300_000), blob(801, 300_000)
+        garbage = blob(802, 300_000).data
+        publish_as(evil, a, tmp_path, p.root, p.tokens, b"fp", garbage)
+        publish_as(friend, a, tmp_path, q.root, q.tokens, b"fp", q.data)
+        st = settled(a, 2)
+        r = redis_server.client()
+        assert stored_manifest(r, p) is None, "a --group member's state went to Redis"
+        assert st["remote_untrusted"] == 1 and st["remote_written"] == 1, st
+        assert stored_manifest(r, q).uid == friend[0]
+        with a.client() as c:  # A's own state of evil's prompt does go
+            c.put_bytes(p.root, p.tokens, b"fp", p.data)
+        settled(a, 3)
+        assert stored_manifest(r, p).uid == 0
+        b = make_supervisor("--size", "64M", "--remote", redis_server.url)  # default trust
+        c_ = make_supervisor(
+            "--size", "64M", "--remote", redis_server.url, "--trust-publishers", str(friend[0])
+        )
+        wait_until(lambda: b.stats()["remote_on"] and c_.stats()["remote_on"], 10, "nodes up")
+        assert _fetch_blob(b, p) == ("fetched", p.data)
+        assert _fetch_blob(b, q) == ("none", None)  # the friend of A is nobody to B
+        assert b.stats()["remote_fetch_untrusted"] == 1
+        assert _fetch_blob(c_, q) == ("fetched", q.data)
+        assert publisher_in(c_, q) == friend[0]  # never re-labelled as C's own
+        assert publisher_in(b, p) == 0
+        no_internal_errors(a, b, c_)
+    finally:
+        a.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_legitimate_writer_replaces_what_an_untrusted_writer_put_first(
+    make_supervisor, redis_server
+):
+    """A hostile writer to Redis stored a record of prompt P first (checksums right,
+    publisher a uid nobody trusts): node A's own state of P replaces it rather than
+    counting it as present, and node B fetches A's."""
+    p = blob(810, 200_000)
+    r = redis_server.client()
+    forge(r, p, blob(811, 200_000).data, uid=4242)
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
+    assert _fetch_blob(b, p) == ("none", None)  # (not a uid B trusts: a miss)
+    assert b.stats()["remote_fetch_untrusted"] == 1
+    with a.client() as c:
+        c.put_bytes(p.root, p.tokens, b"fp", p.data)
+    st = settled(a, 1)
+    assert st["remote_written"] == 1 and st["remote_present"] == 0, st
+    man = stored_manifest(r, p)
+    assert man.uid == 0 and man.payload_xxh3 == xxhash.xxh3_64_intdigest(p.data)
+    c2 = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    wait_until(lambda: c2.stats()["remote_on"], 10, "node C up")
+    assert _fetch_blob(c2, p) == ("fetched", p.data)
+    no_internal_errors(a, b, c2)
+
+
+# --------------------------------------------------------- bounded fetches (issue 18)
+def vm_hwm(pid: int) -> int:
+    """Peak resident bytes of process ``pid`` (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def sent_by(r: redis.Redis) -> int:
+    return int(r.info("stats")["total_net_output_bytes"])
+
+
+def test_a_record_larger_than_the_arena_is_refused_unread(make_supervisor, redis_server):
+    """Node A (256 MiB arena) stores a 160 MiB state; node B (64 MiB) misses on it three
+    times: B reads no piece of it (Redis sends B next to nothing), asks for its manifest
+    once, and B's peak memory does not grow by the state's size. A forged zstd record of
+    one small piece claiming 256 MiB of zeros (checksums right) is refused the same way."""
+    import zstandard
+
+    from shmkv.supervisor.tiers.redis import layout as fmt
+
+    big = blob(820, 160 << 20)
+    a = make_supervisor("--size", "256M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    with a.client() as c:
+        c.put_bytes(big.root, big.tokens, b"fp", big.data)
+    written(a)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
+    r = redis_server.client()
+    bomb = blob(821, 1000)
+    zeros = 256 << 20
+    h = xxhash.xxh3_64()
+    for _ in range(zeros >> 24):
+        h.update(bytes(1 << 24))
+    frame = zstandard.ZstdCompressor(level=19).compress(bytes(zeros))
+    forge(
+        r, bomb, frame, uid=0, codec="zstd", payload_len=zeros, payload_xxh3=h.intdigest(),
+        stored_len=len(frame), digests=fmt.piece_digest(frame),
+    )  # fmt: skip
+    hwm, sent = vm_hwm(b.proc.pid), sent_by(r)
+    for _ in range(3):
+        assert _fetch_blob(b, big) == ("none", None)
+        assert _fetch_blob(b, bomb) == ("none", None)
+    assert sent_by(r) - sent < 1 << 20, "B read pieces of a record that can never fit"
+    assert vm_hwm(b.proc.pid) - hwm < 48 << 20
+    st = b.stats()
+    assert st["remote_fetch_too_big"] == 2 and st["remote_refused_skipped"] == 4, st
+    assert st["remote_pulled_bytes"] == 0 and st["remote_paused"] == 0, st
+    no_internal_errors(a, b)
+
+
+def test_a_key_of_the_wrong_type_is_a_miss_not_an_outage(make_supervisor, redis_server):
+    """A plain string at the index key of prompt X: B's fetch of X is a miss (counted),
+    an unrelated prompt Y is fetched, the tier never pauses; a node that stores X again
+    replaces the bad key, and X is fetched."""
+    from shmkv.supervisor.tiers.redis import layout as fmt
+
+    x, y = blob(830, 100_000), blob(831, 100_000)
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    with a.client() as c:
+        c.put_bytes(x.root, x.tokens, b"fp", x.data)
+        c.put_bytes(y.root, y.tokens, b"fp", y.data)
+    written(a, 2)
+    r = redis_server.client()
+    r.set(fmt.index_key(x.root, CHUNK, x.digests()[-1]), b"not a hash")
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
+    for _ in range(2):
+        assert _fetch_blob(b, x)[0] == "none"
+    assert _fetch_blob(b, y) == ("fetched", y.data)
+    st = b.stats()
+    assert st["remote_bad_keys"] == 2 and st["remote_paused"] == 0, st
+    assert not st["remote_errors"] and st["remote_fetch_down"] == 0, st
+    c2 = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    with c2.client() as c:
+        c.put_bytes(x.root, x.tokens, b"fp", x.data)
+    st = settled(c2, 1)
+    assert st["remote_bad_keys"] == 1 and not st["remote_errors"], st
+    assert _fetch_blob(b, x) == ("fetched", x.data)
+    no_internal_errors(a, b, c2)
+
+
+# ------------------------------------------------------- signed records (issue 18)
+K1, K2 = b"k1-" + b"a" * 40, b"k2-" + b"b" * 40
+
+
+def key_file(tmp_path: Path, name: str, *keys: bytes, mode: int = 0o600) -> str:
+    path = tmp_path / name
+    path.write_bytes(b"\n".join(keys) + b"\n")
+    path.chmod(mode)
+    return str(path)
+
+
+def test_a_key_file_must_be_ours_closed_and_long_enough(make_supervisor, redis_server, tmp_path):
+    for args, rc, says in [
+        (key_file(tmp_path, "open", K1, mode=0o644), 8, "chmod 600"),
+        (key_file(tmp_path, "short", b"x" * 31), 2, "at least 32 bytes"),
+        (key_file(tmp_path, "three", K1, K2, K1), 2, "previous one second"),
+    ]:
+        sup = make_supervisor(
+            "--size", "64M", "--remote", redis_server.url, "--remote-key-file", args, wait=False
+        )
+        assert sup.proc.wait(30) == rc, sup.log()
+        assert says in sup.log() and "Traceback" not in sup.log(), sup.log()
+
+
+def _put(sup: Sup, *blobs) -> None:
+    with sup.client() as c:
+        for b in blobs:
+            c.put_bytes(b.root, b.tokens, b"fp", b.data)
+    written(sup, len(blobs))
+
+
+def test_a_node_with_a_key_restores_only_records_signed_with_it(
+    make_supervisor, redis_server, tmp_path
+):
+    """Records written by a node without the key, by a node with another key, an
+    unsigned forgery with every checksum right, and a signed manifest rewritten are
+    misses on a node with the key (counted, not deleted); records signed with the key
+    are fetched, by keyless nodes too; during a rotation (current key first, previous
+    second) both are accepted and only the current one signs."""
+    import msgpack
+
+    from shmkv.supervisor.tiers.redis import layout as fmt
+
+    url = redis_server.url
+    k1 = key_file(tmp_path, "k1", K1)
+    rot = key_file(tmp_path, "rot", b"  " + K2 + b"  ", K1)  # (whitespace at the ends)
+    keyless = make_supervisor("--size", "64M", "--remote", url)
+    other = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file",
+                            key_file(tmp_path, "k2", K2))  # fmt: skip
+    a = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", k1)
+    a2 = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", k1)
+    bs = [blob(840 + i, 150_000) for i in range(8)]
+    _put(keyless, bs[0])
+    _put(other, bs[1])
+    _put(a, bs[2], bs[3], bs[5])
+    r = redis_server.client()
+    forge(r, bs[4], blob(850, 150_000).data, uid=0)  # an unsigned forgery, checksums right
+    # a signed manifest rewritten: another payload's checksums, the MAC kept
+    rid = remote_id(bs[3].root, b"fp", bs[3].tokens.astype("<i4").tobytes())
+    env = msgpack.unpackb(r.get(fmt.manifest_key(rid)))
+    body = msgpack.unpackb(env["m"])
+    evil = blob(851, 150_000).data
+    body["xxh3"] = xxhash.xxh3_64_intdigest(evil)
+    body["digests"] = fmt.piece_digest(evil)
+    r.set(fmt.piece_key(rid, 0), evil)
+    r.set(fmt.manifest_key(rid), msgpack.packb({**env, "m": msgpack.packb(body)}))
+    wait_until(lambda: a2.stats()["remote_on"], 10, "node A2 up")
+    for b in (bs[0], bs[1], bs[4], bs[3]):
+        assert _fetch_blob(a2, b) == ("none", None)
+    assert _fetch_blob(a2, bs[2]) == ("fetched", bs[2].data)
+    st = a2.stats()
+    assert st["remote_fetch_unverified"] == 4 and st["remote_corrupt"] == 0, st
+    assert stored_manifest(r, bs[0]) is not None  # (not ours to delete)
+    assert _fetch_blob(keyless, bs[5]) == ("fetched", bs[5].data)
+    # rotation: K2 current, K1 previous
+    r1 = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", rot)
+    r2 = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", rot)
+    wait_until(lambda: r1.stats()["remote_on"] and r2.stats()["remote_on"], 10, "nodes up")
+    assert _fetch_blob(r1, bs[5]) == ("fetched", bs[5].data)  # signed with K1
+    assert _fetch_blob(r1, bs[1]) == ("fetched", bs[1].data)  # signed with K2
+    _put(r1, bs[6])
+    assert stored_manifest(r, bs[6], (K2,)) is not None  # signed with the current key
+    assert _fetch_blob(r2, bs[6]) == ("fetched", bs[6].data)
+    assert _fetch_blob(a2, bs[6]) == ("none", None)  # K1 alone: not yet rotated
+    no_internal_errors(keyless, other, a, a2, r1, r2)

@@ -1,0 +1,150 @@
+"""gunicorn with ``workers/gunicorn_conf.py``, as ``shmkv serve`` or systemd runs it."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.support import ROOT
+from tests.support.supervisors import Sup
+
+SAMPLING = {"temperature": 0.0, "max_tokens": 12}
+EXTRA = {"repeat_penalty": 1.0, "top_k": 1}  # identical sampling on both sides
+N_CTX = 2048
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """gunicorn with workers/gunicorn_conf.py, as `shmkv serve` or systemd runs it.
+
+    (httpx and openai are imported here, not at the top: the child processes of the
+    crash tests import this module too, and openai alone takes a third of a second.)
+    """
+
+    def __init__(
+        self,
+        sup: Sup,
+        model: str,
+        workers: int,
+        tmp_path: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        import httpx
+        import openai
+
+        self.sup, self.port = sup, free_port()
+        self.env = {
+            **sup.env,
+            "SHMKV_MODEL": model,
+            "SHMKV_WORKERS": str(workers),
+            "SHMKV_PORT": str(self.port),
+            "SHMKV_THREADS": "1",
+            "SHMKV_N_CTX": str(N_CTX),
+            "SHMKV_LOG_LEVEL": "info",
+            "SHMKV_TIMEOUT": "2",
+            **(env or {}),
+        }
+        self.log_path = tmp_path / "gunicorn.log"
+        with open(self.log_path, "wb") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gunicorn", "-c", str(ROOT / "workers/gunicorn_conf.py")],
+                env=self.env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=tmp_path,
+            )
+        self.base = f"http://127.0.0.1:{self.port}"
+        #: what /health and /metrics need with --api-key (its first key)
+        key = self.env.get("SHMKV_API_KEY", "").split(",")[0]
+        self.auth = {"Authorization": f"Bearer {key}"} if key else {}
+        self.wait_workers(workers)
+        # a new connection per request, so that requests spread over the workers
+        self.client = openai.OpenAI(
+            base_url=self.base + "/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=60,
+            http_client=httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)),
+        )
+
+    def worker_pids(self) -> set[int]:
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        try:
+            return {int(p) for p in path.read_text().split()}
+        except (FileNotFoundError, ValueError):
+            return set()
+
+    def wait_workers(self, n: int, timeout: float = 60) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        seen: set[int] = set()
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            pids = self.worker_pids()
+            if len(pids) == n:  # every worker answers /health (a worker that is still
+                try:  # loading its model would skew which worker gets what)
+                    r = httpx.get(self.base + "/health", headers=self.auth, timeout=5)
+                    if r.status_code == 200:
+                        seen.add(r.json()["worker_pid"])
+                        if pids <= seen:
+                            return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.02)
+                continue
+            time.sleep(0.2)
+        raise TimeoutError(self.log_path.read_text()[-3000:])
+
+    def complete(self, prompt: str, **kw: Any) -> tuple[str, dict]:
+        """A completion and what the cache did for it (the ``x-shmkv-*`` headers)."""
+        raw = self.client.completions.with_raw_response.create(
+            model="tiny", prompt=prompt, extra_body=EXTRA, **{**SAMPLING, **kw}
+        )
+        body = raw.parse()
+        h = {
+            k[len("x-shmkv-") :].replace("-", "_"): v
+            for k, v in raw.headers.items()
+            if k.startswith("x-shmkv-")
+        }
+        info = {
+            k: (v == "true" if k == "hit" else float(v) if k.endswith(("_ms", "_at")) else int(v))
+            for k, v in h.items()
+        }
+        return body.choices[0].text, info
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def scrape(url: str, kinds: bool = False) -> dict[str, Any]:
+    """Every sample of a Prometheus scrape of ``url``, parsed with prometheus_client's own
+    parser: ``name{label="v",...}`` -> value, or -> (family type, value) with ``kinds``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(url, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    out: dict[str, Any] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = (fam.type, s.value) if kinds else s.value
+    return out

@@ -1,0 +1,36 @@
+"""Waiting for a condition, and what processes hold or died of."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def wait_until(
+    pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition", step: float = 0.01
+) -> Any:
+    """Poll ``pred`` until it returns something truthy and return that; after ``timeout``
+    seconds raise AssertionError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(step)
+
+
+def fd_count(pid: int) -> int:
+    """How many descriptors process ``pid`` holds open."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def no_signal_deaths(*procs: subprocess.Popen | subprocess.CompletedProcess) -> None:
+    """None of ``procs`` died of a signal (SIGBUS, SIGSEGV, ...)."""
+    for p in procs:
+        rc = p.returncode
+        assert rc is not None and rc >= 0, f"pid {getattr(p, 'pid', '?')} died of signal {-rc}"
