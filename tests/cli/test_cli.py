@@ -502,7 +502,8 @@ _AS_NOBODY = r"""
 import json, os, socket, sys, time
 import numpy as np
 import shmkv.cli
-from shmkv import Client; from shmkv.core import protocol as P; from shmkv.core.keys import chain_digests
+from shmkv import Client; from shmkv.core import protocol as P
+from shmkv.core.keys import chain_digests
 from shmkv.core.errors import ShmkvError
 np.ctypeslib.as_array  # load lazily imported modules while we still can
 uid, gid, mode, sock = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
