@@ -27,7 +27,7 @@ _HEAD_BYTES = 1 << 20
 # Context parameters left out of the fingerprint: none of them changes what a sequence
 # state means (its cells' positions and K/V rows) or whether llama.cpp can load it. All
 # others are in it, among them the KV cache types (type_k, type_v: an f16 and a q8_0 state
-# never meet, tests/test_kvtype.py) and flash_attn_type (it changes the V layout).
+# never meet, tests/llama/test_kvtype.py) and flash_attn_type (it changes the V layout).
 _CTX_IGNORED = {
     # the requested size (0: the model's); the context's actual n_ctx and per-sequence
     # n_ctx_seq are in the description instead: RoPE scaling (e.g. Phi-3's long or short

@@ -36,7 +36,7 @@ file being unlinked notices and opens the new one.
 
 Threads never change results here: llama.cpp splits a batch's work between threads by
 output rows, so a prompt's logits are the same bit for bit on 1 or 4 threads
-(tests/test_cpubudget.py checks, flash attention on and off). A single-token step with
+(tests/llama/cpu/test_cpubudget.py checks, flash attention on and off). A single-token step with
 flash attention is not (its KV reduction is split between threads: logits differ by up
 to ~1 on Gemma 3 270M), which is why any single-token micro-batch, a decode step or the
 last token of a prompt, runs on exactly one thread (``n_threads`` = 1 always).
