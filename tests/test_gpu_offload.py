@@ -15,7 +15,7 @@ import textwrap
 
 import llama_cpp
 import pytest
-from helpers import EXTRA, N_CTX, SAMPLING, Server, assert_one_error_line, clean_env, shmkv
+from helpers import EXTRA, SAMPLING, Server, assert_one_error_line, clean_env, shmkv
 
 from shmkv.core.config import resolve
 from shmkv.core.errors import ConfigError
@@ -116,6 +116,23 @@ def test_only_a_fully_offloaded_context_evaluates_off_the_cpu_budget():
     assert offload.evaluates_on_cpu(24, n_layer, offload_kqv=True)  # the output layer
     assert offload.evaluates_on_cpu(25, n_layer, offload_kqv=False)  # attention on the CPU
     assert not offload.evaluates_on_cpu(25, n_layer, offload_kqv=True)
+
+
+def test_contexts_offloaded_differently_are_keyed_apart():
+    """A state's numbers are those of the device that computed them: a context with layers
+    on a GPU never shares keys with a CPU one, nor with one offloaded otherwise. A context
+    on the CPU is described as before offload existed (its keys do not change)."""
+    assert offload.describe(0, 1, 0, []) is None
+    row, layer = llama_cpp.LLAMA_SPLIT_MODE_ROW, llama_cpp.LLAMA_SPLIT_MODE_LAYER
+    seen = [
+        offload.describe(25, layer, 0, []),
+        offload.describe(12, layer, 0, []),
+        offload.describe(25, row, 0, []),
+        offload.describe(25, layer, 1, []),
+        offload.describe(25, layer, 0, [3, 1]),
+    ]
+    assert None not in seen
+    assert len({json.dumps(d, sort_keys=True) for d in seen}) == len(seen)
 
 
 # ------------------------------------------------------------------------ a CPU-only build

@@ -89,21 +89,31 @@ def uses_cpu(llm: Any) -> bool:
 
 
 def description(llm: Any) -> dict[str, Any] | None:
-    """What the fingerprint says of ``llm``'s offload: None when every layer runs on the
-    CPU (so that such a context keys as it always did, whatever ``--n-gpu-layers`` asked
-    for on a CPU-only build); else the layers on a device and how they are split. A
-    sequence state is written from device memory in the same format, but its numbers are
-    the device's (docs/guides/serving.md, "GPU offload"): contexts that compute their
-    cells differently are kept apart."""
-    layers = offloaded_layers_of(llm)
+    """:func:`describe` of a loaded ``Llama``."""
+    return describe(
+        offloaded_layers_of(llm),
+        int(llm.model_params.split_mode),
+        int(llm.model_params.main_gpu),
+        list(llm.tensor_split or []),
+    )
+
+
+def describe(
+    layers: int, split_mode: int, main_gpu: int, tensor_split: list[float]
+) -> dict[str, Any] | None:
+    """What the fingerprint says of a context's offload: None when every layer runs on the
+    CPU (``layers`` = 0, whatever ``--n-gpu-layers`` asked of a CPU-only build), so that
+    such a context keys as it always did; else the layers on a device and how they are
+    split between GPUs. A sequence state is written from device memory in the same format,
+    but its numbers are the device's (docs/guides/serving.md, "GPU offload"): contexts
+    that compute their cells differently are kept apart."""
     if layers == 0:
         return None
-    split = [round(float(x), 6) for x in (llm.tensor_split or [])]
     return {
         "layers": layers,
-        "split_mode": int(llm.model_params.split_mode),
-        "main_gpu": int(llm.model_params.main_gpu),
-        "tensor_split": split,
+        "split_mode": split_mode,
+        "main_gpu": main_gpu,
+        "tensor_split": [round(float(x), 6) for x in tensor_split],
     }
 
 
