@@ -15,7 +15,18 @@ import textwrap
 
 import llama_cpp
 import pytest
-from helpers import EXTRA, SAMPLING, Server, assert_one_error_line, clean_env, shmkv
+from helpers import (
+    EXTRA,
+    KW,
+    SAMPLING,
+    SYSTEM,
+    Server,
+    assert_one_error_line,
+    clean_env,
+    completion,
+    run_worker,
+    shmkv,
+)
 
 from shmkv.core.config import resolve
 from shmkv.core.errors import ConfigError
@@ -218,3 +229,26 @@ def test_served_workers_on_a_cpu_only_build_warn_once_each_and_share_states(
     warnings = [ln for ln in log.splitlines() if WARNING in ln]
     assert len(warnings) == len(pids) == 2, log[-3000:]
     assert {int(ln.split("[")[1].split("]")[0]) for ln in warnings} == pids
+
+
+def test_shmkv_warm_takes_the_settings_and_warns_once(make_supervisor, models, tmp_path):
+    """`shmkv warm --n-gpu-layers all` on this build: one warning, the prompt warmed, and a
+    CPU worker restores it (what ran on the CPU is keyed as the CPU's)."""
+    sup = make_supervisor("--size", "64M")
+    prompt = SYSTEM + " Question: which mat is the cat on?"
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps(prompt) + "\n")
+    args = ["--model", models["seed0"], "--n-ctx", str(KW["n_ctx"]), "--json", str(path)]
+    res = subprocess.run(
+        [sys.executable, "-m", "shmkv", "warm", "--n-gpu-layers", "all", *args],
+        env=sup.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count(WARNING) == 1, res.stderr
+    assert json.loads(res.stdout)["warmed"] == 1
+    hot = run_worker(sup, models["seed0"], [completion(prompt)])
+    last = hot["results"][0]["last"]
+    assert last["tokens_restored"] >= last["prompt_tokens"] - 1 > 1000
