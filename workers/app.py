@@ -406,7 +406,7 @@ def make_loader(settings: Settings):
         cache.on_prefill = _record
         if model_settings.model_alias:  # (the label of its counters in /metrics)
             cache.ledger.labels = (model_settings.model_alias, cache.namespace)
-        cache.cpu = cpubudget.for_settings(settings)  # (None: the static split)
+        cache.cpu = cpubudget.for_settings(settings, llm)  # (None: static split, or a GPU)
         log.info(
             "worker %d loaded %s with shmkv arena %r",
             os.getpid(),

@@ -156,6 +156,50 @@ def _non_negative_float(text: str | float) -> float:
     return value
 
 
+#: llama.cpp's split modes (``LLAMA_SPLIT_MODE_*``), by their llama-server names
+SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
+
+
+def _gpu_layers(text: str | int) -> int:
+    """Layers to offload: a count, or -1 / ``all`` for every layer (llama-cpp-python's -1)."""
+    if str(text).strip().lower() == "all":
+        return -1
+    value = int(text)
+    if value < -1:
+        raise ValueError(f"must be a number of layers, or -1 or all for every layer, got {text!r}")
+    return value
+
+
+def _split_mode(text: str) -> str:
+    low = str(text).strip().lower()
+    if low not in SPLIT_MODES:
+        raise ValueError(f"unknown split mode {text!r}: use none, layer or row")
+    return low
+
+
+def _tensor_split(value: str | list[float] | tuple[float, ...] | None) -> list[float] | None:
+    """Each GPU's share of the model, e.g. ``3,1`` (None or empty: llama.cpp's default)."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out: list[float] = []
+    for item in items:
+        if isinstance(item, str) and not item.strip():
+            continue
+        try:
+            share = float(item)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"not a list of GPU shares: {value!r} (use comma-separated numbers, e.g. 3,1)"
+            ) from None
+        if not share >= 0 or share == float("inf"):
+            raise ValueError(f"a GPU's share must be zero or a positive number, got {item!r}")
+        out.append(share)
+    if out and not sum(out) > 0:
+        raise ValueError(f"the GPU shares {value!r} add up to 0: give at least one GPU a share")
+    return out or None
+
+
 def _log_level(text: str) -> str:
     low = str(text).strip().lower()
     if low not in ("debug", "info", "warning", "error"):
@@ -727,6 +771,44 @@ SETTINGS: dict[str, Setting] = {
             "workers passes swa_full=False (or the workers get --swa-full).",
             _SERVE,
             is_flag=True,
+        ),
+        Setting(
+            "n_gpu_layers",
+            _gpu_layers,
+            0,
+            "Layers of each worker's model to offload to the GPU (-1 or all: every layer, "
+            "the KV cache with them). Needs a llama-cpp-python built for a GPU (CUDA, Metal, "
+            "ROCm, Vulkan); a CPU-only build warns once per worker and runs on the CPU. A "
+            "fully offloaded model evaluates off the CPU budget.",
+            _SERVE,
+            "N",
+        ),
+        Setting(
+            "main_gpu",
+            _non_negative_int,
+            0,
+            "The GPU that holds the whole model with --split-mode none, and the small "
+            "tensors with row.",
+            _SERVE,
+            "N",
+        ),
+        Setting(
+            "split_mode",
+            _split_mode,
+            "layer",
+            "How a model is split between several GPUs: none (all on --main-gpu), layer "
+            "(whole layers to each GPU) or row (each layer's rows across the GPUs).",
+            _SERVE,
+            "MODE",
+        ),
+        Setting(
+            "tensor_split",
+            _tensor_split,
+            None,
+            "Each GPU's share of the model, comma-separated in device order (e.g. 3,1) "
+            "[default: in proportion to their free memory].",
+            _SERVE,
+            "SHARES",
         ),
         Setting(
             "chat_format",

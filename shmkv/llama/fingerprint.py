@@ -2,8 +2,9 @@
 
 Runs inside a worker, once, when its cache attaches. A blob restores
 correctly only into a context with the same weights, KV types, flash
-attention, sliding-window and RoPE settings, context size, LoRA and llama.cpp
-version; the fingerprint covers all of these and is stored beside every blob.
+attention, sliding-window and RoPE settings, context size, LoRA, llama.cpp
+version and GPU offload (``offload.py``: layers on a device compute other
+numbers); the fingerprint covers all of these and is stored beside every blob.
 Every key chain starts from a root digest of the fingerprint and the tenant
 namespace (``shmkv.core.keys.key_root``), so different models, setups or tenants
 never share a key.
@@ -19,7 +20,7 @@ import llama_cpp
 import msgpack
 from llama_cpp import llama_cpp as lc
 
-from shmkv.llama import compat
+from shmkv.llama import compat, offload
 
 _SAMPLE_BYTES = 1 << 16
 _SAMPLES = 16
@@ -89,7 +90,7 @@ def context_description(llm: llama_cpp.Llama) -> dict[str, Any]:
         # python's default, so that such a model's keys are what they were before served
         # workers turned it off (`shmkv serve --swa-full`), and match a default Llama's
         ctx["swa_full"] = True
-    return {
+    out: dict[str, Any] = {
         "llama_cpp_python": llama_cpp.__version__,
         "state_seq_version": getattr(lc, "LLAMA_STATE_SEQ_VERSION", None),
         "session_version": getattr(lc, "LLAMA_SESSION_VERSION", None),
@@ -109,6 +110,10 @@ def context_description(llm: llama_cpp.Llama) -> dict[str, Any]:
         ],
         "kv_overrides": sorted((str(k), str(v)) for k, v in (llm.kv_overrides or {}).items()),
     }
+    gpu = offload.description(llm)
+    if gpu is not None:  # (absent on the CPU: such contexts key as before offload existed)
+        out["offload"] = gpu
+    return out
 
 
 def model_fingerprint(llm: llama_cpp.Llama) -> bytes:

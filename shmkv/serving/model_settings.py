@@ -14,8 +14,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from shmkv.core.config import Settings
+from shmkv.core.config import SPLIT_MODES, Settings
 from shmkv.core.kvtypes import llama_kwargs
+from shmkv.llama import offload
 from shmkv.serving.chat_template import default_chat_format, register_gemma3
 
 if TYPE_CHECKING:
@@ -44,6 +45,10 @@ def model_settings(
         n_threads_batch=n,
         chat_format=settings.chat_format or default_chat_format(model),
         logits_all=settings.logits_all,
+        n_gpu_layers=settings.n_gpu_layers,
+        main_gpu=settings.main_gpu,
+        split_mode=SPLIT_MODES[settings.split_mode],
+        tensor_split=settings.tensor_split,
         verbose=False,
         **llama_kwargs(settings.cache_type_k, settings.cache_type_v, settings.flash_attn),
     )
@@ -63,6 +68,7 @@ def load_with(
     import llama_cpp
     from llama_cpp.server.model import LlamaProxy
 
+    offload.warn_if_cpu_only(ms.n_gpu_layers)
     load = loader or LlamaProxy.load_llama_from_model_settings
     plain = llama_cpp.Llama
 

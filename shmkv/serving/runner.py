@@ -47,7 +47,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
         if value is None:
             env.pop(var, None)
         elif isinstance(value, list):
-            env[var] = ",".join(value)
+            env[var] = ",".join(str(x) for x in value)
         elif isinstance(value, bool):
             env[var] = "true" if value else "false"
         else:

@@ -58,6 +58,7 @@ from typing import Any
 import posix_ipc
 
 from shmkv.core.errors import ConfigError, UnsafePathError
+from shmkv.llama import offload
 from shmkv.llama.cpu.ofd import OFD_AVAILABLE as _OFD
 from shmkv.llama.cpu.ofd import is_held as _is_held
 from shmkv.llama.cpu.ofd import lock as _lock
@@ -516,10 +517,16 @@ def run_eval(cache: Any, orig_eval: Callable[[Sequence[int]], None], tokens: Seq
     evaluate(budget, cache.llm, orig_eval, tokens, on_grant=count, request=request)
 
 
-def for_settings(settings: Any) -> CpuBudget | None:
-    """The budget a worker's context uses under ``settings`` (None: the static split),
-    with a warning if it cannot be used."""
+def for_settings(settings: Any, llm: Any = None) -> CpuBudget | None:
+    """The budget a worker's context (``llm``) uses under ``settings`` (None: the static
+    split), with a warning if it cannot be used. The budget governs CPU-evaluated work
+    only: a context whose model is fully offloaded to a GPU (``offload.uses_cpu``) takes
+    no cores from it, so that its prefills never queue behind CPU prefills for cores
+    they would not use; a partly offloaded one still does."""
     if settings.static_threads:
+        return None
+    if llm is not None and not offload.uses_cpu(llm):
+        log.info("model fully offloaded to a GPU: its evals take no cores of the CPU budget")
         return None
     try:
         return CpuBudget(
