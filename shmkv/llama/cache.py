@@ -39,6 +39,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -401,8 +402,18 @@ class SharedPrefixCache:
         self.settings = settings
         self.namespace: str = settings.namespace
         self.fingerprint = model_fingerprint(llm)
-        #: sliding-window width (0: none); such states keep only the window of those layers
+        #: sliding-window width (0: none); such states keep only the window of those layers.
+        #: ``policy.WHOLE`` for a recurrent or hybrid model: its states are never cut back
         self.n_swa = max(0, int(lc.llama_model_n_swa(llm.model)))
+        whole = kvstate.whole_states_only(llm.model)
+        if whole:
+            self.n_swa = policy.WHOLE
+            log.info(
+                "shmkv: a %s model: its states cannot be cut back to a shorter prefix, so "
+                "only whole states are restored (checkpoints at chat message boundaries, "
+                "where prompts part and before a prompt's end)",
+                whole,
+            )
         #: exact mode: restore only at multiples of n_batch (see ``policy.Exact``)
         self.exact: bool = bool(settings.exact)
         self.align = max(1, int(llm.n_batch))
@@ -451,6 +462,7 @@ class SharedPrefixCache:
             self.fingerprint,
             verify,
             self.trust,
+            self.whole_states_only,
         )
         self.capturer = Capturer(
             llm, self.context, self.policy, self.publisher, self.ledger, self.trust
@@ -598,6 +610,16 @@ class SharedPrefixCache:
         return self.capturer.capture(
             self.chunk_tokens, self.last, self.call, n_tokens, pin, claimed, min_new, covered
         )
+
+    def whole_states_only(self) -> None:
+        """llama.cpp refused to cut a state back (a model ``kvstate.whole_states_only`` did
+        not recognise): plan for whole states only from now on, as for a recurrent model."""
+        if self.n_swa == policy.WHOLE:
+            return
+        self.n_swa = policy.WHOLE
+        self.policy = policy.strategy(replace(self.policy.rules, n_swa=policy.WHOLE))
+        self.restorer.policy = self.capturer.policy = self.policy
+        self.chat_boundaries = boundaries.ChatBoundaries(self.llm)
 
     def _publish_failed(self, err: BaseException, claimed: list[bytes] | None) -> None:
         """On the publisher thread: a put failed."""

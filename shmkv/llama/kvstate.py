@@ -104,6 +104,21 @@ class ContextGuard:
         return True
 
 
+class CutRefused(StateRefused):
+    """llama.cpp refused to cut a restored state back: the model's states are restored
+    whole only (a recurrent or hybrid model that :func:`whole_states_only` did not know)."""
+
+
+def whole_states_only(model: lc.llama_model_p) -> str | None:
+    """Why ``model``'s states can never be cut back to a shorter prefix (None: they can):
+    a recurrent model (Mamba, RWKV) or a hybrid one (recurrent and attention layers)."""
+    for kind in ("recurrent", "hybrid"):
+        ask = getattr(lc, f"llama_model_is_{kind}", None)  # (bound since 0.3.1x)
+        if ask is not None and ask(model):
+            return kind
+    return None
+
+
 def pos_min(llm: llama_cpp.Llama) -> int:
     """The first position the context's KV cells still hold (-1: none)."""
     return int(lc.llama_memory_seq_pos_min(lc.llama_get_memory(llm.ctx), SEQ))
@@ -167,6 +182,8 @@ class Applied:
     refused: bool = False
     #: the record's publisher is not one this worker trusts (a miss, not a failure)
     untrusted: bool = False
+    #: llama.cpp refused to cut the state back: this context takes whole states only
+    cannot_cut: bool = False
 
 
 def apply(
@@ -217,6 +234,8 @@ def apply(
         # revocation: the supervisor was unavailable for that restore
         kind = "supervisor unavailable" if lease.lost else "lease revoked"
         return Applied(failure=(kind, str(e)))
+    except CutRefused as e:  # (a model whose states are whole only: not a bad record)
+        return Applied(failure=("state cannot be cut", str(e)), refused=True, cannot_cut=True)
     except StateRefused as e:  # (a state made for another context: not a bad record)
         return Applied(failure=("state refused", str(e)), refused=True)
     except ArenaCorruptError as e:
@@ -292,10 +311,15 @@ def load(
                 "state does not fit this context (published by a worker with other settings?)"
             )
         if common < rec.n_tokens and not lc.llama_memory_seq_rm(mem, SEQ, common, -1):
-            raise ModelMismatchError("the context cannot cut a restored state back")
+            raise CutRefused(
+                f"llama.cpp cannot cut a restored state of {rec.n_tokens} tokens back to "
+                f"{common} (a recurrent or hybrid model?): this worker restores whole states "
+                "only from now on, checkpoints at chat message boundaries and before a "
+                "prompt's end"
+            )
         if not context_allows_cut(n_swa, pos_min(llm), cut):  # (planning prevents this)
             raise ModelMismatchError(
-                "a restored sliding-window state lacks the window its cut needs"
+                "a restored sliding-window or recurrent state lacks what its cut needs"
             )
         if not lease.finish():  # (tokens_restored: in the ledger's reported totals)
             raise LeaseLost("a read lease was revoked, or its connection lost, during the restore")

@@ -20,6 +20,8 @@ Three strategies, chosen once per cache from its :class:`Rules`:
   positions, so a state can be cut back only within its window; otherwise it
   must be restored whole. Checkpoints are published where prompts diverge, and
   where a chat's messages start (boundaries the caller hints, ``boundaries.py``).
+  A recurrent or hybrid model (Mamba, Qwen 3.5, Jamba, ...: ``n_swa`` is
+  :data:`WHOLE`) takes the same path: its states are never cut back.
 * :class:`Exact`: restore only at multiples of ``n_batch``, from states computed
   in whole batches, so that a hit repeats a cold run's batches bit for bit.
 """
@@ -41,6 +43,11 @@ SWA_MAX_PROBES = 256
 SWA_MIN_GAIN = 16
 #: most checkpoints one prefill publishes at chat message boundaries (each is a state capture)
 MAX_BOUNDARY_CHECKPOINTS = 2
+
+#: the ``n_swa`` of a model whose states cannot be cut back at all: a recurrent layer (Mamba,
+#: a hybrid's delta-net or SSM layers) keeps one summary of every token so far, not one
+#: cell per position, and llama.cpp refuses to cut it (``llama_memory_seq_rm``)
+WHOLE = -1
 
 #: the supervisor's ``owners``: (digest, prompt) -> [(offset, gen, n_tokens, tokens matched)],
 #: of the records of trusted publishers only
@@ -81,19 +88,28 @@ class ArenaReader(Protocol):
 # state may be cut back only as far as its window allows (one token for a long
 # state; llama-cpp-python always re-evaluates the last prompt token), and
 # otherwise only restored whole. The same holds for a context's own cells after
-# a restore. llama.cpp's server makes the same check with seq_pos_min.
+# a restore. llama.cpp's server makes the same check with seq_pos_min. A recurrent
+# state (n_swa WHOLE) is never cut: only a state of at most `keep` tokens is usable.
 def window_allows_cut(n_swa: int, n_state: int, keep: int) -> bool:
     """Whether a restored state of ``n_state`` tokens can be cut back to ``keep``."""
-    if n_swa <= 0 or keep >= n_state:
+    if keep >= n_state:
         return True
-    return max(0, n_state - n_swa) <= max(0, keep - n_swa + 1)
+    if n_swa == WHOLE:
+        return False
+    return n_swa <= 0 or max(0, n_state - n_swa) <= max(0, keep - n_swa + 1)
 
 
 def context_allows_cut(n_swa: int, pos_min: int, keep: int) -> bool:
-    """Whether a context whose first held position is ``pos_min`` can evaluate after ``keep``."""
-    if n_swa <= 0 or keep <= 0:
+    """Whether a context whose first held position is ``pos_min`` can evaluate after ``keep``.
+
+    (llama.cpp reports a recurrent or hybrid context's last position as its first: it
+    holds no earlier one it could go back to.)
+    """
+    if keep <= 0:
         return True
-    return pos_min <= max(0, keep - n_swa + 1)
+    if n_swa == WHOLE:
+        return pos_min < keep
+    return n_swa <= 0 or pos_min <= max(0, keep - n_swa + 1)
 
 
 class Peek(NamedTuple):
@@ -141,7 +157,7 @@ def coverage(
 class Rules:
     """What planning knows about the worker's model, context and settings."""
 
-    n_swa: int = 0  #: sliding-window width (0: none)
+    n_swa: int = 0  #: sliding-window width (0: none; WHOLE: states are never cut back)
     exact: bool = False
     align: int = 1  #: exact mode: n_batch, the only places a state is restored or published
     min_tokens: int = 0  #: shortest prompt state worth publishing (at least one chunk)
@@ -322,7 +338,11 @@ class Plain(Strategy):
 
 
 class SlidingWindow(Strategy):
-    """States restored whole or cut within their window; checkpoints where prompts part."""
+    """States restored whole or cut within their window; checkpoints where prompts part.
+
+    With ``n_swa`` :data:`WHOLE` (recurrent and hybrid models) there is no window: only
+    states of at most the reused length are restored, so the checkpoints are all there is.
+    """
 
     wants_boundaries = True
 
@@ -550,7 +570,7 @@ class Exact(Strategy):
 
         Only these states are published in exact mode (a prompt's own end is not a
         boundary a longer prompt's cold run shares). A model that can cut a state
-        back needs only the last boundary; a sliding-window one needs each.
+        back needs only the last boundary; a sliding-window or recurrent one needs each.
         """
         align = self.rules.align
         last = (n_prompt - 1) // align * align  # the start of a cold run's last batch
@@ -559,7 +579,7 @@ class Exact(Strategy):
         aligned = last if reused % align == 0 else 0
         if chunk is None or not self.rules.publish or last <= reused or align % chunk:
             return Checkpoints([], min_new=1, aligned=aligned)
-        wanted = range(last, reused, -align) if self.n_swa > 0 else [last]
+        wanted = range(last, reused, -align) if self.n_swa else [last]
         points = [b for b in sorted(wanted) if b >= self.rules.min_publish(chunk)]
         return Checkpoints(points, min_new=1, aligned=aligned)
 
@@ -568,6 +588,6 @@ def strategy(rules: Rules) -> Strategy:
     """The strategy for a model and its settings."""
     if rules.exact:
         return Exact(rules)
-    if rules.n_swa > 0:
+    if rules.n_swa:  # (a window, or WHOLE)
         return SlidingWindow(rules)
     return Plain(rules)

@@ -50,10 +50,14 @@ class Restorer:
         fingerprint: bytes,
         verify: bool,
         trust: Callable[[], policy.Trust],
+        cannot_cut: Callable[[], None] = lambda: None,
     ) -> None:
         self.llm, self.reader, self.ledger = llm, reader, ledger
         self.policy, self.context = strategy, context
         self.fingerprint, self.verify, self.trust = fingerprint, verify, trust
+        #: called when llama.cpp refused to cut a state back (the cache then plans for
+        #: whole states only)
+        self.cannot_cut = cannot_cut
 
     def owners(self, trust: policy.Trust) -> policy.Owners:
         """The supervisor's ``owners``, for records of trusted publishers only."""
@@ -72,7 +76,7 @@ class Restorer:
         if limit is not None:
             held = min(held, limit)
         n_swa = self.policy.rules.n_swa
-        pos_min = kvstate.pos_min(llm) if held and n_swa > 0 else -1
+        pos_min = kvstate.pos_min(llm) if held and n_swa != 0 else -1
         local, cut = self.policy.keep_local(
             policy.Local(held, pos_min, self.context.aligned), len(prompt)
         )
@@ -144,6 +148,8 @@ class Restorer:
             ledger.add(misses=1)
         if done.refused:
             ledger.add(misses=1, states_refused=1)
+        if done.cannot_cut:
+            self.cannot_cut()
         if done.untrusted:
             ledger.add(untrusted=1, misses=1)
         if not done.restored:

@@ -292,3 +292,238 @@ def write_tiny_lora(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# ------------------------------------------------------------ more architectures
+# The tiny-model matrix: one model per family whose states llama.cpp serializes
+# differently. Each keeps channel 0 of the residual stream constant (every layer's
+# output projection writes zeros there), so that, as in write_tiny_llama, it biases the
+# output projection away from specials and non-ASCII bytes.
+
+
+class _Tiny:
+    """Random tensors of one tiny model, and its GGUF header."""
+
+    def __init__(self, seed: int, n_vocab: int, n_embd: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.n_vocab, self.n_embd = n_vocab, n_embd
+        self.pieces, self.scores, self.types, self.suppress = _build_vocab(n_vocab)
+        embd = self.rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
+        embd[:, 0] = 1.0
+        self.tensors: dict[str, np.ndarray] = {"token_embd.weight": embd}
+
+    def lin(self, n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        return (self.rng.standard_normal((n_out, n_in)) * (gain / np.sqrt(n_in))).astype(np.float32)
+
+    def out_proj(self, n_in: int, gain: float = 1.0) -> np.ndarray:
+        """A projection back into the residual stream, leaving channel 0 alone."""
+        w = self.lin(self.n_embd, n_in, gain)
+        w[0, :] = 0.0
+        return w
+
+    def ones(self, n: int | None = None) -> np.ndarray:
+        return np.ones(self.n_embd if n is None else n, dtype=np.float32)
+
+    def ffn(self, i: int, n_ff: int) -> None:
+        self.tensors |= {
+            f"blk.{i}.ffn_gate.weight": self.lin(n_ff, self.n_embd),
+            f"blk.{i}.ffn_up.weight": self.lin(n_ff, self.n_embd),
+            f"blk.{i}.ffn_down.weight": self.out_proj(n_ff),
+        }
+
+    def write(self, path: str | os.PathLike[str], arch: str, name: str, **keys: object) -> None:
+        """Add the output head and write the file; ``keys``: ``GGUFWriter.add_<key>(value)``."""
+        import gguf
+
+        output = self.lin(self.n_vocab, self.n_embd, 3.0)
+        output[:, 0] = np.where(self.suppress, -400.0, 0.0).astype(np.float32)
+        self.tensors["output_norm.weight"] = self.ones()
+        self.tensors["output.weight"] = output
+        w = gguf.GGUFWriter(os.fspath(path), arch)
+        w.add_name(name)
+        w.add_file_type(gguf.LlamaFileType.ALL_F32)
+        w.add_vocab_size(self.n_vocab)
+        w.add_context_length(2048)
+        w.add_embedding_length(self.n_embd)
+        for key, value in keys.items():
+            getattr(w, f"add_{key}")(value)
+        _finish(w, self.pieces, self.scores, self.types, self.tensors)
+
+
+def write_tiny_mamba(
+    path: str | os.PathLike[str], *, seed: int = 0, n_embd: int = 64, n_layer: int = 2
+) -> None:
+    """A tiny Mamba (1): recurrent layers only, no attention. Its state is a fixed-size
+    summary of every token so far; llama.cpp cannot cut it back to a shorter prefix."""
+    m = _Tiny(seed, 512, n_embd)
+    d_inner, d_state, d_conv, dt_rank = 2 * n_embd, 16, 4, 8
+    for i in range(n_layer):
+        m.tensors |= {
+            f"blk.{i}.attn_norm.weight": m.ones(),
+            f"blk.{i}.ssm_in.weight": m.lin(2 * d_inner, n_embd),
+            f"blk.{i}.ssm_conv1d.weight": m.lin(d_inner, d_conv),
+            f"blk.{i}.ssm_conv1d.bias": np.zeros(d_inner, dtype=np.float32),
+            f"blk.{i}.ssm_x.weight": m.lin(dt_rank + 2 * d_state, d_inner, 3.0),
+            f"blk.{i}.ssm_dt.weight": m.lin(d_inner, dt_rank),
+            f"blk.{i}.ssm_dt.bias": np.full(d_inner, -3.0, dtype=np.float32),
+            # A = -exp(A_log), slow decays: far-back tokens still sway the output
+            f"blk.{i}.ssm_a": -m.rng.uniform(0.001, 0.1, (d_inner, d_state)).astype(np.float32),
+            f"blk.{i}.ssm_d": m.ones(d_inner),
+            f"blk.{i}.ssm_out.weight": m.out_proj(d_inner, 4.0),
+        }
+    m.write(
+        path,
+        "mamba",
+        f"tiny-mamba-seed{seed}",
+        block_count=n_layer,
+        feed_forward_length=0,
+        head_count=0,
+        layer_norm_rms_eps=1e-5,
+        ssm_conv_kernel=d_conv,
+        ssm_inner_size=d_inner,
+        ssm_state_size=d_state,
+        ssm_time_step_rank=dt_rank,
+    )
+
+
+def write_tiny_qwen35(
+    path: str | os.PathLike[str], *, seed: int = 0, n_embd: int = 64, n_layer: int = 4
+) -> None:
+    """A tiny Qwen 3.5 (``qwen35``), a hybrid: three gated delta-net (recurrent) layers,
+    then a full-attention layer (``full_attention_interval`` 4), as the real ones."""
+    m = _Tiny(seed, 512, n_embd)
+    n_head, head_dim, n_ff = 4, 16, 4 * n_embd
+    # delta net: k heads of head_k_dim (state_size), v heads (time_step_rank) sharing
+    # inner_size, conv over q, k and v
+    d_state, n_group, n_v_head, d_inner, d_conv = 16, 2, 4, 64, 4
+    qkv = 2 * n_group * d_state + d_inner
+    for i in range(n_layer):
+        m.tensors |= {
+            f"blk.{i}.attn_norm.weight": m.ones(),
+            f"blk.{i}.post_attention_norm.weight": m.ones(),
+        }
+        m.ffn(i, n_ff)
+        if (i + 1) % 4 == 0:  # full attention, its query doubled by an output gate
+            m.tensors |= {
+                f"blk.{i}.attn_q.weight": m.lin(2 * n_head * head_dim, n_embd, 4.0),
+                f"blk.{i}.attn_k.weight": m.lin(n_head * head_dim, n_embd, 4.0),
+                f"blk.{i}.attn_v.weight": m.lin(n_head * head_dim, n_embd),
+                f"blk.{i}.attn_output.weight": m.out_proj(n_head * head_dim),
+                f"blk.{i}.attn_q_norm.weight": np.full(head_dim, 3.0, dtype=np.float32),
+                f"blk.{i}.attn_k_norm.weight": np.full(head_dim, 3.0, dtype=np.float32),
+            }
+        else:
+            m.tensors |= {
+                f"blk.{i}.attn_qkv.weight": m.lin(qkv, n_embd),
+                f"blk.{i}.attn_gate.weight": m.lin(d_inner, n_embd),
+                f"blk.{i}.ssm_conv1d.weight": m.lin(qkv, d_conv),
+                f"blk.{i}.ssm_a": -m.rng.uniform(0.01, 0.5, n_v_head).astype(np.float32),
+                f"blk.{i}.ssm_dt.bias": np.zeros(n_v_head, dtype=np.float32),
+                f"blk.{i}.ssm_alpha.weight": m.lin(n_v_head, n_embd),
+                f"blk.{i}.ssm_beta.weight": m.lin(n_v_head, n_embd),
+                f"blk.{i}.ssm_norm.weight": m.ones(d_inner // n_v_head),
+                f"blk.{i}.ssm_out.weight": m.out_proj(d_inner),
+            }
+    m.write(
+        path,
+        "qwen35",
+        f"tiny-qwen35-seed{seed}",
+        block_count=n_layer,
+        feed_forward_length=n_ff,
+        head_count=n_head,
+        head_count_kv=n_head,
+        key_length=head_dim,
+        value_length=head_dim,
+        rope_dimension_count=head_dim,
+        rope_dimension_sections=[4, 2, 2, 0],
+        rope_freq_base=10000.0,
+        layer_norm_rms_eps=1e-6,
+        ssm_conv_kernel=d_conv,
+        ssm_inner_size=d_inner,
+        ssm_state_size=d_state,
+        ssm_time_step_rank=n_v_head,
+        ssm_group_count=n_group,
+        full_attention_interval=4,
+    )
+
+
+def _attention(m: _Tiny, i: int, n_head: int, head_dim: int) -> None:
+    n_embd = m.n_embd
+    m.tensors |= {
+        f"blk.{i}.attn_norm.weight": m.ones(),
+        f"blk.{i}.attn_q.weight": m.lin(n_head * head_dim, n_embd, 4.0),
+        f"blk.{i}.attn_k.weight": m.lin(n_head * head_dim, n_embd, 4.0),
+        f"blk.{i}.attn_v.weight": m.lin(n_head * head_dim, n_embd),
+        f"blk.{i}.attn_output.weight": m.out_proj(n_head * head_dim),
+        f"blk.{i}.ffn_norm.weight": m.ones(),
+    }
+
+
+def write_tiny_qwen2(
+    path: str | os.PathLike[str], *, seed: int = 0, n_embd: int = 64, n_layer: int = 2
+) -> None:
+    """A tiny Qwen 2: attention with biases on the query, key and value projections."""
+    m = _Tiny(seed, 512, n_embd)
+    n_head, head_dim = 4, n_embd // 4
+    for i in range(n_layer):
+        _attention(m, i, n_head, head_dim)
+        for name in ("attn_q", "attn_k", "attn_v"):
+            m.tensors[f"blk.{i}.{name}.bias"] = 0.5 * m.rng.standard_normal(n_embd).astype(
+                np.float32
+            )
+        m.ffn(i, 4 * n_embd)
+    m.write(
+        path,
+        "qwen2",
+        f"tiny-qwen2-seed{seed}",
+        block_count=n_layer,
+        feed_forward_length=4 * n_embd,
+        head_count=n_head,
+        head_count_kv=n_head,
+        rope_freq_base=10000.0,
+        layer_norm_rms_eps=1e-6,
+    )
+
+
+def write_tiny_qwen3moe(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_expert: int = 4,
+    n_expert_used: int = 2,
+) -> None:
+    """A tiny Qwen 3 MoE: a router picks ``n_expert_used`` of ``n_expert`` feed-forward
+    experts per token."""
+    m = _Tiny(seed, 512, n_embd)
+    n_head, head_dim, n_ff = 4, n_embd // 4, 2 * n_embd
+    for i in range(n_layer):
+        _attention(m, i, n_head, head_dim)
+        down = np.stack([m.out_proj(n_ff) for _ in range(n_expert)])
+        m.tensors |= {
+            f"blk.{i}.attn_q_norm.weight": np.full(head_dim, 3.0, dtype=np.float32),
+            f"blk.{i}.attn_k_norm.weight": np.full(head_dim, 3.0, dtype=np.float32),
+            f"blk.{i}.ffn_gate_inp.weight": m.lin(n_expert, n_embd, 4.0),
+            f"blk.{i}.ffn_gate_exps.weight": np.stack(
+                [m.lin(n_ff, n_embd) for _ in range(n_expert)]
+            ),
+            f"blk.{i}.ffn_up_exps.weight": np.stack([m.lin(n_ff, n_embd) for _ in range(n_expert)]),
+            f"blk.{i}.ffn_down_exps.weight": down,
+        }
+    m.write(
+        path,
+        "qwen3moe",
+        f"tiny-qwen3moe-seed{seed}",
+        block_count=n_layer,
+        feed_forward_length=n_ff,
+        expert_feed_forward_length=n_ff,
+        expert_count=n_expert,
+        expert_used_count=n_expert_used,
+        head_count=n_head,
+        head_count_kv=n_head,
+        key_length=head_dim,
+        value_length=head_dim,
+        rope_freq_base=10000.0,
+        layer_norm_rms_eps=1e-6,
+    )

@@ -1,0 +1,178 @@
+"""The tiny-model matrix: each family whose states llama.cpp keeps differently.
+
+Every cached run's greedy text must equal a fresh plain ``Llama``'s, across worker
+processes. Attention models (Qwen 2 with its attention biases, Qwen 3 MoE with its
+experts) take the plain path: a state is cut back to any shorter prefix. A recurrent
+model (Mamba) and a hybrid (Qwen 3.5: gated delta-net layers and attention) cannot cut
+a state back: only states of exactly the reused length are restored, the checkpoints
+published at chat message boundaries, where prompts part, and before a prompt's end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llama_cpp
+import pytest
+from helpers import EXTRA, KW, N_CTX, SAMPLING, SYSTEM, Server, completion, run_worker, texts
+from hypothesis import given
+from hypothesis import strategies as st
+
+ARCHS = ("mamba", "qwen35", "qwen2", "qwen3moe")
+CANNOT_CUT = {"mamba", "qwen35"}
+QUESTIONS = [
+    " Question: who sits?",
+    " Question: where is the mat?",
+    " Question: how many cats are there?",
+]
+
+
+@pytest.fixture(scope="module")
+def arch_models(tmp_path_factory) -> dict[str, str]:
+    """One tiny GGUF of each architecture in ARCHS."""
+    import tinymodel
+
+    d: Path = tmp_path_factory.mktemp("archs")
+    out = {}
+    for arch in ARCHS:
+        path = d / f"tiny-{arch}.gguf"
+        getattr(tinymodel, f"write_tiny_{arch}")(path)
+        out[arch] = str(path)
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_prompt_across_workers(supervisor, arch_models, arch):
+    """Three workers in turn, one prompt each on the same ~1,150-token prefix: texts
+    equal cold runs'; the third restores nearly all of the shared prefix."""
+    model = arch_models[arch]
+    llm = llama_cpp.Llama(model, vocab_only=True, verbose=False)
+    cannot_cut = bool(
+        llama_cpp.llama_model_is_recurrent(llm.model) or llama_cpp.llama_model_is_hybrid(llm.model)
+    )
+    assert cannot_cut == (arch in CANNOT_CUT)
+    shared = len(llm.tokenize(SYSTEM.encode())) + 1  # (the questions share " Question:")
+    jobs = [[completion(SYSTEM + q, stream=(i == 1))] for i, q in enumerate(QUESTIONS)]
+    cold = run_worker(None, model, sum(jobs, []), mode="cold")
+    runs = [run_worker(supervisor, model, j) for j in jobs]
+    assert sum((texts(r) for r in runs), []) == texts(cold)
+    a, b, c = (r["results"][0]["last"] for r in runs)
+    assert a["tokens_restored"] == 0
+    assert b["hit"] and c["hit"]
+    assert c["tokens_restored"] >= 0.9 * shared
+    for r in runs:
+        assert "model mismatch" not in r["stderr"], r["stderr"][-2000:]
+        assert r["totals"]["restore_failures"] == 0
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+@pytest.mark.parametrize("arch", sorted(CANNOT_CUT))
+def test_chat_system_message_restored_whole(supervisor, arch_models, arch):
+    """Three chats on one ~1,150-token system message, each in its own worker: the first
+    checkpoints where the system message ends, the second and third restore exactly
+    that state (a recurrent state of more tokens would be useless to them)."""
+    model = arch_models[arch]
+    system = {"role": "system", "content": SYSTEM}
+    asks = [f"{w}: does the cat {i} sit on mat {i}?" for i, w in enumerate(("Why", "How", "Who"))]
+    jobs = [[{"kind": "chat", "messages": [system, user(a)], "max_tokens": 16}] for a in asks]
+    cold = run_worker(None, model, sum(jobs, []), mode="cold")
+    runs = [run_worker(supervisor, model, j) for j in jobs]
+    assert sum((texts(r) for r in runs), []) == texts(cold)
+    vocab = llama_cpp.Llama(model, vocab_only=True, verbose=False)
+    n_sys = len(
+        vocab.tokenize(
+            f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>".encode(),
+            add_bos=True,
+            special=True,
+        )
+    )
+    a, b, c = (r["results"][0]["last"] for r in runs)
+    assert n_sys in a["checkpoints"]
+    assert b["tokens_restored"] == c["tokens_restored"] == n_sys
+    assert c["tokens_evaluated"] == c["prompt_tokens"] - n_sys
+    for r in runs:
+        assert r["totals"]["restore_failures"] == 0 and not r["totals"]["errors"]
+
+
+def test_a_refused_cut_switches_the_worker_to_whole_states(
+    supervisor, arch_models, monkeypatch, caplog
+):
+    """On a llama-cpp-python that cannot tell a recurrent model (no
+    ``llama_model_is_recurrent``): the first restore that needs a cut is refused by
+    llama.cpp, which the log says (not "model mismatch"); the worker then plans whole
+    states, and its next prompt restores one. Every text equals a cold run's."""
+    from llama_cpp import llama_cpp as lc
+
+    from shmkv.llama import attach, policy
+
+    model = arch_models["mamba"]
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    cold = run_worker(None, model, [completion(p) for p in prompts], mode="cold")
+    # publishes A's prompt state only: B's plan then needs a cut of it
+    run_worker(supervisor, model, [completion(prompts[0])], env={"SHMKV_CHECKPOINT_TAIL": "0"})
+    llm = llama_cpp.Llama(model, verbose=False, **KW)
+    for kind in ("recurrent", "hybrid"):
+        monkeypatch.delattr(lc, f"llama_model_is_{kind}")
+    attach(llm, name=supervisor.name, socket_path=supervisor.socket)
+    try:
+        assert llm.shmkv.n_swa == 0  # (it cannot tell)
+        got = []
+        for p in prompts[1:]:
+            out = llm.create_completion(p, max_tokens=16, temperature=0.0, seed=0)
+            got.append((out["choices"][0]["text"], llm.shmkv.last.tokens_restored))
+            llm.shmkv.flush()
+    finally:
+        llm.shmkv.close()
+    assert [t for t, _ in got] == texts(cold)[1:]
+    assert got[0][1] == 0 and got[1][1] > 0.9 * len(llm.tokenize(SYSTEM.encode()))
+    assert llm.shmkv.n_swa == policy.WHOLE
+    assert "state cannot be cut" in caplog.text and "model mismatch" not in caplog.text
+    assert "restores whole states only" in caplog.text
+
+
+def test_served_mamba_restores_across_workers(tmp_path, make_supervisor, arch_models):
+    """``shmkv serve``'s workers on the tiny Mamba: a prompt on one worker, then prompts on
+    the same prefix until one lands on the other worker, which restores a whole state of
+    nearly all of the prefix. Every answer equals a fresh plain Llama's."""
+    model = arch_models["mamba"]
+    sup = make_supervisor("--size", "64M")
+    srv = Server(sup, model, workers=2, tmp_path=tmp_path)
+    answers = []
+    try:
+        text, first = srv.complete(SYSTEM + QUESTIONS[0])
+        answers.append((SYSTEM + QUESTIONS[0], text))
+        for i in range(8):
+            prompt = SYSTEM + f" Question {i}: who sits?"
+            text, info = srv.complete(prompt)
+            answers.append((prompt, text))
+            if info["worker_pid"] != first["worker_pid"]:
+                break
+        else:
+            pytest.fail("every request went to one worker")
+    finally:
+        srv.stop()
+    plain = llama_cpp.Llama(model, n_ctx=N_CTX, n_threads=1, n_threads_batch=1, verbose=False)
+    for prompt, text in answers:
+        plain.reset()
+        ref = plain.create_completion(prompt, **SAMPLING, **EXTRA)["choices"][0]["text"]
+        assert text == ref
+    shared = len(plain.tokenize(SYSTEM.encode()))
+    assert first["restored_tokens"] == 0
+    assert info["restored_tokens"] >= 0.9 * shared
+
+
+@given(n_state=st.integers(0, 64), keep=st.integers(0, 64), pos_min=st.integers(-1, 64))
+def test_whole_states_are_never_cut(n_state, keep, pos_min):
+    """A recurrent state is used only if it holds no token past ``keep``; a recurrent
+    context (llama.cpp reports its last position as its first) keeps its tokens only if
+    the prompt goes past all of them; planning asks for checkpoints as for windows."""
+    from shmkv.llama import policy
+
+    assert policy.window_allows_cut(policy.WHOLE, n_state, keep) == (keep >= n_state)
+    assert policy.context_allows_cut(policy.WHOLE, pos_min, keep) == (keep <= 0 or pos_min < keep)
+    whole = policy.strategy(policy.Rules(n_swa=policy.WHOLE, checkpoint_tail=64))
+    assert whole.wants_boundaries
+    assert whole.checkpoints(2000, 0, 0, 64, [1000]).points == [1000, 1936]
