@@ -14,9 +14,12 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
-from helpers import EXTRA, KW, N_CTX, SAMPLING, SYSTEM, Server, completion, run_worker, texts
 from hypothesis import given
 from hypothesis import strategies as st
+
+from tests.support import tinymodel
+from tests.support.llama_workers import KW, SYSTEM, completion, run_worker, texts
+from tests.support.servers import EXTRA, N_CTX, SAMPLING, Server
 
 ARCHS = ("mamba", "qwen35", "qwen2", "qwen3moe")
 CANNOT_CUT = {"mamba", "qwen35"}
@@ -30,8 +33,6 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def arch_models(tmp_path_factory) -> dict[str, str]:
     """One tiny GGUF of each architecture in ARCHS."""
-    import tinymodel
-
     d: Path = tmp_path_factory.mktemp("archs")
     out = {}
     for arch in ARCHS:
