@@ -507,64 +507,24 @@ def fragmented_table(frag: dict[str, Any]) -> str:
     return lines[0][0] + "\n" + common.grid(lines[1:])
 
 
-def plot_fragmented(ax: Any, frag: dict[str, Any]) -> None:
+def fragmented_chart(frag: dict[str, Any]) -> list[tuple[str, float, float | None]]:
+    """Ping round trips during the huge put, before and after."""
+    rows = []
     for arm in ("before", "after"):
-        if arm in frag:
-            r = frag[arm]
-            done = [t + ms / 1e3 for t, ms in r["timeline"]]  # when each reply came
-            ax.plot(done, [ms for _, ms in r["timeline"]], ".", ms=3, label=arm)
-            ax.axvspan(0, r["put_seconds"], alpha=0.08, color="C0" if arm == "before" else "C1")
-    ax.axhline(GOAL_PING_MAX_MS, color="red", ls="--", label="goal")
-    ax.set_yscale("log")
-    ax.set_xlabel("reply time, s since the huge put started (shaded: the put)")
-    ax.set_ylabel("ping round trip, ms (log)")
-    r = frag["after"]
-    ax.set_title(
-        f"ping during a {format_size(r['put_bytes'])} put into a fragmented "
-        f"{format_size(r['arena_bytes'])} arena",
-        fontsize=10,
-    )
-    ax.legend(fontsize=8)
+        if p := frag.get(arm, {}).get("ping_ms"):
+            rows.append((f"ping during the put ({arm})", p["p50"] / 1e3, p["p99"] / 1e3))
+    return rows
 
 
-def plot_fragmented_only(plt: Any, res: dict[str, Any]) -> Any:
-    fig, ax = plt.subplots(1, 1, figsize=(8, 4.8))
-    plot_fragmented(ax, res["fragmented"])
-    fig.tight_layout()
-    return fig
-
-
-# --------------------------------------------------------------------- reports
-def plot(plt: Any, res: dict[str, Any]) -> Any:
-    lk, put, rd = res["lookup"], res["put"], res["read"]
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
-    lookups = [
-        ("private set (floor)", lk["private_set"]),
-        *((f"shmkv, prefix {k}", v) for k, v in lk["by_depth"].items()),
-        ("shmkv, all", lk["all"]),
-        *([("LlamaRAMCache", lk["ramcache"])] * bool(lk["ramcache"])),
-    ]
-    title = f"lookup, {PROMPT_CHUNKS}-chunk prompts, {res['config']['entries']:,} entries"
-    items = [(n, v["p50_us"], v["p99_us"]) for n, v in lookups]
-    label, goal = "µs per lookup (log)", GOAL_LOOKUP_P50_US
-    common.hbars(axes[0], items, lambda v: common.fmt_s(v / 1e6), title, label, True, goal)
-    floors = {"memcpy": "memcpy", "xxh3": "xxh3", "preadv memfd→/dev/shm": "preadv_memfd_to_shm"}
-    items = [("Client.put", put["throughput_gbps"], None)]
-    items += [(n, put["floors"][k]["gbps_p50"], None) for n, k in floors.items()]
-    title, goal = "put, 16 MiB blobs", GOAL_PUT_GBPS
-    common.hbars(axes[1], items, "{:.3g} GB/s".format, title, "GB/s (log)", True, goal)
-    reads = {
-        "memcpy out (floor)": "memcpy",
-        "pointer, no checksum": "pointer_unverified",
-        "pointer, verified": "pointer_verified",
-    }
-    items = [(n, rd[k]["p50_us"] / 1e3, rd[k]["p99_us"] / 1e3) for n, k in reads.items()]
-    title = "lookup to usable pointer, 16 MiB blob"
-    common.hbars(axes[2], items, lambda v: common.fmt_s(v / 1e3), title, "ms")
-    plot_fragmented(axes[3], res["fragmented"])
-    fig.suptitle(common.title(res, "arena"))
-    fig.tight_layout()
-    return fig
+def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
+    lk, rd = res["lookup"], res["read"]
+    rows = [(f"lookup: {k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6) for k, v in lk.items()
+            if isinstance(v, dict) and "p50_us" in v]  # fmt: skip
+    rows += [(f"lookup: prefix {k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6)
+             for k, v in lk["by_depth"].items()]  # fmt: skip
+    rows += [(f"read: {k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6) for k, v in rd.items()
+             if isinstance(v, dict) and "p50_us" in v]  # fmt: skip
+    return rows + fragmented_chart(res["fragmented"])
 
 
 # ------------------------------------------------------------------------ main
@@ -659,7 +619,7 @@ def main(report: common.Report, o: Any) -> None:
         res["goals_met"] = goals_met({"fragmented.ping_max": ping_max})
         click.echo("\n" + fragmented_table(res["fragmented"]))
         click.echo(f"goals: {res['goals_met']}")
-        report.write(res, plot_fragmented_only)
+        report.write(res, fragmented_chart(res["fragmented"]))
         return
     res = run(plan)
     res["fragmented"] = fragmented(quick, plan.seed, o.before)
@@ -704,7 +664,7 @@ def main(report: common.Report, o: Any) -> None:
         f"{GOAL_LOOKUP_P50_US:g} us, put >= {GOAL_PUT_GBPS:g} GB/s, ping during a put into "
         f"a fragmented arena <= {GOAL_PING_MAX_MS:g} ms): {res['goals_met']}"
     )
-    report.write(res, plot)
+    report.write(res, chart(res))
 
 
 if __name__ == "__main__":

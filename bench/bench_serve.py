@@ -1222,84 +1222,6 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
     return markdown(rows) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
-def plot(plt: Any, res: dict[str, Any]) -> Any:
-    cells, cfg = res["cells"], res["config"]
-    if not cells:
-        return plt.figure()
-    arms = [a for a in ARMS if any(c["arm"] == a for c in cells)]
-    concs = sorted({c["concurrency"] for c in cells})
-    by = {(c["arm"], c["concurrency"]): c for c in cells}
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
-    width = 0.8 / max(1, len(arms))
-
-    def bars(ax: Any, i: int, value: Any, label: Any, inside: bool = False, **kw: Any) -> None:
-        """A bar per concurrency for arm ``arms[i]``, ``label(cell, height)`` above or inside."""
-        for j, cc in enumerate(concs):
-            if (c := by.get((arms[i], cc))) is None or (v := value(c)) is None:
-                continue
-            x = j + (i - (len(arms) - 1) / 2) * width
-            ax.bar(x, v, width * 0.95, color=ARMS[arms[i]][1], **kw)
-            style = dict(va="top", color="white", fontweight="bold") if inside else {"va": "bottom"}
-            ax.text(x, v * 0.8 if inside else v, label(c, v), ha="center", fontsize=7, **style)
-
-    def ttft(stat: str) -> Any:
-        return lambda c: c["ttft"].get(stat)
-
-    def gib(key: str) -> Any:
-        return lambda c: max(0, c["memory"][key]) / 2**30
-
-    def mean(c: dict[str, Any], v: float) -> str:  # a cell stopped at the memory limit: its
-        stopped = "\nstopped\n(memory)" * bool(c["aborted"])  # bars cover its first requests
-        return (f"{v:.2f}" if v < 10 else f"{v:.0f}") + stopped
-
-    def peak(c: dict[str, Any], v: float) -> str:
-        return f"{v:.1f}" + " (limit)" * bool(c["aborted"])
-
-    for i, a in enumerate(arms):
-        light = dict(alpha=0.35, edgecolor=ARMS[a][1])
-        bars(axes[0], i, ttft("p99"), lambda c, v: f"{v:.1f}", hatch="//", **light)
-        bars(axes[0], i, ttft("mean"), mean, inside=True)
-        bars(axes[1], i, lambda c: c["requests_per_s"], lambda c, v: f"{v:.2f}")
-        bars(axes[2], i, gib("total_pss_peak"), peak, **light)
-        bars(axes[2], i, gib("cache_bytes"), lambda c, v: f"{v:.2f}" if v else "")
-    axes[0].axhline(GOAL_MEAN_TTFT, color="#c33", ls="--", lw=1)
-    axes[0].set_yscale("log")
-    ttft_min = min([c["ttft"]["min"] for c in cells if c["ttft"].get("n")] + [GOAL_MEAN_TTFT])
-    axes[0].set_ylim(bottom=ttft_min / 2)
-    for ax, ylabel, title in (
-        (
-            axes[0],
-            "time to first token, s (log)",
-            "TTFT: mean (solid, value inside), p99 (hatched, value above)\nred line: goal, "
-            f"shmkv mean ≤ {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}",
-        ),
-        (axes[1], "completed requests per second", "throughput"),
-        (
-            axes[2],
-            "GiB",
-            "memory: all server processes, peak PSS (light);\nthe cache "
-            "(solid: shmkv arena PSS once; RAMCache worker growth)",
-        ),
-    ):
-        ax.set_xticks(range(len(concs)), [f"concurrency {c}" for c in concs])
-        ax.set(ylabel=ylabel)
-        ax.set_title(title, fontsize=9)
-    code, system = res.get("code", {}), cfg["system_tokens"]
-    fig.suptitle(
-        f"{common.title(res, 'serving')} ({code.get('commit', '?')[:7]}"
-        f"{'+dirty' if code.get('modified') else ''}); Gemma 3 270M Q4_K_M, {cfg['workers']} "
-        f"gunicorn workers × {cfg['threads']} thread, n_ctx {cfg['n_ctx']}, {cfg['prompts']} "
-        f"system prompts of ~{round(sum(system) / len(system))} tokens, {cfg['requests']} "
-        "streaming requests" + (f"; the last of {n} runs" if (n := cfg.get("runs", 1)) > 1 else ""),
-        fontsize=9,
-    )
-    handles = [plt.Rectangle((0, 0), 1, 1, color=ARMS[a][1]) for a in arms]
-    labels = [ARMS[a][0] for a in arms]
-    fig.legend(handles, labels, loc="lower center", ncol=len(arms), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    return fig
-
-
 opt = common.option
 
 
@@ -1495,7 +1417,8 @@ def main(report: common.Report, o: Any) -> None:
             click.echo(
                 f"(restore floor + suffix, p50, one Llama: {common.fmt_s(goal['floor_p50_s'])})"
             )
-    report.write(res, plot, "the run was interrupted" * interrupted)
+    chart = [(f"{cell_key(c)}: TTFT", c["ttft"].get("p50"), c["ttft"].get("p99")) for c in analysed]
+    report.write(res, chart, "the run was interrupted" * interrupted)
     if interrupted:
         raise SystemExit(130)
 
