@@ -77,32 +77,13 @@ FRAGMENTED = {
     True: dict(size=256 << 20, record=28 * 1024, put=50 * MIB),
 }
 
-PLANS = {  # what one run does; --quick shrinks every count
-    False: dict(
-        entries=100_000,
-        deep_every=200,
-        index_slots=524_288,
-        size=4 << 30,
-        lookups=30_000,
-        prompts_per_depth=100,
-        put_warmup=4,
-        puts=64,
-        reads=300,
-        ramcache_lookups=10,
-    ),
-    True: dict(
-        entries=5_000,
-        deep_every=50,
-        index_slots=32_768,
-        size=512 << 20,
-        lookups=3_000,
-        prompts_per_depth=20,
-        put_warmup=1,
-        puts=8,
-        reads=40,
-        ramcache_lookups=3,
-    ),
+PLANS = {  # what one run does (--set KEY=VALUE changes one); --quick shrinks every count
+    False: dict(entries=100_000, deep_every=200, index_slots=524_288, size=4 << 30),
+    True: dict(entries=5_000, deep_every=50, index_slots=32_768, size=512 << 20),
 }
+PLANS[False] |= dict(lookups=30_000, prompts_per_depth=100, put_warmup=4, puts=64, reads=300)
+PLANS[True] |= dict(lookups=3_000, prompts_per_depth=20, put_warmup=1, puts=8, reads=40)
+PLANS[False]["ramcache_lookups"], PLANS[True]["ramcache_lookups"] = 10, 3
 
 
 class Plan(types.SimpleNamespace):
@@ -588,19 +569,18 @@ def run(plan: Plan) -> dict[str, Any]:
     default=None,
     help="Also run the fragmented case against the supervisor of this checkout.",
 )
-@click.option("--entries", type=int, default=None, help="Small entries to fill [100000].")
-@click.option("--size", default=None, help="Arena --size [4G; quick 512M].")
-@click.option("--index-slots", type=int, default=None, help="Arena --index-slots [524288].")
-@click.option("--puts", type=int, default=None, help="Timed 16 MiB puts [64].")
-@click.option("--reads", type=int, default=None, help="Timed lookup-to-pointer reads [300].")
-@click.option("--lookups", type=int, default=None, help="Timed lookups [30000].")
+@click.option("--set", "sets", multiple=True, help=f"KEY=VALUE of the plan: {', '.join(PLANS[0])}.")
 @click.option("--seed", type=int, default=1, show_default=True)
 def main(report: common.Report, o: Any) -> None:
     """Benchmark shmkv's arena against a real supervisor; print a table, write JSON and PNG."""
     quick = o.quick
-    over = {k: v for k, v in vars(o).items() if v and k not in ("quick", "case", "before")}
-    if o.size:
-        over["size"] = parse_size(o.size)
+    over = dict(kv.split("=", 1) for kv in o.sets)
+    if unknown := set(over) - set(PLANS[quick]):
+        raise click.BadParameter(
+            f"{unknown}: the plan has {list(PLANS[quick])}", param_hint="--set"
+        )
+    over = {k: parse_size(v) if k == "size" else int(v) for k, v in over.items()}
+    over["seed"] = o.seed
     plan = Plan(quick=quick, **{**PLANS[quick], **over})
     load_before = common.loadavg()
     if o.case == "fragmented":

