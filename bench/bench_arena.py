@@ -582,69 +582,42 @@ def main(report: common.Report, o: Any) -> None:
     over = {k: parse_size(v) if k == "size" else int(v) for k, v in over.items()}
     over["seed"] = o.seed
     plan = Plan(quick=quick, **{**PLANS[quick], **over})
-    load_before = common.loadavg()
-    if o.case == "fragmented":
+    load_before, only = common.loadavg(), o.case == "fragmented"
+    if only:
         name = "arena_fragmented"
-        report = dataclasses.replace(
-            report, name=name, baseline_path=report.baseline_path.with_name(f"{name}.json")
-        )
-        res = {
-            **report.header(),
-            "config": {"quick": quick, "seed": plan.seed, **FRAGMENTED[quick]},
-            "goals": {"ping_max_ms": GOAL_PING_MAX_MS},
-            "fragmented": fragmented(quick, plan.seed, o.before),
-            "load_average": {"before": load_before, "after": common.loadavg()},
-        }
-        ping_max = res["fragmented"]["after"]["ping_ms"]["max"]
-        res["goals_met"] = goals_met({"fragmented.ping_max": ping_max})
-        click.echo("\n" + fragmented_table(res["fragmented"]))
-        click.echo(f"goals: {res['goals_met']}")
-        report.write(res, fragmented_chart(res["fragmented"]))
-        return
-    res = run(plan)
+        path = report.baseline_path.with_name(f"{name}.json")
+        report = dataclasses.replace(report, name=name, baseline_path=path)
+        res = {"config": {"quick": quick, "seed": plan.seed, **FRAGMENTED[quick]}}
+        res["goals"] = {"ping_max_ms": GOAL_PING_MAX_MS}
+    else:
+        res = run(plan)
+        res["config"] = vars(plan) | dict(blob_bytes=BLOB, small_payload=SMALL_PAYLOAD)
+        res["config"] |= dict(prompt_chunks=PROMPT_CHUNKS, fragmented=FRAGMENTED[quick])
+        res["config"]["chunk_tokens"] = res["supervisor_stats"]["chunk_tokens"]
+        res["goals"] = dict(lookup_p50_us=GOAL_LOOKUP_P50_US, put_gbps=GOAL_PUT_GBPS)
+        res["goals"]["fragmented_ping_max_ms"] = GOAL_PING_MAX_MS
     res["fragmented"] = fragmented(quick, plan.seed, o.before)
-    res = {
-        **report.header(),
-        "config": {
-            **vars(plan),
-            "blob_bytes": BLOB,
-            "small_payload": SMALL_PAYLOAD,
-            "prompt_chunks": PROMPT_CHUNKS,
-            "chunk_tokens": res["supervisor_stats"]["chunk_tokens"],
-            "fragmented": FRAGMENTED[quick],
-        },
-        "goals": {
-            "lookup_p50_us": GOAL_LOOKUP_P50_US,
-            "put_gbps": GOAL_PUT_GBPS,
-            "fragmented_ping_max_ms": GOAL_PING_MAX_MS,
-        },
-        **res,
-        "load_average": {"before": load_before, "after": common.loadavg()},
-    }
-    res["goals_met"] = goals_met(
-        {
-            "lookup.all": res["lookup"]["all"]["p50_us"],
-            "put.total": res["put"]["throughput_gbps"],
-            "fragmented.ping_max": res["fragmented"]["after"]["ping_ms"]["max"],
-        }
-    )
-    base = report.baseline(quick) or {}
-    rows: list[tuple[str, Any, Any]] = []
-    for part in ("lookup", "put", "read"):
-        rows += [(f"[{part}]", None, None), *common.walk(res[part], base.get(part))]
-    pr, load_after = res["lookup"]["probes_per_lookup"], res["load_average"]["after"]
-    click.echo(
-        f"\n{common.title(res, 'arena')}; load {load_before[0]} before, {load_after[0]} after"
-    )
-    click.echo(common.summary_table(rows, 1e-6, "_us"))
-    click.echo(fragmented_table(res["fragmented"]))
-    click.echo(
-        f"lookup: {pr['mean']} probes (max {pr['max']}); put: "
-        f"{res['put']['throughput_gbps']} GB/s; goals (lookup p50 <= "
-        f"{GOAL_LOOKUP_P50_US:g} us, put >= {GOAL_PUT_GBPS:g} GB/s, ping during a put into "
-        f"a fragmented arena <= {GOAL_PING_MAX_MS:g} ms): {res['goals_met']}"
-    )
-    report.write(res, chart(res))
+    res = {**report.header(), **res}
+    res["load_average"] = {"before": load_before, "after": common.loadavg()}
+    values = {"fragmented.ping_max": res["fragmented"]["after"]["ping_ms"]["max"]}
+    if not only:
+        values["lookup.all"] = res["lookup"]["all"]["p50_us"]
+        values["put.total"] = res["put"]["throughput_gbps"]
+        base = report.baseline(quick) or {}
+        rows: list[tuple[str, Any, Any]] = []
+        for part in ("lookup", "put", "read"):
+            rows += [(f"[{part}]", None, None), *common.walk(res[part], base.get(part))]
+        pr, after = res["lookup"]["probes_per_lookup"], res["load_average"]["after"]
+        click.echo(
+            f"\n{common.title(res, 'arena')}; load {load_before[0]} before, {after[0]} after"
+        )
+        click.echo(common.summary_table(rows, 1e-6, "_us"))
+        click.echo(f"lookup: {pr['mean']} probes (max {pr['max']})")
+    res["goals_met"] = goals_met(values)
+    click.echo("\n" + fragmented_table(res["fragmented"]))
+    goals = f"lookup p50 <= {GOAL_LOOKUP_P50_US:g} us, put >= {GOAL_PUT_GBPS:g} GB/s, ping max"
+    click.echo(f"goals ({goals} <= {GOAL_PING_MAX_MS:g} ms): {res['goals_met']}")
+    report.write(res, fragmented_chart(res["fragmented"]) if only else chart(res))
 
 
 if __name__ == "__main__":
