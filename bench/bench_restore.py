@@ -541,31 +541,28 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
             (f"[{part}]", None, None),
             *common.walk({k: v for k, v in a[part].items() if k not in counts}, b.get(part)),
         ]
-    r, g, h, m, p = a["ratios"], a["goals_met"], a["hit"], a["memory"], a["publish"]
-    q = a["q8_0"]
-    return "\n".join(
-        [
-            common.summary_table(rows),
-            "ratios of TTFT p50: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if v),
-            f"goals: hit/floor <= {GOAL_HIT_OVER_FLOOR}, cold/hit >= {GOAL_COLD_OVER_HIT:g}: {g}",
-            f"hit: tokens restored {h['tokens_restored']}, evaluated {h['tokens_evaluated']}; blob "
-            f"{m['blob_bytes'] / 1e6:.1f} MB; attach {f(h['attach_seconds'])}; capture() "
-            f"{p['capture_fraction'].get('p50', 0) * 100:.1f} % of a request; blobs published per "
-            f"request {p['captures_published_per_request'].get('mean', 0):.2f}",
-            f"greedy text equal to cold: {a['same_text_as_cold']} (hit_q8: to cold_q8)",
-            f"q8_0 KV: blob {q['blob_bytes'] / 1e6:.1f} MB ({q['blob_over_f16']:.2f} of f16), "
-            f"restore p50 {f(q['restore_seconds'].get('p50'))}, TTFT p50 hit "
-            f"{f(a['ttft']['hit_q8']['ttft'].get('p50'))}, cold "
-            f"{f(a['ttft']['cold_q8']['ttft'].get('p50'))}, tokens restored "
-            f"{q['tokens_restored']}",
-            f"LlamaRAMCache: {m['ramcache_entries']} entries, counted "
-            f"{m['ramcache_counted_bytes'] / 1e6:.0f} MB + uncounted "
-            f"{m['ramcache_uncounted_scores_bytes_per_entry'] / 1e6:.0f} MB of scores per entry; "
-            f"peak RSS {m['ramcache_peak_rss_bytes'] / 1e9:.2f} GB (cold "
-            f"{m['cold_peak_rss_bytes'] / 1e9:.2f} GB)"
-            + (f"; ABORTED: {m['ramcache_aborted']}" if m["ramcache_aborted"] else ""),
-        ]
-    )
+    r, g, h, m, p, q = (a[k] for k in "ratios goals_met hit memory publish q8_0".split())
+    mb, t = (lambda n: f"{n / 1e6:.1f} MB"), a["ttft"]  # noqa: E731
+    aborted = f"; ABORTED: {m['ramcache_aborted']}" if m["ramcache_aborted"] else ""
+    lines = [
+        common.summary_table(rows),
+        "ratios of TTFT p50: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if v),
+        f"goals: hit/floor <= {GOAL_HIT_OVER_FLOOR}, cold/hit >= {GOAL_COLD_OVER_HIT:g}: {g}",
+        f"hit: tokens restored {h['tokens_restored']}, evaluated {h['tokens_evaluated']}; blob "
+        f"{mb(m['blob_bytes'])}; attach {f(h['attach_seconds'])}; capture() "
+        f"{p['capture_fraction'].get('p50', 0) * 100:.1f} % of a request; blobs published per "
+        f"request {p['captures_published_per_request'].get('mean', 0):.2f}",
+        f"greedy text equal to cold: {a['same_text_as_cold']} (hit_q8: to cold_q8)",
+        f"q8_0 KV: blob {mb(q['blob_bytes'])} ({q['blob_over_f16']:.2f} of f16), restore p50 "
+        f"{f(q['restore_seconds'].get('p50'))}, TTFT p50 hit {f(t['hit_q8']['ttft'].get('p50'))}"
+        f", cold {f(t['cold_q8']['ttft'].get('p50'))}, tokens restored {q['tokens_restored']}",
+        f"LlamaRAMCache: {m['ramcache_entries']} entries, counted "
+        f"{mb(m['ramcache_counted_bytes'])} + uncounted "
+        f"{mb(m['ramcache_uncounted_scores_bytes_per_entry'])} of scores per entry; peak RSS "
+        f"{m['ramcache_peak_rss_bytes'] / 1e9:.2f} GB (cold {m['cold_peak_rss_bytes'] / 1e9:.2f} GB)"
+        + aborted,
+    ]
+    return "\n".join(lines)
 
 
 def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
@@ -616,10 +613,10 @@ def main(report: common.Report, o: Any) -> None:
     q8_ctx = {**ctx, **Q8_0_CTX}
     gen = dict(max_tokens=max_tokens, temperature=0.0, seed=0)
     plan = dict(quick=quick, model=str(model_path), model_bytes=model_path.stat().st_size)
-    plan |= dict(ctx=ctx, ctx_q8=q8_ctx, gen=gen)
-    plan |= dict(prefix_target=prefix_tokens, suffix_target=suffix_tokens)
+    plan |= dict(ctx=ctx, ctx_q8=q8_ctx, gen=gen, prefix_target=prefix_tokens)
+    plan |= dict(suffix_target=suffix_tokens, repeats=repeats, arena_size=ARENA_SIZE)
     plan |= common.pick(prompts, "prefix_tokens suffix_tokens warmup_tokens")
-    plan |= dict(repeats=repeats, arena_size=ARENA_SIZE, ramcache_capacity=RAMCACHE_CAPACITY)
+    plan["ramcache_capacity"] = RAMCACHE_CAPACITY
     quiet = common.wait_until_quiet(o.max_load, o.max_wait)
     arms: dict[str, dict[str, Any]] = {}
     with (
@@ -656,10 +653,7 @@ def main(report: common.Report, o: Any) -> None:
         "quiet": quiet,
         "loadavg_end": common.loadavg(),
         "config": {**plan, "context_params": ref},
-        "goals": {
-            "hit_over_floor_max": GOAL_HIT_OVER_FLOOR,
-            "cold_over_hit_min": GOAL_COLD_OVER_HIT,
-        },
+        "goals": dict(hit_over_floor_max=GOAL_HIT_OVER_FLOOR, cold_over_hit_min=GOAL_COLD_OVER_HIT),
         "noise": {k: v["process"] for k, v in arms.items()},
         "supervisor_stats": common.pick(
             sup_stats,
@@ -669,11 +663,8 @@ def main(report: common.Report, o: Any) -> None:
         "analysis": analyse(arms, plan),
         "arms": arms,
     }
-    res["noisy_arms"] = noisy = {
-        k: round(v["foreign_cores"], 2)
-        for k, v in res["noise"].items()
-        if v["foreign_cores"] > 0.25
-    }
+    noisy = {k: round(v["foreign_cores"], 2) for k, v in res["noise"].items()}
+    res["noisy_arms"] = noisy = {k: v for k, v in noisy.items() if v > 0.25}
     click.echo(
         f"\n{common.title(res, 'restore')}; prefix {ptoks} tokens, {threads} threads; load "
         f"{quiet['loadavg'][0]:.2f} at start" + ("" if quiet["quiet"] else " (NOT quiet)")
