@@ -559,8 +559,8 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
         f"LlamaRAMCache: {m['ramcache_entries']} entries, counted "
         f"{mb(m['ramcache_counted_bytes'])} + uncounted "
         f"{mb(m['ramcache_uncounted_scores_bytes_per_entry'])} of scores per entry; peak RSS "
-        f"{m['ramcache_peak_rss_bytes'] / 1e9:.2f} GB (cold {m['cold_peak_rss_bytes'] / 1e9:.2f} GB)"
-        + aborted,
+        f"{m['ramcache_peak_rss_bytes'] / 1e9:.2f} GB (cold "
+        f"{m['cold_peak_rss_bytes'] / 1e9:.2f} GB){aborted}",
     ]
     return "\n".join(lines)
 
