@@ -78,32 +78,13 @@ FRAGMENTED = {
     True: dict(size=256 << 20, record=28 * 1024, put=50 * MIB),
 }
 
-PLANS = {  # what one run does; --quick shrinks every count
-    False: dict(
-        entries=100_000,
-        deep_every=200,
-        index_slots=524_288,
-        size=4 << 30,
-        lookups=30_000,
-        prompts_per_depth=100,
-        put_warmup=4,
-        puts=64,
-        reads=300,
-        ramcache_lookups=10,
-    ),
-    True: dict(
-        entries=5_000,
-        deep_every=50,
-        index_slots=32_768,
-        size=512 << 20,
-        lookups=3_000,
-        prompts_per_depth=20,
-        put_warmup=1,
-        puts=8,
-        reads=40,
-        ramcache_lookups=3,
-    ),
+PLANS = {  # what one run does (--set KEY=VALUE changes one); --quick shrinks every count
+    False: dict(entries=100_000, deep_every=200, index_slots=524_288, size=4 << 30),
+    True: dict(entries=5_000, deep_every=50, index_slots=32_768, size=512 << 20),
 }
+PLANS[False] |= dict(lookups=30_000, prompts_per_depth=100, put_warmup=4, puts=64, reads=300)
+PLANS[True] |= dict(lookups=3_000, prompts_per_depth=20, put_warmup=1, puts=8, reads=40)
+PLANS[False]["ramcache_lookups"], PLANS[True]["ramcache_lookups"] = 10, 3
 
 
 class Plan(types.SimpleNamespace):
@@ -508,64 +489,24 @@ def fragmented_table(frag: dict[str, Any]) -> str:
     return lines[0][0] + "\n" + common.grid(lines[1:])
 
 
-def plot_fragmented(ax: Any, frag: dict[str, Any]) -> None:
+def fragmented_chart(frag: dict[str, Any]) -> list[tuple[str, float, float | None]]:
+    """Ping round trips during the huge put, before and after."""
+    rows = []
     for arm in ("before", "after"):
-        if arm in frag:
-            r = frag[arm]
-            done = [t + ms / 1e3 for t, ms in r["timeline"]]  # when each reply came
-            ax.plot(done, [ms for _, ms in r["timeline"]], ".", ms=3, label=arm)
-            ax.axvspan(0, r["put_seconds"], alpha=0.08, color="C0" if arm == "before" else "C1")
-    ax.axhline(GOAL_PING_MAX_MS, color="red", ls="--", label="goal")
-    ax.set_yscale("log")
-    ax.set_xlabel("reply time, s since the huge put started (shaded: the put)")
-    ax.set_ylabel("ping round trip, ms (log)")
-    r = frag["after"]
-    ax.set_title(
-        f"ping during a {format_size(r['put_bytes'])} put into a fragmented "
-        f"{format_size(r['arena_bytes'])} arena",
-        fontsize=10,
-    )
-    ax.legend(fontsize=8)
+        if p := frag.get(arm, {}).get("ping_ms"):
+            rows.append((f"ping during the put ({arm})", p["p50"] / 1e3, p["p99"] / 1e3))
+    return rows
 
 
-def plot_fragmented_only(plt: Any, res: dict[str, Any]) -> Any:
-    fig, ax = plt.subplots(1, 1, figsize=(8, 4.8))
-    plot_fragmented(ax, res["fragmented"])
-    fig.tight_layout()
-    return fig
-
-
-# --------------------------------------------------------------------- reports
-def plot(plt: Any, res: dict[str, Any]) -> Any:
-    lk, put, rd = res["lookup"], res["put"], res["read"]
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
-    lookups = [
-        ("private set (floor)", lk["private_set"]),
-        *((f"shmkv, prefix {k}", v) for k, v in lk["by_depth"].items()),
-        ("shmkv, all", lk["all"]),
-        *([("LlamaRAMCache", lk["ramcache"])] * bool(lk["ramcache"])),
-    ]
-    title = f"lookup, {PROMPT_CHUNKS}-chunk prompts, {res['config']['entries']:,} entries"
-    items = [(n, v["p50_us"], v["p99_us"]) for n, v in lookups]
-    label, goal = "µs per lookup (log)", GOAL_LOOKUP_P50_US
-    common.hbars(axes[0], items, lambda v: common.fmt_s(v / 1e6), title, label, True, goal)
-    floors = {"memcpy": "memcpy", "xxh3": "xxh3", "preadv memfd→/dev/shm": "preadv_memfd_to_shm"}
-    items = [("Client.put", put["throughput_gbps"], None)]
-    items += [(n, put["floors"][k]["gbps_p50"], None) for n, k in floors.items()]
-    title, goal = "put, 16 MiB blobs", GOAL_PUT_GBPS
-    common.hbars(axes[1], items, "{:.3g} GB/s".format, title, "GB/s (log)", True, goal)
-    reads = {
-        "memcpy out (floor)": "memcpy",
-        "pointer, no checksum": "pointer_unverified",
-        "pointer, verified": "pointer_verified",
-    }
-    items = [(n, rd[k]["p50_us"] / 1e3, rd[k]["p99_us"] / 1e3) for n, k in reads.items()]
-    title = "lookup to usable pointer, 16 MiB blob"
-    common.hbars(axes[2], items, lambda v: common.fmt_s(v / 1e3), title, "ms")
-    plot_fragmented(axes[3], res["fragmented"])
-    fig.suptitle(common.title(res, "arena"))
-    fig.tight_layout()
-    return fig
+def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
+    lk, rd = res["lookup"], res["read"]
+    rows = [(f"lookup: {k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6) for k, v in lk.items()
+            if isinstance(v, dict) and "p50_us" in v]  # fmt: skip
+    rows += [(f"lookup: prefix {k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6)
+             for k, v in lk["by_depth"].items()]  # fmt: skip
+    rows += [(f"read: {k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6) for k, v in rd.items()
+             if isinstance(v, dict) and "p50_us" in v]  # fmt: skip
+    return rows + fragmented_chart(res["fragmented"])
 
 
 # ------------------------------------------------------------------------ main
@@ -629,83 +570,55 @@ def run(plan: Plan) -> dict[str, Any]:
     default=None,
     help="Also run the fragmented case against the supervisor of this checkout.",
 )
-@click.option("--entries", type=int, default=None, help="Small entries to fill [100000].")
-@click.option("--size", default=None, help="Arena --size [4G; quick 512M].")
-@click.option("--index-slots", type=int, default=None, help="Arena --index-slots [524288].")
-@click.option("--puts", type=int, default=None, help="Timed 16 MiB puts [64].")
-@click.option("--reads", type=int, default=None, help="Timed lookup-to-pointer reads [300].")
-@click.option("--lookups", type=int, default=None, help="Timed lookups [30000].")
+@click.option("--set", "sets", multiple=True, help=f"KEY=VALUE of the plan: {', '.join(PLANS[0])}.")
 @click.option("--seed", type=int, default=1, show_default=True)
 def main(report: common.Report, o: Any) -> None:
     """Benchmark shmkv's arena against a real supervisor; print a table, write JSON and PNG."""
     quick = o.quick
-    over = {k: v for k, v in vars(o).items() if v and k not in ("quick", "case", "before")}
-    if o.size:
-        over["size"] = parse_size(o.size)
-    plan = Plan(quick=quick, **{**PLANS[quick], **over})
-    load_before = common.loadavg()
-    if o.case == "fragmented":
-        name = "arena_fragmented"
-        report = dataclasses.replace(
-            report, name=name, baseline_path=report.baseline_path.with_name(f"{name}.json")
+    over = dict(kv.split("=", 1) for kv in o.sets)
+    if unknown := set(over) - set(PLANS[quick]):
+        raise click.BadParameter(
+            f"{unknown}: the plan has {list(PLANS[quick])}", param_hint="--set"
         )
-        res = {
-            **report.header(),
-            "config": {"quick": quick, "seed": plan.seed, **FRAGMENTED[quick]},
-            "goals": {"ping_max_ms": GOAL_PING_MAX_MS},
-            "fragmented": fragmented(quick, plan.seed, o.before),
-            "load_average": {"before": load_before, "after": common.loadavg()},
-        }
-        ping_max = res["fragmented"]["after"]["ping_ms"]["max"]
-        res["goals_met"] = goals_met({"fragmented.ping_max": ping_max})
-        click.echo("\n" + fragmented_table(res["fragmented"]))
-        click.echo(f"goals: {res['goals_met']}")
-        report.write(res, plot_fragmented_only)
-        return
-    res = run(plan)
+    over = {k: parse_size(v) if k == "size" else int(v) for k, v in over.items()}
+    over["seed"] = o.seed
+    plan = Plan(quick=quick, **{**PLANS[quick], **over})
+    load_before, only = common.loadavg(), o.case == "fragmented"
+    if only:
+        name = "arena_fragmented"
+        path = report.baseline_path.with_name(f"{name}.json")
+        report = dataclasses.replace(report, name=name, baseline_path=path)
+        res = {"config": {"quick": quick, "seed": plan.seed, **FRAGMENTED[quick]}}
+        res["goals"] = {"ping_max_ms": GOAL_PING_MAX_MS}
+    else:
+        res = run(plan)
+        res["config"] = vars(plan) | dict(blob_bytes=BLOB, small_payload=SMALL_PAYLOAD)
+        res["config"] |= dict(prompt_chunks=PROMPT_CHUNKS, fragmented=FRAGMENTED[quick])
+        res["config"]["chunk_tokens"] = res["supervisor_stats"]["chunk_tokens"]
+        res["goals"] = dict(lookup_p50_us=GOAL_LOOKUP_P50_US, put_gbps=GOAL_PUT_GBPS)
+        res["goals"]["fragmented_ping_max_ms"] = GOAL_PING_MAX_MS
     res["fragmented"] = fragmented(quick, plan.seed, o.before)
-    res = {
-        **report.header(),
-        "config": {
-            **vars(plan),
-            "blob_bytes": BLOB,
-            "small_payload": SMALL_PAYLOAD,
-            "prompt_chunks": PROMPT_CHUNKS,
-            "chunk_tokens": res["supervisor_stats"]["chunk_tokens"],
-            "fragmented": FRAGMENTED[quick],
-        },
-        "goals": {
-            "lookup_p50_us": GOAL_LOOKUP_P50_US,
-            "put_gbps": GOAL_PUT_GBPS,
-            "fragmented_ping_max_ms": GOAL_PING_MAX_MS,
-        },
-        **res,
-        "load_average": {"before": load_before, "after": common.loadavg()},
-    }
-    res["goals_met"] = goals_met(
-        {
-            "lookup.all": res["lookup"]["all"]["p50_us"],
-            "put.total": res["put"]["throughput_gbps"],
-            "fragmented.ping_max": res["fragmented"]["after"]["ping_ms"]["max"],
-        }
-    )
-    base = report.baseline(quick) or {}
-    rows: list[tuple[str, Any, Any]] = []
-    for part in ("lookup", "put", "read"):
-        rows += [(f"[{part}]", None, None), *common.walk(res[part], base.get(part))]
-    pr, load_after = res["lookup"]["probes_per_lookup"], res["load_average"]["after"]
-    click.echo(
-        f"\n{common.title(res, 'arena')}; load {load_before[0]} before, {load_after[0]} after"
-    )
-    click.echo(common.summary_table(rows, 1e-6, "_us"))
-    click.echo(fragmented_table(res["fragmented"]))
-    click.echo(
-        f"lookup: {pr['mean']} probes (max {pr['max']}); put: "
-        f"{res['put']['throughput_gbps']} GB/s; goals (lookup p50 <= "
-        f"{GOAL_LOOKUP_P50_US:g} us, put >= {GOAL_PUT_GBPS:g} GB/s, ping during a put into "
-        f"a fragmented arena <= {GOAL_PING_MAX_MS:g} ms): {res['goals_met']}"
-    )
-    report.write(res, plot)
+    res = {**report.header(), **res}
+    res["load_average"] = {"before": load_before, "after": common.loadavg()}
+    values = {"fragmented.ping_max": res["fragmented"]["after"]["ping_ms"]["max"]}
+    if not only:
+        values["lookup.all"] = res["lookup"]["all"]["p50_us"]
+        values["put.total"] = res["put"]["throughput_gbps"]
+        base = report.baseline(quick) or {}
+        rows: list[tuple[str, Any, Any]] = []
+        for part in ("lookup", "put", "read"):
+            rows += [(f"[{part}]", None, None), *common.walk(res[part], base.get(part))]
+        pr, after = res["lookup"]["probes_per_lookup"], res["load_average"]["after"]
+        click.echo(
+            f"\n{common.title(res, 'arena')}; load {load_before[0]} before, {after[0]} after"
+        )
+        click.echo(common.summary_table(rows, 1e-6, "_us"))
+        click.echo(f"lookup: {pr['mean']} probes (max {pr['max']})")
+    res["goals_met"] = goals_met(values)
+    click.echo("\n" + fragmented_table(res["fragmented"]))
+    goals = f"lookup p50 <= {GOAL_LOOKUP_P50_US:g} us, put >= {GOAL_PUT_GBPS:g} GB/s, ping max"
+    click.echo(f"goals ({goals} <= {GOAL_PING_MAX_MS:g} ms): {res['goals_met']}")
+    report.write(res, fragmented_chart(res["fragmented"]) if only else chart(res))
 
 
 if __name__ == "__main__":

@@ -240,23 +240,10 @@ def main(report: common.Report, o: Any) -> None:
         ],
     ]
     click.echo(common.grid(rows))
-    report.write(res, plot)
-
-
-def plot(plt: Any, res: dict[str, Any]) -> Any:
-    c = res["cost"]
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax[0].bar(["off", "on"], [c["put_ms_off"]["p50"], c["put_ms_on"]["p50"]])
-    ax[0].set(title="put p50, ms", ylabel="ms")
-    ax[1].bar(["off", "on"], [c["ttft_ms_off"]["p50"], c["ttft_ms_on"]["p50"]])
-    ax[1].set(title="hit TTFT p50, ms")
-    fig.suptitle(
-        f"{common.title(res, 'persist')}: refill {res['refill']['refill_gb_s']:.2f} GB/s, "
-        f"first hit {res['refill']['first_hit_s']:.2f} s",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    return fig
+    chart = [
+        (k.replace("_ms_", ", persist "), v["p50"] / 1e3, v["p99"] / 1e3) for k, v in cost.items()
+    ]
+    report.write(res, chart)
 
 
 if __name__ == "__main__":

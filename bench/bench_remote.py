@@ -289,7 +289,10 @@ def main(report: common.Report, opts: Any) -> None:
             ]
     res["load_after"] = common.loadavg()
     show(res)
-    report.write(res, plot)
+    chart = [("cold", *pct(res["cold_s"]))]
+    for p in res["pairs"]:
+        chart += [(f"{k} hit ({p['codec']})", *pct(p[f"{k}_s"])) for k in ("cross", "local")]
+    report.write(res, chart)
 
 
 def show(res: dict[str, Any]) -> None:
@@ -320,26 +323,13 @@ def show(res: dict[str, Any]) -> None:
         )
 
 
+def pct(xs: list[float]) -> tuple[float, float]:
+    s = common.summary(xs)
+    return s["p50"], s["p99"]
+
+
 def fmt(s: dict[str, Any]) -> list[str]:
     return [common.fmt_s(s["p50"]), common.fmt_s(s["mean"]), str(s["n"])]
-
-
-def plot(plt: Any, res: dict[str, Any]) -> Any:
-    import numpy as np
-
-    labels = ["cold"] + [
-        f"{k} ({p['codec']})" for p in res["pairs"] for k in ("cross-node", "local")
-    ]
-    vals = [float(np.median(res["cold_s"]))] + [
-        float(np.median(p[k])) for p in res["pairs"] for k in ("cross_s", "local_s")
-    ]
-    fig, ax = plt.subplots(figsize=(7, 3))
-    ax.barh(labels, vals)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT p50, s (log)")
-    ax.set_title(common.title(res, "remote tier"))
-    fig.tight_layout()
-    return fig
 
 
 if __name__ == "__main__":

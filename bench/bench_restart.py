@@ -206,18 +206,7 @@ def main(report: common.Report, o: Any) -> None:
         )
     click.echo(f"goals: {out['goals_met']}")
 
-    def plot(plt: Any, res: dict[str, Any]) -> Any:
-        fig, ax = plt.subplots(figsize=(7, 3))
-        labels = ["adopt: first hit", "adopt: answers", "fresh: answers (empty)"]
-        vals = [a["adopt_first_hit_s"]["p50"], a["adopt_ready_s"]["p50"], a["fresh_ready_s"]["p50"]]
-        ax.barh(labels, vals)
-        ax.axvline(GOAL_ADOPT_S, ls="--", color="gray")
-        ax.set_xlabel("seconds after kill -9 (p50)")
-        ax.set_title(common.title(res, "restart"), fontsize=8)
-        fig.tight_layout()
-        return fig
-
-    report.write(out, plot)
+    report.write(out, [(label, s.get("p50"), s.get("p99")) for label, s in rows])
 
 
 if __name__ == "__main__":

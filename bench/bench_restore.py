@@ -541,101 +541,35 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
             (f"[{part}]", None, None),
             *common.walk({k: v for k, v in a[part].items() if k not in counts}, b.get(part)),
         ]
-    r, g, h, m, p = a["ratios"], a["goals_met"], a["hit"], a["memory"], a["publish"]
-    q = a["q8_0"]
-    return "\n".join(
-        [
-            common.summary_table(rows),
-            "ratios of TTFT p50: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if v),
-            f"goals: hit/floor <= {GOAL_HIT_OVER_FLOOR}, cold/hit >= {GOAL_COLD_OVER_HIT:g}: {g}",
-            f"hit: tokens restored {h['tokens_restored']}, evaluated {h['tokens_evaluated']}; blob "
-            f"{m['blob_bytes'] / 1e6:.1f} MB; attach {f(h['attach_seconds'])}; capture() "
-            f"{p['capture_fraction'].get('p50', 0) * 100:.1f} % of a request; blobs published per "
-            f"request {p['captures_published_per_request'].get('mean', 0):.2f}",
-            f"greedy text equal to cold: {a['same_text_as_cold']} (hit_q8: to cold_q8)",
-            f"q8_0 KV: blob {q['blob_bytes'] / 1e6:.1f} MB ({q['blob_over_f16']:.2f} of f16), "
-            f"restore p50 {f(q['restore_seconds'].get('p50'))}, TTFT p50 hit "
-            f"{f(a['ttft']['hit_q8']['ttft'].get('p50'))}, cold "
-            f"{f(a['ttft']['cold_q8']['ttft'].get('p50'))}, tokens restored "
-            f"{q['tokens_restored']}",
-            f"LlamaRAMCache: {m['ramcache_entries']} entries, counted "
-            f"{m['ramcache_counted_bytes'] / 1e6:.0f} MB + uncounted "
-            f"{m['ramcache_uncounted_scores_bytes_per_entry'] / 1e6:.0f} MB of scores per entry; "
-            f"peak RSS {m['ramcache_peak_rss_bytes'] / 1e9:.2f} GB (cold "
-            f"{m['cold_peak_rss_bytes'] / 1e9:.2f} GB)"
-            + (f"; ABORTED: {m['ramcache_aborted']}" if m["ramcache_aborted"] else ""),
-        ]
-    )
+    r, g, h, m, p, q = (a[k] for k in "ratios goals_met hit memory publish q8_0".split())
+    mb, t = (lambda n: f"{n / 1e6:.1f} MB"), a["ttft"]  # noqa: E731
+    aborted = f"; ABORTED: {m['ramcache_aborted']}" if m["ramcache_aborted"] else ""
+    lines = [
+        common.summary_table(rows),
+        "ratios of TTFT p50: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if v),
+        f"goals: hit/floor <= {GOAL_HIT_OVER_FLOOR}, cold/hit >= {GOAL_COLD_OVER_HIT:g}: {g}",
+        f"hit: tokens restored {h['tokens_restored']}, evaluated {h['tokens_evaluated']}; blob "
+        f"{mb(m['blob_bytes'])}; attach {f(h['attach_seconds'])}; capture() "
+        f"{p['capture_fraction'].get('p50', 0) * 100:.1f} % of a request; blobs published per "
+        f"request {p['captures_published_per_request'].get('mean', 0):.2f}",
+        f"greedy text equal to cold: {a['same_text_as_cold']} (hit_q8: to cold_q8)",
+        f"q8_0 KV: blob {mb(q['blob_bytes'])} ({q['blob_over_f16']:.2f} of f16), restore p50 "
+        f"{f(q['restore_seconds'].get('p50'))}, TTFT p50 hit {f(t['hit_q8']['ttft'].get('p50'))}"
+        f", cold {f(t['cold_q8']['ttft'].get('p50'))}, tokens restored {q['tokens_restored']}",
+        f"LlamaRAMCache: {m['ramcache_entries']} entries, counted "
+        f"{mb(m['ramcache_counted_bytes'])} + uncounted "
+        f"{mb(m['ramcache_uncounted_scores_bytes_per_entry'])} of scores per entry; peak RSS "
+        f"{m['ramcache_peak_rss_bytes'] / 1e9:.2f} GB (cold "
+        f"{m['cold_peak_rss_bytes'] / 1e9:.2f} GB){aborted}",
+    ]
+    return "\n".join(lines)
 
 
-def plot(plt: Any, res: dict[str, Any]) -> Any:
+def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
+    """TTFT of every arm, then the timed steps inside a hit's restore."""
     a = res["analysis"]
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
-    r, t = a["ratios"], a["ttft"]
-    keys = "cold ramcache hit hit_nopublish floor_b floor local cold_q8 hit_q8".split()
-    arms = [t[k] for k in keys]
-    bars = [(v["label"].replace(", ", ",\n", 1), v["ttft"]) for v in arms if v["ttft"].get("n")]
-    title = (
-        f"TTFT, {res['config']['prefix_tokens']}-token shared prefix\ncold/hit "
-        f"{r['cold_over_hit_p50']:.0f}x (goal ≥{GOAL_COLD_OVER_HIT:.0f}), hit/floor "
-        f"{r['hit_over_floor_p50']:.2f} (goal ≤{GOAL_HIT_OVER_FLOOR:.2f})"
-    )
-    items = [(n, s["p50"] * 1e3, s["p99"] * 1e3) for n, s in bars]
-    ms = "time to first token, ms (log)"
-    common.hbars(axes[0], items, lambda v: common.fmt_s(v / 1e3), title, ms, log=True)
-    ax = axes[1]
-    d, st = a["decomposition"], a["restore_steps"]
-
-    def p50(s: dict[str, Any] | None) -> float:
-        return (s or {}).get("p50", 0.0) * 1e3
-
-    restore, cap = p50(d["hit_restore"]), p50(d["hit_capture_before_first_chunk"])
-    rtt = p50(st.get("restore/acquire")) + p50(st.get("restore/finish"))
-    groups = [
-        ("restore: round trips (acquire, finish)", rtt, "#e9a"),
-        ("restore: verify_payload (XXH3)", p50(st.get("restore/verify_payload")), "#c6c"),
-        ("restore: set_data", p50(st.get("restore/set_data")), "#37a"),
-    ]
-    rest = max(0.0, restore - sum(g[1] for g in groups))
-    groups += [
-        ("restore: the rest (digests, lookup, checks)", rest, "#fc6"),
-        ("capture() before the 1st chunk", cap, "#d44"),
-        ("the rest (tokenize, eval suffix, sample)", p50(d["hit_ttft"]) - restore - cap, "#bbb"),
-    ]
-    left = 0.0
-    for name, v, color in groups:
-        ax.barh(["shmkv hit"], [v], left=left, color=color, label=name)
-        left += v
-    ax.barh(["floor"], [p50(d["floor_set_data"])], color="#37a")
-    ax.barh(["floor"], [p50(d["floor_rest"])], left=p50(d["floor_set_data"]), color="#bbb")
-    ax.set(xlabel="ms (p50 of each part)", ylim=(-0.6, 2.6))
-    ax.set_title("where a hit's TTFT goes", fontsize=10)
-    ax.legend(fontsize=7, loc="upper right")
-    ax = axes[2]
-    p = a["publish"]
-    vals = [p50(p["request_off"]), p50(p["request_on"])]
-    ax.bar(["publish off", "publish on"], vals, color=["#7b9", "#3a7"])
-    ax.bar(["publish on"], [p50(p["capture_per_request"])], color="#d44", label="inside capture()")
-    for x, v in enumerate(vals):
-        ax.text(x, v, f"{v:.0f} ms", ha="center", va="bottom", fontsize=9)
-    ax.set(
-        ylabel=f"request time, ms (p50, {p['max_tokens']} tokens generated)",
-        ylim=(0, max(vals) * 1.15),
-    )
-    ax.set_title(
-        f"publish cost: request on/off {p['request_on_over_off_p50']:.3f},\n"
-        f"time in capture() {p['capture_fraction']['p50'] * 100:.1f} % of a request",
-        fontsize=10,
-    )
-    ax.legend(fontsize=8)
-    ctx = res["config"]["ctx"]
-    fig.suptitle(
-        f"{common.title(res, 'restore')}; Gemma 3 270M Q4_K_M, n_ctx {ctx['n_ctx']}, "
-        f"{ctx['n_threads']} threads; load {res['quiet']['loadavg'][0]:.2f} at start",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    return fig
+    rows = [(v["label"], v["ttft"].get("p50"), v["ttft"].get("p99")) for v in a["ttft"].values()]
+    return rows + [(f"hit: {k}", s.get("p50"), s.get("p99")) for k, s in a["restore_steps"].items()]
 
 
 # ===================================================================== main
@@ -679,10 +613,10 @@ def main(report: common.Report, o: Any) -> None:
     q8_ctx = {**ctx, **Q8_0_CTX}
     gen = dict(max_tokens=max_tokens, temperature=0.0, seed=0)
     plan = dict(quick=quick, model=str(model_path), model_bytes=model_path.stat().st_size)
-    plan |= dict(ctx=ctx, ctx_q8=q8_ctx, gen=gen)
-    plan |= dict(prefix_target=prefix_tokens, suffix_target=suffix_tokens)
+    plan |= dict(ctx=ctx, ctx_q8=q8_ctx, gen=gen, prefix_target=prefix_tokens)
+    plan |= dict(suffix_target=suffix_tokens, repeats=repeats, arena_size=ARENA_SIZE)
     plan |= common.pick(prompts, "prefix_tokens suffix_tokens warmup_tokens")
-    plan |= dict(repeats=repeats, arena_size=ARENA_SIZE, ramcache_capacity=RAMCACHE_CAPACITY)
+    plan["ramcache_capacity"] = RAMCACHE_CAPACITY
     quiet = common.wait_until_quiet(o.max_load, o.max_wait)
     arms: dict[str, dict[str, Any]] = {}
     with (
@@ -719,10 +653,7 @@ def main(report: common.Report, o: Any) -> None:
         "quiet": quiet,
         "loadavg_end": common.loadavg(),
         "config": {**plan, "context_params": ref},
-        "goals": {
-            "hit_over_floor_max": GOAL_HIT_OVER_FLOOR,
-            "cold_over_hit_min": GOAL_COLD_OVER_HIT,
-        },
+        "goals": dict(hit_over_floor_max=GOAL_HIT_OVER_FLOOR, cold_over_hit_min=GOAL_COLD_OVER_HIT),
         "noise": {k: v["process"] for k, v in arms.items()},
         "supervisor_stats": common.pick(
             sup_stats,
@@ -732,11 +663,8 @@ def main(report: common.Report, o: Any) -> None:
         "analysis": analyse(arms, plan),
         "arms": arms,
     }
-    res["noisy_arms"] = noisy = {
-        k: round(v["foreign_cores"], 2)
-        for k, v in res["noise"].items()
-        if v["foreign_cores"] > 0.25
-    }
+    noisy = {k: round(v["foreign_cores"], 2) for k, v in res["noise"].items()}
+    res["noisy_arms"] = noisy = {k: v for k, v in noisy.items() if v > 0.25}
     click.echo(
         f"\n{common.title(res, 'restore')}; prefix {ptoks} tokens, {threads} threads; load "
         f"{quiet['loadavg'][0]:.2f} at start" + ("" if quiet["quiet"] else " (NOT quiet)")
@@ -747,7 +675,7 @@ def main(report: common.Report, o: Any) -> None:
     refuse = ""
     if (not quiet["quiet"] or noisy) and not o.force_baseline:
         refuse = "the machine was busy; rerun when quiet or pass --force-baseline"
-    report.write(res, plot, refuse)
+    report.write(res, chart(res), refuse)
     if missed := [k for k, ok in res["analysis"]["goals_met"].items() if not ok]:
         click.echo(f"goals missed: {', '.join(missed)}")
 

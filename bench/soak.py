@@ -100,7 +100,7 @@ class Load:
             self.events.append(ev)
 
     def run(self) -> None:
-        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=300) as client:
+        with common.http_client(300) as client:
             while time.monotonic() < self.stop_at:
                 self.one(client)
 
