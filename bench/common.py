@@ -532,6 +532,17 @@ def in_threads(n: int, fn: Callable[[int], Any]) -> None:
             t.join(0.5)
 
 
+def poll(pred: Callable[[], Any], timeout: float, what: str, tail: str = "") -> Any:
+    """``pred()`` every 2 ms until it returns something true, which is returned; after
+    ``timeout`` seconds, fail with "no WHAT" (and ``tail``, e.g. a child's log)."""
+    deadline = time.monotonic() + timeout
+    while not (got := pred()):
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"no {what} within {timeout:.0f} s{tail}")
+        time.sleep(0.002)
+    return got
+
+
 # ------------------------------------------------------------------------ goals
 
 OPS = {"<=": operator.le, ">=": operator.ge}
