@@ -62,7 +62,7 @@ def first_hit(sup: common.Supervisor, i: int, data: bytes) -> float:
                         return time.monotonic()
         return None
 
-    return common.poll(hit, 60, "hit", f":\n{sup.child.log_tail()}")
+    return common.poll(hit, 60, "hit", sup.child)
 
 
 def answers(sup: common.Supervisor) -> float:
@@ -73,7 +73,7 @@ def answers(sup: common.Supervisor) -> float:
             return sup.request("ping") and time.monotonic()
         return None
 
-    return common.poll(ping, 60, "answer", f":\n{sup.child.log_tail()}")
+    return common.poll(ping, 60, "answer", sup.child)
 
 
 def fill(sup: common.Supervisor, n: int) -> None:

@@ -213,15 +213,11 @@ def mem_snapshot(pids: dict[str, list[int]], model: str, arena: Path | None) -> 
                 procs[str(pid)] |= dict(uss=tot["private"], arena_pss=kinds["arena"]["pss"])
                 procs[str(pid)]["kinds"] = kinds
     workers = [r for r in procs.values() if r["role"] == "worker"]
-    out = {
-        "processes": procs,
-        "arena_pss": sum(r["arena_pss"] for r in procs.values()),
-        **{f"total_{k}": sum(r[k] for r in procs.values()) for k in ("rss", "pss", "uss")},
-        "workers_rss": sum(r["rss"] for r in workers),
-        "workers_pss": sum(r["pss"] for r in workers),
-        "workers_pss_without_arena": sum(r["pss"] - r["arena_pss"] for r in workers),
-        "mem_available": common.meminfo("MemAvailable"),
-    }
+    out = {"processes": procs, "arena_pss": sum(r["arena_pss"] for r in procs.values())}
+    out |= {f"total_{k}": sum(r[k] for r in procs.values()) for k in ("rss", "pss", "uss")}
+    out |= {f"workers_{k}": sum(r[k] for r in workers) for k in ("rss", "pss")}
+    out["workers_pss_without_arena"] = sum(r["pss"] - r["arena_pss"] for r in workers)
+    out["mem_available"] = common.meminfo("MemAvailable")
     with contextlib.suppress(OSError, AttributeError):
         st = arena.stat()  # type: ignore[union-attr]
         out.update(arena_file_bytes=st.st_size, arena_allocated_bytes=st.st_blocks * 512)
@@ -237,10 +233,9 @@ def status_rss(pid: int) -> dict[str, int]:
 
 
 class MemoryWatch(threading.Thread):
-    """Samples the server's memory (and CPU) every 0.25 s; stops the cell above the limits:
-    the footprint (private RSS summed over the server processes, plus the largest file-backed
-    and the largest shmem RSS of any one: the model and the arena are shared), and the
-    machine's available memory."""
+    """Samples the server's memory (and CPU) every 0.25 s; stops the cell when its footprint
+    (private RSS summed, the largest file-backed and shmem RSS once) or the machine's available
+    memory crosses its limit."""
 
     def __init__(self, pids: Any, noise: common.Noise, cfg: dict[str, Any], on_abort: Any) -> None:
         super().__init__(name="memory-watch", daemon=True)
@@ -264,11 +259,9 @@ class MemoryWatch(threading.Thread):
             self.peak_rss = max(self.peak_rss, sum(sum(r.values()) for r in rss))
             self.peak_footprint = max(self.peak_footprint, footprint)
             avail, gib = common.meminfo("MemAvailable"), 2**30
-            if self.abort.is_set():
-                pass
-            elif footprint > self.cfg["max_rss"]:
+            if footprint > self.cfg["max_rss"]:
                 self.reason = f"server memory {footprint / gib:.1f} GiB (private RSS + shared "
-                self.reason += f"once) > --max-rss {self.cfg['max_rss'] / gib:.1f} GiB"
+                self.reason += f"once) > {self.cfg['max_rss'] / gib:.1f} GiB"
             elif avail and avail < self.cfg["min_available"]:
                 self.reason = f"only {avail / gib:.1f} GiB of memory available"
             if self.reason and not self.abort.is_set():
@@ -694,20 +687,12 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
     stop = float("inf") if c["abort_s"] is None else c["abort_s"]
     cut = [r for r in errors if r["t_send"] + (r["total"] or 0) >= stop]  # by our stopping it
     errors = [r for r in errors if r not in cut]
-    m0, m1 = c["memory"]["after_warmup"], c["memory"]["end"]
-    mem: dict[str, Any] = {
-        "total_pss_end": m1["total_pss"],
-        "total_rss_end": m1["total_rss"],
-        "total_pss_peak": c["memory"]["peak_pss"],
-        "total_rss_sum_peak": c["memory"]["peak_rss_sum"],
-        "footprint_peak": c["memory"]["peak_footprint"],
-        "workers_pss_end": m1["workers_pss"],
-        "workers_pss_growth": m1["workers_pss"] - m0["workers_pss"],
-        "workers_rss_growth": m1["workers_rss"] - m0["workers_rss"],
-        "workers_pss_without_arena_end": m1["workers_pss_without_arena"],
-        "cache_bytes": 0,
-        "cache_how": "no cache",
-    }
+    m, (m0, m1) = c["memory"], (c["memory"]["after_warmup"], c["memory"]["end"])
+    mem: dict[str, Any] = {f"{k}_end": m1[k] for k in ("total_pss", "total_rss", "workers_pss")}
+    mem |= dict(total_pss_peak=m["peak_pss"], total_rss_sum_peak=m["peak_rss_sum"])
+    mem |= dict(footprint_peak=m["peak_footprint"], cache_bytes=0, cache_how="no cache")
+    mem |= {f"workers_{k}_growth": m1[f"workers_{k}"] - m0[f"workers_{k}"] for k in ("pss", "rss")}
+    mem["workers_pss_without_arena_end"] = m1["workers_pss_without_arena"]
     if c["arm"].startswith("shmkv"):
         mem |= common.pick(m1, "arena_allocated_bytes")
         mem["cache_bytes"] = m1["arena_pss"]
@@ -854,26 +839,27 @@ def stages(variant: str, cfg: dict[str, Any], prompts: list[str], workdir: Path)
 
 
 def stages_table(rows: list[dict[str, Any]]) -> str:
-    b, base = common.fmt_b, rows[0]
-    out = []
+    b, base, out = common.fmt_b, rows[0], []
+    steps = [("anon: python", "interpreter", None), ("+ imports", "imports", "interpreter")]
+    steps += [("+ model & context", "model", "imports"), ("+ prefill", "prefill", "model")]
     for r in rows:
         a, buf = r["anon_rss"], r["llama_buffers"]
-        out.append(
-            {
-                "variant": r["variant"],
-                "anon: python": b(a["interpreter"]),
-                "+ imports": b(a["imports"] - a["interpreter"]),
-                "+ model & context": b(a["model"] - a["imports"]),
-                "+ prefill": b(a["prefill"] - a["model"]),
-                "anon total": b(a["prefill"]),
-                "vs default": b(a["prefill"] - base["anon_rss"]["prefill"]),
-                "KV buf": b(buf["kv"]),
-                "compute buf": b(buf["compute"]),
-                "repacked": b(buf["weights_repacked"]),
-                "prompt s": common.fmt_s(min(r["prompt_seconds"])),
-                "same text": "yes" if r["texts"] == base["texts"] else "NO",
-            }
-        )
+        row = {"variant": r["variant"]}
+        row |= {k: b(a[step] - (a[since] if since else 0)) for k, step, since in steps}
+        row |= {
+            "anon total": b(a["prefill"]),
+            "vs default": b(a["prefill"] - base["anon_rss"]["prefill"]),
+        }
+        row |= {
+            k: b(buf[x])
+            for k, x in (
+                ("KV buf", "kv"),
+                ("compute buf", "compute"),
+                ("repacked", "weights_repacked"),
+            )
+        }
+        row["prompt s"] = common.fmt_s(min(r["prompt_seconds"]))
+        out.append(row | {"same text": "yes" if r["texts"] == base["texts"] else "NO"})
     return common.dict_table(out)
 
 
@@ -907,9 +893,7 @@ def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
     for c in cells:
         if c["arm"] not in ("shmkv", "shmkv-chat") or not c["ttft"].get("n"):
             continue
-        ref = next((r for r in cells if r["arm"] == reference_arm(c["arm"], "llama-server")
-                    and (r["concurrency"], r.get("run", 0)) == (c["concurrency"], c.get("run", 0))
-                    and r["ttft"].get("n")), None)  # fmt: skip
+        ref = (r := llama_server_cell(c, cells)) and r["ttft"].get("n") and r
         m, cold = {}, c.get("cache", {}).get("ttft_cold", {}).get("mean")
         if c["concurrency"] == GOAL_CONCURRENCY:
             m["mean TTFT (s)"] = c["ttft"]["mean"]
@@ -926,14 +910,16 @@ def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
     return {"checks": common.check_goals(GOALS, where), "floor_p50_s": floor}
 
 
+def llama_server_cell(c: dict[str, Any], cells: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """llama-server's cell at the same concurrency, endpoint and run as ``c``, if it ran."""
+    key = (reference_arm(c["arm"], "llama-server"), c["concurrency"], c.get("run", 0))
+    return next((r for r in cells if (r["arm"], r["concurrency"], r.get("run", 0)) == key), None)
+
+
 def llama_server_ratio(c: dict[str, Any], cells: list[dict[str, Any]]) -> float | None:
-    """The goal's measure: this cell's PSS minus the arena's used bytes over llama-server's
-    PSS, at the same concurrency and endpoint (and run)."""
-    ref = "llama-server-chat" if c["arm"] in CHAT_ARMS else "llama-server"
-    for r in cells:
-        same = (r["concurrency"], r.get("run", 0)) == (c["concurrency"], c.get("run", 0))
-        if r["arm"] == ref and same and r["memory"]["total_pss_end"]:
-            return c["memory"]["total_pss_minus_arena_used_end"] / r["memory"]["total_pss_end"]
+    """The goal's measure: this cell's PSS minus the arena's used bytes over llama-server's."""
+    if (r := llama_server_cell(c, cells)) and r["memory"]["total_pss_end"]:
+        return c["memory"]["total_pss_minus_arena_used_end"] / r["memory"]["total_pss_end"]
     return None
 
 

@@ -532,14 +532,16 @@ def in_threads(n: int, fn: Callable[[int], Any]) -> None:
             t.join(0.5)
 
 
-def poll(pred: Callable[[], Any], timeout: float, what: str, tail: str = "") -> Any:
-    """``pred()`` every 2 ms until it returns something true, which is returned; after
-    ``timeout`` seconds, fail with "no WHAT" (and ``tail``, e.g. a child's log)."""
+def poll(pred: Callable[[], Any], timeout: float, what: str, child: Child | None = None,
+         every: float = 0.002) -> Any:  # fmt: skip
+    """``pred()`` every ``every`` s until it returns something true, which is returned; after
+    ``timeout`` seconds, fail with "no WHAT" (and ``child``'s log)."""
     deadline = time.monotonic() + timeout
     while not (got := pred()):
         if time.monotonic() > deadline:
+            tail = f":\n{child.log_tail()}" if child else ""
             raise click.ClickException(f"no {what} within {timeout:.0f} s{tail}")
-        time.sleep(0.002)
+        time.sleep(every)
     return got
 
 
