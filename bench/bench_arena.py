@@ -1,21 +1,7 @@
-"""Arena benchmark: lookup latency, put throughput, time from lookup to a usable pointer.
+"""Arena benchmark against a real ``shmkv supervise``: 1. lookups, 2. 16 MiB puts, 3. lookup
+to a verified pointer, each beside its floor; 4. one huge put into a fragmented arena while
+another process pings (the cases: docs/benchmarks.md).
 
-A real ``shmkv supervise`` owns the arena; this process is the worker (a ``Client``):
-
-1. lookups of 32-chunk prompts whose cached prefix is 0-32 chunks long among N entries,
-   with the index probes each makes; beside the same binary search over a private
-   ``set`` (the floor) and llama-cpp-python's ``LlamaRAMCache`` prefix scan;
-2. ``Client.put`` of 16 MiB blobs, beside the memcpy, xxh3 and memfd-to-/dev/shm copy floors;
-3. lookup to a leased, verified pointer into a 16 MiB blob, with and without the payload
-   checksum, beside a memcpy out of the mapping;
-4. a fragmented arena (filled with small records, half of them then used in random
-   order, so that the LRU order is not the address order) and one huge put that must
-   evict most of it, while another process pings the supervisor every 5 ms: evictions,
-   seconds, and the ping round trips during the put. ``--before PATH`` also runs it
-   against the supervisor of another checkout (e.g. the code before a change), in the
-   same run.
-
-    python bench/bench_arena.py            # full run, ~2 minutes
     python bench/bench_arena.py --quick    # smoke run, a few seconds
     python bench/bench_arena.py --case fragmented --before ../main   # case 4 only
 """
@@ -137,9 +123,7 @@ class CountingDigests(list):
 
 
 # ------------------------------------------------------------------- 1. lookups
-def fill_small(
-    client: Client, plan: Plan, rng: np.random.Generator, chunk: int
-) -> dict[int, list[np.ndarray]]:
+def fill_small(client: Client, plan: Plan, rng: Any, chunk: int) -> dict[int, list[np.ndarray]]:
     """Put ``plan.entries`` small entries; returns the tokens of some entries of each depth."""
     keep: dict[int, list[np.ndarray]] = {}
     payload = bytearray(rng.bytes(SMALL_PAYLOAD))
@@ -152,22 +136,12 @@ def fill_small(
         if len(bucket := keep.setdefault(d, [])) < plan.prompts_per_depth:
             bucket.append(tokens)
         if (i + 1) % 10_000 == 0 or i + 1 == plan.entries:
-            log.info(
-                "filled %d/%d entries (%.0f puts/s)",
-                i + 1,
-                plan.entries,
-                (i + 1) / (time.perf_counter() - t0),
-            )
+            rate = (i + 1) / (time.perf_counter() - t0)
+            log.info("filled %d/%d entries (%.0f puts/s)", i + 1, plan.entries, rate)
     return keep
 
 
-def bench_lookup(
-    client: Client,
-    plan: Plan,
-    rng: np.random.Generator,
-    chunk: int,
-    keep: dict[int, list[np.ndarray]],
-) -> dict[str, Any]:
+def bench_lookup(client: Client, plan: Plan, rng: Any, chunk: int, keep: Any) -> dict[str, Any]:
     """Time ``client.lookup`` for 32-chunk prompts with cached prefixes of 0-32 chunks."""
     prompts: list[tuple[int, list[bytes], np.ndarray]] = []
     for _ in range(plan.prompts_per_depth):  # misses: nothing of it is cached
@@ -200,12 +174,8 @@ def bench_lookup(
 
     times = run(client.lookup)
     depths = np.array([prompts[i][0] for i in order])
-    classes = {
-        "miss": depths == 0,
-        "1-4": (depths >= 1) & (depths <= 4),
-        "5-16": (depths >= 5) & (depths <= 16),
-        "17-32": depths >= 17,
-    }
+    bounds = {"miss": (0, 0), "1-4": (1, 4), "5-16": (5, 16), "17-32": (17, PROMPT_CHUNKS)}
+    classes = {k: (depths >= lo) & (depths <= hi) for k, (lo, hi) in bounds.items()}
     toks = prompts[-1][2]
     private = {s.digest for s in client.view.scan()}
 
@@ -234,12 +204,7 @@ def bench_lookup(
     }
 
 
-def bench_ramcache(
-    plan: Plan,
-    rng: np.random.Generator,
-    chunk: int,
-    prompts: list[tuple[int, list[bytes], np.ndarray]],
-) -> dict[str, Any] | None:
+def bench_ramcache(plan: Plan, rng: Any, chunk: int, prompts: list[Any]) -> dict[str, Any] | None:
     """llama-cpp-python's LlamaRAMCache prefix search (``key in cache``) over as many keys."""
     try:
         from llama_cpp.llama_cache import LlamaRAMCache
@@ -378,11 +343,10 @@ def bench_fragmented(quick: bool, seed: int, code: Path | None) -> dict[str, Any
     if code is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), env["PYTHONPATH"]])
     slots = 1 << (size // (16 * 1024)).bit_length()  # room for every small record
+    args = ["--size", str(size), "--index-slots", str(slots)]
     with (
         tempfile.TemporaryDirectory(prefix="shmkv-bench-") as tmp,
-        common.supervisor(
-            Path(tmp), "--size", str(size), "--index-slots", str(slots), env=env
-        ) as sup,
+        common.supervisor(Path(tmp), *args, env=env) as sup,
     ):
         client = sup.client(timeout=600)
         try:
@@ -410,22 +374,16 @@ def bench_fragmented(quick: bool, seed: int, code: Path | None) -> dict[str, Any
             log.info("fragmented: %d records of %s in %.1f s", n, format_size(extent), t_fill)
             src = b"\x5a" * big
             blob = client.prepare(big, lambda addr, sz: ctypes.memmove(addr, src, sz))
-            pinger = subprocess.Popen(
-                [sys.executable, "-c", PINGER, sup.socket],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=common.child_env(),
-            )
+            pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            cmd = [sys.executable, "-c", PINGER, sup.socket]
+            pinger = subprocess.Popen(cmd, env=common.child_env(), **pipes)  # type: ignore[call-overload]
             assert pinger.stdout is not None
             if pinger.stdout.readline().strip() != "ready":
                 raise click.ClickException("the pinger did not start")
             time.sleep(0.2)
-            w0 = time.time()
-            t0 = time.perf_counter()
+            w0, t0 = time.time(), time.perf_counter()
             client.put_blob(bytes(16), random_tokens(rng, 4 * chunk), FINGERPRINT, blob)
-            secs = time.perf_counter() - t0
-            w1 = time.time()
+            secs, w1 = time.perf_counter() - t0, time.time()
             time.sleep(0.2)
             out, _ = pinger.communicate("stop\n", timeout=120)
             after = client.stats()
@@ -453,15 +411,14 @@ def bench_fragmented(quick: bool, seed: int, code: Path | None) -> dict[str, Any
 
 
 def fragmented(quick: bool, seed: int, before: Path | None) -> dict[str, Any]:
-    """The fragmented case with this checkout's supervisor, and ``before``'s if given."""
+    """The fragmented case with ``before``'s supervisor if given, then this checkout's."""
     out: dict[str, Any] = {}
-    if before is not None:
-        log.info("4/4 fragmented arena, supervisor of %s", before)
-        out["before"] = bench_fragmented(quick, seed, before)
-    log.info("4/4 fragmented arena, this checkout's supervisor")
-    out["after"] = bench_fragmented(quick, seed, None)
-    if before is not None:
-        b, a = out["before"], out["after"]
+    for arm, code in (("before", before), ("after", None)):
+        if arm == "after" or code is not None:
+            log.info("4/4 fragmented arena, supervisor of %s", code or "this checkout")
+            out[arm] = bench_fragmented(quick, seed, code)
+    if b := out.get("before"):
+        a = out["after"]
         out["ratios"] = {
             "put_seconds": round(b["put_seconds"] / a["put_seconds"], 2),
             "ping_max": round(b["ping_ms"]["max"] / a["ping_ms"]["max"], 1),
@@ -470,32 +427,22 @@ def fragmented(quick: bool, seed: int, before: Path | None) -> dict[str, Any]:
 
 
 def fragmented_table(frag: dict[str, Any]) -> str:
-    r = frag["after"]
-    lines = [
-        [
-            f"fragmented arena: {format_size(r['arena_bytes'])} full of {r['records']:,} records "
-            f"of {format_size(r['record_extent'])}, every other one used since (random order), "
-            f"then one {format_size(r['put_bytes'])} put; goal: ping max <= {GOAL_PING_MAX_MS:g} ms"
-        ],
-        ["", "evictions", "put s", "ping p50 ms", "ping p99 ms", "ping max ms", "pings"],
-    ]
-    for arm in ("before", "after"):
-        if a := frag.get(arm):
-            p = a["ping_ms"]
-            lines.append(
-                [arm, f"{a['evictions']:,}", f"{a['put_seconds']:.3f}", f"{p['p50']:.2f}"]
-                + [f"{p['p99']:.2f}", f"{p['max']:.1f}", str(a["pings_during_put"])]
-            )
-    return lines[0][0] + "\n" + common.grid(lines[1:])
+    r, z = frag["after"], format_size
+    lines = [["", "evictions", "put s", "ping p50 ms", "ping p99 ms", "ping max ms", "pings"]]
+    for arm, a in ((k, frag[k]) for k in ("before", "after") if k in frag):
+        p = a["ping_ms"]
+        lines.append([arm, f"{a['evictions']:,}", f"{a['put_seconds']:.3f}", f"{p['p50']:.2f}"])
+        lines[-1] += [f"{p['p99']:.2f}", f"{p['max']:.1f}", str(a["pings_during_put"])]
+    head = f"fragmented arena: {z(r['arena_bytes'])} full of {r['records']:,} records of "
+    head += f"{z(r['record_extent'])}, every other one used since (random order), then one "
+    head += f"{z(r['put_bytes'])} put; goal: ping max <= {GOAL_PING_MAX_MS:g} ms"
+    return head + "\n" + common.grid(lines)
 
 
 def fragmented_chart(frag: dict[str, Any]) -> list[tuple[str, float, float | None]]:
     """Ping round trips during the huge put, before and after."""
-    rows = []
-    for arm in ("before", "after"):
-        if p := frag.get(arm, {}).get("ping_ms"):
-            rows.append((f"ping during the put ({arm})", p["p50"] / 1e3, p["p99"] / 1e3))
-    return rows
+    pings = [(k, frag[k]["ping_ms"]) for k in ("before", "after") if k in frag]
+    return [(f"ping during the put ({k})", p["p50"] / 1e3, p["p99"] / 1e3) for k, p in pings]
 
 
 def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
@@ -512,21 +459,17 @@ def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
 # ------------------------------------------------------------------------ main
 def run(plan: Plan) -> dict[str, Any]:
     rng = np.random.default_rng(plan.seed)
+    args = ["--size", str(plan.size), "--index-slots", str(plan.index_slots)]
     with (
         tempfile.TemporaryDirectory(prefix="shmkv-bench-") as tmp,
-        common.supervisor(
-            Path(tmp), "--size", str(plan.size), "--index-slots", str(plan.index_slots)
-        ) as sup,
+        common.supervisor(Path(tmp), *args) as sup,
     ):
         client = sup.client(timeout=60)
         try:
             t0 = time.perf_counter()
             view = client.ensure()
-            log.info(
-                "attached (%.2f s, %s mapping)",
-                time.perf_counter() - t0,
-                format_size(view.file_size),
-            )
+            secs, mapped = time.perf_counter() - t0, format_size(view.file_size)
+            log.info("attached (%.2f s, %s mapping)", secs, mapped)
             chunk = view.geometry.chunk_tokens
             keep = fill_small(client, plan, rng, chunk)
             if (st := client.stats())["entries"] != plan.entries or st["evictions"]:
@@ -547,28 +490,21 @@ def run(plan: Plan) -> dict[str, Any]:
             gc.unfreeze()
     keys = "entries bytes_used bytes_capacity index_used index_capacity puts evictions hits"
     keys = [*keys.split(), "rejected_puts", "chunk_tokens"]
-    return {
-        "lookup": lookup,
-        "put": put,
-        "read": read,
-        "supervisor_stats": {k: stats.get(k) for k in keys},
-    }
+    return dict(lookup=lookup, put=put, read=read, supervisor_stats={k: stats.get(k) for k in keys})
 
 
 @common.command("arena")
 @click.option("--quick", is_flag=True, help="Smoke run of a few seconds (small counts).")
-@click.option(
+@common.option(
     "--case",
     type=click.Choice(["all", "fragmented"]),
     default="all",
-    show_default=True,
-    help="Run every case, or only the fragmented arena (case 4): arena_fragmented.json/.png.",
+    help="Every case, or only case 4 (arena_fragmented.json/.png).",
 )
-@click.option(
+@common.option(
     "--before",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
-    default=None,
-    help="Also run the fragmented case against the supervisor of this checkout.",
+    help="Also run case 4 against the supervisor of this checkout.",
 )
 @click.option("--set", "sets", multiple=True, help=f"KEY=VALUE of the plan: {', '.join(PLANS[0])}.")
 @click.option("--seed", type=int, default=1, show_default=True)

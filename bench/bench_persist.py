@@ -1,16 +1,7 @@
-"""Persistence benchmark (``--persist``): refill after a reboot, and what the write-behind costs.
+"""Persistence benchmark (``--persist``): the refill of real Gemma 3 states after a reboot
+(the arena gone, a new supervisor on the same directory) against the cold prefills they save,
+and what the write-behind costs puts and hits.
 
-1. Real prompt states of Gemma 3 270M (each prefilled cold, timed) are put, under fresh
-   roots, until the arena holds ``--states`` of them; the supervisor writes them behind to
-   LMDB. It is stopped, its /dev/shm arena is gone (a reboot; ``--drop-caches`` also
-   empties the page cache, as a reboot does), and a new supervisor on the same directory
-   refills the arena: GB/s, time until the most recent state is a hit (from the start of
-   the process), against the cold prefills those states would cost.
-2. The cost of the write-behind: ``Client.put`` latency of a real state, and TTFT of
-   cache hits in a worker while its publishes are written behind, with and without
-   ``--persist``, in one run.
-
-    python bench/bench_persist.py            # full run, a few minutes
     python bench/bench_persist.py --quick    # smoke run
 """
 
@@ -78,15 +69,6 @@ def put_copies(sup: common.Supervisor, states: list[dict[str, Any]], n: int) -> 
     return digests
 
 
-def wait(pred: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (got := pred()):
-        if time.monotonic() > deadline:
-            raise click.ClickException(f"timed out waiting for {what}")
-        time.sleep(0.005)
-    return got
-
-
 def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> dict[str, Any]:
     disk = tmp / "persist"
     size = sum(len(states[i % len(states)]["data"]) for i in range(n))
@@ -96,7 +78,7 @@ def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> 
         t = time.perf_counter()
         digests = put_copies(sup, states, n)
         put_s = time.perf_counter() - t
-        wait(lambda: sup.stats()["persisted"] >= n, 600, "the write-behind")
+        common.poll(lambda: sup.stats()["persisted"] >= n, 600, "write-behind", every=0.005)
         written_s = time.perf_counter() - t
     if drop:
         subprocess.run(["sync"], check=True)
@@ -105,30 +87,21 @@ def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> 
     with common.supervisor(tmp, *args) as sup:
         ready_s = time.perf_counter() - t0
         with sup.client() as c:
-            wait(lambda: c.lookup(digests[-1]) is not None, 60, "the first hit")
+            common.poll(lambda: c.lookup(digests[-1]) is not None, 60, "first hit", every=0.005)
             first_hit_s = time.perf_counter() - t0
-            st = wait(lambda: (s := sup.stats())["refilling"] == 0 and s, 600, "the refill")
+            st = common.poll(
+                lambda: (s := sup.stats())["refilling"] == 0 and s, 600, "refill", every=0.005
+            )
             hits = sum(c.lookup(d) is not None for d in digests)
     gb_s = st["refilled_bytes"] / st["refill_seconds"] / 1e9 if st["refill_seconds"] else 0.0
     cold_saved = sum(states[i % len(states)]["cold_s"] for i in range(st["refilled"]))
-    return {
-        "states": n,
-        "bytes": size,
-        "put_s": put_s,
-        "written_behind_s": written_s,
-        "write_behind_gb_s": size / written_s / 1e9,
-        "page_cache_dropped": drop,
-        "ready_s": ready_s,
-        "first_hit_s": first_hit_s,
-        "refill_s": st["refill_seconds"],
-        "refill_first_s": st["refill_first_seconds"],
-        "refilled": st["refilled"],
-        "refill_skipped": st["refill_skipped"],
-        "refill_gb_s": gb_s,
-        "hits_after_refill": hits,
-        "cold_prefill_saved_s": cold_saved,
-        "cold_over_refill": cold_saved / st["refill_seconds"] if st["refill_seconds"] else None,
-    }
+    out = dict(states=n, bytes=size, put_s=put_s, written_behind_s=written_s)
+    out |= dict(write_behind_gb_s=size / written_s / 1e9, page_cache_dropped=drop)
+    out |= dict(ready_s=ready_s, first_hit_s=first_hit_s, refill_s=st["refill_seconds"])
+    out |= dict(refill_first_s=st["refill_first_seconds"], refilled=st["refilled"])
+    out |= dict(refill_skipped=st["refill_skipped"], refill_gb_s=gb_s, hits_after_refill=hits)
+    secs = st["refill_seconds"]
+    return out | dict(cold_prefill_saved_s=cold_saved, cold_over_refill=secs and cold_saved / secs)
 
 
 def put_cost(tmp: Path, states: list[dict[str, Any]], puts: int, persist: bool) -> dict[str, Any]:
@@ -197,12 +170,10 @@ def main(report: common.Report, o: Any) -> None:
     states = real_states(model, real, tokens, o.threads)
     with tempfile.TemporaryDirectory(prefix="shmkv-bench-persist-") as tmp:
         refill = refill_case(Path(tmp), states, n, o.drop_caches)
-        cost = {
-            f"put_ms_{k}": put_cost(Path(tmp), states, puts, p) for k, p in (("off", 0), ("on", 1))
-        }
+        arms = (("off", False), ("on", True))
+        cost = {f"put_ms_{k}": put_cost(Path(tmp), states, puts, p) for k, p in arms}
         cost |= {
-            f"ttft_ms_{k}": ttft_cost(Path(tmp), model, o.threads, repeats, bool(p))
-            for k, p in (("off", 0), ("on", 1))
+            f"ttft_ms_{k}": ttft_cost(Path(tmp), model, o.threads, repeats, p) for k, p in arms
         }
     res = {
         **report.header(common.llama_versions()),
@@ -216,29 +187,17 @@ def main(report: common.Report, o: Any) -> None:
         "put_on_over_off_p50": cost["put_ms_on"]["p50"] / cost["put_ms_off"]["p50"],
         "ttft_on_over_off_p50": cost["ttft_ms_on"]["p50"] / cost["ttft_ms_off"]["p50"],
     }
-    r = refill
+    r, c = refill, {k: v["p50"] for k, v in cost.items()}
     click.echo(f"\n{common.title(res, 'persist')}; {tokens}-token states, {n} on disk")
-    rows = [
-        ["", "value", "vs cold prefill"],
-        ["refill", f"{r['refill_gb_s']:.2f} GB/s, {r['refill_s']:.2f} s", ""],
-        ["first hit after start", common.fmt_s(r["first_hit_s"]), ""],
-        [
-            "cold prefills saved",
-            common.fmt_s(r["cold_prefill_saved_s"]),
-            f"{r['cold_over_refill']:.0f}x the refill" if r["cold_over_refill"] else "",
-        ],
-        ["write-behind", f"{r['write_behind_gb_s']:.2f} GB/s", ""],
-        [
-            "put p50 off / on",
-            f"{cost['put_ms_off']['p50']:.1f} / {cost['put_ms_on']['p50']:.1f} ms",
-            f"{res['put_on_over_off_p50']:.2f}x",
-        ],
-        [
-            "hit TTFT p50 off / on",
-            f"{cost['ttft_ms_off']['p50']:.1f} / {cost['ttft_ms_on']['p50']:.1f} ms",
-            f"{res['ttft_on_over_off_p50']:.2f}x",
-        ],
-    ]
+    saved = f"{r['cold_over_refill']:.0f}x the refill" if r["cold_over_refill"] else ""
+    rows = [["", "value", "vs cold prefill"]]
+    rows += [["refill", f"{r['refill_gb_s']:.2f} GB/s, {r['refill_s']:.2f} s", ""]]
+    rows += [["first hit after start", common.fmt_s(r["first_hit_s"]), ""]]
+    rows += [["cold prefills saved", common.fmt_s(r["cold_prefill_saved_s"]), saved]]
+    rows += [["write-behind", f"{r['write_behind_gb_s']:.2f} GB/s", ""]]
+    for label, k in (("put", "put"), ("hit TTFT", "ttft")):
+        value = f"{c[f'{k}_ms_off']:.1f} / {c[f'{k}_ms_on']:.1f} ms"
+        rows.append([f"{label} p50 off / on", value, f"{res[f'{k}_on_over_off_p50']:.2f}x"])
     click.echo(common.grid(rows))
     chart = [
         (k.replace("_ms_", ", persist "), v["p50"] / 1e3, v["p99"] / 1e3) for k, v in cost.items()

@@ -1,23 +1,7 @@
 """Two nodes, one Redis: cross-node hit TTFT against cold and a local hit, fetch throughput,
-compression on and off, and the prefill the tier saves under a shared-prompt workload.
+compression on and off, and the prefill the tier saves under a shared-prompt workload (two
+real ``shmkv supervise --remote``, the llama contexts in this process; docs/benchmarks.md).
 
-Gemma 3 270M Q4_K_M, a ~2,000-token shared prefix and short different suffixes, streaming
-``create_completion`` timed to its first chunk (TTFT). A real ``redis-server`` on a loopback
-port (or ``--redis URL``) and two real ``shmkv supervise --remote`` ("node A", "node B",
-two arenas). The llama contexts live in this process, one per arm (the GGUF is mmapped
-once); each talks to its node's supervisor as a worker would.
-
-* cold: a plain ``Llama``, ``reset()`` before each request;
-* publish: a ``SharedCacheLlama`` on A runs prefix + suffix 0 and prefix + suffix 1 (the
-  second publishes the state of exactly the shared prefix: Gemma slides a window);
-* cross-node hit: a ``SharedCacheLlama`` on B, B's arena cleared before each request, so
-  each one misses locally, asks B's supervisor, which fetches A's state from Redis;
-* local hit: the same on B without clearing (what every later request on B gets);
-* throughput: 14 MB-class blobs written behind by A, each fetched by B into its arena;
-* workload: two nodes, several system prompts, each node asked each prompt a few times,
-  with and without ``--remote``: prompt tokens prefilled in total.
-
-    python bench/bench_remote.py            # ~3 minutes
     python bench/bench_remote.py --quick    # smoke run
 """
 
@@ -45,12 +29,6 @@ N_CTX = 4096
 PREFIX_TOKENS = 2000
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def redis_server(workdir: Path, url: str | None) -> Iterator[str]:
     """``url``, or a redis-server of our own on a loopback port (no persistence)."""
@@ -60,25 +38,20 @@ def redis_server(workdir: Path, url: str | None) -> Iterator[str]:
     exe = shutil.which("redis-server")
     if exe is None:
         raise click.ClickException("no redis-server: apt-get install redis-server, or --redis URL")
-    port = free_port()
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        + ["--dir", str(workdir), "--loglevel", "warning"],
-        stdout=subprocess.DEVNULL,
-    )
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(args + ["--dir", str(workdir)], stdout=subprocess.DEVNULL)
     try:
         import redis
 
-        r = redis.Redis(port=port)
-        deadline = time.monotonic() + 15
-        while True:
-            with contextlib.suppress(redis.RedisError):
-                if r.ping():
-                    break
-            if time.monotonic() > deadline:
-                raise click.ClickException("redis-server did not start")
-            time.sleep(0.05)
-        r.close()
+        def up() -> bool:
+            with contextlib.suppress(redis.RedisError), redis.Redis(port=port) as r:
+                return bool(r.ping())
+            return False
+
+        common.poll(up, 15, "redis-server answering", every=0.05)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.kill()
@@ -99,15 +72,14 @@ def ttft(llm: Any, prompt: str, max_tokens: int = 4) -> tuple[float, str]:
     return r["ttft"], r["text"]
 
 
-def caught_up(sup: common.Supervisor, timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
+def caught_up(sup: common.Supervisor) -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
         st = sup.stats()
-        if st["remote_queue"] == 0 and st["remote_written"] + st["remote_present"] >= 1:
-            return st
-        if time.monotonic() > deadline:
-            raise click.ClickException(f"the write-behind did not catch up: {st}")
-        time.sleep(0.1)
+        return (
+            st if st["remote_queue"] == 0 and st["remote_written"] + st["remote_present"] else None
+        )
+
+    return common.poll(done, 60, "write-behind catch-up", every=0.1)
 
 
 def prompts(model: Path, n: int) -> tuple[str, list[str]]:
@@ -145,10 +117,8 @@ def arm_pair(
         out["publish_s"] = [ttft(pub, prefix + s)[0] for s in sfx[:2]]
         pub.shmkv.flush()
         st_a = caught_up(a)
-        out["written_bytes"], out["stored_bytes"] = (
-            st_a["remote_written_bytes"],
-            st_a["remote_stored_bytes"],
-        )
+        out["written_bytes"] = st_a["remote_written_bytes"]
+        out["stored_bytes"] = st_a["remote_stored_bytes"]
         node_b = llama(model, threads, b)
         cross, local, texts, statuses = [], [], [], []
         for s in sfx[2 : 2 + n]:
@@ -164,15 +134,11 @@ def arm_pair(
             node_b.reset()
             local.append(ttft(node_b, prefix + s)[0])
         st_b = b.stats()
-        out.update(
-            cross_s=cross,
-            local_s=local,
-            cross_texts=texts,
-            statuses=statuses,
-            fetched_bytes=st_b["remote_pulled_bytes"],
-            pull_seconds=st_b["remote_pull_seconds"],
-            state_bytes=st_b["remote_fetched_bytes"] / max(1, st_b["remote_fetched"]),
+        out |= dict(cross_s=cross, local_s=local, cross_texts=texts, statuses=statuses)
+        out |= dict(
+            fetched_bytes=st_b["remote_pulled_bytes"], pull_seconds=st_b["remote_pull_seconds"]
         )
+        out["state_bytes"] = st_b["remote_fetched_bytes"] / max(1, st_b["remote_fetched"])
         pub.shmkv.close()
         node_b.shmkv.close()
     return out
@@ -199,8 +165,7 @@ def throughput(work: Path, url: str, size: int, count: int) -> dict[str, Any]:
         with a.client() as c:
             for root, toks, data in blobs:
                 c.put_bytes(root, toks, b"fp", data)
-        while a.stats()["remote_written"] < count:
-            time.sleep(0.02)
+        common.poll(lambda: a.stats()["remote_written"] >= count, 600, "write-behind", every=0.02)
         write_s = time.perf_counter() - t0
         with b.client() as c:
             for root, toks, _ in blobs:
@@ -241,13 +206,8 @@ def workload(
         totals = [dataclasses.asdict(n.shmkv.totals) for n in nodes]
         for n in nodes:
             n.shmkv.close()
-    return {
-        "remote": bool(url),
-        "wall_s": wall,
-        "tokens_evaluated": sum(t["tokens_evaluated"] for t in totals),
-        "tokens_restored": sum(t["tokens_restored"] for t in totals),
-        "remote_restored": sum(t["remote_restored"] for t in totals),
-    }
+    keys = ("tokens_evaluated", "tokens_restored", "remote_restored")
+    return {"remote": bool(url), "wall_s": wall, **{k: sum(t[k] for t in totals) for k in keys}}
 
 
 @common.command("remote")
@@ -265,15 +225,12 @@ def main(report: common.Report, opts: Any) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
         work = Path(tmp)
         with redis_server(work, opts.redis_url) as url:
-            cold_llm = llama(model, opts.threads)
-            cold, cold_texts = [], []
+            cold_llm, cold = llama(model, opts.threads), []
             for s in sfx[2 : 2 + n]:
                 cold_llm.reset()
-                t, text = ttft(cold_llm, prefix + s)
-                cold.append(t)
-                cold_texts.append(text)
+                cold.append(ttft(cold_llm, prefix + s))
             del cold_llm
-            res["cold_s"] = cold
+            res["cold_s"], cold_texts = [t for t, _ in cold], [x for _, x in cold]
             res["pairs"] = [
                 arm_pair(work, url, model, opts.threads, prefix, sfx, n, codec)
                 for codec in ("none", "zstd")
@@ -284,8 +241,7 @@ def main(report: common.Report, opts: Any) -> None:
             systems = [prefix[: len(prefix) // (2 + i)] for i in range(2 if opts.quick else 4)]
             per = 2 if opts.quick else 3
             res["workload"] = [
-                workload(work, None, model, opts.threads, systems, per),
-                workload(work, url, model, opts.threads, systems, per),
+                workload(work, u, model, opts.threads, systems, per) for u in (None, url)
             ]
     res["load_after"] = common.loadavg()
     show(res)
@@ -296,13 +252,14 @@ def main(report: common.Report, opts: Any) -> None:
 
 
 def show(res: dict[str, Any]) -> None:
-    p50 = common.summary
-    rows = [["arm", "TTFT p50", "mean", "n"]]
-    rows.append(["cold", *fmt(p50(res["cold_s"]))])
+    arms = [("cold", res["cold_s"])]
     for p in res["pairs"]:
-        rows.append([f"cross-node hit ({p['codec']})", *fmt(p50(p["cross_s"]))])
-        rows.append([f"local hit ({p['codec']})", *fmt(p50(p["local_s"]))])
-    click.echo(common.grid(rows))
+        arms += [
+            (f"{w} hit ({p['codec']})", p[f"{k}_s"])
+            for w, k in (("cross-node", "cross"), ("local", "local"))
+        ]
+    rows = [[a, *fmt(common.summary(xs))] for a, xs in arms]
+    click.echo(common.grid([["arm", "TTFT p50", "mean", "n"], *rows]))
     for p in res["pairs"]:
         click.echo(
             f"{p['codec']}: state {common.fmt_b(p['state_bytes'])}, sent "

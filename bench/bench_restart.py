@@ -1,24 +1,13 @@
-"""Restart benchmark: from a supervisor's ``kill -9`` to its successor's first served hit.
+"""Restart benchmark: from a supervisor's ``kill -9`` to its successor's first served hit
+(adopting an arena of 16 MiB states), against a ``--fresh`` start; the cold prefills saved
+come from the committed bench_restore baseline (docs/benchmarks.md).
 
-A real ``shmkv supervise`` fills a 1 GiB arena (``--size``) with 16 MiB states, as
-large as a Gemma 3 270M state of a ~2,000-token prompt; it is SIGKILLed and a new
-one started on the same name. Timed from the start of the new process:
-
-* **adopt**: until a worker's lookup, lease and checked copy of a state stored before
-  the kill succeeds (the new supervisor checked every record, payloads included);
-* **fresh** (``--fresh``, what every restart did before adoption): until the new
-  supervisor answers; every state is then gone, and each costs its cold prefill again.
-
-The cold prefills saved are the adopted states times the cold time to first token of a
-~2,000-token prompt from the committed ``bench_restore`` baseline (Gemma 3 270M, 2 cores).
-Both times include starting a Python process (imports: ~0.3 s here).
-
-    python bench/bench_restart.py            # 1 GiB arena, 5 rounds
     python bench/bench_restart.py --quick    # 128 MiB, 2 rounds
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -57,42 +46,41 @@ def start(workdir: Path, name: str, size: str, *args: str) -> common.Child:
     return common.Child("the supervisor", cmd, common.child_env(), workdir / f"{name}.log")
 
 
-def first_hit(sup: common.Supervisor, i: int, data: bytes, timeout: float = 60.0) -> float:
+def first_hit(sup: common.Supervisor, i: int, data: bytes) -> float:
     """Poll until state ``i`` is read back intact; the monotonic time it was."""
     from shmkv.core.errors import ShmkvError
     from shmkv.core.keys import chain_digests
 
     root, tokens, _ = state(i)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        c = sup.client(timeout=2.0)
-        c._backoff = 0.0
-        try:
-            hit = c.lookup(chain_digests(root, tokens, 64))
-            if hit is not None:
-                with c.acquire(hit) as lease:
-                    ok = bytes(lease.payload) == data and lease.finish()
-                if ok:
-                    return time.monotonic()
-        except ShmkvError:
-            pass
-        finally:
-            c.close()
-        time.sleep(0.002)
-    raise click.ClickException(f"no hit within {timeout} s:\n{sup.child.log_tail()}")
+
+    def hit() -> float | None:
+        with contextlib.suppress(ShmkvError), sup.client(timeout=2.0) as c:
+            c._backoff = 0.0
+            if (h := c.lookup(chain_digests(root, tokens, 64))) is not None:
+                with c.acquire(h) as lease:
+                    if bytes(lease.payload) == data and lease.finish():
+                        return time.monotonic()
+        return None
+
+    return common.poll(hit, 60, "hit", sup.child)
 
 
-def answers(sup: common.Supervisor, timeout: float = 60.0) -> float:
+def answers(sup: common.Supervisor) -> float:
     from shmkv.core.errors import ShmkvError
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            sup.request("ping")
-            return time.monotonic()
-        except ShmkvError:
-            time.sleep(0.002)
-    raise click.ClickException(f"no answer within {timeout} s:\n{sup.child.log_tail()}")
+    def ping() -> float | None:
+        with contextlib.suppress(ShmkvError):
+            return sup.request("ping") and time.monotonic()
+        return None
+
+    return common.poll(ping, 60, "answer", sup.child)
+
+
+def fill(sup: common.Supervisor, n: int) -> None:
+    with sup.client() as c:
+        for i in range(n):
+            root, tokens, data = state(i)
+            c.put_bytes(root, tokens, b"bench-restart", data)
 
 
 def cold_prefill_s() -> tuple[float | None, int | None]:
@@ -112,11 +100,9 @@ def run(workdir: Path, size: str, rounds: int) -> dict[str, Any]:
     answers(sup)
     with sup.client() as c:
         n = int(c.view.geometry.data_size // (BLOB + 16384))
-        t0 = time.monotonic()
-        for i in range(n):
-            root, tokens, data = state(i)
-            c.put_bytes(root, tokens, b"bench-restart", data)
-        fill_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    fill(sup, n)
+    fill_s = time.monotonic() - t0
     st = sup.stats()
     used = common.fmt_b(st["bytes_used"])
     log.info("filled %d states (%s) in %.1f s", st["entries"], used, fill_s)
@@ -139,11 +125,7 @@ def run(workdir: Path, size: str, rounds: int) -> dict[str, Any]:
                     row["adopted"], row["check_s"] = (int(m[1]), float(m[2])) if m else (None, None)
                 else:
                     row["entries_after"] = sup.stats()["entries"]
-                    # refill for the next round's kill
-                    with sup.client() as c:
-                        for i in range(n):
-                            root, tokens, data = state(i)
-                            c.put_bytes(root, tokens, b"bench-restart", data)
+                    fill(sup, n)  # for the next round's kill
                 out["rounds"].append(row)
                 log.info("round %d %s: %s", r, mode, row)
     finally:
@@ -158,8 +140,7 @@ def run(workdir: Path, size: str, rounds: int) -> dict[str, Any]:
 @click.option("--size", default=None, help="Arena --size [1G; quick 128M].")
 @click.option("--rounds", type=int, default=None, help="kill -9 and restarts of each kind [5].")
 def main(report: common.Report, o: Any) -> None:
-    """Time from a supervisor's kill -9 to the first hit its successor serves (adopting the
-    arena), against a fresh start; print a table, write JSON and PNG."""
+    """Time from a supervisor's kill -9 to its successor's first hit, against a fresh start."""
     size = o.size or ("128M" if o.quick else "1G")
     rounds = o.rounds or (2 if o.quick else 5)
     workdir = common.HERE / "out" / "restart-run"
@@ -200,10 +181,8 @@ def main(report: common.Report, o: Any) -> None:
     for label, s in rows:
         click.echo(f"{label:44} p50 {common.fmt_s(s['p50'])}  max {common.fmt_s(s['max'])}")
     if saved is not None:
-        click.echo(
-            f"cold prefills the adopted states save: {res['entries']} x {cold:.2f} s "
-            f"({cold_tokens} tokens, Gemma 3 270M, baseline) = {saved:.0f} s of CPU"
-        )
+        what = f"{res['entries']} x {cold:.2f} s ({cold_tokens} tokens, Gemma 3 270M, baseline)"
+        click.echo(f"cold prefills the adopted states save: {what} = {saved:.0f} s of CPU")
     click.echo(f"goals: {out['goals_met']}")
 
     report.write(out, [(label, s.get("p50"), s.get("p99")) for label, s in rows])

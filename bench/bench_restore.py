@@ -1,28 +1,8 @@
-"""Time to first token on a shared ~2,000-token prefix: cold, shmkv hit, the floor, LlamaRAMCache.
+"""Time to first token on a shared ~2,000-token prefix: cold, shmkv hit, the floor,
+LlamaRAMCache, --exact and q8_0 KV arms, each in a process of its own (the arms:
+docs/benchmarks.md).
 
-Gemma 3 270M Q4_K_M, the same context settings for every arm, a different short suffix per
-request, streaming ``create_completion`` timed to its first chunk (TTFT). Each arm runs in a
-process of its own; a real ``shmkv supervise`` owns the arena.
-
-* cold: a plain ``Llama``, ``reset()`` before every request;
-* publisher (process A, ``SharedCacheLlama``): prefix + suffix 0, then prefix + another suffix
-  (on a sliding-window model the second restores A's tail checkpoint and publishes the state
-  of exactly the shared prefix);
-* hit (process B): the other suffixes, ``reset()`` before each so that each restores from the
-  arena, publish on and off in turn; between them the floor (``llama_state_seq_set_data``
-  from a private buffer, bypassing the hook), and a few requests with the main calls inside
-  ``restore`` timed;
-* floor: the same in a process of its own, then llama-cpp-python's same-process prefix reuse;
-* exact: a publisher and a hit process with ``shmkv_exact=True``;
-* ramcache: llama-cpp-python's ``LlamaRAMCache`` (2 GiB cap), ``reset()`` per request;
-* q8_0 KV cache (``type_k``/``type_v`` q8_0 with flash attention, as ``shmkv serve
-  --cache-type-k q8_0 --cache-type-v q8_0``): cold, a publisher and a hit process as above,
-  compared with each other (flash attention alone changes Gemma's text), and the state's
-  size against the f16 one.
-
-    python bench/bench_restore.py                      # full run, ~2-3 minutes
     python bench/bench_restore.py --quick              # smoke run
-    python bench/bench_restore.py --write-baseline     # also refresh bench/baseline/
 """
 
 from __future__ import annotations
@@ -140,7 +120,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     kind, gen, prefix, prefix_n = spec["arm"], spec["gen"], spec["prefix"], spec["prefix_tokens"]
     res: dict[str, Any] = {"arm": kind, "requests": []}
     t = time.perf_counter()
-    if kind in ("publisher", "hit", "publisher_exact", "hit_exact", "publisher_q8", "hit_q8"):
+    if kind.startswith(("publisher", "hit")):  # through shmkv
         from shmkv.llama import SharedCacheLlama
 
         shmkv = dict(shmkv_name=spec["name"], shmkv_socket=spec["socket"], shmkv_namespace="bench")
@@ -164,9 +144,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
             res["attach_seconds"] = time.perf_counter() - t
         probes.wrap(cache, "capture")
     llm.reset()
-    res["warmup"] = common.first_token(
-        llm, spec["warmup"], **gen
-    )  # first touch of weights and buffers
+    res["warmup"] = common.first_token(llm, spec["warmup"], **gen)  # first touch of the weights
     if cache is not None:
         cache.flush()
 
@@ -176,10 +154,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         r = {**common.first_token(llm, prefix + text, before, **gen), **extra}
         steps, calls = probes.take()
         if kind == "ramcache":
-            r.update(
-                load_state_seconds=steps.get("load_state", 0.0),
-                save_state_seconds=steps.get("save_state", 0.0),
-            )
+            r |= {f"{k}_seconds": steps.get(k, 0.0) for k in ("load_state", "save_state")}
         if cache is None or before is not None:  # the floor does not go through the cache
             return r
         t = time.perf_counter()
@@ -236,15 +211,12 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     elif kind == "floor":
         restore, set_times = floor_restorer(llm, prefix, prefix_n, res)
         for i, s in spec["suffixes"]:
-            res["requests"].append(
-                {**run(s, before=restore, suffix=i), "set_data_seconds": set_times[-1]}
-            )
+            r = run(s, before=restore, suffix=i)
+            res["requests"].append(r | {"set_data_seconds": set_times[-1]})
         llm.reset()  # llama-cpp-python's own same-process prefix reuse: no reset from here on
         (_, s0), *rest = spec["suffixes_local"]
         res["local_first"] = common.first_token(llm, prefix + s0, **gen)
-        res["local"] = [
-            {**common.first_token(llm, prefix + s, **gen), "suffix": i} for i, s in rest
-        ]
+        res["local"] = [common.first_token(llm, prefix + s, **gen) | {"suffix": i} for i, s in rest]
     elif kind == "ramcache":
         ramcache = llama_cpp.LlamaRAMCache(capacity_bytes=RAMCACHE_CAPACITY)
         llm.set_cache(ramcache)
@@ -276,11 +248,8 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
 def make_prompts(
     model: Path, prefix_target: int, suffix_target: int, n_suffixes: int
 ) -> dict[str, Any]:
-    """A ~prefix_target-token shared prefix and n_suffixes ~suffix_target-token suffixes.
-
-    Every suffix starts with a different first token, so no two requests share more than
-    the prefix, and tokens(prefix + suffix) = tokens(prefix) + tokens(suffix).
-    """
+    """A shared prefix and suffixes that start with different tokens (so no two requests share
+    more than the prefix) and tokenize apart from it."""
     tok = common.tokenizer(model)
 
     def count(text: str) -> int:  # with BOS, as create_completion tokenizes a prompt
@@ -347,18 +316,11 @@ def run_arm(spec: dict[str, Any], workdir: Path, sup: common.Supervisor) -> dict
     spec = {**spec, "out": str(workdir / f"{name}.out.json")}
     (spec_path := workdir / f"{name}.spec.json").write_text(json.dumps(spec))
     noise = common.Noise(lambda: [sup.child.pid])
-    with open(err_path := workdir / f"{name}.stderr", "wb") as errf:
-        rc = subprocess.run(
-            [sys.executable, __file__, "_arm", str(spec_path)],
-            env=common.child_env(),
-            stdout=errf,
-            stderr=subprocess.STDOUT,
-            timeout=1800,
-        ).returncode
-    if rc != 0:
-        raise click.ClickException(
-            f"arm {name} failed (exit {rc}):\n{err_path.read_text()[-4000:]}"
-        )
+    with open(err_path := workdir / f"{name}.stderr", "wb") as f:
+        args = [sys.executable, __file__, "_arm", str(spec_path)]
+        out = dict(stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+        if rc := subprocess.run(args, env=common.child_env(), **out).returncode:  # type: ignore[call-overload]
+            raise click.ClickException(f"arm {name} failed ({rc}):\n{err_path.read_text()[-4000:]}")
     res = json.loads(Path(spec["out"]).read_text())
     p = res["process"] = noise.result()
     done = "arm %-15s done in %5.1f s (other processes used %.2f cores meanwhile)"
@@ -377,7 +339,6 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
     S = common.summary
 
     def split(rs: list[dict[str, Any]], key: str) -> tuple[list[Any], list[Any]]:
-        """The requests whose ``key`` is true, and the others."""
         return [r for r in rs if r[key]], [r for r in rs if not r[key]]
 
     (on, off), fb = split(hit["requests"], "publish"), hit["floor_b"]["requests"]
@@ -398,7 +359,7 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "publisher_second": (
             "process A, 2nd suffix: tail checkpoint + divergence publish",
             pub_second,
-        ),
+        ),  # noqa: E501
         "hit_exact": ("shmkv --exact hit, 2nd process (restores at n_batch boundaries)", exact),
         "publisher_exact": ("process A --exact: miss + publish at batch boundaries", pub_exact),
         "cold_q8": ("q8_0 KV: cold, plain Llama", arms["cold_q8"]["requests"]),
@@ -416,19 +377,21 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
 
     # hit / floor against the floor in the same process, interleaved with the hits (same
     # context and KV history); two processes differ by a few percent in suffix-eval alone
-    ratios = {
-        "hit_over_floor_p50": ratio("hit", "floor_b"),
-        "hit_over_floor_mean": ratio("hit", "floor_b", "mean"),
-        "hit_nopublish_over_floor_p50": ratio("hit_nopublish", "floor_b"),
-        "hit_over_floor_separate_process_p50": ratio("hit", "floor"),
-        "cold_over_hit_p50": ratio("cold", "hit"),
-        "cold_over_hit_mean": ratio("cold", "hit", "mean"),
-        "ramcache_over_cold_p50": ratio("ramcache", "cold"),
-        "cold_over_floor_p50": ratio("cold", "floor"),
-        "cold_over_hit_exact_p50": ratio("cold", "hit_exact"),
-        "cold_q8_over_hit_q8_p50": ratio("cold_q8", "hit_q8"),
-        "hit_q8_over_hit_p50": ratio("hit_q8", "hit"),
-    }
+    ratios = {  # hit / floor: the floor in the same process, interleaved with the hits
+        f"{name}_{stat}": ratio(a, b, stat)
+        for name, a, b, stat in [
+            ("hit_over_floor", "hit", "floor_b", "p50"),
+            ("hit_over_floor", "hit", "floor_b", "mean"),
+            ("hit_nopublish_over_floor", "hit_nopublish", "floor_b", "p50"),
+            ("hit_over_floor_separate_process", "hit", "floor", "p50"),
+            ("cold_over_hit", "cold", "hit", "p50"), ("cold_over_hit", "cold", "hit", "mean"),
+            ("ramcache_over_cold", "ramcache", "cold", "p50"),
+            ("cold_over_floor", "cold", "floor", "p50"),
+            ("cold_over_hit_exact", "cold", "hit_exact", "p50"),
+            ("cold_q8_over_hit_q8", "cold_q8", "hit_q8", "p50"),
+            ("hit_q8_over_hit", "hit_q8", "hit", "p50"),
+        ]
+    }  # fmt: skip
 
     def cap(r: dict[str, Any], before_first: bool = False) -> float:
         """Seconds in capture() calls (only those that started before the first chunk)."""

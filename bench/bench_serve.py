@@ -1,33 +1,7 @@
-"""Serving benchmark: gunicorn workers, shared system prompts, streaming TTFT, per arm.
+"""Serving benchmark: gunicorn workers, shared system prompts, streaming TTFT, per arm
+(the arms, cells, phases and options: docs/benchmarks.md).
 
-Arms (same gunicorn settings and n_ctx): ``nocache`` and ``ramcache`` (llama-cpp-python's
-``llama_cpp.server``, the latter with a per-worker ``LlamaRAMCache``), ``--threads`` threads
-per worker; ``shmkv`` (``shmkv serve`` on a supervisor of its own, workers on one CPU budget
-of all cores), ``shmkv-exact`` (``--exact``), ``shmkv-static`` (``--static-threads``),
-``shmkv-q8_0`` (q8_0 K and V caches); ``llama-server`` (llama.cpp's own, built by
-``llama_server.py`` from the sources llama-cpp-python vendors: ``-np`` = ``--workers`` slots,
-``--cache-ram``, all cores). An ``X-chat`` arm is arm X sent the same requests as a system
-and a user message to ``/v1/chat/completions`` (Gemma 3's template everywhere). A request is
-one of ``--prompts`` system prompts plus a short question, streamed on a new connection, the
-same sequence in every cell. A cell (arm, concurrency) starts fresh servers, warms every
-worker up, waits for a quiet machine and runs the sequence closed-loop: TTFT, worker, cache
-use, memory (PSS of every server process, the arena counted once) and CPU.
-
-A shmkv stream's first chunk carries the worker's times; the phases table splits TTFT into
-queue, app, coalesce wait, remote wait, restore, CPU wait, prefill, first decode, other and
-response per request class, against an ideal scheduler fed by one cold prefill per system
-prompt timed in this process on all cores (``--no-ideal``: not). ``--budget-overhead`` times
-the CPU budget against plain ``Llama.eval``; ``--by-mapping`` prints PSS by mapping;
-``--stages`` loads one worker per llama settings variant in a process of its own and reports
-its anonymous memory by step. ``--runs N``: every cell N times, median and range.
-
-    python bench/bench_serve.py                    # full run (~60 min)
     python bench/bench_serve.py --quick            # smoke run (~3 min)
-    python bench/bench_serve.py --arms shmkv,shmkv-chat,shmkv-q8_0 --concurrency 4
-    python bench/bench_serve.py --arms shmkv,shmkv-static --concurrency 1 --prompts 5 \
-        --requests 5 --idle 1 --budget-overhead     # the CPU budget: cold prompts, idle
-    python bench/bench_serve.py --arms shmkv,llama-server --concurrency 4 --requests 16 \
-        --prompts 4 --by-mapping --stages default,swa_full=true   # memory per worker
 """
 
 from __future__ import annotations
@@ -179,9 +153,7 @@ def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: i
 
 
 def llama_server_args(cfg: dict[str, Any]) -> list[str]:
-    """llama-server as the shmkv arms serve: the same model, ``--workers`` slots of n_ctx
-    each (llama-server splits ``-c`` over its slots unless the KV cache is unified), every
-    core for prompts and decoding, ``--cache-ram`` MiB of prompt cache."""
+    """``--workers`` slots of n_ctx each, every core, ``--cache-ram`` MiB of prompt cache."""
     slots, cores = cfg["workers"], str(os.cpu_count() or 1)
     decode = str(cfg.get("llama_server_threads") or cores)
     args = ["-m", cfg["model"], "-a", "gemma", "-c", str(cfg["n_ctx"] * slots), "-np", str(slots)]
@@ -189,51 +161,38 @@ def llama_server_args(cfg: dict[str, Any]) -> list[str]:
     return args + ["--cache-ram", str(cfg["llama_server_cache_ram_mib"])]
 
 
-def chat_template_args(model: str, workdir: Path) -> list[str]:
-    """llama-server's chat template: the one ``shmkv serve`` renders chats with. The packaged
-    GGUF has none, and llama-server would fall back to ChatML; with Gemma 3's template as
-    a Jinja file it renders the shmkv workers' prompt (less the ``<bos>`` text: it adds BOS
-    as a token). Other models: their GGUF's, as everywhere."""
-    from shmkv.serving.chat_template import GEMMA3_FORMAT, GEMMA3_TEMPLATE, default_chat_format
-
-    if default_chat_format(model) != GEMMA3_FORMAT:
-        return ["--jinja"]
-    path = workdir / "gemma3.jinja"
-    path.write_text(GEMMA3_TEMPLATE)
-    return ["--jinja", "--chat-template-file", str(path)]
+SHMKV_ENV = {  # each shmkv arm's settings beyond the common ones
+    "shmkv": {},
+    "shmkv-exact": {"SHMKV_EXACT": "true"},
+    "shmkv-q8_0": {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"},
+    "shmkv-static": {"SHMKV_STATIC_THREADS": "true"},  # every worker always on --threads
+}
 
 
 def start_server(
     arm: str, cfg: dict[str, Any], workdir: Path, sup: common.Supervisor | None
 ) -> common.Server:
-    model, threads, n_ctx = cfg["model"], str(cfg["threads"]), str(cfg["n_ctx"])
-    if arm in LLAMA_SERVER_ARMS:
-        binary, args = Path(cfg["llama_server_binary"]), llama_server_args(cfg)
-        args += chat_template_args(model, workdir)
-        return common.Server.llama_server(binary, args, workdir, cfg["workers"])
-    arm = server_arm(arm)
-    if sup is not None:
-        env = {"SHMKV_MODEL": model, "SHMKV_THREADS": threads, "SHMKV_N_CTX": n_ctx}
-        env |= {"SHMKV_LOG_LEVEL": "info", "SHMKV_WORKER_TIMEOUT": "900"}
-        env["SHMKV_EXACT"] = str(arm == "shmkv-exact").lower()
-        if arm == "shmkv-q8_0":  # (flash attention follows: --flash-attn auto)
-            env |= {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"}
-        if arm == "shmkv-static":  # every worker always on --threads threads
-            env["SHMKV_STATIC_THREADS"] = "true"
-        else:  # the CPU budget: a prompt batch on every free core, a decode step on one
-            env["SHMKV_THREADS"] = str(cfg["budget_threads"])
-        return common.Server.shmkv(sup, env, workdir, cfg["workers"])
-    env = {"MODEL": model, "N_CTX": n_ctx, "N_THREADS": threads, "N_THREADS_BATCH": threads}
-    # a stream runs to its end, as in shmkv serve's app: llama_cpp.server would otherwise
-    # cut it short whenever another request waits for its worker's model (a chat stream
-    # then ends after its role chunk, with no text)
-    env |= {"VERBOSE": "false", "INTERRUPT_REQUESTS": "false"}
-    from shmkv.serving.chat_template import (
-        default_chat_format,  # (as shmkv serve: Gemma 3's own template)
-    )
+    from shmkv.serving.chat_template import GEMMA3_FORMAT, GEMMA3_TEMPLATE, default_chat_format
 
-    if chat_format := default_chat_format(model):
-        env["CHAT_FORMAT"] = chat_format
+    model, threads, n_ctx = cfg["model"], str(cfg["threads"]), str(cfg["n_ctx"])
+    arm, workers = server_arm(arm), cfg["workers"]
+    chat_format = default_chat_format(model)  # (as shmkv serve: Gemma 3's own template)
+    if arm == "llama-server":  # Gemma 3's template as a Jinja file (the GGUF has none)
+        args = [*llama_server_args(cfg), "--jinja"]
+        if chat_format == GEMMA3_FORMAT:
+            (path := workdir / "gemma3.jinja").write_text(GEMMA3_TEMPLATE)
+            args += ["--chat-template-file", str(path)]
+        return common.Server.llama_server(Path(cfg["llama_server_binary"]), args, workdir, workers)
+    if sup is not None:  # the CPU budget: a prompt batch on every free core, a decode on one
+        env = {"SHMKV_MODEL": model, "SHMKV_N_CTX": n_ctx, "SHMKV_EXACT": "false"}
+        env |= {"SHMKV_LOG_LEVEL": "info", "SHMKV_WORKER_TIMEOUT": "900"}
+        env["SHMKV_THREADS"] = threads if arm == "shmkv-static" else str(cfg["budget_threads"])
+        return common.Server.shmkv(sup, env | SHMKV_ENV[arm], workdir, cfg["workers"])
+    env = {"MODEL": model, "N_CTX": n_ctx, "N_THREADS": threads, "N_THREADS_BATCH": threads}
+    # a stream runs to its end, as in shmkv serve's app (llama_cpp.server would cut it short
+    # whenever another request waits for its worker's model)
+    env |= {"VERBOSE": "false", "INTERRUPT_REQUESTS": "false"}
+    env |= {"CHAT_FORMAT": chat_format} if chat_format else {}
     if arm == "ramcache":
         env |= {"CACHE": "true", "CACHE_TYPE": "ram"}
         env["CACHE_SIZE"] = str(cfg["ramcache_size_per_worker"])
@@ -254,15 +213,11 @@ def mem_snapshot(pids: dict[str, list[int]], model: str, arena: Path | None) -> 
                 procs[str(pid)] |= dict(uss=tot["private"], arena_pss=kinds["arena"]["pss"])
                 procs[str(pid)]["kinds"] = kinds
     workers = [r for r in procs.values() if r["role"] == "worker"]
-    out = {
-        "processes": procs,
-        "arena_pss": sum(r["arena_pss"] for r in procs.values()),
-        **{f"total_{k}": sum(r[k] for r in procs.values()) for k in ("rss", "pss", "uss")},
-        "workers_rss": sum(r["rss"] for r in workers),
-        "workers_pss": sum(r["pss"] for r in workers),
-        "workers_pss_without_arena": sum(r["pss"] - r["arena_pss"] for r in workers),
-        "mem_available": common.meminfo("MemAvailable"),
-    }
+    out = {"processes": procs, "arena_pss": sum(r["arena_pss"] for r in procs.values())}
+    out |= {f"total_{k}": sum(r[k] for r in procs.values()) for k in ("rss", "pss", "uss")}
+    out |= {f"workers_{k}": sum(r[k] for r in workers) for k in ("rss", "pss")}
+    out["workers_pss_without_arena"] = sum(r["pss"] - r["arena_pss"] for r in workers)
+    out["mem_available"] = common.meminfo("MemAvailable")
     with contextlib.suppress(OSError, AttributeError):
         st = arena.stat()  # type: ignore[union-attr]
         out.update(arena_file_bytes=st.st_size, arena_allocated_bytes=st.st_blocks * 512)
@@ -278,10 +233,9 @@ def status_rss(pid: int) -> dict[str, int]:
 
 
 class MemoryWatch(threading.Thread):
-    """Samples the server's memory (and CPU) every 0.25 s; stops the cell above the limits:
-    the footprint (private RSS summed over the server processes, plus the largest file-backed
-    and the largest shmem RSS of any one: the model and the arena are shared), and the
-    machine's available memory."""
+    """Samples the server's memory (and CPU) every 0.25 s; stops the cell when its footprint
+    (private RSS summed, the largest file-backed and shmem RSS once) or the machine's available
+    memory crosses its limit."""
 
     def __init__(self, pids: Any, noise: common.Noise, cfg: dict[str, Any], on_abort: Any) -> None:
         super().__init__(name="memory-watch", daemon=True)
@@ -305,11 +259,9 @@ class MemoryWatch(threading.Thread):
             self.peak_rss = max(self.peak_rss, sum(sum(r.values()) for r in rss))
             self.peak_footprint = max(self.peak_footprint, footprint)
             avail, gib = common.meminfo("MemAvailable"), 2**30
-            if self.abort.is_set():
-                pass
-            elif footprint > self.cfg["max_rss"]:
+            if footprint > self.cfg["max_rss"]:
                 self.reason = f"server memory {footprint / gib:.1f} GiB (private RSS + shared "
-                self.reason += f"once) > --max-rss {self.cfg['max_rss'] / gib:.1f} GiB"
+                self.reason += f"once) > {self.cfg['max_rss'] / gib:.1f} GiB"
             elif avail and avail < self.cfg["min_available"]:
                 self.reason = f"only {avail / gib:.1f} GiB of memory available"
             if self.reason and not self.abort.is_set():
@@ -486,48 +438,39 @@ def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
 
 
 def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]:
-    """What the cache did, from the ``shmkv`` field of each stream."""
+    """What the cache did, from the ``shmkv`` field of each stream; a hit sent while another
+    worker prefilled its prompt waited for that state (coalescing)."""
     if not (rs := [r for r in rs if r["shmkv"]]):
         return {"n": 0}
-    S = common.summary
     by = {c: [r for r in rs if cache_class(r, sys_tokens) == c] for c in ("hit", "cold", "local")}
     hits, cold = by["hit"], by["cold"]
-    cold_per_prompt = dict(collections.Counter(str(r["prompt"]) for r in cold))
+    per_prompt = dict(collections.Counter(str(r["prompt"]) for r in cold))
 
     def during(r: dict[str, Any], o: dict[str, Any]) -> bool:  # r sent while o prefilled
-        return (
-            o is not r
-            and o["prompt"] == r["prompt"]
-            and (o["t_send"] <= r["t_send"] < o["t_send"] + (o["ttft"] or o["total"] or 0))
-        )
+        end = o["t_send"] + (o["ttft"] or o["total"] or 0)
+        return o is not r and o["prompt"] == r["prompt"] and o["t_send"] <= r["t_send"] < end
 
-    # hits sent while another worker prefilled their prompt waited for its state (coalescing)
     waited = [h for h in hits if any(during(h, c) for c in cold)]
-    all_ttft = sum(r["ttft"] for r in rs)
+    groups = dict(hit=hits, hit_waited=waited, hit_no_wait=[r for r in hits if r not in waited])
+    groups |= dict(cold=cold, local=by["local"])
+    share = {g: sum(r["ttft"] for r in groups[g]) / t if (t := sum(r["ttft"] for r in rs)) else None
+             for g in ("hit_waited", "cold")}  # fmt: skip
+    tokens = [("restored_tokens", hits, "restored_tokens"), ("restore_ms", hits, "restore_ms")]
+    tokens += [
+        ("evaluated_tokens_hit", hits, "evaluated_tokens"),
+        ("prompt_tokens", rs, "prompt_tokens"),
+    ]
+    tokens += [("evaluated_tokens_cold", cold, "evaluated_tokens")]
     return {
-        "n": len(rs),
-        "hits": len(hits),
-        "cold": len(cold),
-        "local_reuse": len(by["local"]),
-        "cold_per_prompt": cold_per_prompt,
-        "cold_beyond_one_per_prompt": len(cold) - len(cold_per_prompt),
-        "cold_started_while_same_prompt_in_prefill": sum(
-            any(during(r, o) for o in cold) for r in cold
-        ),
-        "ttft_hit": S([r["ttft"] for r in hits]),
+        "n": len(rs), "hits": len(hits), "cold": len(cold), "local_reuse": len(by["local"]),
+        "cold_per_prompt": per_prompt, "cold_beyond_one_per_prompt": len(cold) - len(per_prompt),
+        "cold_started_while_same_prompt_in_prefill": sum(any(during(r, o) for o in cold)
+                                                         for r in cold),
         "hits_after_waiting_for_same_prompt_prefill": len(waited),
-        "ttft_hit_waited": S([r["ttft"] for r in waited]),
-        "ttft_hit_no_wait": S([r["ttft"] for r in hits if r not in waited]),
-        "waited_share_of_ttft": sum(r["ttft"] for r in waited) / all_ttft if all_ttft else None,
-        "ttft_cold": S([r["ttft"] for r in cold]),
-        "ttft_local": S([r["ttft"] for r in by["local"]]),
-        "cold_share_of_ttft": sum(r["ttft"] for r in cold) / all_ttft if all_ttft else None,
-        "restored_tokens": S([r["shmkv"]["restored_tokens"] for r in hits]),
-        "evaluated_tokens_hit": S([r["shmkv"]["evaluated_tokens"] for r in hits]),
-        "evaluated_tokens_cold": S([r["shmkv"]["evaluated_tokens"] for r in cold]),
-        "prompt_tokens": S([r["shmkv"]["prompt_tokens"] for r in rs]),
-        "restore_ms": S([r["shmkv"]["restore_ms"] for r in hits]),
-    }
+        "waited_share_of_ttft": share["hit_waited"], "cold_share_of_ttft": share["cold"],
+        **{f"ttft_{g}": common.summary([r["ttft"] for r in v]) for g, v in groups.items()},
+        **{k: common.summary([r["shmkv"][f] for r in v]) for k, v, f in tokens},
+    }  # fmt: skip
 
 
 PHASES = {  # where a shmkv request's time to first token went, in order
@@ -669,8 +612,7 @@ def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict
 
 
 def budget_overhead(llm: Any, texts: list[str], cores: int) -> dict[str, Any]:
-    """The CPU budget's own cost on one context: each prompt, then 16 single-token decode
-    steps, through ``cpubudget.evaluate`` (batches negotiated, threads set per call) and
+    """Each prompt, then 16 single-token decode steps, through ``cpubudget.evaluate`` and
     through plain ``Llama.eval`` on all cores."""
     import uuid
 
@@ -680,21 +622,17 @@ def budget_overhead(llm: Any, texts: list[str], cores: int) -> dict[str, Any]:
 
     name, plain = f"bench{uuid.uuid4().hex[:8]}", llm.eval
     budget, times = cpubudget.CpuBudget(str(common.SHM), name, cores), collections.defaultdict(list)
+    via = {"plain": plain, "budget": functools.partial(cpubudget.evaluate, budget, llm, plain)}
     try:
-        for text, how in itertools.product(texts, ("plain", "budget")):
+        for text, how in itertools.product(texts, via):
             llm.reset()
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
             llama_cpp.llama_set_n_threads(llm._ctx.ctx, cores, cores)
             llm._shmkv_threads = None  # (what cpubudget.set_threads last set is void)
-            run = (
-                plain
-                if how == "plain"
-                else functools.partial(cpubudget.evaluate, budget, llm, plain)
-            )
             for step, toks in enumerate([llm.tokenize(text.encode()), *[[1]] * 16]):
                 t = time.perf_counter()
-                run(toks if step == 0 else [llm.input_ids[llm.n_tokens - 1]])
-                times[f"{'prefill' if step == 0 else 'decode_step'}_{how}"].append(
+                via[how](toks if step == 0 else [llm.input_ids[llm.n_tokens - 1]])
+                times[f"{'decode_step' if step else 'prefill'}_{how}"].append(
                     time.perf_counter() - t
                 )
     finally:
@@ -704,11 +642,9 @@ def budget_overhead(llm: Any, texts: list[str], cores: int) -> dict[str, Any]:
 
 
 def measure_floor(llm: Any, wl: Workload) -> dict[str, Any]:
-    """The restore floor plus the suffix, as ``bench_restore.py`` measures it, for this
-    workload: the state of the prefix two requests on a system prompt share, kept in a
-    private buffer; then, for each later request on it, ``llama_state_seq_set_data`` from
-    that buffer, the rest of its prompt and its first token, in this process on all cores.
-    The fastest a hit can be here without any cache or server around it."""
+    """The restore floor plus the suffix (as bench_restore.py's): the state of the prefix two
+    requests on a system prompt share in a private buffer, then for each later request on it
+    ``set_data`` from it, the rest of its prompt and its first token."""
     import ctypes
 
     import llama_cpp.llama_cpp as llama_c
@@ -716,11 +652,8 @@ def measure_floor(llm: Any, wl: Workload) -> dict[str, Any]:
     by_prompt: dict[int, list[int]] = {}
     for k, (p, _) in enumerate(wl.requests):
         by_prompt.setdefault(p, []).append(k)
-    ttfts: list[float] = []
-    suffixes: list[int] = []
-    for ks in by_prompt.values():
-        if len(ks) < 2:
-            continue
+    ttfts, suffixes = [], []
+    for ks in (ks for ks in by_prompt.values() if len(ks) > 1):
         toks = [llm.tokenize(wl.prompt(k).encode(), special=True) for k in ks[:2]]
         n = next(
             (i for i, (a, b) in enumerate(zip(*toks, strict=False)) if a != b), min(map(len, toks))
@@ -737,17 +670,13 @@ def measure_floor(llm: Any, wl: Workload) -> dict[str, Any]:
             t = time.monotonic()
             if llama_c.llama_state_seq_set_data(llm.ctx, buf, size, 0) != size:
                 raise RuntimeError("llama_state_seq_set_data took a short state")
-            llm.input_ids[:n] = toks[0][:n]
-            llm.n_tokens = n
+            llm.input_ids[:n], llm.n_tokens = toks[0][:n], n
             llm.create_completion(wl.prompt(k), max_tokens=1, temperature=0.0)
             ttfts.append(time.monotonic() - t)
-            suffixes.append(len(llm.tokenize(wl.prompt(k).encode(), special=True)) - n)
-    return {
-        "ttft": common.summary(ttfts) if ttfts else {"n": 0},
-        "suffix_tokens": common.summary([float(x) for x in suffixes]) if suffixes else {"n": 0},
-        "how": "set_data of the shared prefix's state from a private buffer, the rest of "
-        "the prompt and the first token, one Llama, all cores",
-    }
+            suffixes.append(float(len(llm.tokenize(wl.prompt(k).encode(), special=True)) - n))
+    how = "set_data of the shared prefix's state from a private buffer, the rest of the "
+    how += "prompt and the first token, one Llama, all cores"
+    return {"ttft": common.summary(ttfts), "suffix_tokens": common.summary(suffixes), "how": how}
 
 
 def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, Any]:
@@ -758,20 +687,12 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
     stop = float("inf") if c["abort_s"] is None else c["abort_s"]
     cut = [r for r in errors if r["t_send"] + (r["total"] or 0) >= stop]  # by our stopping it
     errors = [r for r in errors if r not in cut]
-    m0, m1 = c["memory"]["after_warmup"], c["memory"]["end"]
-    mem: dict[str, Any] = {
-        "total_pss_end": m1["total_pss"],
-        "total_rss_end": m1["total_rss"],
-        "total_pss_peak": c["memory"]["peak_pss"],
-        "total_rss_sum_peak": c["memory"]["peak_rss_sum"],
-        "footprint_peak": c["memory"]["peak_footprint"],
-        "workers_pss_end": m1["workers_pss"],
-        "workers_pss_growth": m1["workers_pss"] - m0["workers_pss"],
-        "workers_rss_growth": m1["workers_rss"] - m0["workers_rss"],
-        "workers_pss_without_arena_end": m1["workers_pss_without_arena"],
-        "cache_bytes": 0,
-        "cache_how": "no cache",
-    }
+    m, (m0, m1) = c["memory"], (c["memory"]["after_warmup"], c["memory"]["end"])
+    mem: dict[str, Any] = {f"{k}_end": m1[k] for k in ("total_pss", "total_rss", "workers_pss")}
+    mem |= dict(total_pss_peak=m["peak_pss"], total_rss_sum_peak=m["peak_rss_sum"])
+    mem |= dict(footprint_peak=m["peak_footprint"], cache_bytes=0, cache_how="no cache")
+    mem |= {f"workers_{k}_growth": m1[f"workers_{k}"] - m0[f"workers_{k}"] for k in ("pss", "rss")}
+    mem["workers_pss_without_arena_end"] = m1["workers_pss_without_arena"]
     if c["arm"].startswith("shmkv"):
         mem |= common.pick(m1, "arena_allocated_bytes")
         mem["cache_bytes"] = m1["arena_pss"]
@@ -918,26 +839,27 @@ def stages(variant: str, cfg: dict[str, Any], prompts: list[str], workdir: Path)
 
 
 def stages_table(rows: list[dict[str, Any]]) -> str:
-    b, base = common.fmt_b, rows[0]
-    out = []
+    b, base, out = common.fmt_b, rows[0], []
+    steps = [("anon: python", "interpreter", None), ("+ imports", "imports", "interpreter")]
+    steps += [("+ model & context", "model", "imports"), ("+ prefill", "prefill", "model")]
     for r in rows:
         a, buf = r["anon_rss"], r["llama_buffers"]
-        out.append(
-            {
-                "variant": r["variant"],
-                "anon: python": b(a["interpreter"]),
-                "+ imports": b(a["imports"] - a["interpreter"]),
-                "+ model & context": b(a["model"] - a["imports"]),
-                "+ prefill": b(a["prefill"] - a["model"]),
-                "anon total": b(a["prefill"]),
-                "vs default": b(a["prefill"] - base["anon_rss"]["prefill"]),
-                "KV buf": b(buf["kv"]),
-                "compute buf": b(buf["compute"]),
-                "repacked": b(buf["weights_repacked"]),
-                "prompt s": common.fmt_s(min(r["prompt_seconds"])),
-                "same text": "yes" if r["texts"] == base["texts"] else "NO",
-            }
-        )
+        row = {"variant": r["variant"]}
+        row |= {k: b(a[step] - (a[since] if since else 0)) for k, step, since in steps}
+        row |= {
+            "anon total": b(a["prefill"]),
+            "vs default": b(a["prefill"] - base["anon_rss"]["prefill"]),
+        }
+        row |= {
+            k: b(buf[x])
+            for k, x in (
+                ("KV buf", "kv"),
+                ("compute buf", "compute"),
+                ("repacked", "weights_repacked"),
+            )
+        }
+        row["prompt s"] = common.fmt_s(min(r["prompt_seconds"]))
+        out.append(row | {"same text": "yes" if r["texts"] == base["texts"] else "NO"})
     return common.dict_table(out)
 
 
@@ -971,9 +893,7 @@ def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
     for c in cells:
         if c["arm"] not in ("shmkv", "shmkv-chat") or not c["ttft"].get("n"):
             continue
-        ref = next((r for r in cells if r["arm"] == reference_arm(c["arm"], "llama-server")
-                    and (r["concurrency"], r.get("run", 0)) == (c["concurrency"], c.get("run", 0))
-                    and r["ttft"].get("n")), None)  # fmt: skip
+        ref = (r := llama_server_cell(c, cells)) and r["ttft"].get("n") and r
         m, cold = {}, c.get("cache", {}).get("ttft_cold", {}).get("mean")
         if c["concurrency"] == GOAL_CONCURRENCY:
             m["mean TTFT (s)"] = c["ttft"]["mean"]
@@ -990,14 +910,16 @@ def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
     return {"checks": common.check_goals(GOALS, where), "floor_p50_s": floor}
 
 
+def llama_server_cell(c: dict[str, Any], cells: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """llama-server's cell at the same concurrency, endpoint and run as ``c``, if it ran."""
+    key = (reference_arm(c["arm"], "llama-server"), c["concurrency"], c.get("run", 0))
+    return next((r for r in cells if (r["arm"], r["concurrency"], r.get("run", 0)) == key), None)
+
+
 def llama_server_ratio(c: dict[str, Any], cells: list[dict[str, Any]]) -> float | None:
-    """The goal's measure: this cell's PSS minus the arena's used bytes over llama-server's
-    PSS, at the same concurrency and endpoint (and run)."""
-    ref = "llama-server-chat" if c["arm"] in CHAT_ARMS else "llama-server"
-    for r in cells:
-        same = (r["concurrency"], r.get("run", 0)) == (c["concurrency"], c.get("run", 0))
-        if r["arm"] == ref and same and r["memory"]["total_pss_end"]:
-            return c["memory"]["total_pss_minus_arena_used_end"] / r["memory"]["total_pss_end"]
+    """The goal's measure: this cell's PSS minus the arena's used bytes over llama-server's."""
+    if (r := llama_server_cell(c, cells)) and r["memory"]["total_pss_end"]:
+        return c["memory"]["total_pss_minus_arena_used_end"] / r["memory"]["total_pss_end"]
     return None
 
 
@@ -1132,24 +1054,9 @@ opt = common.option
 @opt("--max-tokens", default=16)
 @opt("--workers", default=4, help="gunicorn workers.")
 @opt("--threads", default=1, help="llama.cpp threads per worker (llama_cpp.server, shmkv-static).")
-@opt(
-    "--budget-threads",
-    default=0,
-    help="Most threads one prompt batch takes on the CPU budget (0: all cores).",
-)
 @opt("--n-ctx", default=4096)
 @opt("--arena-size", default="1G", help="shmkv arena size.")
-@opt("--ramcache-size", default="1G", help="LlamaRAMCache capacity per worker (CACHE_SIZE).")
-@opt("--llama-server-cache-ram", help="llama-server --cache-ram, as a size [--arena-size].")
-@opt("--llama-server", "llama_server_binary", help="llama-server binary [built and cached].")
-@opt(
-    "--llama-server-threads",
-    default=0,
-    help="llama-server -t, its decoding threads (0: all cores).",
-)
 @opt("--runs", default=1, help="Run every cell this many times (the table gives the spread).")
-@opt("--max-rss", default="16G", help="Stop a cell when the server's memory exceeds this.")
-@opt("--min-available", default="3G", help="Stop a cell when less memory is available.")
 @opt("--max-load", default=0.7, help="Wait before each cell until the 1-min load is below this.")
 @opt("--max-wait", default=3600.0, help="Seconds to wait for --max-load, then run anyway.")
 @opt("--timeout", default=900.0, help="Per-request read timeout, seconds.")
@@ -1170,27 +1077,25 @@ def main(report: common.Report, o: Any) -> None:
 
     from shmkv.core.config import parse_size
 
-    quick, size = o.quick, parse_size
+    quick = o.quick
     arms = [a.strip() for a in o.arms.split(",") if a.strip()]
     if unknown := [a for a in arms if a not in ARMS]:
         raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}")
     n, model = o.requests or (8 if quick else 60), common.model_path(o.model)
     levels = o.concurrency or ("4" if quick else "4,10")
     cfg = dict(quick=quick, model=str(model), model_bytes=model.stat().st_size, arms=arms)
-    cfg |= common.pick(vars(o), "workers threads budget_threads n_ctx max_tokens arena_size")
-    cfg |= common.pick(vars(o), "max_load max_wait timeout")
-    cfg |= dict(prompts=o.prompts or (2 if quick else 6), requests=n)
+    cfg |= common.pick(vars(o), "workers threads n_ctx max_tokens arena_size max_load max_wait")
+    cfg |= common.pick(vars(o), "timeout idle budget_overhead stages")
+    cfg |= dict(prompts=o.prompts or (2 if quick else 6), requests=n, runs=max(1, o.runs))
     cfg |= dict(prompt_tokens_target=o.prompt_tokens or (400 if quick else 1000))
     cfg |= dict(cacheless_requests=min(o.cacheless_requests or n, n))
-    cfg |= dict(concurrency=[int(x) for x in levels.split(",")])
-    cfg |= dict(ramcache_size_per_worker=size(o.ramcache_size), max_rss=size(o.max_rss))
-    cfg |= dict(min_available=size(o.min_available), runs=max(1, o.runs))
-    cfg |= common.pick(vars(o), "idle budget_overhead stages llama_server_threads")
-    cfg["llama_server_cache_ram_mib"] = size(o.llama_server_cache_ram or o.arena_size) >> 20
+    cfg |= dict(concurrency=[int(x) for x in levels.split(",")], budget_threads=0)
+    cfg |= dict(ramcache_size_per_worker=1 << 30, max_rss=16 << 30, min_available=3 << 30)
+    cfg |= dict(llama_server_threads=0, llama_server_cache_ram_mib=parse_size(o.arena_size) >> 20)
     if LLAMA_SERVER_ARMS & set(arms):
         import llama_server  # (bench/llama_server.py: builds it once, minutes)
 
-        binary = o.llama_server_binary or llama_server.build()
+        binary = llama_server.build()
         cfg |= dict(llama_server_binary=str(binary), llama_server_args=llama_server_args(cfg))
     cfg |= dict(endpoint="/v1/completions", stream=True, temperature=0.0, phases=PHASES)
     cfg |= dict(chat_arms=sorted(CHAT_ARMS), chat_endpoint="/v1/chat/completions")

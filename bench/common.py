@@ -1,11 +1,5 @@
-"""The benchmarks' shared harness: statistics, machine and processes, command line and
-reports, prompts.
-
-Runs in a benchmark's orchestrating process (bench_restore's arm processes import it too).
-Every percentile bench/ reports is numpy's default definition: linear interpolation between
-the two closest ranks, so p50 is the median and a p99 of 60 values lies between the 59th and
-the 60th.
-"""
+"""The benchmarks' harness: statistics, machine and processes, command line and reports,
+prompts. Percentiles are numpy's default (linear interpolation between the closest ranks)."""
 
 from __future__ import annotations
 
@@ -69,13 +63,8 @@ def pick(d: dict[str, Any], keys: str) -> dict[str, Any]:
 
 
 class Probes:
-    """Wall time of wrapped calls, keyed by their nesting ("restore/acquire").
-
-    Wrap only stable public names (methods of shmkv's Client, Lease and ArenaView,
-    llama_cpp.llama_cpp functions, SharedPrefixCache.restore/capture): the wrapper sits on
-    the object, class or module given, and :meth:`remove` puts the original back.
-    ``calls`` keeps (key, start, seconds, result if it is a bool) of every call.
-    """
+    """Wall time of wrapped calls keyed by their nesting ("restore/acquire"); ``calls`` keeps
+    (key, start, seconds, result if a bool) of each. :meth:`remove` puts the originals back."""
 
     def __init__(self) -> None:
         self.local = threading.local()  # one nesting stack per thread
@@ -184,11 +173,7 @@ def loadavg() -> list[float]:
 
 
 def wait_until_quiet(max_load: float, max_wait: float, poll: float = 10.0) -> dict[str, Any]:
-    """Wait (up to ``max_wait`` s) until the 1-minute load average is below ``max_load``.
-
-    Never raises: returns the load when it stopped waiting, how long it waited and
-    whether the machine was quiet; the caller's JSON records it.
-    """
+    """Wait (up to ``max_wait`` s) until the 1-minute load average is below ``max_load``."""
     t0 = time.monotonic()
     while (load := loadavg())[0] >= max_load and (waited := time.monotonic() - t0) < max_wait:
         log.info("1-minute load %.2f >= %.2f: waiting (%.0f s)", load[0], max_load, waited)
@@ -206,38 +191,30 @@ def cpu_busy_seconds() -> float:
     return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest is inside user
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of one live process (0 if it is gone)."""
-    import psutil
-
-    with contextlib.suppress(psutil.Error):
-        return sum(psutil.Process(pid).cpu_times()[:2])
-    return 0.0
-
-
 class Noise:
-    """The CPU other processes used while we measured: the machine's busy time minus ours.
-
-    Ours is this process and its waited-for children, plus the processes ``pids`` lists
-    (sampled by :meth:`sample`, so one that is killed keeps its last figure).
-    """
+    """The CPU other processes used while we measured: the machine's busy time minus ours
+    (this process, its waited-for children and ``pids()``, sampled: a killed one keeps its
+    last figure)."""
 
     def __init__(self, pids: Callable[[], list[int]] = list) -> None:
-        self.pids = pids
+        self.pids, self.cpu, self.cpu0 = pids, {}, {}
         self.t0, self.busy0, self.load0 = time.monotonic(), cpu_busy_seconds(), loadavg()
         self.own0 = sum(os.times()[:4])
-        self.cpu0 = {p: process_cpu_seconds(p) for p in pids()}
-        self.cpu: dict[int, float] = dict(self.cpu0)
+        self.sample()
+        self.cpu0 = dict(self.cpu)
 
     def sample(self) -> None:
+        import psutil
+
         for p in self.pids():
-            self.cpu[p] = max(self.cpu.get(p, 0.0), process_cpu_seconds(p))
+            with contextlib.suppress(psutil.Error):
+                self.cpu[p] = max(self.cpu.get(p, 0.0), sum(psutil.Process(p).cpu_times()[:2]))
 
     def result(self, wall: float | None = None) -> dict[str, Any]:
         self.sample()
         wall = time.monotonic() - self.t0 if wall is None else wall
-        children = sum(c - self.cpu0.get(p, 0.0) for p, c in self.cpu.items())
-        ours = sum(os.times()[:4]) - self.own0 + children
+        ours = sum(os.times()[:4]) - self.own0
+        ours += sum(c - self.cpu0.get(p, 0.0) for p, c in self.cpu.items())
         busy = cpu_busy_seconds() - self.busy0
         return {
             "wall_seconds": round(wall, 3),
@@ -275,10 +252,8 @@ KINDS = ("code", "weights", "arena", "shm", "anon")  # what a mapping holds (sma
 
 
 def smaps(pid: int | str, model: str = "", arena: str = "") -> dict[str, dict[str, int]]:
-    """RSS, PSS and private bytes of process ``pid``'s mappings (/proc/PID/smaps) by what they
-    hold: code (the interpreter, libraries, other files), the model's weights (the GGUF
-    mapping), the arena mapping, other shared memory, anonymous memory (heap: KV cache,
-    compute buffers, Python objects). All zero if the process is gone."""
+    """RSS, PSS and private bytes of ``pid``'s mappings (/proc/PID/smaps) by what they hold:
+    code (files), the model's weights, the arena, other shared memory, anonymous (heap)."""
     out = {k: {"rss": 0, "pss": 0, "private": 0} for k in KINDS}
     cur = out["anon"]
     with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps") as f:
@@ -299,9 +274,8 @@ def smaps(pid: int | str, model: str = "", arena: str = "") -> dict[str, dict[st
 
 
 def first_token(llm: Any, prompt: Any, before: Any = None, **gen: Any) -> dict[str, Any]:
-    """One streamed completion in this process: seconds to its first chunk (``ttft``),
-    between the first two (``gap12``), in all (``total``), its start (``t0``, perf_counter)
-    and its text; ``before`` runs first, inside the timed region."""
+    """One streamed completion here: seconds to its first chunk (``ttft``), between the first
+    two (``gap12``), in all; its start (``t0``) and text. ``before`` runs inside the timing."""
     t0, stamps, parts = time.perf_counter(), [], []
     if before is not None:
         before()
@@ -319,17 +293,14 @@ def first_token(llm: Any, prompt: Any, before: Any = None, **gen: Any) -> dict[s
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Our environment for a child, without SHMKV_*, with this checkout first on PYTHONPATH so
-    that children run the ``shmkv`` measured (``shmkv_workers``, the gunicorn side, is where
-    the editable install maps it: `pip install -e .`)."""
+    """Our environment without SHMKV_*, this checkout first on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHMKV_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
 class Child:
-    """A child process in its own session, started in the directory of the log file that gets
-    its output; stop() ends its whole tree."""
+    """A child process in its own session, its output in ``log_path``."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.name, self.log_path = name, log_path
@@ -339,18 +310,16 @@ class Child:
         self.pid = self.proc.pid
 
     def log_tail(self, n: int = 3000) -> str:
-        try:
+        with contextlib.suppress(OSError):
             return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return ""
 
-    def children(self, recursive: bool = False) -> list[Any]:
+    def children(self, recursive: bool = False, pid: int = 0) -> list[Any]:
         import psutil
 
-        try:
-            return psutil.Process(self.pid).children(recursive=recursive)
-        except psutil.Error:
-            return []
+        with contextlib.suppress(psutil.Error):
+            return psutil.Process(pid or self.pid).children(recursive=recursive)
+        return []
 
     def wait_for(self, ready: Callable[[], bool], timeout: float) -> None:
         """Poll ``ready`` until it is true; fail with our log if we exit or time runs out."""
@@ -362,8 +331,7 @@ class Child:
             time.sleep(0.05)
 
     def stop(self, timeout: float = 40.0, kill: bool = False) -> int | None:
-        """SIGTERM (SIGKILL if ``kill``); after ``timeout``, SIGKILL whatever is left of it
-        and its descendants."""
+        """SIGTERM (SIGKILL if ``kill``); after ``timeout``, SIGKILL it and its descendants."""
         import psutil
 
         tree = self.children(recursive=True)
@@ -410,9 +378,8 @@ class Supervisor:
 def supervisor(
     workdir: Path, *args: str, env: dict[str, str] | None = None
 ) -> Iterator[Supervisor]:
-    """``python -m shmkv supervise ARGS`` on a private name and socket (in ``env``, else
-    :func:`child_env`), once it answers a ping; on exit it is stopped, and a bad exit or files
-    left in /dev/shm are logged."""
+    """``shmkv supervise ARGS`` on a private name and socket, once it answers a ping; a bad
+    exit or files left in /dev/shm are logged."""
     name = f"bench{uuid.uuid4().hex[:8]}"
     sock = str(workdir / f"{name}.sock")
     cmd = [sys.executable, "-m", "shmkv", "supervise", "--name", name, "--socket", sock]
@@ -439,21 +406,18 @@ def supervisor(
 
 
 class Server:
-    """gunicorn on a free port of 127.0.0.1: ``shmkv serve`` on a supervisor of ours, or
-    llama-cpp-python's ``llama_cpp.server`` app; or llama.cpp's ``llama-server`` (one
-    process, ``workers`` slots)."""
+    """gunicorn on a free port of 127.0.0.1 (``shmkv serve`` on a supervisor of ours, or
+    ``llama_cpp.server``'s app), or llama.cpp's ``llama-server`` (one process, N slots)."""
 
-    def __init__(self, name: str, workdir: Path, workers: int) -> None:
-        self.name, self.workdir, self.workers = name, workdir, workers
-        self.single_process = False  # llama-server: no master, no worker processes
+    def __init__(self, name: str, workdir: Path, workers: int, single: bool = False) -> None:
+        self.name, self.workdir, self.workers, self.single_process = name, workdir, workers, single
         with socket.socket() as s:  # a free port
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
 
     def start(self, args: list[str], env: dict[str, str]) -> Server:
-        log_path = self.workdir / f"{self.name}-{self.port}.log"
-        self.child = Child(self.name, args, child_env(env), log_path)
+        self.child = Child(self.name, args, env, self.workdir / f"{self.name}-{self.port}.log")
         return self
 
     @classmethod
@@ -461,73 +425,52 @@ class Server:
         """``python -m shmkv serve`` on ``sup`` (it starts no supervisor of its own)."""
         srv = cls("shmkv-serve", workdir, workers)
         ours = {"SHMKV_NAME": sup.name, "SHMKV_SOCKET": sup.socket, "SHMKV_PORT": str(srv.port)}
-        env = {**ours, "SHMKV_WORKERS": str(workers), **env}
+        env = child_env({**ours, "SHMKV_WORKERS": str(workers), **env})
         return srv.start([sys.executable, "-m", "shmkv", "serve"], env)
 
     @classmethod
-    def llama_cpp(
-        cls,
-        name: str,
-        env: dict[str, str],
-        workdir: Path,
-        workers: int,
-        app: str = "llama_cpp.server.app:create_app()",
-    ) -> Server:
-        """llama-cpp-python's server app with the gunicorn settings of workers/gunicorn_conf.py
-        (``app``: gunicorn's app factory, importable from bench/ too)."""
-        srv = cls(name, workdir, workers)
+    def llama_cpp(cls, name: str, env: dict[str, str], wd: Path, workers: int, app: str) -> Server:
+        """llama-cpp-python's server ``app`` (importable from bench/) with the gunicorn
+        settings of workers/gunicorn_conf.py."""
+        srv = cls(name, wd, workers)
         args = f"-m gunicorn -w {workers} -k uvicorn_worker.UvicornWorker -b 127.0.0.1:{srv.port}"
         args += " --timeout 900 --graceful-timeout 30 --keep-alive 5 --log-level info"
         args += f" --pythonpath {HERE}"
-        return srv.start([sys.executable, *args.split(), app], env)
+        return srv.start([sys.executable, *args.split(), app], child_env(env))
 
     @classmethod
     def llama_server(cls, binary: Path, args: list[str], workdir: Path, slots: int) -> Server:
-        """llama.cpp's ``llama-server`` with ``args`` (and no LLAMA_ARG_* of ours: it reads
-        them as settings)."""
-        srv = cls("llama-server", workdir, slots)
-        srv.single_process = True
+        """llama.cpp's ``llama-server`` (without our LLAMA_ARG_*: it reads them as settings)."""
+        srv = cls("llama-server", workdir, slots, single=True)
         env = {k: v for k, v in child_env().items() if not k.startswith("LLAMA_ARG_")}
-        args = [str(binary), *args, "--host", "127.0.0.1", "--port", str(srv.port)]
-        srv.child = Child(srv.name, args, env, workdir / f"{srv.name}-{srv.port}.log")
-        return srv
+        return srv.start([str(binary), *args, "--host", "127.0.0.1", "--port", str(srv.port)], env)
 
     def master_pid(self) -> int:
-        """The gunicorn master: our child, or the one child of `shmkv serve` (llama-server:
-        the process itself)."""
+        """The gunicorn master: our child, or the one child of `shmkv serve`."""
         if self.single_process or "gunicorn" in self.child.proc.args:
             return self.child.pid
         return next((p.pid for p in self.child.children()), self.child.pid)
 
     def worker_pids(self) -> list[int]:
-        import psutil
-
         if self.single_process:
             return []
-        try:
-            return sorted(c.pid for c in psutil.Process(self.master_pid()).children())
-        except psutil.Error:
-            return []
+        return sorted(c.pid for c in self.child.children(pid=self.master_pid()))
 
     def wait_ready(self, timeout: float = 180.0, logged: str | None = None) -> None:
-        """Every worker up (and, if ``logged``, that line logged once per worker), and
-        /v1/models answering."""
+        """Every worker up (and ``logged`` logged by each) and /v1/models answering;
+        llama-server: /health answering 200 (503 until its model is loaded)."""
         import httpx
 
         def ready() -> bool:
-            if self.single_process:  # llama-server answers 503 until its model is loaded
-                try:
-                    return httpx.get(self.base + "/health", timeout=10).status_code == 200
-                except httpx.HTTPError:
-                    return False
-            if logged and self.child.log_tail(1 << 20).count(logged) < self.workers:
+            if not self.single_process and (
+                (logged and self.child.log_tail(1 << 20).count(logged) < self.workers)
+                or len(self.worker_pids()) != self.workers
+            ):
                 return False
-            if len(self.worker_pids()) != self.workers:
-                return False
-            try:
-                return httpx.get(self.base + "/v1/models", timeout=10).status_code == 200
-            except httpx.HTTPError:
-                return False
+            with contextlib.suppress(httpx.HTTPError):
+                path = "/health" if self.single_process else "/v1/models"
+                return httpx.get(self.base + path, timeout=10).status_code == 200
+            return False
 
         self.child.wait_for(ready, timeout)
 
@@ -536,10 +479,9 @@ class Server:
 
 
 def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """POST one streaming OpenAI request: when it was sent (``t_send``, ``sent_at``:
-    ``time.monotonic()``, the clock of a shmkv worker's ``*_at`` times), when its first chunk
-    and its first text came (seconds after sending), its text, and the ``shmkv`` field of
-    its first chunk."""
+    """POST one streaming OpenAI request: its send time (``time.monotonic()``, the clock of a
+    shmkv worker's ``*_at``), seconds to its first chunk and text, its text and first chunk's
+    ``shmkv`` field."""
     import httpx
 
     now = time.monotonic()
@@ -590,6 +532,19 @@ def in_threads(n: int, fn: Callable[[int], Any]) -> None:
             t.join(0.5)
 
 
+def poll(pred: Callable[[], Any], timeout: float, what: str, child: Child | None = None,
+         every: float = 0.002) -> Any:  # fmt: skip
+    """``pred()`` every ``every`` s until it returns something true, which is returned; after
+    ``timeout`` seconds, fail with "no WHAT" (and ``child``'s log)."""
+    deadline = time.monotonic() + timeout
+    while not (got := pred()):
+        if time.monotonic() > deadline:
+            tail = f":\n{child.log_tail()}" if child else ""
+            raise click.ClickException(f"no {what} within {timeout:.0f} s{tail}")
+        time.sleep(every)
+    return got
+
+
 # ------------------------------------------------------------------------ goals
 
 OPS = {"<=": operator.le, ">=": operator.ge}
@@ -598,8 +553,7 @@ OPS = {"<=": operator.le, ">=": operator.ge}
 def check_goals(
     goals: list[tuple[str, str, float]], where: dict[str, dict[str, float | None]]
 ) -> list[dict[str, Any]]:
-    """Each goal (metric, "<=" or ">=", bound) against the value of that metric at each place
-    (a cell, or "" for the run) that has one."""
+    """Each goal (metric, "<=" or ">=", bound) at each place (a cell, "" for the run)."""
     return [
         {"goal": m, "cell": w, "value": v, "bound": b, "op": op, "met": OPS[op](float(v), b)}
         for m, op, b in goals
@@ -623,8 +577,7 @@ option = functools.partial(click.option, show_default=True)
 
 @dataclass
 class Report:
-    """A run's output: NAME.json and NAME.png in ``out``; ``baseline_path`` is the committed
-    run it is compared with (same mode only) and, with ``write_baseline``, replaced by."""
+    """A run's NAME.json and NAME.png in ``out``, and the committed baseline."""
 
     name: str
     out: Path
@@ -633,7 +586,6 @@ class Report:
     started: float = field(default_factory=time.time)
 
     def header(self, extra_versions: dict[str, str] | None = None) -> dict[str, Any]:
-        """What every result file starts with: what ran, when, for how long, on what."""
         return {
             "benchmark": self.name,
             "schema": 1,
@@ -653,10 +605,8 @@ class Report:
         return base
 
     def write(self, res: dict[str, Any], chart: Any, refuse: str = "") -> None:
-        """Write the JSON and the chart: ``chart`` is rows of (label, p50, p99 or None), in
-        seconds, drawn as bars (p50 solid and written, p99 beyond it lighter), or a function
-        ``(plt, res)`` that returns a figure. With ``write_baseline`` (and no reason to
-        ``refuse``), copy both to the baseline."""
+        """The JSON and the chart (rows of label, p50, p99 as bars, or ``chart(plt, res)``
+        returning a figure); with ``write_baseline`` and no reason to ``refuse``, the baseline."""
         self.out.mkdir(parents=True, exist_ok=True)
         paths = [self.out / f"{self.name}.json", self.out / f"{self.name}.png"]
         paths[0].write_text(json.dumps(res, indent=1) + "\n")
@@ -697,8 +647,8 @@ def bars(plt: Any, rows: list[tuple[str, float, float | None]], heading: str) ->
 
 
 def command(name: str) -> Callable[[Callable[..., None]], click.Command]:
-    """A benchmark's click command: its own options, then --out, --baseline, --write-baseline
-    and -v; it runs with logging set up and gets its Report and its own options (as attributes)."""
+    """A benchmark's click command: its options plus --out, --baseline, --write-baseline, -v;
+    it gets its Report and its options (as attributes)."""
 
     def make(fn: Callable[..., None]) -> click.Command:
         def run(out: str, baseline: str, write_baseline: bool, verbose: bool, **kw: Any) -> None:
@@ -746,8 +696,7 @@ def fmt_b(n: float | None) -> str:
 
 
 def grid(lines: list[list[str]], left: int = 1) -> str:
-    """A text table: the first row is the header; the first ``left`` columns are
-    left-aligned, the rest right-aligned. A row of one cell is a section title."""
+    """A text table (first row: header; a row of one cell: a title), ``left`` columns left."""
     widths = [max(len(r[i]) for r in lines if len(r) > 1) for i in range(len(lines[0]))]
     out = []
     for n, line in enumerate(lines):
@@ -784,8 +733,7 @@ def walk(tree: dict[str, Any], base: Any, path: str = "") -> list[tuple[str, Any
 
 
 def summary_table(rows: list[tuple[str, Any, Any]], scale: float = 1.0, unit: str = "") -> str:
-    """Rows of (label, summary, baseline summary) as n, p50, mean, p99, the baseline's p50;
-    a row whose summary is None is a section title. Timings are seconds times ``scale``."""
+    """Rows of (label, summary or None for a title, baseline summary): n, p50, mean, p99."""
     lines = [["", "n", "p50", "mean", "p99", "baseline p50", "vs baseline"]]
     for label, s, b in rows:
         if s is None:
@@ -835,7 +783,7 @@ def model_path(model: str | None) -> Path:
 
 
 def tokenizer(model: Path) -> Callable[[str], list[int]]:
-    """The model's tokenizer as prompts are tokenized (special tokens parsed), without BOS."""
+    """The model's tokenizer (special tokens parsed, no BOS)."""
     import llama_cpp
 
     tok = llama_cpp.Llama(model_path=str(model), vocab_only=True, verbose=False)
@@ -843,8 +791,7 @@ def tokenizer(model: Path) -> Callable[[str], list[int]]:
 
 
 def fill_to(budget: int, count: Callable[[str], int], head: str, line: Callable[[int], str]) -> str:
-    """``head`` then ``line(1)``, ``line(2)``... for as long as ``count`` of the text stays
-    within ``budget`` (the line that would not fit is drawn, then dropped)."""
+    """``head``, ``line(1)``, ``line(2)``... while ``count`` of the text stays in ``budget``."""
     text, n = head, 1
     while count(text + (nxt := line(n))) <= budget:
         text, n = text + nxt, n + 1

@@ -1,15 +1,8 @@
-"""Build llama.cpp's ``llama-server`` from the sources llama-cpp-python vendors, once.
-
-The serving benchmark compares shmkv with ``llama-server`` built from the same llama.cpp code
-that the installed llama-cpp-python runs: this script downloads that version's sdist from PyPI
-(``pip download --no-binary :all:``), unpacks it, builds ``llama-server`` from its
-``vendor/llama.cpp`` with cmake (CPU only, Release, no curl) and keeps the binary (with the
-shared libraries it links) under ``~/.cache/shmkv-bench/llama-server-<version>/``. A second
-run finds the binary there and does nothing. Runs in the benchmark's orchestrating process,
-or alone:
+"""Build llama.cpp's ``llama-server`` once from the sources the installed llama-cpp-python
+vendors (its sdist from PyPI, cmake, CPU only, no curl), cached under
+``~/.cache/shmkv-bench/llama-server-<version>/``.
 
     python bench/llama_server.py                  # build (minutes), print the binary's path
-    python bench/llama_server.py --jobs 4 --version 0.3.36
 """
 
 from __future__ import annotations
@@ -30,17 +23,10 @@ log = logging.getLogger("llama_server")
 
 DIST = "llama-cpp-python"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shmkv-bench"
-CMAKE_FLAGS = [  # CPU only and nothing fetched at build time: the same kernels as the wheel
-    "-DCMAKE_BUILD_TYPE=Release",
-    "-DLLAMA_CURL=OFF",
-    "-DGGML_CUDA=OFF",
-    "-DGGML_METAL=OFF",
-    "-DGGML_VULKAN=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_SERVER=ON",
-    "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary to cache
-]
+# CPU only and nothing fetched at build time (the same kernels as the wheel), one binary
+CMAKE_FLAGS = """-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF
+-DGGML_VULKAN=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+-DBUILD_SHARED_LIBS=OFF""".split()
 
 
 def default_version() -> str:
@@ -95,11 +81,8 @@ def build(ver: str | None = None, jobs: int = 2, keep: bool = False) -> Path:
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
         _run(["cmake", "-S", str(src), "-B", str(out), *gen, *CMAKE_FLAGS], work, build_log)
         log.info("building llama-server with %d jobs (minutes; log: %s)", jobs, build_log)
-        _run(
-            ["cmake", "--build", str(out), "--target", "llama-server", "-j", str(jobs)],
-            work,
-            build_log,
-        )
+        make = ["cmake", "--build", str(out), "--target", "llama-server", "-j", str(jobs)]
+        _run(make, work, build_log)
         (built,) = out.glob("bin/llama-server")
         tmp = dest / "llama-server.tmp"
         shutil.copy2(built, tmp)

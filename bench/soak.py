@@ -1,9 +1,5 @@
-"""Soak: ``shmkv serve`` under a mixed load for a fixed time, its health sampled over time.
-
-Shared system prompts with short questions (hits), multi-turn chats that grow, one-off
-prompts (misses), 70 % streaming. Every ``--interval`` seconds: RSS and PSS of every server
-process (PSS counts the arena once), arena use and fragmentation, hit rate, requests, errors
-and TTFT. Not a CI test: run it by hand.
+"""Soak: ``shmkv serve`` under a mixed load (shared prompts, growing chats, one-off prompts,
+70 % streaming) for a fixed time, its memory, arena, hit rate, errors and TTFT sampled.
 
     python bench/soak.py --duration 600 --concurrency 4
 """
@@ -114,23 +110,14 @@ def sample(t: float, pids: list[int], st: dict[str, Any], evs: list[Any]) -> dic
             rss, pss = rss + mi.rss, pss + mi.pss
     free = st.get("bytes_capacity", 0) - st.get("bytes_used", 0)
     lookups = st.get("hits", 0) + st.get("misses", 0)
-    window = common.summary(
-        [e["ttft"] for e in evs if e["ttft"] is not None and e["t"] > time.monotonic() - 30]
-    )
-    return {
-        "t": round(t, 1),
-        "rss": rss,
-        "pss": pss,
-        "arena_used": st.get("bytes_used", 0),
-        "entries": st.get("entries", 0),
-        "fragmentation": round(1 - st.get("bytes_free_largest", 0) / free, 4) if free > 0 else 0.0,
-        "hit_rate": round(st.get("hits", 0) / lookups, 4) if lookups else 0.0,
-        "evictions": st.get("evictions", 0),
-        "requests": len(evs),
-        "errors": sum(not e["ok"] for e in evs),
-        "ttft_p50": round(window.get("p50", 0.0), 3),
-        "ttft_p90": round(window.get("p90", 0.0), 3),
-    }
+    recent = [e["ttft"] for e in evs if e["ttft"] is not None and e["t"] > time.monotonic() - 30]
+    window = common.summary(recent)
+    out = dict(t=round(t, 1), rss=rss, pss=pss, arena_used=st.get("bytes_used", 0))
+    out |= dict(entries=st.get("entries", 0), evictions=st.get("evictions", 0))
+    out["fragmentation"] = round(1 - st.get("bytes_free_largest", 0) / free, 4) if free > 0 else 0.0
+    out["hit_rate"] = round(st.get("hits", 0) / lookups, 4) if lookups else 0.0
+    out |= dict(requests=len(evs), errors=sum(not e["ok"] for e in evs))
+    return out | {f"ttft_{k}": round(window.get(k, 0.0), 3) for k in ("p50", "p90")}
 
 
 def plot(plt: Any, res: dict[str, Any]) -> Any:
@@ -182,11 +169,11 @@ def main(report: common.Report, o: Any) -> None:
         try:
             srv.wait_ready()
             rng = random.Random(1)
-            sps = [
-                "You are a support assistant. "
-                + " ".join(rng.choice(WORDS) for _ in range(rng.randint(500, 900)))
+            words = (
+                " ".join(rng.choice(WORDS) for _ in range(rng.randint(500, 900)))
                 for _ in range(o.prompts)
-            ]
+            )
+            sps = ["You are a support assistant. " + w for w in words]
             t_start = time.monotonic()
             load = Load(srv.base, 2, sps, t_start + o.duration)
             threads = [threading.Thread(target=load.run, daemon=True) for _ in range(o.concurrency)]
@@ -199,12 +186,10 @@ def main(report: common.Report, o: Any) -> None:
                 with load.lock:
                     evs = list(load.events)
                 samples.append(s := sample(time.monotonic() - t_start, pids, sup.stats(), evs))
-                log.info(
-                    f"t={s['t']:5.0f}s req={s['requests']} err={s['errors']} hit="
-                    f"{100 * s['hit_rate']:.0f}% arena={s['arena_used'] / 2**20:.0f}MiB frag="
-                    f"{100 * s['fragmentation']:.0f}% PSS={s['pss'] / 2**30:.2f}GiB TTFT p50="
-                    f"{s['ttft_p50']:.2f}s"
-                )
+                fmt = "t=%5.0fs req=%d err=%d hit=%.0f%% arena=%.0fMiB frag=%.0f%% PSS=%.2fGiB"
+                log.info(fmt + " TTFT p50=%.2fs", s["t"], s["requests"], s["errors"],
+                         100 * s["hit_rate"], s["arena_used"] / 2**20, 100 * s["fragmentation"],
+                         s["pss"] / 2**30, s["ttft_p50"])  # fmt: skip
             evs = load.events
             ttft = common.summary([e["ttft"] for e in evs if e["ttft"] is not None])
             final = sup.stats()
@@ -217,8 +202,7 @@ def main(report: common.Report, o: Any) -> None:
             "requests": len(evs),
             "errors": sum(not e["ok"] for e in evs),
             "error_examples": [e["error"] for e in evs if not e["ok"]][:5],
-            "ttft_p50": round(ttft.get("p50", 0.0), 3),
-            "ttft_p99": round(ttft.get("p99", 0.0), 3),
+            **{f"ttft_{k}": round(ttft.get(k, 0.0), 3) for k in ("p50", "p99")},
             "rss_first": samples[0]["rss"] if samples else 0,
             "rss_last": samples[-1]["rss"] if samples else 0,
             "final_stats": final,
