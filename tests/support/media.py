@@ -25,9 +25,12 @@ def embeddings(llm: llama_cpp.Llama, seed: int, n: int) -> np.ndarray:
     return rng.standard_normal((n, llm.n_embd())).astype(np.float32)
 
 
-def decode_embeddings(llm: llama_cpp.Llama, embd: np.ndarray, n_past: int) -> int:
-    """Decode ``embd`` at positions ``n_past``... of sequence 0 in ``n_batch`` batches
-    without logits, as ``mtmd_helper_eval_chunk_single`` does; the position after them."""
+def decode_embeddings(
+    llm: llama_cpp.Llama, embd: np.ndarray, n_past: int, logits_last: bool = False
+) -> int:
+    """Decode ``embd`` at positions ``n_past``... of sequence 0 in ``n_batch`` batches,
+    as ``mtmd_helper_eval_chunk_single`` does (with the last position's logits if
+    ``logits_last``, for a prompt that ends with it); the position after them."""
     n, n_embd = embd.shape
     embd = np.ascontiguousarray(embd, dtype=np.float32)
     for i in range(0, n, llm.n_batch):
@@ -40,7 +43,7 @@ def decode_embeddings(llm: llama_cpp.Llama, embd: np.ndarray, n_past: int) -> in
                 batch.pos[j] = n_past + i + j
                 batch.n_seq_id[j] = 1
                 batch.seq_id[j][0] = 0
-                batch.logits[j] = 0
+                batch.logits[j] = int(logits_last and i + j == n - 1)
             rc = lc.llama_decode(llm.ctx, batch)
             if rc != 0:
                 raise RuntimeError(f"llama_decode of an embedding batch returned {rc}")
@@ -51,11 +54,13 @@ def decode_embeddings(llm: llama_cpp.Llama, embd: np.ndarray, n_past: int) -> in
 
 def pieces(llm: llama_cpp.Llama, job: dict) -> list[Any]:
     """The job's prompt as pieces: token lists and images (``job["images"]``: each
-    ``{"at", "n", "seed"}``, filling positions at..at+n where the prompt's tokens were)."""
+    ``{"at", "n", "seed"}``, filling positions at..at+n where the prompt's tokens were; ``n``
+    None: to the prompt's end)."""
     ids = llm.tokenize(job["prompt"].encode("utf-8"), add_bos=True, special=True)
     out: list[Any] = []
     pos = 0
     for img in sorted(job["images"], key=lambda m: m["at"]):
+        img = {**img, "n": img.get("n") or len(ids) - img["at"]}  # (None: to the end)
         out.append(ids[pos : img["at"]])
         out.append(img)
         pos = img["at"] + img["n"]
@@ -91,7 +96,8 @@ def run_media(llm: llama_cpp.Llama, job: dict) -> str:
             if isinstance(p, list):
                 llm.eval(p)
             else:
-                decode_embeddings(llm, embeddings(llm, p["seed"], p["n"]), llm.n_tokens)
+                embd = embeddings(llm, p["seed"], p["n"])
+                decode_embeddings(llm, embd, llm.n_tokens, logits_last=p is parts[-1])
                 llm.n_tokens += p["n"]
     prompt = llm.input_ids[: llm.n_tokens].tolist()
     out = llm.create_completion(
