@@ -5,9 +5,10 @@ from the arena before prefill, publish new state after it.
 in the modules of this package: ``cache.py`` (the cache object and one call's steps),
 ``hooks.py`` (the hooks on a ``Llama``), ``restore.py``, ``capture.py``, ``policy.py`` (which
 state a prompt restores and publishes: pure), ``kvstate.py`` (llama.cpp state in and out),
-``publisher.py``, ``claims.py``, ``fingerprint.py``, ``tenant.py``, ``counters.py`` and ``cpu/``
-(the CPU budget); llama-cpp-python's private names only in ``compat.py``. ``cache.py`` imports
-the others, never the reverse. Nothing here imports the supervisor.
+``publisher.py``, ``claims.py``, ``fingerprint.py``, ``tenant.py``, ``counters.py``,
+``media.py`` (images and audio: positions that no token filled) and ``cpu/`` (the CPU
+budget); llama-cpp-python's private names only in ``compat.py``. ``cache.py`` imports the
+others, never the reverse. Nothing here imports the supervisor.
 """
 
 from shmkv.llama.cache import (

@@ -53,7 +53,7 @@ from shmkv.core.config import Settings, resolve, trusted_uids
 from shmkv.core.errors import ArenaCorruptError, ShmkvError
 from shmkv.core.keys import chain_digests, key_root
 from shmkv.core.stats import CallStats
-from shmkv.llama import boundaries, compat, hooks, kvstate, policy, tenant
+from shmkv.llama import boundaries, compat, hooks, kvstate, media, policy, tenant
 from shmkv.llama.capture import Capturer
 from shmkv.llama.claims import Claims
 from shmkv.llama.counters import Ledger
@@ -129,6 +129,9 @@ class Call:
         self.claimed: list[bytes] | None = None
         #: when the prefill began (perf_counter), to measure the model's prefill speed
         self.prefill_started = time.perf_counter()
+        #: a media prompt that ``media.prefill`` brought into the context: the positions it
+        #: restored or kept (None: not such a prompt)
+        self.prefilled: int | None = None
 
     def is_for(self, tokens: Sequence[int], root: bytes) -> bool:
         """Whether this is the call of ``tokens`` by the tenant whose root is ``root``."""
@@ -230,9 +233,11 @@ class Call:
             cache.ledger.add(calls=1)
             cache.call = self
             cache.claims.end_orphaned()
+            self._own_media()
+            self._take_prefill(stats)
             cache.enter(self.root, reset)
             in_context = self._prepare(reset)
-            gen = orig_generate(tokens, reset=reset, **kwargs)
+            gen = orig_generate(self.tokens, reset=reset, **kwargs)
         first = True
         prompt_capture = False  # due once the first token is out (off the TTFT path)
         try:
@@ -257,10 +262,47 @@ class Call:
         finally:
             self._finish(gen, first, prompt_capture)
 
+    def _take_prefill(self, stats: CallStats) -> None:
+        """A media prompt that ``media.prefill`` just brought into the context: its restore
+        and prefill are this call's (``CallStats``)."""
+        done, self.cache.media_prefill = self.cache.media_prefill, None
+        if done is None or not media.is_media(self.prompt):
+            return
+        have, before = done
+        self.prefilled = have
+        stats.started_at = before.started_at
+        stats.tokens_restored, stats.hit = before.tokens_restored, before.hit
+        stats.restore_seconds = before.restore_seconds
+        stats.tokens_reused_local = max(0, have - before.tokens_restored)
+
+    def _own_media(self) -> None:
+        """Positions filled behind the hooks' back since they last saw the context (a
+        chat handler's image) are marked ``media.UNKNOWN``; if this call's prompt is the
+        handler's (``input_ids[:n_tokens]``, read before that), it says so there too, so
+        that llama-cpp-python completes it on the image the context holds."""
+        llm = self.cache.llm
+        filled = self.cache.catch_up()
+        if filled is None:
+            return
+        start, stale = filled
+        end = start + len(stale)
+        if len(self.prompt) < end or not (
+            np.array_equal(self.prompt[start:end], stale)
+            and np.array_equal(self.prompt[:start], llm.input_ids[:start])
+        ):
+            return  # (another prompt: it matches the context up to the media at most)
+        self.prompt = self.prompt.copy()
+        self.prompt[start:end] = media.UNKNOWN
+        self.tokens = self.prompt.tolist()
+
     def _prepare(self, reset: bool) -> int:
         """Restore (or claim) and prefill up to the checkpoints; the tokens in context."""
         cache, tokens = self.cache, self.tokens
         reused = 0
+        if reset and tokens and media.is_media(self.prompt):
+            # (a chat handler's prompt: the context holds its media, decoded there)
+            llm = cache.llm
+            return common_prefix(np.asarray(llm.input_ids[: llm.n_tokens]), self.prompt)
         if reset and tokens:
             try:
                 reused = cache.restore_or_claim(tokens)
@@ -341,6 +383,8 @@ class Call:
     def _prefilled(self, in_context: int) -> None:
         """At the first token: count what was evaluated, tell ``on_prefill``."""
         cache, n_prompt = self.cache, len(self.tokens)
+        if self.prefilled is not None:  # (``media.prefill`` evaluated the rest)
+            in_context = self.prefilled
         evaluated = max(0, n_prompt - in_context)
         if in_context >= n_prompt:
             evaluated = 1  # llama-cpp-python replays the last token for logits
@@ -484,6 +528,10 @@ class SharedPrefixCache:
         self.cpu: CpuBudget | None = None
         #: token prefixes hinted for the next call (``hint_boundaries``)
         self.hints = boundaries.Hints()
+        #: said once that media filled positions behind the hooks' back (``catch_up``)
+        self._media_logged = False
+        #: what ``restore_media`` did for the prompt the next call completes
+        self.media_prefill: tuple[int, CallStats] | None = None
         #: renders a chat's leading messages (``create_chat_completion``), where it helps
         self.chat_boundaries = (
             boundaries.ChatBoundaries(llm) if self.policy.wants_boundaries else None
@@ -559,6 +607,59 @@ class SharedPrefixCache:
     def go_cold(self) -> None:
         """Forget the context's tokens: llama-cpp-python prefills the whole prompt."""
         self.context.go_cold(self.llm)
+
+    # ---------------------------------------------------------------- media
+    def catch_up(self) -> tuple[int, np.ndarray] | None:
+        """(Holding the guard.) Mark positions filled behind the hooks' back (a chat
+        handler's image or audio) as media of unknown content, never shared; where they
+        start and the ids that were there (None: none). See ``media.py``."""
+        filled = self.context.catch_up(self.llm)
+        if filled is not None and not self._media_logged:
+            self._media_logged = True
+            log.info(
+                "shmkv: %d positions were filled outside Llama.eval (an image or audio "
+                "from a multimodal chat handler?): they never match text and states that "
+                "hold them are not published (declare media with shmkv.llama.media.prefill "
+                "to share them)",
+                len(filled[1]),
+            )
+        return filled
+
+    def media(self, n_positions: int, digest: bytes | None = None) -> None:
+        """Declare that the last ``n_positions`` positions of the context (up to
+        ``llm.n_tokens``, advanced over them) were just decoded from a media chunk's
+        embeddings, not through ``Llama.eval``: they are keyed by ``digest`` (what
+        determines the embeddings: the media's bytes and the projector), so prompts with
+        the same media there share the state; None: not known, never shared."""
+        ids = (
+            np.full(n_positions, media.UNKNOWN, dtype=np.int32)
+            if digest is None
+            else media.pseudo_ids(digest, n_positions)
+        )
+        with self.guard:
+            self.context.declare(self.llm, n_positions, ids)
+
+    def restore_media(self, prompt: np.ndarray) -> int:
+        """``media.prefill``'s restore of a media prompt's ids: counted in the numbers of
+        the call that completes the prompt next. Returns the positions now in context."""
+        with self.guard:
+            before = self.last = CallStats(prompt_tokens=len(prompt), started_at=time.monotonic())
+            have = self.restore(prompt.tolist())
+            self.media_prefill = (have, before)
+            return have
+
+    def cut_back(self, n_tokens: int) -> None:
+        """Keep only the context's first ``n_tokens`` positions (cells included), e.g.
+        before decoding media after them (``media.prefill``)."""
+        with self.guard:
+            self.context.cut_back(self.llm, n_tokens)
+
+    def reset(self, orig_reset: Any) -> None:
+        """The body of the hooked ``Llama.reset`` (``n_tokens`` goes to 0): what a chat
+        handler fills next is seen from 0 (``catch_up``)."""
+        with self.guard:
+            orig_reset()
+            self.context.seen = 0
 
     # ---------------------------------------------------------------- restore
     def _call_for(self, tokens: Sequence[int]) -> Call:
@@ -671,6 +772,7 @@ class SharedPrefixCache:
         llm, guard, context = self.llm, self.guard, self.context
         outside = not guard.held_here()
         with guard:
+            self.catch_up()  # (an image a chat handler decoded before this eval)
             if outside:  # not a step of a call: the cells are nobody's now
                 guard.begin()
                 # (on top of another tenant's cells, the context is then nobody's)
@@ -682,6 +784,7 @@ class SharedPrefixCache:
                 else:  # on cores of the deployment's CPU budget
                     cpubudget.run_eval(self, orig_eval, tokens)
             finally:
+                context.seen = llm.n_tokens
                 if self.logits_all and start <= context.scores_valid:
                     context.scores_valid = llm.n_tokens
                 last = self.last
@@ -763,6 +866,13 @@ class SharedCacheLlama(compat.CompletionOverride, llama_cpp.Llama):
 
     def eval(self, tokens: Sequence[int]) -> None:
         self.shmkv.eval(super().eval, tokens)
+
+    def reset(self) -> None:
+        cache = getattr(self, "shmkv", None)  # (None while Llama.__init__ runs)
+        if cache is None:
+            super().reset()  # type: ignore[no-untyped-call]
+        else:
+            cache.reset(super().reset)
 
     def create_chat_completion(self, *args: Any, **kwargs: Any) -> Any:
         return self.shmkv.chat_completion(super().create_chat_completion, *args, **kwargs)

@@ -6,7 +6,8 @@ a state of that length go, and it adds ``min_new`` tokens to what the arena alre
 holds; it is then copied out of the context (``kvstate.copy_out``) and queued for the
 publisher thread (``publisher.py``), never waited for. :class:`Capturer` is given what
 it works with (the ``Llama``, the context's state, the policy, the publisher, the
-ledger), never the cache.
+ledger), never the cache. A state that holds media of unknown content
+(``kvstate.UNKNOWN``, ``media.py``) is never published.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class Capturer:
         if chunk is None or n < self.policy.rules.min_publish(chunk) or n != llm.n_tokens:
             return False
         tokens = np.array(llm.input_ids[:n], dtype=np.int32)
+        if (tokens == kvstate.UNKNOWN).any():
+            return False  # (media of unknown content: its cells must never match text)
         republish = call is not None and call.republish
         if not republish and n - max(covered, self.coverage(tokens, chunk, root, call)) < min_new:
             return False  # (nearly) all of it is cached already

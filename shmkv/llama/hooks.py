@@ -1,13 +1,14 @@
-"""The hooks on a ``Llama``: ``generate``, ``eval``, ``_create_completion`` and
-``create_chat_completion``.
+"""The hooks on a ``Llama``: ``generate``, ``eval``, ``reset``, ``_create_completion``
+and ``create_chat_completion``.
 
-:func:`install` wraps those four methods of an existing ``Llama`` (``attach``) around
+:func:`install` wraps those five methods of an existing ``Llama`` (``attach``) around
 a :class:`Hooked` object (the cache); ``SharedCacheLlama`` overrides them instead.
 Either way ``generate`` and ``eval`` go to the cache (``SharedPrefixCache.generate``,
 ``SharedPrefixCache.eval``), ``_create_completion`` tells the generate call it makes
 whether it reads the prompt's logits (:func:`run_completion`, through a
-:class:`PromptLogits`), and ``create_chat_completion`` tells the cache where its
-messages start (:func:`run_chat_completion`, ``boundaries.py``).
+:class:`PromptLogits`), ``reset`` tells the cache that what fills the context next
+starts at 0 (a chat handler's image: ``media.py``), and ``create_chat_completion`` tells
+the cache where its messages start (:func:`run_chat_completion`, ``boundaries.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Hooked(Protocol):
     ) -> Iterator[int]: ...
 
     def eval(self, orig_eval: Any, tokens: Sequence[int]) -> None: ...
+
+    def reset(self, orig_reset: Any) -> None: ...
 
     def completion(self, orig: Any, *args: Any, **kwargs: Any) -> Iterator[Any]: ...
 
@@ -102,6 +105,14 @@ def _hooked_eval(cache: Hooked, orig: Any) -> Callable[[Sequence[int]], None]:
     return eval
 
 
+def _hooked_reset(cache: Hooked, orig: Any) -> Callable[[], None]:
+    def reset() -> None:
+        cache.reset(orig)
+
+    reset.__doc__ = orig.__doc__
+    return reset
+
+
 def _hooked_completion(cache: Hooked, orig: Any) -> Callable[..., Iterator[Any]]:
     def _create_completion(*args: Any, **kwargs: Any) -> Iterator[Any]:
         return cache.completion(orig, *args, **kwargs)
@@ -118,9 +129,10 @@ def _hooked_chat_completion(cache: Hooked, orig: Any) -> Callable[..., Any]:
 
 
 def install(cache: Hooked, llm: llama_cpp.Llama) -> None:
-    """Wrap ``llm``'s ``generate``, ``eval``, ``_create_completion`` and
+    """Wrap ``llm``'s ``generate``, ``eval``, ``reset``, ``_create_completion`` and
     ``create_chat_completion`` around ``cache``."""
     llm.generate = _hooked_generate(cache, llm.generate)  # type: ignore[method-assign,assignment]
     llm.eval = _hooked_eval(cache, llm.eval)  # type: ignore[method-assign,assignment]
+    llm.reset = _hooked_reset(cache, llm.reset)  # type: ignore[method-assign]
     compat.replace_completion(llm, _hooked_completion(cache, compat.completion_method(llm)))
     llm.create_chat_completion = _hooked_chat_completion(cache, llm.create_chat_completion)  # type: ignore[method-assign]

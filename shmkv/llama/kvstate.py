@@ -40,6 +40,10 @@ from shmkv.llama.policy import EVERYONE, Trust, context_allows_cut, window_allow
 log = logging.getLogger(__name__)
 
 SEQ = 0
+#: the id of a position filled by media (an image's or audio's embeddings) whose content
+#: shmkv does not know: no token has it and no state holding it is published, so it
+#: never matches (content-keyed media ids are below it: ``media.pseudo_ids``)
+UNKNOWN = -1
 
 
 class ContextGuard:
@@ -149,18 +153,67 @@ class ContextState:
     #: leading rows of ``llm.scores`` that hold the logits of ``llm.input_ids`` (a
     #: restore sets tokens and cells, not the logits of those tokens)
     scores_valid: int = 0
+    #: ``llm.n_tokens`` as shmkv last left it or saw it (its eval hook, a restore, a
+    #: reset): positions past it were filled behind its back (an image: ``catch_up``)
+    seen: int = 0
 
     def go_cold(self, llm: llama_cpp.Llama) -> None:
         """Forget the context's tokens: llama-cpp-python prefills the whole prompt."""
         forget(llm)
         self.aligned = 0
+        self.seen = 0
 
     def wipe(self, llm: llama_cpp.Llama, root: bytes) -> None:
         """Clear the cells for the calls of the tenant whose key root is ``root``."""
         forget(llm, wipe=True)
         self.aligned = 0
         self.scores_valid = 0
+        self.seen = 0
         self.root = root
+
+    def cut_back(self, llm: llama_cpp.Llama, n_tokens: int) -> None:
+        """Keep the context's first ``n_tokens`` positions only, cells included."""
+        n = max(0, min(n_tokens, llm.n_tokens))
+        lc.llama_memory_seq_rm(lc.llama_get_memory(llm.ctx), SEQ, n, -1)
+        llm.n_tokens = n
+        self.seen = min(self.seen, n)
+        self.aligned = min(self.aligned, n)
+
+    def catch_up(self, llm: llama_cpp.Llama) -> tuple[int, np.ndarray] | None:
+        """Mark positions filled since shmkv last saw the context as media of unknown
+        content (:data:`UNKNOWN`) and return where they start and the ids that were
+        there (None: none). A chat handler decodes an image's embeddings straight into
+        the context and advances ``n_tokens`` over them, never writing ``input_ids``:
+        the ids there are an earlier call's, and would match text.
+        """
+        n, start = llm.n_tokens, self.seen
+        self.seen = n
+        if n <= start:
+            return None  # (nothing new, or cut back: a prefix of what was seen)
+        stale = np.array(llm.input_ids[start:n], dtype=np.int32)
+        self._media(llm, start, n, UNKNOWN)
+        return start, stale
+
+    def declare(self, llm: llama_cpp.Llama, n_positions: int, ids: np.ndarray | int) -> None:
+        """The last ``n_positions`` positions (up to ``n_tokens``) hold media whose ids are
+        ``ids``; positions filled unseen before them are marked :data:`UNKNOWN`."""
+        end = llm.n_tokens
+        start = end - n_positions
+        if n_positions <= 0 or start < self.seen:
+            raise ValueError(
+                f"media of {n_positions} positions ending at n_tokens={end} overlaps the "
+                f"{self.seen} positions shmkv saw evaluated: advance n_tokens over the "
+                "media's positions, then declare them, before any other eval"
+            )
+        if start > self.seen:
+            self._media(llm, self.seen, start, UNKNOWN)
+        self._media(llm, start, end, ids)
+        self.seen = end
+
+    def _media(self, llm: llama_cpp.Llama, start: int, end: int, ids: np.ndarray | int) -> None:
+        llm.input_ids[start:end] = ids
+        self.aligned = min(self.aligned, start)
+        self.scores_valid = min(self.scores_valid, start)
 
 
 @dataclass(frozen=True)

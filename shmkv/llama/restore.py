@@ -82,6 +82,7 @@ class Restorer:
         )
         if (cut or limit is not None) and local < llm.n_tokens:
             llm.n_tokens = local
+            self.context.seen = min(self.context.seen, local)
         return local
 
     def restore(
@@ -140,6 +141,8 @@ class Restorer:
             verify=self.verify,
             trust=trust,
         )
+        # (shmkv set n_tokens: a restore's cells, or a context gone cold)
+        self.context.seen = llm.n_tokens if done.restored else min(self.context.seen, llm.n_tokens)
         if done.failure:
             ledger.fail(*done.failure)
         if done.failed:

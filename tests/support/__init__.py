@@ -10,6 +10,7 @@ import from here and take the fixtures of ``tests/conftest.py``, never from one 
 * ``blobs``: blobs that are a pure function of a seed or of their key;
 * ``peer``: a raw protocol peer that writes frames by hand;
 * ``llama_workers``: llama worker processes (``llama_worker.py``) and their jobs;
+* ``media``: images without a projector: embedding batches (in llama workers);
 * ``servers``: gunicorn as ``shmkv serve`` runs it, and Prometheus scrapes;
 * ``tmpfs``: small tmpfs mounts;
 * ``tinymodel``: the tiny GGUF models the session writes.

@@ -2,8 +2,8 @@
 
 Input (stdin, JSON): model, kw (Llama kwargs), name, socket, namespace, mode
 ("shmkv", "attach" or "cold"), jobs: [{kind: completion|chat, prompt|messages,
-max_tokens, stream}]. Output (stdout, JSON): one result per job with the text and
-what the cache did.
+max_tokens, stream}; kind media: ``tests/support/media.py``]. Output (stdout, JSON):
+one result per job with the text and what the cache did.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ import sys
 import llama_cpp
 
 from shmkv.llama import SharedCacheLlama, attach
+from tests.support.media import run_media
 
 
 def run_job(llm: llama_cpp.Llama, job: dict) -> str:
+    if job["kind"] == "media":
+        return run_media(llm, job)
     stream = job.get("stream", False)
     common = dict(max_tokens=job.get("max_tokens", 16), temperature=0.0, seed=0)
     if job["kind"] == "chat":
