@@ -176,7 +176,7 @@ def main(report: common.Report, o: Any) -> None:
             f"ttft_ms_{k}": ttft_cost(Path(tmp), model, o.threads, repeats, p) for k, p in arms
         }
     res = {
-        **report.header(common.llama_versions()),
+        **report.header(),
         "git": common.code_state(),
         "loadavg_end": common.loadavg(),
         "config": dict(quick=q, states=n, real=real, prefix_tokens=tokens, threads=o.threads),

@@ -611,7 +611,7 @@ def main(report: common.Report, o: Any) -> None:
     }:
         raise click.ClickException(f"arms ran with different context settings: {differ}")
     res: dict[str, Any] = {
-        **report.header(common.llama_versions()),
+        **report.header(),
         "git": common.code_state(),
         "quiet": quiet,
         "loadavg_end": common.loadavg(),

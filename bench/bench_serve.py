@@ -1,8 +1,5 @@
-"""Serving benchmark: gunicorn workers, shared system prompts, streaming TTFT, per arm
-(the arms, cells, phases and options: docs/benchmarks.md).
-
-    python bench/bench_serve.py --quick            # smoke run (~3 min)
-"""
+"""Serving benchmark: gunicorn workers, shared system prompts, streaming TTFT per arm (arms,
+cells, phases, goals and options: docs/benchmarks.md). Smoke run: ``--quick`` (~3 min)."""
 
 from __future__ import annotations
 
@@ -11,11 +8,13 @@ import contextlib
 import functools
 import heapq
 import itertools
+import json
 import logging
 import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -55,16 +54,19 @@ ARMS = {
     "shmkv-q8_0": "shmkv serve --cache-type-k q8_0 --cache-type-v q8_0",
     "llama-server": "llama.cpp llama-server -np N --cache-ram",
 }
-ARMS |= {
-    f"{a}-chat": f"{v}, /v1/chat/completions"
-    for a, v in ARMS.items()
-    if "q8_0" not in a and "static" not in a
-}
 # the same requests as messages, to /v1/chat/completions: arm X-chat is arm X otherwise
+NO_CHAT = ("shmkv-static", "shmkv-q8_0")
+ARMS |= {f"{a}-chat": f"{v}, /v1/chat/completions" for a, v in ARMS.items() if a not in NO_CHAT}
 CHAT_ARMS = {a for a in ARMS if a.endswith("-chat")}
 LLAMA_SERVER_ARMS = {"llama-server", "llama-server-chat"}
 DEFAULT_ARMS = "nocache,ramcache,llama-server,shmkv,shmkv-exact"
 DEFAULT_ARMS += "," + ",".join(f"{a}-chat" for a in DEFAULT_ARMS.split(","))
+SHMKV_ENV = {  # each shmkv arm's settings beyond the common ones
+    "shmkv": {},
+    "shmkv-exact": {"SHMKV_EXACT": "true"},
+    "shmkv-q8_0": {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"},
+    "shmkv-static": {"SHMKV_STATIC_THREADS": "true"},  # every worker always on --threads
+}
 
 
 def server_arm(arm: str) -> str:
@@ -104,7 +106,6 @@ THEMES = [  # system prompts in turn: an opening, then the template of its lines
     "mulch it with {4} bark from the {5} grove.\n",
 ]
 QUESTION = "Question {i}: what does the plan say about the {0} and the {1}?"
-RSS_KINDS = ("RssAnon:", "RssFile:", "RssShmem:")  # private, file-backed and shared memory
 TURN = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 
 
@@ -127,10 +128,8 @@ class Workload:
 
 
 def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: int) -> Workload:
-    """Each system prompt used equally often, in an order shuffled with a fixed seed (so
-    early requests may share a prompt: concurrent cold prefills are part of the workload)."""
-    tok = common.tokenizer(model)
-    rng = random.Random(SEED)
+    """Each system prompt equally often, in an order shuffled with a fixed seed."""
+    tok, rng = common.tokenizer(model), random.Random(SEED)
 
     def lines(template: str) -> Any:
         return lambda n: template.format(*rng.sample(common.WORDS, 6), n=n, m=rng.randint(1, 12))
@@ -142,14 +141,8 @@ def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: i
         system.append(common.fill_to(prompt_tokens, lambda t: len(tok(t)), head, lines(line)))
     order = [k % n_prompts for k in range(n_requests)]
     rng.shuffle(order)
-    return Workload(
-        system,
-        [len(tok(s)) for s in system],
-        [(p, QUESTION.format(*rng.sample(common.WORDS, 2), i=i)) for i, p in enumerate(order)],
-    )
-
-
-# ================================================================= the cell
+    qs = [(p, QUESTION.format(*rng.sample(common.WORDS, 2), i=i)) for i, p in enumerate(order)]
+    return Workload(system, [len(tok(s)) for s in system], qs)
 
 
 def llama_server_args(cfg: dict[str, Any]) -> list[str]:
@@ -161,33 +154,26 @@ def llama_server_args(cfg: dict[str, Any]) -> list[str]:
     return args + ["--cache-ram", str(cfg["llama_server_cache_ram_mib"])]
 
 
-SHMKV_ENV = {  # each shmkv arm's settings beyond the common ones
-    "shmkv": {},
-    "shmkv-exact": {"SHMKV_EXACT": "true"},
-    "shmkv-q8_0": {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"},
-    "shmkv-static": {"SHMKV_STATIC_THREADS": "true"},  # every worker always on --threads
-}
-
-
-def start_server(
-    arm: str, cfg: dict[str, Any], workdir: Path, sup: common.Supervisor | None
-) -> common.Server:
+def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: Any) -> common.Server:
+    """The server of ``arm``: shmkv serve on ``sup``, llama-server, or llama_cpp.server."""
     from shmkv.serving.chat_template import GEMMA3_FORMAT, GEMMA3_TEMPLATE, default_chat_format
 
     model, threads, n_ctx = cfg["model"], str(cfg["threads"]), str(cfg["n_ctx"])
     arm, workers = server_arm(arm), cfg["workers"]
     chat_format = default_chat_format(model)  # (as shmkv serve: Gemma 3's own template)
-    if arm == "llama-server":  # Gemma 3's template as a Jinja file (the GGUF has none)
-        args = [*llama_server_args(cfg), "--jinja"]
-        if chat_format == GEMMA3_FORMAT:
+    if arm == "llama-server":  # without our LLAMA_ARG_* (it would read them as settings)
+        srv = common.Server("llama-server", workdir, workers, single=True)
+        args = [cfg["llama_server_binary"], *llama_server_args(cfg), "--jinja"]
+        if chat_format == GEMMA3_FORMAT:  # Gemma 3's template as a Jinja file (the GGUF has none)
             (path := workdir / "gemma3.jinja").write_text(GEMMA3_TEMPLATE)
             args += ["--chat-template-file", str(path)]
-        return common.Server.llama_server(Path(cfg["llama_server_binary"]), args, workdir, workers)
+        env = {k: v for k, v in common.child_env().items() if not k.startswith("LLAMA_ARG_")}
+        return srv.start([*args, "--host", "127.0.0.1", "--port", str(srv.port)], env)
     if sup is not None:  # the CPU budget: a prompt batch on every free core, a decode on one
         env = {"SHMKV_MODEL": model, "SHMKV_N_CTX": n_ctx, "SHMKV_EXACT": "false"}
         env |= {"SHMKV_LOG_LEVEL": "info", "SHMKV_WORKER_TIMEOUT": "900"}
         env["SHMKV_THREADS"] = threads if arm == "shmkv-static" else str(cfg["budget_threads"])
-        return common.Server.shmkv(sup, env | SHMKV_ENV[arm], workdir, cfg["workers"])
+        return common.Server.shmkv(sup, env | SHMKV_ENV[arm], workdir, workers)
     env = {"MODEL": model, "N_CTX": n_ctx, "N_THREADS": threads, "N_THREADS_BATCH": threads}
     # a stream runs to its end, as in shmkv serve's app (llama_cpp.server would cut it short
     # whenever another request waits for its worker's model)
@@ -196,22 +182,49 @@ def start_server(
     if arm == "ramcache":
         env |= {"CACHE": "true", "CACHE_TYPE": "ram"}
         env["CACHE_SIZE"] = str(cfg["ramcache_size_per_worker"])
-    app = "plain_app:create_app()"  # (llama_cpp.server's, the template registered)
-    return common.Server.llama_cpp(f"gunicorn-{arm}", env, workdir, cfg["workers"], app)
+    srv = common.Server(f"gunicorn-{arm}", workdir, workers)
+    args = f"-m gunicorn -w {workers} -k uvicorn_worker.UvicornWorker -b 127.0.0.1:{srv.port}"
+    args += " --timeout 900 --graceful-timeout 30 --keep-alive 5 --log-level info"
+    args += f" --pythonpath {HERE}"
+    return srv.start(
+        [sys.executable, *args.split(), "plain_app:create_app()"], common.child_env(env)
+    )
+
+
+KINDS = ("code", "weights", "arena", "shm", "anon")  # what a mapping holds (smaps)
+RSS_KINDS = ("RssAnon:", "RssFile:", "RssShmem:")  # private, file-backed and shared memory
+
+
+def smaps(pid: int | str, model: str = "", arena: str = "") -> dict[str, dict[str, int]]:
+    """RSS, PSS and private bytes of ``pid``'s mappings (/proc/PID/smaps) by KINDS."""
+    out = {k: {"rss": 0, "pss": 0, "private": 0} for k in KINDS}
+    cur = out["anon"]
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's header: range perms ... path
+                parts = line.split(None, 5)
+                path = parts[5].strip().removesuffix(" (deleted)") if len(parts) > 5 else ""
+                kind = "weights" if path == model else "arena" if arena and path == arena else ""
+                if not kind and path.startswith(("/dev/shm/", "/memfd:", "/SYSV")):
+                    kind = "shm"
+                elif not kind and (path.startswith("/") or path in ("[vdso]", "[vvar]")):
+                    kind = "code"
+                cur = out[kind or "anon"]  # [heap], [stack], [anon:...], no name
+            elif line.startswith(("Rss:", "Pss:", "Private_Clean:", "Private_Dirty:")):
+                key = line.split(":")[0].lower()
+                cur["private" if key.startswith("private") else key] += int(line.split()[1]) << 10
+    return out
 
 
 def mem_snapshot(pids: dict[str, list[int]], model: str, arena: Path | None) -> dict[str, Any]:
-    """RSS/PSS/USS of every server process by role and by what its mappings hold
-    (``common.smaps``), and the arena's PSS counted once."""
+    """Memory of every server process by role and KINDS; the arena's PSS once."""
     procs: dict[str, Any] = {}
-    for role, plist in pids.items():
-        for pid in plist:
-            kinds = common.smaps(pid, model, str(arena or ""))
-            tot = {m: sum(k[m] for k in kinds.values()) for m in ("rss", "pss", "private")}
-            if tot["rss"]:
-                procs[str(pid)] = dict(role=role, rss=tot["rss"], pss=tot["pss"])
-                procs[str(pid)] |= dict(uss=tot["private"], arena_pss=kinds["arena"]["pss"])
-                procs[str(pid)]["kinds"] = kinds
+    for role, pid in ((r, p) for r, ps in pids.items() for p in ps):
+        kinds = smaps(pid, model, str(arena or ""))
+        tot = {m: sum(k[m] for k in kinds.values()) for m in ("rss", "pss", "private")}
+        if tot["rss"]:
+            procs[str(pid)] = dict(role=role, rss=tot["rss"], pss=tot["pss"], uss=tot["private"])
+            procs[str(pid)] |= dict(arena_pss=kinds["arena"]["pss"], kinds=kinds)
     workers = [r for r in procs.values() if r["role"] == "worker"]
     out = {"processes": procs, "arena_pss": sum(r["arena_pss"] for r in procs.values())}
     out |= {f"total_{k}": sum(r[k] for r in procs.values()) for k in ("rss", "pss", "uss")}
@@ -225,7 +238,7 @@ def mem_snapshot(pids: dict[str, list[int]], model: str, arena: Path | None) -> 
 
 
 def status_rss(pid: int) -> dict[str, int]:
-    """RssAnon, RssFile and RssShmem of a process in bytes, from /proc (none if it is gone)."""
+    """RssAnon, RssFile and RssShmem of a process in bytes (none if it is gone)."""
     with contextlib.suppress(OSError, ValueError):
         fields = map(str.split, Path(f"/proc/{pid}/status").read_text().splitlines())
         return {f[0]: int(f[1]) * 1024 for f in fields if f[0] in RSS_KINDS}
@@ -233,9 +246,7 @@ def status_rss(pid: int) -> dict[str, int]:
 
 
 class MemoryWatch(threading.Thread):
-    """Samples the server's memory (and CPU) every 0.25 s; stops the cell when its footprint
-    (private RSS summed, the largest file-backed and shmem RSS once) or the machine's available
-    memory crosses its limit."""
+    """Samples memory and CPU every 0.25 s; stops the cell past its memory limits."""
 
     def __init__(self, pids: Any, noise: common.Noise, cfg: dict[str, Any], on_abort: Any) -> None:
         super().__init__(name="memory-watch", daemon=True)
@@ -246,8 +257,9 @@ class MemoryWatch(threading.Thread):
         self.peak_rss = self.peak_footprint = self.peak_pss = 0
 
     def run(self) -> None:
-        n = 0
-        while not self.done.wait(0 if n == 0 else 0.25):
+        for n in itertools.count():
+            if self.done.wait(0 if n == 0 else 0.25):
+                return
             self.noise.sample()  # a worker that is killed keeps its last CPU figure
             rss = [status_rss(pid) for pid in self.pids()]
             if n % 8 == 0:  # smaps_rollup walks page tables: every 2 s only
@@ -258,10 +270,10 @@ class MemoryWatch(threading.Thread):
             footprint = sum(r.get("RssAnon:", 0) for r in rss) + shared
             self.peak_rss = max(self.peak_rss, sum(sum(r.values()) for r in rss))
             self.peak_footprint = max(self.peak_footprint, footprint)
-            avail, gib = common.meminfo("MemAvailable"), 2**30
-            if footprint > self.cfg["max_rss"]:
+            avail, gib, cap = common.meminfo("MemAvailable"), 2**30, self.cfg["max_rss"]
+            if footprint > cap:
                 self.reason = f"server memory {footprint / gib:.1f} GiB (private RSS + shared "
-                self.reason += f"once) > {self.cfg['max_rss'] / gib:.1f} GiB"
+                self.reason += f"once) > {cap / gib:.1f} GiB"
             elif avail and avail < self.cfg["min_available"]:
                 self.reason = f"only {avail / gib:.1f} GiB of memory available"
             if self.reason and not self.abort.is_set():
@@ -272,12 +284,10 @@ class MemoryWatch(threading.Thread):
                     self.on_abort()
                 except Exception:  # the watch must keep its promise: no hang
                     log.exception("stopping the server failed")
-            n += 1
 
 
 def send(client: Any, srv: common.Server, max_tokens: int, **body: Any) -> dict[str, Any]:
-    """One streaming request: ``prompt=`` to /v1/completions, ``messages=`` to
-    /v1/chat/completions (``common.stream_completion``)."""
+    """One streaming request: ``prompt=`` to /v1/completions, ``messages=`` to chat."""
     url = srv.base + ("/v1/chat/completions" if "messages" in body else "/v1/completions")
     body |= dict(model="gemma", max_tokens=max_tokens, temperature=0.0, stream=True)
     return common.stream_completion(client, url, body)
@@ -286,8 +296,7 @@ def send(client: Any, srv: common.Server, max_tokens: int, **body: Any) -> dict[
 def run_load(
     srv: common.Server, wl: Workload, n: int, cc: int, cfg: dict[str, Any], abort: Any, chat: bool
 ) -> tuple[list[dict[str, Any]], float]:
-    """Closed loop: ``cc`` clients take the next request of the sequence in turn (as chat
-    messages with ``chat``)."""
+    """Closed loop: ``cc`` clients take the next request in turn (as chat with ``chat``)."""
     results = [{"k": k, "prompt": wl.requests[k][0], "t_send": 0.0} for k in range(n)]
     nxt, lock = iter(range(n)), threading.Lock()
 
@@ -340,8 +349,7 @@ def run_cell(
         stack.push(lambda exc_type, _e, _tb: srv.stop(kill=exc_type is not None))
         llama_server = arm in LLAMA_SERVER_ARMS
         srv.wait_ready(logged=None if llama_server else "Application startup complete")
-        cell["startup_s"] = time.monotonic() - t
-        cell["worker_pids"] = srv.worker_pids()
+        cell["startup_s"], cell["worker_pids"] = time.monotonic() - t, srv.worker_pids()
         warm_up(srv)
         if sup is not None:
             time.sleep(0.5)  # the warm-up's counters reach the supervisor off the token path
@@ -359,11 +367,11 @@ def run_cell(
         def flat() -> list[int]:
             return [p for ps in pids().values() for p in ps]
 
-        arena = sup.arena if sup else None
-        mem0, at_abort = mem_snapshot(pids(), cfg["model"], arena), {}
+        snapshot = functools.partial(mem_snapshot, model=cfg["model"], arena=sup and sup.arena)
+        mem0, at_abort = snapshot(pids()), {}
 
         def abort_now() -> None:  # memory as it is, then SIGKILL: nothing graceful to wait for
-            at_abort.update(mem_snapshot(pids(), cfg["model"], arena))
+            at_abort.update(snapshot(pids()))
             srv.stop(kill=True)
 
         noise = common.Noise(flat)
@@ -381,22 +389,14 @@ def run_cell(
             cell["aborted"], cell["abort_s"] = watch.reason, (watch.abort_at or t0) - t0
         elif sup is not None:
             time.sleep(1.0)  # the publisher threads deliver the last puts and counters
-        mem1 = at_abort or mem_snapshot(pids(), cfg["model"], arena)
+        mem1 = at_abort or snapshot(pids())
         if sup is not None:
             with contextlib.suppress(Exception):
                 cell["shmkv_stats"] = {"before": stats0, "after": sup.stats()}
-        cell["memory"] = {
-            "after_warmup": mem0,
-            "end": mem1,
-            "peak_rss_sum": watch.peak_rss,
-            "peak_footprint": watch.peak_footprint,
-            "peak_pss": watch.peak_pss,
-        }
+        cell["memory"] = dict(after_warmup=mem0, end=mem1, peak_rss_sum=watch.peak_rss)
+        cell["memory"] |= dict(peak_footprint=watch.peak_footprint, peak_pss=watch.peak_pss)
         cell["results"] = results
     return cell
-
-
-# ================================================================= analysis
 
 
 def cache_class(r: dict[str, Any], sys_tokens: int) -> str:
@@ -408,13 +408,8 @@ def cache_class(r: dict[str, Any], sys_tokens: int) -> str:
 
 
 def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
-    """Requests sent while the worker that served them was busy with another one.
-
-    A uvicorn worker keeps accepting connections while its one llama context is busy, so a
-    request can queue behind a prefill while another worker idles ("misrouted").
-    """
-    done = [r for r in done if r["worker_pid"] and r["total"] is not None]
-    if not done:
+    """Requests sent while the worker that served them was busy with another one."""
+    if not (done := [r for r in done if r["worker_pid"] and r["total"] is not None]):
         return {"n": 0}
     known = sorted(set(workers) | {r["worker_pid"] for r in done})
     busy, misrouted = [], []
@@ -438,8 +433,7 @@ def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
 
 
 def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]:
-    """What the cache did, from the ``shmkv`` field of each stream; a hit sent while another
-    worker prefilled its prompt waited for that state (coalescing)."""
+    """What the cache did, from each stream's ``shmkv`` field (hits, waits, colds)."""
     if not (rs := [r for r in rs if r["shmkv"]]):
         return {"n": 0}
     by = {c: [r for r in rs if cache_class(r, sys_tokens) == c] for c in ("hit", "cold", "local")}
@@ -453,13 +447,10 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     waited = [h for h in hits if any(during(h, c) for c in cold)]
     groups = dict(hit=hits, hit_waited=waited, hit_no_wait=[r for r in hits if r not in waited])
     groups |= dict(cold=cold, local=by["local"])
-    share = {g: sum(r["ttft"] for r in groups[g]) / t if (t := sum(r["ttft"] for r in rs)) else None
-             for g in ("hit_waited", "cold")}  # fmt: skip
+    total = sum(r["ttft"] for r in rs)
+    share = {g: sum(r["ttft"] for r in groups[g]) / total if total else None for g in groups}
     tokens = [("restored_tokens", hits, "restored_tokens"), ("restore_ms", hits, "restore_ms")]
-    tokens += [
-        ("evaluated_tokens_hit", hits, "evaluated_tokens"),
-        ("prompt_tokens", rs, "prompt_tokens"),
-    ]
+    tokens += [("evaluated_tokens_hit", hits, "evaluated_tokens"), ("prompt_tokens", rs, "")]
     tokens += [("evaluated_tokens_cold", cold, "evaluated_tokens")]
     return {
         "n": len(rs), "hits": len(hits), "cold": len(cold), "local_reuse": len(by["local"]),
@@ -469,7 +460,7 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
         "hits_after_waiting_for_same_prompt_prefill": len(waited),
         "waited_share_of_ttft": share["hit_waited"], "cold_share_of_ttft": share["cold"],
         **{f"ttft_{g}": common.summary([r["ttft"] for r in v]) for g, v in groups.items()},
-        **{k: common.summary([r["shmkv"][f] for r in v]) for k, v, f in tokens},
+        **{k: common.summary([r["shmkv"][f or k] for r in v]) for k, v, f in tokens},
     }  # fmt: skip
 
 
@@ -487,59 +478,41 @@ PHASES = {  # where a shmkv request's time to first token went, in order
     "response": "first token to the client's first text: llama-cpp-python's stream, HTTP",
 }
 IN_CALL = ("coalesce wait", "remote wait", "restore", "cpu wait", "prefill", "first decode")
+WAITS = ("queue", "app", "coalesce wait", "remote wait", "cpu wait")
 
 
 def phases_of(r: dict[str, Any]) -> dict[str, float] | None:
-    """The phases of one request's TTFT, seconds (they sum to it), from the worker's ``*_at``
-    times and durations against the client's send time; None without them."""
+    """The phases of one request's TTFT in seconds (they sum to it); None without them."""
     k = r.get("shmkv") or {}
     if r.get("sent_at") is None or r["ttft"] is None or "first_token_at" not in k:
         return None
     if "received_at" not in k:
         return None
-    p = {
-        "queue": k["received_at"] - r["sent_at"],
-        "app": k["started_at"] - k["received_at"],
-        "coalesce wait": k["coalesce_wait_ms"] / 1e3,
-        "remote wait": k["remote_wait_ms"] / 1e3,
-        "restore": k["restore_ms"] / 1e3,
-        "cpu wait": k["cpu_wait_ms"] / 1e3,
-        "prefill": (k["prefill_ms"] - k["cpu_wait_ms"]) / 1e3,
-        "first decode": k["first_decode_ms"] / 1e3,
-    }
+    p = {"queue": k["received_at"] - r["sent_at"], "app": k["started_at"] - k["received_at"]}
+    p |= {ph: k[ph.replace(" ", "_") + "_ms"] / 1e3 for ph in IN_CALL}
+    p["prefill"] -= p["cpu wait"]
     p["other"] = k["first_token_at"] - k["started_at"] - sum(p[x] for x in IN_CALL)
     p["response"] = r["sent_at"] + r["ttft"] - k["first_token_at"]
     return p
 
 
 def phase_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]:
-    """Per request class (all, cold, arena hit, local reuse: ``cache_class``): the mean of
-    each phase, seconds, and its share of the class's summed TTFT."""
-    rows = [(r, p) for r in rs if (p := phases_of(r)) is not None]
-    out: dict[str, Any] = {}
+    """Per request class: each phase's mean and share of the summed TTFT."""
+    rows, out = [(r, p) for r in rs if (p := phases_of(r)) is not None], {}
     for cls in ("all", "cold", "hit", "local"):
-        sel = [(r, p) for r, p in rows if cls == "all" or cache_class(r, sys_tokens) == cls]
-        if not sel:
-            continue
-        ttft = sum(r["ttft"] for r, _ in sel)
-        sums = {ph: sum(p[ph] for _, p in sel) for ph in PHASES}
-        out[cls] = {
-            "n": len(sel),
-            "ttft_mean": ttft / len(sel),
-            "mean": {ph: v / len(sel) for ph, v in sums.items()},
-            "share": {ph: v / ttft if ttft else None for ph, v in sums.items()},
-        }
+        if sel := [(r, p) for r, p in rows if cls == "all" or cache_class(r, sys_tokens) == cls]:
+            ttft = sum(r["ttft"] for r, _ in sel)
+            sums = {ph: sum(p[ph] for _, p in sel) for ph in PHASES}
+            out[cls] = {"n": len(sel), "ttft_mean": ttft / len(sel)}
+            out[cls]["mean"] = {ph: v / len(sel) for ph, v in sums.items()}
+            out[cls]["share"] = {ph: v / ttft if ttft else None for ph, v in sums.items()}
     return out
 
 
 def ideal_mean_ttft(
     prompts: list[int], cc: int, prefill: dict[int, float], hit: float, decode: float
 ) -> float:
-    """Mean TTFT of the closed loop (``cc`` clients, the requests' system prompts in order)
-    if every system prompt's first request were prefilled alone on all cores (``prefill``
-    seconds), one prefill at a time in arrival order, a request for a prompt in prefill
-    waited for it and then took ``hit`` seconds as every other request did, and each
-    request then decoded for ``decode`` seconds."""
+    """Mean TTFT if every cold prefill ran alone on all cores, one at a time."""
     free, lane, ready, ttfts = [0.0] * cc, 0.0, {}, []
     for p in prompts:
         t = heapq.heappop(free)
@@ -552,14 +525,8 @@ def ideal_mean_ttft(
     return sum(ttfts) / len(ttfts) if ttfts else 0.0
 
 
-WAITS = ("queue", "app", "coalesce wait", "remote wait", "cpu wait")
-
-
 def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """``ideal_mean_ttft`` for a shmkv cell: the prefills measured in one process on all
-    cores (``cfg["cold_prefill"]``); the cell's own requests that were not cold, their TTFT
-    less what they waited (queue, app, coalesce, remote and CPU waits), as a hit's cost;
-    and its mean decode time (total - TTFT)."""
+    """``ideal_mean_ttft`` of a shmkv cell: measured prefills, its own hits less WAITS."""
     measured, sys_tokens = (cfg.get("cold_prefill") or {}).get("seconds"), min(cfg["system_tokens"])
     done = [r for r in c["results"] if r["ttft"] is not None and r["total"] is not None]
     warm = [
@@ -570,32 +537,26 @@ def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[s
         return None
     hit = sum(sum(p.values()) - sum(p[w] for w in WAITS) for p in warm) / len(warm)
     decode = sum(r["total"] - r["ttft"] for r in done) / len(done)
-    prompts = cfg["request_prompts"][: c["planned"]]
-    prefill = {int(p): s for p, s in measured.items()}
+    prompts, prefill = (
+        cfg["request_prompts"][: c["planned"]],
+        {int(p): s for p, s in measured.items()},
+    )
     mean = ideal_mean_ttft(prompts, c["concurrency"], prefill, hit, decode)
-    return {
-        "mean_ttft_s": mean,
-        "hit_s": hit,
-        "decode_s": decode,
-        "measured_mean_ttft_s": out["ttft"].get("mean"),
-    }
+    res = dict(mean_ttft_s=mean, hit_s=hit, decode_s=decode)
+    return res | {"measured_mean_ttft_s": out["ttft"].get("mean")}
 
 
 def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Seconds to the first token of each system prompt's first request, cold, in one
-    ``Llama`` in this process on all cores (after a warm-up): the fastest a cold prefill
-    gets here, the input of ``ideal``."""
+    """Each system prompt's cold TTFT in one Llama on all cores; floor; budget."""
     import llama_cpp
 
     cores = os.cpu_count() or 1
     quiet = common.wait_until_quiet(cfg["max_load"], cfg["max_wait"])
-    llm = llama_cpp.Llama(
-        model_path=str(model), n_ctx=cfg["n_ctx"], n_threads=cores, n_threads_batch=cores,
-        verbose=False,
-    )  # fmt: skip
+    kw = dict(n_ctx=cfg["n_ctx"], n_threads=cores, n_threads_batch=cores, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(model), **kw)
     try:
         llm.create_completion(TURN.format("Warm-up: name a colour."), max_tokens=1)
-        first = {}
+        first: dict[int, int] = {}
         for k, (p, _) in enumerate(wl.requests):
             first.setdefault(p, k)
         seconds = {}
@@ -612,8 +573,7 @@ def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict
 
 
 def budget_overhead(llm: Any, texts: list[str], cores: int) -> dict[str, Any]:
-    """Each prompt, then 16 single-token decode steps, through ``cpubudget.evaluate`` and
-    through plain ``Llama.eval`` on all cores."""
+    """Prefill and 16 decode steps through ``cpubudget.evaluate`` vs ``Llama.eval``."""
     import uuid
 
     import llama_cpp
@@ -632,9 +592,8 @@ def budget_overhead(llm: Any, texts: list[str], cores: int) -> dict[str, Any]:
             for step, toks in enumerate([llm.tokenize(text.encode()), *[[1]] * 16]):
                 t = time.perf_counter()
                 via[how](toks if step == 0 else [llm.input_ids[llm.n_tokens - 1]])
-                times[f"{'decode_step' if step else 'prefill'}_{how}"].append(
-                    time.perf_counter() - t
-                )
+                key = f"{'decode_step' if step else 'prefill'}_{how}"
+                times[key].append(time.perf_counter() - t)
     finally:
         budget.close()
         cpubudget.remove(str(common.SHM), name)
@@ -642,9 +601,7 @@ def budget_overhead(llm: Any, texts: list[str], cores: int) -> dict[str, Any]:
 
 
 def measure_floor(llm: Any, wl: Workload) -> dict[str, Any]:
-    """The restore floor plus the suffix (as bench_restore.py's): the state of the prefix two
-    requests on a system prompt share in a private buffer, then for each later request on it
-    ``set_data`` from it, the rest of its prompt and its first token."""
+    """The restore floor plus the suffix: ``set_data`` of the shared prefix's state."""
     import ctypes
 
     import llama_cpp.llama_cpp as llama_c
@@ -655,9 +612,8 @@ def measure_floor(llm: Any, wl: Workload) -> dict[str, Any]:
     ttfts, suffixes = [], []
     for ks in (ks for ks in by_prompt.values() if len(ks) > 1):
         toks = [llm.tokenize(wl.prompt(k).encode(), special=True) for k in ks[:2]]
-        n = next(
-            (i for i, (a, b) in enumerate(zip(*toks, strict=False)) if a != b), min(map(len, toks))
-        )
+        diff = (i for i, (a, b) in enumerate(zip(*toks, strict=False)) if a != b)
+        n = next(diff, min(map(len, toks)))
         llm.reset()
         llm.eval(toks[0][:n])
         size = llama_c.llama_state_seq_get_size(llm.ctx, 0)
@@ -680,7 +636,7 @@ def measure_floor(llm: Any, wl: Workload) -> dict[str, Any]:
 
 
 def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, Any]:
-    """A cell's figures; ``nocache`` is the memory record of the no-cache cell of its level."""
+    """A cell's figures; ``nocache``: the no-cache cell's memory at its level."""
     attempted = [r for r in c["results"] if r["t_send"]]
     ok = [r for r in attempted if r["error"] is None and r["ttft"] is not None]
     errors = [r for r in attempted if r not in ok]
@@ -705,32 +661,19 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
         mem["cache_bytes"] = mem["workers_pss_growth"]
         mem["cache_how"] = "workers' PSS growth from after warm-up to the end"
         if nocache is not None:  # minus the growth the no-cache arm has too (logits, KV)
-            growth = nocache["end"]["workers_pss"] - nocache["after_warmup"]["workers_pss"]
-            mem["cache_bytes"] -= growth
+            n0, n1 = nocache["after_warmup"]["workers_pss"], nocache["end"]["workers_pss"]
+            mem["cache_bytes"] -= n1 - n0
             mem["cache_how"] += ", minus the no-cache arm's growth at the same concurrency"
-    out: dict[str, Any] = {
-        "arm": c["arm"],
-        "label": ARMS[c["arm"]],
-        "concurrency": c["concurrency"],
-        "planned": c["planned"],
-        "attempted": len(attempted),
-        "ok": len(ok),
-        "errors": len(errors),
-        "error_samples": sorted({r["error"] for r in errors})[:5],
-        "cut_by_stop": len(cut),
-        "aborted": c["aborted"],
-        "interrupted_streams": sum(r["finish_reason"] is None for r in ok),
-        "wall_s": c["wall_s"],
-        "requests_per_s": len(ok) / c["wall_s"] if c["wall_s"] else 0.0,
-        "ttft": common.summary([r["ttft"] for r in ok]),
-        "total": common.summary([r["total"] for r in ok]),
-        "text_chunks": common.summary([r["text_chunks"] for r in ok]),
-        "memory": mem,
-        "quiet": c["quiet"],
-        "noise": c["noise"],
-        "startup_s": c["startup_s"],
-        "queueing": queueing(ok, c["worker_pids"]),
-    }
+    out: dict[str, Any] = common.pick(c, "arm concurrency planned") | {"label": ARMS[c["arm"]]}
+    out |= dict(attempted=len(attempted), ok=len(ok), errors=len(errors))
+    out |= dict(error_samples=sorted({r["error"] for r in errors})[:5], cut_by_stop=len(cut))
+    out |= dict(
+        aborted=c["aborted"], interrupted_streams=sum(r["finish_reason"] is None for r in ok)
+    )
+    out |= dict(wall_s=c["wall_s"], requests_per_s=len(ok) / c["wall_s"] if c["wall_s"] else 0.0)
+    out |= {k: common.summary([r[k] for r in ok]) for k in ("ttft", "total", "text_chunks")}
+    out |= dict(memory=mem, **common.pick(c, "quiet noise startup_s"))
+    out["queueing"] = queueing(ok, c["worker_pids"])
     if c["arm"].startswith("shmkv"):
         out["cache"] = shmkv_breakdown(ok, sys_tokens)
         out["phases"] = phase_breakdown(ok, sys_tokens)
@@ -739,17 +682,12 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
             counters = "hits misses tokens_restored tokens_evaluated puts duplicate_puts"
             counters += " rejected_puts evictions restore_failures"
             ends = "entries bytes_used bytes_capacity workers_attached chunk_tokens"
-            out["supervisor"] = {
-                "delta": {k: v - a.get(k, 0) for k, v in common.pick(b, counters).items()},
-                "end": common.pick(b, ends),
-            }
+            delta = {k: v - a.get(k, 0) for k, v in common.pick(b, counters).items()}
+            out["supervisor"] = {"delta": delta, "end": common.pick(b, ends)}
     used = (out.get("supervisor") or {}).get("end", {}).get("bytes_used", 0)
     mem["arena_used_end"] = used  # the goal's measure: PSS the cache's own bytes do not explain
     mem["total_pss_minus_arena_used_end"] = mem["total_pss_end"] - used
     return out
-
-
-# ========================================================= one worker's memory
 
 
 #: a variant of the workers' llama settings: "default" (as `shmkv serve` loads a model) or
@@ -765,14 +703,10 @@ BUFFERS = {  # llama.cpp's log lines of the buffers it allocates (MiB)
 
 
 def probe(spec: dict[str, Any]) -> None:
-    """In a process of its own (``bench_serve.py _probe SPEC``): what a worker imports, the
-    model as a worker loads it (with the variant's keyword arguments), a prefill; anonymous
-    memory after each step, JSON lines on stdout (llama.cpp logs on stderr)."""
-    import json
+    """In a process of its own (``_probe SPEC``): anonymous memory after each step."""
 
     def mark(stage: str, **kw: Any) -> None:
-        kinds = common.smaps("self", spec["model"])
-        print(json.dumps({"stage": stage, "kinds": kinds, **kw}), flush=True)
+        print(json.dumps({"stage": stage, "kinds": smaps("self", spec["model"]), **kw}), flush=True)
 
     mark("interpreter")
     import llama_cpp
@@ -790,10 +724,10 @@ def probe(spec: dict[str, Any]) -> None:
     fields = {k: v for k, v in variant.items() if k in ModelSettings.model_fields}
     extra = {"swa_full": settings.swa_full}  # (as shmkv.serving.model_settings.load_with)
     extra |= {k: v for k, v in variant.items() if k not in fields}  # Llama() arguments only
-    ms = ms.model_copy(update=fields | {"verbose": True})
     plain = llama_cpp.Llama
     llama_cpp.Llama = functools.partial(plain, **extra)  # type: ignore[misc]
     try:
+        ms = ms.model_copy(update=fields | {"verbose": True})
         llm = LlamaProxy.load_llama_from_model_settings(ms)
     finally:
         llama_cpp.Llama = plain  # type: ignore[misc]
@@ -806,16 +740,12 @@ def probe(spec: dict[str, Any]) -> None:
 
 
 def stages(variant: str, cfg: dict[str, Any], prompts: list[str], workdir: Path) -> dict[str, Any]:
-    """One probe process for ``variant``: anonymous RSS by step, llama.cpp's buffers, text."""
-    import json
-    import subprocess
-
+    """One probe process for ``variant``: anonymous RSS by step, buffers, text."""
     kwargs: dict[str, Any] = {}
     for item in [] if variant == "default" else variant.split(";"):
         k, v = (x.strip() for x in item.split("=", 1))
         kwargs[k] = int(v) if v.isdigit() else {"true": True, "false": False}.get(v.lower(), v)
-    spec = dict(model=cfg["model"], n_ctx=cfg["n_ctx"], threads=cfg["threads"])
-    spec |= dict(variant=kwargs, prompts=prompts)
+    spec = common.pick(cfg, "model n_ctx threads") | dict(variant=kwargs, prompts=prompts)
     with open(err := workdir / "probe.log", "wb") as f:
         args = [sys.executable, __file__, "_probe", json.dumps(spec)]
         proc = subprocess.run(args, stdout=subprocess.PIPE, stderr=f, env=common.child_env())
@@ -823,16 +753,14 @@ def stages(variant: str, cfg: dict[str, Any], prompts: list[str], workdir: Path)
     if proc.returncode:
         raise click.ClickException(f"probe {variant} failed:\n{logtext[-3000:]}")
     marks = [json.loads(line) for line in proc.stdout.decode().splitlines() if line[:1] == "{"]
-    last = marks[-1]
+    last, mib = marks[-1], lambda rx: sum(float(x) for x in re.findall(rx, logtext)) * 2**20
     return {
         "variant": variant,
         "kwargs": kwargs,
         "anon_rss": {m["stage"]: m["kinds"]["anon"]["rss"] for m in marks},
         "code_rss": last["kinds"]["code"]["rss"],
         "weights_rss": last["kinds"]["weights"]["rss"],
-        "llama_buffers": {
-            k: sum(float(x) for x in re.findall(rx, logtext)) * 2**20 for k, rx in BUFFERS.items()
-        },
+        "llama_buffers": {k: mib(rx) for k, rx in BUFFERS.items()},
         "prompt_seconds": last["seconds"],
         "texts": last["texts"],
     }
@@ -842,29 +770,22 @@ def stages_table(rows: list[dict[str, Any]]) -> str:
     b, base, out = common.fmt_b, rows[0], []
     steps = [("anon: python", "interpreter", None), ("+ imports", "imports", "interpreter")]
     steps += [("+ model & context", "model", "imports"), ("+ prefill", "prefill", "model")]
+    bufs = (("KV buf", "kv"), ("compute buf", "compute"), ("repacked", "weights_repacked"))
     for r in rows:
         a, buf = r["anon_rss"], r["llama_buffers"]
         row = {"variant": r["variant"]}
         row |= {k: b(a[step] - (a[since] if since else 0)) for k, step, since in steps}
-        row |= {
-            "anon total": b(a["prefill"]),
-            "vs default": b(a["prefill"] - base["anon_rss"]["prefill"]),
+        row |= {"anon total": b(a["prefill"])}
+        row["vs default"] = b(a["prefill"] - base["anon_rss"]["prefill"])
+        row |= {k: b(buf[x]) for k, x in bufs} | {
+            "prompt s": common.fmt_s(min(r["prompt_seconds"]))
         }
-        row |= {
-            k: b(buf[x])
-            for k, x in (
-                ("KV buf", "kv"),
-                ("compute buf", "compute"),
-                ("repacked", "weights_repacked"),
-            )
-        }
-        row["prompt s"] = common.fmt_s(min(r["prompt_seconds"]))
         out.append(row | {"same text": "yes" if r["texts"] == base["texts"] else "NO"})
     return common.dict_table(out)
 
 
 def mapping_table(cells: list[dict[str, Any]]) -> str:
-    """Each cell's server processes at its end, by role: PSS by what the mappings hold."""
+    """Each cell's server processes at its end, by role: PSS by KINDS."""
     b, rows = common.fmt_b, []
     for c in cells:
         groups: dict[str, list[Any]] = {}
@@ -873,19 +794,15 @@ def mapping_table(cells: list[dict[str, Any]]) -> str:
         for role, kinds in [*groups.items(), ("all", [k for g in groups.values() for k in g])]:
             n = len(kinds) if role != "all" else 1
             row = {"cell": cell_key(c), "process": role + (f" (x{n}, each)" if n > 1 else "")}
-            row |= {f"{k} PSS": b(sum(x[k]["pss"] for x in kinds) / n) for k in common.KINDS}
+            row |= {f"{k} PSS": b(sum(x[k]["pss"] for x in kinds) / n) for k in KINDS}
             row["anon private"] = b(sum(x["anon"]["private"] for x in kinds) / n)
             row["PSS"] = b(sum(v["pss"] for x in kinds for v in x.values()) / n)
             rows.append(row)
     return common.dict_table(rows, left=2)
 
 
-# ================================================================== reports
-
-
 def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
-    """GOALS, each checked on every run's shmkv cells it applies to (a goal whose cells did
-    not run is not listed)."""
+    """GOALS, each checked on every run's shmkv cells it applies to."""
     cp = cfg.get("cold_prefill") or {}
     floor = (cp.get("floor") or {}).get("ttft", {}).get("p50")
     alone = sum(cp["seconds"].values()) / len(cp["seconds"]) if cp.get("seconds") else None
@@ -894,13 +811,11 @@ def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
         if c["arm"] not in ("shmkv", "shmkv-chat") or not c["ttft"].get("n"):
             continue
         ref = (r := llama_server_cell(c, cells)) and r["ttft"].get("n") and r
-        m, cold = {}, c.get("cache", {}).get("ttft_cold", {}).get("mean")
+        m, cold, t = {}, c.get("cache", {}).get("ttft_cold", {}).get("mean"), c["ttft"]
         if c["concurrency"] == GOAL_CONCURRENCY:
-            m["mean TTFT (s)"] = c["ttft"]["mean"]
-            m["llama-server's mean TTFT / shmkv's"] = (
-                ref and ref["ttft"]["mean"] / c["ttft"]["mean"]
-            )
-            m["p50 TTFT / (restore floor + suffix)"] = floor and c["ttft"]["p50"] / floor
+            m["mean TTFT (s)"] = t["mean"]
+            m["llama-server's mean TTFT / shmkv's"] = ref and ref["ttft"]["mean"] / t["mean"]
+            m["p50 TTFT / (restore floor + suffix)"] = floor and t["p50"] / floor
             m["PSS - arena used / llama-server's PSS"] = c["memory"].get("vs_llama_server")
         if c["concurrency"] == GOAL_THROUGHPUT_CONCURRENCY and ref and ref["requests_per_s"]:
             m["req/s / llama-server's req/s"] = c["requests_per_s"] / ref["requests_per_s"]
@@ -917,7 +832,7 @@ def llama_server_cell(c: dict[str, Any], cells: list[dict[str, Any]]) -> dict[st
 
 
 def llama_server_ratio(c: dict[str, Any], cells: list[dict[str, Any]]) -> float | None:
-    """The goal's measure: this cell's PSS minus the arena's used bytes over llama-server's."""
+    """This cell's PSS minus the arena's used bytes over llama-server's PSS."""
     if (r := llama_server_cell(c, cells)) and r["memory"]["total_pss_end"]:
         return c["memory"]["total_pss_minus_arena_used_end"] / r["memory"]["total_pss_end"]
     return None
@@ -935,7 +850,7 @@ SPREAD = {  # what the --runs table gives the median and range of
 
 
 def spread(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (arm, concurrency): each SPREAD figure's values over the runs, with their summary."""
+    """Per (arm, concurrency): each SPREAD figure over the runs, with its summary."""
     out = []
     for key in dict.fromkeys((c["arm"], c["concurrency"]) for c in cells):
         runs = [c for c in cells if (c["arm"], c["concurrency"]) == key]
@@ -954,37 +869,29 @@ def fmt(k: str, v: Any) -> str:
     return common.fmt_b(v) if "PSS" in k or "mem" in k or "growth" in k else common.fmt_s(v)
 
 
-def span(k: str, v: dict[str, Any]) -> str:
-    return f" [{fmt(k, v['min'])}-{fmt(k, v['max'])}]" if v.get("n", 0) > 1 else ""
-
-
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
-    """Every cell, then what the cache did in the shmkv cells; over several runs, the median
-    [min-max] of each SPREAD figure."""
-    cells, runs = res["cells"], res["config"]["runs"]
+    """Every cell, what the cache did, and over several runs the SPREAD figures."""
+    cells, runs, f = res["cells"], res["config"]["runs"], functools.partial(fmt, "")
     key = lambda c: (c["arm"], c["concurrency"])  # noqa: E731
     ref = {key(c): c["ttft"] for c in cells if server_arm(c["arm"]) == "nocache"}
     base = {key(c): c["ttft"] for c in (baseline or {}).get("cells", [])}
-    rows, detail = [], []
+    rows, detail, spread_fmt = [], [], list(SPREAD.items())
     for c in cells:
         t, k, mem = c["ttft"], c.get("cache", {}), c["memory"]
         r = ref.get((reference_arm(c["arm"], "nocache"), c["concurrency"]), {})
         rel = r.get("n") and t.get("n") and server_arm(c["arm"]) != "nocache"
-        row = {"arm": c["label"] + (f" (run {c['run'] + 1})" if runs > 1 else "")}
         stopped = f" (stopped at {c['attempted']})" if c["aborted"] else ""
+        row = {"arm": c["label"] + (f" (run {c['run'] + 1})" if runs > 1 else "")}
         row |= {"conc": c["concurrency"], "ok/err": f"{c['ok']}/{c['errors']}{stopped}"}
         row["cut"] = c["interrupted_streams"]
-        row |= {k2: fmt(k2, f(c)) for k2, f in list(SPREAD.items())[:4]}
-        row["total mean"] = fmt("", c["total"].get("mean"))
+        row |= {k2: fmt(k2, g(c)) for k2, g in spread_fmt[:4]}
+        row["total mean"] = f(c["total"].get("mean"))
         row["vs nocache"] = f"{r['mean'] / t['mean']:.1f}x" if rel else ""
         row["hits"] = f"{k['hits']}/{k['n']}" if k.get("n") else ""
-        row["cache mem"], row["worker growth"] = (
-            fmt("mem", mem["cache_bytes"]),
-            fmt("mem", mem["workers_pss_growth"]),
-        )
-        row |= {k2: fmt(k2, f(c)) for k2, f in list(SPREAD.items())[4:]}
-        row["baseline mean"] = fmt("", base.get(key(c), {}).get("mean"))
-        rows.append(row)
+        row["cache mem"] = fmt("mem", mem["cache_bytes"])
+        row["worker growth"] = fmt("mem", mem["workers_pss_growth"])
+        row |= {k2: fmt(k2, g(c)) for k2, g in spread_fmt[4:]}
+        rows.append(row | {"baseline mean": f(base.get(key(c), {}).get("mean"))})
         if not k.get("n"):
             continue
         q, sv = c["queueing"], c.get("supervisor", {})
@@ -992,20 +899,20 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
         detail.append({
             "cell": cell_key(c), "hits": k["hits"],
             "waited": k["hits_after_waiting_for_same_prompt_prefill"],
-            "hit mean": fmt("", k["ttft_hit"].get("mean")),
-            "no-wait mean": fmt("", k["ttft_hit_no_wait"].get("mean")),
+            "hit mean": f(k["ttft_hit"].get("mean")),
+            "no-wait mean": f(k["ttft_hit_no_wait"].get("mean")),
             "local": k["local_reuse"], "cold": k["cold"],
-            "cold mean": fmt("", k["ttft_cold"].get("mean")),
+            "cold mean": f(k["ttft_cold"].get("mean")),
             "cold dup": k["cold_beyond_one_per_prompt"],
             "cold share": f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
             "on busy": q.get("landed_on_busy", "-"),
             "busy+idle": q.get("landed_on_busy_while_another_idle", "-"),
-            **{n: d.get(x, "-") for n, x in (("puts", "puts"), ("dup puts", "duplicate_puts"),
-                                               ("evictions", "evictions"))},
-            "arena used": fmt("mem", e.get("bytes_used")),
+            "puts": d.get("puts", "-"), "dup puts": d.get("duplicate_puts", "-"),
+            "evictions": d.get("evictions", "-"), "arena used": fmt("mem", e.get("bytes_used")),
         })  # fmt: skip
     out = [common.dict_table(rows, left=2), common.dict_table(detail)]
     if runs > 1:
+        span = lambda k, v: f" [{fmt(k, v['min'])}-{fmt(k, v['max'])}]" if v.get("n", 0) > 1 else ""  # noqa: E731
         spread_rows = [
             {"arm": r["arm"], "conc": r["concurrency"], "runs": r["runs"]}
             | {k: fmt(k, v.get("p50")) + span(k, v) for k in SPREAD if (v := r[k])}
@@ -1016,10 +923,13 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
 
 
 def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
-    """Each shmkv cell's phases per request class: mean and share of the summed TTFT; and
-    the ideal scheduler's mean TTFT (``ideal``) where the run measured its input."""
+    """Each shmkv cell's phases per request class, and the ideal scheduler's mean."""
     rows, notes, f = [], [], common.fmt_s
     label = {"all": "all", "cold": "cold", "hit": "arena hit", "local": "local reuse"}
+    if cp := cfg.get("cold_prefill"):
+        secs = ", ".join(f(v) for v in cp["seconds"].values())
+        notes.append(f"- cold prefill per system prompt, one process, {cp['threads']} threads: ")
+        notes[-1] += secs
     for c in cells:
         for cls, ph in (c.get("phases") or {}).items():
             row = {"cell": cell_key(c), "requests": label[cls], "n": ph["n"]}
@@ -1033,12 +943,20 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
                 f"prefills as timed in one process, others {f(i['hit_s'])}: this cell's hits "
                 f"and local reuses without their waits, decode {f(i['decode_s'])})"
             )
-    if cp := cfg.get("cold_prefill"):
-        secs = ", ".join(f(v) for v in cp["seconds"].values())
-        notes.insert(
-            0, f"- cold prefill per system prompt, one process, {cp['threads']} threads: {secs}"
-        )
     return "\n\n".join([common.dict_table(rows, left=2), "\n".join(notes)]) if rows else ""
+
+
+def goal_table(checks: list[dict[str, Any]]) -> str:
+    rows = [["goal", "cell", "value", "bound", ""]]
+    for g in checks:
+        met = "met" if g["met"] else "MISSED"
+        rows.append([g["goal"], g["cell"], f"{g['value']:.3g}", f"{g['op']} {g['bound']:g}", met])
+    return common.grid(rows, left=2)
+
+
+def cell_key(c: dict[str, Any]) -> str:
+    """arm@concurrency, with /run when there are several runs."""
+    return f"{c['arm']}@{c['concurrency']}" + (f"/{c['run'] + 1}" if c.get("run") else "")
 
 
 opt = common.option
@@ -1065,11 +983,7 @@ opt = common.option
 @opt("--idle", default=0.0, help="Seconds each client waits before each request.")
 @opt("--budget-overhead", is_flag=True, help="Also time the CPU budget's own cost (with --ideal).")
 @opt("--by-mapping", is_flag=True, help="Also print each cell's PSS by mapping (smaps).")
-@opt(
-    "--stages",
-    default="",
-    help=f"Also report one worker's memory by step per variant (e.g. {VARIANTS}).",
-)
+@opt("--stages", default="", help=f"Also one worker's memory by step per variant ({VARIANTS}).")
 @opt("--ideal/--no-ideal", default=True, help="Time one cold prefill per system prompt first.")
 def main(report: common.Report, o: Any) -> None:
     """Serve shared system prompts: no cache vs LlamaRAMCache vs llama-server vs shmkv."""
@@ -1077,8 +991,7 @@ def main(report: common.Report, o: Any) -> None:
 
     from shmkv.core.config import parse_size
 
-    quick = o.quick
-    arms = [a.strip() for a in o.arms.split(",") if a.strip()]
+    quick, arms = o.quick, [a.strip() for a in o.arms.split(",") if a.strip()]
     if unknown := [a for a in arms if a not in ARMS]:
         raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}")
     n, model = o.requests or (8 if quick else 60), common.model_path(o.model)
@@ -1095,8 +1008,8 @@ def main(report: common.Report, o: Any) -> None:
     if LLAMA_SERVER_ARMS & set(arms):
         import llama_server  # (bench/llama_server.py: builds it once, minutes)
 
-        binary = llama_server.build()
-        cfg |= dict(llama_server_binary=str(binary), llama_server_args=llama_server_args(cfg))
+        cfg["llama_server_binary"] = str(llama_server.build())
+        cfg["llama_server_args"] = llama_server_args(cfg)
     cfg |= dict(endpoint="/v1/completions", stream=True, temperature=0.0, phases=PHASES)
     cfg |= dict(chat_arms=sorted(CHAT_ARMS), chat_endpoint="/v1/chat/completions")
     cfg["chat_messages"] = [{"role": "system", "content": "{system}"}]
@@ -1126,18 +1039,14 @@ def main(report: common.Report, o: Any) -> None:
     interrupted = False
     try:
         with tempfile.TemporaryDirectory(prefix="shmkv-bench-serve-") as tmp:
-            grid = itertools.product(range(cfg["runs"]), arms, cfg["concurrency"])
-            for run, arm, cc in grid:
+            for run, arm, cc in itertools.product(range(cfg["runs"]), arms, cfg["concurrency"]):
                 cacheless = server_arm(arm) in ("nocache", "ramcache")
                 n_cell = cfg["cacheless_requests"] if cacheless else n
                 log.info("run %d: cell %s, concurrency %d, %d requests", run + 1, arm, cc, n_cell)
                 cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)) | {"run": run})
-                nocache = {
-                    c["concurrency"]: c["memory"]
-                    for c in cells
-                    if c["arm"] == reference_arm(arm, "nocache") and c["run"] == run
-                }
-                a = analyse_cell(cells[-1], min(wl.system_tokens), nocache.get(cc))
+                ref = (reference_arm(arm, "nocache"), run, cc)
+                same = [c["memory"] for c in cells if (c["arm"], c["run"], c["concurrency"]) == ref]
+                a = analyse_cell(cells[-1], min(wl.system_tokens), (same or [None])[-1])
                 if a.get("phases"):
                     a["ideal"] = ideal(cells[-1], a, cfg)
                 analysed.append(a | {"run": run})
@@ -1148,15 +1057,13 @@ def main(report: common.Report, o: Any) -> None:
         interrupted = True
     if interrupted and not analysed:
         raise SystemExit(130)
-    code["working_tree_changed_during_run"] = (
-        common.code_state()["code_digest"] != code["code_digest"]
-    )
+    changed = common.code_state()["code_digest"] != code["code_digest"]
+    code["working_tree_changed_during_run"] = changed
     for c in analysed:  # (llama-server may run after the others: its cells come last)
         c["memory"]["vs_llama_server"] = llama_server_ratio(c, analysed)
     goal = goals(analysed, cfg)
-    dists = "gunicorn uvicorn uvicorn-worker fastapi httpx psutil".split()
     res = {
-        **report.header(common.llama_versions(*dists)),
+        **report.header(*"gunicorn uvicorn uvicorn-worker fastapi httpx psutil".split()),
         "interrupted": interrupted,
         "loadavg_end": common.loadavg(),
         "config": cfg,
@@ -1185,7 +1092,7 @@ def main(report: common.Report, o: Any) -> None:
         ("the CPU budget's own cost, one context (mean; Llama.eval vs cpubudget.evaluate)",
          bo and "\n".join(f"  {w}: {f(bo[w + '_plain']['mean'])} vs {f(bo[w + '_budget']['mean'])}"
                           for w in ("prefill", "decode_step"))),
-        ("goals", goal["checks"] and common.goal_table(goal["checks"])
+        ("goals", goal["checks"] and goal_table(goal["checks"])
          + f"\n(restore floor + suffix, p50, one Llama: {f(goal['floor_p50_s'])})"),
     ):  # fmt: skip
         if text:
@@ -1196,19 +1103,12 @@ def main(report: common.Report, o: Any) -> None:
         raise SystemExit(130)
 
 
-def cell_key(c: dict[str, Any]) -> str:
-    """arm@concurrency, with /run when there are several runs."""
-    return f"{c['arm']}@{c['concurrency']}" + (f"/{c['run'] + 1}" if c.get("run") else "")
-
-
 def _sigterm(_signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "_probe":
-        import json
-
         probe(json.loads(sys.argv[2]))
     else:
         main()

