@@ -1,10 +1,5 @@
-"""Arena benchmark against a real ``shmkv supervise``: 1. lookups, 2. 16 MiB puts, 3. lookup
-to a verified pointer, each beside its floor; 4. one huge put into a fragmented arena while
-another process pings (the cases: docs/benchmarks.md).
-
-    python bench/bench_arena.py --quick    # smoke run, a few seconds
-    python bench/bench_arena.py --case fragmented --before ../main   # case 4 only
-"""
+"""Arena benchmark against a real supervisor: lookups, 16 MiB puts, lookup to a verified
+pointer, a huge put into a fragmented arena (docs/benchmarks.md). Smoke run: ``--quick``."""
 
 from __future__ import annotations
 
@@ -52,10 +47,6 @@ GOALS = [
     ("put.total", ">=", GOAL_PUT_GBPS),  # GB/s
     ("fragmented.ping_max", "<=", GOAL_PING_MAX_MS),  # ms, a ping during a huge put
 ]
-
-
-def goals_met(values: dict[str, float]) -> dict[str, bool]:
-    return {g["goal"]: g["met"] for g in common.check_goals(GOALS, {"": values})}
 
 
 #: the fragmented case: arena size, payload of each small record, size of the huge put
@@ -419,10 +410,8 @@ def fragmented(quick: bool, seed: int, before: Path | None) -> dict[str, Any]:
             out[arm] = bench_fragmented(quick, seed, code)
     if b := out.get("before"):
         a = out["after"]
-        out["ratios"] = {
-            "put_seconds": round(b["put_seconds"] / a["put_seconds"], 2),
-            "ping_max": round(b["ping_ms"]["max"] / a["ping_ms"]["max"], 1),
-        }
+        out["ratios"] = {"put_seconds": round(b["put_seconds"] / a["put_seconds"], 2)}
+        out["ratios"]["ping_max"] = round(b["ping_ms"]["max"] / a["ping_ms"]["max"], 1)
     return out
 
 
@@ -446,17 +435,13 @@ def fragmented_chart(frag: dict[str, Any]) -> list[tuple[str, float, float | Non
 
 
 def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
-    lk, rd = res["lookup"], res["read"]
-    rows = [(f"lookup: {k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6) for k, v in lk.items()
+    parts = [("lookup: ", res["lookup"]), ("lookup: prefix ", res["lookup"]["by_depth"])]
+    rows = [(f"{w}{k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6)
+            for w, tree in [*parts, ("read: ", res["read"])] for k, v in tree.items()
             if isinstance(v, dict) and "p50_us" in v]  # fmt: skip
-    rows += [(f"lookup: prefix {k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6)
-             for k, v in lk["by_depth"].items()]  # fmt: skip
-    rows += [(f"read: {k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6) for k, v in rd.items()
-             if isinstance(v, dict) and "p50_us" in v]  # fmt: skip
     return rows + fragmented_chart(res["fragmented"])
 
 
-# ------------------------------------------------------------------------ main
 def run(plan: Plan) -> dict[str, Any]:
     rng = np.random.default_rng(plan.seed)
     args = ["--size", str(plan.size), "--index-slots", str(plan.index_slots)]
@@ -473,9 +458,8 @@ def run(plan: Plan) -> dict[str, Any]:
             chunk = view.geometry.chunk_tokens
             keep = fill_small(client, plan, rng, chunk)
             if (st := client.stats())["entries"] != plan.entries or st["evictions"]:
-                raise click.ClickException(
-                    f"the arena did not keep every entry (raise --size or --index-slots): {st}"
-                )
+                what = "the arena did not keep every entry (raise --size or --index-slots)"
+                raise click.ClickException(f"{what}: {st}")
             gc.collect()
             gc.freeze()  # the fill's objects are not what a worker's GC would scan
             log.info("1/4 lookups (%d timed)", plan.lookups)
@@ -495,17 +479,10 @@ def run(plan: Plan) -> dict[str, Any]:
 
 @common.command("arena")
 @click.option("--quick", is_flag=True, help="Smoke run of a few seconds (small counts).")
-@common.option(
-    "--case",
-    type=click.Choice(["all", "fragmented"]),
-    default="all",
-    help="Every case, or only case 4 (arena_fragmented.json/.png).",
-)
-@common.option(
-    "--before",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="Also run case 4 against the supervisor of this checkout.",
-)
+@common.option("--case", type=click.Choice(["all", "fragmented"]), default="all",
+               help="Every case, or only case 4 (arena_fragmented.json/.png).")  # fmt: skip
+@common.option("--before", type=click.Path(exists=True, file_okay=False, path_type=Path),
+               help="Also run case 4 against the supervisor of this checkout.")  # fmt: skip
 @click.option("--set", "sets", multiple=True, help=f"KEY=VALUE of the plan: {', '.join(PLANS[0])}.")
 @click.option("--seed", type=int, default=1, show_default=True)
 def main(report: common.Report, o: Any) -> None:
@@ -544,13 +521,11 @@ def main(report: common.Report, o: Any) -> None:
         rows: list[tuple[str, Any, Any]] = []
         for part in ("lookup", "put", "read"):
             rows += [(f"[{part}]", None, None), *common.walk(res[part], base.get(part))]
-        pr, after = res["lookup"]["probes_per_lookup"], res["load_average"]["after"]
-        click.echo(
-            f"\n{common.title(res, 'arena')}; load {load_before[0]} before, {after[0]} after"
-        )
+        pr, after = res["lookup"]["probes_per_lookup"], res["load_average"]["after"][0]
+        click.echo(f"\n{common.title(res, 'arena')}; load {load_before[0]} before, {after} after")
         click.echo(common.summary_table(rows, 1e-6, "_us"))
         click.echo(f"lookup: {pr['mean']} probes (max {pr['max']})")
-    res["goals_met"] = goals_met(values)
+    res["goals_met"] = {g["goal"]: g["met"] for g in common.check_goals(GOALS, {"": values})}
     click.echo("\n" + fragmented_table(res["fragmented"]))
     goals = f"lookup p50 <= {GOAL_LOOKUP_P50_US:g} us, put >= {GOAL_PUT_GBPS:g} GB/s, ping max"
     click.echo(f"goals ({goals} <= {GOAL_PING_MAX_MS:g} ms): {res['goals_met']}")

@@ -1,13 +1,10 @@
-"""Persistence benchmark (``--persist``): the refill of real Gemma 3 states after a reboot
-(the arena gone, a new supervisor on the same directory) against the cold prefills they save,
-and what the write-behind costs puts and hits.
-
-    python bench/bench_persist.py --quick    # smoke run
-"""
+"""Persistence (``--persist``): the refill after a reboot against the cold prefills it saves,
+and the write-behind's cost to puts and hits (docs/benchmarks.md). Smoke run: ``--quick``."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import subprocess
@@ -30,16 +27,18 @@ log = logging.getLogger("bench_persist")
 FP = b"bench-persist"
 
 
+def llama(model: Path, threads: int) -> Any:
+    import llama_cpp
+
+    kw = dict(n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
+    return llama_cpp.Llama(model_path=str(model), **kw)
+
+
 def real_states(model: Path, n: int, tokens: int, threads: int) -> list[dict[str, Any]]:
     """``n`` prompt states of ``tokens`` tokens: their bytes and cold prefill seconds."""
-    import llama_cpp
     from llama_cpp import llama_cpp as C
 
-    llm = llama_cpp.Llama(
-        model_path=str(model), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
-        verbose=False,
-    )  # fmt: skip
-    tok = common.tokenizer(model)
+    llm, tok = llama(model, threads), common.tokenizer(model)
     out = []
     for k in range(n):
         text = " ".join(f"{common.WORDS[(k * 7 + i) % len(common.WORDS)]}" for i in range(tokens))
@@ -118,8 +117,6 @@ def put_cost(tmp: Path, states: list[dict[str, Any]], puts: int, persist: bool) 
 
 def ttft_cost(tmp: Path, model: Path, threads: int, repeats: int, persist: bool) -> dict[str, Any]:
     """TTFT of hits (a shared prefix, new suffixes) while every publish is written behind."""
-    import llama_cpp
-
     from shmkv.llama import attach
 
     d = tmp / f"ttft-{int(persist)}"
@@ -127,10 +124,7 @@ def ttft_cost(tmp: Path, model: Path, threads: int, repeats: int, persist: bool)
     prefix = " ".join(common.WORDS[i % len(common.WORDS)] for i in range(800))
     ttfts = []
     with common.supervisor(tmp, *args) as sup:
-        llm = llama_cpp.Llama(
-            model_path=str(model), n_ctx=4096, n_threads=threads, n_threads_batch=threads,
-            verbose=False,
-        )  # fmt: skip
+        llm = llama(model, threads)
         cache = attach(llm, name=sup.name, socket_path=sup.socket)
         gen = dict(max_tokens=16, temperature=0.0, seed=0)
         for _ in llm.create_completion(prefix + " Question 0?", stream=True, **gen):
@@ -172,9 +166,8 @@ def main(report: common.Report, o: Any) -> None:
         refill = refill_case(Path(tmp), states, n, o.drop_caches)
         arms = (("off", False), ("on", True))
         cost = {f"put_ms_{k}": put_cost(Path(tmp), states, puts, p) for k, p in arms}
-        cost |= {
-            f"ttft_ms_{k}": ttft_cost(Path(tmp), model, o.threads, repeats, p) for k, p in arms
-        }
+        ttft = functools.partial(ttft_cost, Path(tmp), model, o.threads, repeats)
+        cost |= {f"ttft_ms_{k}": ttft(p) for k, p in arms}
     res = {
         **report.header(),
         "git": common.code_state(),
@@ -199,10 +192,8 @@ def main(report: common.Report, o: Any) -> None:
         value = f"{c[f'{k}_ms_off']:.1f} / {c[f'{k}_ms_on']:.1f} ms"
         rows.append([f"{label} p50 off / on", value, f"{res[f'{k}_on_over_off_p50']:.2f}x"])
     click.echo(common.grid(rows))
-    chart = [
-        (k.replace("_ms_", ", persist "), v["p50"] / 1e3, v["p99"] / 1e3) for k, v in cost.items()
-    ]
-    report.write(res, chart)
+    report.write(res, [(k.replace("_ms_", ", persist "), v["p50"] / 1e3, v["p99"] / 1e3)
+                       for k, v in cost.items()])  # fmt: skip
 
 
 if __name__ == "__main__":

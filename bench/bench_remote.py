@@ -1,9 +1,5 @@
-"""Two nodes, one Redis: cross-node hit TTFT against cold and a local hit, fetch throughput,
-compression on and off, and the prefill the tier saves under a shared-prompt workload (two
-real ``shmkv supervise --remote``, the llama contexts in this process; docs/benchmarks.md).
-
-    python bench/bench_remote.py --quick    # smoke run
-"""
+"""Two nodes, one Redis: cross-node hit TTFT against cold and local hits, fetch throughput,
+compression, prefill saved (docs/benchmarks.md). Smoke run: ``--quick``."""
 
 from __future__ import annotations
 
@@ -61,9 +57,8 @@ def redis_server(workdir: Path, url: str | None) -> Iterator[str]:
 def flush(url: str) -> None:
     import redis
 
-    r = redis.Redis.from_url(url)
-    r.flushall()
-    r.close()
+    with redis.Redis.from_url(url) as r:
+        r.flushall()
 
 
 def ttft(llm: Any, prompt: str, max_tokens: int = 4) -> tuple[float, str]:
@@ -75,9 +70,8 @@ def ttft(llm: Any, prompt: str, max_tokens: int = 4) -> tuple[float, str]:
 def caught_up(sup: common.Supervisor) -> dict[str, Any]:
     def done() -> dict[str, Any] | None:
         st = sup.stats()
-        return (
-            st if st["remote_queue"] == 0 and st["remote_written"] + st["remote_present"] else None
-        )
+        done = st["remote_queue"] == 0 and st["remote_written"] + st["remote_present"]
+        return st if done else None
 
     return common.poll(done, 60, "write-behind catch-up", every=0.1)
 
@@ -135,9 +129,8 @@ def arm_pair(
             local.append(ttft(node_b, prefix + s)[0])
         st_b = b.stats()
         out |= dict(cross_s=cross, local_s=local, cross_texts=texts, statuses=statuses)
-        out |= dict(
-            fetched_bytes=st_b["remote_pulled_bytes"], pull_seconds=st_b["remote_pull_seconds"]
-        )
+        out["fetched_bytes"] = st_b["remote_pulled_bytes"]
+        out["pull_seconds"] = st_b["remote_pull_seconds"]
         out["state_bytes"] = st_b["remote_fetched_bytes"] / max(1, st_b["remote_fetched"])
         pub.shmkv.close()
         node_b.shmkv.close()
@@ -245,6 +238,7 @@ def main(report: common.Report, opts: Any) -> None:
             ]
     res["load_after"] = common.loadavg()
     show(res)
+    pct = lambda xs: (common.summary(xs)["p50"], common.summary(xs)["p99"])  # noqa: E731
     chart = [("cold", *pct(res["cold_s"]))]
     for p in res["pairs"]:
         chart += [(f"{k} hit ({p['codec']})", *pct(p[f"{k}_s"])) for k in ("cross", "local")]
@@ -258,7 +252,8 @@ def show(res: dict[str, Any]) -> None:
             (f"{w} hit ({p['codec']})", p[f"{k}_s"])
             for w, k in (("cross-node", "cross"), ("local", "local"))
         ]
-    rows = [[a, *fmt(common.summary(xs))] for a, xs in arms]
+    rows = [[a, *(common.fmt_s(s[k]) for k in ("p50", "mean")), str(s["n"])]
+            for a, xs in arms if (s := common.summary(xs))]  # fmt: skip
     click.echo(common.grid([["arm", "TTFT p50", "mean", "n"], *rows]))
     for p in res["pairs"]:
         click.echo(
@@ -278,15 +273,6 @@ def show(res: dict[str, Any]) -> None:
             f"prefilled, {w['tokens_restored']} restored ({w['remote_restored']} cross-node), "
             f"{w['wall_s']:.1f} s"
         )
-
-
-def pct(xs: list[float]) -> tuple[float, float]:
-    s = common.summary(xs)
-    return s["p50"], s["p99"]
-
-
-def fmt(s: dict[str, Any]) -> list[str]:
-    return [common.fmt_s(s["p50"]), common.fmt_s(s["mean"]), str(s["n"])]
 
 
 if __name__ == "__main__":

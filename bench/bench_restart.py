@@ -1,9 +1,5 @@
-"""Restart benchmark: from a supervisor's ``kill -9`` to its successor's first served hit
-(adopting an arena of 16 MiB states), against a ``--fresh`` start; the cold prefills saved
-come from the committed bench_restore baseline (docs/benchmarks.md).
-
-    python bench/bench_restart.py --quick    # 128 MiB, 2 rounds
-"""
+"""Restart: from a supervisor's ``kill -9`` to its successor's first hit on an adopted arena,
+against a ``--fresh`` start (docs/benchmarks.md). Smoke run: ``--quick``."""
 
 from __future__ import annotations
 
@@ -155,21 +151,17 @@ def main(report: common.Report, o: Any) -> None:
     saved = None if cold is None else res["entries"] * cold
     out = {
         **report.header(),
-        "config": {"quick": o.quick, "size": size, "rounds": rounds, "blob_bytes": BLOB},
-        "goals": {"adopt_first_hit_s": GOAL_ADOPT_S},
-        "cold_prefill": {"seconds": cold, "tokens": cold_tokens, "source": "baseline/restore.json"},
-        **res,
-        "analysis": {
-            "adopt_first_hit_s": first,
-            "adopt_ready_s": common.summary([x["ready_s"] for x in adopt]),
-            "adopt_check_s": common.summary([x["check_s"] for x in adopt if x["check_s"]]),
-            "fresh_ready_s": common.summary([x["ready_s"] for x in fresh]),
-            "cold_prefills_saved_s": saved,
-        },
-        "load_average": {"before": load_before, "after": common.loadavg()},
+        "config": dict(quick=o.quick, size=size, rounds=rounds, blob_bytes=BLOB),
     }
+    out["goals"] = {"adopt_first_hit_s": GOAL_ADOPT_S}
+    out["cold_prefill"] = dict(seconds=cold, tokens=cold_tokens, source="baseline/restore.json")
+    a = out["analysis"] = {"adopt_first_hit_s": first}
+    a["adopt_ready_s"] = common.summary([x["ready_s"] for x in adopt])
+    a["adopt_check_s"] = common.summary([x["check_s"] for x in adopt if x["check_s"]])
+    a["fresh_ready_s"] = common.summary([x["ready_s"] for x in fresh])
+    a["cold_prefills_saved_s"] = saved
+    out |= res | {"load_average": {"before": load_before, "after": common.loadavg()}}
     out["goals_met"] = {"adopt_first_hit": first["p50"] <= GOAL_ADOPT_S}
-    a = out["analysis"]
     click.echo(f"\n{common.title(out, 'restart')}; load {load_before[0]} before")
     click.echo(f"{res['entries']} states, {common.fmt_b(res['bytes_used'])} in a {size} arena")
     rows = [

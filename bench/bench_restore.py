@@ -1,9 +1,5 @@
-"""Time to first token on a shared ~2,000-token prefix: cold, shmkv hit, the floor,
-LlamaRAMCache, --exact and q8_0 KV arms, each in a process of its own (the arms:
-docs/benchmarks.md).
-
-    python bench/bench_restore.py --quick              # smoke run
-"""
+"""TTFT on a shared ~2,000-token prefix: cold, shmkv hit, the floor, LlamaRAMCache, --exact
+and q8_0 arms, each in a process of its own (docs/benchmarks.md). Smoke run: ``--quick``."""
 
 from __future__ import annotations
 
@@ -17,6 +13,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,10 +55,58 @@ Lobster Mango Please Tell Explain Describe Summarize List Name Which What Why Ho
 Where Who Give Write Compare Choose Find Count Check""".split()
 
 
-# ==================================================== arms (`bench_restore.py _arm SPEC`)
+RATIOS = """hit_over_floor hit floor_b p50|hit_over_floor hit floor_b mean
+hit_nopublish_over_floor hit_nopublish floor_b p50|hit_over_floor_separate_process hit floor p50
+cold_over_hit cold hit p50|cold_over_hit cold hit mean|ramcache_over_cold ramcache cold p50
+cold_over_floor cold floor p50|cold_over_hit_exact cold hit_exact p50
+cold_q8_over_hit_q8 cold_q8 hit_q8 p50|hit_q8_over_hit hit_q8 hit p50""".replace("\n", "|").split(
+    "|"
+)
 
 
-def instrument(cache: Any, p: common.Probes) -> None:
+class Probes:
+    """Wall time of wrapped calls keyed by their nesting ("restore/acquire"); ``calls`` keeps
+    (key, start, seconds, result if a bool) of each. :meth:`remove` puts the originals back."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()  # one nesting stack per thread
+        self.acc: dict[str, float] = {}
+        self.calls: list[tuple[str, float, float, bool | None]] = []
+        self.undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, attr: str, label: str | None = None) -> None:
+        orig, own = getattr(owner, attr), attr in getattr(owner, "__dict__", {})
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            stack = self.local.__dict__.setdefault("stack", [])
+            stack.append(label or attr)
+            key = "/".join(stack)
+            self.acc.setdefault(key, 0.0)  # keys in the order the calls start
+            t, out = time.perf_counter(), None
+            try:
+                out = orig(*a, **k)
+                return out
+            finally:
+                d = time.perf_counter() - t
+                self.acc[key] = self.acc.get(key, 0.0) + d
+                self.calls.append((key, t, d, out if isinstance(out, bool) else None))
+                stack.pop()
+
+        self.undo.append((owner, attr, orig if own else None))
+        setattr(owner, attr, wrapper)
+
+    def take(self) -> tuple[dict[str, float], list[tuple[str, float, float, bool | None]]]:
+        """The inclusive times and the calls since the last take."""
+        out, self.acc, self.calls = (self.acc, self.calls), {}, []
+        return out
+
+    def remove(self) -> None:
+        for owner, attr, orig in reversed(self.undo):
+            delattr(owner, attr) if orig is None else setattr(owner, attr, orig)
+        self.undo = []
+
+
+def instrument(cache: Any, p: Probes) -> None:
     """Time the calls inside ``restore`` that the chart shows (``capture`` is already timed)."""
     import llama_cpp.llama_cpp as llama_c
 
@@ -134,7 +179,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     res["context_params"] = {
         n: getattr(cp, n) for n, _t in cp._fields_ if isinstance(getattr(cp, n), (int, float, bool))
     }
-    probes = common.Probes()
+    probes = Probes()
     if cache is not None:
         from shmkv.core.client import Client
 
@@ -250,20 +295,14 @@ def make_prompts(
 ) -> dict[str, Any]:
     """A shared prefix and suffixes that start with different tokens (so no two requests share
     more than the prefix) and tokenize apart from it."""
-    tok = common.tokenizer(model)
+    tok, rng = common.tokenizer(model), random.Random(SEED)
 
     def count(text: str) -> int:  # with BOS, as create_completion tokenizes a prompt
         return len(tok(text)) + 1
 
-    rng = random.Random(SEED)
-
     def document(head: str, line: str) -> str:
-        return (
-            common.fill_to(
-                prefix_target, count, head, lambda n: line.format(*rng.sample(WORDS, 8), n=n)
-            )
-            + "\n"
-        )
+        fill = lambda n: line.format(*rng.sample(WORDS, 8), n=n)  # noqa: E731
+        return common.fill_to(prefix_target, count, head, fill) + "\n"
 
     prefix = document(
         "You are the archivist of a large museum. Below are the catalogue rules you must "
@@ -278,10 +317,7 @@ def make_prompts(
         "Day {n}. Loaded {0} crates of {1} and a barrel of {2}; the wind came from the {3}, "
         "and the {4} was stored below the {5}.\n",
     )
-    ptoks = tok(prefix)
-    firsts: set[int] = set()
-    suffixes: list[str] = []
-    heads = list(SUFFIX_HEADS)
+    ptoks, firsts, suffixes, heads = tok(prefix), set(), [], list(SUFFIX_HEADS)
     rng.shuffle(heads)
     for h in heads:
         words = f"{h}:"
@@ -300,14 +336,9 @@ def make_prompts(
         raise click.ClickException(
             f"only {len(suffixes)} suffixes with distinct first tokens: lower --repeats"
         )
-    return {
-        "prefix": prefix,
-        "prefix_tokens": len(ptoks) + 1,
-        "suffixes": suffixes,
-        "suffix_tokens": [len(tok(prefix + s)) - len(ptoks) for s in suffixes],
-        "warmup": warmup + "Summary:",
-        "warmup_tokens": count(warmup),
-    }
+    out = dict(prefix=prefix, prefix_tokens=len(ptoks) + 1, suffixes=suffixes)
+    out["suffix_tokens"] = [len(tok(prefix + s)) - len(ptoks) for s in suffixes]
+    return out | dict(warmup=warmup + "Summary:", warmup_tokens=count(warmup))
 
 
 def run_arm(spec: dict[str, Any], workdir: Path, sup: common.Supervisor) -> dict[str, Any]:
@@ -345,8 +376,8 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
     ram_warm, ram_hits = split(ram["requests"], "warm")
     pub_second, pub_first = split(pub["requests"], "second")
     exact, pub_exact = arms["hit_exact"]["requests"], arms["publisher_exact"]["requests"]
-    _, pub_q8_first = split(arms["publisher_q8"]["requests"], "second")
-    rows = {
+    (_, pub_q8_first), p2 = split(arms["publisher_q8"]["requests"], "second"), pub_second
+    rows = {  # fmt: skip
         "cold": ("cold: plain Llama, reset() per request", cold["requests"]),
         "hit": ("shmkv hit, 2nd process (publish on, default)", on),
         "hit_nopublish": ("shmkv hit, 2nd process (publish off)", off),
@@ -356,10 +387,7 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "ramcache": ("LlamaRAMCache, reset() per request", ram_hits),
         "ramcache_warm": ("LlamaRAMCache, 1st request (warms it)", ram_warm),
         "publisher": ("process A: miss + publish (SharedCacheLlama)", pub_first),
-        "publisher_second": (
-            "process A, 2nd suffix: tail checkpoint + divergence publish",
-            pub_second,
-        ),  # noqa: E501
+        "publisher_second": ("process A, 2nd suffix: tail checkpoint + divergence publish", p2),
         "hit_exact": ("shmkv --exact hit, 2nd process (restores at n_batch boundaries)", exact),
         "publisher_exact": ("process A --exact: miss + publish at batch boundaries", pub_exact),
         "cold_q8": ("q8_0 KV: cold, plain Llama", arms["cold_q8"]["requests"]),
@@ -377,21 +405,7 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
 
     # hit / floor against the floor in the same process, interleaved with the hits (same
     # context and KV history); two processes differ by a few percent in suffix-eval alone
-    ratios = {  # hit / floor: the floor in the same process, interleaved with the hits
-        f"{name}_{stat}": ratio(a, b, stat)
-        for name, a, b, stat in [
-            ("hit_over_floor", "hit", "floor_b", "p50"),
-            ("hit_over_floor", "hit", "floor_b", "mean"),
-            ("hit_nopublish_over_floor", "hit_nopublish", "floor_b", "p50"),
-            ("hit_over_floor_separate_process", "hit", "floor", "p50"),
-            ("cold_over_hit", "cold", "hit", "p50"), ("cold_over_hit", "cold", "hit", "mean"),
-            ("ramcache_over_cold", "ramcache", "cold", "p50"),
-            ("cold_over_floor", "cold", "floor", "p50"),
-            ("cold_over_hit_exact", "cold", "hit_exact", "p50"),
-            ("cold_q8_over_hit_q8", "cold_q8", "hit_q8", "p50"),
-            ("hit_q8_over_hit", "hit_q8", "hit", "p50"),
-        ]
-    }  # fmt: skip
+    ratios = {f"{name}_{stat}": ratio(a, b, stat) for name, a, b, stat in map(str.split, RATIOS)}
 
     def cap(r: dict[str, Any], before_first: bool = False) -> float:
         """Seconds in capture() calls (only those that started before the first chunk)."""

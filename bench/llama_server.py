@@ -1,9 +1,5 @@
-"""Build llama.cpp's ``llama-server`` once from the sources the installed llama-cpp-python
-vendors (its sdist from PyPI, cmake, CPU only, no curl), cached under
-``~/.cache/shmkv-bench/llama-server-<version>/``.
-
-    python bench/llama_server.py                  # build (minutes), print the binary's path
-"""
+"""Build llama.cpp's ``llama-server`` once from the installed llama-cpp-python's sdist (cmake,
+CPU only, no curl) into ``~/.cache/shmkv-bench/llama-server-<version>/``; prints its path."""
 
 from __future__ import annotations
 
@@ -37,16 +33,6 @@ def default_version() -> str:
         return "0.3.36"
 
 
-def cache_dir(ver: str) -> Path:
-    return CACHE / f"llama-server-{ver}"
-
-
-def binary(ver: str | None = None) -> Path | None:
-    """The cached ``llama-server`` of ``ver`` (the installed version), if it was built."""
-    exe = cache_dir(ver or default_version()) / "llama-server"
-    return exe if exe.is_file() and os.access(exe, os.X_OK) else None
-
-
 def _run(args: list[str], cwd: Path, log_path: Path) -> None:
     log.info("$ %s", " ".join(args))
     with open(log_path, "ab") as out:
@@ -58,14 +44,12 @@ def _run(args: list[str], cwd: Path, log_path: Path) -> None:
 
 def build(ver: str | None = None, jobs: int = 2, keep: bool = False) -> Path:
     """``llama-server`` of llama-cpp-python ``ver``: the cached binary, built if missing."""
-    ver = ver or default_version()
-    if exe := binary(ver):
+    dest = CACHE / f"llama-server-{(ver := ver or default_version())}"
+    if (exe := dest / "llama-server").is_file() and os.access(exe, os.X_OK):
         log.info("cached: %s", exe)
         return exe
-    dest = cache_dir(ver)
     dest.mkdir(parents=True, exist_ok=True)
-    build_log = dest / "build.log"
-    build_log.write_text("")
+    (build_log := dest / "build.log").write_text("")
     work = Path(tempfile.mkdtemp(prefix="llama-server-build-", dir=dest))
     try:
         log.info("downloading the %s==%s sdist (log: %s)", DIST, ver, build_log)
@@ -76,22 +60,19 @@ def build(ver: str | None = None, jobs: int = 2, keep: bool = False) -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(work, filter="data")
         (src,) = work.glob("*/vendor/llama.cpp")
-        out = work / "build"
+        out, gen = work / "build", ["-G", "Ninja"] if shutil.which("ninja") else []
         log.info("configuring %s", src)
-        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
         _run(["cmake", "-S", str(src), "-B", str(out), *gen, *CMAKE_FLAGS], work, build_log)
         log.info("building llama-server with %d jobs (minutes; log: %s)", jobs, build_log)
         make = ["cmake", "--build", str(out), "--target", "llama-server", "-j", str(jobs)]
         _run(make, work, build_log)
-        (built,) = out.glob("bin/llama-server")
-        tmp = dest / "llama-server.tmp"
-        shutil.copy2(built, tmp)
-        tmp.replace(dest / "llama-server")  # atomic: a half-copied binary is never "cached"
+        shutil.copy2(next(out.glob("bin/llama-server")), tmp := dest / "llama-server.tmp")
+        tmp.replace(exe)  # atomic: a half-copied binary is never "cached"
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-    log.info("built: %s", dest / "llama-server")
-    return dest / "llama-server"
+    log.info("built: %s", exe)
+    return exe
 
 
 @click.command()

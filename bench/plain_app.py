@@ -1,14 +1,6 @@
-"""llama-cpp-python's own server app, as the bench's ``nocache`` and ``ramcache`` arms run it.
-
-Runs in each of their gunicorn workers (``bench_serve.py``: ``plain_app:create_app()``).
-``llama_cpp.server.app.create_app`` unchanged, except that Gemma 3's chat template is
-registered first under the name ``shmkv serve`` gives it
-(``shmkv.serving.chat_template``): the packaged GGUF carries no template, so with
-``CHAT_FORMAT=shmkv-gemma3`` a chat renders to the very prompt the shmkv workers render
-(llama-cpp-python's own "gemma" format drops system messages).
-"""
-
-from __future__ import annotations
+"""llama_cpp.server's app, as bench_serve's ``nocache`` and ``ramcache`` arms run it, with Gemma
+3's chat template registered first under the name ``shmkv serve`` gives it (the packaged GGUF
+has none; llama-cpp-python's "gemma" drops system messages)."""
 
 from typing import Any
 

@@ -1,8 +1,5 @@
-"""Soak: ``shmkv serve`` under a mixed load (shared prompts, growing chats, one-off prompts,
-70 % streaming) for a fixed time, its memory, arena, hit rate, errors and TTFT sampled.
-
-    python bench/soak.py --duration 600 --concurrency 4
-"""
+"""Soak: ``shmkv serve`` under a mixed load for a fixed time, its memory, arena, hit rate,
+errors and TTFT sampled (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -123,15 +120,11 @@ def sample(t: float, pids: list[int], st: dict[str, Any], evs: list[Any]) -> dic
 def plot(plt: Any, res: dict[str, Any]) -> Any:
     s, c = res["samples"], res["config"]
     series = [  # panel, label, sample key, scale
-        (0, "RSS (sum)", "rss", 2**-30),
-        (0, "PSS (sum, arena once)", "pss", 2**-30),
-        (1, "arena used (MiB)", "arena_used", 2**-20),
-        (1, "fragmentation %", "fragmentation", 100),
-        (2, "hit rate % (cumulative)", "hit_rate", 100),
-        (2, "errors (cumulative)", "errors", 1),
-        (3, "TTFT p50 (last 30 s)", "ttft_p50", 1),
-        (3, "TTFT p90 (last 30 s)", "ttft_p90", 1),
-    ]
+        (0, "RSS (sum)", "rss", 2**-30), (0, "PSS (sum, arena once)", "pss", 2**-30),
+        (1, "arena used (MiB)", "arena_used", 2**-20), (1, "fragmentation %", "fragmentation", 100),
+        (2, "hit rate % (cumulative)", "hit_rate", 100), (2, "errors (cumulative)", "errors", 1),
+        (3, "TTFT p50 (last 30 s)", "ttft_p50", 1), (3, "TTFT p90 (last 30 s)", "ttft_p90", 1),
+    ]  # fmt: skip
     fig, axes = plt.subplots(2, 2, figsize=(12, 7))
     axes = list(axes.flat)
     for i, label, key, scale in series:
@@ -169,11 +162,11 @@ def main(report: common.Report, o: Any) -> None:
         try:
             srv.wait_ready()
             rng = random.Random(1)
-            words = (
-                " ".join(rng.choice(WORDS) for _ in range(rng.randint(500, 900)))
-                for _ in range(o.prompts)
-            )
-            sps = ["You are a support assistant. " + w for w in words]
+
+            def words() -> str:
+                return " ".join(rng.choice(WORDS) for _ in range(rng.randint(500, 900)))
+
+            sps = ["You are a support assistant. " + words() for _ in range(o.prompts)]
             t_start = time.monotonic()
             load = Load(srv.base, 2, sps, t_start + o.duration)
             threads = [threading.Thread(target=load.run, daemon=True) for _ in range(o.concurrency)]
