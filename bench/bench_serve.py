@@ -8,13 +8,10 @@ import contextlib
 import functools
 import heapq
 import itertools
-import json
 import logging
 import os
 import random
-import re
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -690,100 +687,6 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
     return out
 
 
-#: a variant of the workers' llama settings: "default" (as `shmkv serve` loads a model) or
-#: key=value;key=value of Llama keyword arguments that change it
-VARIANTS = "default,swa_full=true,n_ubatch=256,n_ubatch=128"
-BUFFERS = {  # llama.cpp's log lines of the buffers it allocates (MiB)
-    "weights_mapped": r"CPU_Mapped model buffer size =\s*([\d.]+) MiB",
-    "weights_repacked": r"CPU_REPACK model buffer size =\s*([\d.]+) MiB",
-    "kv": r"CPU KV buffer size =\s*([\d.]+) MiB",
-    "output": r"CPU\s+output buffer size =\s*([\d.]+) MiB",
-    "compute": r"CPU compute buffer size =\s*([\d.]+) MiB",
-}
-
-
-def probe(spec: dict[str, Any]) -> None:
-    """In a process of its own (``_probe SPEC``): anonymous memory after each step."""
-
-    def mark(stage: str, **kw: Any) -> None:
-        print(json.dumps({"stage": stage, "kinds": smaps("self", spec["model"]), **kw}), flush=True)
-
-    mark("interpreter")
-    import llama_cpp
-    import shmkv_workers.app  # noqa: F401  (what a served worker imports)
-    from llama_cpp.server.model import LlamaProxy
-    from llama_cpp.server.settings import ModelSettings
-
-    from shmkv.core.config import resolve
-    from shmkv.serving.model_settings import model_settings
-
-    mark("imports")
-    settings = resolve("serve", {"n_ctx": spec["n_ctx"]})
-    ms = model_settings(settings, spec["model"], threads=spec["threads"])
-    variant = spec["variant"]
-    fields = {k: v for k, v in variant.items() if k in ModelSettings.model_fields}
-    extra = {"swa_full": settings.swa_full}  # (as shmkv.serving.model_settings.load_with)
-    extra |= {k: v for k, v in variant.items() if k not in fields}  # Llama() arguments only
-    plain = llama_cpp.Llama
-    llama_cpp.Llama = functools.partial(plain, **extra)  # type: ignore[misc]
-    try:
-        ms = ms.model_copy(update=fields | {"verbose": True})
-        llm = LlamaProxy.load_llama_from_model_settings(ms)
-    finally:
-        llama_cpp.Llama = plain  # type: ignore[misc]
-    mark("model")
-    runs = []
-    for prompt in spec["prompts"]:
-        llm.reset()  # cold, every time: outputs compared across variants
-        runs.append(common.first_token(llm, prompt, max_tokens=16, temperature=0.0, seed=11))
-    mark("prefill", texts=[r["text"] for r in runs], seconds=[r["total"] for r in runs])
-
-
-def stages(variant: str, cfg: dict[str, Any], prompts: list[str], workdir: Path) -> dict[str, Any]:
-    """One probe process for ``variant``: anonymous RSS by step, buffers, text."""
-    kwargs: dict[str, Any] = {}
-    for item in [] if variant == "default" else variant.split(";"):
-        k, v = (x.strip() for x in item.split("=", 1))
-        kwargs[k] = int(v) if v.isdigit() else {"true": True, "false": False}.get(v.lower(), v)
-    spec = common.pick(cfg, "model n_ctx threads") | dict(variant=kwargs, prompts=prompts)
-    with open(err := workdir / "probe.log", "wb") as f:
-        args = [sys.executable, __file__, "_probe", json.dumps(spec)]
-        proc = subprocess.run(args, stdout=subprocess.PIPE, stderr=f, env=common.child_env())
-    logtext = err.read_text(errors="replace")
-    if proc.returncode:
-        raise click.ClickException(f"probe {variant} failed:\n{logtext[-3000:]}")
-    marks = [json.loads(line) for line in proc.stdout.decode().splitlines() if line[:1] == "{"]
-    last, mib = marks[-1], lambda rx: sum(float(x) for x in re.findall(rx, logtext)) * 2**20
-    return {
-        "variant": variant,
-        "kwargs": kwargs,
-        "anon_rss": {m["stage"]: m["kinds"]["anon"]["rss"] for m in marks},
-        "code_rss": last["kinds"]["code"]["rss"],
-        "weights_rss": last["kinds"]["weights"]["rss"],
-        "llama_buffers": {k: mib(rx) for k, rx in BUFFERS.items()},
-        "prompt_seconds": last["seconds"],
-        "texts": last["texts"],
-    }
-
-
-def stages_table(rows: list[dict[str, Any]]) -> str:
-    b, base, out = common.fmt_b, rows[0], []
-    steps = [("anon: python", "interpreter", None), ("+ imports", "imports", "interpreter")]
-    steps += [("+ model & context", "model", "imports"), ("+ prefill", "prefill", "model")]
-    bufs = (("KV buf", "kv"), ("compute buf", "compute"), ("repacked", "weights_repacked"))
-    for r in rows:
-        a, buf = r["anon_rss"], r["llama_buffers"]
-        row = {"variant": r["variant"]}
-        row |= {k: b(a[step] - (a[since] if since else 0)) for k, step, since in steps}
-        row |= {"anon total": b(a["prefill"])}
-        row["vs default"] = b(a["prefill"] - base["anon_rss"]["prefill"])
-        row |= {k: b(buf[x]) for k, x in bufs} | {
-            "prompt s": common.fmt_s(min(r["prompt_seconds"]))
-        }
-        out.append(row | {"same text": "yes" if r["texts"] == base["texts"] else "NO"})
-    return common.dict_table(out)
-
-
 def mapping_table(cells: list[dict[str, Any]]) -> str:
     """Each cell's server processes at its end, by role: PSS by KINDS."""
     b, rows = common.fmt_b, []
@@ -983,7 +886,6 @@ opt = common.option
 @opt("--idle", default=0.0, help="Seconds each client waits before each request.")
 @opt("--budget-overhead", is_flag=True, help="Also time the CPU budget's own cost (with --ideal).")
 @opt("--by-mapping", is_flag=True, help="Also print each cell's PSS by mapping (smaps).")
-@opt("--stages", default="", help=f"Also one worker's memory by step per variant ({VARIANTS}).")
 @opt("--ideal/--no-ideal", default=True, help="Time one cold prefill per system prompt first.")
 def main(report: common.Report, o: Any) -> None:
     """Serve shared system prompts: no cache vs LlamaRAMCache vs llama-server vs shmkv."""
@@ -998,7 +900,7 @@ def main(report: common.Report, o: Any) -> None:
     levels = o.concurrency or ("4" if quick else "4,10")
     cfg = dict(quick=quick, model=str(model), model_bytes=model.stat().st_size, arms=arms)
     cfg |= common.pick(vars(o), "workers threads n_ctx max_tokens arena_size max_load max_wait")
-    cfg |= common.pick(vars(o), "timeout idle budget_overhead stages")
+    cfg |= common.pick(vars(o), "timeout idle budget_overhead")
     cfg |= dict(prompts=o.prompts or (2 if quick else 6), requests=n, runs=max(1, o.runs))
     cfg |= dict(prompt_tokens_target=o.prompt_tokens or (400 if quick else 1000))
     cfg |= dict(cacheless_requests=min(o.cacheless_requests or n, n))
@@ -1022,10 +924,6 @@ def main(report: common.Report, o: Any) -> None:
     if o.ideal and any(a.startswith("shmkv") for a in arms):
         cfg["cold_prefill"] = measure_cold_prefill(model, wl, cfg)
         log.info("cold prefill on all cores, one process: %s", cfg["cold_prefill"]["seconds"])
-    if o.stages:
-        with tempfile.TemporaryDirectory(prefix="shmkv-bench-stages-") as tmp:
-            prompts = [wl.prompt(0), wl.prompt(min(1, n - 1))]
-            cfg["stages_result"] = [stages(v, cfg, prompts, Path(tmp)) for v in o.stages.split(",")]
     what = "%d system prompts of %s tokens; %d requests; concurrency %s; arms %s"
     log.info(what, cfg["prompts"], wl.system_tokens, n, cfg["concurrency"], arms)
     fields = [*ModelSettings.model_fields, *ServerSettings.model_fields, "config_file"]
@@ -1085,8 +983,6 @@ def main(report: common.Report, o: Any) -> None:
     for title, text in (
         ("server processes at the end of each cell, PSS by mapping",
          o.by_mapping and cells and mapping_table(cells)),
-        ("one worker's llama.cpp context, by step (anonymous RSS)",
-         o.stages and stages_table(cfg["stages_result"])),
         ("where the shmkv arms' time to first token went (mean per request)",
          phase_table(analysed, cfg)),
         ("the CPU budget's own cost, one context (mean; Llama.eval vs cpubudget.evaluate)",
@@ -1108,7 +1004,4 @@ def _sigterm(_signum: int, _frame: Any) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "_probe":
-        probe(json.loads(sys.argv[2]))
-    else:
-        main()
+    main()
