@@ -544,7 +544,7 @@ def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[s
 
 
 def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Each system prompt's cold TTFT in one Llama on all cores; floor; budget."""
+    """Each system prompt's cold TTFT in one Llama on all cores, and the floor."""
     import llama_cpp
 
     cores = os.cpu_count() or 1
@@ -561,40 +561,10 @@ def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict
             llm.reset()  # (nothing of the last prompt is reused)
             seconds[str(p)] = common.first_token(llm, wl.prompt(k), max_tokens=1)["ttft"]
         floor = measure_floor(llm, wl)
-        overhead = budget_overhead(llm, [wl.prompt(k) for k in first.values()], cores)
     finally:
         llm.close()
     how = "time to first token of each system prompt's first request, one Llama, all cores"
-    out = {"seconds": seconds, "threads": cores, "how": how, "quiet": quiet, "floor": floor}
-    return out | ({"budget_overhead": overhead} if cfg["budget_overhead"] else {})
-
-
-def budget_overhead(llm: Any, texts: list[str], cores: int) -> dict[str, Any]:
-    """Prefill and 16 decode steps through ``cpubudget.evaluate`` vs ``Llama.eval``."""
-    import uuid
-
-    import llama_cpp
-
-    from shmkv.llama.cpu import budget as cpubudget
-
-    name, plain = f"bench{uuid.uuid4().hex[:8]}", llm.eval
-    budget, times = cpubudget.CpuBudget(str(common.SHM), name, cores), collections.defaultdict(list)
-    via = {"plain": plain, "budget": functools.partial(cpubudget.evaluate, budget, llm, plain)}
-    try:
-        for text, how in itertools.product(texts, via):
-            llm.reset()
-            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm._ctx.ctx), True)
-            llama_cpp.llama_set_n_threads(llm._ctx.ctx, cores, cores)
-            llm._shmkv_threads = None  # (what cpubudget.set_threads last set is void)
-            for step, toks in enumerate([llm.tokenize(text.encode()), *[[1]] * 16]):
-                t = time.perf_counter()
-                via[how](toks if step == 0 else [llm.input_ids[llm.n_tokens - 1]])
-                key = f"{'decode_step' if step else 'prefill'}_{how}"
-                times[key].append(time.perf_counter() - t)
-    finally:
-        budget.close()
-        cpubudget.remove(str(common.SHM), name)
-    return {k: common.summary(v) for k, v in times.items()}
+    return {"seconds": seconds, "threads": cores, "how": how, "quiet": quiet, "floor": floor}
 
 
 def measure_floor(llm: Any, wl: Workload) -> dict[str, Any]:
@@ -884,7 +854,6 @@ opt = common.option
 @opt("--model", help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
 @opt("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
 @opt("--idle", default=0.0, help="Seconds each client waits before each request.")
-@opt("--budget-overhead", is_flag=True, help="Also time the CPU budget's own cost (with --ideal).")
 @opt("--by-mapping", is_flag=True, help="Also print each cell's PSS by mapping (smaps).")
 @opt("--ideal/--no-ideal", default=True, help="Time one cold prefill per system prompt first.")
 def main(report: common.Report, o: Any) -> None:
@@ -900,7 +869,7 @@ def main(report: common.Report, o: Any) -> None:
     levels = o.concurrency or ("4" if quick else "4,10")
     cfg = dict(quick=quick, model=str(model), model_bytes=model.stat().st_size, arms=arms)
     cfg |= common.pick(vars(o), "workers threads n_ctx max_tokens arena_size max_load max_wait")
-    cfg |= common.pick(vars(o), "timeout idle budget_overhead")
+    cfg |= common.pick(vars(o), "timeout idle")
     cfg |= dict(prompts=o.prompts or (2 if quick else 6), requests=n, runs=max(1, o.runs))
     cfg |= dict(prompt_tokens_target=o.prompt_tokens or (400 if quick else 1000))
     cfg |= dict(cacheless_requests=min(o.cacheless_requests or n, n))
@@ -979,15 +948,12 @@ def main(report: common.Report, o: Any) -> None:
         f"load at each cell's start: {[c['quiet']['loadavg'][0] for c in analysed]}"
     )
     click.echo(table(res, report.baseline(quick)))
-    f, bo = common.fmt_s, (cfg.get("cold_prefill") or {}).get("budget_overhead")
+    f = common.fmt_s
     for title, text in (
         ("server processes at the end of each cell, PSS by mapping",
          o.by_mapping and cells and mapping_table(cells)),
         ("where the shmkv arms' time to first token went (mean per request)",
          phase_table(analysed, cfg)),
-        ("the CPU budget's own cost, one context (mean; Llama.eval vs cpubudget.evaluate)",
-         bo and "\n".join(f"  {w}: {f(bo[w + '_plain']['mean'])} vs {f(bo[w + '_budget']['mean'])}"
-                          for w in ("prefill", "decode_step"))),
         ("goals", goal["checks"] and goal_table(goal["checks"])
          + f"\n(restore floor + suffix, p50, one Llama: {f(goal['floor_p50_s'])})"),
     ):  # fmt: skip
