@@ -323,21 +323,17 @@ print(json.dumps(out), flush=True)
 """
 
 
-def bench_fragmented(quick: bool, seed: int, code: Path | None) -> dict[str, Any]:
+def bench_fragmented(quick: bool, seed: int) -> dict[str, Any]:
     """Fill an arena with small records, use half of them in random order, then put one
-    huge blob while another process pings; ``code``: the checkout whose supervisor runs
-    (None: this one)."""
+    huge blob while another process pings."""
     fp = FRAGMENTED[quick]
     size, record, big = int(fp["size"]), int(fp["record"]), int(fp["put"])
     rng = np.random.default_rng(seed)
-    env = common.child_env()
-    if code is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(code.resolve()), env["PYTHONPATH"]])
     slots = 1 << (size // (16 * 1024)).bit_length()  # room for every small record
     args = ["--size", str(size), "--index-slots", str(slots)]
     with (
         tempfile.TemporaryDirectory(prefix="shmkv-bench-") as tmp,
-        common.supervisor(Path(tmp), *args, env=env) as sup,
+        common.supervisor(Path(tmp), *args) as sup,
     ):
         client = sup.client(timeout=600)
         try:
@@ -387,7 +383,6 @@ def bench_fragmented(quick: bool, seed: int, code: Path | None) -> dict[str, Any
         raise click.ClickException("no ping overlapped the put (did the pinger run?)")
     summ = common.summary(during)
     return {
-        "code": str(code) if code else "this checkout",
         "arena_bytes": size,
         "records": n,
         "record_extent": extent,
@@ -401,27 +396,12 @@ def bench_fragmented(quick: bool, seed: int, code: Path | None) -> dict[str, Any
     }
 
 
-def fragmented(quick: bool, seed: int, before: Path | None) -> dict[str, Any]:
-    """The fragmented case with ``before``'s supervisor if given, then this checkout's."""
-    out: dict[str, Any] = {}
-    for arm, code in (("before", before), ("after", None)):
-        if arm == "after" or code is not None:
-            log.info("4/4 fragmented arena, supervisor of %s", code or "this checkout")
-            out[arm] = bench_fragmented(quick, seed, code)
-    if b := out.get("before"):
-        a = out["after"]
-        out["ratios"] = {"put_seconds": round(b["put_seconds"] / a["put_seconds"], 2)}
-        out["ratios"]["ping_max"] = round(b["ping_ms"]["max"] / a["ping_ms"]["max"], 1)
-    return out
-
-
 def fragmented_table(frag: dict[str, Any]) -> str:
     r, z = frag["after"], format_size
-    lines = [["", "evictions", "put s", "ping p50 ms", "ping p99 ms", "ping max ms", "pings"]]
-    for arm, a in ((k, frag[k]) for k in ("before", "after") if k in frag):
-        p = a["ping_ms"]
-        lines.append([arm, f"{a['evictions']:,}", f"{a['put_seconds']:.3f}", f"{p['p50']:.2f}"])
-        lines[-1] += [f"{p['p99']:.2f}", f"{p['max']:.1f}", str(a["pings_during_put"])]
+    p = r["ping_ms"]
+    lines = [["evictions", "put s", "ping p50 ms", "ping p99 ms", "ping max ms", "pings"]]
+    lines.append([f"{r['evictions']:,}", f"{r['put_seconds']:.3f}", f"{p['p50']:.2f}"])
+    lines[-1] += [f"{p['p99']:.2f}", f"{p['max']:.1f}", str(r["pings_during_put"])]
     head = f"fragmented arena: {z(r['arena_bytes'])} full of {r['records']:,} records of "
     head += f"{z(r['record_extent'])}, every other one used since (random order), then one "
     head += f"{z(r['put_bytes'])} put; goal: ping max <= {GOAL_PING_MAX_MS:g} ms"
@@ -429,9 +409,9 @@ def fragmented_table(frag: dict[str, Any]) -> str:
 
 
 def fragmented_chart(frag: dict[str, Any]) -> list[tuple[str, float, float | None]]:
-    """Ping round trips during the huge put, before and after."""
-    pings = [(k, frag[k]["ping_ms"]) for k in ("before", "after") if k in frag]
-    return [(f"ping during the put ({k})", p["p50"] / 1e3, p["p99"] / 1e3) for k, p in pings]
+    """Ping round trips during the huge put."""
+    p = frag["after"]["ping_ms"]
+    return [("ping during the put", p["p50"] / 1e3, p["p99"] / 1e3)]
 
 
 def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
@@ -481,8 +461,6 @@ def run(plan: Plan) -> dict[str, Any]:
 @click.option("--quick", is_flag=True, help="Smoke run of a few seconds (small counts).")
 @common.option("--case", type=click.Choice(["all", "fragmented"]), default="all",
                help="Every case, or only case 4 (arena_fragmented.json/.png).")  # fmt: skip
-@common.option("--before", type=click.Path(exists=True, file_okay=False, path_type=Path),
-               help="Also run case 4 against the supervisor of this checkout.")  # fmt: skip
 @click.option("--set", "sets", multiple=True, help=f"KEY=VALUE of the plan: {', '.join(PLANS[0])}.")
 @click.option("--seed", type=int, default=1, show_default=True)
 def main(report: common.Report, o: Any) -> None:
@@ -510,7 +488,8 @@ def main(report: common.Report, o: Any) -> None:
         res["config"]["chunk_tokens"] = res["supervisor_stats"]["chunk_tokens"]
         res["goals"] = dict(lookup_p50_us=GOAL_LOOKUP_P50_US, put_gbps=GOAL_PUT_GBPS)
         res["goals"]["fragmented_ping_max_ms"] = GOAL_PING_MAX_MS
-    res["fragmented"] = fragmented(quick, plan.seed, o.before)
+    log.info("4/4 fragmented arena")
+    res["fragmented"] = {"after": bench_fragmented(quick, plan.seed)}
     res = {**report.header(), **res}
     res["load_average"] = {"before": load_before, "after": common.loadavg()}
     values = {"fragmented.ping_max": res["fragmented"]["after"]["ping_ms"]["max"]}
