@@ -3,7 +3,6 @@ and q8_0 arms, each in a process of its own (docs/benchmarks.md). Smoke run: ``-
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import json
@@ -15,7 +14,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,40 +117,15 @@ def instrument(cache: Any, p: Probes) -> None:
     p.wrap(llama_c, "llama_state_seq_set_data", "set_data")
 
 
-def floor_restorer(
-    llm: Any, prefix: str, prefix_n: int, res: dict[str, Any]
-) -> tuple[Callable[[], None], list[float]]:
-    """Evaluate the prefix (``Llama.eval``: no hook, no publish), keep its sequence state in a
-    private buffer; return the floor: ``set_data`` from it, then the token bookkeeping shmkv
-    does, and the list its set_data times go to."""
-    import llama_cpp.llama_cpp as llama_c
-
-    toks = [llm.token_bos()] + llm.tokenize(prefix.encode(), add_bos=False, special=True)
-    if len(toks) != prefix_n:
-        raise RuntimeError(f"floor: prefix is {len(toks)} tokens here, {prefix_n} in the plan")
-    llm.reset()
-    t = time.perf_counter()
-    llm.eval(toks)
-    res["prefix_eval_seconds"] = time.perf_counter() - t
-    size = res["blob_bytes"] = llama_c.llama_state_seq_get_size(llm.ctx, 0)
-    buf = (ctypes.c_uint8 * size)()
-    t = time.perf_counter()
-    if (got := llama_c.llama_state_seq_get_data(llm.ctx, buf, size, 0)) != size:
-        raise RuntimeError(f"llama_state_seq_get_data wrote {got} of {size} bytes")
-    res["get_data_seconds"] = time.perf_counter() - t
-    set_times: list[float] = []
-
-    def restore() -> None:
-        t = time.perf_counter()
-        n = llama_c.llama_state_seq_set_data(llm.ctx, buf, size, 0)
-        set_times.append(time.perf_counter() - t)
-        if n != size:
-            raise RuntimeError(f"llama_state_seq_set_data accepted {n} of {size} bytes")
-        llm.input_ids[:prefix_n] = toks
-        llm.n_tokens = prefix_n
-        llm._requires_eval = True
-
-    return restore, set_times
+def floor(llm: Any, spec: dict[str, Any], res: dict[str, Any]) -> common.Floor:
+    """The prefix's floor (:class:`common.Floor`); its eval, get_data and size into ``res``."""
+    toks = [llm.token_bos()] + llm.tokenize(spec["prefix"].encode(), add_bos=False, special=True)
+    if len(toks) != spec["prefix_tokens"]:
+        raise RuntimeError(f"floor: prefix is {len(toks)} tokens, {spec['prefix_tokens']} planned")
+    f = common.Floor(llm, toks)
+    res |= dict(prefix_eval_seconds=f.eval_seconds, blob_bytes=f.size)
+    res["get_data_seconds"] = f.get_seconds
+    return f
 
 
 Q8_0_ARMS = ("cold_q8", "publisher_q8", "hit_q8")
@@ -229,11 +202,11 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
             if kind.startswith("publisher") and (not r["flushed"] or not cache.totals.publishes):
                 raise RuntimeError(f"process A did not publish: {cache.totals}")
         if kind == "cold_q8":  # the size of the prefix's state with this KV type
-            floor_restorer(llm, prefix, prefix_n, res)
+            floor(llm, spec, res)
     elif kind == "hit":
         on, off = spec["suffixes"], spec["suffixes_off"]
         floor_b: dict[str, Any] = {"requests": []}
-        floor_restore, floor_set = floor_restorer(llm, prefix, prefix_n, floor_b)
+        fl = floor(llm, spec, floor_b)
         res["floor_b"] = floor_b
         rotation = ("on", "off", "floor")  # the three kinds interleaved, in a rotating order
         for k in range(len(on)):
@@ -241,10 +214,10 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
                 if what == "floor":  # bypass the shmkv hook: Llama's own generate
                     llm.generate = functools.partial(llama_cpp.Llama.generate, llm)
                     try:
-                        r = run(on[k][1], before=floor_restore, suffix=on[k][0])
+                        r = run(on[k][1], before=fl.restore, suffix=on[k][0])
                     finally:
                         del llm.generate
-                    floor_b["requests"].append({**r, "set_data_seconds": floor_set[-1]})
+                    floor_b["requests"].append({**r, "set_data_seconds": fl.set_seconds[-1]})
                     continue
                 cache.publish_enabled = what == "on"
                 i, s = (on if what == "on" else off)[k]
@@ -254,10 +227,10 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         res["breakdown"] = [run(s, suffix=i, detail=True) for i, s in spec["suffixes_breakdown"]]
         probes.remove()
     elif kind == "floor":
-        restore, set_times = floor_restorer(llm, prefix, prefix_n, res)
+        fl = floor(llm, spec, res)
         for i, s in spec["suffixes"]:
-            r = run(s, before=restore, suffix=i)
-            res["requests"].append(r | {"set_data_seconds": set_times[-1]})
+            r = run(s, before=fl.restore, suffix=i)
+            res["requests"].append(r | {"set_data_seconds": fl.set_seconds[-1]})
         llm.reset()  # llama-cpp-python's own same-process prefix reuse: no reset from here on
         (_, s0), *rest = spec["suffixes_local"]
         res["local_first"] = common.first_token(llm, prefix + s0, **gen)

@@ -569,34 +569,19 @@ def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict
 
 def measure_floor(llm: Any, wl: Workload) -> dict[str, Any]:
     """The restore floor plus the suffix: ``set_data`` of the shared prefix's state."""
-    import ctypes
-
-    import llama_cpp.llama_cpp as llama_c
-
     by_prompt: dict[int, list[int]] = {}
     for k, (p, _) in enumerate(wl.requests):
         by_prompt.setdefault(p, []).append(k)
     ttfts, suffixes = [], []
     for ks in (ks for ks in by_prompt.values() if len(ks) > 1):
-        toks = [llm.tokenize(wl.prompt(k).encode(), special=True) for k in ks[:2]]
-        diff = (i for i, (a, b) in enumerate(zip(*toks, strict=False)) if a != b)
-        n = next(diff, min(map(len, toks)))
-        llm.reset()
-        llm.eval(toks[0][:n])
-        size = llama_c.llama_state_seq_get_size(llm.ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        if llama_c.llama_state_seq_get_data(llm.ctx, buf, size, 0) != size:
-            raise RuntimeError("llama_state_seq_get_data wrote a short state")
-        for k in ks[1:4]:
+        toks = [llm.tokenize(wl.prompt(k).encode(), special=True) for k in ks[:4]]
+        diff = (i for i, (a, b) in enumerate(zip(*toks[:2], strict=False)) if a != b)
+        fl = common.Floor(llm, toks[0][: next(diff, min(map(len, toks[:2])))])
+        for k, t in zip(ks[1:4], toks[1:], strict=True):
             llm.reset()
-            llama_c.llama_memory_clear(llama_c.llama_get_memory(llm.ctx), False)
-            t = time.monotonic()
-            if llama_c.llama_state_seq_set_data(llm.ctx, buf, size, 0) != size:
-                raise RuntimeError("llama_state_seq_set_data took a short state")
-            llm.input_ids[:n], llm.n_tokens = toks[0][:n], n
-            llm.create_completion(wl.prompt(k), max_tokens=1, temperature=0.0)
-            ttfts.append(time.monotonic() - t)
-            suffixes.append(float(len(llm.tokenize(wl.prompt(k).encode(), special=True)) - n))
+            r = common.first_token(llm, wl.prompt(k), fl.restore, max_tokens=1, temperature=0.0)
+            ttfts.append(r["ttft"])
+            suffixes.append(float(len(t) - len(fl.tokens)))
     how = "set_data of the shared prefix's state from a private buffer, the rest of the "
     how += "prompt and the first token, one Llama, all cores"
     return {"ttft": common.summary(ttfts), "suffix_tokens": common.summary(suffixes), "how": how}

@@ -4,6 +4,7 @@ prompts. Percentiles are numpy's default (linear interpolation between the close
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime as dt
 import functools
 import hashlib
@@ -189,6 +190,39 @@ def first_token(llm: Any, prompt: Any, before: Any = None, **gen: Any) -> dict[s
     gap12 = stamps[1] - stamps[0] if len(stamps) > 1 else None
     ttft = stamps[0] if stamps else total
     return {"ttft": ttft, "total": total, "gap12": gap12, "t0": t0, "text": "".join(parts)}
+
+
+class Floor:
+    """The restore floor: ``tokens`` evaluated with ``Llama.eval`` (no hook, no publish), their
+    sequence state kept in a private buffer; :meth:`restore` puts it back with ``set_data`` and
+    the token bookkeeping shmkv does (``set_seconds`` gets each ``set_data``'s time)."""
+
+    def __init__(self, llm: Any, tokens: list[int]) -> None:
+        import llama_cpp.llama_cpp as llama_c
+
+        self.llm, self.tokens, self.c, self.set_seconds = llm, tokens, llama_c, []
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(tokens)
+        self.eval_seconds = time.perf_counter() - t
+        self.size = llama_c.llama_state_seq_get_size(llm.ctx, 0)
+        self.buf = (ctypes.c_uint8 * self.size)()
+        t = time.perf_counter()
+        if (got := llama_c.llama_state_seq_get_data(llm.ctx, self.buf, self.size, 0)) != self.size:
+            raise RuntimeError(f"llama_state_seq_get_data wrote {got} of {self.size} bytes")
+        self.get_seconds = time.perf_counter() - t
+
+    def restore(self) -> None:
+        from shmkv.llama.compat import requires_eval
+
+        t = time.perf_counter()
+        n = self.c.llama_state_seq_set_data(self.llm.ctx, self.buf, self.size, 0)
+        self.set_seconds.append(time.perf_counter() - t)
+        if n != self.size:
+            raise RuntimeError(f"llama_state_seq_set_data took {n} of {self.size} bytes")
+        self.llm.input_ids[: len(self.tokens)] = self.tokens
+        self.llm.n_tokens = len(self.tokens)
+        requires_eval(self.llm)
 
 
 # -------------------------------------------------------------------- processes
