@@ -309,32 +309,34 @@ class Supervisor:
         """The supervisor's counters, as `shmkv stats --json` prints them."""
         return {k: v for k, v in self.request("stats").items() if k not in ("ok", "id")}
 
+    def answers(self) -> bool:
+        from shmkv.core.errors import ShmkvError
 
-@contextlib.contextmanager
-def supervisor(workdir: Path, *args: str, env: Any = None) -> Iterator[Supervisor]:
-    """``shmkv supervise ARGS`` on a private name and socket, once it answers a ping; a bad
-    exit or files left in /dev/shm are logged."""
-    from shmkv.core.errors import ShmkvError
-
-    name = f"bench{uuid.uuid4().hex[:8]}"
-    sock = str(workdir / f"{name}.sock")
-    cmd = [sys.executable, "-m", "shmkv", "supervise", "--name", name, "--socket", sock]
-    cmd += ["--log-level", "warning", *args]
-    child = Child("the supervisor", cmd, env or child_env(), workdir / f"{name}.log")
-    sup = Supervisor(name, sock, child)
-
-    def ready() -> bool:
         with contextlib.suppress(ShmkvError):
-            return os.path.exists(sock) and bool(sup.request("ping"))
+            return os.path.exists(self.socket) and bool(self.request("ping"))
         return False
 
+
+def start_supervisor(workdir: Path, name: str, *args: str) -> Supervisor:
+    """``shmkv supervise --name NAME ARGS``, its socket and log in ``workdir``."""
+    sock = str(workdir / f"{name}.sock")
+    cmd = [sys.executable, "-m", "shmkv", "supervise", "--name", name, "--socket", sock, *args]
+    log_path = workdir / f"{name}.log"
+    return Supervisor(name, sock, Child("the supervisor", cmd, child_env(), log_path))
+
+
+@contextlib.contextmanager
+def supervisor(workdir: Path, *args: str) -> Iterator[Supervisor]:
+    """``shmkv supervise ARGS`` on a private name and socket, once it answers a ping; a bad
+    exit or files left in /dev/shm are logged."""
+    sup = start_supervisor(workdir, f"bench{uuid.uuid4().hex[:8]}", "--log-level", "warning", *args)
     try:
-        child.wait_for(ready, 60)
+        sup.child.wait_for(sup.answers, 60)
         yield sup
     finally:
-        rc, leftovers = child.stop(timeout=30), list(SHM.glob(f"shmkv-{name}*"))
+        rc, leftovers = sup.child.stop(timeout=30), list(SHM.glob(f"shmkv-{sup.name}*"))
         if rc != 0 or leftovers:
-            log.error("supervisor exit %s, left %s; log:\n%s", rc, leftovers, child.log_tail())
+            log.error("supervisor exit %s, left %s; log:\n%s", rc, leftovers, sup.child.log_tail())
             for p in leftovers:
                 p.unlink(missing_ok=True)
 
