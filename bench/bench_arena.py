@@ -457,8 +457,7 @@ def run(plan: Plan) -> dict[str, Any]:
     return dict(lookup=lookup, put=put, read=read, supervisor_stats={k: stats.get(k) for k in keys})
 
 
-@common.command("arena")
-@click.option("--quick", is_flag=True, help="Smoke run of a few seconds (small counts).")
+@common.command("arena", quick="Smoke run of a few seconds (small counts).")
 @common.option("--case", type=click.Choice(["all", "fragmented"]), default="all",
                help="Every case, or only case 4 (arena_fragmented.json/.png).")  # fmt: skip
 @click.option("--set", "sets", multiple=True, help=f"KEY=VALUE of the plan: {', '.join(PLANS[0])}.")

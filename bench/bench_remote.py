@@ -203,14 +203,11 @@ def workload(
     return {"remote": bool(url), "wall_s": wall, **{k: sum(t[k] for t in totals) for k in keys}}
 
 
-@common.command("remote")
-@click.option("--model", default=None, help="GGUF file [default: Gemma 3 270M from PyPI].")
+@common.command("remote", quick="Fewer requests: a smoke run.", model=True, threads=2)
 @click.option("--redis", "redis_url", default=None, help="Use this Redis instead of our own.")
-@click.option("--threads", default=2, show_default=True, help="llama.cpp threads per context.")
-@click.option("--quick", is_flag=True, help="Fewer requests: a smoke run.")
 def main(report: common.Report, opts: Any) -> None:
     """Cross-node hits through Redis: TTFT, throughput, compression, prefill saved."""
-    model = common.model_path(opts.model)
+    model = opts.model
     n = 2 if opts.quick else 5
     prefix, sfx = prompts(model, 2 + n)
     res: dict[str, Any] = report.header()

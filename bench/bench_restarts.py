@@ -127,8 +127,7 @@ def restart_rounds(workdir: Path, size: str, rounds: int) -> dict[str, Any]:
     return out
 
 
-@common.command("restart")
-@opt("--quick", is_flag=True, help="128 MiB arena, 2 rounds.")
+@common.command("restart", quick="128 MiB arena, 2 rounds.")
 @opt("--size", help="Arena --size [1G; quick 128M].")
 @opt("--rounds", type=int, help="kill -9 and restarts of each kind [5].")
 def restart(report: common.Report, o: Any) -> None:
@@ -292,16 +291,13 @@ def ttft_cost(tmp: Path, model: Path, threads: int, repeats: int, persist: bool)
     return {**common.summary(ttfts, 1e3), "persisted": st["persisted"]}
 
 
-@common.command("persist")
+@common.command("persist", quick="Smoke run.", model=True, threads=2)
 @opt("--states", type=int, help="Records on disk to refill [256; quick 24].")
 @opt("--real", type=int, help="Distinct states prefilled (the rest are copies) [8; quick 3].")
 @opt("--prefix-tokens", type=int, help="Tokens per state [1000; quick 300].")
 @opt("--puts", type=int, help="Timed puts per arm [30; quick 8].")
 @opt("--repeats", type=int, help="Timed hit requests per arm [10; quick 3].")
-@opt("--threads", default=2, help="llama.cpp threads.")
-@opt("--model", help="GGUF to use [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
 @opt("--drop-caches", is_flag=True, help="Empty the page cache before the refill (root).")
-@opt("--quick", is_flag=True, help="Smoke run.")
 def persist(report: common.Report, o: Any) -> None:
     """Benchmark the refill from --persist after a reboot and the write-behind's cost."""
     q = o.quick
@@ -309,7 +305,7 @@ def persist(report: common.Report, o: Any) -> None:
     real = o.real or (3 if q else 8)
     tokens = o.prefix_tokens or (300 if q else 1000)
     puts, repeats = o.puts or (8 if q else 30), o.repeats or (3 if q else 10)
-    model = common.model_path(o.model)
+    model = o.model
     states = real_states(model, real, tokens, o.threads)
     with tempfile.TemporaryDirectory(prefix="shmkv-bench-persist-") as tmp:
         refill = refill_case(Path(tmp), states, n, o.drop_caches)

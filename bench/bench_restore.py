@@ -528,16 +528,13 @@ def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
 opt = common.option
 
 
-@common.command("restore")
+@common.command(
+    "restore", "Smoke run (short prefix, 2 repeats).", True, 2, max_load=0.5, max_wait=300.0
+)
 @opt("--prefix-tokens", type=int, help="Shared prefix length in tokens [2000; quick 600].")
 @opt("--suffix-tokens", default=10, help="Suffix length in tokens (one suffix per request).")
 @opt("--repeats", type=int, help="Timed requests per arm [7; quick 2].")
 @opt("--max-tokens", default=16, help="Tokens generated per request (publish cost).")
-@opt("--threads", default=2, help="n_threads and n_threads_batch of every context.")
-@opt("--model", help="GGUF to use [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
-@opt("--quick", is_flag=True, help="Smoke run (short prefix, 2 repeats).")
-@opt("--max-load", default=0.5, help="Wait until the 1-minute load average is below this.")
-@opt("--max-wait", default=300.0, help="Seconds to wait for --max-load, then run anyway.")
 @opt("--force-baseline", is_flag=True, help="--write-baseline even after a busy run.")
 def main(report: common.Report, o: Any) -> None:
     """Benchmark TTFT of a shmkv cross-process hit against cold, the floor and LlamaRAMCache."""
@@ -548,7 +545,7 @@ def main(report: common.Report, o: Any) -> None:
         raise click.BadParameter("use at least 5 repeats for a full run", param_hint="--repeats")
     if prefix_tokens + suffix_tokens + max_tokens + 64 > 4096:
         raise click.BadParameter("prefix + suffix + max tokens must fit n_ctx 4096")
-    model_path = common.model_path(o.model)
+    model_path = o.model
     # S0..SR: cold, A (S0), B publish on, floor, local reuse, LlamaRAMCache (the same texts,
     # so outputs compare with cold); T1..TR: B publish off; U1..UR: B instrumented; V: A's
     # second request

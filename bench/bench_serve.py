@@ -820,7 +820,7 @@ def cell_key(c: dict[str, Any]) -> str:
 opt = common.option
 
 
-@common.command("serve")
+@common.command("serve", "Smoke run: 2 short prompts, 8 requests, c=4.", True, 1, 0.7, 3600.0)
 @opt("--arms", default=DEFAULT_ARMS, help=f"Comma-separated, of {', '.join(ARMS)}.")
 @opt("--requests", type=int, help="Requests per cell [60; quick 8].")
 @opt("--cacheless-requests", type=int, help="Only the first N for nocache/ramcache [all].")
@@ -829,15 +829,10 @@ opt = common.option
 @opt("--prompt-tokens", type=int, help="Tokens per system prompt [1000; quick 400].")
 @opt("--max-tokens", default=16)
 @opt("--workers", default=4, help="gunicorn workers.")
-@opt("--threads", default=1, help="llama.cpp threads per worker (llama_cpp.server, shmkv-static).")
 @opt("--n-ctx", default=4096)
 @opt("--arena-size", default="1G", help="shmkv arena size.")
 @opt("--runs", default=1, help="Run every cell this many times (the table gives the spread).")
-@opt("--max-load", default=0.7, help="Wait before each cell until the 1-min load is below this.")
-@opt("--max-wait", default=3600.0, help="Seconds to wait for --max-load, then run anyway.")
 @opt("--timeout", default=900.0, help="Per-request read timeout, seconds.")
-@opt("--model", help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")
-@opt("--quick", is_flag=True, help="Smoke run: 2 short prompts, 8 requests, c=4.")
 @opt("--idle", default=0.0, help="Seconds each client waits before each request.")
 @opt("--by-mapping", is_flag=True, help="Also print each cell's PSS by mapping (smaps).")
 @opt("--ideal/--no-ideal", default=True, help="Time one cold prefill per system prompt first.")
@@ -850,7 +845,7 @@ def main(report: common.Report, o: Any) -> None:
     quick, arms = o.quick, [a.strip() for a in o.arms.split(",") if a.strip()]
     if unknown := [a for a in arms if a not in ARMS]:
         raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}")
-    n, model = o.requests or (8 if quick else 60), common.model_path(o.model)
+    n, model = o.requests or (8 if quick else 60), o.model
     levels = o.concurrency or ("4" if quick else "4,10")
     cfg = dict(quick=quick, model=str(model), model_bytes=model.stat().st_size, arms=arms)
     cfg |= common.pick(vars(o), "workers threads n_ctx max_tokens arena_size max_load max_wait")

@@ -564,23 +564,35 @@ def bars(plt: Any, rows: list[tuple[str, float, float | None]], heading: str) ->
     return fig
 
 
-def command(name: str) -> Callable[[Callable[..., None]], click.Command]:
-    """A benchmark's click command: its options plus --out, --baseline, --write-baseline, -v;
-    it gets its Report and its options (as attributes)."""
+def command(name: str, quick: str = "", model: bool = False, threads: int = 0,
+            max_load: float = 0.0, max_wait: float = 0.0) -> Any:  # fmt: skip
+    """A benchmark's click command: its options, --out, --baseline, --write-baseline, -v and
+    those of the shared ones asked for (``quick``: its help; ``model``: ``o.model`` is the
+    GGUF's path); it gets its Report and its options (as attributes)."""
+    shared = [
+        option("-v", "--verbose", is_flag=True, help="Debug logging."),
+        option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline."),
+        option("--baseline", default=str(HERE / "baseline" / f"{name}.json")),
+        option("--out", default=str(HERE / "out"), help=f"Where {name}.json and .png go."),
+    ]
+    wanted = [
+        (quick, option("--quick", is_flag=True, help=quick)),
+        (model, option("--model", help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")),
+        (threads, option("--threads", default=threads, help="llama.cpp threads per context.")),
+        (max_load, option("--max-load", default=max_load, help="Wait for a 1-min load below.")),
+        (max_wait, option("--max-wait", default=max_wait, help="Seconds to wait for --max-load.")),
+    ]  # fmt: skip
 
     def make(fn: Callable[..., None]) -> click.Command:
         def run(out: str, baseline: str, write_baseline: bool, verbose: bool, **kw: Any) -> None:
             level = logging.DEBUG if verbose else logging.INFO
             logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
             logging.getLogger("httpx").setLevel(logging.WARNING)
+            if model:
+                kw["model"] = model_path(kw["model"])
             fn(Report(name, Path(out), Path(baseline), write_baseline), types.SimpleNamespace(**kw))
 
-        for opt in (
-            option("-v", "--verbose", is_flag=True, help="Debug logging."),
-            option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline."),
-            option("--baseline", default=str(HERE / "baseline" / f"{name}.json")),
-            option("--out", default=str(HERE / "out"), help=f"Where {name}.json and .png go."),
-        ):
+        for opt in [*shared, *(o for want, o in wanted if want)][::-1]:
             run = opt(run)
         run.__click_params__ += getattr(fn, "__click_params__", [])  # type: ignore[attr-defined]
         run.__doc__ = fn.__doc__

@@ -142,17 +142,16 @@ def plot(plt: Any, res: dict[str, Any]) -> Any:
 opt = common.option
 
 
-@common.command("soak")
+@common.command("soak", model=True)
 @opt("--duration", default=300.0, help="Seconds of load.")
 @opt("--concurrency", default=4)
 @opt("--workers", default=4)
 @opt("--size", default="512M", help="Arena size (small on purpose: the soak should evict).")
 @opt("--prompts", default=8, help="Shared system prompts.")
 @opt("--interval", default=5.0, help="Seconds between samples.")
-@opt("--model", help="GGUF [Gemma 3 270M, as `shmkv serve`].")
 def main(report: common.Report, o: Any) -> None:
     """Run `shmkv serve` under a mixed load and record its health over time."""
-    model_path = common.model_path(o.model)
+    model_path = o.model
     with (
         tempfile.TemporaryDirectory(prefix="shmkv-soak-") as tmp,
         common.supervisor(Path(tmp), "--size", o.size) as sup,
