@@ -3,6 +3,7 @@ CPU only, no curl) into ``~/.cache/shmkv-bench/llama-server-<version>/``; prints
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -25,26 +26,19 @@ CMAKE_FLAGS = """-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_CUDA=OFF -DG
 -DBUILD_SHARED_LIBS=OFF""".split()
 
 
-def default_version() -> str:
-    """The installed llama-cpp-python's version (the llama.cpp the other arms run)."""
-    try:
-        return version(DIST)
-    except PackageNotFoundError:
-        return "0.3.36"
-
-
-def _run(args: list[str], cwd: Path, log_path: Path) -> None:
+def run(args: list[str], cwd: Path, log_path: Path) -> None:
     log.info("$ %s", " ".join(args))
     with open(log_path, "ab") as out:
-        rc = subprocess.run(args, cwd=cwd, stdout=out, stderr=subprocess.STDOUT).returncode
-    if rc:
-        tail = log_path.read_text(errors="replace")[-3000:]
-        raise click.ClickException(f"{args[0]} failed ({rc}); end of {log_path}:\n{tail}")
+        if rc := subprocess.run(args, cwd=cwd, stdout=out, stderr=subprocess.STDOUT).returncode:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise click.ClickException(f"{args[0]} failed ({rc}); end of {log_path}:\n{tail}")
 
 
 def build(ver: str | None = None, jobs: int = 2, keep: bool = False) -> Path:
     """``llama-server`` of llama-cpp-python ``ver``: the cached binary, built if missing."""
-    dest = CACHE / f"llama-server-{(ver := ver or default_version())}"
+    with contextlib.suppress(PackageNotFoundError):  # the llama.cpp the other arms run
+        ver = ver or version(DIST)
+    dest = CACHE / f"llama-server-{(ver := ver or '0.3.36')}"
     if (exe := dest / "llama-server").is_file() and os.access(exe, os.X_OK):
         log.info("cached: %s", exe)
         return exe
@@ -52,20 +46,17 @@ def build(ver: str | None = None, jobs: int = 2, keep: bool = False) -> Path:
     (build_log := dest / "build.log").write_text("")
     work = Path(tempfile.mkdtemp(prefix="llama-server-build-", dir=dest))
     try:
-        log.info("downloading the %s==%s sdist (log: %s)", DIST, ver, build_log)
         pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        _run([*pip, f"{DIST}=={ver}", "-d", str(work)], work, build_log)
+        run([*pip, f"{DIST}=={ver}", "-d", str(work)], work, build_log)
         (sdist,) = work.glob("*.tar.gz")
-        log.info("unpacking %s", sdist.name)
         with tarfile.open(sdist) as tar:
             tar.extractall(work, filter="data")
         (src,) = work.glob("*/vendor/llama.cpp")
         out, gen = work / "build", ["-G", "Ninja"] if shutil.which("ninja") else []
-        log.info("configuring %s", src)
-        _run(["cmake", "-S", str(src), "-B", str(out), *gen, *CMAKE_FLAGS], work, build_log)
+        run(["cmake", "-S", str(src), "-B", str(out), *gen, *CMAKE_FLAGS], work, build_log)
         log.info("building llama-server with %d jobs (minutes; log: %s)", jobs, build_log)
         make = ["cmake", "--build", str(out), "--target", "llama-server", "-j", str(jobs)]
-        _run(make, work, build_log)
+        run(make, work, build_log)
         shutil.copy2(next(out.glob("bin/llama-server")), tmp := dest / "llama-server.tmp")
         tmp.replace(exe)  # atomic: a half-copied binary is never "cached"
     finally:
