@@ -165,8 +165,8 @@ def restart(report: common.Report, o: Any) -> None:
         ("  of which: checking every record", a["adopt_check_s"]),
         ("kill -9, restart --fresh: answers (empty)", a["fresh_ready_s"]),
     ]
-    for label, s in rows:
-        click.echo(f"{label:44} p50 {common.fmt_s(s['p50'])}  max {common.fmt_s(s['max'])}")
+    table = [[label, *(common.fmt_s(s[k]) for k in ("p50", "max"))] for label, s in rows]
+    click.echo(common.grid([["", "p50", "max"], *table]))
     if saved is not None:
         what = f"{res['entries']} x {cold:.2f} s ({cold_tokens} tokens, Gemma 3 270M, baseline)"
         click.echo(f"cold prefills the adopted states save: {what} = {saved:.0f} s of CPU")
