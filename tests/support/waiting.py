@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tests.support import SHM
+
 
 def wait_until(
     pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition", step: float = 0.01
@@ -27,6 +29,20 @@ def wait_until(
 def fd_count(pid: int) -> int:
     """How many descriptors process ``pid`` holds open."""
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def shm_fds(pid: int, prefix: str = "shmkv-") -> list[str]:
+    """The files in /dev/shm named ``prefix``... that process ``pid`` holds descriptors of,
+    one entry per descriptor; an unlinked file's ends in " (deleted)"."""
+    shm, out = f"{SHM}/{prefix}", []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith(shm):
+            out.append(target)
+    return out
 
 
 def no_signal_deaths(*procs: subprocess.Popen | subprocess.CompletedProcess) -> None:
