@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import time
@@ -43,6 +44,22 @@ def shm_fds(pid: int, prefix: str = "shmkv-") -> list[str]:
         if target.startswith(shm):
             out.append(target)
     return out
+
+
+def deleted_arena_fds(pid: int) -> collections.Counter[str]:
+    """How many descriptors process ``pid`` holds of each unlinked arena file (``shmkv-*``
+    anywhere, /dev/shm or a test's tmpfs) and each put memfd: memory that none of those
+    files' names account for any more, pinned until the descriptors close."""
+    held: collections.Counter[str] = collections.Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        name = os.path.basename(target)
+        if target.endswith(" (deleted)") and name.startswith(("shmkv-", "memfd:shmkv-")):
+            held[target] += 1
+    return held
 
 
 def no_signal_deaths(*procs: subprocess.Popen | subprocess.CompletedProcess) -> None:
