@@ -3,6 +3,8 @@ tiny models the test session writes. Plain helpers live in the support package (
 
 from __future__ import annotations
 
+import gc
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -14,6 +16,30 @@ from tests.support import SHM
 from tests.support.servers import EXTRA, N_CTX, SAMPLING
 from tests.support.supervisors import Sup, start_supervisor
 from tests.support.tmpfs import mounted_tmpfs
+from tests.support.waiting import deleted_arena_fds
+
+#: descriptors of unlinked arenas (and put memfds) the test process may hold between modules
+HELD_ARENA_FDS = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_arena_descriptors_held(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A module that leaves the test process holding more than HELD_ARENA_FDS descriptors
+    of unlinked arenas fails: each pins its arena's tmpfs memory until the session ends
+    (once ~2,600 of them, ~15 GB). One /proc/self/fd scan per module."""
+    before = deleted_arena_fds(os.getpid()).total()
+    yield
+    held = deleted_arena_fds(os.getpid())
+    if held.total() > max(before, HELD_ARENA_FDS):
+        gc.collect()  # (a cycle, e.g. a failed test's traceback, may still hold a Client)
+        held = deleted_arena_fds(os.getpid())
+    if held.total() > max(before, HELD_ARENA_FDS):
+        top = ", ".join(f"{n} x {path}" for path, n in held.most_common(5))
+        pytest.fail(
+            f"{request.node.name} left the test process holding {held.total()} descriptors of "
+            f"unlinked arenas (was {before}; at most {HELD_ARENA_FDS}): {top}. Close the "
+            f"Clients, ArenaViews and received fds it opens (with `with`, or in a finally)"
+        )
 
 
 @pytest.fixture

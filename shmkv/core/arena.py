@@ -38,6 +38,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -286,7 +287,13 @@ def meta_checksum(
 
 
 class ArenaView:
-    """A worker's read-only view of the arena: lock-free lookup and record validation."""
+    """A worker's read-only view of the arena: lock-free lookup and record validation.
+
+    It holds a mapping and a descriptor of the arena file, and either pins the file's
+    tmpfs pages even once a new supervisor unlinked it. :meth:`close` lets go of both;
+    a view nobody closes (a Client drops its view, never closing it, while a Lease may
+    still read it) lets go of both when its last reference goes.
+    """
 
     def __init__(self, fd: int, populate: bool = True) -> None:
         st = os.fstat(fd)
@@ -306,6 +313,8 @@ class ArenaView:
         except Exception:
             self.mm.close()
             raise
+        # closed by close(), or when the view is collected (an int closes nothing by itself)
+        self._close_fd = weakref.finalize(self, os.close, self.fd)
         if populate and not whole:
             for off in range(0, self.geometry.data_offset, mmap.PAGESIZE):
                 self.mm[off]
@@ -315,9 +324,8 @@ class ArenaView:
 
     def close(self) -> None:
         self._np = None  # type: ignore[assignment]
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._close_fd()  # once only: a later collection closes nothing
+        self.fd = -1
         try:
             self.mm.close()
         except BufferError:  # a numpy view is still alive somewhere; unmapped at GC

@@ -29,6 +29,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
@@ -60,6 +61,8 @@ class _Memfd:
 
     def __init__(self, capacity: int) -> None:
         self.fd = os.memfd_create("shmkv-put", os.MFD_CLOEXEC)
+        # closed by close(), or when the memfd is collected (a Client never closed)
+        self._close_fd = weakref.finalize(self, os.close, self.fd)
         self.capacity = 0
         self.mm: mmap.mmap | None = None
         self.grow(capacity)
@@ -92,9 +95,8 @@ class _Memfd:
             except BufferError:
                 pass
             self.mm = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._close_fd()  # once only: a later collection closes nothing
+        self.fd = -1
 
 
 def _peer_uid(sock: socket.socket) -> int:

@@ -34,8 +34,8 @@ from tests.chaos.harness import (
     wait_flag,
 )
 from tests.support.blobs import blob
-from tests.support.supervisors import try_stats, wait_ready
-from tests.support.waiting import wait_until
+from tests.support.supervisors import kill9, restart, try_stats, wait_ready
+from tests.support.waiting import shm_fds, wait_until
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,34 @@ def test_client_unmaps_a_replaced_arena_without_waiting_for_the_gc(make_supervis
         st = wait_until(lambda: try_stats(c), 15, "the client to reconnect")
         assert st["pid"] == new.proc.pid and c.lookup(digests) is None
         assert not stale_arena_maps(os.getpid(), sup.name)
+        assert str(sup.arena) + " (deleted)" not in shm_fds(os.getpid(), f"shmkv-{sup.name}")
+    finally:
+        gc.enable()
+        c.close()
+
+
+@pytest.mark.timeout(90)
+def test_client_holds_one_arena_descriptor_across_restarts_and_none_once_closed(make_supervisor):
+    """Each reattach after a supervisor restart left the replaced arena's descriptor open (the
+    ArenaView's own, which nothing closed once the Client let go of the view), and so did
+    close(): a long-running worker pinned every old arena's tmpfs pages, one per restart."""
+    sup = make_supervisor("--size", "16M")
+    arena = f"shmkv-{sup.name}"
+    c = sup.client(timeout=1.0)
+    gc.disable()  # a worker may go a long time without a full collection
+    try:
+        c.stats()
+        held = shm_fds(os.getpid(), arena)  # the view's and its mapping's (mmap dups it)
+        assert set(held) == {str(sup.arena)}, held
+        for _ in range(3):
+            kill9(sup)
+            sup = restart(make_supervisor, sup, "--size", "16M", "--fresh")
+            st = wait_until(lambda: try_stats(c), 15, "the client to reattach")
+            assert st["pid"] == sup.proc.pid
+            # the new arena's only: the replaced ones (unlinked by --fresh) are let go
+            assert shm_fds(os.getpid(), arena) == [str(sup.arena)] * len(held)
+        c.close()
+        assert shm_fds(os.getpid(), arena) == []
     finally:
         gc.enable()
         c.close()

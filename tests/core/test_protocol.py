@@ -8,6 +8,7 @@ and read it back.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import struct
@@ -29,7 +30,7 @@ from shmkv.core.keys import chain_digests
 from shmkv.supervisor.ops import OPS
 from tests.support.peer import Raw, memfd_with, put_msg
 from tests.support.supervisors import assert_healthy
-from tests.support.waiting import fd_count, wait_until
+from tests.support.waiting import deleted_arena_fds, fd_count, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -479,6 +480,22 @@ def test_fds_sent_with_a_truncated_frame_are_closed_at_disconnect(supervisor) ->
         r.close()
     wait_until(lambda: fd_count(pid) <= base, what="the descriptors to be closed")
     assert_healthy(supervisor)
+
+
+def test_a_client_let_go_of_without_close_leaves_no_descriptor_open(supervisor) -> None:
+    """A Client dropped unclosed (a worker's, replaced) left its arena view's descriptor and
+    its warm put memfds open: ints, which nothing closed when their owners were collected."""
+    base = fd_count(os.getpid())
+    gc.disable()  # no collection needed: the last reference going is enough
+    try:
+        for i in range(3):
+            c = supervisor.client()
+            c.put_bytes(os.urandom(16), np.arange(64, dtype=np.int32), b"fp", b"x" * (i + 1))
+            assert c.lookup([b"\0" * 16]) is None  # (attached: a mapping and two fds)
+            del c
+        assert fd_count(os.getpid()) <= base, deleted_arena_fds(os.getpid())
+    finally:
+        gc.enable()
 
 
 def test_many_bad_requests_on_one_connection_keep_it_open(supervisor, attached: Raw) -> None:

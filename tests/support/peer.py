@@ -69,10 +69,12 @@ class Raw:
         msg, fds = P.recv_msg(self.sock)
         assert msg["ok"] and len(fds) == 1
         try:
-            self.geometry = A.ArenaView(fds[0], populate=False).geometry
+            view = A.ArenaView(fds[0], populate=False)
         finally:
             for fd in fds:
                 os.close(fd)
+        self.geometry = view.geometry
+        view.close()
         return msg
 
     def closed_by_peer(self) -> bool:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
+
+from tests.support import SHM
 
 
 def wait_until(
@@ -27,6 +30,36 @@ def wait_until(
 def fd_count(pid: int) -> int:
     """How many descriptors process ``pid`` holds open."""
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def shm_fds(pid: int, prefix: str = "shmkv-") -> list[str]:
+    """The files in /dev/shm named ``prefix``... that process ``pid`` holds descriptors of,
+    one entry per descriptor; an unlinked file's ends in " (deleted)"."""
+    shm, out = f"{SHM}/{prefix}", []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith(shm):
+            out.append(target)
+    return out
+
+
+def deleted_arena_fds(pid: int) -> collections.Counter[str]:
+    """How many descriptors process ``pid`` holds of each unlinked arena file (``shmkv-*``
+    anywhere, /dev/shm or a test's tmpfs) and each put memfd: memory that none of those
+    files' names account for any more, pinned until the descriptors close."""
+    held: collections.Counter[str] = collections.Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        name = os.path.basename(target)
+        if target.endswith(" (deleted)") and name.startswith(("shmkv-", "memfd:shmkv-")):
+            held[target] += 1
+    return held
 
 
 def no_signal_deaths(*procs: subprocess.Popen | subprocess.CompletedProcess) -> None:
