@@ -250,7 +250,7 @@ def test_a_state_from_one_tier_reaches_the_other(make_supervisor, tmp_path, redi
     wait_until(lambda: b.stats()["remote_on"] == 1, 20, "B's connection to Redis")
     assert fetch(b, shared) == "fetched"
     st = wait_until(
-        lambda: (s := b.stats())["persist_queue"] == 0 and s["persist_records"] and s,
+        lambda: (s := b.stats())["persist_queue"] == 0 and s["persisted"] and s,
         10,
         "B to write the fetched state to disk",
     )
