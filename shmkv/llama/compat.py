@@ -10,9 +10,14 @@ requires). Nothing else in shmkv touches an underscore name of llama-cpp-python;
 HTTP side's (``llama_cpp.server``) are in ``workers/compat.py``.
 
 The range is bounded above by the next minor release, which may rename these private
-names; it starts where the newest C API binding shmkv calls appeared
-(``llama_n_ctx_seq``, 0.3.17). ``.ci/llama-versions`` builds both ends and runs the
-llama tests on each (docs/development.md says when to run it).
+names. It starts at 0.3.32, the first ``Llama.generate`` that reads ``_requires_eval``
+and samples a prompt the context holds whole without evaluating its last token again.
+0.3.17 to 0.3.31 have every C API binding shmkv calls (``llama_n_ctx_seq`` appeared in
+0.3.17) but replay that token: built and tested, 0.3.17 failed to decode a prompt that
+ends with a chat handler's image (the replayed position is a media mark), its llama.cpp
+serializes a sliding-window cache whole (up to 0.3.24) and takes a q8_0 cache that
+0.3.32's refuses. ``.ci/llama-versions`` builds both ends and runs the llama tests on
+each (docs/development.md says when to run it).
 
 :func:`check` runs when a cache attaches (``SharedPrefixCache``): on a version outside
 the range it verifies that each internal and binding is still there and raises one
@@ -37,7 +42,7 @@ log = logging.getLogger(__name__)
 
 #: the oldest and the newest llama-cpp-python whose internals this module was read from
 #: (every release between them was read too; .ci/llama-versions tests both ends)
-KNOWN_VERSIONS = ("0.3.17", "0.3.36")
+KNOWN_VERSIONS = ("0.3.32", "0.3.36")
 #: the first release not read: a minor release may rename the private names used here
 BELOW = "0.4"
 #: what installs a known version (pyproject.toml's requirement, tests/llama/test_versions.py)
@@ -47,8 +52,8 @@ REQUIREMENT = f"llama-cpp-python>={KNOWN_VERSIONS[0]},<{BELOW}"
 COMPLETION = "_create_completion"
 #: instance attributes read or written here
 _ATTRIBUTES = ("_requires_eval", "_chat_handlers", "_logits_all", "_ctx")
-#: the C API bindings (``llama_cpp.llama_cpp``) shmkv calls unconditionally; the newest,
-#: ``llama_n_ctx_seq``, is why :data:`KNOWN_VERSIONS` starts at 0.3.17 (0.3.16 lacks it)
+#: the C API bindings (``llama_cpp.llama_cpp``) shmkv calls unconditionally (all there
+#: since 0.3.17; 0.3.16 lacks ``llama_n_ctx_seq``)
 FUNCTIONS = (
     "llama_get_memory",
     "llama_memory_clear",
@@ -73,7 +78,7 @@ _warned = False
 
 
 def _release(version: str) -> tuple[int, ...] | None:
-    """``"0.3.17"`` as ``(0, 3, 17)`` (a suffix such as ``.dev1`` dropped); None: not a
+    """``"0.3.32"`` as ``(0, 3, 32)`` (a suffix such as ``.dev1`` dropped); None: not a
     release number."""
     m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
     return tuple(int(x or 0) for x in m.groups()) if m else None

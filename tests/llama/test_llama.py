@@ -186,8 +186,6 @@ def test_a_llama_cpp_python_without_an_internal_shmkv_uses_fails_at_attach(model
     try:
         monkeypatch.setattr(llama_cpp, "__version__", "9.9.9")
         monkeypatch.setattr(compat, "_warned", False)
-        # (0.3.17 to 0.3.31 have no _requires_eval; a version after the range has it)
-        monkeypatch.setattr(llm, "_requires_eval", False, raising=False)
         records: list[logging.LogRecord] = []
         handler = logging.Handler()
         handler.emit = records.append  # type: ignore[method-assign]
@@ -197,7 +195,7 @@ def test_a_llama_cpp_python_without_an_internal_shmkv_uses_fails_at_attach(model
             compat.check(llm)
         finally:
             compat.log.removeHandler(handler)
-        assert len(records) == 1 and "0.3.17 to 0.3.36" in records[0].getMessage()
+        assert len(records) == 1 and "0.3.32 to 0.3.36" in records[0].getMessage()
         monkeypatch.delattr(llm, "_requires_eval")  # (as a version without it would be)
         with pytest.raises(ConfigError) as err:
             attach(llm, name="absent", socket_path="/tmp/shmkv-absent-test.sock")

@@ -39,13 +39,13 @@ def test_pyproject_requires_the_range_compat_was_read_from():
     for req in reqs:
         assert re.sub(r"\[\w+\]", "", req) == compat.REQUIREMENT, req
         assert req.endswith(wanted)
-    assert compat.REQUIREMENT == "llama-cpp-python>=0.3.17,<0.4"
+    assert compat.REQUIREMENT == "llama-cpp-python>=0.3.32,<0.4"
 
 
 def test_the_range_ends_are_known_and_its_outside_is_not():
-    for v in ("0.3.17", "0.3.20", "0.3.36", "0.3.36.post1"):
+    for v in ("0.3.32", "0.3.34", "0.3.36", "0.3.36.post1"):
         assert compat.known(v), v
-    for v in ("0.3.16", "0.2.90", "0.3.37", "0.4.0", "1.0", "unknown", ""):
+    for v in ("0.3.31", "0.3.17", "0.2.90", "0.3.37", "0.4.0", "1.0", "unknown", ""):
         assert not compat.known(v), v
     assert compat.known(llama_cpp.__version__)  # (what the rest of tests/llama ran on)
 
@@ -62,31 +62,40 @@ def test_every_binding_shmkv_calls_is_checked():
     assert all(callable(getattr(lc, f, None)) for f in compat.FUNCTIONS)
 
 
-def test_a_version_below_the_range_fails_at_attach_naming_what_it_lacks(models, monkeypatch):
-    """0.3.16 (read from its sdist) has no ``llama_n_ctx_seq``: attach says so, and how
-    to install a version shmkv knows, instead of an AttributeError in the first request."""
+@pytest.mark.parametrize(
+    ("version", "lacks"),
+    [("0.3.31", "_requires_eval"), ("0.3.16", "llama_n_ctx_seq")],
+    ids=["0.3.31", "0.3.16"],
+)
+def test_a_version_below_the_range_fails_at_attach_naming_what_it_lacks(
+    models, monkeypatch, version, lacks
+):
+    """Read from their sdists: 0.3.17 to 0.3.31 have no ``Llama._requires_eval`` (their
+    ``generate`` replays a prompt's last token, which shmkv's restores do not expect:
+    0.3.17 failed tests/llama), 0.3.16 no ``llama_n_ctx_seq`` either. Attach says what
+    is missing and how to install a version shmkv knows, before the first request."""
     llm = llama_cpp.Llama(models["seed0"], verbose=False, **KW)
     try:
-        monkeypatch.setattr(llama_cpp, "__version__", "0.3.16")
-        monkeypatch.delattr(lc, "llama_n_ctx_seq")  # (as 0.3.16 has it: not at all)
+        monkeypatch.setattr(llama_cpp, "__version__", version)
+        monkeypatch.delattr(llm, "_requires_eval")  # (as both are: not there)
+        if lacks == "llama_n_ctx_seq":
+            monkeypatch.delattr(lc, "llama_n_ctx_seq")
         with pytest.raises(ConfigError) as err:
             attach(llm, name="old", socket_path="/tmp/shmkv-old-version-test.sock")
         message = str(err.value)
-        assert "llama-cpp-python 0.3.16 lacks llama_n_ctx_seq" in message, message
-        assert "0.3.17 to 0.3.36" in message and compat.REQUIREMENT in message, message
+        assert f"llama-cpp-python {version} lacks {lacks}" in message, message
+        assert "0.3.32 to 0.3.36" in message and compat.REQUIREMENT in message, message
         assert getattr(llm, "shmkv", None) is None
     finally:
         llm.close()
 
 
 def test_a_version_in_the_range_is_trusted_without_looking(models, monkeypatch):
-    """Inside the range, check() does not look (0.3.17 to 0.3.31 have no
-    ``Llama._requires_eval``: their ``generate`` always evaluates a prompt's last token
-    again, and shmkv sets the attribute without it being read)."""
+    """Inside the range, check() does not look: no error, no warning."""
     llm = llama_cpp.Llama(models["seed0"], verbose=False, **KW)
     try:
-        monkeypatch.setattr(llama_cpp, "__version__", "0.3.20")
-        monkeypatch.delattr(llm, "_requires_eval", raising=False)
+        monkeypatch.setattr(llama_cpp, "__version__", "0.3.33")
+        monkeypatch.delattr(llm, "_requires_eval")  # (it would not notice)
         monkeypatch.setattr(compat, "_warned", False)
         compat.check(llm)
         assert compat._warned is False  # noqa: SLF001 (no warning either)
