@@ -3,7 +3,9 @@
 Runs inside each gunicorn worker. The served app is llama-cpp-python's server with a
 few of its module-level functions replaced (``app.py``); the worker takes accepting
 over from the asyncio servers uvicorn starts (``worker.py``). Those are internals, read
-from the versions in :data:`KNOWN`; nothing else on the HTTP side touches them.
+from the versions in :data:`KNOWN` (llama-cpp-python: every release in the range of
+``shmkv.llama.compat``; its ``llama_cpp.server`` is the same from 0.3.17 to 0.3.36 in what
+is read here); nothing else on the HTTP side touches them.
 
 :func:`check` runs when a worker builds its app: on a version not in :data:`KNOWN` it
 verifies the internals are there and raises one ``ConfigError`` naming those missing
@@ -29,12 +31,14 @@ from llama_cpp.server.model import LlamaProxy
 from uvicorn_worker import UvicornWorker
 
 from shmkv.core.errors import ConfigError
+from shmkv.llama import compat as llama_compat
 
 log = logging.getLogger("shmkv.worker")
 
-#: the versions whose internals this module was read from
+#: the versions whose internals this module was read from (llama-cpp-python: the oldest and
+#: the newest of a range, as in ``shmkv.llama.compat``)
 KNOWN = {
-    "llama-cpp-python": ("0.3.36",),
+    "llama-cpp-python": llama_compat.KNOWN_VERSIONS,
     "uvicorn": ("0.54.0",),
     "uvicorn-worker": ("0.4.0",),
     "python": ("3.11",),  # (asyncio's Server: ``_sockets``, ``_protocol_factory``)
@@ -62,13 +66,20 @@ def _installed() -> dict[str, str]:
 
 def known_versions() -> str:
     """The versions read, as one line for a message."""
-    return ", ".join(f"{k} {'/'.join(v)}" for k, v in KNOWN.items())
+    lcp = "llama-cpp-python"
+    return ", ".join(f"{k} {' to '.join(v) if k == lcp else '/'.join(v)}" for k, v in KNOWN.items())
+
+
+def _known(name: str, version: str) -> bool:
+    if name == "llama-cpp-python":
+        return llama_compat.known(version)
+    return version in KNOWN[name]
 
 
 def check() -> None:
     """Raise ConfigError if an internal the HTTP side replaces or reads is missing."""
     installed = _installed()
-    unknown = {k: v for k, v in installed.items() if v not in KNOWN[k]}
+    unknown = {k: v for k, v in installed.items() if not _known(k, v)}
     if not unknown:
         return
     missing = [f"llama_cpp.server.app.{f}" for f in _SERVER_FUNCTIONS if not hasattr(server_app, f)]
