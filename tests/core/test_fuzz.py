@@ -57,7 +57,12 @@ log = logging.getLogger(__name__)
 pytestmark = pytest.mark.timeout(400)
 
 TARGET_MESSAGES = int(os.environ.get("SHMKV_FUZZ_MESSAGES", "10000"))
-MAX_EXAMPLES = TARGET_MESSAGES * 9 // 10  # bursts carry several frames: ~1.3 per example
+#: the arena's two modes (``--reserve``) and the messages each gets: the default the whole
+#: run, pages on demand (allocated by each put, punched after each free) half of it
+RESERVE_MODES = [
+    pytest.param("true", TARGET_MESSAGES, id="reserve-true"),
+    pytest.param("false", TARGET_MESSAGES // 2, id="reserve-false"),
+]
 BATCH = 100
 ATTACHED = 4  # pool connections 0..3 attach; 4 stays an unattached admin peer
 POOL = 5
@@ -401,6 +406,18 @@ def valid_id(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= P.MAX_U64
 
 
+def reply_id(msg: dict[str, Any]) -> int:
+    """The id the reply to ``msg`` carries (0 when it has none, or one out of range)."""
+    rid = msg.get("id", 0)
+    return rid if valid_id(rid) else 0
+
+
+def own_worker_exit(msg: dict[str, Any]) -> bool:
+    """A ``worker_exit`` of this process: if it succeeds, the supervisor closes every other
+    connection of ours."""
+    return msg.get("op") == "worker_exit" and msg.get("pid") == os.getpid()
+
+
 @functools.lru_cache(maxsize=16)
 def payload_bytes(size: int) -> bytes:
     return np.random.RandomState(size).bytes(size)
@@ -566,7 +583,7 @@ class Fuzzer:
         elif "id" not in msg and fresh_id:  # most requests carry a fresh id, some none
             msg["id"] = self.next_id
             self.next_id += 1
-        if msg.get("op") == "worker_exit" and msg.get("pid") == os.getpid():
+        if own_worker_exit(msg):
             fuzz_counts["worker_exit_self"] += 1
         return msgpack.packb(msg, use_bin_type=True), msg
 
@@ -629,8 +646,13 @@ class Fuzzer:
             # too many descriptors at once, or a frame over the cap: the frames before
             # it may be answered, the last reply says why, then the connection closes
             last = None
+            exits = {reply_id(msg) for msg, _ in sent if own_worker_exit(msg)}
             while (reply := peer.recv_reply(-1, 10)) is not None:
                 check_reply(reply, "refused stream")
+                if reply["ok"] and reply.get("id") in exits:
+                    # answered before a later frame got the connection refused: the other
+                    # connections are closed all the same
+                    self.reopen_others(i)
                 last = reply
             assert last is not None and last["error"]["code"] == "protocol", last
             fuzz_counts[
@@ -639,8 +661,7 @@ class Fuzzer:
             self.reopen(i)
             return
         for msg, _body in sent:
-            rid = msg.get("id", 0)
-            rid = rid if valid_id(rid) else 0
+            rid = reply_id(msg)
             if msg.get("op") == "claim" and rid >= ID_BASE:
                 peer.outstanding.add(rid)  # it may wait on another connection's claim
                 fuzz_counts["claims_async"] += 1
@@ -657,11 +678,16 @@ class Fuzzer:
             assert reply.get("id") == rid, (reply, msg)
             check_reply(reply, msg)
             self.learn(msg, reply)
-            if reply["ok"] and msg.get("op") == "worker_exit" and msg.get("pid") == os.getpid():
-                # every other connection of this process was closed by the supervisor
-                for j in range(POOL):
-                    if j != i:
-                        self.reopen(j)
+            if reply["ok"] and own_worker_exit(msg):
+                self.reopen_others(i)
+
+    def reopen_others(self, i: int) -> None:
+        """Our own pid's ``worker_exit`` succeeded on connection ``i``: the supervisor closed
+        every other connection of this process."""
+        fuzz_counts["worker_exit_reopens"] += 1
+        for j in range(POOL):
+            if j != i:
+                self.reopen(j)
 
     def learn(self, msg: dict[str, Any], reply: dict[str, Any]) -> None:
         if not reply["ok"]:
@@ -816,17 +842,48 @@ def test_too_many_fds_get_their_reason_before_the_close(supervisor):
     assert_healthy(supervisor)
 
 
+def test_worker_exit_answered_before_a_refused_frame_reopens_the_other_connections(
+    supervisor,
+) -> None:
+    """The fuzz's own bookkeeping: one pool connection sends [a worker_exit of our pid, a
+    frame too long to arrive with it in one read, a frame over the cap]. The supervisor
+    answers the worker_exit (closing our other connections), then refuses the stream; the
+    fuzzer reopened only the refused connection, so the next use of another one failed
+    with BrokenPipe (its checkpoint ping) or EOF mid-burst: a failure of the fuzzer, not
+    of the supervisor."""
+    fuzz_counts.clear()
+    fz = Fuzzer(supervisor)
+    try:
+        burst = [
+            {"op": "worker_exit", "pid": Ref("pid")},
+            {"op": "ping", "pad": b"p" * (1 << 20)},
+            {"op": "ping", "pad": Big(P.MAX_FRAME + 1)},
+        ]
+        fz.run(Action("burst", 0, burst))
+        fz.checkpoint()  # a ping on every pool connection, and a worker's round trip
+    finally:
+        fz.close()
+    assert fuzz_counts["closed_oversize_frame"] == 1
+    assert fuzz_counts["worker_exit_reopens"] == 1, dict(fuzz_counts)
+    assert_healthy(supervisor)
+
+
 # ------------------------------------------------------------------- the fuzz
 @pytest.mark.stress
-def test_fuzz_ten_thousand_hostile_messages_over_many_connections(make_supervisor) -> None:
+@pytest.mark.parametrize("reserve, target", RESERVE_MODES)
+def test_fuzz_ten_thousand_hostile_messages_over_many_connections(
+    make_supervisor, reserve: str, target: int
+) -> None:
     # short lease and claim timeouts so that revocation and claim expiry happen too
-    sup = make_supervisor("--size", "8M", "--lease-timeout", "2", "--claim-timeout", "3")
+    sup = make_supervisor(
+        "--size", "8M", "--lease-timeout", "2", "--claim-timeout", "3", "--reserve", reserve
+    )
     fuzz_counts.clear()
     fz = Fuzzer(sup)
     t0 = time.monotonic()
 
     @settings(
-        max_examples=MAX_EXAMPLES,
+        max_examples=target * 9 // 10,  # bursts carry several frames: ~1.3 per example
         deadline=None,
         database=None,
         phases=[Phase.explicit, Phase.generate],
@@ -845,15 +902,16 @@ def test_fuzz_ten_thousand_hostile_messages_over_many_connections(make_superviso
 
     try:
         one()
-        if fz.messages < TARGET_MESSAGES:  # top up if Hypothesis drew few multi-frame actions
+        if fz.messages < target:  # top up if Hypothesis drew few multi-frame actions
             one()
         fz.checkpoint()
     finally:
         fz.close()
     elapsed = time.monotonic() - t0
     log.info(
-        "fuzz: %d messages in %d batches over %d pooled connections + %d throw-away, "
-        "%.1fs; supervisor RSS %.1f -> max %.1f MiB, fds <= %d",
+        "fuzz (--reserve %s): %d messages in %d batches over %d pooled connections + %d "
+        "throw-away, %.1fs; supervisor RSS %.1f -> max %.1f MiB, fds <= %d",
+        reserve,
         fz.messages,
         fz.batches,
         POOL,
@@ -864,8 +922,8 @@ def test_fuzz_ten_thousand_hostile_messages_over_many_connections(make_superviso
         fz.fd_base + FD_SLACK,
     )
     log.info("fuzz outcome counts: %s", dict(sorted(fuzz_counts.items())))
-    assert fz.messages >= TARGET_MESSAGES
-    assert fuzz_counts["worker_roundtrips"] >= TARGET_MESSAGES // BATCH
+    assert fz.messages >= target
+    assert fuzz_counts["worker_roundtrips"] >= target // BATCH
     assert fz.rss_max - fz.rss0 < 256 << 20, "supervisor memory grew without bound"
     # every hostile connection is gone: no lease is left, and a clear frees every byte
     wait_until(
