@@ -145,14 +145,10 @@ def test_served_mamba_restores_across_workers(tmp_path, make_supervisor, arch_mo
     try:
         text, first = srv.complete(SYSTEM + QUESTIONS[0])
         answers.append((SYSTEM + QUESTIONS[0], text))
-        for i in range(8):
-            prompt = SYSTEM + f" Question {i}: who sits?"
-            text, info = srv.complete(prompt)
-            answers.append((prompt, text))
-            if info["worker_pid"] != first["worker_pid"]:
-                break
-        else:
-            pytest.fail("every request went to one worker")
+        asked, info = srv.until_other_worker(
+            lambda i: SYSTEM + f" Question {i}: who sits?", first["worker_pid"]
+        )
+        answers += [(prompt, text) for prompt, text, _ in asked]
     finally:
         srv.stop()
     plain = llama_cpp.Llama(model, n_ctx=N_CTX, n_threads=1, n_threads_batch=1, verbose=False)

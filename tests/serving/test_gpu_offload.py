@@ -202,13 +202,9 @@ def test_served_workers_on_a_cpu_only_build_warn_once_each_and_share_states(
     prompt = "Once upon a time " * 40
     try:
         first_text, first = srv.complete(prompt)
-        got = [first]
-        for _ in range(8):  # until another worker answers (requests spread over both)
-            text, info = srv.complete(prompt)
-            assert text == first_text
-            got.append(info)
-            if info["worker_pid"] != first["worker_pid"]:
-                break
+        asked, _ = srv.until_other_worker(lambda i: prompt, first["worker_pid"])
+        assert all(text == first_text for _, text, _ in asked)
+        got = [first] + [info for _, _, info in asked]
         pids = srv.worker_pids()
     finally:
         srv.stop()

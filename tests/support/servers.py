@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +124,24 @@ class Server:
             for k, v in h.items()
         }
         return body.choices[0].text, info
+
+    def until_other_worker(
+        self, prompt: Callable[[int], str], first_pid: int, most: int = 16
+    ) -> tuple[list[tuple[str, str, dict]], dict]:
+        """Completions two at a time until one is answered by a worker other than
+        ``first_pid`` (a busy worker leaves the second of a pair to the other one; sequential
+        requests may all land on one idle worker): every (prompt, text, info) in order, and
+        the first other worker's info. ``prompt(i)`` is the i-th prompt."""
+        out: list[tuple[str, str, dict]] = []
+        with ThreadPoolExecutor(2) as pool:
+            while len(out) < most:
+                asked = [prompt(len(out) + k) for k in (0, 1)]
+                for p, (text, info) in zip(asked, pool.map(self.complete, asked), strict=True):
+                    out.append((p, text, info))
+                other = [i for _, _, i in out if i["worker_pid"] != first_pid]
+                if other:
+                    return out, other[0]
+        raise AssertionError(f"no request of {most} reached a second worker")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
