@@ -12,7 +12,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import uuid
 from pathlib import Path
 
@@ -157,18 +156,7 @@ def test_serve_q8_0_restores_on_another_worker(tmp_path, q8_model, make_supervis
         text, first = server.complete(prompts[0])
         assert text == cold(prompts[0])
         assert first["restored_tokens"] == 0
-        results: dict[str, tuple[str, dict]] = {}
-
-        def ask(batch: list[str]) -> None:
-            for p in batch:
-                results[p] = server.complete(p)
-
-        # two clients at a time, so that requests land on both workers
-        threads = [threading.Thread(target=ask, args=(prompts[1 + k :: 2],)) for k in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        results = server.complete_two_at_a_time(prompts[1:])
         assert len(results) == len(prompts) - 1
         for p, (text, _info) in results.items():
             assert text == cold(p), p

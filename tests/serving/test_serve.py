@@ -38,18 +38,7 @@ def test_openai_client_cold_then_hits_on_other_workers(server, serve_reference):
     assert text == serve_reference(prompts[0])
     assert first["restored_tokens"] == 0 and first["evaluated_tokens"] > 500
     restored_by: dict[int, int] = {}
-    results: dict[str, tuple[str, dict]] = {}
-
-    def ask(batch: list[str]) -> None:
-        for p in batch:
-            results[p] = server.complete(p)
-
-    # two clients at a time, so that requests land on several workers
-    threads = [threading.Thread(target=ask, args=(prompts[1 + k :: 2],)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results = server.complete_two_at_a_time(prompts[1:])
     assert len(results) == len(prompts) - 1
     for p, (text, info) in results.items():
         assert text == serve_reference(p), p

@@ -125,6 +125,15 @@ class Server:
         }
         return body.choices[0].text, info
 
+    def complete_two_at_a_time(self, prompts: list[str]) -> dict[str, tuple[str, dict]]:
+        """Completions from two clients at once, each taking every other prompt in order, so
+        that requests land on more than one worker: {prompt: (text, info)}."""
+        with ThreadPoolExecutor(2) as pool:
+            done = pool.map(
+                lambda half: [(p, self.complete(p)) for p in half], [prompts[0::2], prompts[1::2]]
+            )
+            return {p: got for half in done for p, got in half}
+
     def until_other_worker(
         self, prompt: Callable[[int], str], first_pid: int, most: int = 16
     ) -> tuple[list[tuple[str, str, dict]], dict]:
