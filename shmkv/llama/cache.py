@@ -53,7 +53,7 @@ from shmkv.core.config import Settings, resolve, trusted_uids
 from shmkv.core.errors import ArenaCorruptError, ShmkvError
 from shmkv.core.keys import chain_digests, key_root
 from shmkv.core.stats import CallStats
-from shmkv.llama import boundaries, compat, hooks, kvstate, media, policy, tenant
+from shmkv.llama import boundaries, compat, hooks, kvstate, media, mtmd, policy, tenant
 from shmkv.llama.capture import Capturer
 from shmkv.llama.claims import Claims
 from shmkv.llama.counters import Ledger
@@ -536,6 +536,8 @@ class SharedPrefixCache:
         self.chat_boundaries = (
             boundaries.ChatBoundaries(llm) if self.policy.wants_boundaries else None
         )
+        #: llm's multimodal chat handler keys its media by content (``mtmd.py``)
+        self.shares_media = mtmd.share(llm)
         _LIVE.add(self)
         try:  # attach now (after fork, at model load), not on the first request
             self.reader.ensure()

@@ -182,6 +182,17 @@ def remember_threads(llm: Any, n: int) -> None:
     llm._shmkv_threads = n  # noqa: SLF001
 
 
+def mtmd_library(handler: Any) -> Any:
+    """The mtmd library module a multimodal chat handler calls through
+    (``MTMDChatHandler._mtmd_cpp``, ``Llava15ChatHandler._mtmd_cpp``); None: not one."""
+    return getattr(handler, "_mtmd_cpp", None) if handler is not None else None
+
+
+def replace_mtmd_library(handler: Any, lib: Any) -> None:
+    """Give a multimodal chat handler another mtmd library to call (``mtmd.share``)."""
+    handler._mtmd_cpp = lib  # noqa: SLF001
+
+
 class CompletionOverride:
     """Mixin for a ``Llama`` subclass whose ``shmkv`` cache runs ``_create_completion``
     (``SharedCacheLlama``): the override of that private method, kept here."""

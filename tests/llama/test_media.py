@@ -91,3 +91,64 @@ def test_the_same_image_after_the_same_text_is_shared(supervisor, models):
     first, exact = (r["last"] for r in b["results"])
     assert first["hit"] and first["tokens_restored"] > IMAGE["at"] + IMAGE["n"]
     assert exact["tokens_evaluated"] <= 1
+
+
+# llama-cpp-python's own MTMDChatHandler (tests/support/mtmd.py: its mtmd library without
+# a projector), as a user of a vision model has it: shmkv keys its images by their bytes
+
+
+def vision_chat(photo: bytes, question: str) -> dict:
+    """A chat whose system message, then a photo, then ``question`` make the prompt."""
+    from tests.support.mtmd import image_url
+
+    user = [
+        {"type": "image_url", "image_url": {"url": image_url(photo)}},
+        {"type": "text", "text": " " + question},
+    ]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    return {"kind": "chat", "messages": messages, "max_tokens": 16}
+
+
+@pytest.fixture(scope="module")
+def projector(tmp_path_factory) -> dict:
+    """Llama kwargs that give each worker's Llama the stock handler (a projector file)."""
+    path = tmp_path_factory.mktemp("mmproj") / "mmproj.gguf"
+    path.write_bytes(b"a projector's bytes")
+    return {"projector": str(path)}
+
+
+PHOTO, OTHER_PHOTO = b"\x07 a cat on a mat" * 40, b"\x07 a dog on a rug" * 40
+
+
+def test_the_stock_handler_shares_the_same_image_across_workers(supervisor, models, projector):
+    """Through llama-cpp-python's own MTMDChatHandler: another worker asked another
+    question about the same photo after the same system message restores the photo's
+    cells and the text before them, and answers as a cold run; asked the same chat, it
+    evaluates at most the last token."""
+    first = vision_chat(PHOTO, "Question: who sits on the mat?")
+    other = vision_chat(PHOTO, "Question: why? Rule 99: the dog 3 sits on rug 4.")
+    cold = run_worker(None, models["seed0"], [first, other], mode="cold", kw=projector)
+    assert texts(cold)[0] != texts(cold)[1]
+    a = run_worker(supervisor, models["seed0"], [first], kw=projector)
+    assert a["totals"]["publishes"] >= 1
+    context = a["results"][0]["context"]
+    photo_end = max(i for i, t in enumerate(context) if t < 0) + 1  # (media ids are < 0)
+    b = run_worker(supervisor, models["seed0"], [other, first], kw=projector)
+    assert texts(a) + texts(b) == texts(cold) + texts(cold)[:1]
+    again, exact = (r["last"] for r in b["results"])
+    assert again["hit"] and again["tokens_restored"] >= photo_end
+    assert exact["hit"] and exact["tokens_evaluated"] <= 1
+
+
+def test_the_stock_handler_never_shares_another_image(supervisor, models, projector):
+    """Another photo after the same system message: the system message is restored, the
+    first photo's cells never, and the answer is a cold run's."""
+    one, two = vision_chat(PHOTO, "What is it?"), vision_chat(OTHER_PHOTO, "What is it?")
+    cold = run_worker(None, models["seed0"], [one, two], mode="cold", kw=projector)
+    assert texts(cold)[0] != texts(cold)[1]
+    a = run_worker(supervisor, models["seed0"], [one], kw=projector)
+    b = run_worker(supervisor, models["seed0"], [two], kw=projector)
+    assert texts(a) + texts(b) == texts(cold)
+    image_at = next(i for i, t in enumerate(a["results"][0]["context"]) if t < 0)
+    last = b["results"][0]["last"]
+    assert 0 < last["tokens_restored"] <= image_at

@@ -1,8 +1,10 @@
 """A worker process for the llama tests: runs jobs through shmkv (or cold) and prints JSON.
 
 Input (stdin, JSON): model, kw (Llama kwargs), name, socket, namespace, mode
-("shmkv", "attach" or "cold"), jobs: [{kind: completion|chat, prompt|messages,
-max_tokens, stream}; kind media: ``tests/support/media.py``]. Output (stdout, JSON):
+("shmkv", "attach" or "cold"; kw's "projector": a file, gives each Llama the stock
+multimodal chat handler of ``tests/support/mtmd.py``), jobs: [{kind: completion|chat,
+prompt|messages, max_tokens, stream}; kind media: ``tests/support/media.py``]. Output
+(stdout, JSON):
 one result per job with the text and what the cache did.
 """
 
@@ -39,6 +41,11 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     spec = json.load(sys.stdin)
     kw = dict(model_path=spec["model"], verbose=False, **spec.get("kw", {}))
+    projector = kw.pop("projector", None)
+    if projector:
+        from tests.support.mtmd import Handler
+
+        kw["chat_handler"] = Handler(projector)
     mode = spec.get("mode", "shmkv")
     if mode == "shmkv":
         llm = SharedCacheLlama(
@@ -63,6 +70,8 @@ def main() -> None:
     results = []
     for job in spec["jobs"]:
         if mode == "cold":  # a fresh Llama per job: the reference a cached run must equal
+            if projector:
+                kw["chat_handler"] = Handler(projector)
             llm = llama_cpp.Llama(**kw)
         text = run_job(llm, job)
         results.append(

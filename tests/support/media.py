@@ -28,13 +28,21 @@ def embeddings(llm: llama_cpp.Llama, seed: int, n: int) -> np.ndarray:
 def decode_embeddings(
     llm: llama_cpp.Llama, embd: np.ndarray, n_past: int, logits_last: bool = False
 ) -> int:
-    """Decode ``embd`` at positions ``n_past``... of sequence 0 in ``n_batch`` batches,
-    as ``mtmd_helper_eval_chunk_single`` does (with the last position's logits if
-    ``logits_last``, for a prompt that ends with it); the position after them."""
+    """Decode ``embd`` at positions ``n_past``... of ``llm``'s sequence 0 (:func:`decode_into`)."""
+    return decode_into(llm.ctx, embd, n_past, llm.n_batch, logits_last)
+
+
+def decode_into(
+    ctx: Any, embd: np.ndarray, n_past: int, n_batch: int, logits_last: bool = False
+) -> int:
+    """Decode ``embd`` at positions ``n_past``... of sequence 0 of the llama context
+    ``ctx`` in ``n_batch`` batches, as ``mtmd_helper_eval_chunk_single`` does (with the
+    last position's logits if ``logits_last``, for a prompt that ends with it); the
+    position after them."""
     n, n_embd = embd.shape
     embd = np.ascontiguousarray(embd, dtype=np.float32)
-    for i in range(0, n, llm.n_batch):
-        part = embd[i : i + llm.n_batch]
+    for i in range(0, n, n_batch):
+        part = embd[i : i + n_batch]
         batch = lc.llama_batch_init(len(part), n_embd, 1)
         try:
             batch.n_tokens = len(part)
@@ -44,7 +52,7 @@ def decode_embeddings(
                 batch.n_seq_id[j] = 1
                 batch.seq_id[j][0] = 0
                 batch.logits[j] = int(logits_last and i + j == n - 1)
-            rc = lc.llama_decode(llm.ctx, batch)
+            rc = lc.llama_decode(ctx, batch)
             if rc != 0:
                 raise RuntimeError(f"llama_decode of an embedding batch returned {rc}")
         finally:
