@@ -184,7 +184,9 @@ def remember_threads(llm: Any, n: int) -> None:
 
 def mtmd_library(handler: Any) -> Any:
     """The mtmd library module a multimodal chat handler calls through
-    (``MTMDChatHandler._mtmd_cpp``, ``Llava15ChatHandler._mtmd_cpp``); None: not one."""
+    (``MTMDChatHandler._mtmd_cpp``, ``Llava15ChatHandler._mtmd_cpp``); None: not one.
+    In every known version their ``__call__`` calls ``mtmd_tokenize``, then resets the
+    context, then asks ``mtmd_input_chunks_size`` before its decode loop (``mtmd.py``)."""
     return getattr(handler, "_mtmd_cpp", None) if handler is not None else None
 
 
