@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -397,6 +399,86 @@ def test_remove_leaves_a_file_in_use(name):
 
 
 # ------------------------------------------------------------------ gunicorn workers
+# ------------------------------------------------------------- the cgroup's CPU quota
+@pytest.mark.parametrize("layout", ["v2", "hybrid"])
+def test_cgroup_quota_is_the_tightest_up_the_tree(tmp_path, layout):
+    """Pure cgroup v2 (``0::`` the only line; ``cpu.max``), and a hybrid host (the cpu
+    controller on v1, ``cpu.cfs_quota_us``; the unified ``0::`` line last, its tree with
+    no cpu.max): the tightest quota from our cgroup up, in CPUs."""
+    proc, root = tmp_path / "cgroup", tmp_path / "fs"
+    if layout == "v2":
+        proc.write_text("0::/a/b\n")
+        for d, quota in [("", "max 100000"), ("a", "150000 100000"), ("a/b", "max 100000")]:
+            (root / d).mkdir(parents=True, exist_ok=True)
+            (root / d / "cpu.max").write_text(quota + "\n")
+        want = 1.5
+    else:
+        proc.write_text("12:pids:/a/b\n4:cpu,cpuacct:/a/b\n1:name=systemd:/a/b\n0::/a/b\n")
+        (root / "unified/a/b").mkdir(parents=True)
+        for d, quota in [("", -1), ("a", 250000), ("a/b", -1)]:
+            (root / "cpu,cpuacct" / d).mkdir(parents=True, exist_ok=True)
+            (root / "cpu,cpuacct" / d / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+            (root / "cpu,cpuacct" / d / "cpu.cfs_period_us").write_text("100000\n")
+        want = 2.5
+    assert cpubudget.cgroup_quota(proc, root) == want
+    proc.write_text("0::/\n")
+    assert cpubudget.cgroup_quota(proc, root) is None  # (the root: no quota)
+
+
+DEFAULT_CORES = r"""
+import os, sys
+if len(sys.argv) > 1:
+    with open(sys.argv[1], "w") as f:  # join the cgroup
+        f.write(str(os.getpid()))
+from shmkv.llama.cpu import budget
+print(budget.default_cores())
+"""
+
+
+@contextmanager
+def cgroup_of_one_cpu() -> Iterator[Path]:
+    """A new cgroup with a CPU quota of one CPU (v2 ``cpu.max``, or v1 where the cpu
+    controller is on v1); its ``cgroup.procs``. Skips unless root can make one."""
+    fs = Path("/sys/fs/cgroup")
+    name = f"shmkv-test-{uuid.uuid4().hex[:8]}"
+    try:
+        v2 = fs / "cgroup.controllers"
+        if v2.exists() and "cpu" in v2.read_text().split():  # pure v2
+            (fs / "cgroup.subtree_control").write_text("+cpu")
+            d = fs / name
+            d.mkdir()
+            (d / "cpu.max").write_text("100000 100000")
+        else:
+            d = fs / "cpu" / name  # v1 (or hybrid: the cpu controller on v1)
+            d.mkdir()
+            (d / "cpu.cfs_period_us").write_text("100000")
+            (d / "cpu.cfs_quota_us").write_text("100000")
+    except OSError as e:
+        pytest.skip(f"cannot make a cgroup with a CPU quota here (needs root): {e}")
+    try:
+        yield d / "cgroup.procs"
+    finally:
+        d.rmdir()
+
+
+def test_the_default_budget_is_capped_by_a_real_cgroups_quota():
+    """A process in a cgroup limited to one CPU (on a machine with more) gets a default
+    budget of one core, whatever cgroup version the machine has."""
+    outside = subprocess.run(
+        [sys.executable, "-c", DEFAULT_CORES], capture_output=True, text=True, check=True
+    )
+    if int(outside.stdout) < 2:
+        pytest.skip("one core here already: nothing for a quota to cap")
+    with cgroup_of_one_cpu() as procs:
+        inside = subprocess.run(
+            [sys.executable, "-c", DEFAULT_CORES, str(procs)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    assert int(inside.stdout) == 1, (inside.stdout, outside.stdout)
+
+
 LONG = " ".join(f"Policy {i}: the cat {i % 7} guards mat {i % 5}." for i in range(45))
 
 
