@@ -19,15 +19,18 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from shmkv.core.config import resolve
 from shmkv.core.errors import UnsafePathError
 from shmkv.llama.cpu import budget as cpubudget
+from shmkv.llama.cpu import queue as cpuqueue
 from tests.support import TESTS
 from tests.support.servers import EXTRA, SAMPLING, Server
 from tests.support.waiting import wait_until
@@ -52,6 +55,7 @@ import json, os, sys, time
 import llama_cpp
 from llama_cpp import llama_cpp as lc
 from shmkv.llama.cpu import budget as cpubudget
+from shmkv.llama.cpu import queue as cpuqueue
 from shmkv.llama import attach
 
 model, name, cores, rounds, out, start_at = sys.argv[1:7]
@@ -119,6 +123,7 @@ def test_concurrent_evals_never_exceed_the_budget(tmp_path, models, name):
 HOLDER = r"""
 import sys, time
 from shmkv.llama.cpu import budget as cpubudget
+from shmkv.llama.cpu import queue as cpuqueue
 b = cpubudget.CpuBudget("/dev/shm", sys.argv[1], int(sys.argv[2]))
 g = b.take(int(sys.argv[2]))
 print(len(g.slots), flush=True)
@@ -179,6 +184,7 @@ STOPPED_PREFILL = r"""
 import os, signal, sys
 import llama_cpp
 from shmkv.llama.cpu import budget as cpubudget
+from shmkv.llama.cpu import queue as cpuqueue
 from shmkv.llama import attach
 
 model, name, cores, marker = sys.argv[1:5]
@@ -206,6 +212,7 @@ SIXTEEN_TOKENS = r"""
 import json, os, sys, time
 import llama_cpp
 from shmkv.llama.cpu import budget as cpubudget
+from shmkv.llama.cpu import queue as cpuqueue
 from shmkv.llama import attach
 
 model, name, cores, go = sys.argv[1:5]
@@ -521,6 +528,51 @@ def test_gunicorn_workers_share_the_budget(tmp_path, serve_model, make_superviso
     finally:
         srv.stop()
     assert not path.exists(), "the master removes the budget when it exits"
+
+
+WAITS = ("cpu_waits", "cpu_wait_seconds", "cpu_wait_timeouts")
+
+
+def health_waits(srv: Server) -> dict[str, float]:
+    """The CPU wait counters of ``srv``'s /health (its one worker's contexts summed)."""
+    caches = httpx.get(srv.base + "/health", timeout=10).json()["shmkv"]
+    return {k: sum(c[k] for c in caches) for k in WAITS}
+
+
+def test_health_counts_waits_for_cores(tmp_path, serve_model, make_supervisor):
+    """A worker that waits for the budget's one core (held here) counts the wait in
+    /health; one that stops waiting without a core counts a timeout too."""
+    sup = make_supervisor("--size", "64M")
+    env = {"SHMKV_CPU_BUDGET": "1", "SHMKV_CPU_WAIT": "2"}
+    srv = Server(sup, serve_model, workers=1, tmp_path=tmp_path, env=env)
+    holder = cpubudget.CpuBudget(SHM, sup.name, 1, wait=10)
+    board_fd = os.open(cpubudget.budget_path(SHM, sup.name), os.O_RDWR)
+    board = cpuqueue.Queue(board_fd)  # (a record of our own: we see the others')
+    try:
+        srv.complete(LONG)  # (loaded, and its batches timed)
+        before = health_waits(srv)
+        g = holder.take(1)
+        with ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(srv.complete, "Question: " + LONG)
+            wait_until(lambda: board.waiting(), 30, "the worker to wait for the core")
+            holder.give_back(g)
+            asked.result(60)
+        waited = health_waits(srv)
+        assert waited["cpu_waits"] >= before["cpu_waits"] + 1, (before, waited)
+        assert waited["cpu_wait_seconds"] > before["cpu_wait_seconds"], (before, waited)
+        assert waited["cpu_wait_timeouts"] == before["cpu_wait_timeouts"], (before, waited)
+        g = holder.take(1)  # and kept: the worker stops waiting (--cpu-wait, or sooner: we
+        # make no progress with it)
+        srv.complete("Another question: " + LONG)
+        holder.give_back(g)
+        late = health_waits(srv)
+        assert late["cpu_wait_timeouts"] == waited["cpu_wait_timeouts"] + 1, (waited, late)
+        least = min(2.0, cpuqueue.STALL_MIN_SECONDS)  # (a holder that makes no progress)
+        assert late["cpu_wait_seconds"] >= waited["cpu_wait_seconds"] + 0.9 * least, (waited, late)
+    finally:
+        os.close(board_fd)
+        holder.close()
+        srv.stop()
 
 
 def test_static_threads_switch(tmp_path, serve_model, make_supervisor):
