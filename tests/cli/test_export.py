@@ -5,9 +5,11 @@ corrupt, altered and foreign files are refused whole, with one line saying why."
 from __future__ import annotations
 
 import hashlib
+import shutil
 import struct
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import msgpack
@@ -15,8 +17,11 @@ import pytest
 
 from shmkv.cli import statefile
 from shmkv.core.keys import key_root
-from tests.support.cli import assert_one_error_line
+from tests.support.blobs import blob
+from tests.support.cli import assert_one_error_line, shmkv
 from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
+from tests.support.supervisors import wait_for_socket
+from tests.support.users import GROUP, publish_as, system_user
 
 PROMPT = SYSTEM + " Question: where does the cat sit?"
 
@@ -202,3 +207,31 @@ def test_the_state_file_code_needs_no_llama_cpp() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+def test_export_refuses_a_state_of_a_publisher_it_does_not_trust(make_supervisor, tmp_path):
+    """A --group member's state: export refuses it (import would make it the importer's,
+    trusted where it was not), in one line naming the uid; trusting the uid exports it."""
+    evil = system_user("shmkv-test-evil", GROUP)
+    d = Path(f"/tmp/shmkv-exp-{uuid.uuid4().hex[:10]}")
+    sock = d / "exp.sock"
+    sup = make_supervisor(
+        "--size", "16M", "--group", GROUP, env_extra={"SHMKV_SOCKET": str(sock)}, wait=False
+    )
+    sup.socket = str(sock)
+    try:
+        wait_for_socket(str(sock), sup.proc)
+        fp, b = b"fingerprint of some model", blob(90, 10_000)
+        publish_as(evil, sup, tmp_path, key_root(fp, ""), b.tokens, fp, b.data)
+        (row,) = sup.client(attach=False).ls()["entries"]
+        out = tmp_path / "evil.shmkv"
+        refused = shmkv("export", row["key"], "-o", str(out), env=sup.env)
+        assert_one_error_line(refused, f"uid {evil[0]}", "--trust-publishers")
+        assert not out.exists()
+        env = {**sup.env, "SHMKV_TRUST_PUBLISHERS": str(evil[0])}
+        ok = shmkv("export", row["key"], "-o", str(out), env=env)
+        assert ok.returncode == 0, ok.stderr
+        assert out.stat().st_size > len(b.data)
+    finally:
+        sup.stop()
+        shutil.rmtree(d, ignore_errors=True)

@@ -10,15 +10,22 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.support.servers import EXTRA, SAMPLING, Server
+from shmkv import Client, SupervisorUnavailable
+from tests.support.cli import clean_env
+from tests.support.servers import EXTRA, N_CTX, SAMPLING, Server, free_port
 from tests.support.supervisors import start_supervisor
+from tests.support.waiting import wait_until
 
 log = logging.getLogger(__name__)
 SYSTEM = " ".join(f"Policy {i}: the cat {i % 7} guards mat {i % 5}." for i in range(45))
@@ -160,6 +167,89 @@ def test_kill9_supervisor_workers_answer_cold_then_reattach(server, serve_refere
         assert restored > 500, f"workers never used the restarted supervisor's arena: {info}"
     finally:
         new.stop()
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The child processes of ``pid``: pid -> command line."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                out[int(child)] = Path(f"/proc/{child}/cmdline").read_bytes().decode()
+            except OSError:  # (gone meanwhile)
+                pass
+    return out
+
+
+def _supervisor_of(serve: subprocess.Popen, sock: Path, not_pid: int = 0) -> int:
+    """The pid of the supervisor ``shmkv serve`` started (other than ``not_pid``), once it
+    answers on ``sock``."""
+
+    def answers() -> int:
+        assert serve.poll() is None, "shmkv serve exited"
+        pids = [p for p, cmd in _children(serve.pid).items() if "\0supervise" in cmd]
+        if len(pids) != 1 or pids[0] == not_pid:
+            return 0
+        try:
+            with Client(socket_path=str(sock), attach=False, populate=False) as c:
+                return pids[0] if c.stats()["pid"] == pids[0] else 0
+        except SupervisorUnavailable:
+            return 0
+
+    return wait_until(answers, 60, "the supervisor of shmkv serve", step=0.05)
+
+
+def test_shmkv_serve_restarts_a_dead_supervisor(tmp_path, serve_model, serve_reference):
+    """kill -9 the supervisor `shmkv serve` started: serve starts another, which adopts the
+    arena, and requests restore from it again."""
+    name, port = f"t{uuid.uuid4().hex[:10]}", free_port()
+    sock = tmp_path / f"{name}.sock"
+    args = ["serve", "--model", serve_model, "--workers", "1", "--size", "64M", "--name", name]
+    args += ["--socket", str(sock), "--port", str(port), "--threads", "1", "--n-ctx", str(N_CTX)]
+    with open(tmp_path / "serve.log", "wb") as log_file:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "shmkv", *args],
+            env=clean_env(),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    prompts = ["Preface. " + SYSTEM + " Which mat?", SYSTEM + " Which cat?"]
+    want: dict[str, str] = {}
+
+    def complete(prompt: str) -> int:
+        r = httpx.post(url, json={"prompt": prompt, **SAMPLING, **EXTRA}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want[prompt]
+        return int(r.headers["x-shmkv-restored-tokens"])
+
+    try:
+        want.update({p: serve_reference(p) for p in prompts})  # (while serve starts)
+        first = _supervisor_of(serve, sock)
+        wait_until(lambda: _up(url), 120, "the server")
+        for p in prompts:  # both published; the worker's own context holds the second
+            complete(p)
+        os.kill(first, signal.SIGKILL)
+        second = _supervisor_of(serve, sock, not_pid=first)
+        with Client(socket_path=str(sock), attach=False, populate=False) as c:
+            assert c.stats()["adopted"] == 2
+        restored = wait_until(
+            lambda: max(complete(p) for p in prompts), 60, "a restore from the new arena", 0.2
+        )
+        assert restored > 500
+        assert second in _children(serve.pid)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        rc = serve.wait(60)
+    assert rc == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert not Path(f"/dev/shm/shmkv-{name}").exists()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url.replace("/v1/completions", "/health"), timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_more_concurrent_streams_than_workers_all_complete(server, serve_reference):

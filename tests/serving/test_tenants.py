@@ -19,7 +19,7 @@ from shmkv.core.errors import InvalidTenant
 from shmkv.llama import SharedCacheLlama, tenant
 from shmkv.llama.tenant import MAX_SALT_CHARS, SALT_HEADER
 from tests.support.llama_workers import KW, SYSTEM
-from tests.support.servers import EXTRA, SAMPLING, Server
+from tests.support.servers import EXTRA, SAMPLING, Server, scrape
 from tests.support.waiting import wait_until
 
 PROMPT = SYSTEM + " Question: which cat sits on mat 3?"
@@ -204,7 +204,9 @@ def test_served_tenants_never_share_a_worker_context_or_the_arena(
         srv.stop()
 
 
-def test_served_salts_are_validated(tmp_path, serve_model, make_supervisor):
+def test_served_salts_are_validated_and_never_label_a_metric(
+    tmp_path, serve_model, make_supervisor
+):
     sup = make_supervisor("--size", "64M")
     srv = Server(sup, serve_model, workers=1, tmp_path=tmp_path)
     url = srv.base + "/v1/completions"
@@ -224,6 +226,23 @@ def test_served_salts_are_validated(tmp_path, serve_model, make_supervisor):
         assert ok.status_code == 200, ok.text
         r = httpx.post(url, json={**body, "cache_salt": None}, timeout=30)  # null: none
         assert r.status_code == 200, r.text
+        # what a request says (its salt, its model name) never becomes a metric label
+        asked = {**body, "model": "made-up-model-5e2a", "cache_salt": "body-salt-9d41"}
+        assert httpx.post(url, json=asked, timeout=30).status_code == 200
+        headers = {SALT_HEADER: "header-salt-77c1"}
+        assert (
+            httpx.post(url, json=asked | {"cache_salt": None}, headers=headers).status_code == 200
+        )
+
+        def counted() -> dict[str, float] | None:
+            s = scrape(srv.base + "/metrics")
+            n = sum(v for k, v in s.items() if k.startswith("shmkv_requests_total{"))
+            return s if n == 4 else None
+
+        samples = wait_until(counted, 20, "the four requests in /metrics")
+        for name in samples:
+            assert not any(v in name for v in ("5e2a", "9d41", "77c1")), name
+        assert samples['shmkv_requests_total{model="tiny",tenant=""}'] == 4
     finally:
         srv.stop()
 

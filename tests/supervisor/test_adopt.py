@@ -163,6 +163,35 @@ def test_other_geometry_starts_empty(make_supervisor) -> None:
     assert "starting empty" in new.log()
 
 
+@pytest.mark.parametrize(
+    "damage,says",
+    [
+        ("a flipped geometry byte", "damaged header"),
+        ("bad magic", "bad magic"),
+        ("cut to 100 bytes", "too short to be an arena"),
+        ("cut to half", "damaged header"),
+    ],
+)
+def test_a_damaged_file_is_replaced_by_an_empty_arena(make_supervisor, damage, says) -> None:
+    sup = make_supervisor("--size", "16M")
+    with sup.client() as c:
+        put_known(c, 1)
+    kill9(sup)
+    inode = sup.arena.stat().st_ino
+    if damage.startswith("cut"):
+        os.truncate(sup.arena, 100 if "100" in damage else (16 << 20) // 2)
+    else:
+        _flip(sup.arena, 0 if damage == "bad magic" else 40)
+    new = restart(make_supervisor, sup, "--size", "16M")
+    assert sup.arena.stat().st_ino != inode  # (a new file)
+    with new.client() as c:
+        assert c.stats()["entries"] == 0 and c.stats()["adopted"] == 0
+        assert read_back(c, 1) is None
+        put_known(c, 2)
+        assert read_back(c, 2) == known(2)[2]
+    assert says in new.log() and "starting empty" in new.log(), new.log()
+
+
 # --------------------------------------------------------- kill -9 during puts
 PUTS_TRIALS = 16
 

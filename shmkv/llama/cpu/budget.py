@@ -85,34 +85,72 @@ def bell_name(name: str) -> str:
 
 
 def default_cores() -> int:
-    """The CPUs this process may run on, capped by its cgroup's CPU quota (``cpu.max``)."""
+    """The CPUs this process may run on, capped by its cgroup's CPU quota."""
     cores = len(os.sched_getaffinity(0))
-    quota = _cgroup_quota()
+    quota = cgroup_quota()
     return max(1, min(cores, math.ceil(quota)) if quota else cores)
 
 
-def _cgroup_quota() -> float | None:
-    """The tightest cgroup v2 ``cpu.max`` quota (in CPUs) from our cgroup up (None: none)."""
+def cgroup_quota(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> float | None:
+    """The tightest CPU quota (in CPUs) of our cgroup and its ancestors (None: none).
+
+    cgroup v2: ``cpu.max`` in the unified tree (``root``, or ``root/unified`` on a hybrid
+    host); cgroup v1: ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` in the ``cpu``
+    controller's tree (``root/cpu``, or ``root/cpu,cpuacct``). ``/proc/self/cgroup`` has
+    one line per hierarchy, the unified one (``0::``) not necessarily first."""
     try:
-        line = Path("/proc/self/cgroup").read_text().splitlines()[0]
-    except (OSError, IndexError):
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
         return None
-    if not line.startswith("0::"):
-        return None
-    d = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
-    best: float | None = None
-    root = Path("/sys/fs/cgroup")
+    found: list[float] = []
+    for line in lines:
+        _id, sep, rest = line.partition(":")
+        controllers, sep2, path = rest.partition(":")
+        if not (sep and sep2):
+            continue
+        rel = path.lstrip("/")
+        if not controllers:
+            for base in (root, root / "unified"):
+                found += _walk_up(base, rel, _v2_quota)
+        elif "cpu" in controllers.split(","):
+            for base in dict.fromkeys((root / controllers, root / "cpu")):
+                found += _walk_up(base, rel, _v1_quota)
+    return min(found, default=None)
+
+
+def _walk_up(base: Path, rel: str, read: Callable[[Path], float | None]) -> list[float]:
+    """The quotas ``read`` finds in ``base/rel`` and each directory above it up to
+    ``base`` (in a container, ``rel`` may name a path of the host's tree: those that do
+    not exist here are skipped)."""
+    if not base.is_dir():
+        return []
+    d, out = base / rel, []
     while True:
-        try:
-            quota, period = (d / "cpu.max").read_text().split()
-            if quota != "max":
-                cpus = int(quota) / int(period)
-                best = cpus if best is None else min(best, cpus)
-        except (OSError, ValueError):
-            pass
-        if d == root or root not in d.parents:
-            return best
+        q = read(d)
+        if q is not None:
+            out.append(q)
+        if d == base or base not in d.parents:
+            return out
         d = d.parent
+
+
+def _v2_quota(d: Path) -> float | None:
+    try:
+        quota, period = (d / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(d: Path) -> float | None:
+    try:
+        quota = int((d / "cpu.cfs_quota_us").read_text())
+        period = int((d / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def _check_file(path: Path, st: os.stat_result) -> None:

@@ -18,14 +18,19 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from shmkv.core.config import resolve
 from shmkv.core.errors import UnsafePathError
 from shmkv.llama.cpu import budget as cpubudget
+from shmkv.llama.cpu import queue as cpuqueue
 from tests.support import TESTS
 from tests.support.servers import EXTRA, SAMPLING, Server
 from tests.support.waiting import wait_until
@@ -50,6 +55,7 @@ import json, os, sys, time
 import llama_cpp
 from llama_cpp import llama_cpp as lc
 from shmkv.llama.cpu import budget as cpubudget
+from shmkv.llama.cpu import queue as cpuqueue
 from shmkv.llama import attach
 
 model, name, cores, rounds, out, start_at = sys.argv[1:7]
@@ -117,6 +123,7 @@ def test_concurrent_evals_never_exceed_the_budget(tmp_path, models, name):
 HOLDER = r"""
 import sys, time
 from shmkv.llama.cpu import budget as cpubudget
+from shmkv.llama.cpu import queue as cpuqueue
 b = cpubudget.CpuBudget("/dev/shm", sys.argv[1], int(sys.argv[2]))
 g = b.take(int(sys.argv[2]))
 print(len(g.slots), flush=True)
@@ -177,6 +184,7 @@ STOPPED_PREFILL = r"""
 import os, signal, sys
 import llama_cpp
 from shmkv.llama.cpu import budget as cpubudget
+from shmkv.llama.cpu import queue as cpuqueue
 from shmkv.llama import attach
 
 model, name, cores, marker = sys.argv[1:5]
@@ -204,6 +212,7 @@ SIXTEEN_TOKENS = r"""
 import json, os, sys, time
 import llama_cpp
 from shmkv.llama.cpu import budget as cpubudget
+from shmkv.llama.cpu import queue as cpuqueue
 from shmkv.llama import attach
 
 model, name, cores, go = sys.argv[1:5]
@@ -397,6 +406,86 @@ def test_remove_leaves_a_file_in_use(name):
 
 
 # ------------------------------------------------------------------ gunicorn workers
+# ------------------------------------------------------------- the cgroup's CPU quota
+@pytest.mark.parametrize("layout", ["v2", "hybrid"])
+def test_cgroup_quota_is_the_tightest_up_the_tree(tmp_path, layout):
+    """Pure cgroup v2 (``0::`` the only line; ``cpu.max``), and a hybrid host (the cpu
+    controller on v1, ``cpu.cfs_quota_us``; the unified ``0::`` line last, its tree with
+    no cpu.max): the tightest quota from our cgroup up, in CPUs."""
+    proc, root = tmp_path / "cgroup", tmp_path / "fs"
+    if layout == "v2":
+        proc.write_text("0::/a/b\n")
+        for d, quota in [("", "max 100000"), ("a", "150000 100000"), ("a/b", "max 100000")]:
+            (root / d).mkdir(parents=True, exist_ok=True)
+            (root / d / "cpu.max").write_text(quota + "\n")
+        want = 1.5
+    else:
+        proc.write_text("12:pids:/a/b\n4:cpu,cpuacct:/a/b\n1:name=systemd:/a/b\n0::/a/b\n")
+        (root / "unified/a/b").mkdir(parents=True)
+        for d, quota in [("", -1), ("a", 250000), ("a/b", -1)]:
+            (root / "cpu,cpuacct" / d).mkdir(parents=True, exist_ok=True)
+            (root / "cpu,cpuacct" / d / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+            (root / "cpu,cpuacct" / d / "cpu.cfs_period_us").write_text("100000\n")
+        want = 2.5
+    assert cpubudget.cgroup_quota(proc, root) == want
+    proc.write_text("0::/\n")
+    assert cpubudget.cgroup_quota(proc, root) is None  # (the root: no quota)
+
+
+DEFAULT_CORES = r"""
+import os, sys
+if len(sys.argv) > 1:
+    with open(sys.argv[1], "w") as f:  # join the cgroup
+        f.write(str(os.getpid()))
+from shmkv.llama.cpu import budget
+print(budget.default_cores())
+"""
+
+
+@contextmanager
+def cgroup_of_one_cpu() -> Iterator[Path]:
+    """A new cgroup with a CPU quota of one CPU (v2 ``cpu.max``, or v1 where the cpu
+    controller is on v1); its ``cgroup.procs``. Skips unless root can make one."""
+    fs = Path("/sys/fs/cgroup")
+    name = f"shmkv-test-{uuid.uuid4().hex[:8]}"
+    try:
+        v2 = fs / "cgroup.controllers"
+        if v2.exists() and "cpu" in v2.read_text().split():  # pure v2
+            (fs / "cgroup.subtree_control").write_text("+cpu")
+            d = fs / name
+            d.mkdir()
+            (d / "cpu.max").write_text("100000 100000")
+        else:
+            d = fs / "cpu" / name  # v1 (or hybrid: the cpu controller on v1)
+            d.mkdir()
+            (d / "cpu.cfs_period_us").write_text("100000")
+            (d / "cpu.cfs_quota_us").write_text("100000")
+    except OSError as e:
+        pytest.skip(f"cannot make a cgroup with a CPU quota here (needs root): {e}")
+    try:
+        yield d / "cgroup.procs"
+    finally:
+        d.rmdir()
+
+
+def test_the_default_budget_is_capped_by_a_real_cgroups_quota():
+    """A process in a cgroup limited to one CPU (on a machine with more) gets a default
+    budget of one core, whatever cgroup version the machine has."""
+    outside = subprocess.run(
+        [sys.executable, "-c", DEFAULT_CORES], capture_output=True, text=True, check=True
+    )
+    if int(outside.stdout) < 2:
+        pytest.skip("one core here already: nothing for a quota to cap")
+    with cgroup_of_one_cpu() as procs:
+        inside = subprocess.run(
+            [sys.executable, "-c", DEFAULT_CORES, str(procs)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    assert int(inside.stdout) == 1, (inside.stdout, outside.stdout)
+
+
 LONG = " ".join(f"Policy {i}: the cat {i % 7} guards mat {i % 5}." for i in range(45))
 
 
@@ -439,6 +528,51 @@ def test_gunicorn_workers_share_the_budget(tmp_path, serve_model, make_superviso
     finally:
         srv.stop()
     assert not path.exists(), "the master removes the budget when it exits"
+
+
+WAITS = ("cpu_waits", "cpu_wait_seconds", "cpu_wait_timeouts")
+
+
+def health_waits(srv: Server) -> dict[str, float]:
+    """The CPU wait counters of ``srv``'s /health (its one worker's contexts summed)."""
+    caches = httpx.get(srv.base + "/health", timeout=10).json()["shmkv"]
+    return {k: sum(c[k] for c in caches) for k in WAITS}
+
+
+def test_health_counts_waits_for_cores(tmp_path, serve_model, make_supervisor):
+    """A worker that waits for the budget's one core (held here) counts the wait in
+    /health; one that stops waiting without a core counts a timeout too."""
+    sup = make_supervisor("--size", "64M")
+    env = {"SHMKV_CPU_BUDGET": "1", "SHMKV_CPU_WAIT": "2"}
+    srv = Server(sup, serve_model, workers=1, tmp_path=tmp_path, env=env)
+    holder = cpubudget.CpuBudget(SHM, sup.name, 1, wait=10)
+    board_fd = os.open(cpubudget.budget_path(SHM, sup.name), os.O_RDWR)
+    board = cpuqueue.Queue(board_fd)  # (a record of our own: we see the others')
+    try:
+        srv.complete(LONG)  # (loaded, and its batches timed)
+        before = health_waits(srv)
+        g = holder.take(1)
+        with ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(srv.complete, "Question: " + LONG)
+            wait_until(lambda: board.waiting(), 30, "the worker to wait for the core")
+            holder.give_back(g)
+            asked.result(60)
+        waited = health_waits(srv)
+        assert waited["cpu_waits"] >= before["cpu_waits"] + 1, (before, waited)
+        assert waited["cpu_wait_seconds"] > before["cpu_wait_seconds"], (before, waited)
+        assert waited["cpu_wait_timeouts"] == before["cpu_wait_timeouts"], (before, waited)
+        g = holder.take(1)  # and kept: the worker stops waiting (--cpu-wait, or sooner: we
+        # make no progress with it)
+        srv.complete("Another question: " + LONG)
+        holder.give_back(g)
+        late = health_waits(srv)
+        assert late["cpu_wait_timeouts"] == waited["cpu_wait_timeouts"] + 1, (waited, late)
+        least = min(2.0, cpuqueue.STALL_MIN_SECONDS)  # (a holder that makes no progress)
+        assert late["cpu_wait_seconds"] >= waited["cpu_wait_seconds"] + 0.9 * least, (waited, late)
+    finally:
+        os.close(board_fd)
+        holder.close()
+        srv.stop()
 
 
 def test_static_threads_switch(tmp_path, serve_model, make_supervisor):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,10 +22,11 @@ import pytest
 
 from shmkv.core.keys import chain_digests
 from shmkv.supervisor.tiers.disk.lmdb_store import DiskRecord
-from tests.support.blobs import blob
+from tests.support.blobs import blob, put_blob, use_blob
 from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
 from tests.support.supervisors import (
     Sup,
+    kill9,
     no_internal_errors,
     persisted_all,
     start_supervisor,
@@ -353,4 +355,155 @@ def test_truncated_store_is_moved_aside_and_serves(make_supervisor, tmp_path, ke
         wait_until(lambda: again.stats()["persisted"] == 1, 10, "the new state persisted")
     finally:
         assert again.stop() == 0, again.log()[-3000:]
+    no_internal_errors(again)
+
+
+# ------------------------------------------------- what the guide promises (issue 22)
+@pytest.mark.parametrize("how", ["group-writable", "a symbolic link"])
+def test_unsafe_directory_is_counted_and_costs_no_request(make_supervisor, tmp_path, how):
+    """A --persist directory others could plant states in is never used: ``unsafe``."""
+    disk = tmp_path / "persist"
+    if how == "group-writable":
+        disk.mkdir(mode=0o700)
+        disk.chmod(0o770)
+    else:
+        (tmp_path / "real").mkdir(mode=0o700)
+        disk.symlink_to(tmp_path / "real")
+    sup = make_supervisor("--size", "16M", "--persist", str(disk))
+    b = blob(801, 50_000)
+    with sup.client() as c:
+        put_blob(c, b)
+        use_blob(c, b)
+    st = wait_until(lambda: (s := sup.stats())["persist_errors"].get("unsafe") and s, 10, "unsafe")
+    assert st["persist_on"] == 0 and st["persisted"] == 0, st
+    assert not list(tmp_path.glob("*/*.mdb")), "the store was opened"
+    no_internal_errors(sup)
+
+
+def test_one_supervisor_per_directory(make_supervisor, tmp_path):
+    """A second supervisor on a --persist directory in use (``shmkv.lock``) serves without
+    it (``in_use``) and takes the directory over once the first one stops."""
+    disk = tmp_path / "persist"
+    first = make_supervisor("--size", "16M", "--persist", str(disk))
+    wait_until(lambda: first.stats()["persist_on"], 10, "the first store")
+    assert (disk / "shmkv.lock").stat().st_mode & 0o777 == 0o600
+    second = make_supervisor("--size", "16M", "--persist", str(disk))
+    st = wait_until(
+        lambda: (s := second.stats())["persist_errors"].get("in_use") and s, 10, "in_use"
+    )
+    assert st["persist_on"] == 0, st
+    b = blob(802, 50_000)
+    with second.client() as c:
+        put_blob(c, b)
+        use_blob(c, b)
+    assert first.stop() == 0
+    wait_until(lambda: second.stats()["persist_on"], 30, "the second to take the store over")
+    with second.client() as c:
+        put_blob(c, blob(803, 50_000))
+    wait_until(lambda: second.stats()["persisted"] >= 1, 10, "a state persisted")
+    no_internal_errors(first, second)
+
+
+@contextmanager
+def writer_blocked(disk: Path) -> Iterator[Callable[[], None]]:
+    """Hold LMDB's one writer lock of ``disk`` (a write transaction of our own), so that
+    the supervisor's write-behind waits in its next commit and what the arena accepts
+    meanwhile stays queued; yields the release (also done on exit)."""
+    env = lmdb.open(str(disk), max_dbs=2, map_size=1 << 30)
+    txn: lmdb.Transaction | None = env.begin(write=True)
+
+    def release() -> None:
+        nonlocal txn
+        if txn is not None:
+            txn.abort()
+            txn = None
+
+    try:
+        yield release
+    finally:
+        release()
+        env.close()
+
+
+def queue_behind(sup: Sup, blobs: list) -> None:
+    """Put ``blobs`` while the write-behind waits in the commit of the first one: the
+    others are queued."""
+    before = sup.stats()["persisted"]
+    with sup.client() as c:
+        put_blob(c, blobs[0])
+        wait_until(lambda: sup.stats()["persist_queue"] == 0, 10, "the writer to take it")
+        for b in blobs[1:]:
+            put_blob(c, b)
+    st = sup.stats()
+    assert st["persisted"] == before and st["persist_queue"] == len(blobs) - 1, st
+
+
+def read_all(sup: Sup, blobs: list) -> list[bool]:
+    """Which of ``blobs`` ``sup`` holds; each one held reads back whole."""
+    out = []
+    with sup.client() as c:
+        for b in blobs:
+            hit = c.lookup(b.digests())
+            if hit is not None:
+                with c.acquire(hit) as lease:
+                    assert bytes(lease.payload) == b.data and lease.finish()
+            out.append(hit is not None)
+    return out
+
+
+def test_a_clean_stop_writes_what_is_still_queued(make_supervisor, tmp_path):
+    """SIGTERM while records wait for the disk: the supervisor writes them before it
+    exits, and the next one (after a reboot) refills them all."""
+    disk = tmp_path / "persist"
+    args = ("--size", "64M", "--persist", str(disk))
+    blobs = [blob(810 + i, 200_000) for i in range(16)]
+    sup = make_supervisor(*args)
+    wait_until(lambda: sup.stats()["persist_on"], 10, "the store")
+    with writer_blocked(disk):
+        queue_behind(sup, blobs)
+        sup.proc.send_signal(signal.SIGTERM)
+    assert sup.proc.wait(20) == 0, sup.log()[-3000:]
+    again = start_supervisor(tmp_path, *args, name=sup.name)
+    try:
+        st = refilled(again)
+        assert st["refilled"] == len(blobs) and st["persist_records"] == len(blobs), st
+        assert read_all(again, blobs) == [True] * len(blobs)
+    finally:
+        assert again.stop() == 0
+    no_internal_errors(sup, again)
+
+
+def test_a_crash_with_a_queue_leaves_what_was_written_intact(make_supervisor, tmp_path):
+    """kill -9 while the write-behind commits a queue of records: after a reboot the
+    store opens as it is (nothing moved aside, nothing corrupt), every record written
+    before is refilled whole, and of the queue at most what was committed."""
+    disk = tmp_path / "persist"
+    args = ("--size", "64M", "--persist", str(disk))
+    written, queued = (
+        [blob(830 + i, 200_000) for i in range(8)],
+        [blob(840 + i, 1 << 20) for i in range(24)],
+    )
+    sup = make_supervisor(*args)
+    with sup.client() as c:
+        for b in written:
+            put_blob(c, b)
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind to catch up")
+    with writer_blocked(disk) as release:
+        queue_behind(sup, queued)
+        size = (disk / "data.mdb").stat().st_size
+        release()  # the writer commits the queue ...
+        wait_until(lambda: (disk / "data.mdb").stat().st_size != size, 10, "a write", 0.001)
+        kill9(sup)  # ... and dies in the middle of it
+    sup.arena.unlink()  # (a reboot)
+    again = wait_ready(start_supervisor(tmp_path, *args, name=sup.name, wait=False))
+    try:
+        st = refilled(again)
+        assert not st["persist_errors"] and st["refill_skipped"] == 0, st
+        assert not list(disk.glob("data.mdb.corrupt-*"))
+        assert read_all(again, written) == [True] * len(written)
+        assert (
+            st["refilled"] == st["persist_records"] == len(written) + sum(read_all(again, queued))
+        )
+    finally:
+        assert again.stop() == 0
     no_internal_errors(again)

@@ -10,6 +10,7 @@ record and neither node stops serving; a record damaged in Redis is rejected.
 from __future__ import annotations
 
 import shutil
+import struct
 import subprocess
 import time
 import uuid
@@ -350,6 +351,129 @@ def test_longer_records_of_other_suffixes_do_not_hide_the_shared_prefix(
             assert bytes(lease.payload) == shared.data
             assert lease.finish()
     no_internal_errors(a, b)
+
+
+# ------------------------------------------------------- what the guide promises (issue 22)
+def redis_keys(r: redis.Redis) -> dict[str, int]:
+    """Every shmkv key in ``r`` and its PTTL in ms (-1: it never expires)."""
+    return {k.decode(): r.pttl(k) for k in r.scan_iter("shmkv:*")}
+
+
+def received_by(r: redis.Redis) -> int:
+    return int(r.info("stats")["total_net_input_bytes"])
+
+
+def test_two_nodes_publishing_one_prompt_share_one_copy_and_every_key_expires(
+    make_supervisor, redis_server
+):
+    """Node A writes P's state (three pieces); node B, which publishes P too, finds A's
+    manifest and sends nothing (``remote_present``): one set of keys, every one of them
+    with a TTL of at most --remote-ttl (pieces a minute more: they outlive their manifest)."""
+    args = ("--size", "64M", "--remote", redis_server.url, "--remote-ttl", "600")
+    a, b = make_supervisor(*args), make_supervisor(*args)
+    p = blob(860, (5 << 19) + 1000)
+    _put(a, p)
+    r = redis_server.client()
+    keys = redis_keys(r)
+    kinds = sorted(k.rsplit(":", 1)[1] if ":x" not in k else "x" for k in keys)
+    assert kinds == ["m", "p0", "p1", "p2", "x"], keys
+    received = received_by(r)
+    with b.client() as c:
+        c.put_bytes(p.root, p.tokens, b"fp", p.data)
+    st = settled(b, 1)
+    assert st["remote_present"] == 1 and st["remote_written"] == 0, st
+    assert received_by(r) - received < 64 << 10, "node B sent the record again"
+    after = redis_keys(r)
+    assert after.keys() == keys.keys()
+    manifest = next(ms for k, ms in after.items() if k.endswith(":m"))
+    for k, ms in after.items():
+        limit = 660_000 if ":p" in k else 600_000
+        assert 0 < ms <= limit, (k, ms)
+        if ":p" in k:
+            assert ms > manifest, (k, ms, manifest)
+    no_internal_errors(a, b)
+
+
+def test_a_fetch_slower_than_prefilling_is_not_taken(make_supervisor, redis_server):
+    """The worker's measured prefill speed decides: at a speed that prefills P's tokens in
+    a quarter of the time reading P would take, the fetch is answered ``not_worth`` and no
+    piece is read; at one that takes twenty times as long, P is fetched."""
+    from shmkv.supervisor.tiers.redis.backend import DEFAULT_BANDWIDTH
+
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    p = blob(861, 8 << 20)
+    _put(a, p)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
+    transfer = len(p.data) / DEFAULT_BANDWIDTH  # (what B expects before it measured one)
+    fast, slow = len(p.tokens) / (transfer / 4), len(p.tokens) / (transfer * 20)
+    r = redis_server.client()
+    sent = sent_by(r)
+    with b.client() as c:
+        assert c.fetch(p.root, p.tokens, 0, 5.0, fast) == "not_worth"
+        assert c.lookup(p.digests()) is None
+        assert sent_by(r) - sent < 64 << 10, "B read pieces of a record it did not take"
+        st = b.stats()
+        assert st["remote_fetch_not_worth"] == 1 and st["remote_pulled_bytes"] == 0, st
+        assert c.fetch(p.root, p.tokens, 0, 5.0, slow) == "fetched"
+        hit = c.lookup(p.digests())
+        assert hit is not None
+        with c.acquire(hit) as lease:
+            assert bytes(lease.payload) == p.data and lease.finish()
+    no_internal_errors(a, b)
+
+
+def test_a_fetch_past_its_deadline_still_warms_the_arena(make_supervisor, redis_server):
+    """A worker that stops waiting (its deadline before the record is read) is answered
+    ``timeout`` and prefills; the fetch goes on and the next lookup hits."""
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    big = blob(862, 24 << 20)
+    _put(a, big)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
+    with b.client() as c:
+        assert c.fetch(big.root, big.tokens, 0, 0.0, 0.0) == "timeout"
+        hit = wait_until(lambda: c.lookup(big.digests()), 30, "the late fetch to land")
+        with c.acquire(hit) as lease:
+            assert bytes(lease.payload) == big.data and lease.finish()
+    st = b.stats()
+    assert st["remote_fetch_late"] == 1 and st["remote_fetched"] == 1, st
+    no_internal_errors(a, b)
+
+
+def test_a_connection_has_at_most_two_fetches_outstanding(make_supervisor, redis_server):
+    """Three fetches sent at once on one connection: the third is answered ``busy`` at
+    once, the first two when the fetcher is done with them; then there is room again."""
+    import msgpack
+
+    from tests.support.peer import Raw
+
+    sup = make_supervisor("--size", "16M", "--remote", redis_server.url)
+    wait_until(lambda: sup.stats()["remote_on"], 10, "the node up")
+    peer = Raw(sup.socket, timeout=10)
+    try:
+        peer.attach()
+
+        def fetch(rid: int) -> bytes:
+            b = blob(870 + rid, 10)
+            body = msgpack.packb(
+                {"op": "fetch", "id": rid, "root": b.root, "tokens": b.tokens.tobytes()}
+                | {"have": 0, "wait": 5.0, "prefill_tps": 0.0}
+            )
+            return struct.pack(">I", len(body)) + body
+
+        peer.send_raw(b"".join(fetch(rid) for rid in (11, 12, 13)))  # (one read: one turn)
+        replies = [peer.recv() for _ in range(3)]
+        assert (replies[0]["id"], replies[0]["status"]) == (13, "busy"), replies
+        assert sorted(m["id"] for m in replies[1:]) == [11, 12], replies
+        assert all(m["status"] == "none" for m in replies[1:]), replies
+        peer.send_raw(fetch(14))
+        assert peer.recv()["status"] == "none"
+    finally:
+        peer.close()
+    st = sup.stats()
+    assert st["remote_fetch_busy"] == 1 and st["remote_fetch_none"] == 3, st
+    no_internal_errors(sup)
 
 
 # ------------------------------------------------------------------ trust (issue 18)
