@@ -19,7 +19,7 @@ import click
 
 from shmkv.cli.statefile import StateMeta
 from shmkv.cli.transfer import export_entry, find, import_state
-from shmkv.cli.warm import Item, Summary, Warmer, model_name, parse, parse_line
+from shmkv.cli.warm import Item, Summary, Warmer, model_name, parse, parse_chat, parse_line
 from shmkv.core.client import Client
 from shmkv.core.config import Settings
 from shmkv.core.errors import ConfigError, ShmkvError
@@ -137,7 +137,7 @@ def export_to(
             row = find(c, key, n_tokens)
             with _output(output) as out:
                 return export_entry(c, settings, row, out)
-    item = parse_line(0, messages if messages is not None else _json_str(prompt or ""))
+    item = parse_chat(messages) if messages is not None else parse_line(0, _json_str(prompt or ""))
     if item is None:
         raise ConfigError("--prompt or --messages is empty")
     model = (settings.model or [default_model_path()])[0]

@@ -49,7 +49,7 @@ class Item:
     pin: bool = False
 
 
-def _messages(v: Any, lineno: int) -> list[dict[str, Any]]:
+def _messages(v: Any, where: str) -> list[dict[str, Any]]:
     ok = (
         isinstance(v, list)
         and v
@@ -62,7 +62,7 @@ def _messages(v: Any, lineno: int) -> list[dict[str, Any]]:
     )
     if not ok:
         raise BadInput(
-            f"line {lineno}: 'messages' must be a non-empty list of "
+            f"{where}: 'messages' must be a non-empty list of "
             f'{{"role": ..., "content": ...}} objects'
         )
     return list(v)
@@ -92,7 +92,21 @@ def parse_line(lineno: int, line: str) -> Item | None:
         if not isinstance(v["prompt"], str):
             raise BadInput(f"line {lineno}: 'prompt' must be a string")
         return Item(lineno, prompt=v["prompt"], pin=pin)
-    return Item(lineno, messages=_messages(v["messages"], lineno), pin=pin)
+    return Item(lineno, messages=_messages(v["messages"], f"line {lineno}"), pin=pin)
+
+
+def parse_chat(text: str) -> Item:
+    """``export --messages``: a chat as a JSON list of messages (or a warm line's
+    ``{"messages": [...]}``); BadInput says what is wrong with it."""
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"--messages is not JSON ({e.msg} at column {e.colno})") from None
+    if isinstance(v, dict) and "messages" in v and "prompt" not in v:
+        v = v["messages"]
+    if not isinstance(v, list):
+        raise BadInput('--messages must be a JSON list: [{"role": ..., "content": ...}, ...]')
+    return Item(0, messages=_messages(v, "--messages"))
 
 
 def parse(lines: Iterable[str]) -> tuple[list[Item], list[str]]:

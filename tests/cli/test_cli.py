@@ -162,6 +162,47 @@ def test_ls_json_and_clear(make_supervisor) -> None:
         assert c.lookup(chain_digests(root, np.arange(n_tok), g.chunk_tokens)) is None
 
 
+def test_ls_limit_lists_the_most_recently_used(make_supervisor) -> None:
+    """``ls --limit 2`` of three entries: the two used last, and the total."""
+    sup = make_supervisor("--size", "16M")
+    with sup.client() as c:
+        keys = [put_and_hit(c)[0]["key"].hex() for _ in range(3)]
+    rows = json.loads(sup.cli("ls", "--json", "--limit", "2").stdout)
+    assert [r["key"] for r in rows] == keys[:0:-1]
+    assert sup.cli("ls", "--limit", "2").stdout.splitlines()[-1] == "2 of 3 entries"
+
+
+def test_pin_tokens_pins_only_that_entry_of_a_key(make_supervisor) -> None:
+    """Two entries under one key (one prompt, two lengths past its last whole chunk):
+    ``pin KEY --tokens N`` pins the one of N tokens only."""
+    sup = make_supervisor("--size", "16M")
+    root = os.urandom(16)
+    with sup.client() as c:
+        chunk = c.view.geometry.chunk_tokens
+        for n in (2 * chunk + 5, 2 * chunk + 9):
+            c.put_bytes(root, np.arange(n, dtype=np.int32), b"fp", b"x" * 1000)
+    key = chain_digests(root, np.arange(2 * chunk, dtype=np.int32), chunk)[-1].hex()
+    assert sup.cli("pin", key, "--tokens", str(2 * chunk + 9)).stdout.strip() == "pinned 1 entry"
+    rows = json.loads(sup.cli("ls", "--json").stdout)
+    assert {(r["key"], r["tokens"], r["pinned"]) for r in rows} == {
+        (key, 2 * chunk + 5, False),
+        (key, 2 * chunk + 9, True),
+    }
+
+
+def test_log_level_sets_what_the_supervisor_logs(make_supervisor) -> None:
+    """``--log-level debug`` logs each connection; SHMKV_LOG_LEVEL=warning leaves out
+    even the INFO lines of a start and a clean stop."""
+    debug = make_supervisor("--size", "16M", "--log-level", "debug")
+    quiet = make_supervisor("--size", "16M", env_extra={"SHMKV_LOG_LEVEL": "warning"})
+    for sup in (debug, quiet):
+        with sup.client() as c:
+            put_and_hit(c)
+        assert sup.stop() == 0
+    assert " DEBUG shmkv" in debug.log() and " INFO shmkv" in debug.log(), debug.log()
+    assert " INFO " not in quiet.log() and " DEBUG " not in quiet.log(), quiet.log()
+
+
 def test_env_vars_are_honoured(make_supervisor, tmp_path: Path) -> None:
     """SHMKV_NAME/SHMKV_SOCKET/SHMKV_SIZE select the supervisor and the CLI's target."""
     name = f"t{uuid.uuid4().hex[:10]}"

@@ -5,6 +5,7 @@ corrupt, altered and foreign files are refused whole, with one line saying why."
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import struct
 import subprocess
@@ -91,6 +92,31 @@ def test_export_by_prompt_and_through_stdout(make_supervisor, models, tmp_path) 
     hot = run_worker(b, models["seed0"], [completion(PROMPT)])
     assert hot["results"][0]["last"]["tokens_restored"] > 1000
     assert texts(hot) == texts(run_worker(None, models["seed0"], [completion(PROMPT)], "cold"))
+
+
+def test_export_messages_and_import_pin_ttl(make_supervisor, models, tmp_path) -> None:
+    """``export --messages``: the chat rendered as a served worker renders it, prefilled and
+    exported; ``import --pin-ttl 60`` pins it with that TTL; a chat worker on the second
+    arena restores it, with a cold run's text."""
+    chat = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Where does the cat sit?"},
+    ]
+    a, b = make_supervisor("--size", "64M"), make_supervisor("--size", "64M")
+    args = ("--model", models["seed0"], "--n-ctx", "2048")
+    out = tmp_path / "chat.shmkv"
+    res = cli(a, "export", "--messages", json.dumps(chat), *args, "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    imp = cli(b, "import", str(out), "--pin-ttl", "60")
+    assert imp.returncode == 0 and b", pinned" in imp.stdout, imp.stderr
+    rows = b.client(attach=False).ls()["entries"]
+    assert [(r["pinned"], r["pin_ttl"]) for r in rows] == [(True, 60.0)], rows
+    job = {"kind": "chat", "messages": chat, "max_tokens": 16}
+    hot = run_worker(b, models["seed0"], [job])
+    last = hot["results"][0]["last"]
+    assert last["tokens_restored"] >= last["prompt_tokens"] - 1 > 500, last
+    assert rows[0]["tokens"] == last["prompt_tokens"]
+    assert texts(hot) == texts(run_worker(None, models["seed0"], [job], "cold"))
 
 
 def resign(data: bytes) -> bytes:

@@ -35,9 +35,9 @@ WORKER_FAMILIES = {
 }
 
 
-def wait_metrics(port: int) -> str:
+def wait_metrics(port: int, host: str = "127.0.0.1") -> str:
     """The URL of a --metrics-port once it answers (it starts after the socket)."""
-    url = f"http://127.0.0.1:{port}/metrics"
+    url = f"http://{host}:{port}/metrics"
 
     def up() -> bool:
         try:
@@ -132,6 +132,16 @@ def test_metrics_host_is_loopback_by_default(make_supervisor) -> None:
 
     local = wait_until(listening, 10, "the metrics port")
     assert local == [f"0100007F:{port:04X}"]  # 127.0.0.1 only
+
+
+def test_metrics_host_sets_the_address_metrics_listen_on(make_supervisor) -> None:
+    """``--metrics-host 127.0.0.2``: metrics are served there and only there."""
+    port = free_port()
+    make_supervisor("--size", "16M", "--metrics-port", str(port), "--metrics-host", "127.0.0.2")
+    url = wait_metrics(port, "127.0.0.2")
+    assert scrape(url)["shmkv_supervisor_up{}"] == 1
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
 
 
 def test_reports_are_totals_that_never_go_back(make_supervisor) -> None:

@@ -55,6 +55,20 @@ def test_waiter_is_woken_by_the_put_that_indexes_the_claimed_digest(supervisor):
         assert hit is not None and hit.chunks == len(ds)
 
 
+def test_claim_timeout_ends_a_live_claimers_claim(make_supervisor):
+    """``--claim-timeout 1``: a claimer that stays connected but never puts holds its claim
+    about a second, not the default two minutes: a waiter willing to wait 30 s is told
+    "retry" once the claim ended, then claims it itself."""
+    sup = make_supervisor("--size", "16M", "--claim-timeout", "1")
+    ds = blob(3, 0, n_tokens=4 * 64).digests()
+    with sup.client() as a, sup.client() as b:
+        assert a.claim(ds, wait=5) == "go"
+        t0 = time.monotonic()
+        assert b.claim(ds, wait=30) == "retry"
+        assert 0.9 <= time.monotonic() - t0 < 25
+        assert b.claim(ds, wait=30) == "go"
+
+
 def test_waiter_gets_retry_when_the_claimer_dies_and_timeout_on_its_deadline(supervisor):
     ds = blob(2, 0, n_tokens=4 * 64).digests()
     a = supervisor.client()

@@ -560,3 +560,22 @@ def test_coverage_counts_only_a_cached_state_that_can_stand_in_for_the_tokens(n_
     rec = arena.recs[(slot.rec_offset, slot.rec_gen)]
     c = common_prefix(rec.tokens, tokens)
     assert got == (c if window_allows_cut(n_swa, rec.n_tokens, c) else 0)
+
+
+def test_min_tokens_setting_through_a_worker(supervisor, models):
+    """SHMKV_MIN_TOKENS=600 in a real worker process: of a short prompt (fewer tokens)
+    and a long one, only states of at least 600 tokens reach the arena."""
+    from tests.support.llama_workers import SYSTEM, completion, run_worker
+
+    short = " ".join(SYSTEM.split()[:60])
+    got = run_worker(
+        supervisor,
+        models["seed0"],
+        [completion(short), completion(SYSTEM)],
+        env={"SHMKV_MIN_TOKENS": "600"},
+    )
+    short_n, long_n = (r["last"]["prompt_tokens"] for r in got["results"])
+    assert 64 < short_n < 600 < long_n, (short_n, long_n)
+    with supervisor.client(attach=False) as c:
+        rows = c.ls()["entries"]
+    assert rows and all(r["tokens"] >= 600 for r in rows), [r["tokens"] for r in rows]

@@ -349,3 +349,83 @@ def test_accepting_falls_back_to_plain_asyncio_on_a_server_without_its_internals
         asyncio.run(main())
     warned = [r.getMessage() for r in caplog.records if "cannot take over" in r.getMessage()]
     assert len(warned) == 1 and "uvicorn 0.54.0" in warned[0], warned
+
+
+# ------------------------------------------- serve settings (issue 22): one deployment
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory, serve_model):
+    """One worker with --host 127.0.0.2, --chat-format llama-2, --logits-all and
+    --worker-timeout 4 (as SHMKV_* variables, as `shmkv serve` passes them)."""
+    tmp = tmp_path_factory.mktemp("tuned")
+    sup = start_supervisor(tmp, "--size", "64M")
+    env = {
+        "SHMKV_HOST": "127.0.0.2",
+        "SHMKV_CHAT_FORMAT": "llama-2",
+        "SHMKV_LOGITS_ALL": "true",
+        "SHMKV_WORKER_TIMEOUT": "4",
+    }
+    srv = Server(sup, serve_model, workers=1, tmp_path=tmp, env=env)
+    yield srv
+    srv.stop()
+    assert sup.stop() == 0
+
+
+def test_host_is_the_address_served(tuned):
+    """--host 127.0.0.2: the API answers there (the fixture's requests go there) and
+    nothing listens on 127.0.0.1."""
+    assert tuned.base.startswith("http://127.0.0.2:")
+    assert httpx.get(tuned.base + "/health", timeout=10).status_code == 200
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{tuned.port}/health", timeout=10)
+
+
+def test_chat_format_renders_the_served_chat(tuned, serve_model):
+    """--chat-format llama-2: a served chat is rendered as a plain Llama with
+    chat_format="llama-2" renders it (same prompt tokens, same greedy text), not with the
+    tiny model's own template (ChatML: another number of prompt tokens)."""
+    import llama_cpp
+
+    from tests.support.servers import N_CTX
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which mat?"}]
+    got = tuned.client.chat.completions.create(
+        model="tiny", messages=messages, extra_body=EXTRA, **SAMPLING
+    )
+    kw = dict(model_path=serve_model, n_ctx=N_CTX, n_threads=1, n_threads_batch=1, verbose=False)
+    want = llama_cpp.Llama(**kw, chat_format="llama-2").create_chat_completion(
+        messages, **SAMPLING, **EXTRA
+    )
+    default = llama_cpp.Llama(**kw).create_chat_completion(messages, max_tokens=1)
+    assert got.usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    assert got.usage.prompt_tokens != default["usage"]["prompt_tokens"]
+    assert got.choices[0].message.content == want["choices"][0]["message"]["content"]
+
+
+def test_logits_all_gives_prompt_logprobs(tuned):
+    """--logits-all: a completion with echo and logprobs gets a logprob for every prompt
+    token (without it llama-cpp-python refuses logprobs)."""
+    got = tuned.client.completions.create(
+        model="tiny", prompt=SYSTEM[:400], echo=True, logprobs=1, extra_body=EXTRA, **SAMPLING
+    )
+    lp = got.choices[0].logprobs
+    assert len(lp.token_logprobs) >= got.usage.prompt_tokens > 50
+    assert all(x is not None for x in lp.token_logprobs[1 : got.usage.prompt_tokens])
+
+
+def test_worker_timeout_replaces_a_silent_worker(tuned):
+    """--worker-timeout 4: a worker stopped (SIGSTOP) is killed and replaced by gunicorn
+    (the default, 600 s, would leave it stopped for ten minutes). (Last: it replaces the
+    fixture's worker.)"""
+    (pid,) = tuned.worker_pids()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: tuned.worker_pids() - {pid}, 60, "a new worker")
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert "WORKER TIMEOUT" in tuned.log_path.read_text()
+    tuned.wait_workers(1)
+    text, info = tuned.complete(SYSTEM + " Which cat?")
+    assert info["worker_pid"] != pid

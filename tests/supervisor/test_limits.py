@@ -147,6 +147,21 @@ def test_a_pinned_put_of_the_whole_region_cannot_lock_every_later_put_out(make_s
     assert st["pinned_bytes"] <= st["bytes_capacity"] // 2, st
 
 
+def test_max_pinned_percent_sets_the_pin_limit(make_supervisor):
+    """``--max-pinned-percent 10``: a pinned put of a fifth of the data region (which the
+    default, half, takes) is refused with the setting's name; one of a twentieth is not."""
+    sup = make_supervisor("--size", "16M", "--max-pinned-percent", "10")
+    cap = sup.stats()["bytes_capacity"]
+    fifth, twentieth = blob(30, cap // 5), blob(31, cap // 20)
+    with sup.client() as c:
+        with pytest.raises(ShmkvError, match="--max-pinned-percent") as exc:
+            c.put_bytes(fifth.root, fifth.tokens, b"fp", fifth.data, pin=True)
+        assert exc.value.code == "limit"
+        c.put_bytes(twentieth.root, twentieth.tokens, b"fp", twentieth.data, pin=True)
+    st = sup.stats()
+    assert st["pins_refused"] == 1 and 0 < st["pinned_bytes"] <= cap // 10, st
+
+
 # ------------------------------------------------------------------------ 8b: leases
 def test_one_connection_cannot_hold_unbounded_leases(make_supervisor):
     """A peer that acquires and never releases: today 300,000 leases were granted."""
@@ -282,6 +297,19 @@ def test_many_claims_do_not_slow_every_ping(make_supervisor):
     assert after < 5 * before + 1.0, (before, after)
     assert st["claims_held"] == 64 * 1024, st
     assert st["claims_refused"] == 64 * (4096 - 1024), st
+
+
+def test_max_claims_caps_the_claims_of_one_connection(make_supervisor):
+    """``--max-claims 3``: of a claim of 8 digests, the first 3 are held (another peer
+    waits on them), the other 5 are refused and counted (another peer just goes)."""
+    sup = make_supervisor("--size", "16M", "--max-claims", "3")
+    ds = blob(40, 0, n_tokens=8 * CHUNK).digests()
+    with sup.client() as a, sup.client() as b:
+        assert a.claim(ds, wait=0) == "go"
+        st = sup.stats()
+        assert st["claims_held"] == 3 and st["claims_refused"] == 5, st
+        assert b.claim(ds[2:], wait=0.2) == "timeout"  # a holds ds[2]
+        assert b.claim(ds[3:], wait=30) == "go"  # nobody holds ds[3]
 
 
 # ------------------------------------------------------------- 9: eviction, slices

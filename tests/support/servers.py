@@ -65,7 +65,7 @@ class Server:
                 stderr=subprocess.STDOUT,
                 cwd=tmp_path,
             )
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"http://{self.env.get('SHMKV_HOST', '127.0.0.1')}:{self.port}"
         #: what /health and /metrics need with --api-key (its first key)
         key = self.env.get("SHMKV_API_KEY", "").split(",")[0]
         self.auth = {"Authorization": f"Bearer {key}"} if key else {}

@@ -584,3 +584,49 @@ def test_static_threads_switch(tmp_path, serve_model, make_supervisor):
         assert not cpubudget.budget_path(SHM, sup.name).exists()
     finally:
         srv.stop()
+
+
+# A holder of every core that is not stalled: its record expects a run of hours (a first,
+# timed run gives its budget a rate), so only --cpu-wait ends another's wait for it.
+BUSY_HOLDER = r"""
+import sys, time
+from shmkv.llama.cpu import budget as cpubudget
+b = cpubudget.CpuBudget("/dev/shm", sys.argv[1], int(sys.argv[2]))
+g = b.take(int(sys.argv[2]), tokens=1000)
+time.sleep(0.1)
+b.give_back(g)
+g = b.take(int(sys.argv[2]), tokens=10**8)
+print(len(g.slots), flush=True)
+time.sleep(600)
+"""
+
+
+def test_threads_caps_a_prefill_and_cpu_wait_bounds_its_wait(
+    tmp_path, serve_model, make_supervisor
+):
+    """Served workers on a budget of 2 cores: ``--threads 1`` caps a cold prefill at one
+    thread though both cores are free (``--threads 0`` takes both: above); with both cores
+    held by another process that is not stalled, ``--cpu-wait 0.5`` (not the default
+    30 s) is how long the next prefill waits before it runs on one thread anyway, counted
+    as a timeout."""
+    sup = make_supervisor("--size", "64M")
+    env = {"SHMKV_CPU_BUDGET": "2", "SHMKV_THREADS": "1", "SHMKV_CPU_WAIT": "0.5"}
+    srv = Server(sup, serve_model, workers=1, tmp_path=tmp_path, env=env)
+    holder = None
+    try:
+        _, info = srv.complete(LONG[:500] + " Which cat?")
+        assert info["prefill_threads"] == 1 and info["evaluated_tokens"] > 50, info
+        assert info["cpu_wait_ms"] == 0, info
+        holder = subprocess.Popen(
+            [sys.executable, "-c", BUSY_HOLDER, sup.name, "2"], stdout=subprocess.PIPE, text=True
+        )
+        assert holder.stdout is not None and int(holder.stdout.readline()) == 2
+        _, info = srv.complete(LONG[:500] + " Which mat?")
+        assert info["prefill_threads"] == 1 and 500 <= info["cpu_wait_ms"] < 15_000, info
+        health = httpx.get(srv.base + "/health", timeout=10).json()
+        assert health["shmkv"][0]["cpu_wait_timeouts"] >= 1, health
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+        srv.stop()

@@ -10,6 +10,7 @@ record and neither node stops serving; a record damaged in Redis is rejected.
 from __future__ import annotations
 
 import shutil
+import signal
 import struct
 import subprocess
 import time
@@ -787,3 +788,116 @@ def test_a_node_with_a_key_restores_only_records_signed_with_it(
     assert _fetch_blob(r2, bs[6]) == ("fetched", bs[6].data)
     assert _fetch_blob(a2, bs[6]) == ("none", None)  # K1 alone: not yet rotated
     no_internal_errors(keyless, other, a, a2, r1, r2)
+
+
+# ----------------------------------------------------- settings of the tier (issue 22)
+def test_remote_ttl_setting_bounds_every_key_it_writes(make_supervisor, redis_server):
+    """``--remote-ttl 100``: the manifest, pieces and index of a written record all carry
+    a TTL of at most 100 s (+60 s for pieces); the default (a day) would be far above."""
+    from shmkv.supervisor.tiers.redis import layout as fmt
+
+    sup = make_supervisor("--size", "16M", "--remote", redis_server.url, "--remote-ttl", "100")
+    b = blob(900, 300_000)
+    _put(sup, b)
+    r = redis_server.client()
+    rid = remote_id(b.root, b"fp", np.ascontiguousarray(b.tokens, dtype="<i4").tobytes())
+    assert 0 < r.pttl(fmt.manifest_key(rid)) <= 100_000
+    assert 0 < r.pttl(fmt.piece_key(rid, 0)) <= 160_000
+    assert 0 < r.pttl(fmt.index_key(b.root, CHUNK, b.digests()[-1])) <= 100_000
+    r.close()
+
+
+def test_remote_compress_setting_sends_zstd_and_falls_back_per_record(
+    make_supervisor, redis_server
+):
+    """``--remote-compress zstd`` (as SHMKV_REMOTE_COMPRESS): a compressible payload is
+    stored zstd (fewer bytes sent), a random one as is; node B gets both back whole."""
+    env = {"SHMKV_REMOTE_COMPRESS": "zstd"}
+    a = make_supervisor("--size", "16M", "--remote", redis_server.url, env_extra=env)
+    b = make_supervisor("--size", "16M", "--remote", redis_server.url)
+    text, noise = blob(901, 0), blob(902, 300_000)
+    text = text._replace(data=b"the cat sits on the mat. " * 12_000)
+    _put(a, text, noise)
+    r = redis_server.client()
+    assert stored_manifest(r, text).codec == "zstd"
+    assert stored_manifest(r, noise).codec == "none"
+    st = a.stats()
+    assert st["remote_stored_bytes"] < len(text.data) // 10 + len(noise.data), st
+    r.close()
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B to reach Redis")
+    assert _fetch_blob(b, text) == ("fetched", text.data)
+    assert _fetch_blob(b, noise) == ("fetched", noise.data)
+    no_internal_errors(a, b)
+
+
+def test_remote_cluster_flag_makes_a_plain_url_a_cluster(make_supervisor, redis_cluster):
+    """``--remote redis://ONE-NODE --remote-cluster``: records go to the node that owns
+    their slot, across the cluster (a plain client on one node would get MOVED for most of
+    them and count errors), and node B fetches them all."""
+    from redis.cluster import RedisCluster
+
+    url = f"redis://127.0.0.1:{redis_cluster[0]}/0"
+    a = make_supervisor("--size", "16M", "--remote", url, "--remote-cluster")
+    b = make_supervisor("--size", "16M", "--remote", url, env_extra={"SHMKV_REMOTE_CLUSTER": "1"})
+    blobs = [blob(910 + i, 100_000) for i in range(6)]
+    _put(a, *blobs)
+    assert not a.stats()["remote_errors"]
+    rc = RedisCluster(host="127.0.0.1", port=redis_cluster[0])
+    owners = {
+        rc.get_node_from_key(k).port
+        for k in rc.scan_iter("shmkv:*", target_nodes=RedisCluster.ALL_NODES)
+    }
+    rc.close()
+    assert len(owners) > 1, owners  # (the records really live on several nodes)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B to reach Redis")
+    for bl in blobs:
+        assert _fetch_blob(b, bl) == ("fetched", bl.data)
+    no_internal_errors(a, b)
+
+
+def _fetch_after_stop(sup: Sup, srv: RedisProc, wait: float) -> tuple[str, float]:
+    """``sup`` reaches Redis (its fetcher connected: one miss), then Redis is stopped
+    (SIGSTOP: a server that takes the request and never answers); a fetch of ``wait``
+    seconds: its status and how long it took."""
+    wait_until(lambda: sup.stats()["remote_on"], 10, "the node to reach Redis")
+    b = blob(920, 1000)
+    assert _fetch_blob(sup, b) == ("none", None)
+    srv.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        status, data = _fetch_blob(sup, b, wait=wait)
+        took = time.monotonic() - t0
+    finally:
+        srv.proc.send_signal(signal.SIGCONT)
+    assert data is None  # a miss
+    return status, took
+
+
+def test_remote_timeout_gives_up_on_a_server_that_never_answers(make_supervisor, redis_server):
+    """``--remote-timeout 2.5`` with a Redis that never answers: the fetch gives up after
+    the timeout (not before it, not at the worker's 60 s wait) and is a miss; the tier
+    counts a timeout."""
+    sup = make_supervisor(
+        "--size", "16M", "--remote", redis_server.url, "--remote-timeout", "2.5",
+        "--remote-wait", "60",
+    )  # fmt: skip
+    status, took = _fetch_after_stop(sup, redis_server, wait=60)
+    assert status == "down" and 2.4 <= took < 40, (status, took)
+    assert sup.stats()["remote_errors"].get("timeout", 0) >= 1
+    no_internal_errors(sup)
+
+
+def test_remote_wait_caps_a_workers_wait_and_zero_never_asks(make_supervisor, redis_server, models):
+    """The supervisor's ``--remote-wait 0.5`` caps a worker that asks to wait 60 s (Redis
+    stopped, --remote-timeout far off): "timeout" after the cap. A worker with
+    SHMKV_REMOTE_WAIT=0 never asks at all."""
+    sup = make_supervisor(
+        "--size", "64M", "--remote", redis_server.url, "--remote-wait", "0.5",
+        "--remote-timeout", "60",
+    )  # fmt: skip
+    status, took = _fetch_after_stop(sup, redis_server, wait=60)
+    assert status == "timeout" and 0.45 <= took < 30, (status, took)
+    asked = sup.stats()["remote_fetches"]
+    got = run_worker(sup, models["seed0"], [completion(PROMPT)], env={"SHMKV_REMOTE_WAIT": "0"})
+    assert got["results"][0]["last"]["remote"] in ("", None), got["results"][0]["last"]
+    assert got["totals"]["remote_asked"] == 0 and sup.stats()["remote_fetches"] == asked
