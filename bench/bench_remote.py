@@ -1,5 +1,5 @@
-"""Two nodes, one Redis: cross-node hit TTFT against cold and local hits, fetch throughput,
-compression, prefill saved (docs/benchmarks.md). Smoke run: ``--quick``."""
+"""Two nodes, one Redis: cross-node hit TTFT against cold and local hits, compression, prefill
+saved (docs/guides/redis.md). Smoke run: ``--quick``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import dataclasses
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -16,12 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+import common
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
-import common  # noqa: E402
-
-N_CTX = 4096
 PREFIX_TOKENS = 2000
 
 
@@ -89,14 +84,8 @@ def prompts(model: Path, n: int) -> tuple[str, list[str]]:
 
 
 def llama(model: Path, threads: int, sup: common.Supervisor | None = None) -> Any:
-    import llama_cpp
-
-    from shmkv.llama import SharedCacheLlama
-
-    kw = dict(model_path=str(model), n_ctx=N_CTX, n_threads=threads, verbose=False)
-    if sup is None:
-        return llama_cpp.Llama(**kw)
-    return SharedCacheLlama(**kw, shmkv_name=sup.name, shmkv_socket=sup.socket)
+    """(prompt batches on llama-cpp-python's default threads: every core)"""
+    return common.llama(model, threads, sup, n_threads_batch=None)
 
 
 def arm_pair(
@@ -137,46 +126,6 @@ def arm_pair(
     return out
 
 
-def throughput(work: Path, url: str, size: int, count: int) -> dict[str, Any]:
-    """Blobs put on A, written behind, each fetched by B: end-to-end MB/s of a fetch."""
-    import hashlib
-
-    import numpy as np
-
-    flush(url)
-    times = []
-    with (
-        common.supervisor(work, "--size", "1G", "--remote", url) as a,
-        common.supervisor(work, "--size", "1G", "--remote", url, "--remote-wait", "30") as b,
-    ):
-        blobs = []
-        for i in range(count):
-            root = hashlib.blake2b(b"bench-%d" % i, digest_size=16).digest()
-            toks = np.random.default_rng(i).integers(0, 30000, 2048).astype("<i4")
-            blobs.append((root, toks, np.random.default_rng(i).bytes(size)))
-        t0 = time.perf_counter()
-        with a.client() as c:
-            for root, toks, data in blobs:
-                c.put_bytes(root, toks, b"fp", data)
-        common.poll(lambda: a.stats()["remote_written"] >= count, 600, "write-behind", every=0.02)
-        write_s = time.perf_counter() - t0
-        with b.client() as c:
-            for root, toks, _ in blobs:
-                t1 = time.perf_counter()
-                status = c.fetch(root, toks, 0, 30.0, 0.0)
-                times.append(time.perf_counter() - t1)
-                assert status == "fetched", status
-        st = b.stats()
-    return {
-        "blob_bytes": size,
-        "count": count,
-        "write_behind_MBps": size * count / write_s / 1e6,
-        "fetch_s": common.summary(times),
-        "fetch_end_to_end_MBps": size * count / sum(times) / 1e6,
-        "pull_MBps": st["remote_pulled_bytes"] / max(st["remote_pull_seconds"], 1e-9) / 1e6,
-    }
-
-
 def workload(
     work: Path, url: str | None, model: Path, threads: int, systems: list[str], per_node: int
 ) -> dict[str, Any]:
@@ -206,7 +155,7 @@ def workload(
 @common.command("remote", quick="Fewer requests: a smoke run.", model=True, threads=2)
 @click.option("--redis", "redis_url", default=None, help="Use this Redis instead of our own.")
 def main(report: common.Report, opts: Any) -> None:
-    """Cross-node hits through Redis: TTFT, throughput, compression, prefill saved."""
+    """Cross-node hits through Redis: TTFT, compression, prefill saved."""
     model = opts.model
     n = 2 if opts.quick else 5
     prefix, sfx = prompts(model, 2 + n)
@@ -227,7 +176,6 @@ def main(report: common.Report, opts: Any) -> None:
             ]
             for p in res["pairs"]:
                 p["same_text_as_cold"] = p.pop("cross_texts") == cold_texts
-            res["throughput"] = throughput(work, url, 14 << 20, 4 if opts.quick else 12)
             systems = [prefix[: len(prefix) // (2 + i)] for i in range(2 if opts.quick else 4)]
             per = 2 if opts.quick else 3
             res["workload"] = [
@@ -258,12 +206,6 @@ def show(res: dict[str, Any]) -> None:
             f"{common.fmt_b(p['stored_bytes'])} for {common.fmt_b(p['written_bytes'])}, "
             f"answers {p['statuses']}, text as cold: {p['same_text_as_cold']}"
         )
-    t = res["throughput"]
-    click.echo(
-        f"throughput ({t['count']} x {common.fmt_b(t['blob_bytes'])}): write-behind "
-        f"{t['write_behind_MBps']:.0f} MB/s, fetch into the arena {t['fetch_end_to_end_MBps']:.0f}"
-        f" MB/s end to end, piece reads {t['pull_MBps']:.0f} MB/s"
-    )
     for w in res["workload"]:
         click.echo(
             f"workload, remote {'on ' if w['remote'] else 'off'}: {w['tokens_evaluated']} tokens "

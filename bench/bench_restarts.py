@@ -7,7 +7,6 @@ saves, and the write-behind's cost to puts and hits. Smoke run: ``restart --quic
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import hashlib
 import json
@@ -15,7 +14,6 @@ import logging
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -23,13 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+import common
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
-import common  # noqa: E402
-
-from shmkv.core.keys import chain_digests  # noqa: E402
+from shmkv.core.keys import chain_digests
 
 log = logging.getLogger("bench")
 opt = common.option
@@ -178,31 +173,17 @@ def restart(report: common.Report, o: Any) -> None:
 # ------------------------------------------------------------ --persist and refill
 
 
-def llama(model: Path, threads: int) -> Any:
-    import llama_cpp
-
-    kw = dict(n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
-    return llama_cpp.Llama(model_path=str(model), **kw)
-
-
 def real_states(model: Path, n: int, tokens: int, threads: int) -> list[dict[str, Any]]:
     """``n`` prompt states of ``tokens`` tokens: their bytes and cold prefill seconds."""
-    from llama_cpp import llama_cpp as C
-
-    llm, tok = llama(model, threads), common.tokenizer(model)
-    out = []
+    llm, tok, out = common.llama(model, threads), common.tokenizer(model), []
     for k in range(n):
         text = " ".join(f"{common.WORDS[(k * 7 + i) % len(common.WORDS)]}" for i in range(tokens))
         ids = tok(f"Document {k}: {text}")[:tokens]
-        llm.reset()
         llm._ctx.kv_cache_clear()
-        t = time.perf_counter()
-        llm.eval(ids)
-        cold = time.perf_counter() - t
-        size = C.llama_state_seq_get_size(llm.ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        C.llama_state_seq_get_data(llm.ctx, buf, size, 0)
-        out.append({"tokens": np.asarray(ids, dtype="<i4"), "data": bytes(buf), "cold_s": cold})
+        f = common.Floor(llm, ids)  # (a reset, the prefill timed, the state copied out)
+        out.append(
+            {"tokens": np.asarray(ids, dtype="<i4"), "data": bytes(f.buf), "cold_s": f.eval_seconds}
+        )
     return out
 
 
@@ -275,7 +256,7 @@ def ttft_cost(tmp: Path, model: Path, threads: int, repeats: int, persist: bool)
     prefix = " ".join(common.WORDS[i % len(common.WORDS)] for i in range(800))
     ttfts = []
     with common.supervisor(tmp, *args) as sup:
-        llm = llama(model, threads)
+        llm = common.llama(model, threads)
         cache = attach(llm, name=sup.name, socket_path=sup.socket)
         gen = dict(max_tokens=16, temperature=0.0, seed=0)
         for _ in llm.create_completion(prefix + " Question 0?", stream=True, **gen):
@@ -315,8 +296,6 @@ def persist(report: common.Report, o: Any) -> None:
         cost |= {f"ttft_ms_{k}": ttft(p) for k, p in arms}
     res = {
         **report.header(),
-        "git": common.code_state(),
-        "loadavg_end": common.loadavg(),
         "config": dict(quick=q, states=n, real=real, prefix_tokens=tokens, threads=o.threads),
         "state_bytes": [len(s["data"]) for s in states],
         "cold_prefill_s": [s["cold_s"] for s in states],

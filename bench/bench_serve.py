@@ -21,20 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import click
-import psutil
-
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
-import common  # noqa: E402
+import common
 
 log = logging.getLogger("bench_serve")
 
 # issue 13's goals on the shmkv arms (completions and chat), at concurrency 4 but req/s (at
 # 10) and the CPU budget's (at 1: `--concurrency 1 --prompts N --requests N --idle 1`, every
 # request cold on an idle deployment, against one Llama on all cores)
-GOAL_MEAN_TTFT, GOAL_CONCURRENCY, GOAL_THROUGHPUT_CONCURRENCY = 0.45, 4, 10
+GOAL_CONCURRENCY, GOAL_THROUGHPUT_CONCURRENCY = 4, 10
 GOALS = [
-    ("mean TTFT (s)", "<=", GOAL_MEAN_TTFT),
+    ("mean TTFT (s)", "<=", 0.45),
     ("llama-server's mean TTFT / shmkv's", ">=", 4.0),
     ("p50 TTFT / (restore floor + suffix)", "<=", 1.5),
     ("req/s / llama-server's req/s", ">=", 1.0),
@@ -118,10 +114,7 @@ class Workload:
 
     def messages(self, k: int) -> list[dict[str, str]]:
         p, question = self.requests[k]
-        return [
-            {"role": "system", "content": self.system[p]},
-            {"role": "user", "content": question},
-        ]
+        return [common.msg("system", self.system[p]), common.msg("user", question)]
 
 
 def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: int) -> Workload:
@@ -182,46 +175,22 @@ def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: Any) -> comm
     srv = common.Server(f"gunicorn-{arm}", workdir, workers)
     args = f"-m gunicorn -w {workers} -k uvicorn_worker.UvicornWorker -b 127.0.0.1:{srv.port}"
     args += " --timeout 900 --graceful-timeout 30 --keep-alive 5 --log-level info"
-    args += f" --pythonpath {HERE}"
+    args += f" --pythonpath {common.HERE}"
     return srv.start(
         [sys.executable, *args.split(), "plain_app:create_app()"], common.child_env(env)
     )
 
 
-KINDS = ("code", "weights", "arena", "shm", "anon")  # what a mapping holds (smaps)
 RSS_KINDS = ("RssAnon:", "RssFile:", "RssShmem:")  # private, file-backed and shared memory
 
 
-def smaps(pid: int | str, model: str = "", arena: str = "") -> dict[str, dict[str, int]]:
-    """RSS, PSS and private bytes of ``pid``'s mappings (/proc/PID/smaps) by KINDS."""
-    out = {k: {"rss": 0, "pss": 0, "private": 0} for k in KINDS}
-    cur = out["anon"]
-    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            if "-" in line.split(" ", 1)[0]:  # a mapping's header: range perms ... path
-                parts = line.split(None, 5)
-                path = parts[5].strip().removesuffix(" (deleted)") if len(parts) > 5 else ""
-                kind = "weights" if path == model else "arena" if arena and path == arena else ""
-                if not kind and path.startswith(("/dev/shm/", "/memfd:", "/SYSV")):
-                    kind = "shm"
-                elif not kind and (path.startswith("/") or path in ("[vdso]", "[vvar]")):
-                    kind = "code"
-                cur = out[kind or "anon"]  # [heap], [stack], [anon:...], no name
-            elif line.startswith(("Rss:", "Pss:", "Private_Clean:", "Private_Dirty:")):
-                key = line.split(":")[0].lower()
-                cur["private" if key.startswith("private") else key] += int(line.split()[1]) << 10
-    return out
-
-
-def mem_snapshot(pids: dict[str, list[int]], model: str, arena: Path | None) -> dict[str, Any]:
-    """Memory of every server process by role and KINDS; the arena's PSS once."""
+def mem_snapshot(pids: dict[str, list[int]], arena: Path | None) -> dict[str, Any]:
+    """Memory of every server process by role; the arena's PSS once."""
     procs: dict[str, Any] = {}
     for role, pid in ((r, p) for r, ps in pids.items() for p in ps):
-        kinds = smaps(pid, model, str(arena or ""))
-        tot = {m: sum(k[m] for k in kinds.values()) for m in ("rss", "pss", "private")}
-        if tot["rss"]:
-            procs[str(pid)] = dict(role=role, rss=tot["rss"], pss=tot["pss"], uss=tot["private"])
-            procs[str(pid)] |= dict(arena_pss=kinds["arena"]["pss"], kinds=kinds)
+        if (m := common.smaps(pid, str(arena or "")))["rss"]:
+            procs[str(pid)] = dict(role=role, rss=m["rss"], pss=m["pss"], uss=m["private"])
+            procs[str(pid)]["arena_pss"] = m["path_pss"]
     workers = [r for r in procs.values() if r["role"] == "worker"]
     out = {"processes": procs, "arena_pss": sum(r["arena_pss"] for r in procs.values())}
     out |= {f"total_{k}": sum(r[k] for r in procs.values()) for k in ("rss", "pss", "uss")}
@@ -243,29 +212,23 @@ def status_rss(pid: int) -> dict[str, int]:
 
 
 class MemoryWatch(threading.Thread):
-    """Samples memory and CPU every 0.25 s; stops the cell past its memory limits."""
+    """Samples memory every 0.25 s; stops the cell past its memory limits."""
 
-    def __init__(self, pids: Any, noise: common.Noise, cfg: dict[str, Any], on_abort: Any) -> None:
+    def __init__(self, pids: Any, cfg: dict[str, Any], on_abort: Any) -> None:
         super().__init__(name="memory-watch", daemon=True)
-        self.pids, self.noise, self.on_abort, self.cfg = pids, noise, on_abort, cfg
+        self.pids, self.on_abort, self.cfg = pids, on_abort, cfg
         self.abort, self.done = threading.Event(), threading.Event()
         self.abort_at: float | None = None  # perf_counter
         self.reason: str | None = None
-        self.peak_rss = self.peak_footprint = self.peak_pss = 0
+        self.peak_footprint = 0
 
     def run(self) -> None:
         for n in itertools.count():
             if self.done.wait(0 if n == 0 else 0.25):
                 return
-            self.noise.sample()  # a worker that is killed keeps its last CPU figure
             rss = [status_rss(pid) for pid in self.pids()]
-            if n % 8 == 0:  # smaps_rollup walks page tables: every 2 s only
-                with contextlib.suppress(psutil.Error):
-                    pss = sum(psutil.Process(p).memory_full_info().pss for p in self.pids())
-                    self.peak_pss = max(self.peak_pss, pss)
             shared = sum(max((r.get(k, 0) for r in rss), default=0) for k in RSS_KINDS[1:])
             footprint = sum(r.get("RssAnon:", 0) for r in rss) + shared
-            self.peak_rss = max(self.peak_rss, sum(sum(r.values()) for r in rss))
             self.peak_footprint = max(self.peak_footprint, footprint)
             avail, gib, cap = common.meminfo("MemAvailable"), 2**30, self.cfg["max_rss"]
             if footprint > cap:
@@ -364,15 +327,14 @@ def run_cell(
         def flat() -> list[int]:
             return [p for ps in pids().values() for p in ps]
 
-        snapshot = functools.partial(mem_snapshot, model=cfg["model"], arena=sup and sup.arena)
+        snapshot = functools.partial(mem_snapshot, arena=sup and sup.arena)
         mem0, at_abort = snapshot(pids()), {}
 
         def abort_now() -> None:  # memory as it is, then SIGKILL: nothing graceful to wait for
             at_abort.update(snapshot(pids()))
             srv.stop(kill=True)
 
-        noise = common.Noise(flat)
-        watch = MemoryWatch(flat, noise, cfg, abort_now)
+        watch = MemoryWatch(flat, cfg, abort_now)
         watch.start()
         t0 = time.perf_counter()
         try:
@@ -381,7 +343,6 @@ def run_cell(
         finally:
             watch.done.set()
             watch.join(5)
-        cell["noise"] = noise.result(cell["wall_s"])
         if watch.abort.is_set():
             cell["aborted"], cell["abort_s"] = watch.reason, (watch.abort_at or t0) - t0
         elif sup is not None:
@@ -390,8 +351,7 @@ def run_cell(
         if sup is not None:
             with contextlib.suppress(Exception):
                 cell["shmkv_stats"] = {"before": stats0, "after": sup.stats()}
-        cell["memory"] = dict(after_warmup=mem0, end=mem1, peak_rss_sum=watch.peak_rss)
-        cell["memory"] |= dict(peak_footprint=watch.peak_footprint, peak_pss=watch.peak_pss)
+        cell["memory"] = dict(after_warmup=mem0, end=mem1, peak_footprint=watch.peak_footprint)
         cell["results"] = results
     return cell
 
@@ -434,29 +394,16 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     if not (rs := [r for r in rs if r["shmkv"]]):
         return {"n": 0}
     by = {c: [r for r in rs if cache_class(r, sys_tokens) == c] for c in ("hit", "cold", "local")}
-    hits, cold = by["hit"], by["cold"]
+    hits, cold, total = by["hit"], by["cold"], sum(r["ttft"] for r in rs)
     per_prompt = dict(collections.Counter(str(r["prompt"]) for r in cold))
-
-    def during(r: dict[str, Any], o: dict[str, Any]) -> bool:  # r sent while o prefilled
-        end = o["t_send"] + (o["ttft"] or o["total"] or 0)
-        return o is not r and o["prompt"] == r["prompt"] and o["t_send"] <= r["t_send"] < end
-
-    waited = [h for h in hits if any(during(h, c) for c in cold)]
-    groups = dict(hit=hits, hit_waited=waited, hit_no_wait=[r for r in hits if r not in waited])
-    groups |= dict(cold=cold, local=by["local"])
-    total = sum(r["ttft"] for r in rs)
-    share = {g: sum(r["ttft"] for r in groups[g]) / total if total else None for g in groups}
     tokens = [("restored_tokens", hits, "restored_tokens"), ("restore_ms", hits, "restore_ms")]
     tokens += [("evaluated_tokens_hit", hits, "evaluated_tokens"), ("prompt_tokens", rs, "")]
     tokens += [("evaluated_tokens_cold", cold, "evaluated_tokens")]
     return {
         "n": len(rs), "hits": len(hits), "cold": len(cold), "local_reuse": len(by["local"]),
         "cold_per_prompt": per_prompt, "cold_beyond_one_per_prompt": len(cold) - len(per_prompt),
-        "cold_started_while_same_prompt_in_prefill": sum(any(during(r, o) for o in cold)
-                                                         for r in cold),
-        "hits_after_waiting_for_same_prompt_prefill": len(waited),
-        "waited_share_of_ttft": share["hit_waited"], "cold_share_of_ttft": share["cold"],
-        **{f"ttft_{g}": common.summary([r["ttft"] for r in v]) for g, v in groups.items()},
+        "cold_share_of_ttft": sum(r["ttft"] for r in cold) / total if total else None,
+        **{f"ttft_{g}": common.summary([r["ttft"] for r in v]) for g, v in by.items()},
         **{k: common.summary([r["shmkv"][f or k] for r in v]) for k, v, f in tokens},
     }  # fmt: skip
 
@@ -545,12 +492,9 @@ def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[s
 
 def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict[str, Any]:
     """Each system prompt's cold TTFT in one Llama on all cores, and the floor."""
-    import llama_cpp
-
     cores = os.cpu_count() or 1
     quiet = common.wait_until_quiet(cfg["max_load"], cfg["max_wait"])
-    kw = dict(n_ctx=cfg["n_ctx"], n_threads=cores, n_threads_batch=cores, verbose=False)
-    llm = llama_cpp.Llama(model_path=str(model), **kw)
+    llm = common.llama(model, cores, n_ctx=cfg["n_ctx"])
     try:
         llm.create_completion(TURN.format("Warm-up: name a colour."), max_tokens=1)
         first: dict[int, int] = {}
@@ -587,35 +531,20 @@ def measure_floor(llm: Any, wl: Workload) -> dict[str, Any]:
     return {"ttft": common.summary(ttfts), "suffix_tokens": common.summary(suffixes), "how": how}
 
 
-def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, Any]:
-    """A cell's figures; ``nocache``: the no-cache cell's memory at its level."""
+def analyse_cell(c: dict[str, Any], sys_tokens: int) -> dict[str, Any]:
+    """A cell's figures."""
     attempted = [r for r in c["results"] if r["t_send"]]
     ok = [r for r in attempted if r["error"] is None and r["ttft"] is not None]
     errors = [r for r in attempted if r not in ok]
     stop = float("inf") if c["abort_s"] is None else c["abort_s"]
     cut = [r for r in errors if r["t_send"] + (r["total"] or 0) >= stop]  # by our stopping it
     errors = [r for r in errors if r not in cut]
-    m, (m0, m1) = c["memory"], (c["memory"]["after_warmup"], c["memory"]["end"])
+    m0, m1 = c["memory"]["after_warmup"], c["memory"]["end"]
     mem: dict[str, Any] = {f"{k}_end": m1[k] for k in ("total_pss", "total_rss", "workers_pss")}
-    mem |= dict(total_pss_peak=m["peak_pss"], total_rss_sum_peak=m["peak_rss_sum"])
-    mem |= dict(footprint_peak=m["peak_footprint"], cache_bytes=0, cache_how="no cache")
     mem |= {f"workers_{k}_growth": m1[f"workers_{k}"] - m0[f"workers_{k}"] for k in ("pss", "rss")}
+    mem |= dict(footprint_peak=c["memory"]["peak_footprint"], arena_pss_end=m1["arena_pss"])
     mem["workers_pss_without_arena_end"] = m1["workers_pss_without_arena"]
-    if c["arm"].startswith("shmkv"):
-        mem |= common.pick(m1, "arena_allocated_bytes")
-        mem["cache_bytes"] = m1["arena_pss"]
-        mem["cache_how"] = "arena PSS summed over all processes that map it"
-        procs = m1["processes"].items()
-        mem["arena_pss_per_process"] = {pid: p["arena_pss"] for pid, p in procs if p["arena_pss"]}
-    elif c["arm"] in LLAMA_SERVER_ARMS:
-        mem["cache_how"] = "--cache-ram: inside the server's PSS, not told apart"
-    elif server_arm(c["arm"]) == "ramcache":
-        mem["cache_bytes"] = mem["workers_pss_growth"]
-        mem["cache_how"] = "workers' PSS growth from after warm-up to the end"
-        if nocache is not None:  # minus the growth the no-cache arm has too (logits, KV)
-            n0, n1 = nocache["after_warmup"]["workers_pss"], nocache["end"]["workers_pss"]
-            mem["cache_bytes"] -= n1 - n0
-            mem["cache_how"] += ", minus the no-cache arm's growth at the same concurrency"
+    mem |= common.pick(m1, "arena_allocated_bytes")
     out: dict[str, Any] = common.pick(c, "arm concurrency planned") | {"label": ARMS[c["arm"]]}
     out |= dict(attempted=len(attempted), ok=len(ok), errors=len(errors))
     out |= dict(error_samples=sorted({r["error"] for r in errors})[:5], cut_by_stop=len(cut))
@@ -624,7 +553,7 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
     )
     out |= dict(wall_s=c["wall_s"], requests_per_s=len(ok) / c["wall_s"] if c["wall_s"] else 0.0)
     out |= {k: common.summary([r[k] for r in ok]) for k in ("ttft", "total", "text_chunks")}
-    out |= dict(memory=mem, **common.pick(c, "quiet noise startup_s"))
+    out |= dict(memory=mem, **common.pick(c, "quiet startup_s"))
     out["queueing"] = queueing(ok, c["worker_pids"])
     if c["arm"].startswith("shmkv"):
         out["cache"] = shmkv_breakdown(ok, sys_tokens)
@@ -642,25 +571,8 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
     return out
 
 
-def mapping_table(cells: list[dict[str, Any]]) -> str:
-    """Each cell's server processes at its end, by role: PSS by KINDS."""
-    b, rows = common.fmt_b, []
-    for c in cells:
-        groups: dict[str, list[Any]] = {}
-        for p in c["memory"]["end"]["processes"].values():
-            groups.setdefault(p["role"], []).append(p["kinds"])
-        for role, kinds in [*groups.items(), ("all", [k for g in groups.values() for k in g])]:
-            n = len(kinds) if role != "all" else 1
-            row = {"cell": cell_key(c), "process": role + (f" (x{n}, each)" if n > 1 else "")}
-            row |= {f"{k} PSS": b(sum(x[k]["pss"] for x in kinds) / n) for k in KINDS}
-            row["anon private"] = b(sum(x["anon"]["private"] for x in kinds) / n)
-            row["PSS"] = b(sum(v["pss"] for x in kinds for v in x.values()) / n)
-            rows.append(row)
-    return common.dict_table(rows, left=2)
-
-
 def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
-    """GOALS, each checked on every run's shmkv cells it applies to."""
+    """GOALS, each checked on the shmkv cells it applies to."""
     cp = cfg.get("cold_prefill") or {}
     floor = (cp.get("floor") or {}).get("ttft", {}).get("p50")
     alone = sum(cp["seconds"].values()) / len(cp["seconds"]) if cp.get("seconds") else None
@@ -679,14 +591,14 @@ def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
             m["req/s / llama-server's req/s"] = c["requests_per_s"] / ref["requests_per_s"]
         if c["concurrency"] == 1 and cold and alone:
             m["cold TTFT / one process's on all cores"] = cold / alone
-        where[f"{c['arm']}@{c['concurrency']}" + (f" run {c['run']}" if c.get("run") else "")] = m
+        where[cell_key(c)] = m
     return {"checks": common.check_goals(GOALS, where), "floor_p50_s": floor}
 
 
 def llama_server_cell(c: dict[str, Any], cells: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """llama-server's cell at the same concurrency, endpoint and run as ``c``, if it ran."""
-    key = (reference_arm(c["arm"], "llama-server"), c["concurrency"], c.get("run", 0))
-    return next((r for r in cells if (r["arm"], r["concurrency"], r.get("run", 0)) == key), None)
+    """llama-server's cell at the same concurrency and endpoint as ``c``, if it ran."""
+    key = (reference_arm(c["arm"], "llama-server"), c["concurrency"])
+    return next((r for r in cells if (r["arm"], r["concurrency"]) == key), None)
 
 
 def llama_server_ratio(c: dict[str, Any], cells: list[dict[str, Any]]) -> float | None:
@@ -696,7 +608,7 @@ def llama_server_ratio(c: dict[str, Any], cells: list[dict[str, Any]]) -> float 
     return None
 
 
-SPREAD = {  # what the --runs table gives the median and range of
+COLUMNS = {  # the main table's figures of a cell
     "TTFT mean": lambda c: c["ttft"].get("mean"),
     "p50": lambda c: c["ttft"].get("p50"),
     "p99": lambda c: c["ttft"].get("p99"),
@@ -707,77 +619,39 @@ SPREAD = {  # what the --runs table gives the median and range of
 }
 
 
-def spread(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (arm, concurrency): each SPREAD figure over the runs, with its summary."""
-    out = []
-    for key in dict.fromkeys((c["arm"], c["concurrency"]) for c in cells):
-        runs = [c for c in cells if (c["arm"], c["concurrency"]) == key]
-        values = {k: [v for c in runs if (v := f(c)) is not None] for k, f in SPREAD.items()}
-        summ = {k: common.summary(v) | {"values": v} for k, v in values.items()}
-        out.append({"arm": key[0], "concurrency": key[1], "runs": len(runs), **summ})
-    return out
-
-
 def fmt(k: str, v: Any) -> str:
     """A figure of a table column ``k``: seconds, bytes, a ratio or a rate."""
     if v is None:
         return "-"
     if k in ("req/s", "vs llama-server"):
         return f"{v:.2f}" + "x" * (k != "req/s")
-    return common.fmt_b(v) if "PSS" in k or "mem" in k or "growth" in k else common.fmt_s(v)
+    return common.fmt_b(v) if "PSS" in k else common.fmt_s(v)
 
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
-    """Every cell, what the cache did, and over several runs the SPREAD figures."""
-    cells, runs, f = res["cells"], res["config"]["runs"], functools.partial(fmt, "")
-    key = lambda c: (c["arm"], c["concurrency"])  # noqa: E731
-    ref = {key(c): c["ttft"] for c in cells if server_arm(c["arm"]) == "nocache"}
-    base = {key(c): c["ttft"] for c in (baseline or {}).get("cells", [])}
-    rows, detail, spread_fmt = [], [], list(SPREAD.items())
-    for c in cells:
-        t, k, mem = c["ttft"], c.get("cache", {}), c["memory"]
-        r = ref.get((reference_arm(c["arm"], "nocache"), c["concurrency"]), {})
-        rel = r.get("n") and t.get("n") and server_arm(c["arm"]) != "nocache"
+    """Every cell and what the cache did."""
+    f, rows, detail = common.fmt_s, [], []
+    base = {cell_key(c): c["ttft"] for c in (baseline or {}).get("cells", [])}
+    for c in res["cells"]:
+        k, q = c.get("cache", {}), c["queueing"]
         stopped = f" (stopped at {c['attempted']})" if c["aborted"] else ""
-        row = {"arm": c["label"] + (f" (run {c['run'] + 1})" if runs > 1 else "")}
-        row |= {"conc": c["concurrency"], "ok/err": f"{c['ok']}/{c['errors']}{stopped}"}
-        row["cut"] = c["interrupted_streams"]
-        row |= {k2: fmt(k2, g(c)) for k2, g in spread_fmt[:4]}
-        row["total mean"] = f(c["total"].get("mean"))
-        row["vs nocache"] = f"{r['mean'] / t['mean']:.1f}x" if rel else ""
-        row["hits"] = f"{k['hits']}/{k['n']}" if k.get("n") else ""
-        row["cache mem"] = fmt("mem", mem["cache_bytes"])
-        row["worker growth"] = fmt("mem", mem["workers_pss_growth"])
-        row |= {k2: fmt(k2, g(c)) for k2, g in spread_fmt[4:]}
-        rows.append(row | {"baseline mean": f(base.get(key(c), {}).get("mean"))})
-        if not k.get("n"):
-            continue
-        q, sv = c["queueing"], c.get("supervisor", {})
-        d, e = sv.get("delta", {}), sv.get("end", {})
-        detail.append({
-            "cell": cell_key(c), "hits": k["hits"],
-            "waited": k["hits_after_waiting_for_same_prompt_prefill"],
-            "hit mean": f(k["ttft_hit"].get("mean")),
-            "no-wait mean": f(k["ttft_hit_no_wait"].get("mean")),
-            "local": k["local_reuse"], "cold": k["cold"],
-            "cold mean": f(k["ttft_cold"].get("mean")),
-            "cold dup": k["cold_beyond_one_per_prompt"],
-            "cold share": f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
-            "on busy": q.get("landed_on_busy", "-"),
-            "busy+idle": q.get("landed_on_busy_while_another_idle", "-"),
-            "puts": d.get("puts", "-"), "dup puts": d.get("duplicate_puts", "-"),
-            "evictions": d.get("evictions", "-"), "arena used": fmt("mem", e.get("bytes_used")),
-        })  # fmt: skip
-    out = [common.dict_table(rows, left=2), common.dict_table(detail)]
-    if runs > 1:
-        span = lambda k, v: f" [{fmt(k, v['min'])}-{fmt(k, v['max'])}]" if v.get("n", 0) > 1 else ""  # noqa: E731
-        spread_rows = [
-            {"arm": r["arm"], "conc": r["concurrency"], "runs": r["runs"]}
-            | {k: fmt(k, v.get("p50")) + span(k, v) for k in SPREAD if (v := r[k])}
-            for r in res["spread"]
-        ]  # fmt: skip
-        out.append(f"over {runs} runs: median [min-max]\n" + common.dict_table(spread_rows, 2))
-    return "\n\n".join(filter(None, out))
+        row = {"arm": c["label"], "conc": c["concurrency"], "ok/err": f"{c['ok']}/{c['errors']}"}
+        row |= {"ok/err": row["ok/err"] + stopped, "cut": c["interrupted_streams"]}
+        row |= {name: fmt(name, get(c)) for name, get in COLUMNS.items()}
+        rows.append(row | {"baseline mean": f(base.get(cell_key(c), {}).get("mean"))})
+        if k.get("n"):
+            detail.append({
+                "cell": cell_key(c), "hits": k["hits"], "hit mean": f(k["ttft_hit"].get("mean")),
+                "local": k["local_reuse"], "cold": k["cold"],
+                "cold mean": f(k["ttft_cold"].get("mean")),
+                "cold dup": k["cold_beyond_one_per_prompt"],
+                "cold share": f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
+                "on busy": q.get("landed_on_busy", "-"),
+                "busy+idle": q.get("landed_on_busy_while_another_idle", "-"),
+                "evictions": c.get("supervisor", {}).get("delta", {}).get("evictions", "-"),
+                "arena used": fmt("PSS", c["memory"]["arena_used_end"]),
+            })  # fmt: skip
+    return "\n\n".join(filter(None, [common.dict_table(rows, left=2), common.dict_table(detail)]))
 
 
 def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
@@ -804,17 +678,8 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
     return "\n\n".join([common.dict_table(rows, left=2), "\n".join(notes)]) if rows else ""
 
 
-def goal_table(checks: list[dict[str, Any]]) -> str:
-    rows = [["goal", "cell", "value", "bound", ""]]
-    for g in checks:
-        met = "met" if g["met"] else "MISSED"
-        rows.append([g["goal"], g["cell"], f"{g['value']:.3g}", f"{g['op']} {g['bound']:g}", met])
-    return common.grid(rows, left=2)
-
-
 def cell_key(c: dict[str, Any]) -> str:
-    """arm@concurrency, with /run when there are several runs."""
-    return f"{c['arm']}@{c['concurrency']}" + (f"/{c['run'] + 1}" if c.get("run") else "")
+    return f"{c['arm']}@{c['concurrency']}"
 
 
 opt = common.option
@@ -831,10 +696,8 @@ opt = common.option
 @opt("--workers", default=4, help="gunicorn workers.")
 @opt("--n-ctx", default=4096)
 @opt("--arena-size", default="1G", help="shmkv arena size.")
-@opt("--runs", default=1, help="Run every cell this many times (the table gives the spread).")
 @opt("--timeout", default=900.0, help="Per-request read timeout, seconds.")
 @opt("--idle", default=0.0, help="Seconds each client waits before each request.")
-@opt("--by-mapping", is_flag=True, help="Also print each cell's PSS by mapping (smaps).")
 @opt("--ideal/--no-ideal", default=True, help="Time one cold prefill per system prompt first.")
 def main(report: common.Report, o: Any) -> None:
     """Serve shared system prompts: no cache vs LlamaRAMCache vs llama-server vs shmkv."""
@@ -850,7 +713,7 @@ def main(report: common.Report, o: Any) -> None:
     cfg = dict(quick=quick, model=str(model), model_bytes=model.stat().st_size, arms=arms)
     cfg |= common.pick(vars(o), "workers threads n_ctx max_tokens arena_size max_load max_wait")
     cfg |= common.pick(vars(o), "timeout idle")
-    cfg |= dict(prompts=o.prompts or (2 if quick else 6), requests=n, runs=max(1, o.runs))
+    cfg |= dict(prompts=o.prompts or (2 if quick else 6), requests=n)
     cfg |= dict(prompt_tokens_target=o.prompt_tokens or (400 if quick else 1000))
     cfg |= dict(cacheless_requests=min(o.cacheless_requests or n, n))
     cfg |= dict(concurrency=[int(x) for x in levels.split(",")], budget_threads=0)
@@ -879,24 +742,21 @@ def main(report: common.Report, o: Any) -> None:
     llama_settings = {f.upper() for f in fields}
     for k in [k for k in os.environ if k.upper() in llama_settings]:
         del os.environ[k]  # llama_cpp.server would read them: every arm gets only ours
-    code = common.code_state()
     signal.signal(signal.SIGTERM, _sigterm)
     cells: list[dict[str, Any]] = []
     analysed: list[dict[str, Any]] = []
     interrupted = False
     try:
         with tempfile.TemporaryDirectory(prefix="shmkv-bench-serve-") as tmp:
-            for run, arm, cc in itertools.product(range(cfg["runs"]), arms, cfg["concurrency"]):
+            for arm, cc in itertools.product(arms, cfg["concurrency"]):
                 cacheless = server_arm(arm) in ("nocache", "ramcache")
                 n_cell = cfg["cacheless_requests"] if cacheless else n
-                log.info("run %d: cell %s, concurrency %d, %d requests", run + 1, arm, cc, n_cell)
-                cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)) | {"run": run})
-                ref = (reference_arm(arm, "nocache"), run, cc)
-                same = [c["memory"] for c in cells if (c["arm"], c["run"], c["concurrency"]) == ref]
-                a = analyse_cell(cells[-1], min(wl.system_tokens), (same or [None])[-1])
+                log.info("cell %s, concurrency %d, %d requests", arm, cc, n_cell)
+                cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)))
+                a = analyse_cell(cells[-1], min(wl.system_tokens))
                 if a.get("phases"):
                     a["ideal"] = ideal(cells[-1], a, cfg)
-                analysed.append(a | {"run": run})
+                analysed.append(a)
                 done = f"{a['ok']} ok, {a['errors']} errors, {a['requests_per_s']:.2f} req/s"
                 stopped = f" (stopped: {a['aborted']})" if a["aborted"] else ""
                 log.info("  %s, mean TTFT %s%s", done, common.fmt_s(a["ttft"].get("mean")), stopped)
@@ -904,20 +764,15 @@ def main(report: common.Report, o: Any) -> None:
         interrupted = True
     if interrupted and not analysed:
         raise SystemExit(130)
-    changed = common.code_state()["code_digest"] != code["code_digest"]
-    code["working_tree_changed_during_run"] = changed
     for c in analysed:  # (llama-server may run after the others: its cells come last)
         c["memory"]["vs_llama_server"] = llama_server_ratio(c, analysed)
     goal = goals(analysed, cfg)
     res = {
         **report.header(*"gunicorn uvicorn uvicorn-worker fastapi httpx psutil".split()),
         "interrupted": interrupted,
-        "loadavg_end": common.loadavg(),
         "config": cfg,
         "goal": goal,
         "cells": analysed,
-        "spread": spread(analysed),
-        "code": code,
         "requests": {cell_key(c): c["results"] for c in cells},
         "memory_detail": {cell_key(c): c["memory"] for c in cells},
     }
@@ -930,11 +785,9 @@ def main(report: common.Report, o: Any) -> None:
     click.echo(table(res, report.baseline(quick)))
     f = common.fmt_s
     for title, text in (
-        ("server processes at the end of each cell, PSS by mapping",
-         o.by_mapping and cells and mapping_table(cells)),
         ("where the shmkv arms' time to first token went (mean per request)",
          phase_table(analysed, cfg)),
-        ("goals", goal["checks"] and goal_table(goal["checks"])
+        ("goals", goal["checks"] and common.goal_table(goal["checks"])
          + f"\n(restore floor + suffix, p50, one Llama: {f(goal['floor_p50_s'])})"),
     ):  # fmt: skip
         if text:

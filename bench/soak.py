@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import sys
 import tempfile
 import threading
 import time
@@ -14,22 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import click
+import common
 import httpx
 import psutil
-
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
-import common  # noqa: E402
 
 log = logging.getLogger("soak")
 WORDS = (
     "policy customer refund order shipping account invoice warranty support agent "
     "product delivery return exchange payment card address email phone store"
 ).split()
-
-
-def msg(role: str, content: str) -> dict[str, str]:
-    return {"role": role, "content": content}
 
 
 class Load:
@@ -49,13 +41,13 @@ class Load:
         with self.lock:
             r = self.rng.random()
             if r < 0.6:  # a shared system prompt, a short question
-                system = msg("system", self.rng.choice(self.prompts))
-                return {"messages": [system, msg("user", self.words(3, 12))]}
+                system = common.msg("system", self.rng.choice(self.prompts))
+                return {"messages": [system, common.msg("user", self.words(3, 12))]}
             if r < 0.85:  # a chat that grows turn by turn
                 if not self.chats or self.rng.random() < 0.2 or len(self.chats[-1]) > 12:
-                    self.chats.append([msg("system", self.rng.choice(self.prompts))])
+                    self.chats.append([common.msg("system", self.rng.choice(self.prompts))])
                 chat = self.rng.choice(self.chats)
-                chat.append(msg("user", self.words(4, 20)))
+                chat.append(common.msg("user", self.words(4, 20)))
                 return {"messages": list(chat), "chat": chat}
             return {"prompt": self.words(200, 900)}  # a one-off prompt: a miss
 
@@ -85,7 +77,7 @@ class Load:
             ev["ok"] = True
             if "chat" in job:
                 with self.lock:
-                    job["chat"].append(msg("assistant", reply))
+                    job["chat"].append(common.msg("assistant", reply))
         except (httpx.HTTPError, ValueError, KeyError) as e:
             ev["error"] = f"{type(e).__name__}: {e}"[:200]
         ev["total"] = time.monotonic() - t0
@@ -115,28 +107,6 @@ def sample(t: float, pids: list[int], st: dict[str, Any], evs: list[Any]) -> dic
     out["hit_rate"] = round(st.get("hits", 0) / lookups, 4) if lookups else 0.0
     out |= dict(requests=len(evs), errors=sum(not e["ok"] for e in evs))
     return out | {f"ttft_{k}": round(window.get(k, 0.0), 3) for k in ("p50", "p90")}
-
-
-def plot(plt: Any, res: dict[str, Any]) -> Any:
-    s, c = res["samples"], res["config"]
-    series = [  # panel, label, sample key, scale
-        (0, "RSS (sum)", "rss", 2**-30), (0, "PSS (sum, arena once)", "pss", 2**-30),
-        (1, "arena used (MiB)", "arena_used", 2**-20), (1, "fragmentation %", "fragmentation", 100),
-        (2, "hit rate % (cumulative)", "hit_rate", 100), (2, "errors (cumulative)", "errors", 1),
-        (3, "TTFT p50 (last 30 s)", "ttft_p50", 1), (3, "TTFT p90 (last 30 s)", "ttft_p90", 1),
-    ]  # fmt: skip
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
-    axes = list(axes.flat)
-    for i, label, key, scale in series:
-        axes[i].plot([x["t"] for x in s], [x[key] * scale for x in s], label=label)
-    panels = [("server memory", "GiB"), ("arena", ""), ("cache hits and errors", "")]
-    for ax, (title, unit) in zip(axes, [*panels, ("time to first token", "s")], strict=True):
-        ax.set(title=title, ylabel=unit, xlabel="seconds")
-        ax.legend()
-    workers, cc = c["workers"], c["concurrency"]
-    fig.suptitle(f"shmkv soak: {c['duration']} s, {workers} workers, concurrency {cc}")
-    fig.tight_layout()
-    return fig
 
 
 opt = common.option
@@ -207,7 +177,7 @@ def main(report: common.Report, o: Any) -> None:
         f"\n{s['requests']} requests, {s['errors']} errors; TTFT p50 {s['ttft_p50']} s, p99 "
         f"{s['ttft_p99']} s; {counters}"
     )
-    report.write(res, plot)
+    report.write(res, [("TTFT, all requests", ttft.get("p50"), ttft.get("p99"))])
 
 
 if __name__ == "__main__":
