@@ -7,12 +7,16 @@ import collections
 import contextlib
 import functools
 import heapq
+import importlib.metadata
 import itertools
 import logging
 import os
 import random
+import shutil
 import signal
+import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -28,7 +32,6 @@ log = logging.getLogger("bench_serve")
 # issue 13's goals on the shmkv arms (completions and chat), at concurrency 4 but req/s (at
 # 10) and the CPU budget's (at 1: `--concurrency 1 --prompts N --requests N --idle 1`, every
 # request cold on an idle deployment, against one Llama on all cores)
-GOAL_CONCURRENCY, GOAL_THROUGHPUT_CONCURRENCY = 4, 10
 GOALS = [
     ("mean TTFT (s)", "<=", 0.45),
     ("llama-server's mean TTFT / shmkv's", ">=", 4.0),
@@ -38,28 +41,25 @@ GOALS = [
     ("cold TTFT / one process's on all cores", "<=", 1.10),
 ]
 SEED = 11
-ARMS = {
-    "nocache": "llama_cpp.server, no cache",
-    "ramcache": "llama_cpp.server + LlamaRAMCache",
-    "shmkv": "shmkv serve",
-    "shmkv-exact": "shmkv serve --exact (hits bit for bit a cold run's)",
-    "shmkv-static": "shmkv serve --static-threads (no CPU budget)",
-    "shmkv-q8_0": "shmkv serve --cache-type-k q8_0 --cache-type-v q8_0",
-    "llama-server": "llama.cpp llama-server -np N --cache-ram",
-}
+ARMS = {  # arm: its label, and for a shmkv arm its settings beyond the common ones
+    "nocache": ("llama_cpp.server, no cache", None),
+    "ramcache": ("llama_cpp.server + LlamaRAMCache", None),
+    "shmkv": ("shmkv serve", {}),
+    "shmkv-exact": ("shmkv serve --exact (hits bit for bit a cold run's)", {"SHMKV_EXACT": "true"}),
+    "shmkv-static": ("shmkv serve --static-threads (no CPU budget)",  # always on --threads
+                     {"SHMKV_STATIC_THREADS": "true"}),
+    "shmkv-q8_0": ("shmkv serve --cache-type-k q8_0 --cache-type-v q8_0",
+                   {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"}),
+    "llama-server": ("llama.cpp llama-server -np N --cache-ram", None),
+}  # fmt: skip
 # the same requests as messages, to /v1/chat/completions: arm X-chat is arm X otherwise
-NO_CHAT = ("shmkv-static", "shmkv-q8_0")
-ARMS |= {f"{a}-chat": f"{v}, /v1/chat/completions" for a, v in ARMS.items() if a not in NO_CHAT}
-CHAT_ARMS = {a for a in ARMS if a.endswith("-chat")}
-LLAMA_SERVER_ARMS = {"llama-server", "llama-server-chat"}
+ARMS |= {
+    f"{a}-chat": (f"{label}, /v1/chat/completions", env)
+    for a, (label, env) in ARMS.items()
+    if a not in ("shmkv-static", "shmkv-q8_0")
+}
 DEFAULT_ARMS = "nocache,ramcache,llama-server,shmkv,shmkv-exact"
 DEFAULT_ARMS += "," + ",".join(f"{a}-chat" for a in DEFAULT_ARMS.split(","))
-SHMKV_ENV = {  # each shmkv arm's settings beyond the common ones
-    "shmkv": {},
-    "shmkv-exact": {"SHMKV_EXACT": "true"},
-    "shmkv-q8_0": {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"},
-    "shmkv-static": {"SHMKV_STATIC_THREADS": "true"},  # every worker always on --threads
-}
 
 
 def server_arm(arm: str) -> str:
@@ -68,8 +68,8 @@ def server_arm(arm: str) -> str:
 
 
 def reference_arm(arm: str, ref: str) -> str:
-    """Arm ``ref`` on the endpoint of ``arm`` (``nocache`` -> ``nocache-chat`` for a chat arm)."""
-    return f"{ref}-chat" if arm in CHAT_ARMS else ref
+    """Arm ``ref`` on the endpoint of ``arm`` (``llama-server`` -> ``llama-server-chat``)."""
+    return f"{ref}-chat" if arm.endswith("-chat") else ref
 
 
 THEMES = [  # system prompts in turn: an opening, then the template of its lines
@@ -144,6 +144,50 @@ def llama_server_args(cfg: dict[str, Any]) -> list[str]:
     return args + ["--cache-ram", str(cfg["llama_server_cache_ram_mib"])]
 
 
+# CPU only and nothing fetched at build time (the same kernels as the wheel), one binary
+CMAKE_FLAGS = """-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF
+-DGGML_VULKAN=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+-DBUILD_SHARED_LIBS=OFF""".split()
+
+
+def build_llama_server(jobs: int = 2) -> Path:
+    """llama.cpp's ``llama-server`` from the llama.cpp that the installed llama-cpp-python's
+    sdist vendors (cmake, CPU only, no curl), built once into
+    ``~/.cache/shmkv-bench/llama-server-<version>/`` (minutes)."""
+    ver = importlib.metadata.version("llama-cpp-python")  # the llama.cpp the other arms run
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shmkv-bench"
+    if (exe := (dest := cache / f"llama-server-{ver}") / "llama-server").is_file() and os.access(
+        exe, os.X_OK
+    ):
+        return exe
+    dest.mkdir(parents=True, exist_ok=True)
+    (build_log := dest / "build.log").write_text("")
+    work = Path(tempfile.mkdtemp(prefix="llama-server-build-", dir=dest))
+
+    def run(*args: str) -> None:
+        log.info("$ %s", " ".join(args))
+        with open(build_log, "ab") as f:
+            if rc := subprocess.run(args, cwd=work, stdout=f, stderr=subprocess.STDOUT).returncode:
+                tail = build_log.read_text(errors="replace")[-3000:]
+                raise click.ClickException(f"{args[0]} failed ({rc}); end of {build_log}:\n{tail}")
+
+    try:
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        run(*pip, f"llama-cpp-python=={ver}", "-d", str(work))
+        with tarfile.open(next(work.glob("*.tar.gz"))) as tar:
+            tar.extractall(work, filter="data")
+        src, out = next(work.glob("*/vendor/llama.cpp")), work / "build"
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        run("cmake", "-S", str(src), "-B", str(out), *gen, *CMAKE_FLAGS)
+        log.info("building llama-server with %d jobs (minutes; log: %s)", jobs, build_log)
+        run("cmake", "--build", str(out), "--target", "llama-server", "-j", str(jobs))
+        shutil.copy2(next(out.glob("bin/llama-server")), tmp := dest / "llama-server.tmp")
+        tmp.replace(exe)  # atomic: a half-copied binary is never "cached"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return exe
+
+
 def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: Any) -> common.Server:
     """The server of ``arm``: shmkv serve on ``sup``, llama-server, or llama_cpp.server."""
     from shmkv.serving.chat_template import GEMMA3_FORMAT, GEMMA3_TEMPLATE, default_chat_format
@@ -163,7 +207,7 @@ def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: Any) -> comm
         env = {"SHMKV_MODEL": model, "SHMKV_N_CTX": n_ctx, "SHMKV_EXACT": "false"}
         env |= {"SHMKV_LOG_LEVEL": "info", "SHMKV_WORKER_TIMEOUT": "900"}
         env["SHMKV_THREADS"] = threads if arm == "shmkv-static" else str(cfg["budget_threads"])
-        return common.Server.shmkv(sup, env | SHMKV_ENV[arm], workdir, workers)
+        return common.Server.shmkv(sup, env | ARMS[arm][1], workdir, workers)
     env = {"MODEL": model, "N_CTX": n_ctx, "N_THREADS": threads, "N_THREADS_BATCH": threads}
     # a stream runs to its end, as in shmkv serve's app (llama_cpp.server would cut it short
     # whenever another request waits for its worker's model)
@@ -307,7 +351,7 @@ def run_cell(
         srv = start_server(arm, cfg, workdir, sup)
         # SIGKILL on errors and Ctrl-C: in-flight prefills would hold SIGTERM up for 30 s
         stack.push(lambda exc_type, _e, _tb: srv.stop(kill=exc_type is not None))
-        llama_server = arm in LLAMA_SERVER_ARMS
+        llama_server = server_arm(arm) == "llama-server"
         srv.wait_ready(logged=None if llama_server else "Application startup complete")
         cell["startup_s"], cell["worker_pids"] = time.monotonic() - t, srv.worker_pids()
         warm_up(srv)
@@ -338,7 +382,7 @@ def run_cell(
         watch.start()
         t0 = time.perf_counter()
         try:
-            chat = arm in CHAT_ARMS
+            chat = arm.endswith("-chat")
             results, cell["wall_s"] = run_load(srv, wl, n, cc, cfg, watch.abort, chat)
         finally:
             watch.done.set()
@@ -359,9 +403,8 @@ def run_cell(
 def cache_class(r: dict[str, Any], sys_tokens: int) -> str:
     """hit (restored from the arena), local (the worker's context already held it), cold."""
     k = r["shmkv"]
-    if k["restored_tokens"] > 0:
-        return "hit"
-    return "local" if k["reused_local_tokens"] >= sys_tokens // 2 else "cold"
+    local = "local" if k["reused_local_tokens"] >= sys_tokens // 2 else "cold"
+    return "hit" if k["restored_tokens"] > 0 else local
 
 
 def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
@@ -371,21 +414,14 @@ def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
     known = sorted(set(workers) | {r["worker_pid"] for r in done})
     busy, misrouted = [], []
     for r in done:
-        inflight = {
-            o["worker_pid"]
-            for o in done
-            if o is not r and o["t_send"] <= r["t_send"] < o["t_send"] + o["total"]
-        }
+        during = (o for o in done if o is not r and 0 <= r["t_send"] - o["t_send"] < o["total"])
+        inflight = {o["worker_pid"] for o in during}
         busy.append(r["worker_pid"] in inflight)
         misrouted.append(busy[-1] and any(w not in inflight for w in known))
-    on_busy = [r for r, b in zip(done, busy, strict=True) if b]
-    return {
-        "n": len(done),
-        "landed_on_busy": sum(busy),
-        "landed_on_busy_while_another_idle": sum(misrouted),
-        "requests_per_worker": {str(w): sum(r["worker_pid"] == w for r in done) for w in known},
-        "ttft_landed_on_busy": common.summary([r["ttft"] for r in on_busy]),
-        "ttft_landed_on_idle": common.summary([r["ttft"] for r in done if r not in on_busy]),
+    out = {"n": len(done), "landed_on_busy": sum(busy)}
+    out["landed_on_busy_while_another_idle"] = sum(misrouted)
+    return out | {
+        "requests_per_worker": {str(w): sum(r["worker_pid"] == w for r in done) for w in known}
     }
 
 
@@ -428,9 +464,11 @@ WAITS = ("queue", "app", "coalesce wait", "remote wait", "cpu wait")
 def phases_of(r: dict[str, Any]) -> dict[str, float] | None:
     """The phases of one request's TTFT in seconds (they sum to it); None without them."""
     k = r.get("shmkv") or {}
-    if r.get("sent_at") is None or r["ttft"] is None or "first_token_at" not in k:
-        return None
-    if "received_at" not in k:
+    if (
+        r.get("sent_at") is None
+        or r["ttft"] is None
+        or not {"first_token_at", "received_at"} <= set(k)
+    ):
         return None
     p = {"queue": k["received_at"] - r["sent_at"], "app": k["started_at"] - k["received_at"]}
     p |= {ph: k[ph.replace(" ", "_") + "_ms"] / 1e3 for ph in IN_CALL}
@@ -481,54 +519,41 @@ def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[s
         return None
     hit = sum(sum(p.values()) - sum(p[w] for w in WAITS) for p in warm) / len(warm)
     decode = sum(r["total"] - r["ttft"] for r in done) / len(done)
-    prompts, prefill = (
-        cfg["request_prompts"][: c["planned"]],
-        {int(p): s for p, s in measured.items()},
+    prefill = {int(p): s for p, s in measured.items()}
+    mean = ideal_mean_ttft(
+        cfg["request_prompts"][: c["planned"]], c["concurrency"], prefill, hit, decode
     )
-    mean = ideal_mean_ttft(prompts, c["concurrency"], prefill, hit, decode)
     res = dict(mean_ttft_s=mean, hit_s=hit, decode_s=decode)
     return res | {"measured_mean_ttft_s": out["ttft"].get("mean")}
 
 
 def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Each system prompt's cold TTFT in one Llama on all cores, and the floor."""
-    cores = os.cpu_count() or 1
+    """In one Llama on all cores: each system prompt's cold TTFT (its first request), and the
+    restore floor plus suffix (``set_data`` of a shared prefix's state from a private buffer,
+    the rest of the prompt and the first token) for the next three requests of each prompt."""
+    cores, by_prompt = os.cpu_count() or 1, {}
     quiet = common.wait_until_quiet(cfg["max_load"], cfg["max_wait"])
-    llm = common.llama(model, cores, n_ctx=cfg["n_ctx"])
-    try:
-        llm.create_completion(TURN.format("Warm-up: name a colour."), max_tokens=1)
-        first: dict[int, int] = {}
-        for k, (p, _) in enumerate(wl.requests):
-            first.setdefault(p, k)
-        seconds = {}
-        for p, k in sorted(first.items()):
-            llm.reset()  # (nothing of the last prompt is reused)
-            seconds[str(p)] = common.first_token(llm, wl.prompt(k), max_tokens=1)["ttft"]
-        floor = measure_floor(llm, wl)
-    finally:
-        llm.close()
-    how = "time to first token of each system prompt's first request, one Llama, all cores"
-    return {"seconds": seconds, "threads": cores, "how": how, "quiet": quiet, "floor": floor}
-
-
-def measure_floor(llm: Any, wl: Workload) -> dict[str, Any]:
-    """The restore floor plus the suffix: ``set_data`` of the shared prefix's state."""
-    by_prompt: dict[int, list[int]] = {}
     for k, (p, _) in enumerate(wl.requests):
         by_prompt.setdefault(p, []).append(k)
-    ttfts, suffixes = [], []
-    for ks in (ks for ks in by_prompt.values() if len(ks) > 1):
-        toks = [llm.tokenize(wl.prompt(k).encode(), special=True) for k in ks[:4]]
-        diff = (i for i, (a, b) in enumerate(zip(*toks[:2], strict=False)) if a != b)
-        fl = common.Floor(llm, toks[0][: next(diff, min(map(len, toks[:2])))])
-        for k, t in zip(ks[1:4], toks[1:], strict=True):
-            llm.reset()
-            r = common.first_token(llm, wl.prompt(k), fl.restore, max_tokens=1, temperature=0.0)
-            ttfts.append(r["ttft"])
-            suffixes.append(float(len(t) - len(fl.tokens)))
-    how = "set_data of the shared prefix's state from a private buffer, the rest of the "
-    how += "prompt and the first token, one Llama, all cores"
-    return {"ttft": common.summary(ttfts), "suffix_tokens": common.summary(suffixes), "how": how}
+    llm, seconds, ttfts, suffixes = common.llama(model, cores, n_ctx=cfg["n_ctx"]), {}, [], []
+    try:
+        llm.create_completion(TURN.format("Warm-up: name a colour."), max_tokens=1)
+        for p, ks in sorted(by_prompt.items()):
+            llm.reset()  # (nothing of the last prompt is reused)
+            seconds[str(p)] = common.first_token(llm, wl.prompt(ks[0]), max_tokens=1)["ttft"]
+        for ks in (ks for ks in by_prompt.values() if len(ks) > 1):
+            toks = [llm.tokenize(wl.prompt(k).encode(), special=True) for k in ks[:4]]
+            diff = (i for i, (a, b) in enumerate(zip(*toks[:2], strict=False)) if a != b)
+            fl = common.Floor(llm, toks[0][: next(diff, min(map(len, toks[:2])))])
+            for k, t in zip(ks[1:4], toks[1:], strict=True):
+                llm.reset()
+                r = common.first_token(llm, wl.prompt(k), fl.restore, max_tokens=1, temperature=0.0)
+                ttfts.append(r["ttft"])
+                suffixes.append(float(len(t) - len(fl.tokens)))
+    finally:
+        llm.close()
+    floor = {"ttft": common.summary(ttfts), "suffix_tokens": common.summary(suffixes)}
+    return {"seconds": seconds, "threads": cores, "quiet": quiet, "floor": floor}
 
 
 def analyse_cell(c: dict[str, Any], sys_tokens: int) -> dict[str, Any]:
@@ -545,16 +570,13 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int) -> dict[str, Any]:
     mem |= dict(footprint_peak=c["memory"]["peak_footprint"], arena_pss_end=m1["arena_pss"])
     mem["workers_pss_without_arena_end"] = m1["workers_pss_without_arena"]
     mem |= common.pick(m1, "arena_allocated_bytes")
-    out: dict[str, Any] = common.pick(c, "arm concurrency planned") | {"label": ARMS[c["arm"]]}
-    out |= dict(attempted=len(attempted), ok=len(ok), errors=len(errors))
+    out: dict[str, Any] = common.pick(c, "arm concurrency planned aborted wall_s quiet startup_s")
+    out |= dict(label=ARMS[c["arm"]][0], attempted=len(attempted), ok=len(ok), errors=len(errors))
     out |= dict(error_samples=sorted({r["error"] for r in errors})[:5], cut_by_stop=len(cut))
-    out |= dict(
-        aborted=c["aborted"], interrupted_streams=sum(r["finish_reason"] is None for r in ok)
-    )
-    out |= dict(wall_s=c["wall_s"], requests_per_s=len(ok) / c["wall_s"] if c["wall_s"] else 0.0)
+    out["interrupted_streams"] = sum(r["finish_reason"] is None for r in ok)
+    out["requests_per_s"] = len(ok) / c["wall_s"] if c["wall_s"] else 0.0
     out |= {k: common.summary([r[k] for r in ok]) for k in ("ttft", "total", "text_chunks")}
-    out |= dict(memory=mem, **common.pick(c, "quiet startup_s"))
-    out["queueing"] = queueing(ok, c["worker_pids"])
+    out |= dict(memory=mem, queueing=queueing(ok, c["worker_pids"]))
     if c["arm"].startswith("shmkv"):
         out["cache"] = shmkv_breakdown(ok, sys_tokens)
         out["phases"] = phase_breakdown(ok, sys_tokens)
@@ -582,12 +604,12 @@ def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
             continue
         ref = (r := llama_server_cell(c, cells)) and r["ttft"].get("n") and r
         m, cold, t = {}, c.get("cache", {}).get("ttft_cold", {}).get("mean"), c["ttft"]
-        if c["concurrency"] == GOAL_CONCURRENCY:
+        if c["concurrency"] == 4:
             m["mean TTFT (s)"] = t["mean"]
             m["llama-server's mean TTFT / shmkv's"] = ref and ref["ttft"]["mean"] / t["mean"]
             m["p50 TTFT / (restore floor + suffix)"] = floor and t["p50"] / floor
             m["PSS - arena used / llama-server's PSS"] = c["memory"].get("vs_llama_server")
-        if c["concurrency"] == GOAL_THROUGHPUT_CONCURRENCY and ref and ref["requests_per_s"]:
+        if c["concurrency"] == 10 and ref and ref["requests_per_s"]:
             m["req/s / llama-server's req/s"] = c["requests_per_s"] / ref["requests_per_s"]
         if c["concurrency"] == 1 and cold and alone:
             m["cold TTFT / one process's on all cores"] = cold / alone
@@ -709,26 +731,21 @@ def main(report: common.Report, o: Any) -> None:
     if unknown := [a for a in arms if a not in ARMS]:
         raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}")
     n, model = o.requests or (8 if quick else 60), o.model
-    levels = o.concurrency or ("4" if quick else "4,10")
     cfg = dict(quick=quick, model=str(model), model_bytes=model.stat().st_size, arms=arms)
-    cfg |= common.pick(vars(o), "workers threads n_ctx max_tokens arena_size max_load max_wait")
-    cfg |= common.pick(vars(o), "timeout idle")
-    cfg |= dict(prompts=o.prompts or (2 if quick else 6), requests=n)
+    cfg |= common.pick(vars(o), "workers threads n_ctx max_tokens arena_size timeout idle")
+    cfg |= common.pick(vars(o), "max_load max_wait") | dict(requests=n, budget_threads=0)
+    cfg |= dict(prompts=o.prompts or (2 if quick else 6), llama_server_threads=0)
     cfg |= dict(prompt_tokens_target=o.prompt_tokens or (400 if quick else 1000))
     cfg |= dict(cacheless_requests=min(o.cacheless_requests or n, n))
-    cfg |= dict(concurrency=[int(x) for x in levels.split(",")], budget_threads=0)
+    cfg["concurrency"] = [int(x) for x in (o.concurrency or ("4" if quick else "4,10")).split(",")]
     cfg |= dict(ramcache_size_per_worker=1 << 30, max_rss=16 << 30, min_available=3 << 30)
-    cfg |= dict(llama_server_threads=0, llama_server_cache_ram_mib=parse_size(o.arena_size) >> 20)
-    if LLAMA_SERVER_ARMS & set(arms):
-        import llama_server  # (bench/llama_server.py: builds it once, minutes)
-
-        cfg["llama_server_binary"] = str(llama_server.build())
+    cfg |= dict(llama_server_cache_ram_mib=parse_size(o.arena_size) >> 20, phases=PHASES)
+    if any(server_arm(a) == "llama-server" for a in arms):
+        cfg["llama_server_binary"] = str(build_llama_server())
         cfg["llama_server_args"] = llama_server_args(cfg)
-    cfg |= dict(endpoint="/v1/completions", stream=True, temperature=0.0, phases=PHASES)
-    cfg |= dict(chat_arms=sorted(CHAT_ARMS), chat_endpoint="/v1/chat/completions")
-    cfg["chat_messages"] = [{"role": "system", "content": "{system}"}]
-    cfg["chat_messages"].append({"role": "user", "content": "{question}"})
-    cfg |= dict(prompt_format=TURN.format("{system}\n{question}"), new_connection_per_request=True)
+    # every request streamed, greedy, on a new connection; a chat arm's as these messages
+    cfg["prompt_format"] = TURN.format("{system}\n{question}")
+    cfg["chat_messages"] = [common.msg("system", "{system}"), common.msg("user", "{question}")]
     if cfg["prompt_tokens_target"] + cfg["max_tokens"] + 64 > cfg["n_ctx"]:
         raise click.BadParameter("prompt + max tokens must fit --n-ctx")
     wl = make_workload(model, cfg["prompts"], cfg["prompt_tokens_target"], n)
@@ -743,9 +760,7 @@ def main(report: common.Report, o: Any) -> None:
     for k in [k for k in os.environ if k.upper() in llama_settings]:
         del os.environ[k]  # llama_cpp.server would read them: every arm gets only ours
     signal.signal(signal.SIGTERM, _sigterm)
-    cells: list[dict[str, Any]] = []
-    analysed: list[dict[str, Any]] = []
-    interrupted = False
+    cells, analysed, interrupted = [], [], False
     try:
         with tempfile.TemporaryDirectory(prefix="shmkv-bench-serve-") as tmp:
             for arm, cc in itertools.product(arms, cfg["concurrency"]):
@@ -767,15 +782,10 @@ def main(report: common.Report, o: Any) -> None:
     for c in analysed:  # (llama-server may run after the others: its cells come last)
         c["memory"]["vs_llama_server"] = llama_server_ratio(c, analysed)
     goal = goals(analysed, cfg)
-    res = {
-        **report.header(*"gunicorn uvicorn uvicorn-worker fastapi httpx psutil".split()),
-        "interrupted": interrupted,
-        "config": cfg,
-        "goal": goal,
-        "cells": analysed,
-        "requests": {cell_key(c): c["results"] for c in cells},
-        "memory_detail": {cell_key(c): c["memory"] for c in cells},
-    }
+    res = {**report.header(*"gunicorn uvicorn uvicorn-worker fastapi httpx psutil".split())}
+    res |= dict(interrupted=interrupted, config=cfg, goal=goal, cells=analysed)
+    res["requests"] = {cell_key(c): c["results"] for c in cells}
+    res["memory_detail"] = {cell_key(c): c["memory"] for c in cells}
     click.echo(
         f"\n{common.title(res, 'serving')}; {cfg['workers']} workers x {cfg['threads']} thread, "
         f"{cfg['prompts']} system prompts of {min(wl.system_tokens)}-{max(wl.system_tokens)} "

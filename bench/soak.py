@@ -29,8 +29,7 @@ class Load:
 
     def __init__(self, base: str, seed: int, prompts: list[str], stop_at: float) -> None:
         self.base, self.prompts, self.stop_at = base, prompts, stop_at
-        self.rng = random.Random(seed)
-        self.lock = threading.Lock()
+        self.rng, self.lock = random.Random(seed), threading.Lock()
         self.events: list[dict[str, Any]] = []
         self.chats: list[list[dict[str, str]]] = []
 
@@ -121,27 +120,21 @@ opt = common.option
 @opt("--interval", default=5.0, help="Seconds between samples.")
 def main(report: common.Report, o: Any) -> None:
     """Run `shmkv serve` under a mixed load and record its health over time."""
-    model_path = o.model
+    rng, samples = random.Random(1), []
+    words = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(500, 900)))  # noqa: E731
     with (
         tempfile.TemporaryDirectory(prefix="shmkv-soak-") as tmp,
         common.supervisor(Path(tmp), "--size", o.size) as sup,
     ):
-        env = {"SHMKV_MODEL": str(model_path), "SHMKV_THREADS": "1", "SHMKV_LOG_LEVEL": "warning"}
+        env = {"SHMKV_MODEL": str(o.model), "SHMKV_THREADS": "1", "SHMKV_LOG_LEVEL": "warning"}
         srv = common.Server.shmkv(sup, env, Path(tmp), o.workers)
         try:
             srv.wait_ready()
-            rng = random.Random(1)
-
-            def words() -> str:
-                return " ".join(rng.choice(WORDS) for _ in range(rng.randint(500, 900)))
-
             sps = ["You are a support assistant. " + words() for _ in range(o.prompts)]
-            t_start = time.monotonic()
-            load = Load(srv.base, 2, sps, t_start + o.duration)
+            load = Load(srv.base, 2, sps, (t_start := time.monotonic()) + o.duration)
             threads = [threading.Thread(target=load.run, daemon=True) for _ in range(o.concurrency)]
             for th in threads:
                 th.start()
-            samples = []
             while any(th.is_alive() for th in threads):
                 time.sleep(o.interval)
                 pids = [sup.child.pid, srv.child.pid, *(p.pid for p in srv.child.children(True))]
@@ -152,30 +145,27 @@ def main(report: common.Report, o: Any) -> None:
                 log.info(fmt + " TTFT p50=%.2fs", s["t"], s["requests"], s["errors"],
                          100 * s["hit_rate"], s["arena_used"] / 2**20, 100 * s["fragmentation"],
                          s["pss"] / 2**30, s["ttft_p50"])  # fmt: skip
-            evs = load.events
-            ttft = common.summary([e["ttft"] for e in evs if e["ttft"] is not None])
             final = sup.stats()
         finally:
             srv.stop()
-    res = {
-        **report.header(),
-        "config": {**vars(o), "model": model_path.name},
-        "summary": {
-            "requests": len(evs),
-            "errors": sum(not e["ok"] for e in evs),
-            "error_examples": [e["error"] for e in evs if not e["ok"]][:5],
-            **{f"ttft_{k}": round(ttft.get(k, 0.0), 3) for k in ("p50", "p99")},
-            "rss_first": samples[0]["rss"] if samples else 0,
-            "rss_last": samples[-1]["rss"] if samples else 0,
-            "final_stats": final,
-        },
-        "samples": samples,
+    evs, first, last = load.events, (samples or [{}])[0], (samples or [{}])[-1]
+    ttft = common.summary([e["ttft"] for e in evs if e["ttft"] is not None])
+    s = {"requests": len(evs), "errors": sum(not e["ok"] for e in evs)}
+    s |= {"error_examples": [e["error"] for e in evs if not e["ok"]][:5]}
+    s |= {f"ttft_{k}": round(ttft.get(k, 0.0), 3) for k in ("p50", "p99")}
+    s |= {
+        f"{k}_{w}": x.get(k, 0)
+        for k in ("rss", "pss")
+        for w, x in (("first", first), ("last", last))
     }
-    s, keys = res["summary"], "hits misses tokens_restored restore_failures puts evictions"
-    counters = ", ".join(f"{k} {v}" for k, v in common.pick(final, keys + " rejected_puts").items())
+    res = {**report.header(), "config": {**vars(o), "model": o.model.name}, "summary": s}
+    res |= {"final_stats": final, "samples": samples}
+    keys = "hits misses tokens_restored restore_failures puts evictions rejected_puts"
+    counters = ", ".join(f"{k} {v}" for k, v in common.pick(final, keys).items())
     click.echo(
         f"\n{s['requests']} requests, {s['errors']} errors; TTFT p50 {s['ttft_p50']} s, p99 "
-        f"{s['ttft_p99']} s; {counters}"
+        f"{s['ttft_p99']} s; server PSS {common.fmt_b(s['pss_first'])} at the first sample, "
+        f"{common.fmt_b(s['pss_last'])} at the last; {counters}"
     )
     report.write(res, [("TTFT, all requests", ttft.get("p50"), ttft.get("p99"))])
 
