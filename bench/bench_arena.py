@@ -4,7 +4,6 @@ pointer, a huge put into a fragmented arena (docs/benchmarks.md). Smoke run: ``-
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import gc
 import json
 import logging
@@ -49,12 +48,11 @@ FRAGMENTED = {
 }
 
 PLANS = {  # what one run does (--set KEY=VALUE changes one); --quick shrinks every count
-    False: dict(entries=100_000, deep_every=200, index_slots=524_288, size=4 << 30),
-    True: dict(entries=5_000, deep_every=50, index_slots=32_768, size=512 << 20),
-}
-PLANS[False] |= dict(lookups=30_000, prompts_per_depth=100, put_warmup=4, puts=64, reads=300)
-PLANS[True] |= dict(lookups=3_000, prompts_per_depth=20, put_warmup=1, puts=8, reads=40)
-PLANS[False]["ramcache_lookups"], PLANS[True]["ramcache_lookups"] = 10, 3
+    False: dict(entries=100_000, deep_every=200, index_slots=524_288, size=4 << 30, lookups=30_000,
+                prompts_per_depth=100, put_warmup=4, puts=64, reads=300, ramcache_lookups=10),
+    True: dict(entries=5_000, deep_every=50, index_slots=32_768, size=512 << 20, lookups=3_000,
+               prompts_per_depth=20, put_warmup=1, puts=8, reads=40, ramcache_lookups=3),
+}  # fmt: skip
 
 
 class Plan(types.SimpleNamespace):
@@ -70,14 +68,8 @@ class Plan(types.SimpleNamespace):
 def us(ns: Any, nbytes: int = 0) -> dict[str, Any]:
     """The summary of nanosecond timings in µs (``p50_us``...), GB/s if ``nbytes`` per op."""
     s = common.summary(ns, 1e-3)
-    out: dict[str, Any] = {
-        "n": s["n"],
-        **{f"{k}_us": round(v, 3) for k, v in s.items() if k != "n"},
-    }
-    if nbytes:
-        out["gbps_p50"] = round(nbytes / (s["p50"] * 1e3), 3)
-        out["gbps_mean"] = round(nbytes / (s["mean"] * 1e3), 3)
-    return out
+    out = {"n": s["n"], **{f"{k}_us": round(v, 3) for k, v in s.items() if k != "n"}}
+    return out | ({"gbps_p50": round(nbytes / (s["p50"] * 1e3), 3)} if nbytes else {})
 
 
 def timed(fn: Any, reps: int) -> list[int]:
@@ -144,34 +136,20 @@ def bench_lookup(client: Client, plan: Plan, rng: Any, chunk: int, keep: Any) ->
     rnd = random.Random(plan.seed)
     order = [rnd.randrange(len(prompts)) for _ in range(plan.lookups)]
 
-    def run(lookup: Any) -> np.ndarray:  # random order over all prompts, after a warm-up
-        for i in order[:1000]:
-            lookup(prompts[i][1])
-        times = np.empty(len(order), dtype=np.int64)
-        pc = time.perf_counter_ns
-        for k, i in enumerate(order):
-            digests = prompts[i][1]
-            t0 = pc()
-            lookup(digests)
-            times[k] = pc() - t0
-        return times
-
-    times = run(client.lookup)
+    lookup, pc, times = client.lookup, time.perf_counter_ns, np.empty(len(order), dtype=np.int64)
+    for i in order[:1000]:  # a warm-up, then the timed lookups in a random order
+        lookup(prompts[i][1])
+    for k, i in enumerate(order):
+        digests = prompts[i][1]
+        t0 = pc()
+        lookup(digests)
+        times[k] = pc() - t0
     depths = np.array([prompts[i][0] for i in order])
     bounds = {"miss": (0, 0), "1-4": (1, 4), "5-16": (5, 16), "17-32": (17, PROMPT_CHUNKS)}
     classes = {k: (depths >= lo) & (depths <= hi) for k, (lo, hi) in bounds.items()}
-
-    return {
-        "all": us(times),
-        "by_depth": {k: us(times[m]) for k, m in classes.items() if m.any()},
-        "probes_per_lookup": {
-            "mean": round(float(np.mean(probes)), 2),
-            "max": int(max(probes)),
-            "log2_chunks": round(float(np.log2(PROMPT_CHUNKS)), 2),
-        },
-        "prompts": len(prompts),
-        "ramcache": bench_ramcache(plan, rng, chunk, prompts),
-    }
+    out = {"all": us(times), "by_depth": {k: us(times[m]) for k, m in classes.items() if m.any()}}
+    out["probes_per_lookup"] = {"mean": round(float(np.mean(probes)), 2), "max": int(max(probes))}
+    return out | {"prompts": len(prompts), "ramcache": bench_ramcache(plan, rng, chunk, prompts)}
 
 
 def bench_ramcache(plan: Plan, rng: Any, chunk: int, prompts: list[Any]) -> dict[str, Any] | None:
@@ -212,11 +190,8 @@ def bench_put(
         if reply.get("n_tokens") != len(tokens):
             raise click.ClickException(f"unexpected put reply {reply}")
         stored.append(tokens)
-    res = {
-        "total": us(times, BLOB),
-        "throughput_gbps": round(plan.puts * BLOB / (sum(times) / 1e9) / 1e9, 3),
-    }
-    return res, stored
+    gbps = round(plan.puts * BLOB / (sum(times) / 1e9) / 1e9, 3)
+    return {"total": us(times, BLOB), "throughput_gbps": gbps}, stored
 
 
 # ------------------------------------------------------------ 3. lookup -> pointer
@@ -249,10 +224,11 @@ def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]) 
     rec = lease.record  # the floor: a copy of the payload out of the mapping
     src = np.frombuffer(view.mm, dtype=np.uint8, count=rec.payload_len, offset=rec.payload_off)
     dst = np.ones_like(src)
+    memcpy = us(timed(lambda: np.copyto(dst, src), max(30, plan.reads // 2)), BLOB)
     return {
         "pointer_verified": us(full, BLOB),
         "pointer_unverified": us(bare, BLOB),
-        "memcpy": us(timed(lambda: np.copyto(dst, src), max(30, plan.reads // 2)), BLOB),
+        "memcpy": memcpy,
     }
 
 
@@ -362,13 +338,11 @@ def fragmented_table(r: dict[str, Any]) -> str:
 
 
 def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
-    """Lookups and reads (unless only the fragmented case ran), pings during the huge put."""
-    p, parts = res["fragmented"]["ping_ms"], []
-    if "lookup" in res:
-        parts = [("lookup: ", res["lookup"]), ("lookup: prefix ", res["lookup"]["by_depth"])]
-    rows = [(f"{w}{k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6)
-            for w, tree in [*parts, ("read: ", res.get("read", {}))] for k, v in tree.items()
-            if isinstance(v, dict) and "p50_us" in v]  # fmt: skip
+    """Lookups and reads, pings during the huge put."""
+    p, lookup = res["fragmented"]["ping_ms"], res["lookup"]
+    parts = [("lookup: ", lookup), ("lookup: prefix ", lookup["by_depth"]), ("read: ", res["read"])]
+    rows = [(f"{w}{k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6) for w, tree in parts
+            for k, v in tree.items() if isinstance(v, dict) and "p50_us" in v]  # fmt: skip
     return rows + [("ping during the put", p["p50"] / 1e3, p["p99"] / 1e3)]
 
 
@@ -402,14 +376,10 @@ def run(plan: Plan) -> dict[str, Any]:
         finally:
             client.close()
             gc.unfreeze()
-    keys = "entries bytes_used bytes_capacity index_used index_capacity puts evictions hits"
-    keys = [*keys.split(), "rejected_puts", "chunk_tokens"]
-    return dict(lookup=lookup, put=put, read=read, supervisor_stats={k: stats.get(k) for k in keys})
+    return dict(lookup=lookup, put=put, read=read, supervisor_stats=stats)
 
 
 @common.command("arena", quick="Smoke run of a few seconds (small counts).")
-@common.option("--case", type=click.Choice(["all", "fragmented"]), default="all",
-               help="Every case, or only case 4 (arena_fragmented.json/.png).")  # fmt: skip
 @click.option("--set", "sets", multiple=True, help=f"KEY=VALUE of the plan: {', '.join(PLANS[0])}.")
 @click.option("--seed", type=int, default=1, show_default=True)
 def main(report: common.Report, o: Any) -> None:
@@ -421,36 +391,27 @@ def main(report: common.Report, o: Any) -> None:
         )
     over = {k: parse_size(v) if k == "size" else int(v) for k, v in over.items()}
     plan = Plan(quick=quick, **{**PLANS[quick], **over, "seed": o.seed})
-    load_before, only = common.loadavg(), o.case == "fragmented"
-    if only:
-        name = "arena_fragmented"
-        path = report.baseline_path.with_name(f"{name}.json")
-        report = dataclasses.replace(report, name=name, baseline_path=path)
-        res = {"config": {"quick": quick, "seed": plan.seed, **FRAGMENTED[quick]}}
-    else:
-        res = run(plan)
-        res["config"] = vars(plan) | dict(blob_bytes=BLOB, small_payload=SMALL_PAYLOAD)
-        res["config"] |= dict(prompt_chunks=PROMPT_CHUNKS, fragmented=FRAGMENTED[quick])
-        res["config"]["chunk_tokens"] = res["supervisor_stats"]["chunk_tokens"]
+    load_before, res = common.loadavg(), run(plan)
     log.info("4/4 fragmented arena")
     res["fragmented"] = bench_fragmented(quick, plan.seed)
-    res = {**report.header(), **res}
-    res["load_average"] = {"before": load_before, "after": common.loadavg()}
-    values = {"ping max during a huge put (ms)": res["fragmented"]["ping_ms"]["max"]}
-    if not only:
-        values["lookup p50 (µs)"] = res["lookup"]["all"]["p50_us"]
-        values["put (GB/s)"] = res["put"]["throughput_gbps"]
-        base = report.baseline(quick) or {}
-        rows: list[tuple[str, Any, Any]] = []
-        for part in ("lookup", "put", "read"):
-            rows += [(f"[{part}]", None, None), *common.walk(res[part], base.get(part))]
-        pr, after = res["lookup"]["probes_per_lookup"], res["load_average"]["after"][0]
-        click.echo(f"\n{common.title(res, 'arena')}; load {load_before[0]} before, {after} after")
-        click.echo(common.summary_table(rows, 1e-6, "_us"))
-        click.echo(f"lookup: {pr['mean']} probes (max {pr['max']})")
+    res = {**report.header(), **res, "loadavg_before": load_before}
+    res["config"] = vars(plan) | dict(blob_bytes=BLOB, small_payload=SMALL_PAYLOAD)
+    res["config"] |= dict(prompt_chunks=PROMPT_CHUNKS, fragmented=FRAGMENTED[quick])
+    res["config"]["chunk_tokens"] = res["supervisor_stats"]["chunk_tokens"]
+    base, rows = report.baseline(quick) or {}, []
+    for part in ("lookup", "put", "read"):
+        rows += [(f"[{part}]", None, None), *common.walk(res[part], base.get(part))]
+    pr, after = res["lookup"]["probes_per_lookup"], res["loadavg_end"][0]
+    click.echo(f"\n{common.title(res, 'arena')}; load {load_before[0]} before, {after} after")
+    click.echo(common.summary_table(rows, 1e-6, "_us"))
+    click.echo(f"lookup: {pr['mean']} probes (max {pr['max']})")
+    values = {"lookup p50 (µs)": res["lookup"]["all"]["p50_us"]}
+    values["put (GB/s)"] = res["put"]["throughput_gbps"]
+    values["ping max during a huge put (ms)"] = res["fragmented"]["ping_ms"]["max"]
     res["goals"] = common.check_goals(GOALS, {"": values})
-    click.echo("\n" + fragmented_table(res["fragmented"]))
-    click.echo("\n" + common.goal_table(res["goals"]))
+    click.echo(
+        "\n" + fragmented_table(res["fragmented"]) + "\n\n" + common.goal_table(res["goals"])
+    )
     report.write(res, chart(res))
 
 

@@ -31,9 +31,8 @@ BLOB = 16 << 20
 TOKENS = 1984  # 31 chunks of 64
 GOALS = [("adopt: first hit p50 (s)", "<=", 1.0)]
 
+
 # ------------------------------------------------------------- kill -9 and adopt
-
-
 def state(i: int) -> tuple[bytes, np.ndarray, bytes]:
     """State ``i``: a pure function of ``i`` (root, tokens, payload)."""
     root = hashlib.blake2b(b"restart-%d" % i, digest_size=16).digest()
@@ -88,10 +87,10 @@ def restart_rounds(workdir: Path, size: str, rounds: int) -> dict[str, Any]:
         n = int(c.view.geometry.data_size // (BLOB + 16384))
     t0 = time.monotonic()
     fill(sup, n)
-    fill_s = time.monotonic() - t0
-    st = sup.stats()
-    used = common.fmt_b(st["bytes_used"])
-    log.info("filled %d states (%s) in %.1f s", st["entries"], used, fill_s)
+    st, fill_s = sup.stats(), time.monotonic() - t0
+    log.info(
+        "filled %d states (%s) in %.1f s", st["entries"], common.fmt_b(st["bytes_used"]), fill_s
+    )
     probe, probe_data = n - 1, state(n - 1)[2]
     out: dict[str, Any] = {"entries": st["entries"], "bytes_used": st["bytes_used"], "rounds": []}
     try:
@@ -163,8 +162,6 @@ def restart(report: common.Report, o: Any) -> None:
 
 
 # ------------------------------------------------------------ --persist and refill
-
-
 def real_states(model: Path, n: int, tokens: int, threads: int) -> list[dict[str, Any]]:
     """``n`` prompt states of ``tokens`` tokens: their bytes and cold prefill seconds."""
     llm, tok, out = common.llama(model, threads), common.tokenizer(model), []

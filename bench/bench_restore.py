@@ -83,10 +83,9 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         cache = llm.shmkv
     else:
         llm, cache = llama_cpp.Llama(model_path=spec["model"], **spec["ctx"]), None
-    res["load_seconds"] = time.perf_counter() - t
-    cp = llm.context_params
+    res["load_seconds"], cp = time.perf_counter() - t, llm.context_params
     res["context_params"] = {
-        n: getattr(cp, n) for n, _t in cp._fields_ if isinstance(getattr(cp, n), (int, float, bool))
+        n: v for n, _t in cp._fields_ if isinstance(v := getattr(cp, n), (int, float, bool))
     }
     calls: list[tuple[float, float, bool | None]] = []  # of capture()
     if cache is not None:
@@ -170,11 +169,12 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
                 res["aborted"] = f"stopped before request {n}: only {free >> 20} MiB available"
                 break
             r = run(s, suffix=i, warm=n == 0)
-            scores = next(reversed(ramcache.cache_state.values())).scores.nbytes
+            scores = next(reversed(ramcache.cache_state.values())).scores.nbytes  # uncounted
             r |= dict(entries=len(ramcache.cache_state), cache_size=ramcache.cache_size)
-            rss = psutil.Process().memory_info().rss
-            r |= dict(scores_bytes_uncounted=int(scores), rss_bytes=rss)
-            res["requests"].append({**r, "mem_available": common.meminfo("MemAvailable")})
+            r |= dict(
+                scores_bytes_uncounted=int(scores), rss_bytes=psutil.Process().memory_info().rss
+            )
+            res["requests"].append(r | {"mem_available": common.meminfo("MemAvailable")})
     else:
         raise ValueError(f"unknown arm {kind}")
     if cache is not None:
@@ -182,9 +182,6 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         cache.close()
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return res
-
-
-# ============================================================ orchestrator
 
 
 def make_prompts(
@@ -217,8 +214,7 @@ def make_prompts(
     ptoks, firsts, suffixes, heads = tok(prefix), set(), [], list(SUFFIX_HEADS)
     rng.shuffle(heads)
     for h in heads:
-        words = f"{h}:"
-        text = words + "\nAnswer:"
+        text = (words := f"{h}:") + "\nAnswer:"
         while len(tok(prefix + text)) - len(ptoks) < suffix_target:
             words += f" {rng.choice(WORDS)}"
             text = words + "?\nAnswer:"
@@ -230,9 +226,7 @@ def make_prompts(
         if len(suffixes) == n_suffixes:
             break
     else:
-        raise click.ClickException(
-            f"only {len(suffixes)} suffixes with distinct first tokens: lower --repeats"
-        )
+        raise click.ClickException(f"only {len(suffixes)} distinct suffixes: lower --repeats")
     out = dict(prefix=prefix, prefix_tokens=len(ptoks) + 1, suffixes=suffixes)
     out["suffix_tokens"] = [len(tok(prefix + s)) - len(ptoks) for s in suffixes]
     return out | dict(warmup=warmup + "Summary:", warmup_tokens=count(warmup))
@@ -299,57 +293,46 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         """Seconds in capture() calls (only those that started before the first chunk)."""
         return sum(d for start, d, _ok in r["captures"] if not before_first or start < r["ttft"])
 
-    publish = {
-        "max_tokens": plan["gen"]["max_tokens"],
-        "request_on": S([r["total"] for r in on]),
-        "request_off": S([r["total"] for r in off]),
-        "ttft_on": S([r["ttft"] for r in on]),
-        "ttft_off": S([r["ttft"] for r in off]),
-        "capture_per_request": S([cap(r) for r in on]),
-        "capture_fraction": S([cap(r) / r["total"] for r in on]),
-        "capture_before_first_chunk": S([cap(r, True) for r in on]),
-        "capture_after_first_chunk": S([cap(r) - cap(r, True) for r in on]),
-        "captures_published_per_request": S([sum(c[2] for c in r["captures"]) for r in on]),
-    }
+    publish = {"max_tokens": plan["gen"]["max_tokens"]}
+    publish |= {f"request_{k}": S([r["total"] for r in rs]) for k, rs in (("on", on), ("off", off))}
+    publish |= {f"ttft_{k}": S([r["ttft"] for r in rs]) for k, rs in (("on", on), ("off", off))}
+    publish |= {"capture_per_request": S([cap(r) for r in on])}
+    publish |= {"capture_fraction": S([cap(r) / r["total"] for r in on])}
+    publish |= {"capture_before_first_chunk": S([cap(r, True) for r in on])}
+    publish |= {"capture_after_first_chunk": S([cap(r) - cap(r, True) for r in on])}
+    publish |= {"captures_published_per_request": S([sum(c[2] for c in r["captures"]) for r in on])}
     for stat in ("p50", "mean"):
-        on_off = publish["request_on"][stat] / publish["request_off"][stat]
-        publish[f"request_on_over_off_{stat}"] = on_off
-    same = {}  # greedy text of every cached arm vs its cold arm, suffix by suffix
-    against = dict.fromkeys("hit hit_exact floor_b floor ramcache local".split(), "cold")
-    for k, cold_arm in against.items():
-        cold_text = {r["suffix"]: r["text"] for r in rows[cold_arm][1]}
+        publish[f"request_on_over_off_{stat}"] = (
+            publish["request_on"][stat] / publish["request_off"][stat]
+        )
+    same = {}  # greedy text of every cached arm vs the cold arm's, suffix by suffix
+    cold_text = {r["suffix"]: r["text"] for r in rows["cold"][1]}
+    for k in "hit hit_exact floor_b floor ramcache local".split():
         pairs = [
             (r["text"], cold_text[r["suffix"]]) for r in rows[k][1] if r["suffix"] in cold_text
         ]
         same[k] = f"{sum(a == c for a, c in pairs)}/{len(pairs)}"
-    last_ram = ram["requests"][-1] if ram["requests"] else {}
-    return {
-        "ttft": ttft,
-        "ratios": ratios,
-        "publish": publish,
-        "goals": common.check_goals(GOALS, {"": ratios}),
-        "hit": {
-            "restore_seconds": S([r["last"]["restore_seconds"] for r in on + off]),
-            "tokens_restored": sorted({r["last"]["tokens_restored"] for r in on + off}),
-            "tokens_evaluated": sorted({r["last"]["tokens_evaluated"] for r in on + off}),
-            "attach_seconds": hit["attach_seconds"],
-            "totals": hit["totals"],
-        },
-        "floor_set_data": S([r["set_data_seconds"] for r in floor["requests"]]),
-        "same_text_as_cold": same,
-        "memory": {
-            "ramcache_peak_rss_bytes": ram["peak_rss_bytes"],
-            "ramcache_counted_bytes": last_ram.get("cache_size", 0),
-            "ramcache_uncounted_scores_bytes_per_entry": last_ram.get("scores_bytes_uncounted", 0),
-            "ramcache_entries": last_ram.get("entries", 0),
-            "ramcache_aborted": ram.get("aborted"),
-            "cold_peak_rss_bytes": cold["peak_rss_bytes"],
-            "blob_bytes": floor["blob_bytes"],
-        },
+    last_ram, lasts = (ram["requests"] or [{}])[-1], [r["last"] for r in on + off]
+    hit_out = {"restore_seconds": S([x["restore_seconds"] for x in lasts])}
+    hit_out |= {
+        f"tokens_{k}": sorted({x[f"tokens_{k}"] for x in lasts}) for k in ("restored", "evaluated")
     }
-
-
-# ================================================================== reports
+    memory = {
+        "ramcache_peak_rss_bytes": ram["peak_rss_bytes"],
+        "ramcache_aborted": ram.get("aborted"),
+    }
+    memory |= dict(
+        ramcache_counted_bytes=last_ram.get("cache_size", 0),
+        ramcache_entries=last_ram.get("entries", 0),
+    )
+    memory["ramcache_uncounted_scores_bytes_per_entry"] = last_ram.get("scores_bytes_uncounted", 0)
+    memory |= dict(cold_peak_rss_bytes=cold["peak_rss_bytes"], blob_bytes=floor["blob_bytes"])
+    out = dict(
+        ttft=ttft, ratios=ratios, publish=publish, goals=common.check_goals(GOALS, {"": ratios})
+    )
+    out["hit"] = hit_out | {"attach_seconds": hit["attach_seconds"], "totals": hit["totals"]}
+    out["floor_set_data"] = S([r["set_data_seconds"] for r in floor["requests"]])
+    return out | {"same_text_as_cold": same, "memory": memory}
 
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
@@ -369,7 +352,8 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     lines = [
         common.summary_table(rows),
         "ratios of TTFT p50: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if v),
-        f"hit: tokens restored {h['tokens_restored']}, evaluated {h['tokens_evaluated']}; blob "
+        f"hit: restore p50 {f(h['restore_seconds'].get('p50'))}, tokens restored "
+        f"{h['tokens_restored']}, evaluated {h['tokens_evaluated']}; blob "
         f"{mb(m['blob_bytes'])}; attach {f(h['attach_seconds'])}; capture() "
         f"{p['capture_fraction'].get('p50', 0) * 100:.1f} % of a request; blobs published per "
         f"request {p['captures_published_per_request'].get('mean', 0):.2f}",
@@ -388,9 +372,6 @@ def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
     """TTFT of every arm."""
     return [(v["label"], v["ttft"].get("p50"), v["ttft"].get("p99"))
             for v in res["analysis"]["ttft"].values()]  # fmt: skip
-
-
-# ===================================================================== main
 
 
 opt = common.option
@@ -425,11 +406,10 @@ def main(report: common.Report, o: Any) -> None:
     ctx = dict(n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, n_ubatch=512)
     ctx |= dict(seed=0, verbose=False)
     gen = dict(max_tokens=max_tokens, temperature=0.0, seed=0)
-    plan = dict(quick=quick, model=str(model_path), model_bytes=model_path.stat().st_size)
-    plan |= dict(ctx=ctx, gen=gen, prefix_target=prefix_tokens)
-    plan |= dict(suffix_target=suffix_tokens, repeats=repeats, arena_size=ARENA_SIZE)
+    plan = dict(quick=quick, model=str(model_path), model_bytes=model_path.stat().st_size, ctx=ctx)
+    plan |= dict(gen=gen, prefix_target=prefix_tokens, suffix_target=suffix_tokens, repeats=repeats)
     plan |= common.pick(prompts, "prefix_tokens suffix_tokens warmup_tokens")
-    plan["ramcache_capacity"] = RAMCACHE_CAPACITY
+    plan |= dict(arena_size=ARENA_SIZE, ramcache_capacity=RAMCACHE_CAPACITY)
     quiet = common.wait_until_quiet(o.max_load, o.max_wait)
     arms: dict[str, dict[str, Any]] = {}
     with (
@@ -453,19 +433,9 @@ def main(report: common.Report, o: Any) -> None:
     differ = {k: [f for f in ref if v["context_params"].get(f) != ref[f]] for k, v in arms.items()}
     if differ := {k: d for k, d in differ.items() if d}:
         raise click.ClickException(f"arms ran with different context settings: {differ}")
-    res: dict[str, Any] = {
-        **report.header(),
-        "quiet": quiet,
-        "config": {**plan, "context_params": ref},
-        "noise": {k: v["process"] for k, v in arms.items()},
-        "supervisor_stats": common.pick(
-            sup_stats,
-            "entries bytes_used hits misses tokens_restored tokens_evaluated restore_failures "
-            "puts duplicate_puts rejected_puts evictions chunk_tokens",
-        ),
-        "analysis": analyse(arms, plan),
-        "arms": arms,
-    }
+    res = {**report.header(), "quiet": quiet, "config": {**plan, "context_params": ref}}
+    res["noise"] = {k: v["process"] for k, v in arms.items()}
+    res |= dict(supervisor_stats=sup_stats, analysis=analyse(arms, plan), arms=arms)
     noisy = {k: round(v["foreign_cores"], 2) for k, v in res["noise"].items()}
     res["noisy_arms"] = noisy = {k: v for k, v in noisy.items() if v > 0.25}
     click.echo(

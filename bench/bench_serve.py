@@ -67,11 +67,6 @@ def server_arm(arm: str) -> str:
     return arm.removesuffix("-chat")
 
 
-def reference_arm(arm: str, ref: str) -> str:
-    """Arm ``ref`` on the endpoint of ``arm`` (``llama-server`` -> ``llama-server-chat``)."""
-    return f"{ref}-chat" if arm.endswith("-chat") else ref
-
-
 THEMES = [  # system prompts in turn: an opening, then the template of its lines
     "You are the archivist of a large museum. Follow these catalogue rules when answering "
     "visitors, and answer briefly.\n\n",
@@ -239,7 +234,6 @@ def mem_snapshot(pids: dict[str, list[int]], arena: Path | None) -> dict[str, An
     out = {"processes": procs, "arena_pss": sum(r["arena_pss"] for r in procs.values())}
     out |= {f"total_{k}": sum(r[k] for r in procs.values()) for k in ("rss", "pss", "uss")}
     out |= {f"workers_{k}": sum(r[k] for r in workers) for k in ("rss", "pss")}
-    out["workers_pss_without_arena"] = sum(r["pss"] - r["arena_pss"] for r in workers)
     out["mem_available"] = common.meminfo("MemAvailable")
     with contextlib.suppress(OSError, AttributeError):
         st = arena.stat()  # type: ignore[union-attr]
@@ -274,12 +268,14 @@ class MemoryWatch(threading.Thread):
             shared = sum(max((r.get(k, 0) for r in rss), default=0) for k in RSS_KINDS[1:])
             footprint = sum(r.get("RssAnon:", 0) for r in rss) + shared
             self.peak_footprint = max(self.peak_footprint, footprint)
-            avail, gib, cap = common.meminfo("MemAvailable"), 2**30, self.cfg["max_rss"]
+            avail, cap = common.meminfo("MemAvailable"), self.cfg["max_rss"]
             if footprint > cap:
-                self.reason = f"server memory {footprint / gib:.1f} GiB (private RSS + shared "
-                self.reason += f"once) > {cap / gib:.1f} GiB"
+                what = (
+                    f"{common.fmt_b(footprint)} (private RSS + shared once) > {common.fmt_b(cap)}"
+                )
+                self.reason = f"server memory {what}"
             elif avail and avail < self.cfg["min_available"]:
-                self.reason = f"only {avail / gib:.1f} GiB of memory available"
+                self.reason = f"only {common.fmt_b(avail)} of memory available"
             if self.reason and not self.abort.is_set():
                 log.warning("stopping the cell: %s", self.reason)
                 self.abort_at = time.perf_counter()
@@ -418,10 +414,10 @@ def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
         inflight = {o["worker_pid"] for o in during}
         busy.append(r["worker_pid"] in inflight)
         misrouted.append(busy[-1] and any(w not in inflight for w in known))
-    out = {"n": len(done), "landed_on_busy": sum(busy)}
-    out["landed_on_busy_while_another_idle"] = sum(misrouted)
-    return out | {
-        "requests_per_worker": {str(w): sum(r["worker_pid"] == w for r in done) for w in known}
+    return {
+        "n": len(done),
+        "landed_on_busy": sum(busy),
+        "landed_on_busy_while_another_idle": sum(misrouted),
     }
 
 
@@ -432,9 +428,8 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     by = {c: [r for r in rs if cache_class(r, sys_tokens) == c] for c in ("hit", "cold", "local")}
     hits, cold, total = by["hit"], by["cold"], sum(r["ttft"] for r in rs)
     per_prompt = dict(collections.Counter(str(r["prompt"]) for r in cold))
-    tokens = [("restored_tokens", hits, "restored_tokens"), ("restore_ms", hits, "restore_ms")]
-    tokens += [("evaluated_tokens_hit", hits, "evaluated_tokens"), ("prompt_tokens", rs, "")]
-    tokens += [("evaluated_tokens_cold", cold, "evaluated_tokens")]
+    tokens = [("restored_tokens", hits, "restored_tokens"), ("prompt_tokens", rs, "")]
+    tokens += [("evaluated_tokens_hit", hits, "evaluated_tokens")]
     return {
         "n": len(rs), "hits": len(hits), "cold": len(cold), "local_reuse": len(by["local"]),
         "cold_per_prompt": per_prompt, "cold_beyond_one_per_prompt": len(cold) - len(per_prompt),
@@ -444,19 +439,10 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     }  # fmt: skip
 
 
-PHASES = {  # where a shmkv request's time to first token went, in order
-    "queue": "client's send to the worker's app: connect, listen backlog, request headers",
-    "app": "the app to the generate call: parsing, the worker's model lock (a request that "
-    "landed on a busy worker waits here), chat template, tokenizing",
-    "coalesce wait": "waiting for another worker's prefill of the same prefix",
-    "remote wait": "waiting for a fetch from --remote",
-    "restore": "restoring a cached state from the arena",
-    "cpu wait": "the prefill's waits for cores of the CPU budget",
-    "prefill": "evaluating the prompt's new tokens (the suffix; all of it when cold), waits out",
-    "first decode": "sampling the first token, after the prefill",
-    "other": "the rest of the call to its first token: lookups, claims, checkpoint publishes",
-    "response": "first token to the client's first text: llama-cpp-python's stream, HTTP",
-}
+# where a shmkv request's time to first token went, in order (each phase's span is in the docs'
+# table "Where the time to first token goes"); they add up to its TTFT
+PHASES = ("queue", "app", "coalesce wait", "remote wait", "restore", "cpu wait", "prefill")
+PHASES += ("first decode", "other", "response")
 IN_CALL = ("coalesce wait", "remote wait", "restore", "cpu wait", "prefill", "first decode")
 WAITS = ("queue", "app", "coalesce wait", "remote wait", "cpu wait")
 
@@ -564,11 +550,9 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int) -> dict[str, Any]:
     stop = float("inf") if c["abort_s"] is None else c["abort_s"]
     cut = [r for r in errors if r["t_send"] + (r["total"] or 0) >= stop]  # by our stopping it
     errors = [r for r in errors if r not in cut]
-    m0, m1 = c["memory"]["after_warmup"], c["memory"]["end"]
+    m1 = c["memory"]["end"]
     mem: dict[str, Any] = {f"{k}_end": m1[k] for k in ("total_pss", "total_rss", "workers_pss")}
-    mem |= {f"workers_{k}_growth": m1[f"workers_{k}"] - m0[f"workers_{k}"] for k in ("pss", "rss")}
     mem |= dict(footprint_peak=c["memory"]["peak_footprint"], arena_pss_end=m1["arena_pss"])
-    mem["workers_pss_without_arena_end"] = m1["workers_pss_without_arena"]
     mem |= common.pick(m1, "arena_allocated_bytes")
     out: dict[str, Any] = common.pick(c, "arm concurrency planned aborted wall_s quiet startup_s")
     out |= dict(label=ARMS[c["arm"]][0], attempted=len(attempted), ok=len(ok), errors=len(errors))
@@ -619,47 +603,23 @@ def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
 
 def llama_server_cell(c: dict[str, Any], cells: list[dict[str, Any]]) -> dict[str, Any] | None:
     """llama-server's cell at the same concurrency and endpoint as ``c``, if it ran."""
-    key = (reference_arm(c["arm"], "llama-server"), c["concurrency"])
+    key = ("llama-server" + "-chat" * c["arm"].endswith("-chat"), c["concurrency"])
     return next((r for r in cells if (r["arm"], r["concurrency"]) == key), None)
-
-
-def llama_server_ratio(c: dict[str, Any], cells: list[dict[str, Any]]) -> float | None:
-    """This cell's PSS minus the arena's used bytes over llama-server's PSS."""
-    if (r := llama_server_cell(c, cells)) and r["memory"]["total_pss_end"]:
-        return c["memory"]["total_pss_minus_arena_used_end"] / r["memory"]["total_pss_end"]
-    return None
-
-
-COLUMNS = {  # the main table's figures of a cell
-    "TTFT mean": lambda c: c["ttft"].get("mean"),
-    "p50": lambda c: c["ttft"].get("p50"),
-    "p99": lambda c: c["ttft"].get("p99"),
-    "req/s": lambda c: c["requests_per_s"],
-    "server PSS": lambda c: c["memory"]["total_pss_end"],
-    "PSS - arena": lambda c: c["memory"]["total_pss_minus_arena_used_end"],
-    "vs llama-server": lambda c: c["memory"].get("vs_llama_server"),
-}
-
-
-def fmt(k: str, v: Any) -> str:
-    """A figure of a table column ``k``: seconds, bytes, a ratio or a rate."""
-    if v is None:
-        return "-"
-    if k in ("req/s", "vs llama-server"):
-        return f"{v:.2f}" + "x" * (k != "req/s")
-    return common.fmt_b(v) if "PSS" in k else common.fmt_s(v)
 
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     """Every cell and what the cache did."""
-    f, rows, detail = common.fmt_s, [], []
+    f, b, rows, detail = common.fmt_s, common.fmt_b, [], []
     base = {cell_key(c): c["ttft"] for c in (baseline or {}).get("cells", [])}
     for c in res["cells"]:
-        k, q = c.get("cache", {}), c["queueing"]
+        k, q, t, m = c.get("cache", {}), c["queueing"], c["ttft"], c["memory"]
         stopped = f" (stopped at {c['attempted']})" if c["aborted"] else ""
         row = {"arm": c["label"], "conc": c["concurrency"], "ok/err": f"{c['ok']}/{c['errors']}"}
         row |= {"ok/err": row["ok/err"] + stopped, "cut": c["interrupted_streams"]}
-        row |= {name: fmt(name, get(c)) for name, get in COLUMNS.items()}
+        row |= {"TTFT mean": f(t.get("mean")), "p50": f(t.get("p50")), "p99": f(t.get("p99"))}
+        row |= {"req/s": f"{c['requests_per_s']:.2f}", "server PSS": b(m["total_pss_end"])}
+        row |= {"PSS - arena": b(m["total_pss_minus_arena_used_end"])}
+        row["vs llama-server"] = f"{v:.2f}x" if (v := m.get("vs_llama_server")) else "-"
         rows.append(row | {"baseline mean": f(base.get(cell_key(c), {}).get("mean"))})
         if k.get("n"):
             detail.append({
@@ -671,7 +631,7 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
                 "on busy": q.get("landed_on_busy", "-"),
                 "busy+idle": q.get("landed_on_busy_while_another_idle", "-"),
                 "evictions": c.get("supervisor", {}).get("delta", {}).get("evictions", "-"),
-                "arena used": fmt("PSS", c["memory"]["arena_used_end"]),
+                "arena used": b(m["arena_used_end"]),
             })  # fmt: skip
     return "\n\n".join(filter(None, [common.dict_table(rows, left=2), common.dict_table(detail)]))
 
@@ -682,12 +642,17 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
     label = {"all": "all", "cold": "cold", "hit": "arena hit", "local": "local reuse"}
     if cp := cfg.get("cold_prefill"):
         secs = ", ".join(f(v) for v in cp["seconds"].values())
-        notes.append(f"- cold prefill per system prompt, one process, {cp['threads']} threads: ")
-        notes[-1] += secs
+        notes.append(
+            f"- cold prefill per system prompt, one process, {cp['threads']} threads: {secs}"
+        )
     for c in cells:
         for cls, ph in (c.get("phases") or {}).items():
-            row = {"cell": cell_key(c), "requests": label[cls], "n": ph["n"]}
-            row["TTFT mean"] = f(ph["ttft_mean"])
+            row = {
+                "cell": cell_key(c),
+                "requests": label[cls],
+                "n": ph["n"],
+                "TTFT mean": f(ph["ttft_mean"]),
+            }
             share = {k: f" ({(v or 0) * 100:.0f} %)" for k, v in ph["share"].items()}
             rows.append(row | {k: f(ph["mean"][k]) + share[k] for k in PHASES})
         if i := c.get("ideal"):
@@ -759,7 +724,7 @@ def main(report: common.Report, o: Any) -> None:
     llama_settings = {f.upper() for f in fields}
     for k in [k for k in os.environ if k.upper() in llama_settings]:
         del os.environ[k]  # llama_cpp.server would read them: every arm gets only ours
-    signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: servers stopped
     cells, analysed, interrupted = [], [], False
     try:
         with tempfile.TemporaryDirectory(prefix="shmkv-bench-serve-") as tmp:
@@ -780,7 +745,10 @@ def main(report: common.Report, o: Any) -> None:
     if interrupted and not analysed:
         raise SystemExit(130)
     for c in analysed:  # (llama-server may run after the others: its cells come last)
-        c["memory"]["vs_llama_server"] = llama_server_ratio(c, analysed)
+        if (r := llama_server_cell(c, analysed)) and r["memory"]["total_pss_end"]:  # PSS - arena
+            c["memory"]["vs_llama_server"] = (  # used over llama-server's PSS
+                c["memory"]["total_pss_minus_arena_used_end"] / r["memory"]["total_pss_end"]
+            )
     goal = goals(analysed, cfg)
     res = {**report.header(*"gunicorn uvicorn uvicorn-worker fastapi httpx psutil".split())}
     res |= dict(interrupted=interrupted, config=cfg, goal=goal, cells=analysed)
@@ -806,10 +774,6 @@ def main(report: common.Report, o: Any) -> None:
     report.write(res, chart, "the run was interrupted" * interrupted)
     if interrupted:
         raise SystemExit(130)
-
-
-def _sigterm(_signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt("SIGTERM")
 
 
 if __name__ == "__main__":

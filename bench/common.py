@@ -7,7 +7,6 @@ import contextlib
 import ctypes
 import datetime as dt
 import functools
-import hashlib
 import json
 import logging
 import operator
@@ -38,8 +37,6 @@ ROOT = HERE.parent
 SHM = Path("/dev/shm")
 sys.path.insert(1, str(ROOT))  # the shmkv of this checkout (a script imports it after this)
 
-# ------------------------------------------------------------------- statistics
-
 
 def summary(xs: Any, scale: float = 1.0) -> dict[str, Any]:
     """n, mean, p50, p90, p99, min, max and sample stdev of ``xs`` (times ``scale``)."""
@@ -58,8 +55,6 @@ def pick(d: dict[str, Any], keys: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------ machine and load
-
-
 def machine_info(*dists: str) -> dict[str, Any]:
     """CPU model and flags, cores, memory, kernel, Python, package and llama.cpp versions."""
     import llama_cpp
@@ -168,7 +163,7 @@ class Noise:
 
 
 def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
-    """Commit of the checkout, files under ``paths`` that differ from it, a digest of them."""
+    """Commit of the checkout and the files under ``paths`` that differ from it."""
 
     def git(*args: str) -> str:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
@@ -176,17 +171,11 @@ def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
             return out.stdout.decode().strip()
         return "?"
 
-    h = hashlib.blake2b(digest_size=8)
-    for f in sorted(f for p in paths for f in (ROOT / p).glob("**/*.py")):
-        h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
     out = {"commit": git("rev-parse", "HEAD"), "subject": git("log", "-1", "--format=%s")}
-    out["modified"] = git("status", "--porcelain", "--", *paths).splitlines()
-    return out | {"code_digest": h.hexdigest()}
+    return out | {"modified": git("status", "--porcelain", "--", *paths).splitlines()}
 
 
 # --------------------------------------------------------- in-process timing, llama
-
-
 def first_token(llm: Any, prompt: Any, before: Any = None, **gen: Any) -> dict[str, Any]:
     """One streamed completion here: seconds to its first chunk (``ttft``) and in all, its start
     (``t0``) and text. ``before`` runs inside the timing."""
@@ -197,12 +186,7 @@ def first_token(llm: Any, prompt: Any, before: Any = None, **gen: Any) -> dict[s
         ttft = time.perf_counter() - t0 if ttft is None else ttft
         parts.append(chunk["choices"][0]["text"])
     total = time.perf_counter() - t0
-    return {
-        "ttft": total if ttft is None else ttft,
-        "total": total,
-        "t0": t0,
-        "text": "".join(parts),
-    }
+    return dict(ttft=total if ttft is None else ttft, total=total, t0=t0, text="".join(parts))
 
 
 class Floor:
@@ -237,8 +221,6 @@ class Floor:
 
 
 # -------------------------------------------------------------------- processes
-
-
 def free_port() -> int:
     """A free TCP port of 127.0.0.1."""
     with socket.socket() as s:
@@ -277,12 +259,13 @@ class Child:
 
     def wait_for(self, ready: Callable[[], bool], timeout: float) -> None:
         """Poll ``ready`` until it is true; fail with our log if we exit or time runs out."""
-        deadline = time.monotonic() + timeout
-        while not ready():
-            if (rc := self.proc.poll()) is not None or time.monotonic() > deadline:
-                why = f"not ready in {timeout:.0f} s" if rc is None else f"exited with {rc}"
-                raise click.ClickException(f"{self.name} {why}:\n{self.log_tail()}")
-            time.sleep(0.05)
+
+        def check() -> bool:
+            if (rc := self.proc.poll()) is not None:
+                raise click.ClickException(f"{self.name} exited with {rc}:\n{self.log_tail()}")
+            return ready()
+
+        poll(check, timeout, f"{self.name} ready", self, every=0.05)
 
     def stop(self, timeout: float = 40.0, kill: bool = False) -> int | None:
         """SIGTERM (SIGKILL if ``kill``); after ``timeout``, SIGKILL it and its descendants."""
@@ -528,25 +511,17 @@ class Report:
 
     def header(self, *dists: str) -> dict[str, Any]:
         """What every result starts with: the run, the machine, the code (built at its end)."""
-        return {
-            "benchmark": self.name,
-            "schema": 1,
-            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "duration_s": round(time.time() - self.started, 1),
-            "command": " ".join([f"python bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
-            "machine": machine_info(*dists),
-            "code": code_state(),
-            "loadavg_end": loadavg(),
-        }
+        return {"benchmark": self.name, "schema": 1,
+                "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                "duration_s": round(time.time() - self.started, 1),
+                "command": " ".join([f"python bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+                "machine": machine_info(*dists), "code": code_state(),
+                "loadavg_end": loadavg()}  # fmt: skip
 
     def baseline(self, quick: bool) -> dict[str, Any] | None:
-        if not self.baseline_path.exists():
-            return None
-        base = json.loads(self.baseline_path.read_text())
-        if base.get("config", {}).get("quick") != quick:
-            log.info("baseline %s is of another mode (quick or not): not compared", self.name)
-            return None
-        return base
+        """The committed baseline, if it is of the same mode (quick or not)."""
+        base = json.loads(self.baseline_path.read_text()) if self.baseline_path.exists() else {}
+        return base if base.get("config", {}).get("quick") == quick else None
 
     def write(self, res: dict[str, Any], chart: list[Any], refuse: str = "") -> None:
         """The JSON and the chart (rows of label, p50, p99 as bars); with ``write_baseline`` and
@@ -561,13 +536,10 @@ class Report:
             import matplotlib.pyplot as plt
         except ImportError:
             log.warning("matplotlib not installed (pip install -e '.[bench]'): no chart")
-            chart = None
-        if chart:
-            fig = bars(plt, chart, title(res, self.name))
-            fig.savefig(paths[1], dpi=110)
-            plt.close(fig)
-        else:
             paths.pop()
+        else:
+            bars(plt, chart, title(res, self.name)).savefig(paths[1], dpi=110)
+            plt.close("all")
         click.echo(f"\nwrote {' and '.join(map(str, paths))}")
         if self.write_baseline and refuse:
             click.echo(f"not writing the baseline: {refuse}")
@@ -621,8 +593,10 @@ def command(name: str, quick: str = "", model: bool = False, threads: int = 0,
             level = logging.DEBUG if verbose else logging.INFO
             logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
             logging.getLogger("httpx").setLevel(logging.WARNING)
-            if model:
-                kw["model"] = model_path(kw["model"])
+            if model:  # or Gemma 3 270M Q4_K_M assembled from its PyPI package, as `shmkv serve`
+                from shmkv.serving.default_model import default_model_path
+
+                kw["model"] = Path(kw["model"] or default_model_path())
             fn(Report(name, Path(out), Path(baseline), write_baseline), types.SimpleNamespace(**kw))
 
         for opt in [*shared, *(o for want, o in wanted if want)][::-1]:
@@ -670,9 +644,8 @@ def grid(lines: list[list[str]], left: int = 1) -> str:
 
 def dict_table(rows: list[dict[str, Any]], left: int = 1) -> str:
     """A text table of dicts that have the same keys: the keys are its header."""
-    return (
-        grid([list(rows[0]), *[[str(v) for v in r.values()] for r in rows]], left) if rows else ""
-    )
+    lines = [list(rows[0]), *[[str(v) for v in r.values()] for r in rows]] if rows else []
+    return grid(lines, left) if lines else ""
 
 
 def walk(tree: dict[str, Any], base: Any, path: str = "") -> list[tuple[str, Any, Any]]:
@@ -714,13 +687,6 @@ kitten lemon mirror nectar orchard parrot quiver ribbon saffron thunder umbrella
 whistle yogurt badger cactus dagger ember goblet hazel ivory jigsaw kayak lilac
 magnet nutmeg otter pebble quill raven sparrow tulip urchin vessel wagon yarn zephyr
 bamboo cobalt drizzle eagle fabric granite hollow indigo juniper kernel lobster mango""".split()
-
-
-def model_path(model: str | None) -> Path:
-    """``model``, or Gemma 3 270M Q4_K_M assembled from its PyPI package (as `shmkv serve`)."""
-    from shmkv.serving.default_model import default_model_path
-
-    return Path(model or default_model_path())
 
 
 def llama(model: Path, threads: int, sup: Supervisor | None = None, **kw: Any) -> Any:

@@ -18,10 +18,8 @@ import httpx
 import psutil
 
 log = logging.getLogger("soak")
-WORDS = (
-    "policy customer refund order shipping account invoice warranty support agent "
-    "product delivery return exchange payment card address email phone store"
-).split()
+WORDS = """policy customer refund order shipping account invoice warranty support agent product
+delivery return exchange payment card address email phone store""".split()
 
 
 class Load:
