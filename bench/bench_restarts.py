@@ -1,21 +1,17 @@
 """Restarts: a supervisor restarted and its successor's first hit timed (docs/guides/restarts.md).
 ``restart``: from a ``kill -9`` to the first hit on the adopted arena, against a ``--fresh``
 start. ``persist``: the refill from ``--persist`` after a reboot against the cold prefills it
-saves, and the write-behind's cost to puts and hits. Smoke run: ``restart --quick``,
-``persist --quick``."""
+saves. Smoke run: ``restart --quick``, ``persist --quick``."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import hashlib
 import json
 import logging
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -23,24 +19,20 @@ from pathlib import Path
 from typing import Any
 
 import click
+import common
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
-import common  # noqa: E402
-
-from shmkv.core.keys import chain_digests  # noqa: E402
+from shmkv.core.keys import chain_digests
 
 log = logging.getLogger("bench")
 opt = common.option
 FP = b"bench-persist"
 BLOB = 16 << 20
 TOKENS = 1984  # 31 chunks of 64
-GOAL_ADOPT_S = 1.0
+GOALS = [("adopt: first hit p50 (s)", "<=", 1.0)]
+
 
 # ------------------------------------------------------------- kill -9 and adopt
-
-
 def state(i: int) -> tuple[bytes, np.ndarray, bytes]:
     """State ``i``: a pure function of ``i`` (root, tokens, payload)."""
     root = hashlib.blake2b(b"restart-%d" % i, digest_size=16).digest()
@@ -95,10 +87,10 @@ def restart_rounds(workdir: Path, size: str, rounds: int) -> dict[str, Any]:
         n = int(c.view.geometry.data_size // (BLOB + 16384))
     t0 = time.monotonic()
     fill(sup, n)
-    fill_s = time.monotonic() - t0
-    st = sup.stats()
-    used = common.fmt_b(st["bytes_used"])
-    log.info("filled %d states (%s) in %.1f s", st["entries"], used, fill_s)
+    st, fill_s = sup.stats(), time.monotonic() - t0
+    log.info(
+        "filled %d states (%s) in %.1f s", st["entries"], common.fmt_b(st["bytes_used"]), fill_s
+    )
     probe, probe_data = n - 1, state(n - 1)[2]
     out: dict[str, Any] = {"entries": st["entries"], "bytes_used": st["bytes_used"], "rounds": []}
     try:
@@ -132,31 +124,26 @@ def restart_rounds(workdir: Path, size: str, rounds: int) -> dict[str, Any]:
 @opt("--rounds", type=int, help="kill -9 and restarts of each kind [5].")
 def restart(report: common.Report, o: Any) -> None:
     """Time from a supervisor's kill -9 to its successor's first hit, against a fresh start."""
-    size = o.size or ("128M" if o.quick else "1G")
-    rounds = o.rounds or (2 if o.quick else 5)
+    size, rounds = o.size or ("128M" if o.quick else "1G"), o.rounds or (2 if o.quick else 5)
     workdir = common.HERE / "out" / "restart-run"
     workdir.mkdir(parents=True, exist_ok=True)
     logging.getLogger("shmkv.core.client").setLevel(logging.ERROR)  # (refused while it starts)
-    load_before = common.loadavg()
-    res = restart_rounds(workdir, size, rounds)
+    load_before, res = common.loadavg(), restart_rounds(workdir, size, rounds)
     cold, cold_tokens = cold_prefill_s()
-    adopt = [x for x in res["rounds"] if x["mode"] == "adopt"]
-    fresh = [x for x in res["rounds"] if x["mode"] == "fresh"]
-    first = common.summary([x["first_hit_s"] for x in adopt])
     saved = None if cold is None else res["entries"] * cold
+
+    def of(mode: str, k: str) -> dict[str, Any]:  # a figure over the rounds of one mode
+        return common.summary([x[k] for x in res["rounds"] if x["mode"] == mode and x.get(k)])
+
+    a = {"adopt_first_hit_s": of("adopt", "first_hit_s"), "adopt_ready_s": of("adopt", "ready_s")}
+    a |= {"adopt_check_s": of("adopt", "check_s"), "fresh_ready_s": of("fresh", "ready_s")}
     out = {
         **report.header(),
         "config": dict(quick=o.quick, size=size, rounds=rounds, blob_bytes=BLOB),
     }
-    out["goals"] = {"adopt_first_hit_s": GOAL_ADOPT_S}
     out["cold_prefill"] = dict(seconds=cold, tokens=cold_tokens, source="baseline/restore.json")
-    a = out["analysis"] = {"adopt_first_hit_s": first}
-    a["adopt_ready_s"] = common.summary([x["ready_s"] for x in adopt])
-    a["adopt_check_s"] = common.summary([x["check_s"] for x in adopt if x["check_s"]])
-    a["fresh_ready_s"] = common.summary([x["ready_s"] for x in fresh])
-    a["cold_prefills_saved_s"] = saved
-    out |= res | {"load_average": {"before": load_before, "after": common.loadavg()}}
-    out["goals_met"] = {"adopt_first_hit": first["p50"] <= GOAL_ADOPT_S}
+    out |= res | {"analysis": a | {"cold_prefills_saved_s": saved}, "loadavg_before": load_before}
+    out["goals"] = common.check_goals(GOALS, {"": {GOALS[0][0]: a["adopt_first_hit_s"]["p50"]}})
     click.echo(f"\n{common.title(out, 'restart')}; load {load_before[0]} before")
     click.echo(f"{res['entries']} states, {common.fmt_b(res['bytes_used'])} in a {size} arena")
     rows = [
@@ -170,39 +157,22 @@ def restart(report: common.Report, o: Any) -> None:
     if saved is not None:
         what = f"{res['entries']} x {cold:.2f} s ({cold_tokens} tokens, Gemma 3 270M, baseline)"
         click.echo(f"cold prefills the adopted states save: {what} = {saved:.0f} s of CPU")
-    click.echo(f"goals: {out['goals_met']}")
-
+    click.echo(common.goal_table(out["goals"]))
     report.write(out, [(label, s.get("p50"), s.get("p99")) for label, s in rows])
 
 
 # ------------------------------------------------------------ --persist and refill
-
-
-def llama(model: Path, threads: int) -> Any:
-    import llama_cpp
-
-    kw = dict(n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
-    return llama_cpp.Llama(model_path=str(model), **kw)
-
-
 def real_states(model: Path, n: int, tokens: int, threads: int) -> list[dict[str, Any]]:
     """``n`` prompt states of ``tokens`` tokens: their bytes and cold prefill seconds."""
-    from llama_cpp import llama_cpp as C
-
-    llm, tok = llama(model, threads), common.tokenizer(model)
-    out = []
+    llm, tok, out = common.llama(model, threads), common.tokenizer(model), []
     for k in range(n):
         text = " ".join(f"{common.WORDS[(k * 7 + i) % len(common.WORDS)]}" for i in range(tokens))
         ids = tok(f"Document {k}: {text}")[:tokens]
-        llm.reset()
         llm._ctx.kv_cache_clear()
-        t = time.perf_counter()
-        llm.eval(ids)
-        cold = time.perf_counter() - t
-        size = C.llama_state_seq_get_size(llm.ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        C.llama_state_seq_get_data(llm.ctx, buf, size, 0)
-        out.append({"tokens": np.asarray(ids, dtype="<i4"), "data": bytes(buf), "cold_s": cold})
+        f = common.Floor(llm, ids)  # (a reset, the prefill timed, the state copied out)
+        out.append(
+            {"tokens": np.asarray(ids, dtype="<i4"), "data": bytes(f.buf), "cold_s": f.eval_seconds}
+        )
     return out
 
 
@@ -254,78 +224,29 @@ def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> 
     return out | dict(cold_prefill_saved_s=cold_saved, cold_over_refill=secs and cold_saved / secs)
 
 
-def put_cost(tmp: Path, states: list[dict[str, Any]], puts: int, persist: bool) -> dict[str, Any]:
-    args = ["--size", "1G"] + (["--persist", str(tmp / f"put-{os.getpid()}")] if persist else [])
-    times = []
-    with common.supervisor(tmp, *args) as sup, sup.client() as c:
-        for i in range(puts):
-            s = states[i % len(states)]
-            t = time.perf_counter()
-            c.put_bytes(os.urandom(16), s["tokens"], FP, s["data"])
-            times.append(time.perf_counter() - t)
-    return common.summary(times, 1e3)
-
-
-def ttft_cost(tmp: Path, model: Path, threads: int, repeats: int, persist: bool) -> dict[str, Any]:
-    """TTFT of hits (a shared prefix, new suffixes) while every publish is written behind."""
-    from shmkv.llama import attach
-
-    d = tmp / f"ttft-{int(persist)}"
-    args = ["--size", "1G"] + (["--persist", str(d)] if persist else [])
-    prefix = " ".join(common.WORDS[i % len(common.WORDS)] for i in range(800))
-    ttfts = []
-    with common.supervisor(tmp, *args) as sup:
-        llm = llama(model, threads)
-        cache = attach(llm, name=sup.name, socket_path=sup.socket)
-        gen = dict(max_tokens=16, temperature=0.0, seed=0)
-        for _ in llm.create_completion(prefix + " Question 0?", stream=True, **gen):
-            pass
-        cache.flush()
-        for i in range(1, repeats + 1):
-            llm.reset()  # (no reuse of the context's own cells: every request restores)
-            llm._ctx.kv_cache_clear()
-            ttfts.append(common.first_token(llm, prefix + f" Question {i}?", **gen)["ttft"])
-            assert cache.last.hit, cache.last
-        cache.close()
-        st = sup.stats()
-    return {**common.summary(ttfts, 1e3), "persisted": st["persisted"]}
-
-
 @common.command("persist", quick="Smoke run.", model=True, threads=2)
 @opt("--states", type=int, help="Records on disk to refill [256; quick 24].")
 @opt("--real", type=int, help="Distinct states prefilled (the rest are copies) [8; quick 3].")
 @opt("--prefix-tokens", type=int, help="Tokens per state [1000; quick 300].")
-@opt("--puts", type=int, help="Timed puts per arm [30; quick 8].")
-@opt("--repeats", type=int, help="Timed hit requests per arm [10; quick 3].")
 @opt("--drop-caches", is_flag=True, help="Empty the page cache before the refill (root).")
 def persist(report: common.Report, o: Any) -> None:
-    """Benchmark the refill from --persist after a reboot and the write-behind's cost."""
+    """Benchmark the refill from --persist after a reboot."""
     q = o.quick
-    n = o.states or (24 if q else 256)
-    real = o.real or (3 if q else 8)
-    tokens = o.prefix_tokens or (300 if q else 1000)
-    puts, repeats = o.puts or (8 if q else 30), o.repeats or (3 if q else 10)
-    model = o.model
-    states = real_states(model, real, tokens, o.threads)
+    n, real, tokens = (
+        o.states or (24 if q else 256),
+        o.real or (3 if q else 8),
+        o.prefix_tokens or (300 if q else 1000),
+    )
+    states = real_states(o.model, real, tokens, o.threads)
     with tempfile.TemporaryDirectory(prefix="shmkv-bench-persist-") as tmp:
         refill = refill_case(Path(tmp), states, n, o.drop_caches)
-        arms = (("off", False), ("on", True))
-        cost = {f"put_ms_{k}": put_cost(Path(tmp), states, puts, p) for k, p in arms}
-        ttft = functools.partial(ttft_cost, Path(tmp), model, o.threads, repeats)
-        cost |= {f"ttft_ms_{k}": ttft(p) for k, p in arms}
     res = {
         **report.header(),
-        "git": common.code_state(),
-        "loadavg_end": common.loadavg(),
-        "config": dict(quick=q, states=n, real=real, prefix_tokens=tokens, threads=o.threads),
-        "state_bytes": [len(s["data"]) for s in states],
+        "refill": (r := refill),
         "cold_prefill_s": [s["cold_s"] for s in states],
-        "refill": refill,
-        "cost": cost,
-        "put_on_over_off_p50": cost["put_ms_on"]["p50"] / cost["put_ms_off"]["p50"],
-        "ttft_on_over_off_p50": cost["ttft_ms_on"]["p50"] / cost["ttft_ms_off"]["p50"],
     }
-    r, c = refill, {k: v["p50"] for k, v in cost.items()}
+    res["config"] = dict(quick=q, states=n, real=real, prefix_tokens=tokens, threads=o.threads)
+    res["state_bytes"] = [len(s["data"]) for s in states]
     click.echo(f"\n{common.title(res, 'persist')}; {tokens}-token states, {n} on disk")
     saved = f"{r['cold_over_refill']:.0f}x the refill" if r["cold_over_refill"] else ""
     rows = [["", "value", "vs cold prefill"]]
@@ -333,12 +254,9 @@ def persist(report: common.Report, o: Any) -> None:
     rows += [["first hit after start", common.fmt_s(r["first_hit_s"]), ""]]
     rows += [["cold prefills saved", common.fmt_s(r["cold_prefill_saved_s"]), saved]]
     rows += [["write-behind", f"{r['write_behind_gb_s']:.2f} GB/s", ""]]
-    for label, k in (("put", "put"), ("hit TTFT", "ttft")):
-        value = f"{c[f'{k}_ms_off']:.1f} / {c[f'{k}_ms_on']:.1f} ms"
-        rows.append([f"{label} p50 off / on", value, f"{res[f'{k}_on_over_off_p50']:.2f}x"])
     click.echo(common.grid(rows))
-    report.write(res, [(k.replace("_ms_", ", persist "), v["p50"] / 1e3, v["p99"] / 1e3)
-                       for k, v in cost.items()])  # fmt: skip
+    chart = [("first hit after the start", r["first_hit_s"], None), ("refill", r["refill_s"], None)]
+    report.write(res, chart)
 
 
 main = click.Group(commands={"restart": restart, "persist": persist}, help=__doc__)

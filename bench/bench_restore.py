@@ -1,5 +1,5 @@
-"""TTFT on a shared ~2,000-token prefix: cold, shmkv hit, the floor, LlamaRAMCache, --exact
-and q8_0 arms, each in a process of its own (docs/benchmarks.md). Smoke run: ``--quick``."""
+"""TTFT on a shared ~2,000-token prefix: cold, shmkv hit, the floor, LlamaRAMCache and --exact
+arms, each in a process of its own (docs/benchmarks.md). Smoke run: ``--quick``."""
 
 from __future__ import annotations
 
@@ -12,123 +12,59 @@ import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import click
+import common
 import psutil
-
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
-import common  # noqa: E402
 
 log = logging.getLogger("bench_restore")
 
-GOAL_HIT_OVER_FLOOR, GOAL_COLD_OVER_HIT = 1.10, 50.0
-GOALS = [  # on the ratios of TTFT p50
-    ("hit_over_floor_p50", "<=", GOAL_HIT_OVER_FLOOR),
-    ("cold_over_hit_p50", ">=", GOAL_COLD_OVER_HIT),
-]
-# the q8_0 arms' context: what `shmkv serve --cache-type-k q8_0 --cache-type-v q8_0` gives
-# (llama_cpp.GGML_TYPE_Q8_0; llama.cpp needs flash attention for a quantized V cache)
-Q8_0_CTX = {"type_k": 8, "type_v": 8, "flash_attn": True}
-Q8_0_FIELDS = {"type_k", "type_v", "flash_attn_type"}  # what may differ from the f16 arms
+GOALS = [("hit_over_floor_p50", "<=", 1.10), ("cold_over_hit_p50", ">=", 50.0)]  # TTFT ratios
 ARENA_SIZE = "1G"
 RAMCACHE_CAPACITY = 2 << 30
 MIN_FREE_MEMORY = 3 << 30  # stop the LlamaRAMCache arm before it can exhaust RAM
 SEED = 7
 # the word list the committed prompts were drawn from: the shared one with a second "falcon"
 WORDS = [*common.WORDS[:77], "falcon", *common.WORDS[77:]]
-SUFFIX_HEADS = """Apple River Stone Garden Window Silver Market Pencil Orange Rabbit Candle
-Forest Bridge Yellow Copper Island Winter Summer Ladder Pocket Helmet Violin Dragon
-Harbor Meadow Castle Feather Saddle Anchor Basket Cotton Desert Engine Falcon Glacier
-Hammer Jungle Kettle Lantern Marble Needle Oyster Pepper Quartz Rocket Shadow Tiger
-Velvet Walnut Zebra Blanket Canyon Dolphin Emerald Fossil Guitar Horizon Iceberg Jacket
-Kitten Lemon Mirror Nectar Orchard Parrot Ribbon Thunder Umbrella Valley Whistle Yogurt
-Badger Cactus Dagger Ember Goblet Hazel Ivory Kayak Lilac Magnet Nutmeg Otter Pebble
-Raven Sparrow Tulip Vessel Wagon Bamboo Cobalt Eagle Fabric Granite Hollow Indigo Juniper
-Lobster Mango Please Tell Explain Describe Summarize List Name Which What Why How When
-Where Who Give Write Compare Choose Find Count Check""".split()
+SKIPPED = "quiver saffron jigsaw quill urchin yarn zephyr drizzle kernel".split()
+SUFFIX_HEADS = [w.capitalize() for w in common.WORDS if w not in SKIPPED]  # each suffix's first
+SUFFIX_HEADS += """Please Tell Explain Describe Summarize List Name Which What Why How When Where
+Who Give Write Compare Choose Find Count Check""".split()
 
 
 RATIOS = """hit_over_floor hit floor_b p50|hit_over_floor hit floor_b mean
 hit_nopublish_over_floor hit_nopublish floor_b p50|hit_over_floor_separate_process hit floor p50
 cold_over_hit cold hit p50|cold_over_hit cold hit mean|ramcache_over_cold ramcache cold p50
-cold_over_floor cold floor p50|cold_over_hit_exact cold hit_exact p50
-cold_q8_over_hit_q8 cold_q8 hit_q8 p50|hit_q8_over_hit hit_q8 hit p50""".replace("\n", "|").split(
+cold_over_floor cold floor p50|cold_over_hit_exact cold hit_exact p50""".replace("\n", "|").split(
     "|"
 )
 
 
-class Probes:
-    """Wall time of wrapped calls keyed by their nesting ("restore/acquire"); ``calls`` keeps
-    (key, start, seconds, result if a bool) of each. :meth:`remove` puts the originals back."""
+def timed(calls: list[tuple[float, float, bool | None]], fn: Any) -> Any:
+    """``fn``, appending (start, seconds, its result if a bool) of every call to ``calls``."""
 
-    def __init__(self) -> None:
-        self.local = threading.local()  # one nesting stack per thread
-        self.acc: dict[str, float] = {}
-        self.calls: list[tuple[str, float, float, bool | None]] = []
-        self.undo: list[tuple[Any, str, Any]] = []
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t, out = time.perf_counter(), None
+        try:
+            out = fn(*a, **k)
+            return out
+        finally:
+            calls.append((t, time.perf_counter() - t, out if isinstance(out, bool) else None))
 
-    def wrap(self, owner: Any, attr: str, label: str | None = None) -> None:
-        orig, own = getattr(owner, attr), attr in getattr(owner, "__dict__", {})
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            stack = self.local.__dict__.setdefault("stack", [])
-            stack.append(label or attr)
-            key = "/".join(stack)
-            self.acc.setdefault(key, 0.0)  # keys in the order the calls start
-            t, out = time.perf_counter(), None
-            try:
-                out = orig(*a, **k)
-                return out
-            finally:
-                d = time.perf_counter() - t
-                self.acc[key] = self.acc.get(key, 0.0) + d
-                self.calls.append((key, t, d, out if isinstance(out, bool) else None))
-                stack.pop()
-
-        self.undo.append((owner, attr, orig if own else None))
-        setattr(owner, attr, wrapper)
-
-    def take(self) -> tuple[dict[str, float], list[tuple[str, float, float, bool | None]]]:
-        """The inclusive times and the calls since the last take."""
-        out, self.acc, self.calls = (self.acc, self.calls), {}, []
-        return out
-
-    def remove(self) -> None:
-        for owner, attr, orig in reversed(self.undo):
-            delattr(owner, attr) if orig is None else setattr(owner, attr, orig)
-        self.undo = []
-
-
-def instrument(cache: Any, p: Probes) -> None:
-    """Time the calls inside ``restore`` that the chart shows (``capture`` is already timed)."""
-    import llama_cpp.llama_cpp as llama_c
-
-    from shmkv.core.arena import ArenaView
-    from shmkv.core.client import Lease
-
-    for owner, attr in ((cache, "restore"), (cache.reader, "acquire"), (Lease, "finish")):
-        p.wrap(owner, attr)
-    p.wrap(ArenaView, "verify_payload")
-    p.wrap(llama_c, "llama_state_seq_set_data", "set_data")
+    return wrapper
 
 
 def floor(llm: Any, spec: dict[str, Any], res: dict[str, Any]) -> common.Floor:
-    """The prefix's floor (:class:`common.Floor`); its eval, get_data and size into ``res``."""
+    """The prefix's floor (:class:`common.Floor`); its state's size into ``res``."""
     toks = [llm.token_bos()] + llm.tokenize(spec["prefix"].encode(), add_bos=False, special=True)
     if len(toks) != spec["prefix_tokens"]:
         raise RuntimeError(f"floor: prefix is {len(toks)} tokens, {spec['prefix_tokens']} planned")
     f = common.Floor(llm, toks)
-    res |= dict(prefix_eval_seconds=f.eval_seconds, blob_bytes=f.size)
-    res["get_data_seconds"] = f.get_seconds
+    res["blob_bytes"] = f.size
     return f
-
-
-Q8_0_ARMS = ("cold_q8", "publisher_q8", "hit_q8")
 
 
 def arm(spec: dict[str, Any]) -> dict[str, Any]:
@@ -147,12 +83,11 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         cache = llm.shmkv
     else:
         llm, cache = llama_cpp.Llama(model_path=spec["model"], **spec["ctx"]), None
-    res["load_seconds"] = time.perf_counter() - t
-    cp = llm.context_params
+    res["load_seconds"], cp = time.perf_counter() - t, llm.context_params
     res["context_params"] = {
-        n: getattr(cp, n) for n, _t in cp._fields_ if isinstance(getattr(cp, n), (int, float, bool))
+        n: v for n, _t in cp._fields_ if isinstance(v := getattr(cp, n), (int, float, bool))
     }
-    probes = Probes()
+    calls: list[tuple[float, float, bool | None]] = []  # of capture()
     if cache is not None:
         from shmkv.core.client import Client
 
@@ -160,19 +95,17 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         with Client(name=spec["name"], socket_path=spec["socket"]) as c:
             c.ensure()
             res["attach_seconds"] = time.perf_counter() - t
-        probes.wrap(cache, "capture")
+        cache.capture = timed(calls, cache.capture)
     llm.reset()
     res["warmup"] = common.first_token(llm, spec["warmup"], **gen)  # first touch of the weights
     if cache is not None:
         cache.flush()
 
-    def run(text: str, before: Any = None, detail: bool = False, **extra: Any) -> dict[str, Any]:
+    def run(text: str, before: Any = None, **extra: Any) -> dict[str, Any]:
         llm.reset()
-        probes.take()
+        calls.clear()
         r = {**common.first_token(llm, prefix + text, before, **gen), **extra}
-        steps, calls = probes.take()
-        if kind == "ramcache":
-            r |= {f"{k}_seconds": steps.get(k, 0.0) for k in ("load_state", "save_state")}
+        captured = list(calls)  # (not those a flush may make)
         if cache is None or before is not None:  # the floor does not go through the cache
             return r
         t = time.perf_counter()
@@ -180,29 +113,24 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         r.update(
             flush_seconds=time.perf_counter() - t,
             flushed=flushed,
-            captures=[(s - r["t0"], d, ok) for k, s, d, ok in calls if k == "capture"],
+            captures=[(s - r["t0"], d, ok) for s, d, ok in captured],
             last=dataclasses.asdict(cache.last),
-            **({"steps": steps} if detail else {}),
         )
-        least = {"hit": prefix_n - 64, "hit_q8": prefix_n - 64}.get(kind, 0)
+        least = prefix_n - 64 if kind == "hit" else 0
         least = prefix_n - spec["ctx"]["n_batch"] if kind == "hit_exact" else least
         if (restored := cache.last.tokens_restored) < least:
             raise RuntimeError(
                 f"{kind} request {extra.get('suffix')}: restored {restored} "
                 f"(last={r['last']}, errors={cache.totals.errors})"
             )
-        if detail and "restore" not in steps:
-            raise RuntimeError("the hook did not call SharedPrefixCache.restore: no breakdown")
         return r
 
-    if kind in ("cold", "hit_exact", "publisher", "publisher_exact", *Q8_0_ARMS):
+    if kind in ("cold", "hit_exact", "publisher", "publisher_exact"):
         for n, (i, s) in enumerate(spec["suffixes"]):
             r = run(s, suffix=i, **({"second": n > 0} if kind.startswith("publisher") else {}))
             res["requests"].append(r)
             if kind.startswith("publisher") and (not r["flushed"] or not cache.totals.publishes):
                 raise RuntimeError(f"process A did not publish: {cache.totals}")
-        if kind == "cold_q8":  # the size of the prefix's state with this KV type
-            floor(llm, spec, res)
     elif kind == "hit":
         on, off = spec["suffixes"], spec["suffixes_off"]
         floor_b: dict[str, Any] = {"requests": []}
@@ -223,9 +151,6 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
                 i, s = (on if what == "on" else off)[k]
                 res["requests"].append(run(s, suffix=i, publish=what == "on"))
         cache.publish_enabled = True
-        instrument(cache, probes)
-        res["breakdown"] = [run(s, suffix=i, detail=True) for i, s in spec["suffixes_breakdown"]]
-        probes.remove()
     elif kind == "floor":
         fl = floor(llm, spec, res)
         for i, s in spec["suffixes"]:
@@ -238,19 +163,18 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     elif kind == "ramcache":
         ramcache = llama_cpp.LlamaRAMCache(capacity_bytes=RAMCACHE_CAPACITY)
         llm.set_cache(ramcache)
-        probes.wrap(llm, "load_state")
-        probes.wrap(llm, "save_state")
         res["aborted"] = None
         for n, (i, s) in enumerate(spec["suffixes"]):
             if (free := common.meminfo("MemAvailable")) and free < MIN_FREE_MEMORY:
                 res["aborted"] = f"stopped before request {n}: only {free >> 20} MiB available"
                 break
             r = run(s, suffix=i, warm=n == 0)
-            scores = next(reversed(ramcache.cache_state.values())).scores.nbytes
+            scores = next(reversed(ramcache.cache_state.values())).scores.nbytes  # uncounted
             r |= dict(entries=len(ramcache.cache_state), cache_size=ramcache.cache_size)
-            rss = psutil.Process().memory_info().rss
-            r |= dict(scores_bytes_uncounted=int(scores), rss_bytes=rss)
-            res["requests"].append({**r, "mem_available": common.meminfo("MemAvailable")})
+            r |= dict(
+                scores_bytes_uncounted=int(scores), rss_bytes=psutil.Process().memory_info().rss
+            )
+            res["requests"].append(r | {"mem_available": common.meminfo("MemAvailable")})
     else:
         raise ValueError(f"unknown arm {kind}")
     if cache is not None:
@@ -258,9 +182,6 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         cache.close()
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return res
-
-
-# ============================================================ orchestrator
 
 
 def make_prompts(
@@ -293,8 +214,7 @@ def make_prompts(
     ptoks, firsts, suffixes, heads = tok(prefix), set(), [], list(SUFFIX_HEADS)
     rng.shuffle(heads)
     for h in heads:
-        words = f"{h}:"
-        text = words + "\nAnswer:"
+        text = (words := f"{h}:") + "\nAnswer:"
         while len(tok(prefix + text)) - len(ptoks) < suffix_target:
             words += f" {rng.choice(WORDS)}"
             text = words + "?\nAnswer:"
@@ -306,9 +226,7 @@ def make_prompts(
         if len(suffixes) == n_suffixes:
             break
     else:
-        raise click.ClickException(
-            f"only {len(suffixes)} suffixes with distinct first tokens: lower --repeats"
-        )
+        raise click.ClickException(f"only {len(suffixes)} distinct suffixes: lower --repeats")
     out = dict(prefix=prefix, prefix_tokens=len(ptoks) + 1, suffixes=suffixes)
     out["suffix_tokens"] = [len(tok(prefix + s)) - len(ptoks) for s in suffixes]
     return out | dict(warmup=warmup + "Summary:", warmup_tokens=count(warmup))
@@ -319,7 +237,7 @@ def run_arm(spec: dict[str, Any], workdir: Path, sup: common.Supervisor) -> dict
     name = spec["arm"]
     spec = {**spec, "out": str(workdir / f"{name}.out.json")}
     (spec_path := workdir / f"{name}.spec.json").write_text(json.dumps(spec))
-    noise = common.Noise(lambda: [sup.child.pid])
+    noise = common.Noise((sup.child.pid,))
     with open(err_path := workdir / f"{name}.stderr", "wb") as f:
         args = [sys.executable, __file__, "_arm", str(spec_path)]
         out = dict(stdout=f, stderr=subprocess.STDOUT, timeout=1800)
@@ -330,12 +248,6 @@ def run_arm(spec: dict[str, Any], workdir: Path, sup: common.Supervisor) -> dict
     done = "arm %-15s done in %5.1f s (other processes used %.2f cores meanwhile)"
     log.info(done, name, p["wall_seconds"], p["foreign_cores"])
     return res
-
-
-def restore_steps(b: list[dict[str, Any]]) -> dict[str, Any]:
-    """Summaries of the timed calls inside restore and capture, in the order they started."""
-    keys = dict.fromkeys(k for r in b for k in r["steps"] if k.startswith(("restore", "capture")))
-    return {k: common.summary([r["steps"].get(k, 0.0) for r in b]) for k in keys}
 
 
 def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
@@ -349,7 +261,7 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
     ram_warm, ram_hits = split(ram["requests"], "warm")
     pub_second, pub_first = split(pub["requests"], "second")
     exact, pub_exact = arms["hit_exact"]["requests"], arms["publisher_exact"]["requests"]
-    (_, pub_q8_first), p2 = split(arms["publisher_q8"]["requests"], "second"), pub_second
+    p2 = pub_second
     rows = {  # fmt: skip
         "cold": ("cold: plain Llama, reset() per request", cold["requests"]),
         "hit": ("shmkv hit, 2nd process (publish on, default)", on),
@@ -363,9 +275,6 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "publisher_second": ("process A, 2nd suffix: tail checkpoint + divergence publish", p2),
         "hit_exact": ("shmkv --exact hit, 2nd process (restores at n_batch boundaries)", exact),
         "publisher_exact": ("process A --exact: miss + publish at batch boundaries", pub_exact),
-        "cold_q8": ("q8_0 KV: cold, plain Llama", arms["cold_q8"]["requests"]),
-        "hit_q8": ("q8_0 KV: shmkv hit, 2nd process", arms["hit_q8"]["requests"]),
-        "publisher_q8": ("q8_0 KV: process A, miss + publish", pub_q8_first),
     }
     ttft = {
         k: {"label": lab, "ttft": S([r["ttft"] for r in rs]), "total": S([r["total"] for r in rs])}
@@ -384,145 +293,85 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         """Seconds in capture() calls (only those that started before the first chunk)."""
         return sum(d for start, d, _ok in r["captures"] if not before_first or start < r["ttft"])
 
-    publish = {
-        "max_tokens": plan["gen"]["max_tokens"],
-        "request_on": S([r["total"] for r in on]),
-        "request_off": S([r["total"] for r in off]),
-        "ttft_on": S([r["ttft"] for r in on]),
-        "ttft_off": S([r["ttft"] for r in off]),
-        "capture_per_request": S([cap(r) for r in on]),
-        "capture_fraction": S([cap(r) / r["total"] for r in on]),
-        "capture_before_first_chunk": S([cap(r, True) for r in on]),
-        "capture_after_first_chunk": S([cap(r) - cap(r, True) for r in on]),
-        "gap12_on": S([r["gap12"] for r in on if r["gap12"] is not None]),
-        "gap12_off": S([r["gap12"] for r in off if r["gap12"] is not None]),
-        "captures_per_request": S([len(r["captures"]) for r in on]),
-        "captures_published": sum(ok for r in on for _s, _d, ok in r["captures"]),
-        "captures_published_per_request": S([sum(c[2] for c in r["captures"]) for r in on]),
-        "flush_after_request": S([r["flush_seconds"] for r in on]),
-        "capture_off_calls": sum(len(r["captures"]) for r in off),
-    }
+    publish = {"max_tokens": plan["gen"]["max_tokens"]}
+    publish |= {f"request_{k}": S([r["total"] for r in rs]) for k, rs in (("on", on), ("off", off))}
+    publish |= {f"ttft_{k}": S([r["ttft"] for r in rs]) for k, rs in (("on", on), ("off", off))}
+    publish |= {"capture_per_request": S([cap(r) for r in on])}
+    publish |= {"capture_fraction": S([cap(r) / r["total"] for r in on])}
+    publish |= {"capture_before_first_chunk": S([cap(r, True) for r in on])}
+    publish |= {"capture_after_first_chunk": S([cap(r) - cap(r, True) for r in on])}
+    publish |= {"captures_published_per_request": S([sum(c[2] for c in r["captures"]) for r in on])}
     for stat in ("p50", "mean"):
-        on_off = publish["request_on"][stat] / publish["request_off"][stat]
-        publish[f"request_on_over_off_{stat}"] = on_off
-    b = hit["breakdown"]  # hit = restore + capture() before the first chunk + the rest
-    decomposition = {
-        "hit_ttft": S([r["ttft"] for r in b]),
-        "hit_restore": S([r["steps"].get("restore", 0.0) for r in b]),
-        "hit_capture_before_first_chunk": S([cap(r, True) for r in b]),
-        "hit_capture_all": S([r["steps"].get("capture", 0.0) for r in b]),
-        "floor_ttft": ttft["floor_b"]["ttft"],
-        "floor_set_data": S([r["set_data_seconds"] for r in fb]),
-        "floor_rest": S([r["ttft"] - r["set_data_seconds"] for r in fb]),
-        "hit_nopublish_rest": S([r["ttft"] - r["last"]["restore_seconds"] for r in off]),
-    }
-    same = {}  # greedy text of every cached arm vs its cold arm, suffix by suffix
-    against = dict.fromkeys("hit hit_exact floor_b floor ramcache local".split(), "cold")
-    for k, cold_arm in (against | {"hit_q8": "cold_q8"}).items():
-        cold_text = {r["suffix"]: r["text"] for r in rows[cold_arm][1]}
+        publish[f"request_on_over_off_{stat}"] = (
+            publish["request_on"][stat] / publish["request_off"][stat]
+        )
+    same = {}  # greedy text of every cached arm vs the cold arm's, suffix by suffix
+    cold_text = {r["suffix"]: r["text"] for r in rows["cold"][1]}
+    for k in "hit hit_exact floor_b floor ramcache local".split():
         pairs = [
             (r["text"], cold_text[r["suffix"]]) for r in rows[k][1] if r["suffix"] in cold_text
         ]
         same[k] = f"{sum(a == c for a, c in pairs)}/{len(pairs)}"
-    q8 = arms["hit_q8"]["requests"]
-    last_ram = ram["requests"][-1] if ram["requests"] else {}
-    return {
-        "ttft": ttft,
-        "ratios": ratios,
-        "publish": publish,
-        "goals_met": {
-            g["goal"].removesuffix("_p50"): g["met"]
-            for g in common.check_goals(GOALS, {"": ratios})
-        },
-        "hit": {
-            "restore_seconds": S([r["last"]["restore_seconds"] for r in on + off]),
-            "tokens_restored": sorted({r["last"]["tokens_restored"] for r in on + off}),
-            "tokens_evaluated": sorted({r["last"]["tokens_evaluated"] for r in on + off}),
-            "attach_seconds": hit["attach_seconds"],
-            "totals": hit["totals"],
-        },
-        "floor": {
-            "set_data": S([r["set_data_seconds"] for r in floor["requests"]]),
-            "get_data_seconds": floor["get_data_seconds"],
-            "prefix_eval_seconds": floor["prefix_eval_seconds"],
-        },
-        "decomposition": decomposition,
-        "restore_steps": restore_steps(b),
-        "q8_0": {
-            "blob_bytes": arms["cold_q8"]["blob_bytes"],
-            "blob_over_f16": arms["cold_q8"]["blob_bytes"] / floor["blob_bytes"],
-            "restore_seconds": S([r["last"]["restore_seconds"] for r in q8]),
-            "tokens_restored": sorted({r["last"]["tokens_restored"] for r in q8}),
-            "cold_prefix_eval_seconds": arms["cold_q8"]["prefix_eval_seconds"],
-            "get_data_seconds": arms["cold_q8"]["get_data_seconds"],
-            "totals": arms["hit_q8"]["totals"],
-        },
-        "same_text_as_cold": same,
-        "memory": {
-            "ramcache_peak_rss_bytes": ram["peak_rss_bytes"],
-            "ramcache_counted_bytes": last_ram.get("cache_size", 0),
-            "ramcache_uncounted_scores_bytes_per_entry": last_ram.get("scores_bytes_uncounted", 0),
-            "ramcache_entries": last_ram.get("entries", 0),
-            "ramcache_aborted": ram.get("aborted"),
-            "ramcache_load_state": S([r["load_state_seconds"] for r in ram_hits]),
-            "ramcache_save_state": S([r["save_state_seconds"] for r in ram["requests"]]),
-            "hit_peak_rss_bytes": hit["peak_rss_bytes"],
-            "cold_peak_rss_bytes": cold["peak_rss_bytes"],
-            "floor_peak_rss_bytes": floor["peak_rss_bytes"],
-            "blob_bytes": floor["blob_bytes"],
-        },
+    last_ram, lasts = (ram["requests"] or [{}])[-1], [r["last"] for r in on + off]
+    hit_out = {"restore_seconds": S([x["restore_seconds"] for x in lasts])}
+    hit_out |= {
+        f"tokens_{k}": sorted({x[f"tokens_{k}"] for x in lasts}) for k in ("restored", "evaluated")
     }
-
-
-# ================================================================== reports
+    memory = {
+        "ramcache_peak_rss_bytes": ram["peak_rss_bytes"],
+        "ramcache_aborted": ram.get("aborted"),
+    }
+    memory |= dict(
+        ramcache_counted_bytes=last_ram.get("cache_size", 0),
+        ramcache_entries=last_ram.get("entries", 0),
+    )
+    memory["ramcache_uncounted_scores_bytes_per_entry"] = last_ram.get("scores_bytes_uncounted", 0)
+    memory |= dict(cold_peak_rss_bytes=cold["peak_rss_bytes"], blob_bytes=floor["blob_bytes"])
+    out = dict(
+        ttft=ttft, ratios=ratios, publish=publish, goals=common.check_goals(GOALS, {"": ratios})
+    )
+    out["hit"] = hit_out | {"attach_seconds": hit["attach_seconds"], "totals": hit["totals"]}
+    out["floor_set_data"] = S([r["set_data_seconds"] for r in floor["requests"]])
+    return out | {"same_text_as_cold": same, "memory": memory}
 
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     a, f = res["analysis"], common.fmt_s
     b = (baseline or {}).get("analysis", {})
-    counts = ("capture_fraction", "captures_per_request", "captures_published_per_request")
+    counts = ("capture_fraction", "captures_published_per_request")
     rows: list[tuple[str, Any, Any]] = [("[TTFT]", None, None)]
     rows += [
         (v["label"], v["ttft"], b.get("ttft", {}).get(k, {}).get("ttft"))
         for k, v in a["ttft"].items()
     ]
-    for part in ("publish", "decomposition", "restore_steps"):
-        rows += [
-            (f"[{part}]", None, None),
-            *common.walk({k: v for k, v in a[part].items() if k not in counts}, b.get(part)),
-        ]
-    r, g, h, m, p, q = (a[k] for k in "ratios goals_met hit memory publish q8_0".split())
-    mb, t = (lambda n: f"{n / 1e6:.1f} MB"), a["ttft"]  # noqa: E731
+    publish = {k: v for k, v in a["publish"].items() if k not in counts}
+    rows += [("[publish]", None, None), *common.walk(publish, b.get("publish"))]
+    r, h, m, p = (a[k] for k in "ratios hit memory publish".split())
+    mb = lambda n: f"{n / 1e6:.1f} MB"  # noqa: E731
     aborted = f"; ABORTED: {m['ramcache_aborted']}" if m["ramcache_aborted"] else ""
     lines = [
         common.summary_table(rows),
         "ratios of TTFT p50: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if v),
-        f"goals: hit/floor <= {GOAL_HIT_OVER_FLOOR}, cold/hit >= {GOAL_COLD_OVER_HIT:g}: {g}",
-        f"hit: tokens restored {h['tokens_restored']}, evaluated {h['tokens_evaluated']}; blob "
+        f"hit: restore p50 {f(h['restore_seconds'].get('p50'))}, tokens restored "
+        f"{h['tokens_restored']}, evaluated {h['tokens_evaluated']}; blob "
         f"{mb(m['blob_bytes'])}; attach {f(h['attach_seconds'])}; capture() "
         f"{p['capture_fraction'].get('p50', 0) * 100:.1f} % of a request; blobs published per "
         f"request {p['captures_published_per_request'].get('mean', 0):.2f}",
-        f"greedy text equal to cold: {a['same_text_as_cold']} (hit_q8: to cold_q8)",
-        f"q8_0 KV: blob {mb(q['blob_bytes'])} ({q['blob_over_f16']:.2f} of f16), restore p50 "
-        f"{f(q['restore_seconds'].get('p50'))}, TTFT p50 hit {f(t['hit_q8']['ttft'].get('p50'))}"
-        f", cold {f(t['cold_q8']['ttft'].get('p50'))}, tokens restored {q['tokens_restored']}",
+        f"greedy text equal to cold: {a['same_text_as_cold']}",
         f"LlamaRAMCache: {m['ramcache_entries']} entries, counted "
         f"{mb(m['ramcache_counted_bytes'])} + uncounted "
         f"{mb(m['ramcache_uncounted_scores_bytes_per_entry'])} of scores per entry; peak RSS "
         f"{m['ramcache_peak_rss_bytes'] / 1e9:.2f} GB (cold "
         f"{m['cold_peak_rss_bytes'] / 1e9:.2f} GB){aborted}",
+        common.goal_table(a["goals"]),
     ]
     return "\n".join(lines)
 
 
 def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
-    """TTFT of every arm, then the timed steps inside a hit's restore."""
-    a = res["analysis"]
-    rows = [(v["label"], v["ttft"].get("p50"), v["ttft"].get("p99")) for v in a["ttft"].values()]
-    return rows + [(f"hit: {k}", s.get("p50"), s.get("p99")) for k, s in a["restore_steps"].items()]
-
-
-# ===================================================================== main
+    """TTFT of every arm."""
+    return [(v["label"], v["ttft"].get("p50"), v["ttft"].get("p99"))
+            for v in res["analysis"]["ttft"].values()]  # fmt: skip
 
 
 opt = common.option
@@ -547,23 +396,20 @@ def main(report: common.Report, o: Any) -> None:
         raise click.BadParameter("prefix + suffix + max tokens must fit n_ctx 4096")
     model_path = o.model
     # S0..SR: cold, A (S0), B publish on, floor, local reuse, LlamaRAMCache (the same texts,
-    # so outputs compare with cold); T1..TR: B publish off; U1..UR: B instrumented; V: A's
-    # second request
+    # so outputs compare with cold); T1..TR: B publish off; V: A's second request (the last
+    # of 3R+2, as when R more were drawn for a restore breakdown, since retired)
     prompts = make_prompts(model_path, prefix_tokens, suffix_tokens, 3 * repeats + 2)
     suf = list(enumerate(prompts["suffixes"]))
-    S, T = suf[: repeats + 1], suf[repeats + 1 : 2 * repeats + 1]
-    U, V = suf[2 * repeats + 1 : -1], suf[-1]
+    S, T, V = suf[: repeats + 1], suf[repeats + 1 : 2 * repeats + 1], suf[-1]
     ptoks, stoks = prompts["prefix_tokens"], sorted(set(prompts["suffix_tokens"]))
     log.info("prefix %d tokens, suffixes %s tokens", ptoks, stoks)
     ctx = dict(n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, n_ubatch=512)
     ctx |= dict(seed=0, verbose=False)
-    q8_ctx = {**ctx, **Q8_0_CTX}
     gen = dict(max_tokens=max_tokens, temperature=0.0, seed=0)
-    plan = dict(quick=quick, model=str(model_path), model_bytes=model_path.stat().st_size)
-    plan |= dict(ctx=ctx, ctx_q8=q8_ctx, gen=gen, prefix_target=prefix_tokens)
-    plan |= dict(suffix_target=suffix_tokens, repeats=repeats, arena_size=ARENA_SIZE)
+    plan = dict(quick=quick, model=str(model_path), model_bytes=model_path.stat().st_size, ctx=ctx)
+    plan |= dict(gen=gen, prefix_target=prefix_tokens, suffix_target=suffix_tokens, repeats=repeats)
     plan |= common.pick(prompts, "prefix_tokens suffix_tokens warmup_tokens")
-    plan["ramcache_capacity"] = RAMCACHE_CAPACITY
+    plan |= dict(arena_size=ARENA_SIZE, ramcache_capacity=RAMCACHE_CAPACITY)
     quiet = common.wait_until_quiet(o.max_load, o.max_wait)
     arms: dict[str, dict[str, Any]] = {}
     with (
@@ -577,39 +423,19 @@ def main(report: common.Report, o: Any) -> None:
             {"arm": "publisher", "suffixes": [*S[:1], V]},
             {"arm": "publisher_exact", "suffixes": S[:1]},
             {"arm": "hit_exact", "suffixes": S[1:]},
-            {"arm": "hit", "suffixes": S[1:], "suffixes_off": T, "suffixes_breakdown": U},
+            {"arm": "hit", "suffixes": S[1:], "suffixes_off": T},
             {"arm": "floor", "suffixes": S[1:], "suffixes_local": S},
             {"arm": "ramcache", "suffixes": S},
-            {"arm": "cold_q8", "ctx": q8_ctx, "suffixes": S[1:]},
-            {"arm": "publisher_q8", "ctx": q8_ctx, "suffixes": [*S[:1], V]},
-            {"arm": "hit_q8", "ctx": q8_ctx, "suffixes": S[1:]},
         ):
             arms[spec["arm"]] = run_arm({**sp, **spec}, Path(tmp), sup)
         sup_stats = sup.stats()
-    ref, ref_q8 = arms["cold"]["context_params"], arms["cold_q8"]["context_params"]
-    if differ := {
-        k: d
-        for k, v in arms.items()
-        if (d := sorted(f for f in ref if v["context_params"].get(f) != ref[f]))
-        and (k not in Q8_0_ARMS or set(d) - Q8_0_FIELDS or v["context_params"] != ref_q8)
-    }:
+    ref = arms["cold"]["context_params"]
+    differ = {k: [f for f in ref if v["context_params"].get(f) != ref[f]] for k, v in arms.items()}
+    if differ := {k: d for k, d in differ.items() if d}:
         raise click.ClickException(f"arms ran with different context settings: {differ}")
-    res: dict[str, Any] = {
-        **report.header(),
-        "git": common.code_state(),
-        "quiet": quiet,
-        "loadavg_end": common.loadavg(),
-        "config": {**plan, "context_params": ref},
-        "goals": dict(hit_over_floor_max=GOAL_HIT_OVER_FLOOR, cold_over_hit_min=GOAL_COLD_OVER_HIT),
-        "noise": {k: v["process"] for k, v in arms.items()},
-        "supervisor_stats": common.pick(
-            sup_stats,
-            "entries bytes_used hits misses tokens_restored tokens_evaluated restore_failures "
-            "puts duplicate_puts rejected_puts evictions chunk_tokens",
-        ),
-        "analysis": analyse(arms, plan),
-        "arms": arms,
-    }
+    res = {**report.header(), "quiet": quiet, "config": {**plan, "context_params": ref}}
+    res["noise"] = {k: v["process"] for k, v in arms.items()}
+    res |= dict(supervisor_stats=sup_stats, analysis=analyse(arms, plan), arms=arms)
     noisy = {k: round(v["foreign_cores"], 2) for k, v in res["noise"].items()}
     res["noisy_arms"] = noisy = {k: v for k, v in noisy.items() if v > 0.25}
     click.echo(
@@ -623,8 +449,6 @@ def main(report: common.Report, o: Any) -> None:
     if (not quiet["quiet"] or noisy) and not o.force_baseline:
         refuse = "the machine was busy; rerun when quiet or pass --force-baseline"
     report.write(res, chart(res), refuse)
-    if missed := [k for k, ok in res["analysis"]["goals_met"].items() if not ok]:
-        click.echo(f"goals missed: {', '.join(missed)}")
 
 
 if __name__ == "__main__":

