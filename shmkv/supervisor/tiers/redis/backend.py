@@ -9,7 +9,9 @@ Runs in the supervisor, off its loop, on two threads with a connection each:
   record is visible only through its manifest, so a Redis that dies (or fills up)
   between the pieces and the manifest leaves nothing a reader can take for a record.
 * :class:`Fetcher` answers "does the remote tier hold a longer prefix of this prompt?"
-  (one pipelined round trip to the index, one to the candidates' manifests), decides
+  (or, for a worker that can cut a state back, a record that shares more of it and goes
+  on past it: one pipelined round trip to the index, one to the candidates' manifests),
+  reads a record once for every request that finds it while it is being put, decides
   whether fetching beats prefilling (measured fetch bandwidth against the worker's
   measured prefill speed), fetches the pieces and checks the payload; the loop
   (``tiers/redis/tier.py``) then puts it into the arena like any other record.

@@ -8,8 +8,9 @@ peer's reply waits; what the thread found is put into the arena on the loop, a
 ``--put-slice`` at a time, through the same :class:`~shmkv.supervisor.put.PutJob` as a worker's
 put (bounds, XXH3 of the payload), published under the uid its manifest names (the
 publisher's on the node that wrote it; never re-labelled as ours) and not written back.
-The peer is answered when its record is indexed, or at its deadline, whichever comes
-first: a fetch that outlives its deadline still lands in the arena
+A fetch that finds a record already being put joins that put (one read from Redis for
+all of them). The peer is answered when its record is indexed, or at its deadline,
+whichever comes first: a fetch that outlives its deadline still lands in the arena
 and warms it for the next request. Redis being down, slow or full costs an answer
 ("down", "timeout"), never a wait past the deadline.
 """
