@@ -462,7 +462,8 @@ def test_only_a_worker_that_can_cut_fetches_a_record_that_goes_on_past_its_promp
 
 def test_two_fetches_of_one_record_at_once_read_it_once(make_supervisor, redis_server):
     """Two workers on node B miss at once on two questions that share node A's record:
-    both are answered "fetched", the record is read from Redis and put once."""
+    both are answered "fetched", the record is read from Redis and put once. Once it is
+    gone from B's arena, a fetch reads it again (it is not answered from memory)."""
     url = redis_server.url
     a = make_supervisor("--size", "64M", "--remote", url)
     b = make_supervisor("--size", "64M", "--remote", url)
@@ -493,6 +494,12 @@ def test_two_fetches_of_one_record_at_once_read_it_once(make_supervisor, redis_s
     st = b.stats()
     assert st["remote_fetched"] == 1 and st["remote_fetch_joined"] == 1, st
     assert st["remote_pulled_bytes"] == len(shared.data), st
+    # the record evicted from B's arena since: the next fetch reads it again
+    with b.client() as c:
+        c.clear()
+        assert c.fetch(shared.root, q1, 0, 10.0, 0.0, cut=True) == "fetched"
+        assert c.lookup(chain_digests(shared.root, q1, CHUNK)) is not None
+    assert b.stats()["remote_pulled_bytes"] == 2 * len(shared.data)
     no_internal_errors(a, b)
 
 

@@ -370,6 +370,8 @@ class FetchResult:
     status: str
     manifest: fmt.Manifest | None = None
     payload: bytes | bytearray | None = None
+    #: the request, with "joined" (the loop sends it back if the record is gone meanwhile)
+    req: FetchReq | None = None
 
 
 class Fetcher:
@@ -591,7 +593,7 @@ class Fetcher:
             return FetchResult(req.key, miss)
         rid = man.rid()
         if self.joinable(rid):  # (being put into the arena, or just put: read once)
-            return FetchResult(req.key, "joined", man)
+            return FetchResult(req.key, "joined", man, req=req)
         bw = self.bandwidth or DEFAULT_BANDWIDTH
         cost = self.rtt + man.stored_len / bw
         if req.prefill_tps > 0 and cost >= (useful - req.have) / req.prefill_tps:

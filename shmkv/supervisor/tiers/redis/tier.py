@@ -65,7 +65,6 @@ class Landing:
     """A record found remotely, being put into the arena, and the requests waiting for it."""
 
     rid: bytes
-    n_tokens: int
     job: PutJob
     keys: list[int]
 
@@ -216,7 +215,7 @@ class Remote:
         if job.done:  # a worker here published it meanwhile
             self._done(rid, [res.key], man.n_tokens, 0, [])
         else:
-            self._jobs.append(Landing(rid, man.n_tokens, job, [res.key]))
+            self._jobs.append(Landing(rid, job, [res.key]))
 
     def _join(self, res: FetchResult) -> None:
         """A fetch found a record that another one is putting into the arena (or has just
@@ -228,15 +227,17 @@ class Remote:
             if land.rid == rid:
                 land.keys.append(res.key)
                 return
-        # put already (or refused): answered with it if the arena still holds it, else
-        # forgotten, so that the next request reads it again
+        # put already: answered with it if the arena still holds it; else (evicted,
+        # refused) forgotten, and this request goes back to the fetcher to read it
         man = res.manifest
-        assert self._store is not None
+        assert self._store is not None and res.req is not None
         if content_digest(man.root, man.fingerprint, man.tokens, man.uid) in self._store.by_content:
             self._reply(res.key, {"status": "fetched", "n_tokens": man.n_tokens})
-        else:
-            self.fetcher.landed(rid, False)
-            self._reply(res.key, {"status": "none"})
+            return
+        self.fetcher.landed(rid, False)
+        if not self.fetcher.submit(res.req):
+            self.stats.remote_fetch_busy += 1
+            self._reply(res.key, {"status": "busy"})
 
     def _failed(self, rid: bytes, keys: list[int]) -> None:
         self.fetcher.landed(rid, False)
