@@ -708,12 +708,19 @@ class Client(Connection):
         return status if isinstance(status, str) else "go"
 
     def fetch(
-        self, root: bytes, tokens: np.ndarray, have: int, wait: float, prefill_tps: float
+        self,
+        root: bytes,
+        tokens: np.ndarray,
+        have: int,
+        wait: float,
+        prefill_tps: float,
+        cut: bool = False,
     ) -> str:
         """Ask the supervisor to fetch a longer prefix of ``tokens`` than ``have`` from
         ``--remote``; waits at most ``wait`` seconds (plus the usual timeout if the
-        supervisor is slow to answer). Returns "fetched" (look up again), "none",
-        "not_worth", "timeout", "down", "busy" or "off".
+        supervisor is slow to answer). ``cut``: the caller can cut a state back, so a
+        record that shares only part of ``tokens`` and goes on past it will do. Returns
+        "fetched" (look up again), "none", "not_worth", "timeout", "down", "busy" or "off".
         """
         reply = self.request(
             {
@@ -723,6 +730,7 @@ class Client(Connection):
                 "have": int(have),
                 "wait": float(wait),
                 "prefill_tps": float(min(max(prefill_tps, 0.0), 1e9)),
+                "cut": bool(cut),
             },
             timeout=wait + self.timeout,
         )

@@ -495,6 +495,10 @@ class RemoteStats:
     remote_fetched: int = counter("records fetched from the remote tier into the arena")
     remote_fetched_bytes: int = counter("payload bytes fetched into the arena")
     remote_fetch_none: int = counter("fetch requests the remote tier had no longer prefix for")
+    remote_fetch_joined: int = counter(
+        "fetch requests answered with a record another request was fetching (or had just "
+        "fetched): read from the remote tier once"
+    )
     remote_fetch_not_worth: int = counter(
         "fetch requests answered 'prefill instead': the fetch would take longer"
     )

@@ -205,7 +205,9 @@ class Call:
             return reused
         t0 = time.perf_counter()
         try:
-            status = cache.reader.fetch(self.root, self.prompt, reused, wait, cache.prefill_tps)
+            status = cache.reader.fetch(
+                self.root, self.prompt, reused, wait, cache.prefill_tps, cache.policy.cuts_back
+            )
         except ShmkvError as e:
             cache.ledger.fail("fetch failed", e)
             return reused

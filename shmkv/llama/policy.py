@@ -231,6 +231,13 @@ class Strategy:
     #: whether checkpoints at chat message boundaries help (states that cannot be cut back)
     wants_boundaries = False
 
+    @property
+    def cuts_back(self) -> bool:
+        """Whether a longer state is of use cut back to any shorter prefix (no sliding
+        window, no recurrent layer): the remote tier then fetches records that go on
+        past where they part from the prompt."""
+        return self.rules.n_swa == 0
+
     def __init__(self, rules: Rules) -> None:
         self.rules = rules
         self.n_swa = rules.n_swa

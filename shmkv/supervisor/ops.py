@@ -553,16 +553,20 @@ def fetch(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     measured speed, 0 if unknown), it is fetched into the arena and the reply says
     "fetched"; else "none", "not_worth", "down", "busy", or "timeout" at ``wait``
     seconds (capped by ``--remote-wait``). The Redis I/O is on the fetcher thread; the
-    loop answers when it is done or at the deadline (``tiers/redis/tier.py``).
+    loop answers when it is done or at the deadline (``tiers/redis/tier.py``). ``cut``
+    (optional, false): the worker's model can cut a state back, so a record that shares
+    only a part of the prompt (and goes on past it) is fetched too.
     """
     root = get_digest(msg, "root")
     tokens = np.frombuffer(get_tokens(msg), dtype="<i4")
     have = get_int(msg, "have", 0, len(tokens))
     wait = get_float(msg, "wait", 0.0, 600.0)
     tps = get_float(msg, "prefill_tps", 0.0, MAX_PREFILL_TPS) if "prefill_tps" in msg else 0.0
+    cut = get_bool(msg, "cut")
     if ctx.remote is None:
         return {"status": "off"}, None
-    reply = ctx.remote.request(conn.id, msg.get("id", 0), root, tokens.copy(), have, wait, tps)
+    rid = msg.get("id", 0)
+    reply = ctx.remote.request(conn.id, rid, root, tokens.copy(), have, wait, tps, cut)
     return reply, None
 
 

@@ -24,6 +24,7 @@ from shmkv.llama.policy import (
     EVERYONE,
     SWA_MAX_PROBES,
     SWA_MIN_GAIN,
+    WHOLE,
     Exact,
     Local,
     Lookup,
@@ -192,6 +193,17 @@ def test_strategy_is_chosen_by_exact_mode_then_window() -> None:
     assert type(strategy(Rules())) is Plain
     assert type(strategy(Rules(n_swa=4))) is SlidingWindow
     assert type(strategy(Rules(exact=True, n_swa=4))) is Exact
+
+
+@pytest.mark.parametrize("n_swa", [0, 4, WHOLE], ids=["plain", "window", "recurrent"])
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+def test_only_a_strategy_that_cuts_any_state_back_fetches_records_it_would_cut(
+    n_swa: int, exact: bool
+) -> None:
+    """The remote tier fetches records that go on past the prompt only for a worker that
+    can cut a state back anywhere: the same rule as a restore's."""
+    strat = strategy(Rules(n_swa=n_swa, exact=exact, align=ALIGN))
+    assert strat.cuts_back == window_allows_cut(n_swa, 100_000, 1_000)
 
 
 @pytest.mark.parametrize(

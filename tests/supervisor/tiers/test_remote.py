@@ -9,19 +9,23 @@ record and neither node stops serving; a record damaged in Redis is rejected.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import struct
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 import pytest
 import redis
 import xxhash
 
+from shmkv.core import arena as A
 from shmkv.core.keys import chain_digests, remote_id
 from tests.support.blobs import CHUNK, blob
 from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
@@ -125,6 +129,67 @@ def test_node_b_restores_what_node_a_published(make_supervisor, models, redis_se
     # the next worker on B hits B's arena without asking Redis again
     again = run_worker(b, models["seed0"], [completion(PROMPT)])
     assert again["results"][0]["last"]["remote"] == "" and again["results"][0]["last"]["hit"]
+    no_internal_errors(a, b)
+
+
+def test_node_b_restores_the_system_prompt_another_question_shares(
+    make_supervisor, models, redis_server
+):
+    """One system prompt, a question per node, on a model without sliding windows (which
+    publishes no checkpoint at the shared prefix: locally it cuts a longer state back).
+    Node B's own question must restore the shared system prompt from node A's record
+    (it used to be answered "none": only records that are a whole prefix were fetched)."""
+    mine = SYSTEM + " Question: which mat does the second cat sit on today?"
+    cold = run_worker(None, models["seed0"], [completion(mine)], mode="cold")
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    run_worker(a, models["seed0"], [completion(PROMPT)])
+    written(a)
+    got = run_worker(b, models["seed0"], [completion(mine)])
+    assert texts(got) == texts(cold)
+    last = got["results"][0]["last"]
+    assert last["remote"] == "fetched", last
+    # (the questions part after a dozen tokens; everything before is restored)
+    assert last["hit"] and last["tokens_restored"] >= last["prompt_tokens"] - 16, last
+    assert got["totals"]["remote_restored"] == 1
+    st = b.stats()
+    assert st["remote_fetched"] == 1 and st["remote_fetch_none"] == 0, st
+    no_internal_errors(a, b)
+
+
+def arena_tokens(sup: Sup) -> list[np.ndarray]:
+    """The token ids of every record in ``sup``'s arena (lease-free peeks)."""
+    fd = os.open(sup.arena, os.O_RDONLY)
+    try:
+        view = A.ArenaView(fd, populate=False)
+    finally:
+        os.close(fd)
+    try:
+        found = {(s.rec_offset, s.rec_gen) for s in view.scan()}
+        return [view.peek(off, gen)[1].copy() for off, gen in sorted(found)]
+    finally:
+        view.close()
+
+
+def test_a_sliding_window_model_fetches_no_state_it_would_have_to_cut(
+    make_supervisor, models, redis_server
+):
+    """The same two questions on a model whose states cannot be cut back (a sliding
+    window): node B may fetch a checkpoint that is a whole prefix of its prompt, never
+    node A's state of the other question (it would have to cut it: unusable)."""
+    mine = SYSTEM + " Question: which mat does the second cat sit on today?"
+    vocab = llama_cpp.Llama(models["swa"], vocab_only=True, verbose=False)
+    ids = np.asarray(vocab.tokenize(mine.encode()), dtype="<i4")
+    cold = run_worker(None, models["swa"], [completion(mine)], mode="cold")
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    run_worker(a, models["swa"], [completion(PROMPT)])
+    written(a)
+    got = run_worker(b, models["swa"], [completion(mine)])
+    assert texts(got) == texts(cold)
+    for toks in arena_tokens(b):  # (its own states, and what it fetched)
+        n = min(len(toks), len(ids))
+        assert np.array_equal(toks[:n], ids[:n]), "B fetched a state it would have to cut"
     no_internal_errors(a, b)
 
 
@@ -475,6 +540,92 @@ def test_a_connection_has_at_most_two_fetches_outstanding(make_supervisor, redis
     st = sup.stats()
     assert st["remote_fetch_busy"] == 1 and st["remote_fetch_none"] == 3, st
     no_internal_errors(sup)
+
+
+def test_only_a_worker_that_can_cut_fetches_a_record_that_goes_on_past_its_prompt(
+    make_supervisor, redis_server
+):
+    """Node A holds only the state of a system prompt and question 1. For question 2 on
+    node B, a worker that can cut a state back gets it fetched (the arena's index then
+    finds it by the shared chunk prefixes, and the worker cuts it back); one that cannot
+    (a sliding window, a recurrent layer) is answered "none" and nothing is read. Redis
+    holds one boundary pointer per chunk of the record, with its TTL, and a second
+    question through the same system prompt adds none."""
+    url = redis_server.url
+    a = make_supervisor("--size", "64M", "--remote", url)
+    b = make_supervisor("--size", "64M", "--remote", url)
+    shared = blob(720, 200_000, n_tokens=3 * CHUNK + 10)
+    rng = np.random.default_rng(720)
+    theirs, other, mine = (
+        np.concatenate([shared.tokens, rng.integers(0, 30_000, 20).astype("<i4")]) for _ in range(3)
+    )
+    with a.client() as c:
+        c.put_bytes(shared.root, theirs, b"fp", shared.data)
+    written(a)
+    r = redis_server.client()
+    pointers = sorted(r.scan_iter("shmkv:*:y*"))
+    assert len(pointers) == len(theirs) // CHUNK, pointers
+    ttl = r.pttl(f"shmkv:{{{remote_id(shared.root, b'fp', theirs.tobytes()).hex()}}}:m")
+    assert all(0 < r.pttl(k) <= ttl + 1000 for k in pointers)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B to reach Redis")
+    with b.client() as c:
+        assert c.fetch(shared.root, mine, 0, 5.0, 0.0, cut=False) == "none"
+        assert b.stats()["remote_pulled_bytes"] == 0
+        assert c.fetch(shared.root, mine, 0, 5.0, 0.0, cut=True) == "fetched"
+        hit = c.lookup(chain_digests(shared.root, mine, CHUNK))
+        assert hit is not None and hit.chunks == len(shared.tokens) // CHUNK
+        with c.acquire(hit) as lease:
+            assert bytes(lease.payload) == shared.data
+            assert lease.finish()
+    with a.client() as c:
+        c.put_bytes(shared.root, other, b"fp", blob(721, 100_000).data)
+    written(a, 2)
+    assert sorted(r.scan_iter("shmkv:*:y*")) == pointers
+    r.close()
+    no_internal_errors(a, b)
+
+
+def test_two_fetches_of_one_record_at_once_read_it_once(make_supervisor, redis_server):
+    """Two workers on node B miss at once on two questions that share node A's record:
+    both are answered "fetched", the record is read from Redis and put once. Once it is
+    gone from B's arena, a fetch reads it again (it is not answered from memory)."""
+    url = redis_server.url
+    a = make_supervisor("--size", "64M", "--remote", url)
+    b = make_supervisor("--size", "64M", "--remote", url)
+    shared = blob(730, 6 << 20, n_tokens=4 * CHUNK)
+    rng = np.random.default_rng(730)
+    theirs, q1, q2 = (
+        np.concatenate([shared.tokens, rng.integers(0, 30_000, 20).astype("<i4")]) for _ in range(3)
+    )
+    with a.client() as c:
+        c.put_bytes(shared.root, theirs, b"fp", shared.data)
+    written(a)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B to reach Redis")
+    answers: dict[int, str] = {}
+    gate = threading.Barrier(2)
+
+    def ask(i: int, prompt: np.ndarray) -> None:
+        with b.client() as c:
+            c.stats()  # (connected before the gate)
+            gate.wait(10)
+            answers[i] = c.fetch(shared.root, prompt, 0, 10.0, 0.0, cut=True)
+
+    threads = [threading.Thread(target=ask, args=(i, p)) for i, p in enumerate((q1, q2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert answers == {0: "fetched", 1: "fetched"}
+    st = b.stats()
+    assert st["remote_fetched"] == 1 and st["remote_fetch_joined"] == 1, st
+    assert st["remote_pulled_bytes"] == len(shared.data), st
+    # the record evicted from B's arena since: the next fetch reads it again
+    with b.client() as c:
+        c.clear()
+        assert c.fetch(shared.root, q1, 0, 10.0, 0.0, cut=True) == "fetched"
+        assert c.lookup(chain_digests(shared.root, q1, CHUNK)) is not None
+    assert b.stats()["remote_pulled_bytes"] == 2 * len(shared.data)
+    no_internal_errors(a, b)
 
 
 # ------------------------------------------------------------------ trust (issue 18)

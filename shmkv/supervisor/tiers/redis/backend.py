@@ -9,7 +9,9 @@ Runs in the supervisor, off its loop, on two threads with a connection each:
   record is visible only through its manifest, so a Redis that dies (or fills up)
   between the pieces and the manifest leaves nothing a reader can take for a record.
 * :class:`Fetcher` answers "does the remote tier hold a longer prefix of this prompt?"
-  (one pipelined round trip to the index, one to the candidates' manifests), decides
+  (or, for a worker that can cut a state back, a record that shares more of it and goes
+  on past it: one pipelined round trip to the index, one to the candidates' manifests),
+  reads a record once for every request that finds it while it is being put, decides
   whether fetching beats prefilling (measured fetch bandwidth against the worker's
   measured prefill speed), fetches the pieces and checks the payload; the loop
   (``tiers/redis/tier.py``) then puts it into the arena like any other record.
@@ -43,7 +45,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from shmkv.core.arena import DIGEST_SIZE, record_layout
+from shmkv.core.arena import DIGEST_SIZE, common_prefix, record_layout
 from shmkv.core.errors import ConfigError, TierError, UnsafePathError
 from shmkv.core.keys import chain_digests, remote_id
 from shmkv.supervisor.tiers.base import FIRST_BACKOFF, MAX_BACKOFF, Accepted, Event, PayloadSource
@@ -63,6 +65,9 @@ DEFAULT_BANDWIDTH = 200e6
 PIECES_PER_READ = 8
 #: refused records remembered (their ids), and for how long (seconds)
 MAX_REFUSED, REFUSED_TTL = 4096, 60.0
+#: records just put into the arena (their ids), and for how long (seconds): a fetch that
+#: finds one of them joins it instead of reading it again
+MAX_LANDED, LANDED_TTL = 1024, 30.0
 #: keys a --remote-key-file holds: the current one (signs), and the previous one
 MAX_KEYS = 2
 
@@ -235,24 +240,27 @@ class RedisWriter:
         except Exception as e:
             raise classify(e) from None
 
-    def _held(self, rid: bytes) -> bool:
-        """Redis holds a record ``rid`` that we would write ourselves: whole, signed
-        with our current key (if we have keys), by a publisher we trust. Anything else
-        (another writer's, unsigned, of an untrusted publisher, garbage) is replaced."""
-        try:
-            raw = self.r.get(fmt.manifest_key(rid))
-        except Exception as e:
-            if not is_wrongtype(e):
-                raise
+    def _held(self, rid: bytes) -> int | None:
+        """Milliseconds left to a record ``rid`` that Redis holds and that we would write
+        ourselves: whole, signed with our current key (if we have keys), by a publisher
+        we trust; None if it holds none. Anything else (another writer's, unsigned, of an
+        untrusted publisher, garbage) is replaced."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(fmt.manifest_key(rid))
+        pipe.pttl(fmt.manifest_key(rid))
+        raw, left = pipe.execute(raise_on_error=False)
+        if isinstance(raw, Exception):
+            if not is_wrongtype(raw):
+                raise raw
             self.bad_keys += 1
-            return False
-        if raw is None:
-            return False
+            return None
+        if raw is None or not isinstance(left, int) or left <= 0:
+            return None
         try:
             man = fmt.unpack_manifest(rid, raw, self.conf.keys[:1])
         except TierError:
-            return False
-        return self.conf.trusts(man.uid)
+            return None
+        return left if self.conf.trusts(man.uid) else None
 
     def _write(self, ev: Accepted, source: PayloadSource) -> None:
         conf = self.conf
@@ -260,10 +268,11 @@ class RedisWriter:
             self.untrusted += 1
             return
         rid = remote_id(ev.root, ev.fingerprint, ev.tokens)
-        idx = fmt.index_key(ev.root, conf.chunk, self._last_digest(ev))
-        if self._held(rid):  # (another node, or we, stored it)
+        chain = chain_digests(ev.root, np.frombuffer(ev.tokens, dtype="<i4"), conf.chunk)
+        left = self._held(rid)
+        if left is not None:  # (another node, or we, stored it)
             self.present += 1
-            self._index(idx, rid, ev.tokens)
+            self._index(ev, rid, chain, left)
             return
         data = source.payload(ev)  # the one copy: checked below, then sent from
         if data is None:
@@ -298,18 +307,25 @@ class RedisWriter:
         pipe = self.r.pipeline(transaction=False)
         pipe.set(fmt.manifest_key(rid), man.pack(conf.keys[0] if conf.keys else None), px=ttl_ms)
         pipe.execute()
-        self._index(idx, rid, ev.tokens)
+        self._index(ev, rid, chain, ttl_ms)
         self.written += 1
         self.written_bytes += ev.payload_len
         self.stored_bytes += len(stored)
 
-    def _index(self, idx: str, rid: bytes, tokens: bytes) -> None:
-        """Add ``rid`` to the index hash ``idx``; a key of another type there (not ours)
-        is replaced."""
+    def _index(self, ev: Accepted, rid: bytes, chain: list[bytes], ttl_ms: int) -> None:
+        """Make record ``rid`` (of ``ev``, whose digest chain is ``chain``) findable: in
+        the index hash of its last full chunk prefix, and by a pointer at each of its
+        chunk boundaries (``layout.boundaries``) that lives as long as it does (``ttl_ms``).
+        A key of another type in the index hash's place (not ours) is replaced."""
+        conf = self.conf
+        idx = fmt.index_key(ev.root, conf.chunk, chain[-1] if chain else ev.root)
+        pointer = fmt.boundary_value(rid, len(ev.tokens) // 4)
         for _ in range(2):
             pipe = self.r.pipeline(transaction=False)
-            pipe.hset(idx, rid.hex(), fmt.index_value(tokens))
-            pipe.expire(idx, self.conf.ttl)
+            pipe.hset(idx, rid.hex(), fmt.index_value(ev.tokens))
+            pipe.expire(idx, conf.ttl)
+            for k in fmt.boundaries(len(chain)):  # (SET replaces a key of any type)
+                pipe.set(fmt.boundary_key(ev.root, conf.chunk, chain[k - 1]), pointer, px=ttl_ms)
             res = pipe.execute(raise_on_error=False)
             err = next((x for x in res if isinstance(x, Exception)), None)
             if err is None:
@@ -318,11 +334,6 @@ class RedisWriter:
                 raise err
             self.bad_keys += 1
             self.r.delete(idx)
-
-    def _last_digest(self, ev: Accepted) -> bytes:
-        tokens = np.frombuffer(ev.tokens, dtype="<i4")
-        chain = chain_digests(ev.root, tokens, self.conf.chunk)
-        return chain[-1] if chain else ev.root
 
     def close(self) -> None:
         if self.r is not None:
@@ -343,17 +354,24 @@ class FetchReq:
     have: int
     #: the worker's measured prefill speed, tokens/s (0: not measured yet)
     prefill_tps: float
+    #: the worker can cut a state back (no sliding window, no recurrent layer): a record
+    #: that goes on past where it parts from the prompt is of use to it
+    cut: bool = False
 
 
 @dataclass
 class FetchResult:
     key: int
-    #: "found", "none", "not_worth", "down", "corrupt"; misses counted apart:
+    #: "found", "joined" (a fetch of the same record is being put into the arena, or
+    #: was just put: answered with it), "none", "not_worth", "down", "corrupt"; misses
+    #: counted apart:
     #: "untrusted" (a publisher we do not trust), "unverified" (no MAC under our keys),
     #: "too_big" (more than this arena can hold)
     status: str
     manifest: fmt.Manifest | None = None
     payload: bytes | bytearray | None = None
+    #: the request, with "joined" (the loop sends it back if the record is gone meanwhile)
+    req: FetchReq | None = None
 
 
 class Fetcher:
@@ -366,6 +384,11 @@ class Fetcher:
         self.capacity = 0
         #: records refused (rid -> until, monotonic): not read again for a while
         self._refused: OrderedDict[bytes, float] = OrderedDict()
+        #: records found and handed to the loop, not yet put (rid); records put lately
+        #: (rid -> until, monotonic): shared with the loop (``landed``), under ``_lock``
+        self._lock = threading.Lock()
+        self._landing: set[bytes] = set()
+        self._landed: OrderedDict[bytes, float] = OrderedDict()
         self._q: queue.Queue[FetchReq | None] = queue.Queue(MAX_FETCH_QUEUE)
         self.results: queue.Queue[FetchResult] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -470,19 +493,30 @@ class Fetcher:
         *_, extent = record_layout(man.n_tokens, len(man.fingerprint), man.payload_len)
         return extent <= self.capacity
 
-    def _fetch(self, req: FetchReq) -> FetchResult:
+    def _lookup(self, req: FetchReq) -> list[tuple[int, bytes]]:
+        """Candidate records for ``req``, as (tokens they surely share with its prompt,
+        rid), from one pipelined round trip: the index hashes of the prompt's chunk
+        prefixes (records that are a whole prefix of it, told by their tokens tag) and,
+        if the worker can cut a state back, the pointers at those prefixes (records that
+        go on past them)."""
         conf, r = self.conf, self.r
         n_prompt = len(req.prompt)
         first = max(0, req.have // conf.chunk - 1)
-        digests = chain_digests(req.root, req.prompt, conf.chunk)[first:][-MAX_PROBES:]
-        t0 = time.perf_counter()
+        chain = chain_digests(req.root, req.prompt, conf.chunk)
+        first = max(first, len(chain) - MAX_PROBES)
+        digests = chain[first:]
         pipe = r.pipeline(transaction=False)
         for d in digests:
             pipe.hgetall(fmt.index_key(req.root, conf.chunk, d))
-        cands: list[tuple[int, bytes]] = []
+            if req.cut:
+                pipe.get(fmt.boundary_key(req.root, conf.chunk, d))
+        replies = self._results(pipe)
+        hashes = replies[:: 2 if req.cut else 1]
+        pointers = replies[1::2] if req.cut else []
+        cands: dict[bytes, int] = {}
         prompt_bytes = np.ascontiguousarray(req.prompt, dtype="<i4").tobytes()
         tags: dict[int, str] = {}  # (the prompt's own tag at each length asked)
-        for h in self._results(pipe):
+        for h in hashes:
             for k, v in (h or {}).items():
                 parsed = fmt.parse_index_value(v)
                 try:
@@ -497,17 +531,29 @@ class Fetcher:
                 if n not in tags:
                     tags[n] = fmt.tokens_tag(prompt_bytes[: 4 * n])
                 if tag == tags[n] and not self._known_bad(rid):  # (a prefix of this prompt)
-                    cands.append((n, rid))
+                    cands[rid] = max(cands.get(rid, 0), n)
+        for i, raw in enumerate(pointers):
+            shared = (first + i + 1) * conf.chunk  # (the digest of that many tokens matched)
+            found = None if raw is None else fmt.parse_boundary_value(raw)
+            if found is not None and shared > req.have and not self._known_bad(found[0]):
+                cands[found[0]] = max(cands.get(found[0], 0), shared)
+        best = sorted(((n, rid) for rid, n in cands.items()), reverse=True)
+        return best[:MAX_CANDIDATES]
+
+    def _fetch(self, req: FetchReq) -> FetchResult:
+        conf, r = self.conf, self.r
+        n_prompt = len(req.prompt)
+        t0 = time.perf_counter()
+        cands = self._lookup(req)
         self.rtt = time.perf_counter() - t0
         if not cands:
             return FetchResult(req.key, "none")
-        cands = sorted(set(cands), reverse=True)[:MAX_CANDIDATES]
         pipe = r.pipeline(transaction=False)
         for _, rid in cands:
             pipe.get(fmt.manifest_key(rid))
-        man = None
+        man, useful = None, 0
         miss = "none"
-        for (n, rid), raw in zip(cands, self._results(pipe), strict=True):
+        for (_, rid), raw in zip(cands, self._results(pipe), strict=True):
             if raw is None:
                 continue
             try:
@@ -519,9 +565,16 @@ class Fetcher:
                 else:
                     self._corrupt(rid, e)
                 continue
-            toks = np.frombuffer(m.tokens, dtype="<i4")
-            if m.root != req.root or m.n_tokens != n or not np.array_equal(toks, req.prompt[:n]):
+            if m.root != req.root:
                 continue
+            # what it gives this prompt: all of it if it is a prefix, else what the worker
+            # keeps once it cuts it back (only a worker that can asked for such records)
+            common = common_prefix(np.frombuffer(m.tokens, dtype="<i4"), req.prompt)
+            whole = common == m.n_tokens <= n_prompt
+            if not (whole or req.cut) or common <= req.have or common < conf.chunk:
+                continue
+            if man is not None and (common, -m.stored_len) <= (useful, -man.stored_len):
+                continue  # (the longest shared part wins; of equals, the fewest bytes)
             if not conf.trusts(m.uid):
                 self._refuse(rid)
                 miss = "untrusted"
@@ -535,15 +588,16 @@ class Fetcher:
                 self._refuse(rid)
                 miss = "too_big"
                 continue
-            man = m
-            break
+            man, useful = m, common
         if man is None:
             return FetchResult(req.key, miss)
+        rid = man.rid()
+        if self.joinable(rid):  # (being put into the arena, or just put: read once)
+            return FetchResult(req.key, "joined", man, req=req)
         bw = self.bandwidth or DEFAULT_BANDWIDTH
         cost = self.rtt + man.stored_len / bw
-        if req.prefill_tps > 0 and cost >= (man.n_tokens - req.have) / req.prefill_tps:
+        if req.prefill_tps > 0 and cost >= (useful - req.have) / req.prefill_tps:
             return FetchResult(req.key, "not_worth", man)
-        rid = man.rid()
         try:
             stored = self._read_pieces(rid, man)
             if stored is None:
@@ -560,7 +614,33 @@ class Fetcher:
                 raise
             self._corrupt(rid, e)
             return FetchResult(req.key, "corrupt")
+        with self._lock:
+            self._landing.add(rid)
         return FetchResult(req.key, "found", man, payload)
+
+    # ------------------------------------------------------------- merging
+    def joinable(self, rid: bytes) -> bool:
+        """Record ``rid`` is being put into the arena, or was put moments ago."""
+        with self._lock:
+            if rid in self._landing:
+                return True
+            until = self._landed.get(rid)
+            if until is not None and until < time.monotonic():
+                del self._landed[rid]
+                return False
+            return until is not None
+
+    def landed(self, rid: bytes, ok: bool) -> None:
+        """The loop is done putting ``rid`` into the arena (``ok``: it is there now; else
+        it is not, and a later fetch reads it again)."""
+        with self._lock:
+            self._landing.discard(rid)
+            self._landed.pop(rid, None)
+            if ok:
+                self._landed[rid] = time.monotonic() + LANDED_TTL
+                self._landed.move_to_end(rid)
+                while len(self._landed) > MAX_LANDED:
+                    self._landed.popitem(last=False)
 
     def _read_pieces(self, rid: bytes, man: fmt.Manifest) -> bytearray | None:
         """The stored bytes of ``man``'s record, each piece checked against its digest as

@@ -18,13 +18,27 @@ and each record is findable from a prompt through one hash per chunk prefix::
 
 where ``digest`` is the chained digest of the record's last full chunk prefix
 (``keys.chain_digests``, the keys the arena itself uses, rooted in the model's
-fingerprint, context settings and tenant namespace). ``{...}`` is a Redis Cluster hash
-tag: a record's pieces and manifest share one slot, and all index hashes of one root
-share one slot, so a lookup is one pipelined round trip on one node. Every key has a
-TTL (``--remote-ttl``). The tokens tag (:func:`tokens_tag`, 8 bytes of BLAKE2b of the
-record's token ids) lets a lookup keep only the records that are a prefix of its prompt
-before it reads a manifest: many prompts that share a system prompt and differ in their
-question share one index hash, and are told apart without a round trip each.
+fingerprint, context settings and tenant namespace), and findable from a prompt that
+shares only part of it (a system prompt, then another question) through one string per
+chunk boundary of the record::
+
+    shmkv:{<root hex>}:y<chunk>:<digest hex>   STRING "<rid hex>:<token count>"
+
+``digest`` being the chained digest of each full chunk prefix of the record (at most
+:data:`MAX_BOUNDARIES` of them, evenly spaced, the last always), pointing at the latest
+record written through it: every record through one boundary shares its prefix, so one
+pointer is enough, and a system prompt shared by a thousand conversations costs one key
+per boundary, not a thousand. Only a worker whose model can cut a state back (no sliding
+window, no recurrent layer: ``shmkv.llama.policy``) follows them; the others fetch only
+records that are a whole prefix of their prompt.
+
+``{...}`` is a Redis Cluster hash tag: a record's pieces and manifest share one slot,
+and all index keys of one root share one slot, so a lookup is one pipelined round trip
+on one node. Every key has a TTL (``--remote-ttl``; a boundary pointer the remaining
+TTL of the record it points at). The tokens tag (:func:`tokens_tag`, 8 bytes of BLAKE2b
+of the record's token ids) lets a lookup keep only the records that are a prefix of its
+prompt before it reads a manifest: many prompts that share a system prompt and differ in
+their question share one index hash, and are told apart without a round trip each.
 
 A reader trusts nothing it reads here beyond what it checks: :func:`unpack_manifest`
 bounds every field and checks that root, fingerprint and tokens hash to the key it was
@@ -65,6 +79,9 @@ PREFIX = "shmkv"
 PIECE_DIGEST = 16
 #: the least key length of --remote-key-file, bytes
 MIN_KEY = 32
+#: boundary pointers one record writes at most (a 16k-token record at 64-token chunks
+#: has one per chunk; a longer one, one every few chunks)
+MAX_BOUNDARIES = 256
 #: the longest manifest a reader accepts (token ids and piece digests dominate)
 MAX_MANIFEST = 4 * MAX_TOKENS + PIECE_DIGEST * MAX_PIECES + 4096
 
@@ -111,6 +128,35 @@ def piece_key(rid: bytes, i: int) -> str:
 
 def index_key(root: bytes, chunk: int, digest: bytes) -> str:
     return f"{PREFIX}:{{{root.hex()}}}:x{chunk}:{digest.hex()}"
+
+
+def boundary_key(root: bytes, chunk: int, digest: bytes) -> str:
+    return f"{PREFIX}:{{{root.hex()}}}:y{chunk}:{digest.hex()}"
+
+
+def boundary_value(rid: bytes, n_tokens: int) -> str:
+    """What a boundary pointer holds: the record it points at, and its length."""
+    return f"{rid.hex()}:{n_tokens}"
+
+
+def parse_boundary_value(raw: bytes) -> tuple[bytes, int] | None:
+    """``(rid, token count)`` of a boundary pointer, or None if it is not one."""
+    try:
+        rid_hex, _, n = raw.decode("ascii").partition(":")
+        rid, count = bytes.fromhex(rid_hex), int(n)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if len(rid) != DIGEST_SIZE or not 0 < count <= MAX_TOKENS:
+        return None
+    return rid, count
+
+
+def boundaries(n_chunks: int) -> list[int]:
+    """Which full chunk prefixes of a record of ``n_chunks`` get a boundary pointer (their
+    1-based chunk counts, ascending): every one up to :data:`MAX_BOUNDARIES`, else evenly
+    spaced ones, the last always among them."""
+    step = max(1, -(-n_chunks // MAX_BOUNDARIES))
+    return list(range(n_chunks, 0, -step))[::-1]
 
 
 def n_pieces(stored_len: int) -> int:

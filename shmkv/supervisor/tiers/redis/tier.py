@@ -8,8 +8,9 @@ peer's reply waits; what the thread found is put into the arena on the loop, a
 ``--put-slice`` at a time, through the same :class:`~shmkv.supervisor.put.PutJob` as a worker's
 put (bounds, XXH3 of the payload), published under the uid its manifest names (the
 publisher's on the node that wrote it; never re-labelled as ours) and not written back.
-The peer is answered when its record is indexed, or at its deadline, whichever comes
-first: a fetch that outlives its deadline still lands in the arena
+A fetch that finds a record already being put joins that put (one read from Redis for
+all of them). The peer is answered when its record is indexed, or at its deadline,
+whichever comes first: a fetch that outlives its deadline still lands in the arena
 and warms it for the next request. Redis being down, slow or full costs an answer
 ("down", "timeout"), never a wait past the deadline.
 """
@@ -28,6 +29,7 @@ import numpy as np
 
 from shmkv.core.config import Settings, trusted_uids
 from shmkv.core.errors import ChecksumMismatch, ShmkvError
+from shmkv.core.keys import content_digest
 from shmkv.core.stats import RemoteStats
 from shmkv.supervisor.put import PutJob
 from shmkv.supervisor.store import Store
@@ -58,6 +60,15 @@ class Pending:
     deadline: float
 
 
+@dataclass
+class Landing:
+    """A record found remotely, being put into the arena, and the requests waiting for it."""
+
+    rid: bytes
+    job: PutJob
+    keys: list[int]
+
+
 class Remote:
     """The write-behind to ``--remote`` and fetches from it."""
 
@@ -82,8 +93,9 @@ class Remote:
         self.stats = RemoteStats()
         self.pending: dict[int, Pending] = {}
         self._next = 1
-        #: records found remotely, being put into the arena: (request key, job)
-        self._jobs: list[tuple[int, PutJob]] = []
+        #: records found remotely, being put into the arena, one job each, with the
+        #: requests waiting for it (a fetch of the same record joins the first one's)
+        self._jobs: list[Landing] = []
         self._store: Store | None = None
         self._answer: Answer | None = None
         self._indexed: Callable[[list[bytes]], None] | None = None
@@ -111,8 +123,11 @@ class Remote:
         have: int,
         wait: float,
         prefill_tps: float,
+        cut: bool = False,
     ) -> dict[str, Any] | None:
-        """A peer's ``fetch``: an answer now, or None (answered later, by the deadline)."""
+        """A peer's ``fetch``: an answer now, or None (answered later, by the deadline).
+        ``cut``: the peer's model can cut a state back, so a record that goes on past
+        where it parts from the prompt is of use to it."""
         self.stats.remote_fetches += 1
         if self.fetcher.down() or not self.writer.opened.is_set():
             self.stats.remote_fetch_down += 1
@@ -121,7 +136,7 @@ class Remote:
             self.stats.remote_fetch_busy += 1
             return {"status": "busy"}
         key, self._next = self._next, self._next + 1
-        if not self.fetcher.submit(FetchReq(key, root, prompt, have, prefill_tps)):
+        if not self.fetcher.submit(FetchReq(key, root, prompt, have, prefill_tps, cut)):
             self.stats.remote_fetch_busy += 1
             return {"status": "busy"}
         self.pending[key] = Pending(conn_id, rid, time.monotonic() + min(wait, self.max_wait))
@@ -159,15 +174,17 @@ class Remote:
             res = self.fetcher.results.get_nowait()
             if res.status == "found":
                 self._begin(res)
+            elif res.status == "joined":
+                self._join(res)
             else:
                 counter = f"remote_fetch_{res.status}"
                 setattr(self.stats, counter, getattr(self.stats, counter) + 1)
                 miss = res.status in ("untrusted", "unverified", "too_big")
                 self._reply(res.key, {"status": "none" if miss else res.status})
         while self._jobs and time.monotonic() < deadline:
-            key, job = self._jobs[0]
+            land = self._jobs[0]
             try:
-                entry = job.step(deadline)
+                entry = land.job.step(deadline)
             except ShmkvError as e:
                 self._jobs.pop(0)
                 if isinstance(e, ChecksumMismatch):
@@ -175,16 +192,17 @@ class Remote:
                 else:
                     self.stats.remote_fetch_refused += 1
                 log.info("remote record not put into the arena: %s", e)
-                self._reply(key, {"status": "none"})
+                self._failed(land.rid, land.keys)
                 continue
             if entry is None:
                 return
             self._jobs.pop(0)
-            self._done(key, entry.n_tokens, entry.payload_len, entry.digests)
+            self._done(land.rid, land.keys, entry.n_tokens, entry.payload_len, entry.digests)
 
     def _begin(self, res: FetchResult) -> None:
         man, payload = res.manifest, res.payload
         assert man is not None and payload is not None and self._store is not None
+        rid = man.rid()
         try:
             # (the publisher's uid, trusted above: never ours instead; not written back to
             # Redis, to --persist yes)
@@ -192,19 +210,50 @@ class Remote:
         except ShmkvError as e:  # (too short for this arena's chunk, or can never fit)
             self.stats.remote_fetch_refused += 1
             log.info("remote record not put into the arena: %s", e)
-            self._reply(res.key, {"status": "none"})
+            self._failed(rid, [res.key])
             return
         if job.done:  # a worker here published it meanwhile
-            self._done(res.key, man.n_tokens, 0, [])
+            self._done(rid, [res.key], man.n_tokens, 0, [])
         else:
-            self._jobs.append((res.key, job))
+            self._jobs.append(Landing(rid, job, [res.key]))
 
-    def _done(self, key: int, n_tokens: int, nbytes: int, digests: list[bytes]) -> None:
+    def _join(self, res: FetchResult) -> None:
+        """A fetch found a record that another one is putting into the arena (or has just
+        put): answered with it, read from Redis once."""
+        assert res.manifest is not None
+        rid = res.manifest.rid()
+        self.stats.remote_fetch_joined += 1
+        for land in self._jobs:
+            if land.rid == rid:
+                land.keys.append(res.key)
+                return
+        # put already: answered with it if the arena still holds it; else (evicted,
+        # refused) forgotten, and this request goes back to the fetcher to read it
+        man = res.manifest
+        assert self._store is not None and res.req is not None
+        if content_digest(man.root, man.fingerprint, man.tokens, man.uid) in self._store.by_content:
+            self._reply(res.key, {"status": "fetched", "n_tokens": man.n_tokens})
+            return
+        self.fetcher.landed(rid, False)
+        if not self.fetcher.submit(res.req):
+            self.stats.remote_fetch_busy += 1
+            self._reply(res.key, {"status": "busy"})
+
+    def _failed(self, rid: bytes, keys: list[int]) -> None:
+        self.fetcher.landed(rid, False)
+        for key in keys:
+            self._reply(key, {"status": "none"})
+
+    def _done(
+        self, rid: bytes, keys: list[int], n_tokens: int, nbytes: int, digests: list[bytes]
+    ) -> None:
+        self.fetcher.landed(rid, True)
         self.stats.remote_fetched += 1
         self.stats.remote_fetched_bytes += nbytes
         if digests and self._indexed is not None:
             self._indexed(digests)
-        self._reply(key, {"status": "fetched", "n_tokens": n_tokens})
+        for key in keys:
+            self._reply(key, {"status": "fetched", "n_tokens": n_tokens})
 
     # ------------------------------------------------------------- numbers
     def numbers(self) -> RemoteStats:
@@ -232,8 +281,8 @@ class Remote:
         """Stop fetching, write what is queued (a few seconds at most), close."""
         for key in list(self.pending):
             self._reply(key, {"status": "down"})
-        for _, job in self._jobs:
-            job.abort()
+        for land in self._jobs:
+            land.job.abort()
         self._jobs = []
         self.fetcher.close()
         self.writer.close()
