@@ -93,11 +93,12 @@ class Server:
         port = f"{self.port:04X}"
         inodes = set()
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            with open(table) as f:
-                for row in f.read().splitlines()[1:]:
-                    cols = row.split()  # local address, ..., state (0A: LISTEN), ..., inode
-                    if cols[1].endswith(f":{port}") and cols[3] == "0A":
-                        inodes.add(f"ino:{int(cols[9]):x}")
+            path = Path(table)
+            rows = path.read_text().splitlines()[1:] if path.exists() else []
+            for row in rows:
+                cols = row.split()  # local address, ..., state (0A: LISTEN), ..., inode
+                if cols[1].endswith(f":{port}") and cols[3] == "0A":
+                    inodes.add(f"ino:{int(cols[9]):x}")
         out = set()
         for pid in self.worker_pids():
             try:
