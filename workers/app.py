@@ -482,7 +482,9 @@ def create_app(settings: Settings | None = None):
         Middleware(TenantScope, per_api_key=settings.namespace_per_api_key)
     )
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
-    app.add_middleware(BusyGate)  # a worker accepts only while idle
+    # a worker accepts only while idle; a completion's connection closes after it, so that
+    # a keep-alive client's next one reaches an idle worker
+    app.add_middleware(BusyGate, close_completions=settings.workers > 1)
     app.add_middleware(Received)  # outermost: when the request reached the app
     app.add_exception_handler(json.JSONDecodeError, _invalid_json)
     app.add_exception_handler(UnicodeDecodeError, _invalid_json)

@@ -277,6 +277,10 @@ class HttpCounters:
     idle_closed: int = counter(
         "connections closed because they sent no request headers within --request-read-timeout"
     )
+    holds_expired: int = counter(
+        "connections whose request had not arrived when their accept hold (0.5 s) ran out (each "
+        "kept its worker from accepting others that long)"
+    )
 
 
 #: the worker counters a ``report`` message may carry

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -300,6 +301,84 @@ def test_a_busy_worker_accepts_no_new_connection(tmp_path, serve_model, make_sup
         assert busy not in pids, (busy, pids)
         for _ in it:  # the long stream still completes
             pass
+    finally:
+        srv.stop()
+
+
+def test_requests_sent_at_once_to_idle_workers_never_wait_behind_one_another(
+    tmp_path, serve_model, make_supervisor
+):
+    """gunicorn's accept race: a worker that had accepted a connection still accepted
+    others until that connection's completion began, so of two requests sent at once to two
+    idle workers both could land on one, the second waiting behind the first's prefill while
+    the other worker sat idle (11-15 pairs of 30 before). A worker now takes no other connection
+    until the request of the one it accepted is in (workers/worker.py). (Both may still land
+    on one worker when the other does not get a core before the first is done: the second
+    then reached the app after the first's first token, behind nothing.)"""
+    sup = make_supervisor("--size", "64M")
+    srv = Server(sup, serve_model, workers=2, tmp_path=tmp_path)
+    pairs: list[list[dict]] = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for trial in range(20):
+                wait_until(lambda: srv.accepting() == srv.worker_pids(), 30, "idle workers")
+                at_once = threading.Barrier(2)
+
+                def ask(k: int, trial: int = trial, at_once: threading.Barrier = at_once) -> dict:
+                    at_once.wait()  # each prompt new: a cold prefill of ~300 tokens
+                    prompt = f"Trial {trial}, client {k}. " + SYSTEM[:900]
+                    return srv.complete(prompt, max_tokens=1)[1]
+
+                pairs.append(sorted(pool.map(ask, (0, 1)), key=lambda i: i["received_at"]))
+    finally:
+        srv.stop()
+    one_worker = [(a, b) for a, b in pairs if a["worker_pid"] == b["worker_pid"]]
+    behind = [(a, b) for a, b in one_worker if b["received_at"] < a["first_token_at"]]
+    assert not behind, (
+        f"{len(behind)} of {len(pairs)} pairs: the second waited behind the first's prefill "
+        f"({len(one_worker)} on one worker): {behind}"
+    )
+
+
+def test_a_keep_alive_clients_next_completion_is_not_sent_to_a_busy_worker(
+    tmp_path, serve_model, make_supervisor
+):
+    """A completion's connection is closed after it (``Connection: close``), so a client that
+    keeps connections alive sends its next completion on a new connection, which the idle
+    worker takes, instead of on its old one to the worker now busy with another client."""
+    sup = make_supervisor("--size", "128M")
+    srv = Server(sup, serve_model, workers=2, tmp_path=tmp_path)
+    body = {"model": "tiny", "max_tokens": 2, **EXTRA, "temperature": 0.0}
+    try:
+        with httpx.Client(base_url=srv.base, timeout=60) as keep:  # pools its connections
+
+            def complete(i: int) -> int:
+                r = keep.post("/v1/completions", json={**body, "prompt": SYSTEM + f" Q{i}."})
+                assert r.status_code == 200 and r.headers["connection"] == "close", r.headers
+                return int(r.headers["x-shmkv-worker-pid"])
+
+            for attempt in range(16):
+                first = complete(2 * attempt)
+                wait_until(lambda: srv.accepting() == srv.worker_pids(), 30, "idle workers")
+                stream = srv.client.completions.create(
+                    model="tiny",
+                    prompt=SYSTEM + f" Long story {attempt}:",
+                    stream=True,
+                    max_tokens=1500,
+                    temperature=0.0,
+                    extra_body=EXTRA,
+                )
+                with stream:
+                    it = iter(stream)
+                    if next(it).model_extra["shmkv"]["worker_pid"] != first:
+                        continue  # the stream went to the other worker: again
+                    assert complete(2 * attempt + 1) != first  # not behind the stream
+                    for _ in it:  # the long stream still completes
+                        pass
+                    break
+            else:
+                raise AssertionError("no stream of 16 reached the keep-alive client's worker")
+            assert httpx.get(srv.base + "/health").headers.get("connection") != "close"
     finally:
         srv.stop()
 

@@ -24,6 +24,7 @@ from shmkv.core import arena as A
 from shmkv.core.keys import chain_digests
 from tests.support.llama_workers import KW, SYSTEM, completion, last_logits, run_worker, texts
 from tests.support.servers import EXTRA, N_CTX, SAMPLING, Server
+from tests.support.waiting import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +266,9 @@ def test_idle_and_slow_connections_do_not_stall_free_workers(
     tmp_path, serve_model, make_supervisor
 ):
     """20 idle TCP connections a second (and a few that send their headers or body a
-    byte at a time) while /health is polled: p99 stays under 0.5 s, and the idle ones
-    are closed after --request-read-timeout."""
+    byte at a time) while /health is polled: p99 stays under 0.5 s, the trickling ones hold
+    their worker's accepts only for a while, and the idle ones are closed after
+    --request-read-timeout."""
     sup = make_supervisor("--size", "64M", env_extra={"SHMKV_REQUEST_READ_TIMEOUT": "2"})
     srv = Server(sup, serve_model, workers=2, tmp_path=tmp_path)
     stop = threading.Event()
@@ -325,6 +327,12 @@ def test_idle_and_slow_connections_do_not_stall_free_workers(
             except OSError:
                 closed += 1
         health = httpx.get(srv.base + "/health", timeout=5).json()
+        # the trickling ones each held their worker's accepts for a while, not for good
+        wait_until(
+            lambda: httpx.get(srv.base + "/health", timeout=5).json()["http"]["holds_expired"],
+            30,
+            "a worker counting an expired accept hold",
+        )
     finally:
         stop.set()
         for t in loaders:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -85,6 +86,32 @@ class Server:
             return {int(p) for p in path.read_text().split()}
         except (FileNotFoundError, ValueError):
             return set()
+
+    def accepting(self) -> set[int]:
+        """The workers whose event loop watches the listening socket now, i.e. that would take
+        a new connection (their epoll set, from ``/proc/PID/fdinfo``, holds its inode)."""
+        port = f"{self.port:04X}"
+        inodes = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            path = Path(table)
+            rows = path.read_text().splitlines()[1:] if path.exists() else []
+            for row in rows:
+                cols = row.split()  # local address, ..., state (0A: LISTEN), ..., inode
+                if cols[1].endswith(f":{port}") and cols[3] == "0A":
+                    inodes.add(f"ino:{int(cols[9]):x}")
+        out = set()
+        for pid in self.worker_pids():
+            try:
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:[eventpoll]":
+                        continue
+                    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                        watched = {w for w in f.read().split() if w.startswith("ino:")}
+                    if watched & inodes:
+                        out.add(pid)
+            except FileNotFoundError:  # the worker or the descriptor went away
+                continue
+        return out
 
     def wait_workers(self, n: int, timeout: float = 60) -> None:
         import httpx
