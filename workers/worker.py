@@ -40,6 +40,15 @@ from shmkv.core.stats import HttpCounters
 log = logging.getLogger("shmkv.worker")
 
 
+def _fileno(sock: Any) -> int:
+    """A listening socket's descriptor, -1 once closed: gunicorn's socket wrapper drops its
+    socket when a graceful stop closes it, and then raises AttributeError for ``fileno``."""
+    try:
+        return int(sock.fileno())
+    except (AttributeError, OSError):
+        return -1
+
+
 class IdleAcceptor:
     """Accepts connections while no request is in flight, one per readiness event.
 
@@ -68,7 +77,7 @@ class IdleAcceptor:
             return
         try:
             for loop, sock, _ in self.listening:
-                loop.remove_reader(sock.fileno())
+                loop.remove_reader(_fileno(sock))
             self.active = True
             self._listen(self.busy == 0)
         except Exception:  # (the loop refused the takeover): accept as usual
@@ -77,13 +86,13 @@ class IdleAcceptor:
 
     def _listen(self, on: bool) -> None:
         for loop, sock, factory in self.listening:
-            if sock.fileno() < 0:  # closed by uvicorn's shutdown
+            if (fd := _fileno(sock)) < 0:  # closed by a graceful stop
                 self.active = False
                 continue
             if on:
-                loop.add_reader(sock.fileno(), self._accept, loop, sock, factory)
+                loop.add_reader(fd, self._accept, loop, sock, factory)
             else:
-                loop.remove_reader(sock.fileno())
+                loop.remove_reader(fd)
 
     def _accept(self, loop: Any, sock: Any, factory: Any) -> None:
         try:
