@@ -1,9 +1,9 @@
 """Soak of the whole system (docs/benchmarks.md, Soak): two ``shmkv serve`` nodes, each its own
 supervisor, arena, port and ``--persist`` tmpfs, sharing one ``--remote`` redis-server, under a
-mixed load (completions, chats, two tenants by ``cache_salt``, streams cut at random) while
-faults run on a schedule. Judged: greedy spot checks against a cold run, failed requests
-against MAY_FAIL, descriptors and memory against SLACK, leases, and ``/metrics`` against
-``shmkv stats``; exits 1 on a problem. tests/chaos/test_soak_system.py runs it for a minute."""
+mixed load (completions, chats, two tenants by ``cache_salt``, streams cut at random) while the
+faults of SCHEDULE run. Judged: greedy spot checks against a cold run, failed requests against
+MAY_FAIL, descriptors and memory against SLACK, leases, ``/metrics`` against ``shmkv stats``;
+exits 1 on a problem. tests/chaos/test_soak_system.py runs it for a minute on a tiny model."""
 
 from __future__ import annotations
 
@@ -43,42 +43,31 @@ SCHEDULE = [("kill_worker", 0, 0.08), ("kill_supervisor", 0, 0.18), ("sigstop_wo
 #: graceful stop). The other faults are promised to cost no request.
 MAY_FAIL, GRACE = {"kill_worker": "any", "reboot": "any", "sighup": "stream"}, 5.0
 #: growth allowed from start to end, per node and role (its largest process): descriptors
-#: + SLACK_FDS; anonymous memory (RssAnon: what a leak grows; the arena and model are
-#: shared pages) x 1.25 + 64 MiB
+#: + SLACK_FDS; RssAnon (what a leak grows; arena and model are shared pages) x 1.25 + 64 MiB
 SLACK_FDS, SLACK_MEM = 16, (1.25, 64 << 20)
-WAIT = 120.0  #: seconds a fault may take to show its effect or to heal
-SALTS = ("tenant-a", "tenant-b")
-QUESTIONS = ["Who sits where?", "Summarise the rules.", "What comes next?", "Why?"]
+WAIT = 120.0  #: seconds a fault may take to show its effect and to heal
+SALTS, QUESTIONS = ("tenant-a", "tenant-b"), ["Who sits where?", "Summarise.", "Why?", "Next?"]
 
 
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(common.WORDS) for _ in range(n))
 
 
-class Redis:
-    """One redis-server (no persistence) on a loopback port it keeps across restarts."""
+def redis_server(port: int, work: Path) -> common.Child:
+    """A redis-server without persistence on ``port``, once it answers."""
+    import redis
 
-    def __init__(self, work: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url, self.dir = f"redis://127.0.0.1:{self.port}/0", work / "redis"
-        self.dir.mkdir()
-        self.start()
+    exe = shutil.which("redis-server") or "redis-server"
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    child = common.Child("redis", args, {}, work / f"redis-{time.monotonic_ns()}.log")
 
-    def start(self) -> None:
-        exe = shutil.which("redis-server") or "redis-server"
-        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        log_path = self.dir / f"redis-{time.monotonic_ns()}.log"
-        self.child = common.Child("redis-server", [*args, "--appendonly", "no"], {}, log_path)
-        self.child.wait_for(self.answers, 30)
-
-    def answers(self) -> bool:
-        import redis
-
-        with contextlib.suppress(redis.RedisError), redis.Redis(port=self.port) as r:
+    def up() -> bool:
+        with contextlib.suppress(redis.RedisError), redis.Redis(port=port) as r:
             return bool(r.ping())
         return False
+
+    child.wait_for(up, 30)
+    return child
 
 
 class Node:
@@ -86,8 +75,7 @@ class Node:
 
     def __init__(self, tag: str, work: Path, o: Any, remote: str) -> None:
         self.tag, self.o, self.persist, self.starts = tag, o, work / f"persist-{tag}", 0
-        self.name = f"soak{tag}{uuid.uuid4().hex[:6]}"
-        self.srv = common.Server(f"node-{tag}", work, o.workers)
+        self.name, self.srv = f"soak{tag}{uuid.uuid4().hex[:6]}", common.Server("", work, 0)
         self.base, sock = self.srv.base, str(work / f"{self.name}.sock")
         self.sup = common.Supervisor(self.name, sock, None)  # type: ignore[arg-type]
         env = dict(NAME=self.name, SOCKET=sock, PORT=self.srv.port, MODEL=o.model, THREADS=1,
@@ -113,8 +101,7 @@ class Node:
         return out
 
     def wait_ready(self, gone: int = 0) -> None:
-        """One supervisor answering, every worker (``gone`` not among them) logged its model
-        loaded, /v1/models answering."""
+        """One supervisor answering, each worker (``gone`` not one) loaded, /v1/models up."""
 
         def ready() -> bool:
             ps, text = self.procs(), self.srv.child.log_tail(1 << 26)
@@ -136,30 +123,21 @@ class Node:
             return self.sup.stats()
         return {}
 
-    def cli_stats(self) -> dict[str, Any]:
-        cmd = [sys.executable, "-m", "shmkv", "stats", "--json"]
-        out = subprocess.run(cmd, env=self.env, capture_output=True, timeout=120, check=True)
-        return dict(json.loads(out.stdout))
-
     def sample(self) -> dict[str, dict[str, int]]:
         """Per role, the largest descriptor count, RSS and RssAnon among its processes."""
         out = {}
         for role, ps in self.procs().items():
             rows = [(0, 0, 0)]
             for p in ps:
-                with contextlib.suppress(psutil.Error, OSError):
-                    status = Path(f"/proc/{p.pid}/status").read_text().split("RssAnon:")[1]
-                    anon = int(status.split()[0]) * 1024
-                    rows.append((p.num_fds(), p.memory_info().rss, anon))
-            out[role] = dict(
-                zip(("fds", "rss", "anon"), map(max, zip(*rows, strict=True)), strict=True)
-            )
+                with contextlib.suppress(psutil.Error, OSError, IndexError):
+                    anon = Path(f"/proc/{p.pid}/status").read_text().split("RssAnon:")[1]
+                    rows.append((p.num_fds(), p.memory_info().rss, int(anon.split()[0]) << 10))
+            out[role] = {k: max(r[i] for r in rows) for i, k in enumerate(("fds", "rss", "anon"))}
         return out
 
 
 def request(client: httpx.Client, url: str, body: dict[str, Any], cut: int) -> tuple[str, str]:
-    """The text and the error ("" if none; "cut" for a stream we closed after ``cut``
-    chunks) of one request."""
+    """The text and the error ("" if none; "cut": a stream we closed after ``cut`` chunks)."""
     try:
         if not body.get("stream"):
             r = client.post(url, json=body)
@@ -183,7 +161,7 @@ def request(client: httpx.Client, url: str, body: dict[str, Any], cut: int) -> t
 
 
 class Load:
-    """The mixed load, one thread per client on one node, with greedy spot checks."""
+    """The mixed load, each client thread on one node, with greedy spot checks."""
 
     def __init__(self, nodes: list[Node], o: Any, systems: list[str], spots: list[Any]) -> None:
         self.nodes, self.o, self.systems, self.spots = nodes, o, systems, spots
@@ -203,8 +181,7 @@ class Load:
         elif r < 0.8:  # a chat that grows turn by turn
             if len(chat) > 8 or not chat:
                 chat[:] = [{"role": "system", "content": rng.choice(self.systems)}]
-            chat.append({"role": "user", "content": words(rng, 6)})
-            body["messages"] = list(chat)
+            body["messages"] = [*chat, {"role": "user", "content": words(rng, 6)}]
         else:  # a one-off prompt: a miss, a new state for both tiers
             body["prompt"] = words(rng, self.o.system_words // 2)
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -212,14 +189,12 @@ class Load:
         text, err = request(client, node.base + path, body, cut)
         ev |= {"t1": time.monotonic(), "cut": err == "cut", "error": "" if err == "cut" else err}
         if spot is not None and not err:
-            ev["wrong"] = text != self.spots[spot][1]
-            ev |= {"spot": spot, "got": text} if ev["wrong"] else {}
+            ev |= {"wrong": text != self.spots[spot][1], "spot": spot, "got": text}
         if "messages" in body and not err:
-            chat.append({"role": "assistant", "content": text})
+            chat[:] = [*body["messages"], {"role": "assistant", "content": text}]
         with self.lock:
             self.events.append(ev)
-        if ev["error"]:
-            time.sleep(0.2)  # (a node that is down refuses at once)
+        time.sleep(0.2 if ev["error"] else 0)  # (a node that is down refuses at once)
 
     def run(self, i: int) -> None:
         rng, chat, node = random.Random(i), [], self.nodes[i % len(self.nodes)]
@@ -231,13 +206,12 @@ class Load:
 class Faults:
     """The faults of SCHEDULE, each with its start, its end (healed) and its evidence."""
 
-    def __init__(self, nodes: list[Node], redis: Redis, o: Any, tmpfs: bool) -> None:
-        self.nodes, self.redis, self.o, self.tmpfs = nodes, redis, o, tmpfs
-        self.rng, self.log = random.Random(7), []
-        count, budget = common.tokenizer(Path(o.model)), int(o.n_ctx * 0.8)
-        self.long = lambda: common.fill_to(
-            budget, lambda t: len(count(t)), "", lambda _: " " + words(self.rng, 8)
-        )
+    def __init__(self, nodes: list[Node], port: int, work: Path, o: Any, tmpfs: bool) -> None:
+        self.nodes, self.port, self.work, self.o, self.tmpfs = nodes, port, work, o, tmpfs
+        self.redis = redis_server(port, work)
+        self.rng, self.log, count = random.Random(7), [], common.tokenizer(Path(o.model))
+        more = lambda _: " " + words(self.rng, 8)  # noqa: E731
+        self.long = lambda: common.fill_to(int(o.n_ctx * 0.8), lambda t: len(count(t)), "", more)
 
     def run(self, t0: float) -> None:
         for kind, n, share in SCHEDULE:
@@ -261,21 +235,17 @@ class Faults:
     def kill_supervisor(self, node: Node) -> dict[str, Any]:
         os.kill(pid := node.procs()["supervisor"][0].pid, signal.SIGKILL)
         node.wait_ready(gone=pid)  # serve starts another; the workers reattach
-
-        def new() -> Any:
-            st = node.stats()
-            return st.get("pid", pid) != pid and st["workers_attached"] >= node.o.workers and st
-
-        return {"ok": True, "killed": pid, "new": common.poll(new, WAIT, "reattached")["pid"]}
+        n = node.o.workers
+        new = lambda: (st := node.stats()).get("pid", pid) != pid and st["workers_attached"] >= n  # noqa: E731
+        common.poll(new, WAIT, "workers reattached")
+        return {"ok": True, "killed": pid, "new": node.stats()["pid"]}
 
     def sigstop_worker(self, node: Node) -> dict[str, Any]:
         """A long prompt sent: the worker whose CPU time moves first is stopped a while."""
-        got: list[Any] = []
-        body = {"prompt": self.long(), "max_tokens": 4}
-        cpu = {p.pid: p for p in node.procs()["worker"]}
+        cpu, got = {p.pid: p for p in node.procs()["worker"]}, []
         t0 = {pid: sum(p.cpu_times()[:2]) for pid, p in cpu.items()}
         with common.http_client(600) as client:
-            url = node.base + "/v1/completions"
+            url, body = node.base + "/v1/completions", {"prompt": self.long(), "max_tokens": 4}
             th = threading.Thread(target=lambda: got.append(request(client, url, body, 0)))
             th.start()
             busy = lambda: next((q for q, p in cpu.items() if sum(p.cpu_times()[:2]) > t0[q]), 0)  # noqa: E731
@@ -286,29 +256,26 @@ class Faults:
         return {"ok": not got[0][1], "stopped": pid, "long_request": got[0][1] or "answered"}
 
     def restart_redis(self, _: Node) -> dict[str, Any]:
-        self.redis.child.stop(kill=True)
+        self.redis.stop(kill=True)
         time.sleep(self.o.hold)  # the fault itself: Redis down this long
-        self.redis.start()
+        self.redis = redis_server(self.port, self.work)
         for n in self.nodes:
             common.poll(lambda n=n: n.stats().get("remote_on") == 1, WAIT, "the remote back")
         return {"ok": True, "remote_errors": [n.stats()["remote_errors"] for n in self.nodes]}
 
     def fill_persist(self, node: Node) -> dict[str, Any]:
-        """Filled until a commit fails (long one-off prompts: states LMDB cannot fit in the
-        pages it freed), then emptied until it writes again."""
+        """Full until a commit fails (long one-off prompts: states too big for the pages LMDB
+        freed), then emptied until it writes again."""
         if not self.tmpfs:
             return {"ok": True, "skipped": "no tmpfs (needs root)"}
         errors = lambda: sum(node.stats()["persist_errors"].values())  # noqa: E731
-        before, filler = errors(), node.persist / "filler"
+        before, filler, deadline = errors(), node.persist / "filler", time.monotonic() + WAIT
         with open(filler, "wb") as f, contextlib.suppress(OSError):
             while f.write(b"\0" * (1 << 20)):
                 f.flush()
-        body = {"max_tokens": 1, "prompt": ""}
-        deadline = time.monotonic() + WAIT
         with common.http_client(600) as client:
             while errors() == before and time.monotonic() < deadline:
-                body["prompt"] = self.long()
-                request(client, node.base + "/v1/completions", body, 0)
+                request(client, node.base + "/v1/completions", {"prompt": self.long()}, 0)
         filler.unlink()
         n = node.stats()["persisted"]
         common.poll(lambda: node.stats()["persisted"] > n, WAIT, "persist writing again")
@@ -333,13 +300,13 @@ class Faults:
         return {"ok": node.srv.child.proc.poll() is None, "old_workers": sorted(old)}
 
 
-def greedy_refs(o: Any, env: dict[str, str], spots: list[Any]) -> list[str]:
+def greedy_refs(o: Any, env: dict[str, str], bodies: list[Any]) -> list[str]:
     """Each spot check's text from a cold plain Llama loaded as a served worker loads it."""
     from shmkv.core.config import resolve
     from shmkv.serving.model_settings import load_llama
 
     out, kw = [], dict(max_tokens=o.max_tokens, temperature=0.0, top_k=1, repeat_penalty=1.0)
-    for body in spots:
+    for body in bodies:
         llm = load_llama(resolve("serve", env=env), o.model, threads=1)
         if "messages" in body:
             msg = llm.create_chat_completion(body["messages"], **kw)["choices"][0]["message"]
@@ -351,31 +318,30 @@ def greedy_refs(o: Any, env: dict[str, str], spots: list[Any]) -> list[str]:
 
 
 def metrics_vs_stats(node: Node) -> list[Any]:
-    """Counters of a /metrics scrape that differ from `shmkv stats --json`'s, read before and
-    after it (again until both agree: nothing moved meanwhile)."""
+    """The counters of a /metrics scrape that differ from `shmkv stats --json`'s, read before
+    and after it (again until both agree: nothing moved meanwhile)."""
     from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.parser import text_string_to_metric_families as parse
 
     from shmkv.core.metrics import StatsCollector
 
     def counters(text: str) -> dict[str, float]:
-        fams = [f for f in text_string_to_metric_families(text) if f.type in COUNTERS]
+        fams = [f for f in parse(text) if f.type in ("counter", "histogram")]
         return {f"{s.name}{sorted(s.labels.items())}": s.value for f in fams for s in f.samples}
 
-    def expected(st: dict[str, Any]) -> dict[str, float]:
+    def expected() -> dict[str, float]:
+        cmd = [sys.executable, "-m", "shmkv", "stats", "--json"]
+        st = json.loads(subprocess.run(cmd, env=node.env, capture_output=True, check=True).stdout)
         (reg := CollectorRegistry()).register(StatsCollector(lambda: st))
-        return counters(generate_latest(reg).decode()) | {"puts (stats)": st["puts"]}
+        return counters(generate_latest(reg).decode()) | {"puts (by hand)": st["puts"]}
 
-    COUNTERS = ("counter", "histogram")
     for _ in range(20):
-        want, text = expected(node.cli_stats()), httpx.get(node.base + "/metrics", timeout=60).text
-        if want == expected(node.cli_stats()):
+        want, text = expected(), httpx.get(node.base + "/metrics", timeout=60).text
+        if want == expected():
             break
     got = counters(text)
-    got["puts (stats)"] = got.get("shmkv_puts_total[]")  # (one name checked by hand)
-    return [
-        (k, got.get(k), want.get(k)) for k in sorted({*got, *want}) if got.get(k) != want.get(k)
-    ]
+    got["puts (by hand)"] = got.get("shmkv_puts_total[]")  # (not only through the collector)
+    return [(k, got.get(k), want.get(k)) for k in {*got, *want} if got.get(k) != want.get(k)]
 
 
 @contextlib.contextmanager
@@ -387,8 +353,7 @@ def mounted(path: Path, size: str) -> Any:
     try:
         yield ok
     finally:
-        if ok:
-            subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+        subprocess.run(["umount", "-l", str(path)], capture_output=True) if ok else None
 
 
 def judge(res: dict[str, Any], evs: list[dict[str, Any]]) -> list[str]:
@@ -396,31 +361,24 @@ def judge(res: dict[str, Any], evs: list[dict[str, Any]]) -> list[str]:
     without their effect, growth, leases held, /metrics != stats, files left."""
     windows = [(f["node"], f["start"], f["end"] + GRACE, MAY_FAIL[f["fault"]])
                for f in res["faults"] if f["fault"] in MAY_FAIL]  # fmt: skip
-    failed = [e for e in evs if e["error"]]
+    failed, wrong = [e for e in evs if e["error"]], [e for e in evs if e.get("wrong")]
     loose = [e for e in failed if not any(n == e["node"] and e["t0"] <= b and e["t1"] >= a
              and (what == "any" or e["stream"]) for n, a, b, what in windows)]  # fmt: skip
-    wrong, spots = [e for e in evs if e.get("wrong")], sum("wrong" in e for e in evs)
     res["summary"] = dict(requests=len(evs), served=len(evs) - len(failed), failed=len(failed),
                           failed_unexplained=len(loose), cut=sum(e["cut"] for e in evs),
-                          spot_checks=spots, wrong=len(wrong))  # fmt: skip
-    res["summary"]["examples"] = (loose + wrong)[:5]
+                          spot_checks=sum("wrong" in e for e in evs), wrong=len(wrong),
+                          examples=(loose + wrong)[:5])  # fmt: skip
     problems = [f"{len(wrong)} wrong outputs"] * bool(wrong)
     problems += [f"{len(loose)} failed requests no fault explains"] * bool(loose)
     problems += [f"fault {f['fault']}: {f}" for f in res["faults"] if not f.get("ok")]
-    for n, roles in res["resources"].items():
-        for role, v in roles.items():
-            a, b = v["start"], v["end"]
-            if (
-                b["fds"] > a["fds"] + SLACK_FDS
-                or b["anon"] > a["anon"] * SLACK_MEM[0] + SLACK_MEM[1]
-            ):
-                problems.append(f"node {n} {role} grew: {v}")
+    for n, role, (a, b) in ((n, r, v.values()) for n, rs in res["resources"].items()
+                            for r, v in rs.items()):  # fmt: skip
+        if b["fds"] > a["fds"] + SLACK_FDS or b["anon"] > a["anon"] * SLACK_MEM[0] + SLACK_MEM[1]:
+            problems.append(f"node {n} {role} grew: {a} -> {b}")
     for n, st in res["final_stats"].items():
         if st["leases_active"] or st["claims_held"]:
             problems.append(f"node {n}: {st['leases_active']} leases, {st['claims_held']} claims")
-    problems += [
-        f"node {n}: /metrics != stats: {m}" for n, m in res["metrics_vs_stats"].items() if m
-    ]
+    problems += [f"node {n}: /metrics != stats: {m}" for n, m in res["metrics"].items() if m]
     return problems + [f"left behind: {p}" for p in res["leftovers"]]
 
 
@@ -452,14 +410,18 @@ def main(report: common.Report, o: Any) -> None:
         keep = shutil.ignore_patterns("*.sock", "*.mdb", "filler")
         stack.callback(lambda: shutil.copytree(work, logs, ignore=keep))
         tmpfs = [stack.enter_context(mounted(work / f"persist-{t}", o.persist_tmpfs)) for t in "ab"]
-        redis = Redis(work)
-        stack.callback(lambda: redis.child.stop(kill=True))
-        nodes = [Node(t, work, o, redis.url) for t in "ab"]
+        with socket.socket() as s:  # a port for Redis, kept across its restart
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        faults = Faults([], port, work, o, all(tmpfs))
+        stack.callback(lambda: faults.redis.stop(kill=True))
+        remote = f"redis://127.0.0.1:{faults.port}/0"
+        faults.nodes = nodes = [Node(t, work, o, remote) for t in "ab"]
         spots = list(zip(bodies, greedy_refs(o, nodes[0].env, bodies), strict=True))
         for node in nodes:
             stack.callback(node.srv.stop)
             node.start()
-        load, faults = Load(nodes, o, systems, spots), Faults(nodes, redis, o, all(tmpfs))
+        load = Load(nodes, o, systems, spots)
         for node in nodes:  # warm-up: every spot check once on each node
             with common.http_client(600) as client:
                 for i in range(len(spots)):
@@ -476,14 +438,12 @@ def main(report: common.Report, o: Any) -> None:
         for th in threads:
             th.join(900)
         for n in nodes:  # the tiers' queues written, no lease held
-            busy = ("persist_queue", "remote_queue", "leases_active")
-            common.poll(
-                lambda n=n, k=busy: (st := n.stats()) and not any(map(st.get, k)), WAIT, "quiet"
-            )
+            idle = ("persist_queue", "remote_queue", "leases_active")
+            common.poll(lambda n=n, k=idle: not any(map(n.stats().get, k)), WAIT, "idle")
         res |= {"wall_s": round(time.monotonic() - t0, 1), "faults": faults.log}
         res["resources"] = {n.tag: {r: {"start": start[n.tag][r], "end": v}
                                     for r, v in n.sample().items()} for n in nodes}  # fmt: skip
-        res["metrics_vs_stats"] = {n.tag: metrics_vs_stats(n) for n in nodes}
+        res["metrics"] = {n.tag: metrics_vs_stats(n) for n in nodes}
         keys = "leases_active claims_held calls hits misses puts evictions persisted "
         keys += "persist_errors refilled remote_written remote_fetched remote_errors"
         res["final_stats"] = {n.tag: common.pick(n.stats(), keys) for n in nodes}
@@ -499,10 +459,8 @@ def main(report: common.Report, o: Any) -> None:
     for f in res["faults"]:
         rest = {k: v for k, v in f.items() if k not in ("fault", "node", "start", "end")}
         click.echo(f"  {f['fault']:<16} node {f['node']} {f['end'] - f['start']:6.1f} s  {rest}")
-    for n, roles in res["resources"].items():
-        click.echo(
-            "\n".join(f"  node {n} {r}: {v['start']} -> {v['end']}" for r, v in roles.items())
-        )
+    for n, rs in res["resources"].items():
+        click.echo("\n".join(f"  node {n} {r}: {v['start']} -> {v['end']}" for r, v in rs.items()))
     if res["problems"]:
         raise click.ClickException("problems:\n" + "\n".join(res["problems"]))
     click.echo("no problems")

@@ -79,7 +79,7 @@ def test_system_soak_serves_right_and_fails_only_where_a_fault_explains(serve_mo
     if os.geteuid() == 0:
         assert faults[4]["persist_errors"].get("disk_full", 0) >= 1, faults[4]
     assert faults[5]["refilled"] > 0, faults[5]
-    assert report["metrics_vs_stats"] == {"a": [], "b": []}
+    assert report["metrics"] == {"a": [], "b": []}
     assert not report["leftovers"]
     assert report["problems"] == [], report["problems"]
     assert res.returncode == 0, res.stderr[-3000:]
