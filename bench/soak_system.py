@@ -387,7 +387,7 @@ def judge(res: dict[str, Any], evs: list[dict[str, Any]]) -> list[str]:
 @common.option("--workers", default=2, help="Workers per node.")
 @common.option("--concurrency", default=2, help="Client threads per node.")
 @common.option("--size", default="256M", help="Arena size per node.")
-@common.option("--persist-tmpfs", default="192m", help="Each node's --persist tmpfs.")
+@common.option("--persist-tmpfs", default="384m", help="Each node's --persist tmpfs.")
 @common.option("--persist-size", default="128M")
 @common.option("--n-ctx", default=4096)
 @common.option("--system-words", default=500, help="Words per shared system prompt.")
