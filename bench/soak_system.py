@@ -264,22 +264,28 @@ class Faults:
         return {"ok": True, "remote_errors": [n.stats()["remote_errors"] for n in self.nodes]}
 
     def fill_persist(self, node: Node) -> dict[str, Any]:
-        """Full until a commit fails (long one-off prompts: states too big for the pages LMDB
-        freed), then emptied until it writes again."""
+        """Full until a commit fails, then emptied until one is written (long one-off
+        prompts meanwhile: new states, too big for the pages LMDB freed)."""
         if not self.tmpfs:
             return {"ok": True, "skipped": "no tmpfs (needs root)"}
         errors = lambda: sum(node.stats()["persist_errors"].values())  # noqa: E731
-        before, filler, deadline = errors(), node.persist / "filler", time.monotonic() + WAIT
+        before, filler = errors(), node.persist / "filler"
         with open(filler, "wb") as f, contextlib.suppress(OSError):
             while f.write(b"\0" * (1 << 20)):
                 f.flush()
-        with common.http_client(600) as client:
-            while errors() == before and time.monotonic() < deadline:
-                request(client, node.base + "/v1/completions", {"prompt": self.long()}, 0)
+
+        def push(until: Any) -> bool:
+            deadline = time.monotonic() + WAIT
+            with common.http_client(600) as client:
+                while not until() and time.monotonic() < deadline:
+                    request(client, node.base + "/v1/completions", {"prompt": self.long()}, 0)
+            return bool(until())
+
+        full = push(lambda: errors() > before)
         filler.unlink()
         n = node.stats()["persisted"]
-        common.poll(lambda: node.stats()["persisted"] > n, WAIT, "persist writing again")
-        return {"ok": errors() > before, "persist_errors": node.stats()["persist_errors"]}
+        wrote = push(lambda: node.stats()["persisted"] > n)
+        return {"ok": full and wrote, "persist_errors": node.stats()["persist_errors"]}
 
     def reboot(self, node: Node) -> dict[str, Any]:
         rc, left = node.srv.child.stop(), list(common.SHM.glob(f"shmkv-{node.name}*"))
