@@ -67,6 +67,15 @@ def peer(addr: Any) -> tuple[str, int] | None:
     return None
 
 
+def _fileno(sock: Any) -> int:
+    """A listening socket's descriptor, -1 once closed: gunicorn's socket wrapper drops its
+    socket when a graceful stop closes it, and then raises AttributeError for ``fileno``."""
+    try:
+        return int(sock.fileno())
+    except (AttributeError, OSError):
+        return -1
+
+
 class IdleAcceptor:
     """Accepts connections while this worker is idle, one per readiness event.
 
@@ -100,7 +109,7 @@ class IdleAcceptor:
             return
         try:
             for loop, sock, _ in self.listening:
-                loop.remove_reader(sock.fileno())
+                loop.remove_reader(_fileno(sock))
             self.active = True
             self._sync()
         except Exception:  # (the loop refused the takeover): accept as usual
@@ -127,13 +136,13 @@ class IdleAcceptor:
 
     def _listen(self, on: bool) -> None:
         for loop, sock, factory in self.listening:
-            if sock.fileno() < 0:  # closed by uvicorn's shutdown
+            if (fd := _fileno(sock)) < 0:  # closed by a graceful stop
                 self.active = False
                 continue
             if on:
-                loop.add_reader(sock.fileno(), self._accept, loop, sock, factory)
+                loop.add_reader(fd, self._accept, loop, sock, factory)
             else:
-                loop.remove_reader(sock.fileno())
+                loop.remove_reader(fd)
         self._on = on
 
     def _accept(self, loop: Any, sock: Any, factory: Any) -> None:

@@ -4,7 +4,8 @@ This process only starts and watches the two: the supervisor (unless one is
 already running on the same socket, which is then shared) and gunicorn with
 ``workers/gunicorn_conf.py``. A supervisor that dies is restarted (workers run
 cold meanwhile and reattach by themselves); SIGTERM or SIGINT stops gunicorn
-first, then the supervisor.
+first, then the supervisor; SIGHUP (systemd's reload) is passed on to both:
+gunicorn replaces its workers gracefully, the supervisor logs its stats.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class Serve:
         self.gunicorn: subprocess.Popen[bytes] | None = None
         self.owns_supervisor = False
         self._stop: int | None = None
+        self._reload = False
 
     def _start_supervisor(self, env: dict[str, str]) -> None:
         self.sup = subprocess.Popen(
@@ -135,6 +137,7 @@ class Serve:
         conf = gunicorn_conf_path()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _f: setattr(self, "_stop", signum))
+        signal.signal(signal.SIGHUP, lambda _s, _f: setattr(self, "_reload", True))
         self.gunicorn = subprocess.Popen(
             [sys.executable, "-m", "gunicorn", "-c", str(conf)], env=env, preexec_fn=_child_setup
         )
@@ -149,6 +152,9 @@ class Serve:
         backoff = 0.5
         try:
             while self._stop is None:
+                if self._reload:
+                    self._reload = False
+                    self.reload()
                 if self.gunicorn.poll() is not None:
                     log.error("gunicorn exited with code %s", self.gunicorn.returncode)
                     return self.gunicorn.returncode or 1
@@ -170,6 +176,14 @@ class Serve:
             return 0
         finally:
             self.shutdown()
+
+    def reload(self) -> None:
+        """SIGHUP to gunicorn (new workers, the old ones stopped gracefully) and to our
+        supervisor (it logs its stats): what systemd's reload does to each unit."""
+        log.info("received SIGHUP: reloading the workers")
+        for proc in (self.gunicorn, self.sup if self.owns_supervisor else None):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGHUP)
 
     def shutdown(self) -> None:
         for proc in (self.gunicorn, self.sup if self.owns_supervisor else None):

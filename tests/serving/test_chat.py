@@ -20,6 +20,7 @@ import pytest
 
 from tests.support.cli import clean_env
 from tests.support.servers import EXTRA, SAMPLING, Server, free_port
+from tests.support.waiting import wait_until
 
 SYSTEM = "You are a terse geography tutor. Answer with one word, then stop."
 QUESTION = "What is the capital of France?"
@@ -216,6 +217,42 @@ def test_serve_starts_without_warnings(tmp_path, serve_model):
     assert "serving tiny.gguf" in log
     assert "cache unavailable" not in log, log
     assert " WARNING " not in log, log
+
+
+def test_sighup_to_serve_reloads_its_workers_and_keeps_serving(tmp_path, serve_model):
+    """SIGHUP (systemd's reload, a closed terminal) to `shmkv serve`: gunicorn replaces its
+    worker, the supervisor logs its stats, and serve keeps serving (it used to die of the
+    signal, taking its gunicorn and supervisor with it)."""
+    name, port = f"t{uuid.uuid4().hex[:10]}", free_port()
+    args = ["serve", "--model", serve_model, "--workers", "1", "--size", "32M", "--name", name]
+    args += ["--socket", str(tmp_path / f"{name}.sock"), "--port", str(port)]
+    err_path = tmp_path / "serve.err"
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shmkv", *args],
+            env=clean_env(SHMKV_THREADS="1", SHMKV_N_CTX="2048"),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
+
+    def worker_pid() -> int | None:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+            return r.json()["worker_pid"] if r.status_code == 200 else None
+        except httpx.HTTPError:
+            return None
+
+    try:
+        first = wait_until(worker_pid, 60, "the worker")
+        os.kill(proc.pid, signal.SIGHUP)
+        wait_until(lambda: worker_pid() not in (None, first), 60, "the reloaded worker")
+        assert proc.poll() is None, err_path.read_text()[-3000:]
+        wait_until(lambda: "stats: {" in err_path.read_text(), 30, "the supervisor's stats")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    assert proc.returncode == 0, err_path.read_text()[-3000:]
 
 
 def test_serve_refuses_more_aliases_than_models(tmp_path, serve_model):

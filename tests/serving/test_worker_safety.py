@@ -10,8 +10,10 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import random
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -345,6 +347,47 @@ def test_idle_and_slow_connections_do_not_stall_free_workers(
     assert completion_s < 5
     assert closed == 20
     assert health["http"]["idle_closed"] >= 1
+
+
+# --------------------------------------------------------------- graceful stops
+def _cpu_ticks(pid: int) -> int:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_a_request_in_flight_when_its_worker_stops_gracefully_is_answered(
+    tmp_path, serve_model, make_supervisor
+):
+    """gunicorn stops a worker gracefully (SIGTERM: what a reload, a scale-down or a clean
+    stop sends) while it computes a completion: the answer comes whole and the worker logs
+    no exception. (The worker's accept switch touched the listening socket a graceful stop
+    had closed: gunicorn's wrapper then raises AttributeError, which ended such requests in
+    an exception, or in a 500 for one whose body came in after the stop. Found by
+    bench/soak_system.py's SIGHUP.)"""
+    sup = make_supervisor("--size", "64M")
+    srv = Server(sup, serve_model, workers=1, tmp_path=tmp_path)
+    body = {"prompt": "Rule 1: the cat", **SAMPLING, **EXTRA, "max_tokens": 1500}
+    got: list[httpx.Response] = []
+    try:
+        (pid,) = srv.worker_pids()
+        ticks = _cpu_ticks(pid)
+        asker = threading.Thread(
+            target=lambda: got.append(
+                httpx.post(srv.base + "/v1/completions", json=body, timeout=120)
+            )
+        )
+        asker.start()
+        # in flight: 0.2 s of CPU into its 1,500 tokens (over a second of work)
+        wait_until(lambda: _cpu_ticks(pid) >= ticks + 20, 60, "the completion under way")
+        os.kill(pid, signal.SIGTERM)
+        asker.join(120)
+        wait_until(lambda: srv.worker_pids() - {pid}, 60, "gunicorn's new worker")
+    finally:
+        srv.stop()
+    assert got and got[0].status_code == 200, got and got[0].text
+    assert got[0].json()["usage"]["completion_tokens"] == 1500
+    log_text = srv.log_path.read_text()
+    assert "Traceback" not in log_text and "Exception in ASGI" not in log_text, log_text[-3000:]
 
 
 # ------------------------------------------------------- prompt logits after a restore
