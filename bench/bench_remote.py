@@ -4,8 +4,6 @@ compression (docs/guides/redis.md). Smoke run: ``--quick``."""
 from __future__ import annotations
 
 import contextlib
-import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,24 +21,11 @@ def redis_server(workdir: Path, url: str | None) -> Iterator[str]:
     if url:
         yield url
         return
-    if (exe := shutil.which("redis-server")) is None:
-        raise click.ClickException("no redis-server: apt-get install redis-server, or --redis URL")
-    port = common.free_port()
-    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(args + ["--dir", str(workdir)], stdout=subprocess.DEVNULL)
+    child = common.redis_server(port := common.free_port(), workdir)
     try:
-        import redis
-
-        def up() -> bool:
-            with contextlib.suppress(redis.RedisError), redis.Redis(port=port) as r:
-                return bool(r.ping())
-            return False
-
-        common.poll(up, 15, "redis-server answering", every=0.05)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        proc.kill()
-        proc.wait(10)
+        child.stop(kill=True)
 
 
 def ttft(llm: Any, prompt: str) -> tuple[float, str]:

@@ -220,9 +220,6 @@ def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: Any) -> comm
     )
 
 
-RSS_KINDS = ("RssAnon:", "RssFile:", "RssShmem:")  # private, file-backed and shared memory
-
-
 def mem_snapshot(pids: dict[str, list[int]], arena: Path | None) -> dict[str, Any]:
     """Memory of every server process by role; the arena's PSS once."""
     procs: dict[str, Any] = {}
@@ -241,14 +238,6 @@ def mem_snapshot(pids: dict[str, list[int]], arena: Path | None) -> dict[str, An
     return out
 
 
-def status_rss(pid: int) -> dict[str, int]:
-    """RssAnon, RssFile and RssShmem of a process in bytes (none if it is gone)."""
-    with contextlib.suppress(OSError, ValueError):
-        fields = map(str.split, Path(f"/proc/{pid}/status").read_text().splitlines())
-        return {f[0]: int(f[1]) * 1024 for f in fields if f[0] in RSS_KINDS}
-    return {}
-
-
 class MemoryWatch(threading.Thread):
     """Samples memory every 0.25 s; stops the cell past its memory limits."""
 
@@ -264,8 +253,8 @@ class MemoryWatch(threading.Thread):
         for n in itertools.count():
             if self.done.wait(0 if n == 0 else 0.25):
                 return
-            rss = [status_rss(pid) for pid in self.pids()]
-            shared = sum(max((r.get(k, 0) for r in rss), default=0) for k in RSS_KINDS[1:])
+            rss = [common.status_rss(pid) for pid in self.pids()]
+            shared = sum(max((r.get(k, 0) for r in rss), default=0) for k in common.RSS_KINDS[1:])
             footprint = sum(r.get("RssAnon:", 0) for r in rss) + shared
             self.peak_footprint = max(self.peak_footprint, footprint)
             avail, cap = common.meminfo("MemAvailable"), self.cfg["max_rss"]

@@ -113,6 +113,17 @@ def smaps(pid: int | str, path: str = "") -> dict[str, int]:
     return out
 
 
+RSS_KINDS = ("RssAnon:", "RssFile:", "RssShmem:")  # private, file-backed and shared memory
+
+
+def status_rss(pid: int) -> dict[str, int]:
+    """RssAnon, RssFile and RssShmem of a process in bytes (none if it is gone)."""
+    with contextlib.suppress(OSError, ValueError):
+        fields = map(str.split, Path(f"/proc/{pid}/status").read_text().splitlines())
+        return {f[0]: int(f[1]) * 1024 for f in fields if f[0] in RSS_KINDS}
+    return {}
+
+
 def loadavg() -> list[float]:
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
@@ -287,6 +298,24 @@ class Child:
         return self.proc.returncode
 
 
+def redis_server(port: int, workdir: Path) -> Child:
+    """A redis-server without persistence on 127.0.0.1:``port``, once it answers."""
+    import redis
+
+    if (exe := shutil.which("redis-server")) is None:
+        raise click.ClickException("no redis-server: apt-get install redis-server")
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    child = Child("redis", args, {}, workdir / f"redis-{time.monotonic_ns()}.log")
+
+    def up() -> bool:
+        with contextlib.suppress(redis.RedisError), redis.Redis(port=port) as r:
+            return bool(r.ping())
+        return False
+
+    child.wait_for(up, 30)
+    return child
+
+
 @dataclass
 class Supervisor:
     name: str
@@ -396,10 +425,10 @@ class Server:
         self.child.stop(timeout=40, kill=kill)
 
 
-def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
+def stream_completion(client: Any, url: str, body: dict[str, Any], cut: int = 0) -> dict[str, Any]:
     """POST one streaming OpenAI request: its send time (``time.monotonic()``, the clock of a
     shmkv worker's ``*_at``), seconds to its first chunk and text, its text and first chunk's
-    ``shmkv`` field."""
+    ``shmkv`` field; with ``cut``, closed after that many chunks (error "cut")."""
     import httpx
 
     now = time.monotonic()
@@ -426,6 +455,9 @@ def stream_completion(client: Any, url: str, body: dict[str, Any]) -> dict[str, 
                     r["text"] += text
                     r["ttft"] = now if r["ttft"] is None else r["ttft"]
                 r["finish_reason"] = choice.get("finish_reason") or r["finish_reason"]
+                if r["chunks"] == cut:
+                    r["error"] = "cut"
+                    break
     except (httpx.HTTPError, ValueError, OSError) as e:
         r["error"] = f"{type(e).__name__}: {e}"
     r["total"] = time.monotonic() - r["t_send"]

@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,12 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import click
+import common
 import httpx
 import psutil
-
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]  # the harness, and the shmkv of this checkout
-import common  # noqa: E402
 
 log = logging.getLogger("soak")
 #: (fault, node, start as a share of --duration); each waits for the one before to heal
@@ -53,46 +49,30 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(common.WORDS) for _ in range(n))
 
 
-def redis_server(port: int, work: Path) -> common.Child:
-    """A redis-server without persistence on ``port``, once it answers."""
-    import redis
-
-    exe = shutil.which("redis-server") or "redis-server"
-    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    child = common.Child("redis", args, {}, work / f"redis-{time.monotonic_ns()}.log")
-
-    def up() -> bool:
-        with contextlib.suppress(redis.RedisError), redis.Redis(port=port) as r:
-            return bool(r.ping())
-        return False
-
-    child.wait_for(up, 30)
-    return child
-
-
-class Node:
-    """One ``shmkv serve`` (its supervisor, gunicorn, workers); started again by a reboot."""
+class Node(common.Server):
+    """One ``shmkv serve`` (its supervisor, gunicorn, workers); booted again by a reboot."""
 
     def __init__(self, tag: str, work: Path, o: Any, remote: str) -> None:
-        self.tag, self.o, self.persist, self.starts = tag, o, work / f"persist-{tag}", 0
-        self.name, self.srv = f"soak{tag}{uuid.uuid4().hex[:6]}", common.Server("", work, 0)
-        self.base, sock = self.srv.base, str(work / f"{self.name}.sock")
-        self.sup = common.Supervisor(self.name, sock, None)  # type: ignore[arg-type]
-        env = dict(NAME=self.name, SOCKET=sock, PORT=self.srv.port, MODEL=o.model, THREADS=1,
+        super().__init__("", work, o.workers)
+        self.tag, self.persist, self.starts = tag, work / f"persist-{tag}", 0
+        name = f"soak{tag}{uuid.uuid4().hex[:6]}"
+        sock = str(work / f"{name}.sock")  # (serve starts the supervisor: no child of ours)
+        self.sup = common.Supervisor(name, sock, None)  # type: ignore[arg-type]
+        env = dict(NAME=name, SOCKET=sock, PORT=self.port, MODEL=o.model, THREADS=1,
                    WORKERS=o.workers, N_CTX=o.n_ctx, SIZE=o.size, PERSIST=self.persist,
                    PERSIST_SIZE=o.persist_size, REMOTE=remote, EXACT=str(o.exact).lower(),
                    LOG_LEVEL="info")  # fmt: skip
         self.env = common.child_env({f"SHMKV_{k}": str(v) for k, v in env.items()})
 
-    def start(self) -> None:
+    def boot(self) -> None:
         self.starts += 1
-        self.srv.name = f"node-{self.tag}-{self.starts}"  # (its log's name)
-        self.srv.start([sys.executable, "-m", "shmkv", "serve"], self.env)
-        self.wait_ready()
+        self.name = f"node-{self.tag}-{self.starts}"  # (its log's name)
+        self.start([sys.executable, "-m", "shmkv", "serve"], self.env)
+        self.wait_up()
 
     def procs(self) -> dict[str, list[psutil.Process]]:
         out: dict[str, list[psutil.Process]] = {"supervisor": [], "worker": []}
-        for p in self.srv.child.children():
+        for p in self.child.children():
             with contextlib.suppress(psutil.Error):
                 if "supervise" in (cmd := " ".join(p.cmdline())):
                     out["supervisor"].append(p)
@@ -100,13 +80,13 @@ class Node:
                     out["worker"] += p.children()
         return out
 
-    def wait_ready(self, gone: int = 0) -> None:
+    def wait_up(self, gone: int = 0) -> None:
         """One supervisor answering, each worker (``gone`` not one) loaded, /v1/models up."""
 
         def ready() -> bool:
-            ps, text = self.procs(), self.srv.child.log_tail(1 << 26)
+            ps, text = self.procs(), self.child.log_tail(1 << 26)
             pids = [p.pid for p in ps["worker"]]
-            if len(ps["supervisor"]) != 1 or len(pids) != self.o.workers or gone in pids:
+            if len(ps["supervisor"]) != 1 or len(pids) != self.workers or gone in pids:
                 return False
             if not all(f"worker {p} loaded" in text for p in pids) or not self.sup.answers():
                 return False
@@ -114,7 +94,7 @@ class Node:
                 return httpx.get(self.base + "/v1/models", timeout=10).status_code == 200
             return False
 
-        self.srv.child.wait_for(ready, 300)
+        self.child.wait_for(ready, 300)
 
     def stats(self) -> dict[str, Any]:
         from shmkv.core.errors import ShmkvError
@@ -129,33 +109,24 @@ class Node:
         for role, ps in self.procs().items():
             rows = [(0, 0, 0)]
             for p in ps:
-                with contextlib.suppress(psutil.Error, OSError, IndexError):
-                    anon = Path(f"/proc/{p.pid}/status").read_text().split("RssAnon:")[1]
-                    rows.append((p.num_fds(), p.memory_info().rss, int(anon.split()[0]) << 10))
+                with contextlib.suppress(psutil.Error, KeyError):
+                    anon = common.status_rss(p.pid)["RssAnon:"]
+                    rows.append((p.num_fds(), p.memory_info().rss, anon))
             out[role] = {k: max(r[i] for r in rows) for i, k in enumerate(("fds", "rss", "anon"))}
         return out
 
 
 def request(client: httpx.Client, url: str, body: dict[str, Any], cut: int) -> tuple[str, str]:
     """The text and the error ("" if none; "cut": a stream we closed after ``cut`` chunks)."""
+    if body.get("stream"):
+        r = common.stream_completion(client, url, body, cut)
+        return r["text"], (r["error"] or "")[:200]
     try:
-        if not body.get("stream"):
-            r = client.post(url, json=body)
-            if r.status_code != 200:
-                return "", f"HTTP {r.status_code}: {r.text[:200]}"
-            ch = r.json()["choices"][0]
-            return ch.get("text") or (ch.get("message") or {}).get("content") or "", ""
-        text, n = "", 0
-        with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                return "", f"HTTP {r.status_code}: {r.read()[:200]!r}"
-            for line in r.iter_lines():
-                if line.startswith("data:") and (data := line[5:].strip()) != "[DONE]":
-                    ch = json.loads(data)["choices"][0]
-                    text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
-                    if cut and (n := n + 1) >= cut:
-                        return text, "cut"
-        return text, ""
+        r = client.post(url, json=body)
+        if r.status_code != 200:
+            return "", f"HTTP {r.status_code}: {r.text[:200]}"
+        ch = r.json()["choices"][0]
+        return ch.get("text") or (ch.get("message") or {}).get("content") or "", ""
     except (httpx.HTTPError, ValueError, KeyError, IndexError, OSError) as e:
         return "", f"{type(e).__name__}: {e}"[:200]
 
@@ -208,7 +179,7 @@ class Faults:
 
     def __init__(self, nodes: list[Node], port: int, work: Path, o: Any, tmpfs: bool) -> None:
         self.nodes, self.port, self.work, self.o, self.tmpfs = nodes, port, work, o, tmpfs
-        self.redis = redis_server(port, work)
+        self.redis = common.redis_server(port, work)
         self.rng, self.log, count = random.Random(7), [], common.tokenizer(Path(o.model))
         more = lambda _: " " + words(self.rng, 8)  # noqa: E731
         self.long = lambda: common.fill_to(int(o.n_ctx * 0.8), lambda t: len(count(t)), "", more)
@@ -229,13 +200,13 @@ class Faults:
 
     def kill_worker(self, node: Node) -> dict[str, Any]:
         os.kill(pid := self.rng.choice(node.procs()["worker"]).pid, signal.SIGKILL)
-        node.wait_ready(gone=pid)
+        node.wait_up(gone=pid)
         return {"ok": True, "killed": pid}
 
     def kill_supervisor(self, node: Node) -> dict[str, Any]:
         os.kill(pid := node.procs()["supervisor"][0].pid, signal.SIGKILL)
-        node.wait_ready(gone=pid)  # serve starts another; the workers reattach
-        n = node.o.workers
+        node.wait_up(gone=pid)  # serve starts another; the workers reattach
+        n = node.workers
         new = lambda: (st := node.stats()).get("pid", pid) != pid and st["workers_attached"] >= n  # noqa: E731
         common.poll(new, WAIT, "workers reattached")
         return {"ok": True, "killed": pid, "new": node.stats()["pid"]}
@@ -258,7 +229,7 @@ class Faults:
     def restart_redis(self, _: Node) -> dict[str, Any]:
         self.redis.stop(kill=True)
         time.sleep(self.o.hold)  # the fault itself: Redis down this long
-        self.redis = redis_server(self.port, self.work)
+        self.redis = common.redis_server(self.port, self.work)
         for n in self.nodes:
             common.poll(lambda n=n: n.stats().get("remote_on") == 1, WAIT, "the remote back")
         return {"ok": True, "remote_errors": [n.stats()["remote_errors"] for n in self.nodes]}
@@ -288,10 +259,10 @@ class Faults:
         return {"ok": full and wrote, "persist_errors": node.stats()["persist_errors"]}
 
     def reboot(self, node: Node) -> dict[str, Any]:
-        rc, left = node.srv.child.stop(), list(common.SHM.glob(f"shmkv-{node.name}*"))
+        rc, left = node.child.stop(), list(common.SHM.glob(f"shmkv-{node.sup.name}*"))
         for p in left:  # (a reboot empties /dev/shm)
             p.unlink()
-        node.start()
+        node.boot()
         st = common.poll(
             lambda: (st := node.stats()) and not st["refilling"] and st, WAIT, "refill"
         )
@@ -300,10 +271,10 @@ class Faults:
     def sighup(self, node: Node) -> dict[str, Any]:
         """systemd's reload: gunicorn replaces its workers, the supervisor logs its stats."""
         old = {p.pid for p in node.procs()["worker"]}
-        os.kill(node.srv.child.pid, signal.SIGHUP)
+        os.kill(node.child.pid, signal.SIGHUP)
         common.poll(lambda: not old & {p.pid for p in node.procs()["worker"]}, WAIT, "reload")
-        node.wait_ready()
-        return {"ok": node.srv.child.proc.poll() is None, "old_workers": sorted(old)}
+        node.wait_up()
+        return {"ok": node.child.proc.poll() is None, "old_workers": sorted(old)}
 
 
 def greedy_refs(o: Any, env: dict[str, str], bodies: list[Any]) -> list[str]:
@@ -416,17 +387,14 @@ def main(report: common.Report, o: Any) -> None:
         keep = shutil.ignore_patterns("*.sock", "*.mdb", "filler")
         stack.callback(lambda: shutil.copytree(work, logs, ignore=keep))
         tmpfs = [stack.enter_context(mounted(work / f"persist-{t}", o.persist_tmpfs)) for t in "ab"]
-        with socket.socket() as s:  # a port for Redis, kept across its restart
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        faults = Faults([], port, work, o, all(tmpfs))
+        faults = Faults([], common.free_port(), work, o, all(tmpfs))  # (Redis keeps its port)
         stack.callback(lambda: faults.redis.stop(kill=True))
         remote = f"redis://127.0.0.1:{faults.port}/0"
         faults.nodes = nodes = [Node(t, work, o, remote) for t in "ab"]
         spots = list(zip(bodies, greedy_refs(o, nodes[0].env, bodies), strict=True))
         for node in nodes:
-            stack.callback(node.srv.stop)
-            node.start()
+            stack.callback(node.stop)
+            node.boot()
         load = Load(nodes, o, systems, spots)
         for node in nodes:  # warm-up: every spot check once on each node
             with common.http_client(600) as client:
@@ -454,8 +422,8 @@ def main(report: common.Report, o: Any) -> None:
         keys += "persist_errors refilled remote_written remote_fetched remote_errors"
         res["final_stats"] = {n.tag: common.pick(n.stats(), keys) for n in nodes}
         for node in nodes:
-            node.srv.stop()
-        res["leftovers"] = [str(p) for n in nodes for p in common.SHM.glob(f"shmkv-{n.name}*")]
+            node.stop()
+        res["leftovers"] = [str(p) for n in nodes for p in common.SHM.glob(f"shmkv-{n.sup.name}*")]
     res["problems"] = judge(res, load.events)
     report.write({**report.header(), **res, "events": load.events}, None)
     s = res["summary"]
