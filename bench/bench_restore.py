@@ -38,9 +38,7 @@ Who Give Write Compare Choose Find Count Check""".split()
 RATIOS = """hit_over_floor hit floor_b p50|hit_over_floor hit floor_b mean
 hit_nopublish_over_floor hit_nopublish floor_b p50|hit_over_floor_separate_process hit floor p50
 cold_over_hit cold hit p50|cold_over_hit cold hit mean|ramcache_over_cold ramcache cold p50
-cold_over_floor cold floor p50|cold_over_hit_exact cold hit_exact p50""".replace("\n", "|").split(
-    "|"
-)
+cold_over_floor cold floor p50|cold_over_hit_exact cold hit_exact p50""".replace("\n", "|")
 
 
 def timed(calls: list[tuple[float, float, bool | None]], fn: Any) -> Any:
@@ -84,9 +82,8 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         llm, cache = llama_cpp.Llama(model_path=spec["model"], **spec["ctx"]), None
     res["load_seconds"], cp = time.perf_counter() - t, llm.context_params
-    res["context_params"] = {
-        n: v for n, _t in cp._fields_ if isinstance(v := getattr(cp, n), (int, float, bool))
-    }
+    res["context_params"] = {n: v for n, _t in cp._fields_
+                             if isinstance(v := getattr(cp, n), (int, float, bool))}  # fmt: skip
     calls: list[tuple[float, float, bool | None]] = []  # of capture()
     if cache is not None:
         from shmkv.core.client import Client
@@ -108,21 +105,14 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
         captured = list(calls)  # (not those a flush may make)
         if cache is None or before is not None:  # the floor does not go through the cache
             return r
-        t = time.perf_counter()
-        flushed = cache.flush(60)
-        r.update(
-            flush_seconds=time.perf_counter() - t,
-            flushed=flushed,
-            captures=[(s - r["t0"], d, ok) for s, d, ok in captured],
-            last=dataclasses.asdict(cache.last),
-        )
+        t, r["flushed"] = time.perf_counter(), cache.flush(60)
+        r |= dict(flush_seconds=time.perf_counter() - t, last=dataclasses.asdict(cache.last))
+        r["captures"] = [(s - r["t0"], d, ok) for s, d, ok in captured]
         least = prefix_n - 64 if kind == "hit" else 0
         least = prefix_n - spec["ctx"]["n_batch"] if kind == "hit_exact" else least
         if (restored := cache.last.tokens_restored) < least:
-            raise RuntimeError(
-                f"{kind} request {extra.get('suffix')}: restored {restored} "
-                f"(last={r['last']}, errors={cache.totals.errors})"
-            )
+            what = f"restored {restored} (last={r['last']}, errors={cache.totals.errors})"
+            raise RuntimeError(f"{kind} request {extra.get('suffix')}: {what}")
         return r
 
     if kind in ("cold", "hit_exact", "publisher", "publisher_exact"):
@@ -169,11 +159,9 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
                 res["aborted"] = f"stopped before request {n}: only {free >> 20} MiB available"
                 break
             r = run(s, suffix=i, warm=n == 0)
-            scores = next(reversed(ramcache.cache_state.values())).scores.nbytes  # uncounted
-            r |= dict(entries=len(ramcache.cache_state), cache_size=ramcache.cache_size)
-            r |= dict(
-                scores_bytes_uncounted=int(scores), rss_bytes=psutil.Process().memory_info().rss
-            )
+            cached, rss = ramcache.cache_state, psutil.Process().memory_info().rss
+            r |= dict(entries=len(cached), cache_size=ramcache.cache_size, rss_bytes=rss)
+            r["scores_bytes_uncounted"] = int(next(reversed(cached.values())).scores.nbytes)
             res["requests"].append(r | {"mem_available": common.meminfo("MemAvailable")})
     else:
         raise ValueError(f"unknown arm {kind}")
@@ -184,9 +172,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def make_prompts(
-    model: Path, prefix_target: int, suffix_target: int, n_suffixes: int
-) -> dict[str, Any]:
+def make_prompts(model: Path, prefix_target: int, suffix_target: int, n: int) -> dict[str, Any]:
     """A shared prefix and suffixes that start with different tokens (so no two requests share
     more than the prefix) and tokenize apart from it."""
     tok, rng = common.tokenizer(model), random.Random(SEED)
@@ -223,7 +209,7 @@ def make_prompts(
             continue
         firsts.add(full[len(ptoks)])
         suffixes.append(text)
-        if len(suffixes) == n_suffixes:
+        if len(suffixes) == n:
             break
     else:
         raise click.ClickException(f"only {len(suffixes)} distinct suffixes: lower --repeats")
@@ -276,10 +262,8 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
         "hit_exact": ("shmkv --exact hit, 2nd process (restores at n_batch boundaries)", exact),
         "publisher_exact": ("process A --exact: miss + publish at batch boundaries", pub_exact),
     }
-    ttft = {
-        k: {"label": lab, "ttft": S([r["ttft"] for r in rs]), "total": S([r["total"] for r in rs])}
-        for k, (lab, rs) in rows.items()
-    }
+    ttft = {k: {"label": lab, **{x: S([r[x] for r in rs]) for x in ("ttft", "total")}}
+            for k, (lab, rs) in rows.items()}  # fmt: skip
 
     def ratio(a: str, b: str, stat: str = "p50") -> float | None:
         x, y = ttft[a]["ttft"].get(stat), ttft[b]["ttft"].get(stat)
@@ -287,7 +271,8 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
 
     # hit / floor against the floor in the same process, interleaved with the hits (same
     # context and KV history); two processes differ by a few percent in suffix-eval alone
-    ratios = {f"{name}_{stat}": ratio(a, b, stat) for name, a, b, stat in map(str.split, RATIOS)}
+    ratios = {f"{name}_{stat}": ratio(a, b, stat) for name, a, b, stat in
+              map(str.split, RATIOS.split("|"))}  # fmt: skip
 
     def cap(r: dict[str, Any], before_first: bool = False) -> float:
         """Seconds in capture() calls (only those that started before the first chunk)."""
@@ -301,38 +286,28 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
     publish |= {"capture_before_first_chunk": S([cap(r, True) for r in on])}
     publish |= {"capture_after_first_chunk": S([cap(r) - cap(r, True) for r in on])}
     publish |= {"captures_published_per_request": S([sum(c[2] for c in r["captures"]) for r in on])}
-    for stat in ("p50", "mean"):
-        publish[f"request_on_over_off_{stat}"] = (
-            publish["request_on"][stat] / publish["request_off"][stat]
-        )
+    req_on, req_off = publish["request_on"], publish["request_off"]
+    publish |= {f"request_on_over_off_{s}": req_on[s] / req_off[s] for s in ("p50", "mean")}
     same = {}  # greedy text of every cached arm vs the cold arm's, suffix by suffix
     cold_text = {r["suffix"]: r["text"] for r in rows["cold"][1]}
     for k in "hit hit_exact floor_b floor ramcache local".split():
-        pairs = [
-            (r["text"], cold_text[r["suffix"]]) for r in rows[k][1] if r["suffix"] in cold_text
-        ]
+        pairs = [(r["text"], cold_text[s]) for r in rows[k][1] if (s := r["suffix"]) in cold_text]
         same[k] = f"{sum(a == c for a, c in pairs)}/{len(pairs)}"
     last_ram, lasts = (ram["requests"] or [{}])[-1], [r["last"] for r in on + off]
     hit_out = {"restore_seconds": S([x["restore_seconds"] for x in lasts])}
-    hit_out |= {
-        f"tokens_{k}": sorted({x[f"tokens_{k}"] for x in lasts}) for k in ("restored", "evaluated")
-    }
-    memory = {
-        "ramcache_peak_rss_bytes": ram["peak_rss_bytes"],
-        "ramcache_aborted": ram.get("aborted"),
-    }
-    memory |= dict(
-        ramcache_counted_bytes=last_ram.get("cache_size", 0),
-        ramcache_entries=last_ram.get("entries", 0),
-    )
-    memory["ramcache_uncounted_scores_bytes_per_entry"] = last_ram.get("scores_bytes_uncounted", 0)
-    memory |= dict(cold_peak_rss_bytes=cold["peak_rss_bytes"], blob_bytes=floor["blob_bytes"])
-    out = dict(
-        ttft=ttft, ratios=ratios, publish=publish, goals=common.check_goals(GOALS, {"": ratios})
-    )
+    for k in ("restored", "evaluated"):
+        hit_out[f"tokens_{k}"] = sorted({x[f"tokens_{k}"] for x in lasts})
+    mem = dict(ramcache_peak_rss_bytes=ram["peak_rss_bytes"], ramcache_aborted=ram.get("aborted"),
+               ramcache_counted_bytes=last_ram.get("cache_size", 0),
+               ramcache_entries=last_ram.get("entries", 0),
+               ramcache_uncounted_scores_bytes_per_entry=last_ram.get("scores_bytes_uncounted", 0),
+               cold_peak_rss_bytes=cold["peak_rss_bytes"])  # fmt: skip
+    mem["blob_bytes"] = floor["blob_bytes"]
+    out = dict(ttft=ttft, ratios=ratios, publish=publish)
+    out["goals"] = common.check_goals(GOALS, {"": ratios})
     out["hit"] = hit_out | {"attach_seconds": hit["attach_seconds"], "totals": hit["totals"]}
     out["floor_set_data"] = S([r["set_data_seconds"] for r in floor["requests"]])
-    return out | {"same_text_as_cold": same, "memory": memory}
+    return out | {"same_text_as_cold": same, "memory": mem}
 
 
 def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
@@ -340,10 +315,8 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     b = (baseline or {}).get("analysis", {})
     counts = ("capture_fraction", "captures_published_per_request")
     rows: list[tuple[str, Any, Any]] = [("[TTFT]", None, None)]
-    rows += [
-        (v["label"], v["ttft"], b.get("ttft", {}).get(k, {}).get("ttft"))
-        for k, v in a["ttft"].items()
-    ]
+    rows += [(v["label"], v["ttft"], b.get("ttft", {}).get(k, {}).get("ttft"))
+             for k, v in a["ttft"].items()]  # fmt: skip
     publish = {k: v for k, v in a["publish"].items() if k not in counts}
     rows += [("[publish]", None, None), *common.walk(publish, b.get("publish"))]
     r, h, m, p = (a[k] for k in "ratios hit memory publish".split())
@@ -377,9 +350,7 @@ def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
 opt = common.option
 
 
-@common.command(
-    "restore", "Smoke run (short prefix, 2 repeats).", True, 2, max_load=0.5, max_wait=300.0
-)
+@common.command("restore", "Smoke run (short prefix, 2 repeats).", True, 2, 0.5, 300.0)
 @opt("--prefix-tokens", type=int, help="Shared prefix length in tokens [2000; quick 600].")
 @opt("--suffix-tokens", default=10, help="Suffix length in tokens (one suffix per request).")
 @opt("--repeats", type=int, help="Timed requests per arm [7; quick 2].")
@@ -453,10 +424,8 @@ def main(report: common.Report, o: Any) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "_arm":
-        logging.basicConfig(
-            level=logging.WARNING,
-            format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
-        )
+        fmt = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+        logging.basicConfig(level=logging.WARNING, format=fmt)
         spec = json.loads(Path(sys.argv[2]).read_text())
         Path(spec["out"]).write_text(json.dumps(arm(spec)))
     else:
