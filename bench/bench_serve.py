@@ -151,9 +151,8 @@ def build_llama_server(jobs: int = 2) -> Path:
     ``~/.cache/shmkv-bench/llama-server-<version>/`` (minutes)."""
     ver = importlib.metadata.version("llama-cpp-python")  # the llama.cpp the other arms run
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shmkv-bench"
-    if (exe := (dest := cache / f"llama-server-{ver}") / "llama-server").is_file() and os.access(
-        exe, os.X_OK
-    ):
+    exe = (dest := cache / f"llama-server-{ver}") / "llama-server"
+    if exe.is_file() and os.access(exe, os.X_OK):
         return exe
     dest.mkdir(parents=True, exist_ok=True)
     (build_log := dest / "build.log").write_text("")
@@ -214,10 +213,8 @@ def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: Any) -> comm
     srv = common.Server(f"gunicorn-{arm}", workdir, workers)
     args = f"-m gunicorn -w {workers} -k uvicorn_worker.UvicornWorker -b 127.0.0.1:{srv.port}"
     args += " --timeout 900 --graceful-timeout 30 --keep-alive 5 --log-level info"
-    args += f" --pythonpath {common.HERE}"
-    return srv.start(
-        [sys.executable, *args.split(), "plain_app:create_app()"], common.child_env(env)
-    )
+    args += f" --pythonpath {common.HERE} plain_app:create_app()"
+    return srv.start([sys.executable, *args.split()], common.child_env(env))
 
 
 def mem_snapshot(pids: dict[str, list[int]], arena: Path | None) -> dict[str, Any]:
@@ -259,10 +256,8 @@ class MemoryWatch(threading.Thread):
             self.peak_footprint = max(self.peak_footprint, footprint)
             avail, cap = common.meminfo("MemAvailable"), self.cfg["max_rss"]
             if footprint > cap:
-                what = (
-                    f"{common.fmt_b(footprint)} (private RSS + shared once) > {common.fmt_b(cap)}"
-                )
-                self.reason = f"server memory {what}"
+                what = f"{common.fmt_b(footprint)} (private RSS + shared once)"
+                self.reason = f"server memory {what} > {common.fmt_b(cap)}"
             elif avail and avail < self.cfg["min_available"]:
                 self.reason = f"only {common.fmt_b(avail)} of memory available"
             if self.reason and not self.abort.is_set():
@@ -282,9 +277,8 @@ def send(client: Any, srv: common.Server, max_tokens: int, **body: Any) -> dict[
     return common.stream_completion(client, url, body)
 
 
-def run_load(
-    srv: common.Server, wl: Workload, n: int, cc: int, cfg: dict[str, Any], abort: Any, chat: bool
-) -> tuple[list[dict[str, Any]], float]:
+def run_load(srv: common.Server, wl: Workload, n: int, cc: int, cfg: dict[str, Any], abort: Any,
+             chat: bool) -> tuple[list[dict[str, Any]], float]:  # fmt: skip
     """Closed loop: ``cc`` clients take the next request in turn (as chat with ``chat``)."""
     results = [{"k": k, "prompt": wl.requests[k][0], "t_send": 0.0} for k in range(n)]
     nxt, lock = iter(range(n)), threading.Lock()
@@ -322,9 +316,7 @@ def warm_up(srv: common.Server, rounds: int = 3) -> None:
         common.in_threads(srv.workers, functools.partial(go, rnd * srv.workers))
 
 
-def run_cell(
-    arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workdir: Path
-) -> dict[str, Any]:
+def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workdir: Path) -> Any:
     """One (arm, concurrency) cell on fresh servers; its raw record."""
     cell: dict[str, Any] = {"arm": arm, "concurrency": cc, "planned": n}
     cell |= dict.fromkeys(["aborted", "abort_s", "shmkv_stats"])
@@ -403,11 +395,8 @@ def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
         inflight = {o["worker_pid"] for o in during}
         busy.append(r["worker_pid"] in inflight)
         misrouted.append(busy[-1] and any(w not in inflight for w in known))
-    return {
-        "n": len(done),
-        "landed_on_busy": sum(busy),
-        "landed_on_busy_while_another_idle": sum(misrouted),
-    }
+    return {"n": len(done), "landed_on_busy": sum(busy),
+            "landed_on_busy_while_another_idle": sum(misrouted)}  # fmt: skip
 
 
 def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]:
@@ -439,11 +428,7 @@ WAITS = ("queue", "app", "coalesce wait", "remote wait", "cpu wait")
 def phases_of(r: dict[str, Any]) -> dict[str, float] | None:
     """The phases of one request's TTFT in seconds (they sum to it); None without them."""
     k = r.get("shmkv") or {}
-    if (
-        r.get("sent_at") is None
-        or r["ttft"] is None
-        or not {"first_token_at", "received_at"} <= set(k)
-    ):
+    if None in (r.get("sent_at"), r["ttft"]) or not {"first_token_at", "received_at"} <= set(k):
         return None
     p = {"queue": k["received_at"] - r["sent_at"], "app": k["started_at"] - k["received_at"]}
     p |= {ph: k[ph.replace(" ", "_") + "_ms"] / 1e3 for ph in IN_CALL}
@@ -466,9 +451,8 @@ def phase_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     return out
 
 
-def ideal_mean_ttft(
-    prompts: list[int], cc: int, prefill: dict[int, float], hit: float, decode: float
-) -> float:
+def ideal_mean_ttft(prompts: list[int], cc: int, prefill: dict[int, float], hit: float,
+                    decode: float) -> float:  # fmt: skip
     """Mean TTFT if every cold prefill ran alone on all cores, one at a time."""
     free, lane, ready, ttfts = [0.0] * cc, 0.0, {}, []
     for p in prompts:
@@ -494,10 +478,8 @@ def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[s
         return None
     hit = sum(sum(p.values()) - sum(p[w] for w in WAITS) for p in warm) / len(warm)
     decode = sum(r["total"] - r["ttft"] for r in done) / len(done)
-    prefill = {int(p): s for p, s in measured.items()}
-    mean = ideal_mean_ttft(
-        cfg["request_prompts"][: c["planned"]], c["concurrency"], prefill, hit, decode
-    )
+    prefill, prompts = {int(p): s for p, s in measured.items()}, cfg["request_prompts"]
+    mean = ideal_mean_ttft(prompts[: c["planned"]], c["concurrency"], prefill, hit, decode)
     res = dict(mean_ttft_s=mean, hit_s=hit, decode_s=decode)
     return res | {"measured_mean_ttft_s": out["ttft"].get("mean")}
 
@@ -630,18 +612,12 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
     rows, notes, f = [], [], common.fmt_s
     label = {"all": "all", "cold": "cold", "hit": "arena hit", "local": "local reuse"}
     if cp := cfg.get("cold_prefill"):
-        secs = ", ".join(f(v) for v in cp["seconds"].values())
-        notes.append(
-            f"- cold prefill per system prompt, one process, {cp['threads']} threads: {secs}"
-        )
+        what = f"- cold prefill per system prompt, one process, {cp['threads']} threads"
+        notes.append(f"{what}: {', '.join(f(v) for v in cp['seconds'].values())}")
     for c in cells:
         for cls, ph in (c.get("phases") or {}).items():
-            row = {
-                "cell": cell_key(c),
-                "requests": label[cls],
-                "n": ph["n"],
-                "TTFT mean": f(ph["ttft_mean"]),
-            }
+            row = {"cell": cell_key(c), "requests": label[cls], "n": ph["n"]}
+            row["TTFT mean"] = f(ph["ttft_mean"])
             share = {k: f" ({(v or 0) * 100:.0f} %)" for k, v in ph["share"].items()}
             rows.append(row | {k: f(ph["mean"][k]) + share[k] for k in PHASES})
         if i := c.get("ideal"):
