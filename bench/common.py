@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import click
+import httpx
 import numpy as np
+import psutil
 
 log = logging.getLogger("bench")
 
@@ -148,8 +150,6 @@ class Noise:
         self.busy0, self.own0 = cpu_busy_seconds(), self.ours()
 
     def ours(self) -> float:
-        import psutil
-
         cpu = sum(os.times()[:4])
         for p in self.pids:
             with contextlib.suppress(psutil.Error):
@@ -254,8 +254,6 @@ class Child:
         return ""
 
     def children(self, recursive: bool = False, pid: int = 0) -> list[Any]:
-        import psutil
-
         with contextlib.suppress(psutil.Error):
             return psutil.Process(pid or self.pid).children(recursive=recursive)
         return []
@@ -272,8 +270,6 @@ class Child:
 
     def stop(self, timeout: float = 40.0, kill: bool = False) -> int | None:
         """SIGTERM (SIGKILL if ``kill``); after ``timeout``, SIGKILL it and its descendants."""
-        import psutil
-
         tree = self.children(recursive=True)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
@@ -398,14 +394,12 @@ class Server:
     def wait_ready(self, timeout: float = 180.0, logged: str | None = None) -> None:
         """Every worker up (and ``logged`` logged by each) and /v1/models answering;
         llama-server: /health answering 200 (503 until its model is loaded)."""
-        import httpx
 
         def ready() -> bool:
-            if not self.single_process and (
-                (logged and self.child.log_tail(1 << 20).count(logged) < self.workers)
-                or len(self.worker_pids()) != self.workers
-            ):
-                return False
+            if not self.single_process:
+                few = logged and self.child.log_tail(1 << 20).count(logged) < self.workers
+                if few or len(self.worker_pids()) != self.workers:
+                    return False
             with contextlib.suppress(httpx.HTTPError):
                 path = "/health" if self.single_process else "/v1/models"
                 return httpx.get(self.base + path, timeout=10).status_code == 200
@@ -421,8 +415,6 @@ def stream_completion(client: Any, url: str, body: dict[str, Any], cut: int = 0)
     """POST one streaming OpenAI request: its send time (``time.monotonic()``, the clock of a
     shmkv worker's ``*_at``), seconds to its first chunk and text, its text and first chunk's
     ``shmkv`` field; with ``cut``, closed after that many chunks (error "cut")."""
-    import httpx
-
     now = time.monotonic()
     r: dict[str, Any] = {"t_send": now, "sent_at": now, "chunks": 0, "text_chunks": 0, "text": ""}
     r |= dict.fromkeys("ttft first_chunk total finish_reason status error shmkv".split())
@@ -432,9 +424,7 @@ def stream_completion(client: Any, url: str, body: dict[str, Any], cut: int = 0)
             if resp.status_code != 200:
                 r["error"] = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
                 return r
-            for line in resp.iter_lines():
-                if not line.startswith("data:"):
-                    continue
+            for line in (x for x in resp.iter_lines() if x.startswith("data:")):
                 if (data := line[5:].strip()) == "[DONE]":
                     break
                 now, chunk = time.monotonic() - r["t_send"], json.loads(data)
@@ -463,8 +453,6 @@ def msg(role: str, content: str) -> dict[str, str]:
 
 def http_client(timeout: float) -> Any:
     """An httpx client that opens a new connection for every request."""
-    import httpx
-
     limits = httpx.Limits(max_keepalive_connections=0)
     return httpx.Client(timeout=httpx.Timeout(timeout, connect=30), limits=limits)
 
@@ -539,9 +527,9 @@ class Report:
         base = json.loads(self.baseline_path.read_text()) if self.baseline_path.exists() else {}
         return base if base.get("config", {}).get("quick") == quick else None
 
-    def write(self, res: dict[str, Any], chart: list[Any], refuse: str = "") -> None:
-        """The JSON and the chart (rows of label, p50, p99 as bars); with ``write_baseline`` and
-        no reason to ``refuse``, the baseline."""
+    def write(self, res: dict[str, Any], chart: list[Any] | None, refuse: str = "") -> None:
+        """The JSON and the chart (rows of label, p50, p99 as bars; None: no chart); with
+        ``write_baseline`` and no reason to ``refuse``, the baseline."""
         self.out.mkdir(parents=True, exist_ok=True)
         paths = [self.out / f"{self.name}.json", self.out / f"{self.name}.png"]
         paths[0].write_text(json.dumps(res, indent=1) + "\n")
@@ -552,6 +540,8 @@ class Report:
             import matplotlib.pyplot as plt
         except ImportError:
             log.warning("matplotlib not installed (pip install -e '.[bench]'): no chart")
+            chart = None
+        if chart is None:
             paths.pop()
         else:
             bars(plt, chart, title(res, self.name)).savefig(paths[1], dpi=110)
