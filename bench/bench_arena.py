@@ -219,11 +219,8 @@ def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]) 
     src = np.frombuffer(view.mm, dtype=np.uint8, count=rec.payload_len, offset=rec.payload_off)
     dst = np.ones_like(src)
     memcpy = us(timed(lambda: np.copyto(dst, src), max(30, plan.reads // 2)), BLOB)
-    return {
-        "pointer_verified": us(full, BLOB),
-        "pointer_unverified": us(bare, BLOB),
-        "memcpy": memcpy,
-    }
+    out = {"pointer_verified": us(full, BLOB), "pointer_unverified": us(bare, BLOB)}
+    return out | {"memcpy": memcpy}
 
 
 # ------------------------------------------------------ 4. a fragmented arena
@@ -255,10 +252,8 @@ def bench_fragmented(quick: bool, seed: int) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     slots = 1 << (size // (16 * 1024)).bit_length()  # room for every small record
     args = ["--size", str(size), "--index-slots", str(slots)]
-    with (
-        tempfile.TemporaryDirectory(prefix="shmkv-bench-") as tmp,
-        common.supervisor(Path(tmp), *args) as sup,
-    ):
+    with (tempfile.TemporaryDirectory(prefix="shmkv-bench-") as tmp,
+          common.supervisor(Path(tmp), *args) as sup):  # fmt: skip
         client = sup.client(timeout=600)
         try:
             chunk = client.ensure().geometry.chunk_tokens
@@ -335,10 +330,8 @@ def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
 def run(plan: Plan) -> dict[str, Any]:
     rng = np.random.default_rng(plan.seed)
     args = ["--size", str(plan.size), "--index-slots", str(plan.index_slots)]
-    with (
-        tempfile.TemporaryDirectory(prefix="shmkv-bench-") as tmp,
-        common.supervisor(Path(tmp), *args) as sup,
-    ):
+    with (tempfile.TemporaryDirectory(prefix="shmkv-bench-") as tmp,
+          common.supervisor(Path(tmp), *args) as sup):  # fmt: skip
         client = sup.client(timeout=60)
         try:
             t0 = time.perf_counter()
@@ -371,10 +364,8 @@ def run(plan: Plan) -> dict[str, Any]:
 def main(report: common.Report, o: Any) -> None:
     """Benchmark shmkv's arena against a real supervisor; print a table, write JSON and PNG."""
     quick, over = o.quick, dict(kv.split("=", 1) for kv in o.sets)
-    if unknown := set(over) - set(PLANS[quick]):
-        raise click.BadParameter(
-            f"{unknown}: the plan has {list(PLANS[quick])}", param_hint="--set"
-        )
+    if unknown := set(over) - set(keys := list(PLANS[quick])):
+        raise click.BadParameter(f"{unknown}: the plan has {keys}", param_hint="--set")
     over = {k: parse_size(v) if k == "size" else int(v) for k, v in over.items()}
     plan = Plan(quick=quick, **{**PLANS[quick], **over, "seed": o.seed})
     load_before, res = common.loadavg(), run(plan)

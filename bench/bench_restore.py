@@ -184,19 +184,15 @@ def make_prompts(model: Path, prefix_target: int, suffix_target: int, n: int) ->
         fill = lambda n: line.format(*rng.sample(WORDS, 8), n=n)  # noqa: E731
         return common.fill_to(prefix_target, count, head, fill) + "\n"
 
-    prefix = document(
-        "You are the archivist of a large museum. Below are the catalogue rules you must "
-        "follow when answering visitors. Answer briefly.\n\n",
-        "Rule {n}: the {0} room holds {1} and {2} items; visitors who ask about the {3} must "
-        "be sent to the {4} desk, never to the {5} hall.\n",
-    )
+    prefix = document("You are the archivist of a large museum. Below are the catalogue rules "
+                      "you must follow when answering visitors. Answer briefly.\n\n",
+                      "Rule {n}: the {0} room holds {1} and {2} items; visitors who ask about "
+                      "the {3} must be sent to the {4} desk, never to the {5} hall.\n")  # fmt: skip
     # as long, nothing in common: each arm warms up on it before anything is timed
-    warmup = document(
-        "Shipping log of the cargo vessel Northern Star. Each entry lists the cargo and the "
-        "weather.\n\n",
-        "Day {n}. Loaded {0} crates of {1} and a barrel of {2}; the wind came from the {3}, "
-        "and the {4} was stored below the {5}.\n",
-    )
+    warmup = document("Shipping log of the cargo vessel Northern Star. Each entry lists the "
+                      "cargo and the weather.\n\n",
+                      "Day {n}. Loaded {0} crates of {1} and a barrel of {2}; the wind came "
+                      "from the {3}, and the {4} was stored below the {5}.\n")  # fmt: skip
     ptoks, firsts, suffixes, heads = tok(prefix), set(), [], list(SUFFIX_HEADS)
     rng.shuffle(heads)
     for h in heads:
@@ -383,10 +379,8 @@ def main(report: common.Report, o: Any) -> None:
     plan |= dict(arena_size=ARENA_SIZE, ramcache_capacity=RAMCACHE_CAPACITY)
     quiet = common.wait_until_quiet(o.max_load, o.max_wait)
     arms: dict[str, dict[str, Any]] = {}
-    with (
-        tempfile.TemporaryDirectory(prefix="shmkv-bench-restore-") as tmp,
-        common.supervisor(Path(tmp), "--size", ARENA_SIZE) as sup,
-    ):
+    with (tempfile.TemporaryDirectory(prefix="shmkv-bench-restore-") as tmp,
+          common.supervisor(Path(tmp), "--size", ARENA_SIZE) as sup):  # fmt: skip
         sp = dict(model=str(model_path), ctx=ctx, gen=gen, name=sup.name, socket=sup.socket)
         sp |= common.pick(prompts, "prefix prefix_tokens warmup")
         for spec in (
