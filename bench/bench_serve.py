@@ -32,14 +32,11 @@ log = logging.getLogger("bench_serve")
 # issue 13's goals on the shmkv arms (completions and chat), at concurrency 4 but req/s (at
 # 10) and the CPU budget's (at 1: `--concurrency 1 --prompts N --requests N --idle 1`, every
 # request cold on an idle deployment, against one Llama on all cores)
-GOALS = [
-    ("mean TTFT (s)", "<=", 0.45),
-    ("llama-server's mean TTFT / shmkv's", ">=", 4.0),
-    ("p50 TTFT / (restore floor + suffix)", "<=", 1.5),
-    ("req/s / llama-server's req/s", ">=", 1.0),
-    ("PSS - arena used / llama-server's PSS", "<=", 1.5),
-    ("cold TTFT / one process's on all cores", "<=", 1.10),
-]
+GOALS = [("mean TTFT (s)", "<=", 0.45), ("llama-server's mean TTFT / shmkv's", ">=", 4.0),
+         ("p50 TTFT / (restore floor + suffix)", "<=", 1.5),
+         ("req/s / llama-server's req/s", ">=", 1.0),
+         ("PSS - arena used / llama-server's PSS", "<=", 1.5),
+         ("cold TTFT / one process's on all cores", "<=", 1.10)]  # fmt: skip
 SEED = 11
 ARMS = {  # arm: its label, and for a shmkv arm its settings beyond the common ones
     "nocache": ("llama_cpp.server, no cache", None),
@@ -53,11 +50,8 @@ ARMS = {  # arm: its label, and for a shmkv arm its settings beyond the common o
     "llama-server": ("llama.cpp llama-server -np N --cache-ram", None),
 }  # fmt: skip
 # the same requests as messages, to /v1/chat/completions: arm X-chat is arm X otherwise
-ARMS |= {
-    f"{a}-chat": (f"{label}, /v1/chat/completions", env)
-    for a, (label, env) in ARMS.items()
-    if a not in ("shmkv-static", "shmkv-q8_0")
-}
+ARMS |= {f"{a}-chat": (f"{label}, /v1/chat/completions", env) for a, (label, env) in ARMS.items()
+         if a not in ("shmkv-static", "shmkv-q8_0")}  # fmt: skip
 DEFAULT_ARMS = "nocache,ramcache,llama-server,shmkv,shmkv-exact"
 DEFAULT_ARMS += "," + ",".join(f"{a}-chat" for a in DEFAULT_ARMS.split(","))
 
@@ -470,10 +464,8 @@ def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[s
     """``ideal_mean_ttft`` of a shmkv cell: measured prefills, its own hits less WAITS."""
     measured, sys_tokens = (cfg.get("cold_prefill") or {}).get("seconds"), min(cfg["system_tokens"])
     done = [r for r in c["results"] if r["ttft"] is not None and r["total"] is not None]
-    warm = [
-        p for r in done if r.get("shmkv") and cache_class(r, sys_tokens) != "cold"
-        if (p := phases_of(r)) is not None
-    ]  # fmt: skip
+    warm = [p for r in done if r.get("shmkv") and cache_class(r, sys_tokens) != "cold"
+            if (p := phases_of(r)) is not None]  # fmt: skip
     if not measured or not warm or not done:
         return None
     hit = sum(sum(p.values()) - sum(p[w] for w in WAITS) for p in warm) / len(warm)
@@ -621,12 +613,11 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
             share = {k: f" ({(v or 0) * 100:.0f} %)" for k, v in ph["share"].items()}
             rows.append(row | {k: f(ph["mean"][k]) + share[k] for k in PHASES})
         if i := c.get("ideal"):
-            notes.append(
-                f"- {cell_key(c)}: measured mean TTFT {f(i['measured_mean_ttft_s'])}; with every "
-                f"cold prefill alone on all cores, one at a time: {f(i['mean_ttft_s'])} (cold "
-                f"prefills as timed in one process, others {f(i['hit_s'])}: this cell's hits "
-                f"and local reuses without their waits, decode {f(i['decode_s'])})"
-            )
+            notes.append(f"- {cell_key(c)}: measured mean TTFT {f(i['measured_mean_ttft_s'])}; "
+                         f"with every cold prefill alone on all cores, one at a time: "
+                         f"{f(i['mean_ttft_s'])} (cold prefills as timed in one process, others "
+                         f"{f(i['hit_s'])}: this cell's hits and local reuses without their "
+                         f"waits, decode {f(i['decode_s'])})")  # fmt: skip
     return "\n\n".join([common.dict_table(rows, left=2), "\n".join(notes)]) if rows else ""
 
 
@@ -710,21 +701,19 @@ def main(report: common.Report, o: Any) -> None:
     if interrupted and not analysed:
         raise SystemExit(130)
     for c in analysed:  # (llama-server may run after the others: its cells come last)
-        if (r := llama_server_cell(c, analysed)) and r["memory"]["total_pss_end"]:  # PSS - arena
-            c["memory"]["vs_llama_server"] = (  # used over llama-server's PSS
-                c["memory"]["total_pss_minus_arena_used_end"] / r["memory"]["total_pss_end"]
-            )
+        if (r := llama_server_cell(c, analysed)) and (ref := r["memory"]["total_pss_end"]):
+            m = c["memory"]  # PSS - arena used over llama-server's PSS
+            m["vs_llama_server"] = m["total_pss_minus_arena_used_end"] / ref
     goal = goals(analysed, cfg)
     res = {**report.header(*"gunicorn uvicorn uvicorn-worker fastapi httpx psutil".split())}
     res |= dict(interrupted=interrupted, config=cfg, goal=goal, cells=analysed)
     res["requests"] = {cell_key(c): c["results"] for c in cells}
     res["memory_detail"] = {cell_key(c): c["memory"] for c in cells}
-    click.echo(
-        f"\n{common.title(res, 'serving')}; {cfg['workers']} workers x {cfg['threads']} thread, "
-        f"{cfg['prompts']} system prompts of {min(wl.system_tokens)}-{max(wl.system_tokens)} "
-        f"tokens, {n} requests (first {cfg['cacheless_requests']} for nocache/ramcache); 1-min "
-        f"load at each cell's start: {[c['quiet']['loadavg'][0] for c in analysed]}"
-    )
+    click.echo(f"\n{common.title(res, 'serving')}; {cfg['workers']} workers x {cfg['threads']} "
+               f"thread, {cfg['prompts']} system prompts of {min(wl.system_tokens)}-"
+               f"{max(wl.system_tokens)} tokens, {n} requests (first {cfg['cacheless_requests']} "
+               f"for nocache/ramcache); 1-min load at each cell's start: "
+               f"{[c['quiet']['loadavg'][0] for c in analysed]}")  # fmt: skip
     click.echo(table(res, report.baseline(quick)))
     f = common.fmt_s
     for title, text in (
