@@ -307,26 +307,6 @@ def bench_fragmented(quick: bool, seed: int) -> dict[str, Any]:
                 timeline=timeline)  # fmt: skip
 
 
-def fragmented_table(r: dict[str, Any]) -> str:
-    p, z = r["ping_ms"], format_size
-    lines = [["evictions", "put s", "ping p50 ms", "ping p99 ms", "ping max ms", "pings"]]
-    lines.append([f"{r['evictions']:,}", f"{r['put_seconds']:.3f}", f"{p['p50']:.2f}"])
-    lines[-1] += [f"{p['p99']:.2f}", f"{p['max']:.1f}", str(r["pings_during_put"])]
-    head = f"fragmented arena: {z(r['arena_bytes'])} full of {r['records']:,} records of "
-    head += f"{z(r['record_extent'])}, every other one used since (random order), then one "
-    head += f"{z(r['put_bytes'])} put"
-    return head + "\n" + common.grid(lines)
-
-
-def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
-    """Lookups and reads, pings during the huge put."""
-    p, lookup = res["fragmented"]["ping_ms"], res["lookup"]
-    parts = [("lookup: ", lookup), ("lookup: prefix ", lookup["by_depth"]), ("read: ", res["read"])]
-    rows = [(f"{w}{k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6) for w, tree in parts
-            for k, v in tree.items() if isinstance(v, dict) and "p50_us" in v]  # fmt: skip
-    return rows + [("ping during the put", p["p50"] / 1e3, p["p99"] / 1e3)]
-
-
 def run(plan: Plan) -> dict[str, Any]:
     rng = np.random.default_rng(plan.seed)
     args = ["--size", str(plan.size), "--index-slots", str(plan.index_slots)]
@@ -386,8 +366,19 @@ def main(report: common.Report, o: Any) -> None:
     values["put (GB/s)"] = res["put"]["throughput_gbps"]
     values["ping max during a huge put (ms)"] = res["fragmented"]["ping_ms"]["max"]
     res["goals"] = common.check_goals(GOALS, {"": values})
-    click.echo(f"\n{fragmented_table(res['fragmented'])}\n\n{common.goal_table(res['goals'])}")
-    report.write(res, chart(res))
+    r, p, z = res["fragmented"], res["fragmented"]["ping_ms"], format_size
+    lines = [["evictions", "put s", "ping p50 ms", "ping p99 ms", "ping max ms", "pings"]]
+    lines.append([f"{r['evictions']:,}", f"{r['put_seconds']:.3f}", f"{p['p50']:.2f}"])
+    lines[-1] += [f"{p['p99']:.2f}", f"{p['max']:.1f}", str(r["pings_during_put"])]
+    click.echo(f"\nfragmented arena: {z(r['arena_bytes'])} full of {r['records']:,} records of "
+               f"{z(r['record_extent'])}, every other one used since (random order), then one "
+               f"{z(r['put_bytes'])} put\n{common.grid(lines)}\n")  # fmt: skip
+    click.echo(common.goal_table(res["goals"]))
+    lookup = res["lookup"]  # the chart: lookups and reads, pings during the huge put
+    parts = [("lookup: ", lookup), ("lookup: prefix ", lookup["by_depth"]), ("read: ", res["read"])]
+    rows = [(f"{w}{k}", v["p50_us"] / 1e6, v["p99_us"] / 1e6) for w, tree in parts
+            for k, v in tree.items() if isinstance(v, dict) and "p50_us" in v]  # fmt: skip
+    report.write(res, rows + [("ping during the put", p["p50"] / 1e3, p["p99"] / 1e3)])
 
 
 if __name__ == "__main__":

@@ -172,27 +172,18 @@ def real_states(model: Path, n: int, tokens: int, threads: int) -> list[dict[str
     return out
 
 
-def put_copies(sup: common.Supervisor, states: list[dict[str, Any]], n: int) -> list[Any]:
-    """Put ``n`` records (the states, round robin, each under a fresh root); their digests."""
-    digests = []
-    with sup.client() as c:
-        chunk = c.view.geometry.chunk_tokens
-        for i in range(n):
-            s = states[i % len(states)]
-            root = os.urandom(16)
-            c.put_bytes(root, s["tokens"], FP, s["data"])
-            digests.append(chain_digests(root, s["tokens"], chunk))
-    return digests
-
-
 def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> dict[str, Any]:
     disk = tmp / "persist"
     size = sum(len(states[i % len(states)]["data"]) for i in range(n))
     arena_size = str(int(size * 1.2) + (64 << 20))
     args = ("--size", arena_size, "--persist", str(disk), "--persist-size", str(4 * size))
     with common.supervisor(tmp, *args) as sup:
-        t = time.perf_counter()
-        digests = put_copies(sup, states, n)
+        t, digests = time.perf_counter(), []  # n records: the states, round robin, fresh roots
+        with sup.client() as c:
+            chunk = c.view.geometry.chunk_tokens
+            for s, root in ((states[i % len(states)], os.urandom(16)) for i in range(n)):
+                c.put_bytes(root, s["tokens"], FP, s["data"])
+                digests.append(chain_digests(root, s["tokens"], chunk))
         put_s = time.perf_counter() - t
         common.poll(lambda: sup.stats()["persisted"] >= n, 600, "write-behind", every=0.005)
         written_s = time.perf_counter() - t
@@ -205,9 +196,8 @@ def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> 
         with sup.client() as c:
             common.poll(lambda: c.lookup(digests[-1]) is not None, 60, "first hit", every=0.005)
             first_hit_s = time.perf_counter() - t0
-            st = common.poll(
-                lambda: (s := sup.stats())["refilling"] == 0 and s, 600, "refill", every=0.005
-            )
+            done = lambda: (s := sup.stats())["refilling"] == 0 and s  # noqa: E731
+            st = common.poll(done, 600, "refill", every=0.005)
             hits = sum(c.lookup(d) is not None for d in digests)
     gb_s = st["refilled_bytes"] / st["refill_seconds"] / 1e9 if st["refill_seconds"] else 0.0
     cold_saved = sum(states[i % len(states)]["cold_s"] for i in range(st["refilled"]))

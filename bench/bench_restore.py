@@ -337,12 +337,6 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-def chart(res: dict[str, Any]) -> list[tuple[str, float, float | None]]:
-    """TTFT of every arm."""
-    return [(v["label"], v["ttft"].get("p50"), v["ttft"].get("p99"))
-            for v in res["analysis"]["ttft"].values()]  # fmt: skip
-
-
 opt = common.option
 
 
@@ -413,7 +407,9 @@ def main(report: common.Report, o: Any) -> None:
     refuse = ""
     if (not quiet["quiet"] or noisy) and not o.force_baseline:
         refuse = "the machine was busy; rerun when quiet or pass --force-baseline"
-    report.write(res, chart(res), refuse)
+    chart = [(v["label"], v["ttft"].get("p50"), v["ttft"].get("p99"))
+             for v in res["analysis"]["ttft"].values()]  # fmt: skip
+    report.write(res, chart, refuse)
 
 
 if __name__ == "__main__":
