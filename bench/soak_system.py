@@ -263,9 +263,8 @@ class Faults:
         for p in left:  # (a reboot empties /dev/shm)
             p.unlink()
         node.boot()
-        st = common.poll(
-            lambda: (st := node.stats()) and not st["refilling"] and st, WAIT, "refill"
-        )
+        refilled = lambda: (st := node.stats()) and not st["refilling"] and st  # noqa: E731
+        st = common.poll(refilled, WAIT, "refill")
         return {"ok": rc == 0 and not left, "rc": rc, "refilled": st["refilled"]}
 
     def sighup(self, node: Node) -> dict[str, Any]:
@@ -401,16 +400,14 @@ def main(report: common.Report, o: Any) -> None:
                 for i in range(len(spots)):
                     load.one(client, node, random.Random(i), [], spot=i)
         start, t0 = {n.tag: n.sample() for n in nodes}, time.monotonic()
-        threads = [threading.Thread(target=load.run, args=(i,), daemon=True)
-                   for i in range(o.concurrency * len(nodes))]  # fmt: skip
-        for th in threads:
-            th.start()
+        n = o.concurrency * len(nodes)  # client threads, each on one node
+        clients = threading.Thread(target=common.in_threads, args=(n, load.run), daemon=True)
+        clients.start()
         faults.run(t0)
         while time.monotonic() < max(t0 + o.duration, faults.log[-1]["end"] + o.duration / 10):
             time.sleep(0.5)  # (traffic on after the last fault)
         load.stop.set()
-        for th in threads:
-            th.join(900)
+        clients.join(900)
         for n in nodes:  # the tiers' queues written, no lease held
             idle = ("persist_queue", "remote_queue", "leases_active")
             common.poll(lambda n=n, k=idle: not any(map(n.stats().get, k)), WAIT, "idle")
