@@ -39,10 +39,8 @@ GOALS = [("lookup p50 (µs)", "<=", 50.0), ("put (GB/s)", ">=", 1.0),
 
 
 #: the fragmented case: arena size, payload of each small record, size of the huge put
-FRAGMENTED = {
-    False: dict(size=2 << 30, record=28 * 1024, put=400 * MIB),
-    True: dict(size=256 << 20, record=28 * 1024, put=50 * MIB),
-}
+FRAGMENTED = {False: dict(size=2 << 30, record=28 * 1024, put=400 * MIB),
+              True: dict(size=256 << 20, record=28 * 1024, put=50 * MIB)}  # fmt: skip
 
 PLANS = {  # what one run does (--set KEY=VALUE changes one); --quick shrinks every count
     False: dict(entries=100_000, deep_every=200, index_slots=524_288, size=4 << 30, lookups=30_000,

@@ -44,11 +44,6 @@ def prompts(model: Path, n: int) -> tuple[str, list[str]]:
     return prefix, [f" Question {k}: where is the {words[(k * 13) % 90]}?" for k in range(n)]
 
 
-def llama(model: Path, threads: int, sup: common.Supervisor | None = None) -> Any:
-    """(prompt batches on llama-cpp-python's default threads: every core)"""
-    return common.llama(model, threads, sup, n_threads_batch=None)
-
-
 def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: list[str],
              codec: str) -> dict[str, Any]:  # fmt: skip
     """Publish on A, cross-node hits and local hits on B, with ``--remote-compress codec``."""
@@ -59,13 +54,13 @@ def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: 
     args = ("--size", "512M", "--remote", url, "--remote-compress", codec, "--remote-wait", "10")
     out: dict[str, Any] = {"codec": codec}
     with common.supervisor(work, *args) as a, common.supervisor(work, *args) as b:
-        pub = llama(model, threads, a)
+        pub = common.llama(model, threads, a, n_threads_batch=None)  # (batches on every core)
         out["publish_s"] = [ttft(pub, prefix + s)[0] for s in sfx[:2]]
         pub.shmkv.flush()
         done = lambda s: s["remote_queue"] == 0 and s["remote_written"] + s["remote_present"] and s  # noqa: E731
         st_a = common.poll(lambda: done(a.stats()), 60, "write-behind catch-up", every=0.1)
         out |= {k: st_a[f"remote_{k}"] for k in ("written_bytes", "stored_bytes")}
-        node_b = llama(model, threads, b)
+        node_b = common.llama(model, threads, b, n_threads_batch=None)
         cross, local, texts, statuses = [], [], [], []
         for s in sfx[2:]:
             with b.client(populate=False, attach=False) as c:
@@ -96,7 +91,7 @@ def main(report: common.Report, o: Any) -> None:
     prefix, sfx = prompts(o.model, 2 + n)
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
         with redis_server(Path(tmp), o.redis_url) as url:
-            cold_llm, cold = llama(o.model, o.threads), []
+            cold_llm, cold = common.llama(o.model, o.threads, n_threads_batch=None), []
             for s in sfx[2:]:
                 cold_llm.reset()
                 cold.append(ttft(cold_llm, prefix + s))
@@ -115,11 +110,9 @@ def main(report: common.Report, o: Any) -> None:
             for a, xs in arms if (s := common.summary(xs))]  # fmt: skip
     click.echo(common.grid([["arm", "TTFT p50", "mean", "n"], *rows]))
     for p in pairs:
-        click.echo(
-            f"{p['codec']}: state {common.fmt_b(p['state_bytes'])}, sent "
-            f"{common.fmt_b(p['stored_bytes'])} for {common.fmt_b(p['written_bytes'])}, "
-            f"answers {p['statuses']}, text as cold: {p['same_text_as_cold']}"
-        )
+        click.echo(f"{p['codec']}: state {common.fmt_b(p['state_bytes'])}, sent "
+                   f"{common.fmt_b(p['stored_bytes'])} for {common.fmt_b(p['written_bytes'])}, "
+                   f"answers {p['statuses']}, text as cold: {p['same_text_as_cold']}")  # fmt: skip
     report.write(res, [(a, (s := common.summary(xs))["p50"], s["p99"]) for a, xs in arms])
 
 

@@ -159,10 +159,10 @@ class Noise:
     def result(self) -> dict[str, Any]:
         wall, ours = time.monotonic() - self.t0, self.ours() - self.own0
         busy = cpu_busy_seconds() - self.busy0
-        out = dict(wall_seconds=round(wall, 3), cpu_seconds_ours=round(ours, 2))
-        out |= dict(cpu_seconds_machine=round(busy, 2))
-        out["foreign_cores"] = round(max(0.0, busy - ours) / wall, 3) if wall else 0.0
-        return out | dict(loadavg_before=self.load0, loadavg_after=loadavg())
+        return dict(wall_seconds=round(wall, 3), cpu_seconds_ours=round(ours, 2),
+                    cpu_seconds_machine=round(busy, 2),
+                    foreign_cores=round(max(0.0, busy - ours) / wall, 3) if wall else 0.0,
+                    loadavg_before=self.load0, loadavg_after=loadavg())  # fmt: skip
 
 
 def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
@@ -365,8 +365,8 @@ class Server:
 
     def __init__(self, name: str, workdir: Path, workers: int, single: bool = False) -> None:
         self.name, self.workdir, self.workers, self.single_process = name, workdir, workers, single
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"http://127.0.0.1:{(port := free_port())}"
+        self.port = port
 
     def start(self, args: list[str], env: dict[str, str]) -> Server:
         self.child = Child(self.name, args, env, self.workdir / f"{self.name}-{self.port}.log")
@@ -580,13 +580,12 @@ def command(name: str, quick: str = "", model: bool = False, threads: int = 0,
     """A benchmark's click command: its options, --out, --baseline, --write-baseline, -v and
     those of the shared ones asked for (``quick``: its help; ``model``: ``o.model`` is the
     GGUF's path); it gets its Report and its options (as attributes)."""
-    shared = [
-        option("-v", "--verbose", is_flag=True, help="Debug logging."),
-        option("--write-baseline", is_flag=True, help="Also copy JSON and PNG to --baseline."),
-        option("--baseline", default=str(HERE / "baseline" / f"{name}.json")),
-        option("--out", default=str(HERE / "out"), help=f"Where {name}.json and .png go."),
-    ]
     wanted = [
+        (True, option("-v", "--verbose", is_flag=True, help="Debug logging.")),
+        (True, option("--write-baseline", is_flag=True,
+                      help="Also copy JSON and PNG to --baseline.")),
+        (True, option("--baseline", default=str(HERE / "baseline" / f"{name}.json"))),
+        (True, option("--out", default=str(HERE / "out"), help=f"Where {name}.json and .png go.")),
         (quick, option("--quick", is_flag=True, help=quick)),
         (model, option("--model", help="GGUF [Gemma 3 270M Q4_K_M, as `shmkv serve`].")),
         (threads, option("--threads", default=threads, help="llama.cpp threads per context.")),
@@ -605,7 +604,7 @@ def command(name: str, quick: str = "", model: bool = False, threads: int = 0,
                 kw["model"] = Path(kw["model"] or default_model_path())
             fn(Report(name, Path(out), Path(baseline), write_baseline), types.SimpleNamespace(**kw))
 
-        for opt in [*shared, *(o for want, o in wanted if want)][::-1]:
+        for opt in [o for want, o in wanted if want][::-1]:
             run = opt(run)
         run.__click_params__ += getattr(fn, "__click_params__", [])  # type: ignore[attr-defined]
         run.__doc__ = fn.__doc__
@@ -658,8 +657,7 @@ def walk(tree: dict[str, Any], base: Any, path: str = "") -> list[tuple[str, Any
     """(path, summary, the baseline's summary at the same path) for every summary in a tree."""
     rows = []
     for k, v in tree.items():
-        b = (base or {}).get(k)
-        b = b if isinstance(b, dict) else None
+        b = b if isinstance(b := (base or {}).get(k), dict) else None
         if isinstance(v, dict) and "n" in v and any(x.startswith("p50") for x in v):
             rows.append((f"{path}{k}", v, b))
         elif isinstance(v, dict):
