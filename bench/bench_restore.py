@@ -47,8 +47,7 @@ def timed(calls: list[tuple[float, float, bool | None]], fn: Any) -> Any:
     def wrapper(*a: Any, **k: Any) -> Any:
         t, out = time.perf_counter(), None
         try:
-            out = fn(*a, **k)
-            return out
+            return (out := fn(*a, **k))
         finally:
             calls.append((t, time.perf_counter() - t, out if isinstance(out, bool) else None))
 

@@ -49,16 +49,11 @@ ARMS = {  # arm: its label, and for a shmkv arm its settings beyond the common o
                    {"SHMKV_CACHE_TYPE_K": "q8_0", "SHMKV_CACHE_TYPE_V": "q8_0"}),
     "llama-server": ("llama.cpp llama-server -np N --cache-ram", None),
 }  # fmt: skip
-# the same requests as messages, to /v1/chat/completions: arm X-chat is arm X otherwise
+# the same requests as messages, to /v1/chat/completions: arm X-chat runs X's server
 ARMS |= {f"{a}-chat": (f"{label}, /v1/chat/completions", env) for a, (label, env) in ARMS.items()
          if a not in ("shmkv-static", "shmkv-q8_0")}  # fmt: skip
 DEFAULT_ARMS = "nocache,ramcache,llama-server,shmkv,shmkv-exact"
 DEFAULT_ARMS += "," + ",".join(f"{a}-chat" for a in DEFAULT_ARMS.split(","))
-
-
-def server_arm(arm: str) -> str:
-    """The server an arm runs (its chat arm sends the same requests as messages)."""
-    return arm.removesuffix("-chat")
 
 
 THEMES = [  # system prompts in turn: an opening, then the template of its lines
@@ -181,7 +176,7 @@ def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: Any) -> comm
     from shmkv.serving.chat_template import GEMMA3_FORMAT, GEMMA3_TEMPLATE, default_chat_format
 
     model, threads, n_ctx = cfg["model"], str(cfg["threads"]), str(cfg["n_ctx"])
-    arm, workers = server_arm(arm), cfg["workers"]
+    arm, workers = arm.removesuffix("-chat"), cfg["workers"]
     chat_format = default_chat_format(model)  # (as shmkv serve: Gemma 3's own template)
     if arm == "llama-server":  # without our LLAMA_ARG_* (it would read them as settings)
         srv = common.Server("llama-server", workdir, workers, single=True)
@@ -241,9 +236,7 @@ class MemoryWatch(threading.Thread):
         self.peak_footprint = 0
 
     def run(self) -> None:
-        for n in itertools.count():
-            if self.done.wait(0 if n == 0 else 0.25):
-                return
+        while not self.done.is_set():  # (a sample, then the next after 0.25 s)
             rss = [common.status_rss(pid) for pid in self.pids()]
             shared = sum(max((r.get(k, 0) for r in rss), default=0) for k in common.RSS_KINDS[1:])
             footprint = sum(r.get("RssAnon:", 0) for r in rss) + shared
@@ -262,6 +255,7 @@ class MemoryWatch(threading.Thread):
                     self.on_abort()
                 except Exception:  # the watch must keep its promise: no hang
                     log.exception("stopping the server failed")
+            self.done.wait(0.25)
 
 
 def send(client: Any, srv: common.Server, max_tokens: int, **body: Any) -> dict[str, Any]:
@@ -322,7 +316,7 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
         srv = start_server(arm, cfg, workdir, sup)
         # SIGKILL on errors and Ctrl-C: in-flight prefills would hold SIGTERM up for 30 s
         stack.push(lambda exc_type, _e, _tb: srv.stop(kill=exc_type is not None))
-        llama_server = server_arm(arm) == "llama-server"
+        llama_server = arm.removesuffix("-chat") == "llama-server"
         srv.wait_ready(logged=None if llama_server else "Application startup complete")
         cell["startup_s"], cell["worker_pids"] = time.monotonic() - t, srv.worker_pids()
         warm_up(srv)
@@ -661,7 +655,7 @@ def main(report: common.Report, o: Any) -> None:
     cfg["concurrency"] = [int(x) for x in (o.concurrency or ("4" if quick else "4,10")).split(",")]
     cfg |= dict(ramcache_size_per_worker=1 << 30, max_rss=16 << 30, min_available=3 << 30)
     cfg |= dict(llama_server_cache_ram_mib=parse_size(o.arena_size) >> 20, phases=PHASES)
-    if any(server_arm(a) == "llama-server" for a in arms):
+    if any(a.removesuffix("-chat") == "llama-server" for a in arms):
         cfg["llama_server_binary"] = str(build_llama_server())
         cfg["llama_server_args"] = llama_server_args(cfg)
     # every request streamed, greedy, on a new connection; a chat arm's as these messages
@@ -685,7 +679,7 @@ def main(report: common.Report, o: Any) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="shmkv-bench-serve-") as tmp:
             for arm, cc in itertools.product(arms, cfg["concurrency"]):
-                cacheless = server_arm(arm) in ("nocache", "ramcache")
+                cacheless = arm.removesuffix("-chat") in ("nocache", "ramcache")
                 n_cell = cfg["cacheless_requests"] if cacheless else n
                 log.info("cell %s, concurrency %d, %d requests", arm, cc, n_cell)
                 cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)))
