@@ -57,31 +57,25 @@ DEFAULT_ARMS += "," + ",".join(f"{a}-chat" for a in DEFAULT_ARMS.split(","))
 
 
 THEMES = [  # system prompts in turn: an opening, then the template of its lines
-    "You are the archivist of a large museum. Follow these catalogue rules when answering "
-    "visitors, and answer briefly.\n\n",
-    "Rule {n}: the {0} room holds {1} and {2} items; visitors who ask about the {3} go to "
-    "the {4} desk, never to the {5} hall.\n",
-    "You are the dispatcher of the cargo vessel Northern Star. The shipping log below is "
-    "your only source; quote it exactly.\n\n",
-    "Day {n}. Loaded {0} crates of {1} and a barrel of {2}; the wind came from the {3}, and "
-    "the {4} was stored below the {5}.\n",
-    "You are the concierge of the Grand Hotel. Guests ask about their rooms; use the "
-    "register below and be polite.\n\n",
-    "Room {n} is painted {0}, faces the {1}, and its guest ordered {2} tea with {3} at "
-    "dawn; the key hangs beside the {4} and the {5}.\n",
-    "You are a railway timetable assistant. Answer only from the timetable below, giving "
-    "platform and time.\n\n",
-    "Train {n} leaves {0} station at platform {m} for {1}, stops at {2} and {3}, carries a "
-    "{4} car and terminates near the {5} bridge.\n",
-    "You are the librarian of an old abbey. Readers ask where books are; the shelf list "
-    "below is complete.\n\n",
-    "Shelf {n}: the book on {0} sits between the {1} atlas and the {2} herbal; it was bound "
-    "in {3} leather by a {4} monk who loved the {5}.\n",
-    "You are the head gardener's assistant. The planting plan below says what grows where; "
-    "answer gardeners' questions from it.\n\n",
-    "Bed {n} grows {0} beside {1}; water it after the {2} bell, keep the {3} away, and "
-    "mulch it with {4} bark from the {5} grove.\n",
-]
+    ("You are the archivist of a large museum. Follow these catalogue rules when answering "
+     "visitors, and answer briefly.\n\n", "Rule {n}: the {0} room holds {1} and {2} items; "
+     "visitors who ask about the {3} go to the {4} desk, never to the {5} hall.\n"),
+    ("You are the dispatcher of the cargo vessel Northern Star. The shipping log below is your "
+     "only source; quote it exactly.\n\n", "Day {n}. Loaded {0} crates of {1} and a barrel of "
+     "{2}; the wind came from the {3}, and the {4} was stored below the {5}.\n"),
+    ("You are the concierge of the Grand Hotel. Guests ask about their rooms; use the register "
+     "below and be polite.\n\n", "Room {n} is painted {0}, faces the {1}, and its guest ordered "
+     "{2} tea with {3} at dawn; the key hangs beside the {4} and the {5}.\n"),
+    ("You are a railway timetable assistant. Answer only from the timetable below, giving "
+     "platform and time.\n\n", "Train {n} leaves {0} station at platform {m} for {1}, stops at "
+     "{2} and {3}, carries a {4} car and terminates near the {5} bridge.\n"),
+    ("You are the librarian of an old abbey. Readers ask where books are; the shelf list below "
+     "is complete.\n\n", "Shelf {n}: the book on {0} sits between the {1} atlas and the {2} "
+     "herbal; it was bound in {3} leather by a {4} monk who loved the {5}.\n"),
+    ("You are the head gardener's assistant. The planting plan below says what grows where; "
+     "answer gardeners' questions from it.\n\n", "Bed {n} grows {0} beside {1}; water it after "
+     "the {2} bell, keep the {3} away, and mulch it with {4} bark from the {5} grove.\n"),
+]  # fmt: skip
 QUESTION = "Question {i}: what does the plan say about the {0} and the {1}?"
 TURN = "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n"
 
@@ -108,10 +102,10 @@ def make_workload(model: Path, n_prompts: int, prompt_tokens: int, n_requests: i
     def lines(template: str) -> Any:
         return lambda n: template.format(*rng.sample(common.WORDS, 6), n=n, m=rng.randint(1, 12))
 
-    system, themes = [], list(zip(THEMES[::2], THEMES[1::2], strict=True))
+    system = []
     for p in range(n_prompts):
-        head, line = themes[p % len(themes)]
-        head = f"(Edition {p // len(themes) + 1}) " * (p >= len(themes)) + head
+        head, line = THEMES[p % len(THEMES)]
+        head = f"(Edition {p // len(THEMES) + 1}) " * (p >= len(THEMES)) + head
         system.append(common.fill_to(prompt_tokens, lambda t: len(tok(t)), head, lines(line)))
     order = [k % n_prompts for k in range(n_requests)]
     rng.shuffle(order)
