@@ -327,9 +327,6 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
                 roles["watcher"] = [srv.child.pid]
             return roles | ({"supervisor": [sup.child.pid]} if sup else {})
 
-        def flat() -> list[int]:
-            return [p for ps in pids().values() for p in ps]
-
         snapshot = functools.partial(mem_snapshot, arena=sup and sup.arena)
         mem0, at_abort = snapshot(pids()), {}
 
@@ -337,7 +334,7 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
             at_abort.update(snapshot(pids()))
             srv.stop(kill=True)
 
-        watch = MemoryWatch(flat, cfg, abort_now)
+        watch = MemoryWatch(lambda: [p for ps in pids().values() for p in ps], cfg, abort_now)
         watch.start()
         t0 = time.perf_counter()
         try:
