@@ -130,12 +130,12 @@ def restart(report: common.Report, o: Any) -> None:
     load_before, res = common.loadavg(), restart_rounds(workdir, size, rounds)
     cold, cold_tokens = cold_prefill_s()
     saved = None if cold is None else res["entries"] * cold
-
-    def of(mode: str, k: str) -> dict[str, Any]:  # a figure over the rounds of one mode
-        return common.summary([x[k] for x in res["rounds"] if x["mode"] == mode and x.get(k)])
-
-    a = {"adopt_first_hit_s": of("adopt", "first_hit_s"), "adopt_ready_s": of("adopt", "ready_s")}
-    a |= {"adopt_check_s": of("adopt", "check_s"), "fresh_ready_s": of("fresh", "ready_s")}
+    rows = [("kill -9, restart adopting: first hit", "adopt", "first_hit_s"),
+            ("  of which: supervisor answers", "adopt", "ready_s"),
+            ("  of which: checking every record", "adopt", "check_s"),
+            ("kill -9, restart --fresh: answers (empty)", "fresh", "ready_s")]  # fmt: skip
+    a = {f"{m}_{k}": common.summary([x[k] for x in res["rounds"] if x["mode"] == m and x.get(k)])
+         for _, m, k in rows}  # fmt: skip
     cfg = dict(quick=o.quick, size=size, rounds=rounds, blob_bytes=BLOB)
     out = {**report.header(), "config": cfg}
     out["cold_prefill"] = dict(seconds=cold, tokens=cold_tokens, source="baseline/restore.json")
@@ -143,12 +143,7 @@ def restart(report: common.Report, o: Any) -> None:
     out["goals"] = common.check_goals(GOALS, {"": {GOALS[0][0]: a["adopt_first_hit_s"]["p50"]}})
     click.echo(f"\n{common.title(out, 'restart')}; load {load_before[0]} before")
     click.echo(f"{res['entries']} states, {common.fmt_b(res['bytes_used'])} in a {size} arena")
-    rows = [
-        ("kill -9, restart adopting: first hit", a["adopt_first_hit_s"]),
-        ("  of which: supervisor answers", a["adopt_ready_s"]),
-        ("  of which: checking every record", a["adopt_check_s"]),
-        ("kill -9, restart --fresh: answers (empty)", a["fresh_ready_s"]),
-    ]
+    rows = [(label, a[f"{m}_{k}"]) for label, m, k in rows]
     table = [[label, *(common.fmt_s(s[k]) for k in ("p50", "max"))] for label, s in rows]
     click.echo(common.grid([["", "p50", "max"], *table]))
     if saved is not None:
