@@ -184,7 +184,10 @@ def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: Any) -> comm
         env = {"SHMKV_MODEL": model, "SHMKV_N_CTX": n_ctx, "SHMKV_EXACT": "false"}
         env |= {"SHMKV_LOG_LEVEL": "info", "SHMKV_WORKER_TIMEOUT": "900"}
         env["SHMKV_THREADS"] = threads if arm == "shmkv-static" else str(cfg["budget_threads"])
-        return common.Server.shmkv(sup, env | ARMS[arm][1], workdir, workers)
+        srv = common.Server("shmkv-serve", workdir, workers)  # (on sup: no supervisor of its own)
+        env |= {"SHMKV_NAME": sup.name, "SHMKV_SOCKET": sup.socket, "SHMKV_PORT": str(srv.port)}
+        env |= {"SHMKV_WORKERS": str(workers), **ARMS[arm][1]}
+        return srv.start([sys.executable, "-m", "shmkv", "serve"], common.child_env(env))
     env = {"MODEL": model, "N_CTX": n_ctx, "N_THREADS": threads, "N_THREADS_BATCH": threads}
     # a stream runs to its end, as in shmkv serve's app (llama_cpp.server would cut it short
     # whenever another request waits for its worker's model)
@@ -327,7 +330,7 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
                 roles["watcher"] = [srv.child.pid]
             return roles | ({"supervisor": [sup.child.pid]} if sup else {})
 
-        snapshot = functools.partial(mem_snapshot, arena=sup and sup.arena)
+        snapshot = functools.partial(mem_snapshot, arena=sup and common.SHM / f"shmkv-{sup.name}")
         mem0, at_abort = snapshot(pids()), {}
 
         def abort_now() -> None:  # memory as it is, then SIGKILL: nothing graceful to wait for

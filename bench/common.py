@@ -310,10 +310,6 @@ class Supervisor:
     socket: str
     child: Child
 
-    @property
-    def arena(self) -> Path:
-        return SHM / f"shmkv-{self.name}"
-
     def client(self, **kw: Any) -> Any:
         from shmkv.core.client import Client
 
@@ -371,14 +367,6 @@ class Server:
     def start(self, args: list[str], env: dict[str, str]) -> Server:
         self.child = Child(self.name, args, env, self.workdir / f"{self.name}-{self.port}.log")
         return self
-
-    @classmethod
-    def shmkv(cls, sup: Supervisor, env: dict[str, str], workdir: Path, workers: int) -> Server:
-        """``python -m shmkv serve`` on ``sup`` (it starts no supervisor of its own)."""
-        srv = cls("shmkv-serve", workdir, workers)
-        ours = {"SHMKV_NAME": sup.name, "SHMKV_SOCKET": sup.socket, "SHMKV_PORT": str(srv.port)}
-        env = child_env({**ours, "SHMKV_WORKERS": str(workers), **env})
-        return srv.start([sys.executable, "-m", "shmkv", "serve"], env)
 
     def master_pid(self) -> int:
         """The gunicorn master: our child, or the one child of `shmkv serve`."""
