@@ -34,16 +34,6 @@ def ttft(llm: Any, prompt: str) -> tuple[float, str]:
     return r["ttft"], r["text"]
 
 
-def prompts(model: Path, n: int) -> tuple[str, list[str]]:
-    count, words = common.tokenizer(model), common.WORDS
-
-    def line(i: int) -> str:
-        return f" Fact {i}: the {words[i % len(words)]} is next to the {words[i * 7 % len(words)]}."
-
-    prefix = common.fill_to(PREFIX_TOKENS, lambda t: len(count(t)), "Context.", line)
-    return prefix, [f" Question {k}: where is the {words[(k * 13) % 90]}?" for k in range(n)]
-
-
 def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: list[str],
              codec: str) -> dict[str, Any]:  # fmt: skip
     """Publish on A, cross-node hits and local hits on B, with ``--remote-compress codec``."""
@@ -87,8 +77,10 @@ def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: 
 @click.option("--redis", "redis_url", default=None, help="Use this Redis instead of our own.")
 def main(report: common.Report, o: Any) -> None:
     """Cross-node hits through Redis: TTFT, with and without compression."""
-    n = 2 if o.quick else 5
-    prefix, sfx = prompts(o.model, 2 + n)
+    n, count, w = 2 if o.quick else 5, common.tokenizer(o.model), common.WORDS
+    line = lambda i: f" Fact {i}: the {w[i % len(w)]} is next to the {w[i * 7 % len(w)]}."  # noqa: E731
+    prefix = common.fill_to(PREFIX_TOKENS, lambda t: len(count(t)), "Context.", line)
+    sfx = [f" Question {k}: where is the {w[(k * 13) % 90]}?" for k in range(2 + n)]
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
         with redis_server(Path(tmp), o.redis_url) as url:
             cold_llm, cold = common.llama(o.model, o.threads, n_threads_batch=None), []

@@ -354,11 +354,10 @@ def main(report: common.Report, o: Any) -> None:
         raise click.BadParameter("use at least 5 repeats for a full run", param_hint="--repeats")
     if prefix_tokens + suffix_tokens + max_tokens + 64 > 4096:
         raise click.BadParameter("prefix + suffix + max tokens must fit n_ctx 4096")
-    model_path = o.model
     # S0..SR: cold, A (S0), B publish on, floor, local reuse, LlamaRAMCache (the same texts,
     # so outputs compare with cold); T1..TR: B publish off; V: A's second request (the last
     # of 3R+2, as when R more were drawn for a restore breakdown, since retired)
-    prompts = make_prompts(model_path, prefix_tokens, suffix_tokens, 3 * repeats + 2)
+    prompts = make_prompts(o.model, prefix_tokens, suffix_tokens, 3 * repeats + 2)
     suf = list(enumerate(prompts["suffixes"]))
     S, T, V = suf[: repeats + 1], suf[repeats + 1 : 2 * repeats + 1], suf[-1]
     ptoks, stoks = prompts["prefix_tokens"], sorted(set(prompts["suffix_tokens"]))
@@ -366,7 +365,7 @@ def main(report: common.Report, o: Any) -> None:
     ctx = dict(n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512, n_ubatch=512)
     ctx |= dict(seed=0, verbose=False)
     gen = dict(max_tokens=max_tokens, temperature=0.0, seed=0)
-    plan = dict(quick=quick, model=str(model_path), model_bytes=model_path.stat().st_size, ctx=ctx)
+    plan = dict(quick=quick, model=str(o.model), model_bytes=o.model.stat().st_size, ctx=ctx)
     plan |= dict(gen=gen, prefix_target=prefix_tokens, suffix_target=suffix_tokens, repeats=repeats)
     plan |= common.pick(prompts, "prefix_tokens suffix_tokens warmup_tokens")
     plan |= dict(arena_size=ARENA_SIZE, ramcache_capacity=RAMCACHE_CAPACITY)
@@ -374,7 +373,7 @@ def main(report: common.Report, o: Any) -> None:
     arms: dict[str, dict[str, Any]] = {}
     with (tempfile.TemporaryDirectory(prefix="shmkv-bench-restore-") as tmp,
           common.supervisor(Path(tmp), "--size", ARENA_SIZE) as sup):  # fmt: skip
-        sp = dict(model=str(model_path), ctx=ctx, gen=gen, name=sup.name, socket=sup.socket)
+        sp = dict(model=str(o.model), ctx=ctx, gen=gen, name=sup.name, socket=sup.socket)
         sp |= common.pick(prompts, "prefix prefix_tokens warmup")
         for spec in (
             {"arm": "cold", "suffixes": S[1:]},

@@ -320,18 +320,6 @@ def metrics_vs_stats(node: Node) -> list[Any]:
     return [(k, got.get(k), want.get(k)) for k in {*got, *want} if got.get(k) != want.get(k)]
 
 
-@contextlib.contextmanager
-def mounted(path: Path, size: str) -> Any:
-    """A tmpfs of ``size`` on ``path`` (True), or a plain directory where we cannot mount."""
-    path.mkdir()
-    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)]
-    ok = subprocess.run(cmd, capture_output=True).returncode == 0
-    try:
-        yield ok
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True) if ok else None
-
-
 def judge(res: dict[str, Any], evs: list[dict[str, Any]]) -> list[str]:
     """The summary, and the problems: wrong outputs, failures no fault explains, faults
     without their effect, growth, leases held, /metrics != stats, files left."""
@@ -385,7 +373,13 @@ def main(report: common.Report, o: Any) -> None:
         shutil.rmtree(logs, ignore_errors=True)
         keep = shutil.ignore_patterns("*.sock", "*.mdb", "filler")
         stack.callback(lambda: shutil.copytree(work, logs, ignore=keep))
-        tmpfs = [stack.enter_context(mounted(work / f"persist-{t}", o.persist_tmpfs)) for t in "ab"]
+        tmpfs = []  # each node's --persist: a tmpfs of --persist-tmpfs, a plain directory where
+        for path in (work / f"persist-{t}" for t in "ab"):  # we cannot mount one (not root)
+            path.mkdir()
+            mount = ["mount", "-t", "tmpfs", "-o", f"size={o.persist_tmpfs},mode=0700", "tmpfs"]
+            if ok := subprocess.run([*mount, str(path)], capture_output=True).returncode == 0:
+                stack.callback(subprocess.run, ["umount", "-l", str(path)], capture_output=True)
+            tmpfs.append(ok)
         faults = Faults([], common.free_port(), work, o, all(tmpfs))  # (Redis keeps its port)
         stack.callback(lambda: faults.redis.stop(kill=True))
         remote = f"redis://127.0.0.1:{faults.port}/0"
@@ -395,10 +389,9 @@ def main(report: common.Report, o: Any) -> None:
             stack.callback(node.stop)
             node.boot()
         load = Load(nodes, o, systems, spots)
-        for node in nodes:  # warm-up: every spot check once on each node
-            with common.http_client(600) as client:
-                for i in range(len(spots)):
-                    load.one(client, node, random.Random(i), [], spot=i)
+        for node, i in ((n, i) for n in nodes for i in range(len(spots))):  # warm-up: every
+            with common.http_client(600) as client:  # spot check once on each node
+                load.one(client, node, random.Random(i), [], spot=i)
         start, t0 = {n.tag: n.sample() for n in nodes}, time.monotonic()
         n = o.concurrency * len(nodes)  # client threads, each on one node
         clients = threading.Thread(target=common.in_threads, args=(n, load.run), daemon=True)
