@@ -127,7 +127,6 @@ def bench_lookup(client: Client, plan: Plan, rng: Any, chunk: int, keep: Any) ->
         probes.append(counting.reads)
     rnd = random.Random(plan.seed)
     order = [rnd.randrange(len(prompts)) for _ in range(plan.lookups)]
-
     lookup, pc, times = client.lookup, time.perf_counter_ns, np.empty(len(order), dtype=np.int64)
     for i in order[:1000]:  # a warm-up, then the timed lookups in a random order
         lookup(prompts[i][1])
@@ -189,8 +188,7 @@ def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]) 
     digests = [chain_digests(ROOT, t, chunk) for t in blobs[-8:]]
     view = client.view
     for d in digests:  # warm the pages and check every target once
-        hit = client.lookup(d)
-        if hit is None or hit.chunks != PROMPT_CHUNKS:
+        if (hit := client.lookup(d)) is None or hit.chunks != PROMPT_CHUNKS:
             raise click.ClickException("a stored 16 MiB blob was not found")
         with client.acquire(hit) as lease:
             if not view.verify_payload(lease.record) or lease.record.payload_len != BLOB:
@@ -254,10 +252,7 @@ def bench_fragmented(quick: bool, seed: int) -> dict[str, Any]:
             chunk = client.ensure().geometry.chunk_tokens
             cap = client.stats()["bytes_capacity"]
             *_, extent = arena.record_layout(chunk, len(FINGERPRINT), record)
-            n = cap // extent
-            payload = rng.bytes(record)
-            keys = []
-            t0 = time.perf_counter()
+            n, payload, keys, t0 = cap // extent, rng.bytes(record), [], time.perf_counter()
             for i in range(n):
                 root = i.to_bytes(16, "little")
                 tokens = random_tokens(rng, chunk)
@@ -267,8 +262,7 @@ def bench_fragmented(quick: bool, seed: int) -> dict[str, Any]:
             used = keys[1::2]
             rng.shuffle(used)  # type: ignore[arg-type]
             for digests in used:
-                hit = client.lookup(digests)
-                if hit is None:
+                if (hit := client.lookup(digests)) is None:
                     raise click.ClickException("a small record was not found")
                 client.acquire(hit).finish()
             before = client.stats()
@@ -278,7 +272,6 @@ def bench_fragmented(quick: bool, seed: int) -> dict[str, Any]:
             pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             cmd = [sys.executable, "-c", PINGER, sup.socket]
             pinger = subprocess.Popen(cmd, env=common.child_env(), **pipes)  # type: ignore[call-overload]
-            assert pinger.stdout is not None
             if pinger.stdout.readline().strip() != "ready":
                 raise click.ClickException("the pinger did not start")
             time.sleep(0.2)

@@ -32,7 +32,6 @@ TOKENS = 1984  # 31 chunks of 64
 GOALS = [("adopt: first hit p50 (s)", "<=", 1.0)]
 
 
-# ------------------------------------------------------------- kill -9 and adopt
 def state(i: int) -> tuple[bytes, np.ndarray, bytes]:
     """State ``i``: a pure function of ``i`` (root, tokens, payload)."""
     root = hashlib.blake2b(b"restart-%d" % i, digest_size=16).digest()
@@ -124,8 +123,7 @@ def restart_rounds(workdir: Path, size: str, rounds: int) -> dict[str, Any]:
 def restart(report: common.Report, o: Any) -> None:
     """Time from a supervisor's kill -9 to its successor's first hit, against a fresh start."""
     size, rounds = o.size or ("128M" if o.quick else "1G"), o.rounds or (2 if o.quick else 5)
-    workdir = common.HERE / "out" / "restart-run"
-    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir := common.HERE / "out" / "restart-run").mkdir(parents=True, exist_ok=True)
     logging.getLogger("shmkv.core.client").setLevel(logging.ERROR)  # (refused while it starts)
     load_before, res = common.loadavg(), restart_rounds(workdir, size, rounds)
     cold, cold_tokens = cold_prefill_s()
@@ -153,7 +151,6 @@ def restart(report: common.Report, o: Any) -> None:
     report.write(out, [(label, s.get("p50"), s.get("p99")) for label, s in rows])
 
 
-# ------------------------------------------------------------ --persist and refill
 def real_states(model: Path, n: int, tokens: int, threads: int) -> list[dict[str, Any]]:
     """``n`` prompt states of ``tokens`` tokens: their bytes and cold prefill seconds."""
     llm, tok, out = common.llama(model, threads), common.tokenizer(model), []
@@ -194,15 +191,14 @@ def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> 
             done = lambda: (s := sup.stats())["refilling"] == 0 and s  # noqa: E731
             st = common.poll(done, 600, "refill", every=0.005)
             hits = sum(c.lookup(d) is not None for d in digests)
-    gb_s = st["refilled_bytes"] / st["refill_seconds"] / 1e9 if st["refill_seconds"] else 0.0
+    gb_s = st["refilled_bytes"] / secs / 1e9 if (secs := st["refill_seconds"]) else 0.0
     cold_saved = sum(states[i % len(states)]["cold_s"] for i in range(st["refilled"]))
-    out = dict(states=n, bytes=size, put_s=put_s, written_behind_s=written_s)
-    out |= dict(write_behind_gb_s=size / written_s / 1e9, page_cache_dropped=drop)
-    out |= dict(ready_s=ready_s, first_hit_s=first_hit_s, refill_s=st["refill_seconds"])
-    out |= dict(refill_first_s=st["refill_first_seconds"], refilled=st["refilled"])
-    out |= dict(refill_skipped=st["refill_skipped"], refill_gb_s=gb_s, hits_after_refill=hits)
-    secs = st["refill_seconds"]
-    return out | dict(cold_prefill_saved_s=cold_saved, cold_over_refill=secs and cold_saved / secs)
+    return dict(states=n, bytes=size, put_s=put_s, written_behind_s=written_s,
+                write_behind_gb_s=size / written_s / 1e9, page_cache_dropped=drop, ready_s=ready_s,
+                first_hit_s=first_hit_s, refill_s=secs, refill_first_s=st["refill_first_seconds"],
+                refilled=st["refilled"], refill_skipped=st["refill_skipped"], refill_gb_s=gb_s,
+                hits_after_refill=hits, cold_prefill_saved_s=cold_saved,
+                cold_over_refill=secs and cold_saved / secs)  # fmt: skip
 
 
 @common.command("persist", quick="Smoke run.", model=True, threads=2)

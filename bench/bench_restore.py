@@ -59,8 +59,7 @@ def floor(llm: Any, spec: dict[str, Any], res: dict[str, Any]) -> common.Floor:
     toks = [llm.token_bos()] + llm.tokenize(spec["prefix"].encode(), add_bos=False, special=True)
     if len(toks) != spec["prefix_tokens"]:
         raise RuntimeError(f"floor: prefix is {len(toks)} tokens, {spec['prefix_tokens']} planned")
-    f = common.Floor(llm, toks)
-    res["blob_bytes"] = f.size
+    res["blob_bytes"] = (f := common.Floor(llm, toks)).size
     return f
 
 
@@ -375,15 +374,13 @@ def main(report: common.Report, o: Any) -> None:
           common.supervisor(Path(tmp), "--size", ARENA_SIZE) as sup):  # fmt: skip
         sp = dict(model=str(o.model), ctx=ctx, gen=gen, name=sup.name, socket=sup.socket)
         sp |= common.pick(prompts, "prefix prefix_tokens warmup")
-        for spec in (
-            {"arm": "cold", "suffixes": S[1:]},
-            {"arm": "publisher", "suffixes": [*S[:1], V]},
-            {"arm": "publisher_exact", "suffixes": S[:1]},
-            {"arm": "hit_exact", "suffixes": S[1:]},
-            {"arm": "hit", "suffixes": S[1:], "suffixes_off": T},
-            {"arm": "floor", "suffixes": S[1:], "suffixes_local": S},
-            {"arm": "ramcache", "suffixes": S},
-        ):
+        for spec in ({"arm": "cold", "suffixes": S[1:]},
+                     {"arm": "publisher", "suffixes": [*S[:1], V]},
+                     {"arm": "publisher_exact", "suffixes": S[:1]},
+                     {"arm": "hit_exact", "suffixes": S[1:]},
+                     {"arm": "hit", "suffixes": S[1:], "suffixes_off": T},
+                     {"arm": "floor", "suffixes": S[1:], "suffixes_local": S},
+                     {"arm": "ramcache", "suffixes": S}):  # fmt: skip
             arms[spec["arm"]] = run_arm({**sp, **spec}, Path(tmp), sup)
         sup_stats = sup.stats()
     ref = arms["cold"]["context_params"]
@@ -402,9 +399,8 @@ def main(report: common.Report, o: Any) -> None:
     click.echo(table(res, report.baseline(quick)))
     if noisy:
         click.echo(f"\nother processes used CPU during: {noisy} (cores, average)")
-    refuse = ""
-    if (not quiet["quiet"] or noisy) and not o.force_baseline:
-        refuse = "the machine was busy; rerun when quiet or pass --force-baseline"
+    busy = (not quiet["quiet"] or noisy) and not o.force_baseline
+    refuse = "the machine was busy; rerun when quiet or pass --force-baseline" if busy else ""
     chart = [(v["label"], v["ttft"].get("p50"), v["ttft"].get("p99"))
              for v in res["analysis"]["ttft"].values()]  # fmt: skip
     report.write(res, chart, refuse)

@@ -288,19 +288,6 @@ def run_load(srv: common.Server, wl: Workload, n: int, cc: int, cfg: dict[str, A
     return results, time.monotonic() - t0
 
 
-def warm_up(srv: common.Server, rounds: int = 3) -> None:
-    """Short unrelated prompts (under one cache chunk) on every worker, untimed."""
-
-    def go(first: int, w: int) -> None:
-        with common.http_client(300) as client:
-            r = send(client, srv, 2, prompt=TURN.format(f"Warm-up {first + w}: name a colour."))
-        if r["error"] or r["ttft"] is None:
-            raise click.ClickException(f"warm-up request failed: {r['error']}")
-
-    for rnd in range(rounds):
-        common.in_threads(srv.workers, functools.partial(go, rnd * srv.workers))
-
-
 def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workdir: Path) -> Any:
     """One (arm, concurrency) cell on fresh servers; its raw record."""
     cell: dict[str, Any] = {"arm": arm, "concurrency": cc, "planned": n}
@@ -316,7 +303,15 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
         llama_server = arm.removesuffix("-chat") == "llama-server"
         srv.wait_ready(logged=None if llama_server else "Application startup complete")
         cell["startup_s"], cell["worker_pids"] = time.monotonic() - t, srv.worker_pids()
-        warm_up(srv)
+
+        def warm_up(first: int, w: int) -> None:  # a short unrelated prompt (under one chunk)
+            with common.http_client(300) as client:
+                r = send(client, srv, 2, prompt=TURN.format(f"Warm-up {first + w}: name a colour."))
+            if r["error"] or r["ttft"] is None:
+                raise click.ClickException(f"warm-up request failed: {r['error']}")
+
+        for rnd in range(3):  # on every worker, untimed
+            common.in_threads(srv.workers, functools.partial(warm_up, rnd * srv.workers))
         if sup is not None:
             time.sleep(0.5)  # the warm-up's counters reach the supervisor off the token path
         cell["quiet"] = common.wait_until_quiet(cfg["max_load"], cfg["max_wait"])
@@ -703,15 +698,11 @@ def main(report: common.Report, o: Any) -> None:
                f"for nocache/ramcache); 1-min load at each cell's start: "
                f"{[c['quiet']['loadavg'][0] for c in analysed]}")  # fmt: skip
     click.echo(table(res, report.baseline(quick)))
-    f = common.fmt_s
-    for title, text in (
-        ("where the shmkv arms' time to first token went (mean per request)",
-         phase_table(analysed, cfg)),
-        ("goals", goal["checks"] and common.goal_table(goal["checks"])
-         + f"\n(restore floor + suffix, p50, one Llama: {f(goal['floor_p50_s'])})"),
-    ):  # fmt: skip
-        if text:
-            click.echo(f"\n{title}\n{text}")
+    if text := phase_table(analysed, cfg):
+        click.echo(f"\nwhere the shmkv arms' time to first token went (mean per request)\n{text}")
+    if goal["checks"]:
+        floor = f"(restore floor + suffix, p50, one Llama: {common.fmt_s(goal['floor_p50_s'])})"
+        click.echo(f"\ngoals\n{common.goal_table(goal['checks'])}\n{floor}")
     chart = [(f"{cell_key(c)}: TTFT", c["ttft"].get("p50"), c["ttft"].get("p99")) for c in analysed]
     report.write(res, chart, "the run was interrupted" * interrupted)
     if interrupted:

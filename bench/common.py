@@ -56,7 +56,6 @@ def pick(d: dict[str, Any], keys: str) -> dict[str, Any]:
     return {k: d[k] for k in keys.split() if k in d}
 
 
-# ------------------------------------------------------------ machine and load
 def machine_info(*dists: str) -> dict[str, Any]:
     """CPU model and flags, cores, memory, kernel, Python, package and llama.cpp versions."""
     import llama_cpp
@@ -178,7 +177,6 @@ def code_state(paths: tuple[str, ...] = ("shmkv", "workers")) -> dict[str, Any]:
     return out | {"modified": git("status", "--porcelain", "--", *paths).splitlines()}
 
 
-# --------------------------------------------------------- in-process timing, llama
 def first_token(llm: Any, prompt: Any, before: Any = None, **gen: Any) -> dict[str, Any]:
     """One streamed completion here: seconds to its first chunk (``ttft``) and in all, its start
     (``t0``) and text. ``before`` runs inside the timing."""
@@ -223,7 +221,6 @@ class Floor:
         requires_eval(self.llm)
 
 
-# -------------------------------------------------------------------- processes
 def free_port() -> int:
     """A free TCP port of 127.0.0.1."""
     with socket.socket() as s:
@@ -468,7 +465,6 @@ def poll(pred: Callable[[], Any], timeout: float, what: str, child: Child | None
     return got
 
 
-# ------------------------------------------------------------------------ goals
 def check_goals(goals: list[Any], where: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Each goal (metric, "<=" or ">=", bound) at each place (a cell, "" for the run)."""
     met = {"<=": operator.le, ">=": operator.ge}
@@ -485,8 +481,6 @@ def goal_table(checks: list[dict[str, Any]]) -> str:
         rows.append([g["goal"], g["cell"], f"{g['value']:.3g}", f"{g['op']} {g['bound']:g}", met])
     return grid(rows, left=2)
 
-
-# ------------------------------------------------------------ command line and reports
 
 option = functools.partial(click.option, show_default=True)
 
@@ -668,17 +662,14 @@ def summary_table(rows: list[tuple[str, Any, Any]], scale: float = 1.0, unit: st
     return grid(lines)
 
 
-# ---------------------------------------------------------------------- prompts
-
-WORDS = """apple river stone garden window silver market pencil orange rabbit candle
-forest bridge yellow copper island winter summer ladder pocket helmet violin dragon
-harbor meadow castle feather saddle anchor basket cotton desert engine falcon glacier
-hammer jungle kettle lantern marble needle oyster pepper quartz rocket shadow tiger
-velvet walnut zebra blanket canyon dolphin emerald fossil guitar horizon iceberg jacket
-kitten lemon mirror nectar orchard parrot quiver ribbon saffron thunder umbrella valley
-whistle yogurt badger cactus dagger ember goblet hazel ivory jigsaw kayak lilac
-magnet nutmeg otter pebble quill raven sparrow tulip urchin vessel wagon yarn zephyr
-bamboo cobalt drizzle eagle fabric granite hollow indigo juniper kernel lobster mango""".split()
+WORDS = """apple river stone garden window silver market pencil orange rabbit candle forest bridge
+yellow copper island winter summer ladder pocket helmet violin dragon harbor meadow castle feather
+saddle anchor basket cotton desert engine falcon glacier hammer jungle kettle lantern marble needle
+oyster pepper quartz rocket shadow tiger velvet walnut zebra blanket canyon dolphin emerald fossil
+guitar horizon iceberg jacket kitten lemon mirror nectar orchard parrot quiver ribbon saffron
+thunder umbrella valley whistle yogurt badger cactus dagger ember goblet hazel ivory jigsaw kayak
+lilac magnet nutmeg otter pebble quill raven sparrow tulip urchin vessel wagon yarn zephyr bamboo
+cobalt drizzle eagle fabric granite hollow indigo juniper kernel lobster mango""".split()
 
 
 def llama(model: Path, threads: int, sup: Supervisor | None = None, **kw: Any) -> Any:

@@ -188,9 +188,8 @@ class Faults:
         for kind, n, share in SCHEDULE:
             while time.monotonic() < t0 + share * self.o.duration:
                 time.sleep(0.2)
-            ev: dict[str, Any] = {"fault": kind, "node": "ab"[n] if n >= 0 else "*"}
+            ev = {"fault": kind, "node": "ab"[n] if n >= 0 else "*", "start": time.monotonic()}
             log.info("fault: %s on node %s", kind, ev["node"])
-            ev["start"] = time.monotonic()
             try:
                 ev |= getattr(self, kind)(self.nodes[n])
             except Exception as e:  # a problem: the soak goes on
