@@ -17,6 +17,7 @@ import pytest
 
 from shmkv.core.keys import chain_digests
 from tests.support.cli import shmkv
+from tests.support.llama_workers import SYSTEM, completion, run_worker
 from tests.support.peer import Raw
 from tests.support.waiting import wait_until
 
@@ -141,6 +142,24 @@ def test_top_once_without_a_terminal(deployment) -> None:
     assert any("hit rate" in ln for ln in lines) and any("memory" in ln for ln in lines)
     assert any(ln.strip().startswith(keys[1][:16]) for ln in lines)
     assert not any(ln.strip().startswith(keys[0][:16]) for ln in lines)  # (--rows 2)
+
+
+def test_top_shows_real_requests(make_supervisor, models) -> None:
+    """End to end: two llama workers' completions of one prompt (a miss, then a hit from
+    the arena) reach `shmkv top` through the workers' own reports."""
+    sup = make_supervisor("--size", "64M")
+    prompt = SYSTEM + " Question: which mat?"
+    calls = [run_worker(sup, models["seed0"], [completion(prompt)])["results"][0]["last"]]
+    calls.append(run_worker(sup, models["seed0"], [completion(prompt)])["results"][0]["last"])
+    assert [c["hit"] for c in calls] == [False, True], calls
+
+    def screen() -> str | None:
+        out = sup.cli("top", "--once", "--interval", "0.1").stdout
+        return out if "(1 of 2 requests)" in out else None
+
+    out = wait_until(screen, 20, "the workers' reports in top")
+    assert "50.0% since start (1 of 2 requests)" in out, out
+    assert f"{calls[1]['tokens_restored']:,} since start" in out, out
 
 
 def test_top_without_a_supervisor(tmp_path) -> None:

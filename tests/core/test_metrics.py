@@ -20,6 +20,8 @@ from shmkv.core.stats import RESTORE_BUCKETS, WorkerCounters, metric_name
 from tests.support import ROOT
 from tests.support.blobs import put_and_hit
 from tests.support.cli import shmkv
+from tests.support.llama_workers import SYSTEM as LLAMA_SYSTEM
+from tests.support.llama_workers import completion, run_worker
 from tests.support.peer import Raw
 from tests.support.servers import Server, free_port, scrape
 from tests.support.supervisors import wait_ready
@@ -116,6 +118,30 @@ def test_supervise_metrics_port_exposes_the_schema(make_supervisor) -> None:
     assert s[f"shmkv_restore_duration_seconds_sum{{{lab}}}"] == 3
     assert WORKER_FAMILIES <= {re.sub(r"_(total|bucket|sum|count)$", "", k) for k in names(s)}
     raw.close()
+
+
+def test_supervise_metrics_port_counts_real_requests(make_supervisor, models) -> None:
+    """End to end: two llama workers' completions (one cold, one restored from the arena)
+    reach the scrape through the workers' own reports; the numbers are the supervisor's
+    sums, checked against what each call's own stats say."""
+    port = free_port()
+    sup = make_supervisor("--size", "64M", "--metrics-port", str(port))
+    url = wait_metrics(port)
+    prompt = LLAMA_SYSTEM + " Question: which mat?"
+    calls = [run_worker(sup, models["seed0"], [completion(prompt)])["results"][0]["last"]]
+    calls.append(run_worker(sup, models["seed0"], [completion(prompt)])["results"][0]["last"])
+    assert [c["hit"] for c in calls] == [False, True], calls
+    s = wait_until(
+        lambda: (got := scrape(url)) and total(got, "shmkv_requests_total") == 2 and got,
+        20,
+        "the workers' reports",
+    )
+    assert total(s, "shmkv_cache_hits_total") == 1
+    assert total(s, "shmkv_tokens_restored_total") == calls[1]["tokens_restored"] > 0
+    evaluated = sum(c["tokens_evaluated"] for c in calls)
+    assert total(s, "shmkv_tokens_evaluated_total") == evaluated
+    assert total(s, "shmkv_restore_duration_seconds_count") == 1
+    assert s["shmkv_puts_total{}"] >= 1 and s["shmkv_leases_granted_total{}"] >= 1
 
 
 def test_metrics_host_is_loopback_by_default(make_supervisor) -> None:

@@ -13,6 +13,7 @@ import from here and take the fixtures of ``tests/conftest.py``, never from one 
 * ``media``: images without a projector: embedding batches (in llama workers);
 * ``servers``: gunicorn as ``shmkv serve`` runs it, and Prometheus scrapes;
 * ``tmpfs``: small tmpfs mounts;
+* ``cpu``: the CPU budget's board (who waits in line for cores);
 * ``tinymodel``: the tiny GGUF models the session writes.
 """
 

@@ -67,3 +67,11 @@ def no_signal_deaths(*procs: subprocess.Popen | subprocess.CompletedProcess) -> 
     for p in procs:
         rc = p.returncode
         assert rc is not None and rc >= 0, f"pid {getattr(p, 'pid', '?')} died of signal {-rc}"
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time process ``pid`` (all its threads) has used, user and system: unlike wall
+    time, what a piece of work costs in it does not grow when the machine is loaded."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

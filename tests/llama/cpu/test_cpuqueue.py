@@ -20,6 +20,7 @@ import pytest
 
 from shmkv.llama.cpu import budget as cpubudget
 from shmkv.llama.cpu import queue as cpuqueue
+from tests.support.cpu import HeldCore, board, wait_until_in_line, waiting_on_board
 from tests.support.waiting import wait_until
 
 SHM = "/dev/shm"
@@ -27,9 +28,10 @@ SHM = "/dev/shm"
 # One process on the budget: "take REMAINING [hold] [give_back NEXT] [pause] [take NEXT]..."
 # as a JSON list of steps; prints a JSON line per step with the monotonic time it ended.
 ACTOR = r"""
-import json, sys, time
+import json, os, sys, time
 from shmkv.llama.cpu import budget as cpubudget
 name, cores, steps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+stop = sys.argv[4] if len(sys.argv) > 4 else ""
 b = cpubudget.CpuBudget("/dev/shm", name, cores, wait=60)
 g = None
 for op, arg in steps:
@@ -39,10 +41,14 @@ for op, arg in steps:
         b.give_back(g, next_remaining=arg, next_want=cores)
     elif op == "sleep":
         time.sleep(arg)
-    elif op == "loop_short":   # short prefills back to back for ARG seconds
+    elif op == "await":  # until the file ARG exists (the process has loaded by then)
+        while not os.path.exists(arg):
+            time.sleep(0.002)
+        continue
+    elif op == "loop_short":   # short prefills back to back for ARG seconds (or until stop)
         end = time.monotonic() + arg
         n = 0
-        while time.monotonic() < end:
+        while time.monotonic() < end and not (stop and os.path.exists(stop)):
             g = b.take(cores, remaining=20)
             time.sleep(0.02)
             b.give_back(g)
@@ -67,9 +73,11 @@ def name() -> str:
     Path(f"{SHM}/sem.{cpubudget.bell_name(n)[1:]}").unlink(missing_ok=True)
 
 
-def actor(name: str, cores: int, steps: list[tuple[str, float]]) -> subprocess.Popen[str]:
+def actor(
+    name: str, cores: int, steps: list[tuple[str, float]], stop: Path | None = None
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", ACTOR, name, str(cores), json.dumps(steps)],
+        [sys.executable, "-c", ACTOR, name, str(cores), json.dumps(steps), str(stop or "")],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -81,31 +89,16 @@ def events(p: subprocess.Popen[str], timeout: float = 60) -> list[dict[str, floa
     return [json.loads(line) for line in out.splitlines()]
 
 
-def waiting_on_board(name: str) -> int:
-    """Records in line on the budget's board, live or not, read from the file."""
-    raw = Path(cpubudget.budget_path(SHM, name)).read_bytes()
-    size = cpuqueue.SLOTS * cpuqueue.REC.size
-    board = raw[cpuqueue.BOARD_OFFSET : cpuqueue.BOARD_OFFSET + size].ljust(size, b"\0")
-    return sum(rec[3] == cpuqueue.WAITING for rec in cpuqueue.REC.iter_unpack(board))
-
-
-def wait_until_in_line(name: str, n: int) -> None:
-    end = time.monotonic() + 30
-    while waiting_on_board(name) < n:
-        assert time.monotonic() < end, f"fewer than {n} prefills in line after 30 s"
-        time.sleep(0.02)
-
-
 def test_shortest_prefill_first_whoever_waited_longer(name):
     """One core, held; a 1,000-token prefill gets in line, then a 20-token one: when the
     core comes free the short one runs first (a bell ring alone would wake the long one)."""
-    with cpubudget.CpuBudget(SHM, name, 1, wait=60) as b:
-        g = b.take(1)
+    with cpubudget.CpuBudget(SHM, name, 1, wait=60):
+        held = HeldCore(name)
         long = actor(name, 1, [("take", 1000), ("sleep", 0.3), ("give_back", 0)])
         wait_until_in_line(name, 1)
         short = actor(name, 1, [("take", 20), ("sleep", 0.3), ("give_back", 0)])
         wait_until_in_line(name, 2)
-        b.give_back(g)
+        held.release()
         got_long = events(long)[0]["t"]
         got_short = events(short)[0]["t"]
     assert got_short < got_long, "the long prefill took the core before the short one"
@@ -115,8 +108,8 @@ def test_shortest_prefill_first_whoever_waited_longer(name):
 def test_a_prefill_between_batches_keeps_its_place(name):
     """A prefill gives back its core after a batch with 500 tokens to go and takes it again
     50 ms later; a 2,000-token prefill in line all the while does not get it in between."""
-    with cpubudget.CpuBudget(SHM, name, 1, wait=60) as b:
-        g = b.take(1)
+    with cpubudget.CpuBudget(SHM, name, 1, wait=60):
+        held = HeldCore(name)
         first = actor(
             name,
             1,
@@ -126,32 +119,71 @@ def test_a_prefill_between_batches_keeps_its_place(name):
         wait_until_in_line(name, 1)
         second = actor(name, 1, [("take", 2000), ("give_back", 0)])
         wait_until_in_line(name, 2)
-        b.give_back(g)
+        held.release()
         steps = events(first)
         got_second = events(second)[0]["t"]
     second_batch = steps[3]["t"]  # (the take of its 500 remaining)
     assert second_batch < got_second, "the longer prefill took the core between two batches"
 
 
-def test_a_long_wait_passes_a_stream_of_short_prefills(name):
-    """Short prefills back to back for 12 s on one core do not starve a 1,000-token one:
-    it ages ahead of them within ~1,000 / AGING_TOKENS_PER_SECOND seconds."""
-    shorts = actor(name, 1, [("loop_short", 12.0)])
-    time.sleep(0.5)
-    t0 = time.monotonic()
-    long = actor(name, 1, [("take", 1000), ("give_back", 0)])
-    got = events(long)[0]["t"] - t0
+def test_a_long_wait_passes_a_stream_of_short_prefills(name, tmp_path):
+    """Short prefills back to back on one core (for up to 12 s) do not starve a 1,000-token
+    one: it ages ahead of them within ~1,000 / AGING_TOKENS_PER_SECOND seconds (without
+    ageing it waits for the stream's end)."""
+    stop = tmp_path / "stop"
+    shorts = actor(name, 1, [("loop_short", 12.0)], stop)
+    try:
+        wait_until(lambda: _held(name, 1), 30, "the short prefills to run", step=0.002)
+        t0 = time.monotonic()
+        long = actor(name, 1, [("take", 1000), ("give_back", 0)])
+        got = events(long)[0]["t"] - t0
+    finally:
+        stop.touch()
     n = events(shorts)[0]["n"]
     bound = 1000 / cpuqueue.AGING_TOKENS_PER_SECOND + 2.5
     assert got < bound, f"the long prefill waited {got:.1f} s (bound {bound:.1f} s)"
     assert n > 20  # (the short ones did run)
 
 
+def test_a_prefill_that_waited_goes_before_a_shorter_newcomer(name, tmp_path):
+    """Ageing, in an order that first-come-first-served and shortest-first both get wrong.
+    One core, held; A (300 tokens) gets in line, then B (4,000), then C (20) once A has
+    waited longer than (300 - 20) / AGING_TOKENS_PER_SECOND s: A has aged ahead of C, and
+    C is still far ahead of B. The core goes to A, then C, then B (first come: A, B, C;
+    shortest first: C, A, B)."""
+    gap = (300 - 20) / cpuqueue.AGING_TOKENS_PER_SECOND
+    go = {k: tmp_path / k for k in "ABC"}
+    procs = {
+        k: actor(name, 1, [("await", str(go[k])), ("take", n), ("sleep", 0.1), ("give_back", 0)])
+        for k, n in (("A", 300), ("B", 4000), ("C", 20))
+    }  # (started first: each gets in line at once when told to, whatever its start-up took)
+    with cpubudget.CpuBudget(SHM, name, 1, wait=60):
+        held = HeldCore(name)
+        go["A"].touch()
+        wait_until_in_line(name, 1)
+        go["B"].touch()
+        wait_until_in_line(name, 2)
+        since_a = min(rec[0] for rec in board(name) if rec[3] == cpuqueue.WAITING)
+        wait_until(lambda: time.monotonic() - since_a > gap + 0.2, 10, "A to age")
+        go["C"].touch()
+        wait_until_in_line(name, 3)
+        # the order the queue's keys give (tokens left - rate x time in line), from the board
+        line = sorted(
+            (left - cpuqueue.AGING_TOKENS_PER_SECOND * (time.monotonic() - since), left)
+            for since, left, _, state, _, _ in board(name)
+            if state == cpuqueue.WAITING
+        )
+        assert [left for _, left in line] == [300, 20, 4000], line  # (not a race lost)
+        held.release()
+        took = {k: events(p)[0]["t"] for k, p in procs.items()}
+    assert sorted(took, key=took.__getitem__) == ["A", "C", "B"], took
+
+
 def test_a_waiter_killed_in_line_holds_nobody_up(name):
     """A 5-token prefill killed while in line leaves a record that says it goes first;
     nobody holds its slot's lock any more, so a 1,000-token prefill is not held up."""
-    with cpubudget.CpuBudget(SHM, name, 1, wait=60) as b:
-        g = b.take(1)
+    with cpubudget.CpuBudget(SHM, name, 1, wait=60):
+        held = HeldCore(name)
         long = actor(name, 1, [("take", 1000), ("give_back", 0)])
         wait_until_in_line(name, 1)
         doomed = actor(name, 1, [("take", 5)])
@@ -160,9 +192,10 @@ def test_a_waiter_killed_in_line_holds_nobody_up(name):
         doomed.wait()
         assert waiting_on_board(name) == 2  # (its record is still there, saying "waiting")
         t0 = time.monotonic()
-        b.give_back(g)
+        held.release()
         got = events(long)[0]["t"] - t0
-    assert got < 1.0, f"a dead waiter's record held the core back {got:.1f} s"
+    # (a dead record obeyed would hold it back for the waiter's --cpu-wait, 60 s)
+    assert got < 10.0, f"a dead waiter's record held the core back {got:.1f} s"
 
 
 def _held(name: str, cores: int) -> int:

@@ -10,8 +10,11 @@ record and neither node stops serving; a record damaged in Redis is rejected.
 from __future__ import annotations
 
 import os
+import re
+import select
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import threading
@@ -233,21 +236,120 @@ def _fetch_blob(sup: Sup, b, wait: float = 5.0) -> tuple[str, bytes | None]:
         return status, data
 
 
+class HoldingProxy:
+    """A TCP proxy from a node to Redis that passes everything until the node starts to
+    send piece ``hold_at`` of a record, after ``after`` records' manifests went by; from
+    then on it holds what that connection sends and refuses new ones until
+    :meth:`release`. That record is left in Redis with its first pieces stored and
+    neither its later pieces nor its manifest, as a crash between two pieces leaves it.
+    ``held``: the record's id (hex) once held."""
+
+    SET = re.compile(rb"\*\d+\r\n\$3\r\nSET\r\n\$\d+\r\nshmkv:\{([0-9a-f]{32})\}:(p\d+|m)\r\n")
+
+    def __init__(self, upstream: int, after: int, hold_at: str = "p2") -> None:
+        self.upstream, self.after, self.hold_at = upstream, after, hold_at.encode()
+        self.manifests = 0
+        self.held: str | None = None
+        self.passing = True
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lsock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def release(self) -> None:
+        """Pass new connections again (held ones stay held)."""
+        self.passing = True
+
+    def close(self) -> None:
+        self.lsock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            try:
+                if not self.passing:
+                    raise OSError("holding")
+                u = socket.create_connection(("127.0.0.1", self.upstream), timeout=5)
+            except OSError:
+                c.close()
+                continue
+            threading.Thread(target=self._pump, args=(c, u), daemon=True).start()
+
+    def _cut(self, data: bytes) -> int | None:
+        """Where in ``data`` (what the node sends) to stop passing it on, if anywhere."""
+        for m in self.SET.finditer(data):
+            if m.group(2) == b"m":
+                self.manifests += 1
+            elif m.group(2) == self.hold_at and self.manifests >= self.after and not self.held:
+                self.held, self.passing = m.group(1).decode(), False
+                return m.start()
+        return None
+
+    def _pump(self, c: socket.socket, u: socket.socket) -> None:
+        tail, held = b"", False  # (a command header split between two reads is kept back)
+        try:
+            while True:
+                r, _, _ = select.select([u] if held else [c, u], [], [], 0.005 if tail else 1.0)
+                if not r and tail:
+                    u.sendall(tail)
+                    tail = b""
+                if u in r:
+                    data = u.recv(1 << 16)
+                    if not data:
+                        return
+                    c.sendall(data)
+                if c in r and not held:
+                    data = c.recv(1 << 16)
+                    if not data:
+                        return
+                    data, tail = tail + data, b""
+                    cut = self._cut(data)
+                    if cut is not None:
+                        u.sendall(data[:cut])
+                        held = True
+                        continue
+                    star = data.rfind(b"*", max(0, len(data) - 128))
+                    if star >= 0:
+                        data, tail = data[:star], data[star:]
+                    u.sendall(data)
+        except OSError:
+            return
+        finally:
+            c.close()
+            u.close()
+
+
+def _rid(b) -> bytes:
+    return remote_id(b.root, b"fp", np.ascontiguousarray(b.tokens, dtype="<i4").tobytes())
+
+
 def test_redis_killed_mid_puts_never_serves_a_partial_record(make_supervisor, tmp_path):
-    """Redis (append-only file, fsync always) is killed while node A writes 4-piece records
-    behind, and restarted on the same files: whatever node B fetches is whole and right,
-    and both nodes serve all along, never waiting past their bound."""
+    """Redis (append-only file, fsync always) is killed while node A is between two pieces
+    of a 4-piece record (A reaches it through a proxy that holds the record's third piece
+    back), and restarted on the same files: the partial record is there, with two pieces
+    and no manifest; node B fetches only whole records, and right; both nodes serve all
+    along, never waiting past their bound."""
+    from shmkv.supervisor.tiers.redis import layout as fmt
+
     srv = RedisProc(tmp_path / "aof", None, "--appendonly", "yes", "--appendfsync", "always")
+    proxy = HoldingProxy(srv.port, after=3)
     try:
-        a = make_supervisor("--size", "96M", "--remote", srv.url, "--remote-timeout", "0.5")
+        a = make_supervisor("--size", "96M", "--remote", proxy.url, "--remote-timeout", "0.5")
         b = make_supervisor("--size", "96M", "--remote", srv.url, "--remote-timeout", "0.5")
         blobs = [blob(500 + i, (4 << 20) - 1000) for i in range(12)]
+        r = srv.client()
         with a.client() as c:
-            for i, bl in enumerate(blobs):
+            for bl in blobs:
                 c.put_bytes(bl.root, bl.tokens, b"fp", bl.data)
-                if i == 3:
-                    time.sleep(0.2)  # some written, the writer busy with the next
-                    srv.kill()
+            rid = bytes.fromhex(wait_until(lambda: proxy.held, 30, "a record's third piece"))
+            wait_until(lambda: r.exists(fmt.piece_key(rid, 1)), 10, "its first two pieces")
+            srv.kill()  # (what Redis answered is on disk: fsync always, before replies)
             for bl in blobs:  # node A serves its own arena all along
                 assert c.lookup(bl.digests()) is not None
         # node B, Redis down: answered at once (or at the bound), never a wrong record
@@ -255,17 +357,19 @@ def test_redis_killed_mid_puts_never_serves_a_partial_record(make_supervisor, tm
         status, data = _fetch_blob(b, blobs[0], wait=1.0)
         assert time.monotonic() - t0 < 1.0 + 2.5 and data is None and status != "fetched"
         srv.start()  # the same port and append-only file: what was fsynced is back
+        proxy.release()
+        r = srv.client()
+        assert [bool(r.exists(fmt.piece_key(rid, i))) for i in range(4)] == [1, 1, 0, 0]
+        assert not r.exists(fmt.manifest_key(rid)), "the partial record has a manifest"
+        whole = [bl for bl in blobs if r.exists(fmt.manifest_key(_rid(bl)))]
+        assert len(whole) >= 3 and rid not in {_rid(bl) for bl in whole}, len(whole)
         wait_until(lambda: b.stats()["remote_paused"] == 0 or _probe(b), 40, "B resumes")
-        seen = {"fetched": 0}
         for bl in blobs:
             status, data = _fetch_blob(b, bl)
-            assert status in ("fetched", "none"), status
-            if status == "fetched":
-                seen["fetched"] += 1
-                assert data == bl.data  # whole and right, never part of a record
-            else:
-                assert data is None
-        assert 1 <= seen["fetched"] < len(blobs), seen
+            if bl in whole:
+                assert (status, data) == ("fetched", bl.data)  # whole and right
+            else:  # the partial record above all: never part of one
+                assert (status, data) == ("none", None), (status, _rid(bl) == rid)
         # A resumes writing behind by itself; a new record goes across
         late = blob(600, 300_000)
         with a.client() as c:
@@ -275,6 +379,7 @@ def test_redis_killed_mid_puts_never_serves_a_partial_record(make_supervisor, tm
         assert st["remote_errors"] and st["remote_dropped"] >= 1, st
         no_internal_errors(a, b)
     finally:
+        proxy.close()
         srv.kill()
 
 
@@ -346,16 +451,25 @@ def redis_cluster(tmp_path):
 def test_cluster_node_b_restores_what_node_a_published(make_supervisor, models, redis_cluster):
     url = f"redis+cluster://127.0.0.1:{redis_cluster[0]}"
     a, b, _ = cross_node(make_supervisor, models, url)
-    # the record's pieces and manifest share a slot, and the keys really are spread out
+    # a record's pieces and manifest share a slot, and records really are spread out over
+    # the cluster's nodes (each record's hash tag is its own id, not one for all)
     from redis.cluster import RedisCluster
 
+    more = [blob(560 + i, 200_000 + i) for i in range(8)]
+    with a.client() as c:
+        for bl in more:
+            c.put_bytes(bl.root, bl.tokens, b"fp", bl.data)
+    written(a, 1 + len(more))
     rc = RedisCluster(host="127.0.0.1", port=redis_cluster[0])
-    keys = [k.decode() for k in rc.scan_iter("shmkv:*", target_nodes=RedisCluster.ALL_NODES)]
-    slots = {rc.keyslot(k) for k in keys if k.endswith(":m")}
-    for k in keys:
-        if ":p" in k:
-            assert rc.keyslot(k) == rc.keyslot(k.rsplit(":", 1)[0] + ":m")
-    assert slots and np.all([isinstance(s, int) for s in slots])
+    manifests_on = {}
+    for node in rc.get_primaries():
+        keys = [k.decode() for k in rc.scan_iter("shmkv:*", target_nodes=node)]
+        for k in keys:
+            if ":p" in k:
+                assert rc.keyslot(k) == rc.keyslot(k.rsplit(":", 1)[0] + ":m"), k
+        manifests_on[node.port] = sum(k.endswith(":m") for k in keys)
+    assert sum(manifests_on.values()) >= 1 + len(more), manifests_on
+    assert sum(n > 0 for n in manifests_on.values()) >= 2, manifests_on
     rc.close()
     no_internal_errors(a, b)
 
