@@ -191,13 +191,13 @@ class _Decoder:
         self.lib, self.ctx, self.llm, self.chunk = lib, ctx, llm, chunk
 
     def __call__(self, n_past: int) -> None:
-        new_n_past = llama_cpp.llama_pos(0)
+        new_n_past = ctypes.c_int32(0)  # (llama_pos, llama_seq_id: int32)
         rc = self.lib.mtmd_helper_eval_chunk_single(
             self.ctx,
             self.llm.ctx,
             self.chunk,
-            llama_cpp.llama_pos(n_past),
-            llama_cpp.llama_seq_id(0),
+            ctypes.c_int32(n_past),
+            ctypes.c_int32(0),
             self.llm.n_batch,
             False,
             ctypes.byref(new_n_past),
