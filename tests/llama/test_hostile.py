@@ -31,7 +31,7 @@ from shmkv.core.keys import chain_digests
 from shmkv.llama import key_root, model_fingerprint
 from shmkv.supervisor.loop import EXIT_ARENA_LOST
 from tests.support import SHM
-from tests.support.blobs import flip_payload_bytes
+from tests.support.blobs import each_record, flip_payload_bytes
 from tests.support.llama_workers import KW, SYSTEM, BarrierWorker, completion, run_worker, texts
 from tests.support.servers import EXTRA, SAMPLING, Server
 from tests.support.supervisors import start_supervisor
@@ -45,16 +45,7 @@ pytestmark = pytest.mark.timeout(240)
 # ------------------------------------------------------------------- helpers
 def records(arena: Path) -> list[A.Record]:
     """Every record the index points at, read through a fresh read-only view."""
-    fd = os.open(arena, os.O_RDONLY)
-    try:
-        view = A.ArenaView(fd, populate=False)
-    finally:
-        os.close(fd)
-    try:
-        found = {(s.rec_offset, s.rec_gen) for s in view.scan()}
-        return [view.read_record(off, gen) for off, gen in sorted(found)]
-    finally:
-        view.close()
+    return each_record(arena, lambda view, off, gen: view.read_record(off, gen))
 
 
 def record_for(arena: Path, tokens: list[int]) -> A.Record:

@@ -182,11 +182,13 @@ def test_responses_name_the_model_by_its_alias(tmp_path, serve_model, make_super
         srv.stop()
 
 
-def test_serve_starts_without_warnings(tmp_path, serve_model):
-    """`shmkv serve` starts its own supervisor: no "cache unavailable" while it waits."""
-    name = f"t{uuid.uuid4().hex[:10]}"
-    port = free_port()
-    args = ["serve", "--model", serve_model, "--workers", "2", "--size", "32M"]
+def start_serve(
+    tmp_path: Path, serve_model: str, workers: int
+) -> tuple[subprocess.Popen, int, Path]:
+    """`shmkv serve` of the tiny model in its own session (32M arena, 1 thread, n_ctx 2048),
+    its stderr in ``serve.err``: the process, its port and that file."""
+    name, port = f"t{uuid.uuid4().hex[:10]}", free_port()
+    args = ["serve", "--model", serve_model, "--workers", str(workers), "--size", "32M"]
     args += ["--name", name, "--socket", str(tmp_path / f"{name}.sock"), "--port", str(port)]
     err_path = tmp_path / "serve.err"
     with open(err_path, "wb") as err:
@@ -197,6 +199,12 @@ def test_serve_starts_without_warnings(tmp_path, serve_model):
             stderr=err,
             start_new_session=True,
         )
+    return proc, port, err_path
+
+
+def test_serve_starts_without_warnings(tmp_path, serve_model):
+    """`shmkv serve` starts its own supervisor: no "cache unavailable" while it waits."""
+    proc, port, err_path = start_serve(tmp_path, serve_model, workers=2)
     try:
         pids: set[int] = set()
         deadline = time.monotonic() + 60
@@ -223,18 +231,7 @@ def test_sighup_to_serve_reloads_its_workers_and_keeps_serving(tmp_path, serve_m
     """SIGHUP (systemd's reload, a closed terminal) to `shmkv serve`: gunicorn replaces its
     worker, the supervisor logs its stats, and serve keeps serving (it used to die of the
     signal, taking its gunicorn and supervisor with it)."""
-    name, port = f"t{uuid.uuid4().hex[:10]}", free_port()
-    args = ["serve", "--model", serve_model, "--workers", "1", "--size", "32M", "--name", name]
-    args += ["--socket", str(tmp_path / f"{name}.sock"), "--port", str(port)]
-    err_path = tmp_path / "serve.err"
-    with open(err_path, "wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shmkv", *args],
-            env=clean_env(SHMKV_THREADS="1", SHMKV_N_CTX="2048"),
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            start_new_session=True,
-        )
+    proc, port, err_path = start_serve(tmp_path, serve_model, workers=1)
 
     def worker_pid() -> int | None:
         try:

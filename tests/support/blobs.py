@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -95,3 +96,18 @@ def use_blob(c: Client, b: Blob) -> None:
     with c.acquire(hit) as lease:
         assert bytes(lease.payload) == b.data
         assert lease.finish()
+
+
+def each_record(arena: str | Path, read: Callable[[A.ArenaView, int, int], Any]) -> list[Any]:
+    """``read(view, offset, gen)`` of every record the index of the arena file points at,
+    through a fresh read-only view (no lease)."""
+    fd = os.open(arena, os.O_RDONLY)
+    try:
+        view = A.ArenaView(fd, populate=False)
+    finally:
+        os.close(fd)
+    try:
+        found = {(s.rec_offset, s.rec_gen) for s in view.scan()}
+        return [read(view, off, gen) for off, gen in sorted(found)]
+    finally:
+        view.close()

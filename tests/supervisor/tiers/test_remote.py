@@ -9,7 +9,6 @@ record and neither node stops serving; a record damaged in Redis is rejected.
 
 from __future__ import annotations
 
-import os
 import re
 import select
 import shutil
@@ -28,9 +27,8 @@ import pytest
 import redis
 import xxhash
 
-from shmkv.core import arena as A
 from shmkv.core.keys import chain_digests, remote_id
-from tests.support.blobs import CHUNK, blob
+from tests.support.blobs import CHUNK, blob, each_record
 from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
 from tests.support.servers import free_port
 from tests.support.supervisors import Sup, no_internal_errors, wait_for_socket
@@ -162,16 +160,7 @@ def test_node_b_restores_the_system_prompt_another_question_shares(
 
 def arena_tokens(sup: Sup) -> list[np.ndarray]:
     """The token ids of every record in ``sup``'s arena (lease-free peeks)."""
-    fd = os.open(sup.arena, os.O_RDONLY)
-    try:
-        view = A.ArenaView(fd, populate=False)
-    finally:
-        os.close(fd)
-    try:
-        found = {(s.rec_offset, s.rec_gen) for s in view.scan()}
-        return [view.peek(off, gen)[1].copy() for off, gen in sorted(found)]
-    finally:
-        view.close()
+    return each_record(sup.arena, lambda view, off, gen: view.peek(off, gen)[1].copy())
 
 
 def test_a_sliding_window_model_fetches_no_state_it_would_have_to_cut(
