@@ -288,6 +288,19 @@ def run_load(srv: common.Server, wl: Workload, n: int, cc: int, cfg: dict[str, A
     return results, time.monotonic() - t0
 
 
+def warm_up(srv: common.Server, rounds: int = 3) -> None:
+    """A short unrelated prompt (under one chunk) on every worker at once, ``rounds`` times."""
+
+    def one(i: int) -> None:
+        with common.http_client(300) as client:
+            r = send(client, srv, 2, prompt=TURN.format(f"Warm-up {i}: name a colour."))
+        if r["error"] or r["ttft"] is None:
+            raise click.ClickException(f"warm-up request failed: {r['error']}")
+
+    for rnd in range(rounds):
+        common.in_threads(srv.workers, lambda w, r=rnd: one(r * srv.workers + w))
+
+
 def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workdir: Path) -> Any:
     """One (arm, concurrency) cell on fresh servers; its raw record."""
     cell: dict[str, Any] = {"arm": arm, "concurrency": cc, "planned": n}
@@ -304,14 +317,7 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
         srv.wait_ready(logged=None if llama_server else "Application startup complete")
         cell["startup_s"], cell["worker_pids"] = time.monotonic() - t, srv.worker_pids()
 
-        def warm_up(first: int, w: int) -> None:  # a short unrelated prompt (under one chunk)
-            with common.http_client(300) as client:
-                r = send(client, srv, 2, prompt=TURN.format(f"Warm-up {first + w}: name a colour."))
-            if r["error"] or r["ttft"] is None:
-                raise click.ClickException(f"warm-up request failed: {r['error']}")
-
-        for rnd in range(3):  # on every worker, untimed
-            common.in_threads(srv.workers, functools.partial(warm_up, rnd * srv.workers))
+        warm_up(srv)
         if sup is not None:
             time.sleep(0.5)  # the warm-up's counters reach the supervisor off the token path
         cell["quiet"] = common.wait_until_quiet(cfg["max_load"], cfg["max_wait"])
@@ -362,18 +368,20 @@ def cache_class(r: dict[str, Any], sys_tokens: int) -> str:
 
 
 def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
-    """Requests sent while the worker that served them was busy with another one."""
-    if not (done := [r for r in done if r["worker_pid"] and r["total"] is not None]):
+    """Requests that reached a worker busy with another (while another was idle), by the
+    server's clock: a request is in flight on its worker from its ``received_at`` to its
+    ``first_token_at`` plus the decode its client saw (first chunk to end: their lags cancel)."""
+    spans = [(k["received_at"], k["first_token_at"] + r["total"] - r["first_chunk"], w)
+             for r in done if (w := r["worker_pid"]) and (k := r["shmkv"])]  # fmt: skip
+    if not spans:
         return {"n": 0}
-    known = sorted(set(workers) | {r["worker_pid"] for r in done})
-    busy, misrouted = [], []
-    for r in done:
-        during = (o for o in done if o is not r and 0 <= r["t_send"] - o["t_send"] < o["total"])
-        inflight = {o["worker_pid"] for o in during}
-        busy.append(r["worker_pid"] in inflight)
+    known, busy, misrouted = set(workers) | {w for *_, w in spans}, [], []
+    for i, (at, _, pid) in enumerate(spans):
+        inflight = {w for j, (a, b, w) in enumerate(spans) if j != i and a <= at < b}
+        busy.append(pid in inflight)
         misrouted.append(busy[-1] and any(w not in inflight for w in known))
-    return {"n": len(done), "landed_on_busy": sum(busy),
-            "landed_on_busy_while_another_idle": sum(misrouted)}  # fmt: skip
+    return {"n": len(spans), "landed_on_busy": sum(busy),
+            "landed_on_busy_while_another_idle": sum(misrouted), "clock": "server"}  # fmt: skip
 
 
 def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]:
@@ -428,6 +436,18 @@ def phase_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     return out
 
 
+IDEAL = """The ideal line, a lower bound: the cell's requests in its order, each sent as one of its
+clients is free; a system prompt's first request prefilled alone on all cores (its time in one
+process, no HTTP), one prefill at a time in arrival order; a later request for that prompt waits
+for the prefill, then costs the cell's mean hit or local reuse less its waits (queue, app,
+coalesce, remote, CPU); no worker limit, no core shared between prefills, hits and decodes.
+Each assumption drops a cost a server pays and adds none: a prefill is no faster than alone
+on all cores, equal prefills finish sooner on average one at a time than sharing the cores
+(while all cores prefill at least 1.5x as fast as half), a prefix cannot be restored before it
+exists. But hits and decodes cost what they did in the cell, on shared cores: a scheduler that
+made those cheaper could go below the line."""
+
+
 def ideal_mean_ttft(prompts: list[int], cc: int, prefill: dict[int, float], hit: float,
                     decode: float) -> float:  # fmt: skip
     """Mean TTFT if every cold prefill ran alone on all cores, one at a time."""
@@ -455,7 +475,7 @@ def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[s
     decode = sum(r["total"] - r["ttft"] for r in done) / len(done)
     prefill, prompts = {int(p): s for p, s in measured.items()}, cfg["request_prompts"]
     mean = ideal_mean_ttft(prompts[: c["planned"]], c["concurrency"], prefill, hit, decode)
-    res = dict(mean_ttft_s=mean, hit_s=hit, decode_s=decode)
+    res = dict(mean_ttft_s=mean, hit_s=hit, decode_s=decode, assumes=IDEAL)
     return res | {"measured_mean_ttft_s": out["ttft"].get("mean")}
 
 
@@ -596,11 +616,10 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
             share = {k: f" ({(v or 0) * 100:.0f} %)" for k, v in ph["share"].items()}
             rows.append(row | {k: f(ph["mean"][k]) + share[k] for k in PHASES})
         if i := c.get("ideal"):
-            notes.append(f"- {cell_key(c)}: measured mean TTFT {f(i['measured_mean_ttft_s'])}; "
-                         f"with every cold prefill alone on all cores, one at a time: "
-                         f"{f(i['mean_ttft_s'])} (cold prefills as timed in one process, others "
-                         f"{f(i['hit_s'])}: this cell's hits and local reuses without their "
-                         f"waits, decode {f(i['decode_s'])})")  # fmt: skip
+            what = f"(hit {f(i['hit_s'])}, decode {f(i['decode_s'])})"
+            notes.append(f"- {cell_key(c)}: mean TTFT {f(i['measured_mean_ttft_s'])}, ideal line "
+                         f"{f(i['mean_ttft_s'])} {what}")  # fmt: skip
+    notes += [IDEAL] * any(c.get("ideal") for c in cells)
     return "\n\n".join([common.dict_table(rows, left=2), "\n".join(notes)]) if rows else ""
 
 
