@@ -26,7 +26,6 @@ from shmkv.core.config import format_size, parse_size
 from shmkv.core.keys import chain_digests
 
 log = logging.getLogger("bench_arena")
-
 MIB = 1 << 20
 BLOB = 16 * MIB
 PROMPT_CHUNKS = 32
@@ -35,12 +34,9 @@ FINGERPRINT = b"bench-arena-model-fingerprint"
 ROOT = bytes(16)  # one namespace: every entry chains from the same root
 GOALS = [("lookup p50 (µs)", "<=", 50.0), ("put (GB/s)", ">=", 1.0),
          ("ping max during a huge put (ms)", "<=", 100.0)]  # fmt: skip
-
-
 #: the fragmented case: arena size, payload of each small record, size of the huge put
 FRAGMENTED = {False: dict(size=2 << 30, record=28 * 1024, put=400 * MIB),
               True: dict(size=256 << 20, record=28 * 1024, put=50 * MIB)}  # fmt: skip
-
 PLANS = {  # what one run does (--set KEY=VALUE changes one); --quick shrinks every count
     False: dict(entries=100_000, deep_every=200, index_slots=524_288, size=4 << 30, lookups=30_000,
                 prompts_per_depth=100, put_warmup=4, puts=64, reads=300, ramcache_lookups=10),
@@ -90,15 +86,12 @@ class CountingDigests(list):
         return super().__getitem__(i)
 
 
-# ------------------------------------------------------------------- 1. lookups
 def fill_small(client: Client, plan: Plan, rng: Any, chunk: int) -> dict[int, list[np.ndarray]]:
     """Put ``plan.entries`` small entries; returns the tokens of some entries of each depth."""
     keep: dict[int, list[np.ndarray]] = {}
-    payload = bytearray(rng.bytes(SMALL_PAYLOAD))
-    t0 = time.perf_counter()
+    payload, t0 = bytearray(rng.bytes(SMALL_PAYLOAD)), time.perf_counter()
     for i in range(plan.entries):
-        d = plan.depth(i)
-        tokens = random_tokens(rng, d * chunk)
+        tokens = random_tokens(rng, (d := plan.depth(i)) * chunk)
         payload[:8] = i.to_bytes(8, "little")
         client.put_bytes(ROOT, tokens, FINGERPRINT, bytes(payload))
         if len(bucket := keep.setdefault(d, [])) < plan.prompts_per_depth:
@@ -131,8 +124,7 @@ def bench_lookup(client: Client, plan: Plan, rng: Any, chunk: int, keep: Any) ->
     for i in order[:1000]:  # a warm-up, then the timed lookups in a random order
         lookup(prompts[i][1])
     for k, i in enumerate(order):
-        digests = prompts[i][1]
-        t0 = pc()
+        digests, t0 = prompts[i][1], pc()
         lookup(digests)
         times[k] = pc() - t0
     depths = np.array([prompts[i][0] for i in order])
@@ -158,7 +150,6 @@ def bench_ramcache(plan: Plan, rng: Any, chunk: int, prompts: list[Any]) -> dict
     return us(timed(lambda: keys[next(it) % len(keys)] in cache, plan.ramcache_lookups))
 
 
-# ---------------------------------------------------------------------- 2. puts
 def bench_put(client: Client, plan: Plan, rng: Any, chunk: int) -> tuple[dict[str, Any], list[Any]]:
     """``Client.prepare`` + ``Client.put_blob`` of 16 MiB blobs (what ``Client.put`` does): a
     memfd filled in place and checksummed, its fd handed over, copied and verified."""
@@ -182,19 +173,16 @@ def bench_put(client: Client, plan: Plan, rng: Any, chunk: int) -> tuple[dict[st
     return {"total": us(times, BLOB), "throughput_gbps": gbps}, stored
 
 
-# ------------------------------------------------------------ 3. lookup -> pointer
 def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]) -> dict[str, Any]:
     """Lookup + lease + record/meta check (+ payload checksum) of a 16 MiB blob, vs memcpy."""
-    digests = [chain_digests(ROOT, t, chunk) for t in blobs[-8:]]
-    view = client.view
+    digests, view = [chain_digests(ROOT, t, chunk) for t in blobs[-8:]], client.view
     for d in digests:  # warm the pages and check every target once
         if (hit := client.lookup(d)) is None or hit.chunks != PROMPT_CHUNKS:
             raise click.ClickException("a stored 16 MiB blob was not found")
         with client.acquire(hit) as lease:
             if not view.verify_payload(lease.record) or lease.record.payload_len != BLOB:
                 raise click.ClickException("a stored 16 MiB blob failed its checksum")
-    pc = time.perf_counter_ns
-    full, bare = [], []
+    pc, full, bare = time.perf_counter_ns, [], []
     for k in range(plan.reads):
         d = digests[k % len(digests)]
         t0 = pc()  # the public API, as a worker uses it
@@ -216,7 +204,6 @@ def bench_read(client: Client, plan: Plan, chunk: int, blobs: list[np.ndarray]) 
     return out | {"memcpy": memcpy}
 
 
-# ------------------------------------------------------ 4. a fragmented arena
 # Another process pings the supervisor every 5 ms (this one's GIL would otherwise be in
 # the measurement) until a line arrives on its stdin; it prints [[sent at, ms], ...].
 PINGER = r"""
@@ -240,8 +227,7 @@ print(json.dumps(out), flush=True)
 def bench_fragmented(quick: bool, seed: int) -> dict[str, Any]:
     """Fill an arena with small records, use half of them in random order, then put one
     huge blob while another process pings."""
-    fp = FRAGMENTED[quick]
-    size, record, big = int(fp["size"]), int(fp["record"]), int(fp["put"])
+    size, record, big = (int(FRAGMENTED[quick][k]) for k in ("size", "record", "put"))
     rng = np.random.default_rng(seed)
     slots = 1 << (size // (16 * 1024)).bit_length()  # room for every small record
     args = ["--size", str(size), "--index-slots", str(slots)]
@@ -249,17 +235,14 @@ def bench_fragmented(quick: bool, seed: int) -> dict[str, Any]:
           common.supervisor(Path(tmp), *args) as sup):  # fmt: skip
         client = sup.client(timeout=600)
         try:
-            chunk = client.ensure().geometry.chunk_tokens
-            cap = client.stats()["bytes_capacity"]
+            chunk, cap = client.ensure().geometry.chunk_tokens, client.stats()["bytes_capacity"]
             *_, extent = arena.record_layout(chunk, len(FINGERPRINT), record)
             n, payload, keys, t0 = cap // extent, rng.bytes(record), [], time.perf_counter()
             for i in range(n):
-                root = i.to_bytes(16, "little")
-                tokens = random_tokens(rng, chunk)
+                root, tokens = i.to_bytes(16, "little"), random_tokens(rng, chunk)
                 client.put_bytes(root, tokens, FINGERPRINT, payload)
                 keys.append(chain_digests(root, tokens, chunk))
-            t_fill = time.perf_counter() - t0
-            used = keys[1::2]
+            t_fill, used = time.perf_counter() - t0, keys[1::2]
             rng.shuffle(used)  # type: ignore[arg-type]
             for digests in used:
                 if (hit := client.lookup(digests)) is None:
@@ -302,11 +285,9 @@ def run(plan: Plan) -> dict[str, Any]:
           common.supervisor(Path(tmp), *args) as sup):  # fmt: skip
         client = sup.client(timeout=60)
         try:
-            t0 = time.perf_counter()
-            view = client.ensure()
-            secs, mapped = time.perf_counter() - t0, format_size(view.file_size)
-            log.info("attached (%.2f s, %s mapping)", secs, mapped)
-            chunk = view.geometry.chunk_tokens
+            t0, view = time.perf_counter(), client.ensure()
+            secs, chunk = time.perf_counter() - t0, view.geometry.chunk_tokens
+            log.info("attached (%.2f s, %s mapping)", secs, format_size(view.file_size))
             keep = fill_small(client, plan, rng, chunk)
             if (st := client.stats())["entries"] != plan.entries or st["evictions"]:
                 what = "the arena did not keep every entry (raise --size or --index-slots)"
@@ -318,8 +299,7 @@ def run(plan: Plan) -> dict[str, Any]:
             log.info("2/4 puts (%d x 16 MiB)", plan.puts)
             put, blobs = bench_put(client, plan, rng, chunk)
             log.info("3/4 lookup to pointer (%d reads)", plan.reads)
-            read = bench_read(client, plan, chunk, blobs)
-            stats = client.stats()
+            read, stats = bench_read(client, plan, chunk, blobs), client.stats()
         finally:
             client.close()
             gc.unfreeze()
@@ -341,8 +321,8 @@ def main(report: common.Report, o: Any) -> None:
     res["fragmented"] = bench_fragmented(quick, plan.seed)
     res = {**report.header(), **res, "loadavg_before": load_before}
     res["config"] = vars(plan) | dict(blob_bytes=BLOB, small_payload=SMALL_PAYLOAD)
-    res["config"] |= dict(prompt_chunks=PROMPT_CHUNKS, fragmented=FRAGMENTED[quick])
-    res["config"]["chunk_tokens"] = res["supervisor_stats"]["chunk_tokens"]
+    res["config"] |= dict(prompt_chunks=PROMPT_CHUNKS, fragmented=FRAGMENTED[quick],
+                          chunk_tokens=res["supervisor_stats"]["chunk_tokens"])  # fmt: skip
     base, rows = report.baseline(quick) or {}, []
     for part in ("lookup", "put", "read"):
         rows += [(f"[{part}]", None, None), *common.walk(res[part], base.get(part))]

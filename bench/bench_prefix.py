@@ -1,12 +1,10 @@
-"""One shared prefix in the arena (issue 21 item 1): N completions on one ~1,000-token prefix,
-each with its own question, one after another to a fresh ``shmkv serve``: the arena's bytes
-after all N over the first conversation's, on Gemma 3 and on a model without sliding windows
-(a LLaMA-architecture GGUF written here). Smoke run: ``--quick``."""
+"""One shared prefix in the arena (issue 21 item 1, docs/benchmarks.md): N completions on one
+system prompt, each with its own question, to a fresh ``shmkv serve``: the arena's bytes after all
+N over the first's, on Gemma 3 and a LLaMA model (no sliding window). Smoke run: ``--quick``."""
 
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,42 +16,27 @@ from tests.support.tinymodel import write_tiny_llama
 
 RATIO = "arena used after N / after the first"
 GOALS = {"gemma3": [(RATIO, "<=", 4.0)], "llama": [(RATIO, "<=", 2.0)]}  # (from 7.0x and ~12x)
-KEYS = "entries bytes_used puts duplicate_puts rejected_puts"
 LLAMA = dict(n_vocab=512, n_embd=256, n_layer=4, n_head=4, n_ctx_train=4096)  # 4 KiB/token f16
 
 
 def run_model(model: Path, o: Any, work: Path) -> dict[str, Any]:
-    """``o.n`` completions on one prefix to a fresh ``shmkv serve``, each after an aside (a short
-    unrelated prompt, so that its worker's context holds none of the prefix: an arena hit)."""
-    tok, w, after, rs = common.tokenizer(model), common.WORDS, [], []
-    line = lambda i: f" Fact {i}: the {w[i % len(w)]} is next to the {w[i * 7 % len(w)]}."  # noqa: E731
-    prefix = common.fill_to(o.prefix_tokens, lambda t: len(tok(t)), "Context.", line)
-    cfg = dict(model=str(model), threads=1, n_ctx=4096, workers=o.workers, budget_threads=0)
-    with common.supervisor(work, "--size", o.arena_size) as sup:
-        srv = bench_serve.start_server("shmkv", cfg, work, sup)
-        try:
-            srv.wait_ready(logged="Application startup complete")
-            bench_serve.warm_up(srv)
-            look = lambda: common.pick(sup.stats(), KEYS)  # noqa: E731
-            same = lambda: (a := look()) == (time.sleep(0.5) or look()) and a  # noqa: E731
-            for i in range(o.n):
-                with common.http_client(600) as client:
-                    bench_serve.send(client, srv, 1, prompt=f"Aside {i}: name a colour.")
-                    q = f"\nQuestion {i}: where is the {w[i * 13 % 90]}, and what is beside it?"
-                    rs.append(r := bench_serve.send(client, srv, 4, prompt=prefix + q))
-                if r["error"] or r["ttft"] is None or not r["shmkv"]:
-                    raise click.ClickException(f"request {i} failed: {r['error']}")
-                after.append(common.poll(same, 60, "the arena settled (the stream's puts in)"))
-        finally:
-            srv.stop()
-    for r in rs:  # (what the JSON keeps of each)
-        r |= {"kind": bench_serve.cache_class(r, len(tok(prefix))), "after": after.pop(0)}
-    rs = [common.pick(r, "ttft total text kind after shmkv") for r in rs]
-    first, last = rs[0]["after"]["bytes_used"], rs[-1]["after"]["bytes_used"]
-    ttft = {k: common.summary([r["ttft"] for r in rs if r["kind"] == k]) for k in ("hit", "local")}
-    out = dict(path=str(model), prefix_tokens=len(tok(prefix)), first_bytes=first, last_bytes=last)
-    out |= dict(entries=rs[-1]["after"]["entries"], ttft=ttft, hits=ttft["hit"]["n"])
-    return out | {RATIO: last / first if first else None, "requests": rs}
+    """bench_serve's cells of the first request and of all ``o.n``, at concurrency 1, each after
+    an aside (unrelated: a worker that took the aside holds none of the prefix: an arena hit)."""
+    cfg = dict(model=str(model), threads=1, n_ctx=4096, workers=o.workers, budget_threads=0,
+               arena_size=o.arena_size, max_tokens=4, timeout=600.0, max_load=float("inf"),
+               max_wait=0.0, max_rss=16 << 30, min_available=1 << 30, aside=True)  # fmt: skip
+    wl, cells = bench_serve.make_workload(model, 1, o.prefix_tokens, o.n), []
+    for n in (1, o.n):
+        cell = bench_serve.run_cell("shmkv", 1, n, cfg, wl, work)
+        a = bench_serve.analyse_cell(cell, wl.system_tokens[0]) | {"requests": cell["results"]}
+        cells.append(a)
+        if a["ok"] != n or not a.get("supervisor"):
+            raise click.ClickException(f"{a['ok']} of {n} requests answered: {a['error_samples']}")
+    (first, last), k = (c["supervisor"]["end"] for c in cells), cells[1]["cache"]
+    out = dict(path=str(model), prefix_tokens=wl.system_tokens[0], first_bytes=first["bytes_used"])
+    out |= dict(last_bytes=last["bytes_used"], entries=last["entries"], hits=k["hits"])
+    out |= {RATIO: last["bytes_used"] / first["bytes_used"], "first_cell": cells[0]}
+    return out | {"ttft": common.pick(k, "ttft_hit ttft_local ttft_cold"), "cell": cells[1]}
 
 
 @common.command("prefix", quick="4 completions, a 400-token prefix.", model=True)
@@ -73,7 +56,7 @@ def main(report: common.Report, o: Any) -> None:
     checks = [g for m, c in cells.items() for g in common.check_goals(GOALS[m], {m: c})]
     cfg = common.pick(vars(o), "quick n prefix_tokens workers arena_size") | {"llama": LLAMA}
     res = {**report.header(), "config": cfg, "cells": cells, "goals": checks}
-    mib, hit = lambda n: f"{n / 2**20:.1f} MiB", lambda c, k="p50": c["ttft"]["hit"].get(k)  # noqa: E731
+    mib, hit = lambda n: f"{n / 2**20:.1f} MiB", lambda c, k="p50": c["ttft"]["ttft_hit"].get(k)  # noqa: E731
     rows = [["model", "prefix", "first", f"after {o.n}", "ratio", "entries", "hit TTFT", "hits"]]
     rows += [[m, str(c["prefix_tokens"]), mib(c["first_bytes"]), mib(c["last_bytes"]),
               f"{c[RATIO]:.1f}x", str(c["entries"]), common.fmt_s(hit(c)), f"{c['hits']}/{o.n}"]

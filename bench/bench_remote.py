@@ -18,14 +18,12 @@ PREFIX_TOKENS = 2000
 @contextlib.contextmanager
 def redis_server(workdir: Path, url: str | None) -> Iterator[str]:
     """``url``, or a redis-server of our own on a loopback port (no persistence)."""
-    if url:
-        yield url
-        return
-    child = common.redis_server(port := common.free_port(), workdir)
+    child = None if url else common.redis_server(port := common.free_port(), workdir)
     try:
-        yield f"redis://127.0.0.1:{port}/0"
+        yield url or f"redis://127.0.0.1:{port}/0"
     finally:
-        child.stop(kill=True)
+        if child is not None:
+            child.stop(kill=True)
 
 
 def ttft(llm: Any, prompt: str) -> tuple[float, str]:
@@ -94,8 +92,7 @@ def main(report: common.Report, o: Any) -> None:
         p["same_text_as_cold"] = p.pop("cross_texts") == [x for _, x in cold]
     res = {**report.header(), "cold_s": [t for t, _ in cold], "pairs": pairs}
     res["config"] = {"quick": o.quick, "prefix_tokens": PREFIX_TOKENS, "threads": o.threads}
-    arms = [("cold", res["cold_s"])]
-    kinds = (("cross-node", "cross"), ("local", "local"))
+    arms, kinds = [("cold", res["cold_s"])], (("cross-node", "cross"), ("local", "local"))
     for p in pairs:
         arms += [(f"{w} hit ({p['codec']})", p[f"{k}_s"]) for w, k in kinds]
     rows = [[a, *(common.fmt_s(s[k]) for k in ("p50", "mean")), str(s["n"])]

@@ -22,6 +22,7 @@ import click
 import common
 import numpy as np
 
+from shmkv.core.errors import ShmkvError
 from shmkv.core.keys import chain_digests
 
 log = logging.getLogger("bench")
@@ -41,8 +42,6 @@ def state(i: int) -> tuple[bytes, np.ndarray, bytes]:
 
 def first_hit(sup: common.Supervisor, i: int, data: bytes) -> float:
     """Poll until state ``i`` is read back intact; the monotonic time it was."""
-    from shmkv.core.errors import ShmkvError
-
     root, tokens, _ = state(i)
 
     def hit() -> float | None:
@@ -95,8 +94,7 @@ def restart_rounds(workdir: Path, size: str, rounds: int) -> dict[str, Any]:
         for r in range(rounds):
             for mode in ("adopt", "fresh"):
                 sup.child.stop(kill=True)
-                args = ("--fresh",) if mode == "fresh" else ()
-                t0 = time.monotonic()
+                args, t0 = ("--fresh",) if mode == "fresh" else (), time.monotonic()
                 sup = common.start_supervisor(workdir, name, "--size", size, *args)
                 t_ready = answers(sup)
                 row: dict[str, Any] = {"round": r, "mode": mode, "ready_s": t_ready - t0}
@@ -165,8 +163,7 @@ def real_states(model: Path, n: int, tokens: int, threads: int) -> list[dict[str
 
 
 def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> dict[str, Any]:
-    disk = tmp / "persist"
-    size = sum(len(states[i % len(states)]["data"]) for i in range(n))
+    disk, size = tmp / "persist", sum(len(states[i % len(states)]["data"]) for i in range(n))
     arena_size = str(int(size * 1.2) + (64 << 20))
     args = ("--size", arena_size, "--persist", str(disk), "--persist-size", str(4 * size))
     with common.supervisor(tmp, *args) as sup:

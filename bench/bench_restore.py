@@ -18,9 +18,14 @@ from typing import Any
 
 import click
 import common
+import llama_cpp
 import psutil
 
+from shmkv.core.client import Client
+from shmkv.llama import SharedCacheLlama
+
 log = logging.getLogger("bench_restore")
+opt = common.option
 
 GOALS = [("hit_over_floor_p50", "<=", 1.10), ("cold_over_hit_p50", ">=", 50.0)]  # TTFT ratios
 ARENA_SIZE = "1G"
@@ -65,14 +70,10 @@ def floor(llm: Any, spec: dict[str, Any], res: dict[str, Any]) -> common.Floor:
 
 def arm(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one arm; returns its JSON-able result."""
-    import llama_cpp
-
     kind, gen, prefix, prefix_n = spec["arm"], spec["gen"], spec["prefix"], spec["prefix_tokens"]
     res: dict[str, Any] = {"arm": kind, "requests": []}
     t = time.perf_counter()
     if kind.startswith(("publisher", "hit")):  # through shmkv
-        from shmkv.llama import SharedCacheLlama
-
         shmkv = dict(shmkv_name=spec["name"], shmkv_socket=spec["socket"], shmkv_namespace="bench")
         shmkv["shmkv_exact"] = kind.endswith("_exact")
         llm = SharedCacheLlama(model_path=spec["model"], **spec["ctx"], **shmkv)
@@ -84,8 +85,6 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
                              if isinstance(v := getattr(cp, n), (int, float, bool))}  # fmt: skip
     calls: list[tuple[float, float, bool | None]] = []  # of capture()
     if cache is not None:
-        from shmkv.core.client import Client
-
         t = time.perf_counter()  # what a worker's attach costs: connect + map (MAP_POPULATE)
         with Client(name=spec["name"], socket_path=spec["socket"]) as c:
             c.ensure()
@@ -295,8 +294,8 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
                ramcache_counted_bytes=last_ram.get("cache_size", 0),
                ramcache_entries=last_ram.get("entries", 0),
                ramcache_uncounted_scores_bytes_per_entry=last_ram.get("scores_bytes_uncounted", 0),
-               cold_peak_rss_bytes=cold["peak_rss_bytes"])  # fmt: skip
-    mem["blob_bytes"] = floor["blob_bytes"]
+               cold_peak_rss_bytes=cold["peak_rss_bytes"],
+               blob_bytes=floor["blob_bytes"])  # fmt: skip
     out = dict(ttft=ttft, ratios=ratios, publish=publish)
     out["goals"] = common.check_goals(GOALS, {"": ratios})
     out["hit"] = hit_out | {"attach_seconds": hit["attach_seconds"], "totals": hit["totals"]}
@@ -333,9 +332,6 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
         common.goal_table(a["goals"]),
     ]
     return "\n".join(lines)
-
-
-opt = common.option
 
 
 @common.command("restore", "Smoke run (short prefix, 2 repeats).", True, 2, 0.5, 300.0)
@@ -392,10 +388,9 @@ def main(report: common.Report, o: Any) -> None:
     res |= dict(supervisor_stats=sup_stats, analysis=analyse(arms, plan), arms=arms)
     noisy = {k: round(v["foreign_cores"], 2) for k, v in res["noise"].items()}
     res["noisy_arms"] = noisy = {k: v for k, v in noisy.items() if v > 0.25}
-    click.echo(
-        f"\n{common.title(res, 'restore')}; prefix {ptoks} tokens, {threads} threads; load "
-        f"{quiet['loadavg'][0]:.2f} at start" + ("" if quiet["quiet"] else " (NOT quiet)")
-    )
+    load = f"{threads} threads; load {quiet['loadavg'][0]:.2f} at start"
+    load += " (NOT quiet)" * (not quiet["quiet"])
+    click.echo(f"\n{common.title(res, 'restore')}; prefix {ptoks} tokens, {load}")
     click.echo(table(res, report.baseline(quick)))
     if noisy:
         click.echo(f"\nother processes used CPU during: {noisy} (cores, average)")

@@ -26,8 +26,13 @@ from typing import Any
 
 import click
 import common
+from llama_cpp.server.settings import ModelSettings, ServerSettings
+
+from shmkv.core.config import parse_size
+from shmkv.serving.chat_template import GEMMA3_FORMAT, GEMMA3_TEMPLATE, default_chat_format
 
 log = logging.getLogger("bench_serve")
+opt = common.option
 
 # issue 13's goals on the shmkv arms (completions and chat), at concurrency 4 but req/s (at
 # 10) and the CPU budget's (at 1: `--concurrency 1 --prompts N --requests N --idle 1`, every
@@ -167,8 +172,6 @@ def build_llama_server(jobs: int = 2) -> Path:
 
 def start_server(arm: str, cfg: dict[str, Any], workdir: Path, sup: Any) -> common.Server:
     """The server of ``arm``: shmkv serve on ``sup``, llama-server, or llama_cpp.server."""
-    from shmkv.serving.chat_template import GEMMA3_FORMAT, GEMMA3_TEMPLATE, default_chat_format
-
     model, threads, n_ctx = cfg["model"], str(cfg["threads"]), str(cfg["n_ctx"])
     arm, workers = arm.removesuffix("-chat"), cfg["workers"]
     chat_format = default_chat_format(model)  # (as shmkv serve: Gemma 3's own template)
@@ -275,6 +278,8 @@ def run_load(srv: common.Server, wl: Workload, n: int, cc: int, cfg: dict[str, A
                     if (k := next(nxt, None)) is None:
                         return
                 time.sleep(cfg.get("idle", 0.0))  # (every worker's threads asleep)
+                if cfg.get("aside"):  # a short unrelated prompt first, untimed (bench_prefix)
+                    send(client, srv, 1, prompt=TURN.format(f"Aside {k}: name a colour."))
                 what = {"messages": wl.messages(k)} if chat else {"prompt": wl.prompt(k)}
                 r = send(client, srv, cfg["max_tokens"], seed=SEED, **what)
                 no_text = None if r["ttft"] is not None else f"no text in {r['chunks']} chunks"
@@ -286,19 +291,6 @@ def run_load(srv: common.Server, wl: Workload, n: int, cc: int, cfg: dict[str, A
     for r in results:  # relative to the start of the cell
         r["t_send"] = r["t_send"] - t0 if r["t_send"] else 0.0
     return results, time.monotonic() - t0
-
-
-def warm_up(srv: common.Server, rounds: int = 3) -> None:
-    """A short unrelated prompt (under one chunk) on every worker at once, ``rounds`` times."""
-
-    def one(i: int) -> None:
-        with common.http_client(300) as client:
-            r = send(client, srv, 2, prompt=TURN.format(f"Warm-up {i}: name a colour."))
-        if r["error"] or r["ttft"] is None:
-            raise click.ClickException(f"warm-up request failed: {r['error']}")
-
-    for rnd in range(rounds):
-        common.in_threads(srv.workers, lambda w, r=rnd: one(r * srv.workers + w))
 
 
 def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workdir: Path) -> Any:
@@ -317,7 +309,14 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
         srv.wait_ready(logged=None if llama_server else "Application startup complete")
         cell["startup_s"], cell["worker_pids"] = time.monotonic() - t, srv.worker_pids()
 
-        warm_up(srv)
+        def warm_up(first: int, w: int) -> None:  # a short unrelated prompt (under one chunk)
+            with common.http_client(300) as client:
+                r = send(client, srv, 2, prompt=TURN.format(f"Warm-up {first + w}: name a colour."))
+            if r["error"] or r["ttft"] is None:
+                raise click.ClickException(f"warm-up request failed: {r['error']}")
+
+        for rnd in range(3):  # on every worker, untimed
+            common.in_threads(srv.workers, functools.partial(warm_up, rnd * srv.workers))
         if sup is not None:
             time.sleep(0.5)  # the warm-up's counters reach the supervisor off the token path
         cell["quiet"] = common.wait_until_quiet(cfg["max_load"], cfg["max_wait"])
@@ -436,21 +435,18 @@ def phase_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
     return out
 
 
-IDEAL = """The ideal line, a lower bound: the cell's requests in its order, each sent as one of its
-clients is free; a system prompt's first request prefilled alone on all cores (its time in one
-process, no HTTP), one prefill at a time in arrival order; a later request for that prompt waits
-for the prefill, then costs the cell's mean hit or local reuse less its waits (queue, app,
-coalesce, remote, CPU); no worker limit, no core shared between prefills, hits and decodes.
-Each assumption drops a cost a server pays and adds none: a prefill is no faster than alone
-on all cores, equal prefills finish sooner on average one at a time than sharing the cores
-(while all cores prefill at least 1.5x as fast as half), a prefix cannot be restored before it
-exists. But hits and decodes cost what they did in the cell, on shared cores: a scheduler that
-made those cheaper could go below the line."""
-
-
 def ideal_mean_ttft(prompts: list[int], cc: int, prefill: dict[int, float], hit: float,
                     decode: float) -> float:  # fmt: skip
-    """Mean TTFT if every cold prefill ran alone on all cores, one at a time."""
+    """The ideal line, a lower bound: the cell's requests in its order, each sent as one of its
+    clients is free; a system prompt's first request prefilled alone on all cores (its time in
+    one process, no HTTP), one prefill at a time in arrival order; a later request for that
+    prompt waits for the prefill, then costs the cell's mean hit or local reuse less its waits
+    (queue, app, coalesce, remote, CPU); no worker limit, no core shared between prefills, hits
+    and decodes. Each assumption drops a cost a server pays and adds none: a prefill is no
+    faster than alone on all cores, prefills of one length finish sooner on average one at a
+    time than sharing the cores (while all cores prefill at least 1.5x as fast as half of
+    them), a prefix cannot be restored before it exists. But hits and decodes cost what they
+    did in the cell, on shared cores: a scheduler that made those cheaper could go below it."""
     free, lane, ready, ttfts = [0.0] * cc, 0.0, {}, []
     for p in prompts:
         t = heapq.heappop(free)
@@ -475,7 +471,8 @@ def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[s
     decode = sum(r["total"] - r["ttft"] for r in done) / len(done)
     prefill, prompts = {int(p): s for p, s in measured.items()}, cfg["request_prompts"]
     mean = ideal_mean_ttft(prompts[: c["planned"]], c["concurrency"], prefill, hit, decode)
-    res = dict(mean_ttft_s=mean, hit_s=hit, decode_s=decode, assumes=IDEAL)
+    res = dict(mean_ttft_s=mean, hit_s=hit, decode_s=decode,
+               assumes=" ".join((ideal_mean_ttft.__doc__ or "").split()))  # fmt: skip
     return res | {"measured_mean_ttft_s": out["ttft"].get("mean")}
 
 
@@ -515,8 +512,7 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int) -> dict[str, Any]:
     errors = [r for r in attempted if r not in ok]
     stop = float("inf") if c["abort_s"] is None else c["abort_s"]
     cut = [r for r in errors if r["t_send"] + (r["total"] or 0) >= stop]  # by our stopping it
-    errors = [r for r in errors if r not in cut]
-    m1 = c["memory"]["end"]
+    errors, m1 = [r for r in errors if r not in cut], c["memory"]["end"]
     mem: dict[str, Any] = {f"{k}_end": m1[k] for k in ("total_pss", "total_rss", "workers_pss")}
     mem |= dict(footprint_peak=c["memory"]["peak_footprint"], arena_pss_end=m1["arena_pss"])
     mem |= common.pick(m1, "arena_allocated_bytes")
@@ -619,15 +615,12 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
             what = f"(hit {f(i['hit_s'])}, decode {f(i['decode_s'])})"
             notes.append(f"- {cell_key(c)}: mean TTFT {f(i['measured_mean_ttft_s'])}, ideal line "
                          f"{f(i['mean_ttft_s'])} {what}")  # fmt: skip
-    notes += [IDEAL] * any(c.get("ideal") for c in cells)
+    notes += [c["ideal"]["assumes"] for c in cells if c.get("ideal")][:1]
     return "\n\n".join([common.dict_table(rows, left=2), "\n".join(notes)]) if rows else ""
 
 
 def cell_key(c: dict[str, Any]) -> str:
     return f"{c['arm']}@{c['concurrency']}"
-
-
-opt = common.option
 
 
 @common.command("serve", "Smoke run: 2 short prompts, 8 requests, c=4.", True, 1, 0.7, 3600.0)
@@ -646,10 +639,6 @@ opt = common.option
 @opt("--ideal/--no-ideal", default=True, help="Time one cold prefill per system prompt first.")
 def main(report: common.Report, o: Any) -> None:
     """Serve shared system prompts: no cache vs LlamaRAMCache vs llama-server vs shmkv."""
-    from llama_cpp.server.settings import ModelSettings, ServerSettings
-
-    from shmkv.core.config import parse_size
-
     quick, arms = o.quick, [a.strip() for a in o.arms.split(",") if a.strip()]
     if unknown := [a for a in arms if a not in ARMS]:
         raise click.BadParameter(f"unknown arms {unknown}; choose from {list(ARMS)}")

@@ -358,8 +358,7 @@ class Server:
 
     def __init__(self, name: str, workdir: Path, workers: int, single: bool = False) -> None:
         self.name, self.workdir, self.workers, self.single_process = name, workdir, workers, single
-        self.base = f"http://127.0.0.1:{(port := free_port())}"
-        self.port = port
+        self.base, self.port = f"http://127.0.0.1:{(port := free_port())}", port
 
     def start(self, args: list[str], env: dict[str, str]) -> Server:
         self.child = Child(self.name, args, env, self.workdir / f"{self.name}-{self.port}.log")
@@ -618,8 +617,7 @@ def fmt_b(n: float | None) -> str:
 
 def grid(lines: list[list[str]], left: int = 1) -> str:
     """A text table (first row: header; a row of one cell: a title), ``left`` columns left."""
-    widths = [max(len(r[i]) for r in lines if len(r) > 1) for i in range(len(lines[0]))]
-    out = []
+    widths, out = [max(len(r[i]) for r in lines if len(r) > 1) for i in range(len(lines[0]))], []
     for n, line in enumerate(lines):
         cells = zip(line, widths, strict=True) if len(line) > 1 else []
         just = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(cells)]
@@ -654,8 +652,7 @@ def summary_table(rows: list[tuple[str, Any, Any]], scale: float = 1.0, unit: st
         if s is None:
             lines.append([label])
         elif s.get("n"):
-            v = [s.get(k + unit) for k in ("p50", "mean", "p99")]
-            bp = (b or {}).get("p50" + unit)
+            v, bp = [s.get(k + unit) for k in ("p50", "mean", "p99")], (b or {}).get("p50" + unit)
             gbps = f" ({s['gbps_p50']:.2f} GB/s)" if s.get("gbps_p50") else ""
             times = [fmt_s(x and x * scale) for x in (*v, bp)]
             lines.append([label + gbps, str(s["n"]), *times, f"{v[0] / bp:.2f}x" if bp else ""])

@@ -27,6 +27,13 @@ import click
 import common
 import httpx
 import psutil
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families as parse
+
+from shmkv.core.config import resolve
+from shmkv.core.errors import ShmkvError
+from shmkv.core.metrics import StatsCollector
+from shmkv.serving.model_settings import load_llama
 
 log = logging.getLogger("soak")
 #: (fault, node, start as a share of --duration); each waits for the one before to heal
@@ -97,8 +104,6 @@ class Node(common.Server):
         self.child.wait_for(ready, 300)
 
     def stats(self) -> dict[str, Any]:
-        from shmkv.core.errors import ShmkvError
-
         with contextlib.suppress(ShmkvError):
             return self.sup.stats()
         return {}
@@ -277,9 +282,6 @@ class Faults:
 
 def greedy_refs(o: Any, env: dict[str, str], bodies: list[Any]) -> list[str]:
     """Each spot check's text from a cold plain Llama loaded as a served worker loads it."""
-    from shmkv.core.config import resolve
-    from shmkv.serving.model_settings import load_llama
-
     out, kw = [], dict(max_tokens=o.max_tokens, temperature=0.0, top_k=1, repeat_penalty=1.0)
     for body in bodies:
         llm = load_llama(resolve("serve", env=env), o.model, threads=1)
@@ -295,10 +297,6 @@ def greedy_refs(o: Any, env: dict[str, str], bodies: list[Any]) -> list[str]:
 def metrics_vs_stats(node: Node) -> list[Any]:
     """The counters of a /metrics scrape that differ from `shmkv stats --json`'s, read before
     and after it (again until both agree: nothing moved meanwhile)."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.parser import text_string_to_metric_families as parse
-
-    from shmkv.core.metrics import StatsCollector
 
     def counters(text: str) -> dict[str, float]:
         fams = [f for f in parse(text) if f.type in ("counter", "histogram")]
