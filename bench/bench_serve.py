@@ -317,8 +317,7 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
 
         for rnd in range(3):  # on every worker, untimed
             common.in_threads(srv.workers, functools.partial(warm_up, rnd * srv.workers))
-        if sup is not None:
-            time.sleep(0.5)  # the warm-up's counters reach the supervisor off the token path
+        time.sleep(0.5 * (sup is not None))  # the warm-up's counters reach the supervisor
         cell["quiet"] = common.wait_until_quiet(cfg["max_load"], cfg["max_wait"])
         stats0 = sup.stats() if sup else None
 
@@ -593,8 +592,7 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
                 "on busy": q.get("landed_on_busy", "-"),
                 "busy+idle": q.get("landed_on_busy_while_another_idle", "-"),
                 "evictions": c.get("supervisor", {}).get("delta", {}).get("evictions", "-"),
-                "arena used": b(m["arena_used_end"]),
-            })  # fmt: skip
+                "arena used": b(m["arena_used_end"])})  # fmt: skip
     return "\n\n".join(filter(None, [common.dict_table(rows, left=2), common.dict_table(detail)]))
 
 

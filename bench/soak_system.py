@@ -191,8 +191,7 @@ class Faults:
 
     def run(self, t0: float) -> None:
         for kind, n, share in SCHEDULE:
-            while time.monotonic() < t0 + share * self.o.duration:
-                time.sleep(0.2)
+            time.sleep(max(0.0, t0 + share * self.o.duration - time.monotonic()))
             ev = {"fault": kind, "node": "ab"[n] if n >= 0 else "*", "start": time.monotonic()}
             log.info("fault: %s on node %s", kind, ev["node"])
             try:
