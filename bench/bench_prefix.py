@@ -1,6 +1,5 @@
-"""One shared prefix in the arena (issue 21 item 1, docs/benchmarks.md): N completions on one
-system prompt, each with its own question, to a fresh ``shmkv serve``: the arena's bytes after all
-N over the first's, on Gemma 3 and a LLaMA model (no sliding window). Smoke run: ``--quick``."""
+"""One shared prefix (docs/benchmarks.md): the arena's bytes after N completions on one system
+prompt over the first's, on Gemma 3 and a LLaMA model (no sliding window). Smoke: ``--quick``."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ def run_model(model: Path, o: Any, work: Path) -> dict[str, Any]:
     """bench_serve's cells of the first request and of all ``o.n``, at concurrency 1, each after
     an aside (unrelated: a worker that took the aside holds none of the prefix: an arena hit)."""
     cfg = dict(model=str(model), threads=1, n_ctx=4096, workers=o.workers, budget_threads=0,
-               arena_size=o.arena_size, max_tokens=4, timeout=600.0, max_load=float("inf"),
+               arena_size="1G", max_tokens=4, timeout=600.0, max_load=float("inf"),
                max_wait=0.0, max_rss=16 << 30, min_available=1 << 30, aside=True)  # fmt: skip
     wl, cells = bench_serve.make_workload(model, 1, o.prefix_tokens, o.n), []
     for n in (1, o.n):
@@ -43,18 +42,15 @@ def run_model(model: Path, o: Any, work: Path) -> dict[str, Any]:
 @common.option("--n", type=int, help="Completions on the one prefix [12; quick 4].")
 @common.option("--prefix-tokens", type=int, help="Tokens of the prefix [1000; quick 400].")
 @common.option("--workers", default=4, help="shmkv serve's workers (its default).")
-@common.option("--arena-size", default="1G")
-@common.option("--models", default="gemma3,llama", help="Of gemma3 (--model), llama.")
 def main(report: common.Report, o: Any) -> None:
     """N completions on one shared prefix: arena bytes after all N over the first's."""
     o.n = o.n or (4 if o.quick else 12)
     o.prefix_tokens = o.prefix_tokens or (400 if o.quick else 1000)
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
         write_tiny_llama(llama := Path(tmp) / "tiny-llama.gguf", **LLAMA)  # type: ignore[arg-type]
-        models = {"gemma3": o.model, "llama": llama}
-        cells = {m: run_model(models[m], o, Path(tmp)) for m in o.models.split(",")}
+        cells = {m: run_model(p, o, Path(tmp)) for m, p in (("gemma3", o.model), ("llama", llama))}
     checks = [g for m, c in cells.items() for g in common.check_goals(GOALS[m], {m: c})]
-    cfg = common.pick(vars(o), "quick n prefix_tokens workers arena_size") | {"llama": LLAMA}
+    cfg = common.pick(vars(o), "quick n prefix_tokens workers") | {"llama": LLAMA}
     res = {**report.header(), "config": cfg, "cells": cells, "goals": checks}
     mib, hit = lambda n: f"{n / 2**20:.1f} MiB", lambda c, k="p50": c["ttft"]["ttft_hit"].get(k)  # noqa: E731
     rows = [["model", "prefix", "first", f"after {o.n}", "ratio", "entries", "hit TTFT", "hits"]]

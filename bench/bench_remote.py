@@ -88,13 +88,12 @@ def main(report: common.Report, o: Any) -> None:
             del cold_llm
             pairs = [arm_pair(Path(tmp), url, o.model, o.threads, prefix, sfx, codec)
                      for codec in ("none", "zstd")]  # fmt: skip
+    arms, kinds = [("cold", [t for t, _ in cold])], (("cross-node", "cross"), ("local", "local"))
     for p in pairs:
         p["same_text_as_cold"] = p.pop("cross_texts") == [x for _, x in cold]
-    res = {**report.header(), "cold_s": [t for t, _ in cold], "pairs": pairs}
-    res["config"] = {"quick": o.quick, "prefix_tokens": PREFIX_TOKENS, "threads": o.threads}
-    arms, kinds = [("cold", res["cold_s"])], (("cross-node", "cross"), ("local", "local"))
-    for p in pairs:
         arms += [(f"{w} hit ({p['codec']})", p[f"{k}_s"]) for w, k in kinds]
+    res = {**report.header(), "cold_s": arms[0][1], "pairs": pairs}
+    res["config"] = {"quick": o.quick, "prefix_tokens": PREFIX_TOKENS, "threads": o.threads}
     rows = [[a, *(common.fmt_s(s[k]) for k in ("p50", "mean")), str(s["n"])]
             for a, xs in arms if (s := common.summary(xs))]  # fmt: skip
     click.echo(common.grid([["arm", "TTFT p50", "mean", "n"], *rows]))

@@ -96,8 +96,7 @@ def restart_rounds(workdir: Path, size: str, rounds: int) -> dict[str, Any]:
                 sup.child.stop(kill=True)
                 args, t0 = ("--fresh",) if mode == "fresh" else (), time.monotonic()
                 sup = common.start_supervisor(workdir, name, "--size", size, *args)
-                t_ready = answers(sup)
-                row: dict[str, Any] = {"round": r, "mode": mode, "ready_s": t_ready - t0}
+                row: dict[str, Any] = {"round": r, "mode": mode, "ready_s": answers(sup) - t0}
                 if mode == "adopt":
                     row["first_hit_s"] = first_hit(sup, probe, probe_data) - t0
                     line = r"adopted (\d+) entries .* in ([\d.]+) s"
@@ -205,8 +204,7 @@ def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> 
 @opt("--drop-caches", is_flag=True, help="Empty the page cache before the refill (root).")
 def persist(report: common.Report, o: Any) -> None:
     """Benchmark the refill from --persist after a reboot."""
-    q = o.quick
-    n, real = o.states or (24 if q else 256), o.real or (3 if q else 8)
+    q, n, real = o.quick, o.states or (24 if o.quick else 256), o.real or (3 if o.quick else 8)
     tokens = o.prefix_tokens or (300 if q else 1000)
     states = real_states(o.model, real, tokens, o.threads)
     with tempfile.TemporaryDirectory(prefix="shmkv-bench-persist-") as tmp:

@@ -301,8 +301,7 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
         sup = None
         if arm.startswith("shmkv"):
             sup = stack.enter_context(common.supervisor(workdir, "--size", cfg["arena_size"]))
-        t = time.monotonic()
-        srv = start_server(arm, cfg, workdir, sup)
+        t, srv = time.monotonic(), start_server(arm, cfg, workdir, sup)
         # SIGKILL on errors and Ctrl-C: in-flight prefills would hold SIGTERM up for 30 s
         stack.push(lambda exc_type, _e, _tb: srv.stop(kill=exc_type is not None))
         llama_server = arm.removesuffix("-chat") == "llama-server"
@@ -341,7 +340,7 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
         t0 = time.perf_counter()
         try:
             chat = arm.endswith("-chat")
-            results, cell["wall_s"] = run_load(srv, wl, n, cc, cfg, watch.abort, chat)
+            cell["results"], cell["wall_s"] = run_load(srv, wl, n, cc, cfg, watch.abort, chat)
         finally:
             watch.done.set()
             watch.join(5)
@@ -354,7 +353,6 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
             with contextlib.suppress(Exception):
                 cell["shmkv_stats"] = {"before": stats0, "after": sup.stats()}
         cell["memory"] = dict(after_warmup=mem0, end=mem1, peak_footprint=watch.peak_footprint)
-        cell["results"] = results
     return cell
 
 
@@ -366,9 +364,8 @@ def cache_class(r: dict[str, Any], sys_tokens: int) -> str:
 
 
 def queueing(done: list[dict[str, Any]], workers: list[int]) -> dict[str, Any]:
-    """Requests that reached a worker busy with another (while another was idle), by the
-    server's clock: a request is in flight on its worker from its ``received_at`` to its
-    ``first_token_at`` plus the decode its client saw (first chunk to end: their lags cancel)."""
+    """Requests that reached a worker busy with another (while another was idle), on the server's
+    clock: each in flight from ``received_at`` to ``first_token_at`` + the decode its client saw."""
     spans = [(k["received_at"], k["first_token_at"] + r["total"] - r["first_chunk"], w)
              for r in done if (w := r["worker_pid"]) and (k := r["shmkv"])]  # fmt: skip
     if not spans:
@@ -436,16 +433,13 @@ def phase_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
 
 def ideal_mean_ttft(prompts: list[int], cc: int, prefill: dict[int, float], hit: float,
                     decode: float) -> float:  # fmt: skip
-    """The ideal line, a lower bound: the cell's requests in its order, each sent as one of its
-    clients is free; a system prompt's first request prefilled alone on all cores (its time in
-    one process, no HTTP), one prefill at a time in arrival order; a later request for that
-    prompt waits for the prefill, then costs the cell's mean hit or local reuse less its waits
-    (queue, app, coalesce, remote, CPU); no worker limit, no core shared between prefills, hits
-    and decodes. Each assumption drops a cost a server pays and adds none: a prefill is no
-    faster than alone on all cores, prefills of one length finish sooner on average one at a
-    time than sharing the cores (while all cores prefill at least 1.5x as fast as half of
-    them), a prefix cannot be restored before it exists. But hits and decodes cost what they
-    did in the cell, on shared cores: a scheduler that made those cheaper could go below it."""
+    """The ideal line, a lower bound: the cell's requests in order, each as one of its clients is
+    free; a prompt's first request prefilled alone on all cores (its time in one process, no
+    HTTP), one at a time; a later one for it waits for that, then costs the cell's mean hit or
+    local reuse less its waits (queue, app, coalesce, remote, CPU); no worker limit, no core
+    shared. No assumption adds a cost: no prefill beats all cores alone, equal prefills in turn
+    end sooner on average than sharing the cores (if all cores are >= 1.5x as fast as half), no
+    prefix is restored before it exists; but hits and decodes cost what they did in the cell."""
     free, lane, ready, ttfts = [0.0] * cc, 0.0, {}, []
     for p in prompts:
         t = heapq.heappop(free)
@@ -665,9 +659,8 @@ def main(report: common.Report, o: Any) -> None:
         log.info("cold prefill on all cores, one process: %s", cfg["cold_prefill"]["seconds"])
     what = "%d system prompts of %s tokens; %d requests; concurrency %s; arms %s"
     log.info(what, cfg["prompts"], wl.system_tokens, n, cfg["concurrency"], arms)
-    fields = [*ModelSettings.model_fields, *ServerSettings.model_fields, "config_file"]
-    llama_settings = {f.upper() for f in fields}
-    for k in [k for k in os.environ if k.upper() in llama_settings]:
+    fields = {f.upper() for f in [*ModelSettings.model_fields, *ServerSettings.model_fields]}
+    for k in [k for k in os.environ if k.upper() in fields | {"CONFIG_FILE"}]:
         del os.environ[k]  # llama_cpp.server would read them: every arm gets only ours
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: servers stopped
     cells, analysed, interrupted = [], [], False

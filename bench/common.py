@@ -622,8 +622,7 @@ def grid(lines: list[list[str]], left: int = 1) -> str:
         cells = zip(line, widths, strict=True) if len(line) > 1 else []
         just = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(cells)]
         out.append("  ".join(just).rstrip() if just else line[0])
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
+        out += ["  ".join("-" * w for w in widths)] * (n == 0)  # (under the header)
     return "\n".join(out)
 
 
