@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 import common
+import redis
 
 PREFIX_TOKENS = 2000
 
@@ -35,8 +36,6 @@ def ttft(llm: Any, prompt: str) -> tuple[float, str]:
 def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: list[str],
              codec: str) -> dict[str, Any]:  # fmt: skip
     """Publish on A, cross-node hits and local hits on B, with ``--remote-compress codec``."""
-    import redis
-
     with redis.Redis.from_url(url) as r:
         r.flushall()
     args = ("--size", "512M", "--remote", url, "--remote-compress", codec, "--remote-wait", "10")
@@ -49,16 +48,14 @@ def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: 
         st_a = common.poll(lambda: done(a.stats()), 60, "write-behind catch-up", every=0.1)
         out |= {k: st_a[f"remote_{k}"] for k in ("written_bytes", "stored_bytes")}
         node_b = common.llama(model, threads, b, n_threads_batch=None)
-        cross, local, texts, statuses = [], [], [], []
+        got, local = [], []  # (TTFT, text, remote status) of each cross-node hit
         for s in sfx[2:]:
             with b.client(populate=False, attach=False) as c:
                 c.clear()
             node_b.reset()
-            t, text = ttft(node_b, prefix + s)
-            cross.append(t)
-            texts.append(text)
-            statuses.append(node_b.shmkv.last.remote)
+            got.append((*ttft(node_b, prefix + s), node_b.shmkv.last.remote))
             node_b.shmkv.flush()
+        cross, texts, statuses = (list(x) for x in zip(*got, strict=True))
         for s in sfx[2:]:
             node_b.reset()
             local.append(ttft(node_b, prefix + s)[0])

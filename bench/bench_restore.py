@@ -76,8 +76,7 @@ def arm(spec: dict[str, Any]) -> dict[str, Any]:
     if kind.startswith(("publisher", "hit")):  # through shmkv
         shmkv = dict(shmkv_name=spec["name"], shmkv_socket=spec["socket"], shmkv_namespace="bench")
         shmkv["shmkv_exact"] = kind.endswith("_exact")
-        llm = SharedCacheLlama(model_path=spec["model"], **spec["ctx"], **shmkv)
-        cache = llm.shmkv
+        cache = (llm := SharedCacheLlama(model_path=spec["model"], **spec["ctx"], **shmkv)).shmkv
     else:
         llm, cache = llama_cpp.Llama(model_path=spec["model"], **spec["ctx"]), None
     res["load_seconds"], cp = time.perf_counter() - t, llm.context_params
@@ -213,8 +212,7 @@ def make_prompts(model: Path, prefix_target: int, suffix_target: int, n: int) ->
 
 def run_arm(spec: dict[str, Any], workdir: Path, sup: common.Supervisor) -> dict[str, Any]:
     """Run one arm in a process of its own; its result plus what else used the CPU meanwhile."""
-    name = spec["arm"]
-    spec = {**spec, "out": str(workdir / f"{name}.out.json")}
+    name, spec = spec["arm"], {**spec, "out": str(workdir / f"{spec['arm']}.out.json")}
     (spec_path := workdir / f"{name}.spec.json").write_text(json.dumps(spec))
     noise = common.Noise((sup.child.pid,))
     with open(err_path := workdir / f"{name}.stderr", "wb") as f:
@@ -238,9 +236,8 @@ def analyse(arms: dict[str, dict[str, Any]], plan: dict[str, Any]) -> dict[str, 
 
     (on, off), fb = split(hit["requests"], "publish"), hit["floor_b"]["requests"]
     ram_warm, ram_hits = split(ram["requests"], "warm")
-    pub_second, pub_first = split(pub["requests"], "second")
+    p2, pub_first = split(pub["requests"], "second")  # (A's second request, its first)
     exact, pub_exact = arms["hit_exact"]["requests"], arms["publisher_exact"]["requests"]
-    p2 = pub_second
     rows = {  # fmt: skip
         "cold": ("cold: plain Llama, reset() per request", cold["requests"]),
         "hit": ("shmkv hit, 2nd process (publish on, default)", on),

@@ -232,8 +232,7 @@ class MemoryWatch(threading.Thread):
         self.pids, self.on_abort, self.cfg = pids, on_abort, cfg
         self.abort, self.done = threading.Event(), threading.Event()
         self.abort_at: float | None = None  # perf_counter
-        self.reason: str | None = None
-        self.peak_footprint = 0
+        self.reason, self.peak_footprint = None, 0  # (why it stopped the cell; bytes)
 
     def run(self) -> None:
         while not self.done.is_set():  # (a sample, then the next after 0.25 s)

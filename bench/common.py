@@ -29,15 +29,22 @@ from typing import Any
 
 import click
 import httpx
+import llama_cpp
+import llama_cpp.llama_cpp as llama_c
 import numpy as np
 import psutil
 
-log = logging.getLogger("bench")
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the shmkv of this checkout
+import shmkv
+from shmkv.core.client import Client
+from shmkv.core.errors import ShmkvError
+from shmkv.llama import SharedCacheLlama
+from shmkv.llama.compat import requires_eval
+from shmkv.serving.default_model import default_model_path
 
+log = logging.getLogger("bench")
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-SHM = Path("/dev/shm")
-sys.path.insert(1, str(ROOT))  # the shmkv of this checkout (a script imports it after this)
+ROOT, SHM = HERE.parent, Path("/dev/shm")
 
 
 def summary(xs: Any, scale: float = 1.0) -> dict[str, Any]:
@@ -58,9 +65,6 @@ def pick(d: dict[str, Any], keys: str) -> dict[str, Any]:
 
 def machine_info(*dists: str) -> dict[str, Any]:
     """CPU model and flags, cores, memory, kernel, Python, package and llama.cpp versions."""
-    import llama_cpp
-
-    import shmkv
 
     def dist_version(name: str) -> str:
         with contextlib.suppress(PackageNotFoundError):
@@ -196,8 +200,6 @@ class Floor:
     the token bookkeeping shmkv does (``set_seconds`` gets each ``set_data``'s time)."""
 
     def __init__(self, llm: Any, tokens: list[int]) -> None:
-        import llama_cpp.llama_cpp as llama_c
-
         self.llm, self.tokens, self.c, self.set_seconds = llm, tokens, llama_c, []
         llm.reset()
         t = time.perf_counter()
@@ -209,8 +211,6 @@ class Floor:
             raise RuntimeError(f"llama_state_seq_get_data wrote {got} of {self.size} bytes")
 
     def restore(self) -> None:
-        from shmkv.llama.compat import requires_eval
-
         t = time.perf_counter()
         n = self.c.llama_state_seq_set_data(self.llm.ctx, self.buf, self.size, 0)
         self.set_seconds.append(time.perf_counter() - t)
@@ -308,8 +308,6 @@ class Supervisor:
     child: Child
 
     def client(self, **kw: Any) -> Any:
-        from shmkv.core.client import Client
-
         return Client(name=self.name, socket_path=self.socket, **kw)
 
     def request(self, op: str) -> dict[str, Any]:
@@ -321,8 +319,6 @@ class Supervisor:
         return {k: v for k, v in self.request("stats").items() if k not in ("ok", "id")}
 
     def answers(self) -> bool:
-        from shmkv.core.errors import ShmkvError
-
         with contextlib.suppress(ShmkvError):
             return os.path.exists(self.socket) and bool(self.request("ping"))
         return False
@@ -330,9 +326,8 @@ class Supervisor:
 
 def start_supervisor(workdir: Path, name: str, *args: str) -> Supervisor:
     """``shmkv supervise --name NAME ARGS``, its socket and log in ``workdir``."""
-    sock = str(workdir / f"{name}.sock")
+    sock, log_path = str(workdir / f"{name}.sock"), workdir / f"{name}.log"
     cmd = [sys.executable, "-m", "shmkv", "supervise", "--name", name, "--socket", sock, *args]
-    log_path = workdir / f"{name}.log"
     return Supervisor(name, sock, Child("the supervisor", cmd, child_env(), log_path))
 
 
@@ -580,8 +575,6 @@ def command(name: str, quick: str = "", model: bool = False, threads: int = 0,
             logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s")
             logging.getLogger("httpx").setLevel(logging.WARNING)
             if model:  # or Gemma 3 270M Q4_K_M assembled from its PyPI package, as `shmkv serve`
-                from shmkv.serving.default_model import default_model_path
-
                 kw["model"] = Path(kw["model"] or default_model_path())
             fn(Report(name, Path(out), Path(baseline), write_baseline), types.SimpleNamespace(**kw))
 
@@ -672,18 +665,12 @@ def llama(model: Path, threads: int, sup: Supervisor | None = None, **kw: Any) -
     """A ``Llama`` on ``threads`` (prompt and decode), n_ctx 4096; a SharedCacheLlama on ``sup``."""
     kw = dict(model_path=str(model), n_ctx=4096, n_threads=threads, n_threads_batch=threads) | kw
     if sup is not None:
-        from shmkv.llama import SharedCacheLlama
-
         return SharedCacheLlama(**kw, verbose=False, shmkv_name=sup.name, shmkv_socket=sup.socket)
-    import llama_cpp
-
     return llama_cpp.Llama(**kw, verbose=False)
 
 
 def tokenizer(model: Path) -> Callable[[str], list[int]]:
     """The model's tokenizer (special tokens parsed, no BOS)."""
-    import llama_cpp
-
     tok = llama_cpp.Llama(model_path=str(model), vocab_only=True, verbose=False)
     return lambda text: tok.tokenize(text.encode(), add_bos=False, special=True)
 

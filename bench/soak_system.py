@@ -141,8 +141,7 @@ class Load:
 
     def __init__(self, nodes: list[Node], o: Any, systems: list[str], spots: list[Any]) -> None:
         self.nodes, self.o, self.systems, self.spots = nodes, o, systems, spots
-        self.events: list[dict[str, Any]] = []
-        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.events, self.lock, self.stop = [], threading.Lock(), threading.Event()
 
     def one(self, client: httpx.Client, node: Node, rng: random.Random, chat: list[Any],
             spot: int | None = None) -> None:  # fmt: skip
