@@ -46,6 +46,11 @@ STATS_ROWS = (
 #: more rows, each shown only when its feature is in use: (label, template, shown if any
 #: of these fields is non-zero)
 STATS_MORE_ROWS = (
+    (
+        "chunks",
+        "{chunks} ({chunk_bytes_size} of the used), {chunk_bytes_shared_size} saved by sharing",
+        ("chunks",),
+    ),
     ("adopted", "{adopted} at start ({adopt_dropped} dropped)", ("adopted", "adopt_dropped")),
     ("expired (--ttl)", "{expired}", ("expired",)),
     (
@@ -213,6 +218,8 @@ def stats(config_file: str | None, as_json: bool, **cli: Any) -> None:
     values = {k: format_size(v) if k.startswith("bytes_") else v for k, v in st.items()}
     values["hit_rate"] = f"{100 * st['hits'] / lookups:.1f}%" if lookups else "n/a"
     values["persist_bytes_size"] = format_size(st.get("persist_bytes", 0))
+    values["chunk_bytes_size"] = format_size(st.get("chunk_bytes", 0))
+    values["chunk_bytes_shared_size"] = format_size(st.get("chunk_bytes_shared", 0))
     rows = [(label, template.format_map(values)) for label, template in STATS_ROWS]
     rows += [
         (label, template.format_map(values))

@@ -5,7 +5,8 @@ the only module that calls llama.cpp's state API. :func:`apply` carries out a
 restore plan: it leases the planned record, checks it (fingerprint, token
 ids, payload checksum, the arena still whole, the lease still intact) and
 hands the payload straight from the read-only mapping to
-``llama_state_seq_set_data``; it decides nothing and counts nothing, but says
+``llama_state_seq_set_data`` (a chunked record's assembled first into a buffer this
+thread reuses, and its XXH3-64 checked, always); it decides nothing and counts nothing, but says
 what happened. :func:`copy_out` copies the context's state into a memfd for
 publishing; :func:`forget` makes the context start from scratch.
 llama-cpp-python uses sequence 0 only.
@@ -21,6 +22,7 @@ from types import TracebackType
 
 import llama_cpp
 import numpy as np
+import xxhash
 from llama_cpp import llama_cpp as lc
 
 from shmkv.core.arena import Hit, common_prefix
@@ -348,9 +350,16 @@ def load(
     if common <= local or not window_allows_cut(n_swa, rec.n_tokens, cut):
         return 0  # (nothing gained, or a window state that cannot be cut this far)
     lease.view.check()
-    if verify and not lease.view.verify_payload(rec):
-        raise ArenaCorruptError("blob payload fails its checksum")
-    ptr = ctypes.cast(lease.address, ctypes.POINTER(ctypes.c_uint8))
+    if rec.chunked:  # (assembled from its chunks into this thread's buffer, always checked)
+        blob = lease.view.assembled(rec)
+        if xxhash.xxh3_64_intdigest(blob.data) != rec.payload_xxh3:
+            raise ArenaCorruptError("assembled blob fails its checksum")
+        address = blob.ctypes.data
+    else:
+        if verify and not lease.view.verify_payload(rec):
+            raise ArenaCorruptError("blob payload fails its checksum")
+        address = lease.address
+    ptr = ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8))
     mem = lc.llama_get_memory(llm.ctx)
     # Start from an empty cache with its head at cell 0, as a cold prefill does, so
     # the restored cells sit where a prefill would have put them.
