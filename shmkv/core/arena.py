@@ -564,6 +564,16 @@ class ArenaView:
         return bytes(out)
 
     # -- chunks -------------------------------------------------------------------
+    def peek_chunks(self, rec: Record) -> tuple[Manifest, list[ChunkRef], list[ChunkInfo | None]]:
+        """:meth:`chunks` read with ``pread`` (lease-free, as :meth:`peek`): a chunked
+        record's manifest, references and the header of each chunk they name."""
+        manifest, refs = parse_body(self._pread(rec.body_len, rec.payload_off))
+        infos = [
+            None if r.inline else self._chunk_header(self._pread(CHUNK_HEADER_SIZE, r.offset), 0, r)
+            for r in refs
+        ]
+        return manifest, refs, infos
+
     def _check_chunk_offset(self, ref: ChunkRef) -> None:
         g = self.geometry
         if not (

@@ -323,6 +323,7 @@ class PutJob:
             self.refs.append(c)
             inline.append(0)
         self.manifest = manifest.pack()
+        self.staged = None  # (the groups are copies: ``kvformat.split``)
         _, _, self.inline_offs, self.body_len = body_layout(len(self.manifest), inline)
         *_, self.extent = record_layout(len(self.tokens), len(self.fingerprint), self.body_len)
         if self.extent + sum(c.extent for c in self.new) > g.data_size:
@@ -386,7 +387,7 @@ class PutJob:
     def _write(self, deadline: float) -> bool:
         """Write the new chunks, then the body, a piece at a time; True once all is in."""
         store = self.store
-        assert self.offset is not None and self.staged is not None
+        assert self.offset is not None
         while self.written < len(self.new):
             c, data = self.new[self.written], self.new_data[self.written]
             if not store.pages.allocate(c.offset, c.extent):
@@ -402,6 +403,7 @@ class PutJob:
             if time.monotonic() >= deadline:
                 return False
         if self.manifest is None:
+            assert self.staged is not None
             src = memoryview(self.staged)
         else:
             src = memoryview(self._body())
