@@ -40,6 +40,7 @@ import os
 import struct
 import threading
 import weakref
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -81,12 +82,16 @@ _U64 = struct.Struct("<Q")
 #: record flag: the payload is stored as a manifest and chunk references (``Body``)
 FLAG_CHUNKED = 1
 
-# A chunked record's body: magic, manifest length, group count; the packed manifest;
-# (8-aligned) a reference per group: offset, generation, length (generation 0: the
-# group's data is inline, at that offset from the body's start); (64-aligned) the
-# inline data (the groups that are not shared: a tail, a window's edge).
+# A chunked record's body: magic, stored manifest length, packed manifest length, group
+# count; the packed manifest, zlib-compressed (its cell metadata is a dozen bytes per
+# token, as much as a small model's KV row, and most regular); (8-aligned) a reference
+# per group: offset, generation, length (generation 0: the group's data is inline, at
+# that offset from the body's start); (64-aligned) the inline data (the groups that
+# are not shared: a tail, a window's edge).
 BODY_MAGIC = b"SKVB"
-_BODY = struct.Struct("<4sII")
+_BODY = struct.Struct("<4sIII")
+#: the longest packed manifest a body may hold (a million cells' metadata, and more)
+MAX_MANIFEST = 1 << 26
 _REF = struct.Struct("<QQQ")
 #: most groups a record may reference (a million-token state in 64-token chunks, twice)
 MAX_GROUPS = 1 << 15
@@ -360,15 +365,33 @@ def body_layout(manifest_len: int, inline: Sequence[int]) -> tuple[int, int, lis
     return man_off, refs_off, offs, pos
 
 
-def pack_body_head(manifest: bytes, refs: Sequence[ChunkRef]) -> bytes:
-    """A chunked record's body up to its inline data: magic, manifest, references."""
-    _, refs_off, _, _ = body_layout(len(manifest), [0] * len(refs))
+def stored_manifest(manifest: bytes) -> bytes:
+    """A packed manifest as a body stores it (compressed; :func:`pack_body_head`)."""
+    return zlib.compress(manifest, 1)
+
+
+def pack_body_head(manifest: bytes, stored: bytes, refs: Sequence[ChunkRef]) -> bytes:
+    """A chunked record's body up to its inline data: magic, manifest (``stored``: its
+    :func:`stored_manifest`), references."""
+    _, refs_off, _, _ = body_layout(len(stored), [0] * len(refs))
     out = bytearray(refs_off + _REF.size * len(refs))
-    _BODY.pack_into(out, 0, BODY_MAGIC, len(manifest), len(refs))
-    out[_BODY.size : _BODY.size + len(manifest)] = manifest
+    _BODY.pack_into(out, 0, BODY_MAGIC, len(stored), len(manifest), len(refs))
+    out[_BODY.size : _BODY.size + len(stored)] = stored
     for i, r in enumerate(refs):
         _REF.pack_into(out, refs_off + i * _REF.size, r.offset, r.gen, r.length)
     return bytes(out)
+
+
+def _unpack_manifest(stored: bytes | memoryview, n: int) -> Manifest:
+    """The manifest a body stores, inflated to at most its declared ``n`` bytes."""
+    try:
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(stored, n)
+        if len(raw) != n or not inflate.eof or inflate.unconsumed_tail or inflate.unused_data:
+            raise ArenaCorruptError("chunked record body: its manifest is not what it says")
+    except zlib.error:
+        raise ArenaCorruptError("chunked record body: its manifest does not inflate") from None
+    return Manifest.unpack(raw)
 
 
 def parse_body(body: bytes | memoryview) -> tuple[Manifest, list[ChunkRef]]:
@@ -378,10 +401,15 @@ def parse_body(body: bytes | memoryview) -> tuple[Manifest, list[ChunkRef]]:
     n = len(body)
     if n < _BODY.size:
         raise ArenaCorruptError("chunked record body too short")
-    magic, man_len, n_refs = _BODY.unpack_from(body, 0)
-    if magic != BODY_MAGIC or n_refs > MAX_GROUPS or _BODY.size + man_len > n:
+    magic, man_len, raw_len, n_refs = _BODY.unpack_from(body, 0)
+    if (
+        magic != BODY_MAGIC
+        or n_refs > MAX_GROUPS
+        or raw_len > MAX_MANIFEST
+        or _BODY.size + man_len > n
+    ):
         raise ArenaCorruptError("chunked record body has a bad head")
-    manifest = Manifest.unpack(body[_BODY.size : _BODY.size + man_len])
+    manifest = _unpack_manifest(body[_BODY.size : _BODY.size + man_len], raw_len)
     if len(manifest.group_sizes) != n_refs:
         raise ArenaCorruptError("chunked record body: references do not match its manifest")
     _, refs_off, _, first_inline = body_layout(man_len, [0] * n_refs)

@@ -36,6 +36,7 @@ from shmkv.core.arena import (
     chunk_extent,
     pack_body_head,
     record_layout,
+    stored_manifest,
 )
 from shmkv.core.config import format_size
 from shmkv.core.errors import ArenaFullError, BadRequest, ChecksumMismatch, LimitExceeded
@@ -132,6 +133,7 @@ class PutJob:
         #: the split was made (``manifest`` None: the record is whole)
         self.planned = False
         self.manifest: bytes | None = None
+        self.stored_manifest = b""
         #: each group's data, in blob order (views into ``staged``), and for each the chunk
         #: it is stored in (None: inline) and its inline offset in the body
         self.groups: list[memoryview] = []
@@ -323,8 +325,9 @@ class PutJob:
             self.refs.append(c)
             inline.append(0)
         self.manifest = manifest.pack()
+        self.stored_manifest = stored_manifest(self.manifest)
         self.staged = None  # (the groups are copies: ``kvformat.split``)
-        _, _, self.inline_offs, self.body_len = body_layout(len(self.manifest), inline)
+        _, _, self.inline_offs, self.body_len = body_layout(len(self.stored_manifest), inline)
         *_, self.extent = record_layout(len(self.tokens), len(self.fingerprint), self.body_len)
         if self.extent + sum(c.extent for c in self.new) > g.data_size:
             raise ArenaFullError(
@@ -431,7 +434,7 @@ class PutJob:
             for c, d, off in zip(self.refs, self.groups, self.inline_offs, strict=True)
         ]
         out = bytearray(self.body_len)
-        head = pack_body_head(self.manifest, refs)
+        head = pack_body_head(self.manifest, self.stored_manifest, refs)
         out[: len(head)] = head
         for c, d, off in zip(self.refs, self.groups, self.inline_offs, strict=True):
             if c is None:
