@@ -286,6 +286,11 @@ def ls_cmd(config_file: str | None, as_json: bool, limit: int, **cli: Any) -> No
             f"{now - r['last_used']:.0f}s ago"
         )
     click.echo(f"{len(rows)} of {res['total']} entries")
+    if res.get("chunk_bytes"):
+        click.echo(
+            f"{format_size(res['bytes_used'])} used, {format_size(res['chunk_bytes'])} of it "
+            f"in shared chunks (each once), {format_size(res['chunk_bytes_shared'])} saved"
+        )
 
 
 def _key(text: str) -> bytes:

@@ -251,8 +251,6 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
                 "tokens": e.n_tokens,
                 "bytes": e.payload_len,
                 "extent": e.extent,
-                "chunks": len(e.chunks),
-                "chunk_bytes": sum(c.extent for c in e.chunks),
                 "pinned": e.pinned,
                 "pin_ttl": ctx.expiry.pinned_ttl(e.gen) if ctx.expiry and e.pinned else None,
                 "publisher": e.publisher,
@@ -264,7 +262,17 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
                 "last_used": now - (now_mono - e.last_used),
             }
         )
-    return {"entries": rows, "total": len(live)}, None
+        if e.chunks:  # (a chunked record: what its chunks hold, shared ones in full)
+            rows[-1].update(chunks=len(e.chunks), chunk_bytes=sum(c.extent for c in e.chunks))
+    chunks = ctx.store.chunks
+    return {
+        "entries": rows,
+        "total": len(live),
+        # (the data region as a whole: each chunk counted once)
+        "bytes_used": ctx.store.bytes_used(),
+        "chunk_bytes": chunks.bytes,
+        "chunk_bytes_shared": chunks.shared_bytes,
+    }, None
 
 
 #: longest TTL a pin may carry (ten years)

@@ -216,6 +216,7 @@ def test_a_supervisor_stores_chunks_reads_them_and_counts_them_once(
     assert st["chunk_bytes"] < st["bytes_used"] < st["chunk_bytes"] + 6 * 64 * 1024
     rows = sup.cli("ls", "--json").stdout
     assert '"chunks": 16' in rows
+    assert "in shared chunks (each once)" in sup.cli("ls").stdout
     # every payload reader sees whole blobs: the tests' scan, like export and the tiers
     got = each_record(sup.arena, lambda v, off, gen: v.read_payload(v.peek(off, gen)[0]))
     assert sorted(got) == sorted(datas)
