@@ -13,13 +13,21 @@ Layout (all integers little-endian)::
     4 KiB       index: ``index_slots`` slots of 64 bytes, an open-addressing
                 (linear probing) hash table from 16-byte chunk-prefix digests
                 to records; each slot is guarded by a seqlock word
-    data_offset data region: records in 4 KiB-aligned extents
+    data_offset data region: records and chunks in 4 KiB-aligned extents
 
-A record is ``header (128 B) | fingerprint | token ids (int32) | payload``.
+A record is ``header (128 B) | fingerprint | token ids (int32) | body``.
 It carries its key (the digest of its last full chunk), the root digest its
 chain started from, its publisher's uid (the supervisor's word, from the put's
 connection), a model fingerprint (opaque bytes), its token ids, the payload
-length, an XXH3-64 checksum of the payload and one of everything else.
+length, an XXH3-64 checksum of the payload and one of everything else. A whole
+record's body is its payload. A chunked one's (``FLAG_CHUNKED``) is the payload's
+manifest (``kvformat.py``: its skeleton and group layout, zlib-compressed), a
+reference per token group (offset, generation, length) and the groups that are not
+shared, inline; each shared group is a chunk, an extent of its own
+(``header (64 B) | data``: magic, generation, length, XXH3-128 of the data,
+publisher uid) that records of one publisher name while the supervisor keeps it
+(``supervisor/chunks.py``). A reader follows a record's references only, checks
+each chunk's header, assembles the payload and checks its XXH3-64 (:meth:`ArenaView.blob`).
 
 Keys are chained: ``d1 = H(root, chunk1)``, ``dk = H(d(k-1), chunk k)`` over
 fixed-length chunks of ``chunk_tokens`` token ids, H = BLAKE2b-128. A record of
