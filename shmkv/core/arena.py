@@ -49,7 +49,8 @@ import struct
 import threading
 import weakref
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -481,8 +482,9 @@ class ArenaView:
             for off in range(0, self.geometry.data_offset, mmap.PAGESIZE):
                 self.mm[off]
         self.file_size = size
-        #: each thread's buffer for assembling chunked payloads (:meth:`assembled`)
-        self._local = threading.local()
+        #: the buffer chunked payloads are assembled into, and who holds it (:meth:`assembled`)
+        self._buf: np.ndarray | None = None
+        self._buf_lock = threading.Lock()
         self._np = np.frombuffer(self.mm, dtype=np.uint8)
         self.base_address: int = self._np.ctypes.data
 
@@ -676,19 +678,21 @@ class ArenaView:
             mm.release()
         return out[: rec.payload_len]
 
-    def assembled(self, rec: Record) -> np.ndarray:
-        """A chunked record's payload assembled into this thread's reusable buffer (valid
-        until this thread's next call); what ``kvstate`` hands to llama.cpp. Unchecked."""
-        buf: np.ndarray | None = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < rec.payload_len:
-            buf = np.empty(max(rec.payload_len, 1 << 20), dtype=np.uint8)
-            self._local.buf = buf
-        mv = buf.data
-        try:
-            self.blob(rec, mv)
-        finally:
-            mv.release()
-        return buf[: rec.payload_len]
+    @contextmanager
+    def assembled(self, rec: Record) -> Iterator[np.ndarray]:
+        """A chunked record's payload assembled into this view's reusable buffer, which is
+        the caller's until the ``with`` ends (one per process: another thread waits); what
+        ``kvstate`` hands to llama.cpp. Unchecked: compare its XXH3 to the record's."""
+        with self._buf_lock:
+            if self._buf is None or len(self._buf) < rec.payload_len:
+                self._buf = None  # (the old one goes first: never two at once)
+                self._buf = np.empty(max(rec.payload_len, 1 << 20), dtype=np.uint8)
+            mv = self._buf.data
+            try:
+                self.blob(rec, mv)
+            finally:
+                mv.release()
+            yield self._buf[: rec.payload_len]
 
     def _parse_record(
         self, buf: mmap.mmap | bytes, at: int, gen: int, offset: int | None = None
@@ -776,7 +780,8 @@ class ArenaView:
         if not rec.chunked:
             return xxhash.xxh3_64_intdigest(self.payload(rec)) == rec.payload_xxh3
         try:
-            return xxhash.xxh3_64_intdigest(self.assembled(rec).data) == rec.payload_xxh3
+            with self.assembled(rec) as blob:
+                return xxhash.xxh3_64_intdigest(blob.data) == rec.payload_xxh3
         except ArenaCorruptError:
             return False
 
