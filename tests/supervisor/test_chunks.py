@@ -242,3 +242,39 @@ def test_adopt_after_kill_keeps_chunked_records_and_their_counts(make_supervisor
     assert again.cli("clear").returncode == 0
     st = again.stats_json()
     assert st["bytes_used"] == 0 and st["chunks"] == 0 and st["chunk_bytes_shared"] == 0
+
+
+def test_adopt_drops_a_record_whose_chunk_is_damaged_and_frees_what_only_it_held(
+    make_supervisor,
+) -> None:
+    sup = make_supervisor("--size", "32M")
+    put_all(sup, 6)
+    before = sup.stats_json()
+
+    def named(view, off, gen):
+        rec, _ = view.peek(off, gen)
+        return [i for i in view.peek_chunks(rec)[2] if i is not None]
+
+    per_record = each_record(sup.arena, named)
+    counts: dict[int, int] = {}
+    for infos in per_record:
+        for i in infos:
+            counts[i.offset] = counts.get(i.offset, 0) + 1
+    own = next(i for i in per_record[0] if counts[i.offset] == 1)  # its question's group
+    kill9(sup)
+    with open(sup.arena, "r+b") as f:
+        f.seek(own.data_off + 5)
+        b = f.read(1)
+        f.seek(own.data_off + 5)
+        f.write(bytes([b[0] ^ 1]))
+    again = restart(make_supervisor, sup, "--size", "32M")
+    st = again.stats_json()
+    assert st["adopted"] == 5 and st["adopt_dropped"] == 1
+    assert st["chunks"] == before["chunks"] - 1
+    assert st["chunk_bytes_shared"] == before["chunk_bytes_shared"] - 15 * CHUNK * 1024
+    with again.client() as c:
+        found = [c.lookup(chain_digests(ROOT, question(i), CHUNK)) for i in range(6)]
+    assert sum(h is not None and h.chunks == len(question(0)) // CHUNK for h in found) == 5
+    assert again.cli("clear").returncode == 0
+    st = again.stats_json()
+    assert st["bytes_used"] == 0 and st["chunks"] == 0
