@@ -219,6 +219,27 @@ def test_blobs_that_do_not_parse_stay_whole(arch_models):
     assert kvformat.split(bytes(two), CHUNK) is None
 
 
+def test_cells_with_the_extension(arch_models):
+    """A model with M-RoPE or per-layer embeddings writes a 12-byte llama_kv_cell_ext
+    (x, y, tok) in each cell's metadata (none of the tiny models does): the same blob with
+    one splits into the same groups and round-trips."""
+    llm = context(arch_models["llama"])
+    n = 100
+    llm.eval(tokens(n, seed=8))
+    blob = state(llm)
+    cells_at = 16  # magic, seq_id, n_stream, cell_count
+    cells = [blob[cells_at + 12 * i : cells_at + 12 * (i + 1)] for i in range(n)]
+    ext = b"".join(
+        c[:8] + struct.pack("<iii", i % 7, i // 7, 5 + i) + c[8:] for i, c in enumerate(cells)
+    )
+    with_ext = blob[:cells_at] + ext + blob[cells_at + 12 * n :]
+    plain, _ = roundtrip(blob)
+    extended, _ = roundtrip(with_ext)
+    assert extended.group_sizes == plain.group_sizes
+    assert extended.group_full == plain.group_full
+    assert len(extended.skeleton) == len(plain.skeleton) + 12 * n
+
+
 def test_assembled_blob_restores_as_a_cold_run(arch_models):
     """An assembled blob restored with llama_state_seq_set_data into a fresh context
     continues greedily exactly as a cold run of the whole prompt."""
@@ -294,6 +315,11 @@ def test_unpack_rejects_inconsistent_manifests(window_manifest):
     regions_at = HEADER.size + n_parts * PART.size
     groups_at = regions_at + n_regions * REGION.size
     first_region = m.parts[0].regions[0]
+    # the second region moved 8 bytes into the first, the skeleton 8 bytes longer to match:
+    # every length adds up, only the overlap is wrong
+    r0_end = first_region.offset + m.parts[0].cell_count * first_region.unit
+    overlap = _field(p, "<Q", regions_at + REGION.size, r0_end - 8)
+    overlap = _field(overlap, "<Q", 20, len(m.skeleton) + 8) + bytes(8)
     bad = {
         "empty": b"",
         "truncated header": p[:10],
@@ -311,6 +337,7 @@ def test_unpack_rejects_inconsistent_manifests(window_manifest):
         "cell count": _field(p, "<I", HEADER.size, m.parts[0].cell_count + 1),
         "v_trans 2": _field(p, "<I", HEADER.size + 4, 2),
         "overlapping regions": _field(p, "<Q", regions_at + REGION.size, first_region.offset + 1),
+        "overlapping regions, lengths adding up": overlap,
         "region past the blob": _field(
             p, "<Q", regions_at + (n_regions - 1) * REGION.size, m.blob_len
         ),
