@@ -403,6 +403,37 @@ def test_unpack_fuzz(window_manifest):
     assert refused > 300
 
 
+def test_split_fuzz(window_manifest):
+    """A worker's blob is untrusted too: a few hundred mutations of a real two-part blob's
+    headers and cell metadata (flips, integers over fields, cuts, insertions) are either
+    left whole (None) or split into groups that assemble back to exactly those bytes."""
+    blob, m, _ = window_manifest
+    rng = random.Random(22)
+    skeleton_at = [at + i for at, _, length in m.gaps for i in range(0, length, 4)]
+    split_ = 0
+    for i in range(300):
+        b = bytearray(blob)
+        kind = i % 4
+        at = rng.choice(skeleton_at)
+        if kind == 0:
+            b[at] ^= 1 << rng.randrange(8)
+        elif kind == 1:
+            value = rng.choice([0, 1, 2, 3, 0xFFFFFFFF, 0x7FFFFFFF, rng.getrandbits(32)])
+            struct.pack_into("<I", b, at, value)
+        elif kind == 2:
+            del b[at:]
+        else:
+            b[at:at] = bytes(rng.choice([4, 12, 24]))
+        got = kvformat.split(bytes(b), CHUNK, min_full=0)
+        if got is None:
+            continue
+        split_ += 1
+        out = bytearray(len(b))
+        kvformat.assemble(kvformat.Manifest.unpack(got[0].pack()), got[1], memoryview(out))
+        assert out == b, (i, kind, at)
+    assert 0 < split_ < 300
+
+
 def test_assemble_rejects_groups_of_the_wrong_length(window_manifest):
     blob, m, groups = window_manifest
     out = memoryview(bytearray(len(blob)))
