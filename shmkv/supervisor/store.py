@@ -136,11 +136,6 @@ class Store:
         )
         return True
 
-    def fits(self, extent: int, digests: list[bytes]) -> bool:
-        """Would a record of ``extent`` bytes and these chunk digests fit now (space and
-        index slots), without evicting?"""
-        return self.alloc.largest() >= extent and self.index_room(digests)
-
     def index_room(self, digests: list[bytes]) -> bool:
         """Do the index slots these chunk digests need fit now, without evicting?"""
         new = sum(1 for d in digests if d not in self.owners)
