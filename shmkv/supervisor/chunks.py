@@ -49,7 +49,8 @@ class Chunks:
 
     def __init__(self, arena: ArenaWriter, alloc: Allocator, pages: Pages) -> None:
         self.arena, self.alloc, self.pages = arena, alloc, pages
-        #: the chunk each key finds (a chunk two puts wrote at once lives on unfound)
+        #: the chunk each key finds (the newest: one it replaced lives on, unfound, while
+        #: records name it)
         self.by_key: dict[ChunkKey, Chunk] = {}
         #: chunks alive (referenced), found by key or not
         self.count = 0
@@ -73,8 +74,9 @@ class Chunks:
         return c if same else None
 
     def add(self, c: Chunk) -> None:
-        """A chunk written in full: findable from now on (unless its key is taken)."""
-        self.by_key.setdefault(c.key, c)
+        """A chunk written in full: what its key finds from now on (one found under the same
+        key before was not equal to it, a damaged copy, or is another put's copy of it)."""
+        self.by_key[c.key] = c
         self.count += 1
         self.bytes += c.extent
 

@@ -278,3 +278,16 @@ def test_adopt_drops_a_record_whose_chunk_is_damaged_and_frees_what_only_it_held
     assert again.cli("clear").returncode == 0
     st = again.stats_json()
     assert st["bytes_used"] == 0 and st["chunks"] == 0
+
+
+def test_a_damaged_chunk_is_replaced_for_later_puts(arena: ArenaFile) -> None:
+    """A put that finds its group's chunk damaged writes a good one, and later puts share
+    that one, not the damaged copy (that only the records naming it keep)."""
+    store, view = arena.store, arena.view
+    a = put_state(store, question(1))
+    bad = a.chunks[3]
+    arena.mm[bad.offset + A.CHUNK_HEADER_SIZE + 10] ^= 0xFF
+    b = put_state(store, question(2))
+    c = put_state(store, question(3))
+    assert b.chunks[3] is c.chunks[3] and b.chunks[3] is not bad
+    assert blob_of(view, c) == kv_state(question(3))
