@@ -46,6 +46,11 @@ STATS_ROWS = (
 #: more rows, each shown only when its feature is in use: (label, template, shown if any
 #: of these fields is non-zero)
 STATS_MORE_ROWS = (
+    (
+        "chunks",
+        "{chunks} ({chunk_bytes_size} of the used), {chunk_bytes_shared_size} saved by sharing",
+        ("chunks",),
+    ),
     ("adopted", "{adopted} at start ({adopt_dropped} dropped)", ("adopted", "adopt_dropped")),
     ("expired (--ttl)", "{expired}", ("expired",)),
     (
@@ -213,6 +218,8 @@ def stats(config_file: str | None, as_json: bool, **cli: Any) -> None:
     values = {k: format_size(v) if k.startswith("bytes_") else v for k, v in st.items()}
     values["hit_rate"] = f"{100 * st['hits'] / lookups:.1f}%" if lookups else "n/a"
     values["persist_bytes_size"] = format_size(st.get("persist_bytes", 0))
+    values["chunk_bytes_size"] = format_size(st.get("chunk_bytes", 0))
+    values["chunk_bytes_shared_size"] = format_size(st.get("chunk_bytes_shared", 0))
     rows = [(label, template.format_map(values)) for label, template in STATS_ROWS]
     rows += [
         (label, template.format_map(values))
@@ -279,6 +286,11 @@ def ls_cmd(config_file: str | None, as_json: bool, limit: int, **cli: Any) -> No
             f"{now - r['last_used']:.0f}s ago"
         )
     click.echo(f"{len(rows)} of {res['total']} entries")
+    if res.get("chunk_bytes"):
+        click.echo(
+            f"{format_size(res['bytes_used'])} used, {format_size(res['chunk_bytes'])} of it "
+            f"in shared chunks (each once), {format_size(res['chunk_bytes_shared'])} saved"
+        )
 
 
 def _key(text: str) -> bytes:

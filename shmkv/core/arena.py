@@ -13,13 +13,21 @@ Layout (all integers little-endian)::
     4 KiB       index: ``index_slots`` slots of 64 bytes, an open-addressing
                 (linear probing) hash table from 16-byte chunk-prefix digests
                 to records; each slot is guarded by a seqlock word
-    data_offset data region: records in 4 KiB-aligned extents
+    data_offset data region: records and chunks in 4 KiB-aligned extents
 
-A record is ``header (128 B) | fingerprint | token ids (int32) | payload``.
+A record is ``header (128 B) | fingerprint | token ids (int32) | body``.
 It carries its key (the digest of its last full chunk), the root digest its
 chain started from, its publisher's uid (the supervisor's word, from the put's
 connection), a model fingerprint (opaque bytes), its token ids, the payload
-length, an XXH3-64 checksum of the payload and one of everything else.
+length, an XXH3-64 checksum of the payload and one of everything else. A whole
+record's body is its payload. A chunked one's (``FLAG_CHUNKED``) is the payload's
+manifest (``kvformat.py``: its skeleton and group layout, zlib-compressed), a
+reference per token group (offset, generation, length) and the groups that are not
+shared, inline; each shared group is a chunk, an extent of its own
+(``header (64 B) | data``: magic, generation, length, XXH3-128 of the data,
+publisher uid) that records of one publisher name while the supervisor keeps it
+(``supervisor/chunks.py``). A reader follows a record's references only, checks
+each chunk's header, assembles the payload and checks its XXH3-64 (:meth:`ArenaView.blob`).
 
 Keys are chained: ``d1 = H(root, chunk1)``, ``dk = H(d(k-1), chunk k)`` over
 fixed-length chunks of ``chunk_tokens`` token ids, H = BLAKE2b-128. A record of
@@ -38,17 +46,21 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 import weakref
-from collections.abc import Callable, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from shmkv.core.errors import ArenaCorruptError
+from shmkv.core.kvformat import Manifest, assemble
 
 MAGIC = b"SHMKVAR\x00"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 HEADER_SIZE = 4096
 SLOT_SIZE = 64
 PAGE = 4096
@@ -70,11 +82,34 @@ _SEQ = struct.Struct("<I")
 
 # Record header: magic, format version, flags, generation, key, root, token count,
 # chunk count, fingerprint length, tokens offset, payload offset, payload length,
-# payload checksum, metadata checksum, created, publisher uid.
+# payload checksum, metadata checksum, created, publisher uid, body length (the bytes
+# after the token ids: the payload itself, or a chunked record's manifest and references).
 REC_MAGIC = b"SKVR"
 REC_HEADER_SIZE = 128
-_REC = struct.Struct("<4sHHQ16s16sIIIIQQQQdI")
+_REC = struct.Struct("<4sHHQ16s16sIIIIQQQQdIQ")
 _U64 = struct.Struct("<Q")
+#: record flag: the payload is stored as a manifest and chunk references (``Body``)
+FLAG_CHUNKED = 1
+
+# A chunked record's body: magic, stored manifest length, packed manifest length, group
+# count; the packed manifest, zlib-compressed (its cell metadata is a dozen bytes per
+# token, as much as a small model's KV row, and most regular); (8-aligned) a reference
+# per group: offset, generation, length (generation 0: the group's data is inline, at
+# that offset from the body's start); (64-aligned) the inline data (the groups that
+# are not shared: a tail, a window's edge).
+BODY_MAGIC = b"SKVB"
+_BODY = struct.Struct("<4sIII")
+#: the longest packed manifest a body may hold (a million cells' metadata, and more)
+MAX_MANIFEST = 1 << 26
+_REF = struct.Struct("<QQQ")
+#: most groups a record may reference (a million-token state in 64-token chunks, twice)
+MAX_GROUPS = 1 << 15
+
+# A chunk (a group's data shared by records): magic, format version, flags, generation,
+# data length, XXH3-128 of the data, publisher uid; the data from CHUNK_HEADER_SIZE on.
+CHUNK_MAGIC = b"SKVC"
+CHUNK_HEADER_SIZE = 64
+_CHUNK = struct.Struct("<4sHHQQ16sI")
 
 
 def align(n: int, a: int) -> int:
@@ -258,18 +293,146 @@ class Record:
     created: float
     #: uid of the process that published it (SO_PEERCRED of its put's connection)
     publisher: int
+    #: record flags (``FLAG_CHUNKED``)
+    flags: int = 0
+    #: bytes of its body, at ``payload_off``: the payload itself for a whole record, a
+    #: chunked one's manifest, references and inline groups
+    body_len: int = 0
+
+    @property
+    def chunked(self) -> bool:
+        """The payload is stored as chunks (read it with :meth:`ArenaView.blob`)."""
+        return bool(self.flags & FLAG_CHUNKED)
 
     @property
     def end(self) -> int:
-        return self.payload_off + self.payload_len
+        return self.payload_off + self.body_len
 
 
-def record_layout(n_tokens: int, fp_len: int, payload_len: int) -> tuple[int, int, int, int]:
-    """(fingerprint offset, tokens offset, payload offset, extent size), record-relative."""
+@dataclass(frozen=True)
+class ChunkRef:
+    """Where one group of a chunked record's payload is: a chunk (``gen`` > 0, ``offset``
+    in the arena) or inline (``gen`` 0, ``offset`` from the body's start)."""
+
+    offset: int
+    gen: int
+    length: int
+
+    @property
+    def inline(self) -> bool:
+        return self.gen == 0
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """A chunk's validated header: where its data is, what it claims."""
+
+    offset: int
+    gen: int
+    length: int
+    digest: bytes
+    publisher: int
+
+    @property
+    def data_off(self) -> int:
+        return self.offset + CHUNK_HEADER_SIZE
+
+    @property
+    def extent(self) -> int:
+        return chunk_extent(self.length)
+
+
+def record_layout(n_tokens: int, fp_len: int, body_len: int) -> tuple[int, int, int, int]:
+    """(fingerprint offset, tokens offset, payload (body) offset, extent size), record-relative."""
     fp_off = REC_HEADER_SIZE
     tok_off = align(fp_off + fp_len, 8)
     pay_off = align(tok_off + 4 * n_tokens, 64)
-    return fp_off, tok_off, pay_off, align(pay_off + payload_len, PAGE)
+    return fp_off, tok_off, pay_off, align(pay_off + body_len, PAGE)
+
+
+def chunk_extent(length: int) -> int:
+    """The extent of a chunk of ``length`` data bytes (header included)."""
+    return align(CHUNK_HEADER_SIZE + length, PAGE)
+
+
+def chunk_digest(data: bytes | memoryview) -> bytes:
+    """What a chunk's header keeps of its data: XXH3-128."""
+    return xxhash.xxh3_128_digest(data)
+
+
+def body_layout(manifest_len: int, inline: Sequence[int]) -> tuple[int, int, list[int], int]:
+    """(manifest offset, references offset, inline offsets, body length) of a chunked
+    record's body whose manifest packs to ``manifest_len`` bytes and whose groups are
+    ``inline`` (a length per group: 0 for a chunk reference, else the inline data's)."""
+    man_off = _BODY.size
+    refs_off = align(man_off + manifest_len, 8)
+    pos = align(refs_off + _REF.size * len(inline), 64)
+    offs = []
+    for n in inline:
+        offs.append(pos if n else 0)
+        pos += n
+    return man_off, refs_off, offs, pos
+
+
+def stored_manifest(manifest: bytes) -> bytes:
+    """A packed manifest as a body stores it (compressed; :func:`pack_body_head`)."""
+    return zlib.compress(manifest, 1)
+
+
+def pack_body_head(manifest: bytes, stored: bytes, refs: Sequence[ChunkRef]) -> bytes:
+    """A chunked record's body up to its inline data: magic, manifest (``stored``: its
+    :func:`stored_manifest`), references."""
+    _, refs_off, _, _ = body_layout(len(stored), [0] * len(refs))
+    out = bytearray(refs_off + _REF.size * len(refs))
+    _BODY.pack_into(out, 0, BODY_MAGIC, len(stored), len(manifest), len(refs))
+    out[_BODY.size : _BODY.size + len(stored)] = stored
+    for i, r in enumerate(refs):
+        _REF.pack_into(out, refs_off + i * _REF.size, r.offset, r.gen, r.length)
+    return bytes(out)
+
+
+def _unpack_manifest(stored: bytes | memoryview, n: int) -> Manifest:
+    """The manifest a body stores, inflated to at most its declared ``n`` bytes."""
+    try:
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(stored, n)
+        if len(raw) != n or not inflate.eof or inflate.unconsumed_tail or inflate.unused_data:
+            raise ArenaCorruptError("chunked record body: its manifest is not what it says")
+    except zlib.error:
+        raise ArenaCorruptError("chunked record body: its manifest does not inflate") from None
+    return Manifest.unpack(raw)
+
+
+def parse_body(body: bytes | memoryview) -> tuple[Manifest, list[ChunkRef]]:
+    """The manifest and references of a chunked record's ``body``, bounds-checked:
+    ArenaCorruptError on anything inconsistent (an inline group outside the body, a
+    reference whose length is not its group's)."""
+    n = len(body)
+    if n < _BODY.size:
+        raise ArenaCorruptError("chunked record body too short")
+    magic, man_len, raw_len, n_refs = _BODY.unpack_from(body, 0)
+    if (
+        magic != BODY_MAGIC
+        or n_refs > MAX_GROUPS
+        or raw_len > MAX_MANIFEST
+        or _BODY.size + man_len > n
+    ):
+        raise ArenaCorruptError("chunked record body has a bad head")
+    manifest = _unpack_manifest(body[_BODY.size : _BODY.size + man_len], raw_len)
+    if len(manifest.group_sizes) != n_refs:
+        raise ArenaCorruptError("chunked record body: references do not match its manifest")
+    _, refs_off, _, first_inline = body_layout(man_len, [0] * n_refs)
+    if first_inline > n:
+        raise ArenaCorruptError("chunked record body too short for its references")
+    refs = []
+    for i in range(n_refs):
+        off, gen, length = _REF.unpack_from(body, refs_off + i * _REF.size)
+        if length != manifest.group_sizes[i]:
+            raise ArenaCorruptError("chunked record: a reference's length is not its group's")
+        if gen == 0 and not (first_inline <= off and off + length <= n):
+            raise ArenaCorruptError("chunked record: an inline group outside its body")
+        refs.append(ChunkRef(off, gen, length))
+    return manifest, refs
 
 
 _META_CSUM_OFF = struct.calcsize("<4sHHQ16s16sIIIIQQQ")  # the u64 before `created`
@@ -284,6 +447,25 @@ def meta_checksum(
     h.update(fingerprint)
     h.update(tokens)
     return h.intdigest()
+
+
+#: an assembly buffer is a whole number of these (a transparent huge page on x86-64)
+HUGE_PAGE = 2 << 20
+
+
+def _assembly_buffer(n: int) -> np.ndarray:
+    """Anonymous memory for at least ``n`` bytes, in transparent huge pages where the kernel
+    allows: the first restore that writes it faults a few pages in, not thousands (a
+    10 MiB state: ~1 ms instead of 2-20 ms on a loaded machine)."""
+    size = align(max(n, 1), HUGE_PAGE)
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            mm.madvise(advice)
+        except OSError:  # (no THP in this kernel: 4 KiB pages then)
+            pass
+    return np.frombuffer(mm, dtype=np.uint8)
 
 
 class ArenaView:
@@ -319,6 +501,9 @@ class ArenaView:
             for off in range(0, self.geometry.data_offset, mmap.PAGESIZE):
                 self.mm[off]
         self.file_size = size
+        #: the buffer chunked payloads are assembled into, and who holds it (:meth:`assembled`)
+        self._buf: np.ndarray | None = None
+        self._buf_lock = threading.Lock()
         self._np = np.frombuffer(self.mm, dtype=np.uint8)
         self.base_address: int = self._np.ctypes.data
 
@@ -417,8 +602,116 @@ class ArenaView:
         return rec, np.frombuffer(raw, dtype="<i4")
 
     def read_payload(self, rec: Record) -> bytes:
-        """A copy of ``rec``'s payload read with ``pread`` (lease-free, as :meth:`peek`)."""
-        return self._pread(rec.payload_len, rec.payload_off)
+        """A copy of ``rec``'s payload read with ``pread`` (lease-free, as :meth:`peek`): a
+        chunked record's assembled from its chunks, each read with ``pread`` too. Nothing
+        is checked but bounds (the caller compares the payload's XXH3 to the record's)."""
+        if not rec.chunked:
+            return self._pread(rec.payload_len, rec.payload_off)
+        body = self._pread(rec.body_len, rec.payload_off)
+        manifest, refs = parse_body(body)
+        groups: list[bytes | memoryview] = []
+        for ref in refs:
+            if ref.inline:
+                groups.append(memoryview(body)[ref.offset : ref.offset + ref.length])
+            else:
+                info = self._chunk_header(self._pread(CHUNK_HEADER_SIZE, ref.offset), 0, ref)
+                groups.append(self._pread(info.length, info.data_off))
+        out = bytearray(manifest.blob_len)
+        assemble(manifest, groups, memoryview(out))
+        return bytes(out)
+
+    # -- chunks -------------------------------------------------------------------
+    def peek_chunks(self, rec: Record) -> tuple[Manifest, list[ChunkRef], list[ChunkInfo | None]]:
+        """:meth:`chunks` read with ``pread`` (lease-free, as :meth:`peek`): a chunked
+        record's manifest, references and the header of each chunk they name."""
+        manifest, refs = parse_body(self._pread(rec.body_len, rec.payload_off))
+        infos = [
+            None if r.inline else self._chunk_header(self._pread(CHUNK_HEADER_SIZE, r.offset), 0, r)
+            for r in refs
+        ]
+        return manifest, refs, infos
+
+    def _check_chunk_offset(self, ref: ChunkRef) -> None:
+        g = self.geometry
+        if not (
+            g.data_offset <= ref.offset
+            and ref.offset + chunk_extent(ref.length) <= g.data_offset + g.data_size
+            and ref.offset % PAGE == g.data_offset % PAGE
+        ):
+            raise ArenaCorruptError(f"chunk offset {ref.offset} outside the data region")
+
+    def _chunk_header(self, buf: mmap.mmap | bytes, at: int, ref: ChunkRef) -> ChunkInfo:
+        """The chunk ``ref`` names, its header found at ``buf[at:]``; ArenaCorruptError unless
+        it is in bounds and has the reference's generation and length."""
+        self._check_chunk_offset(ref)
+        magic, version, flags, gen, length, digest, publisher = _CHUNK.unpack_from(buf, at)
+        if magic != CHUNK_MAGIC or version != FORMAT_VERSION or flags != 0:
+            raise ArenaCorruptError(f"no chunk at offset {ref.offset}")
+        if gen != ref.gen or length != ref.length:
+            raise ArenaCorruptError(f"chunk at {ref.offset} is not the one its record names")
+        return ChunkInfo(ref.offset, gen, length, digest, publisher)
+
+    def body(self, rec: Record) -> memoryview:
+        """A record's body in the mapping (under a lease): a chunked one's manifest,
+        references and inline groups; a whole one's payload."""
+        return memoryview(self.mm)[rec.payload_off : rec.payload_off + rec.body_len]
+
+    def chunks(self, rec: Record) -> tuple[Manifest, list[ChunkRef], list[ChunkInfo | None]]:
+        """A chunked record's manifest, references, and the header of each chunk they name
+        (None for an inline group), read from the mapping (under a lease) and bounds-checked;
+        ArenaCorruptError if any does not parse."""
+        body = self.body(rec)
+        try:
+            manifest, refs = parse_body(body)
+        finally:
+            body.release()
+        infos = [None if r.inline else self._chunk_header(self.mm, r.offset, r) for r in refs]
+        return manifest, refs, infos
+
+    def blob(self, rec: Record, out: memoryview | None = None) -> memoryview:
+        """The payload of ``rec`` (under a lease): a whole record's bytes in the mapping
+        (zero copy), a chunked one's assembled into ``out`` (default: a new buffer).
+        Unchecked: compare its XXH3 to ``rec.payload_xxh3`` before trusting it."""
+        if not rec.chunked:
+            return self.payload(rec)
+        manifest, refs, infos = self.chunks(rec)
+        if manifest.blob_len != rec.payload_len:
+            raise ArenaCorruptError(f"record at {rec.offset}: its manifest is of another length")
+        mm = memoryview(self.mm)
+        groups: list[memoryview] = []
+        for ref, info in zip(refs, infos, strict=True):
+            if info is None:
+                start = rec.payload_off + ref.offset
+                groups.append(mm[start : start + ref.length])
+            else:
+                groups.append(mm[info.data_off : info.data_off + info.length])
+        if out is None:
+            out = memoryview(bytearray(rec.payload_len))
+        elif len(out) < rec.payload_len:
+            raise ValueError(f"a {len(out)}-byte buffer cannot hold a {rec.payload_len}-byte blob")
+        try:
+            assemble(manifest, groups, out)
+        finally:
+            for v in groups:
+                v.release()
+            mm.release()
+        return out[: rec.payload_len]
+
+    @contextmanager
+    def assembled(self, rec: Record) -> Iterator[np.ndarray]:
+        """A chunked record's payload assembled into this view's reusable buffer, which is
+        the caller's until the ``with`` ends (one per process: another thread waits); what
+        ``kvstate`` hands to llama.cpp. Unchecked: compare its XXH3 to the record's."""
+        with self._buf_lock:
+            if self._buf is None or len(self._buf) < rec.payload_len:
+                self._buf = None  # (the old one goes first: never two at once)
+                self._buf = _assembly_buffer(rec.payload_len)
+            mv = self._buf.data
+            try:
+                self.blob(rec, mv)
+            finally:
+                mv.release()
+            yield self._buf[: rec.payload_len]
 
     def _parse_record(
         self, buf: mmap.mmap | bytes, at: int, gen: int, offset: int | None = None
@@ -429,7 +722,7 @@ class ArenaView:
         (
             magic,
             version,
-            _flags,
+            flags,
             rgen,
             key,
             root,
@@ -443,14 +736,18 @@ class ArenaView:
             _meta,
             created,
             publisher,
+            body_len,
         ) = _REC.unpack_from(buf, at)
         if magic != REC_MAGIC or version != FORMAT_VERSION:
             raise ArenaCorruptError(f"no record at offset {offset}")
         if rgen != gen:
             raise ArenaCorruptError(f"record at {offset} is generation {rgen}, expected {gen}")
-        fp_o, tok_o, pay_o, extent = record_layout(n_tok, fp_len, pay_len)
+        fp_o, tok_o, pay_o, extent = record_layout(n_tok, fp_len, body_len)
         if (
-            n_tok > MAX_TOKENS
+            flags & ~FLAG_CHUNKED
+            or (not flags & FLAG_CHUNKED and body_len != pay_len)
+            or body_len > g.data_size
+            or n_tok > MAX_TOKENS
             or fp_len > MAX_FINGERPRINT
             or tok_off != tok_o
             or pay_off != pay_o
@@ -473,6 +770,8 @@ class ArenaView:
             pay_csum,
             created,
             publisher,
+            flags,
+            body_len,
         )
 
     def verify_meta(self, rec: Record) -> None:
@@ -496,7 +795,14 @@ class ArenaView:
         return self.base_address + rec.payload_off
 
     def verify_payload(self, rec: Record) -> bool:
-        return xxhash.xxh3_64_intdigest(self.payload(rec)) == rec.payload_xxh3
+        """Whether ``rec``'s payload (a chunked one's assembled) matches its XXH3-64."""
+        if not rec.chunked:
+            return xxhash.xxh3_64_intdigest(self.payload(rec)) == rec.payload_xxh3
+        try:
+            with self.assembled(rec) as blob:
+                return xxhash.xxh3_64_intdigest(blob.data) == rec.payload_xxh3
+        except ArenaCorruptError:
+            return False
 
     def intact(self, offset: int, gen: int) -> bool:
         """Whether the record (offset, gen) passes every check a worker makes."""
@@ -621,10 +927,29 @@ class ArenaWriter:
             j = (j + 1) & (n - 1)
 
     # -- records ----------------------------------------------------------------
-    def payload(self, offset: int, n_tokens: int, fp_len: int, payload_len: int) -> memoryview:
-        """Where the payload of the record at ``offset`` goes; filled before ``write_record``."""
-        _, _, pay_off, _ = record_layout(n_tokens, fp_len, payload_len)
-        return memoryview(self.mm)[offset + pay_off : offset + pay_off + payload_len]
+    def payload(self, offset: int, n_tokens: int, fp_len: int, body_len: int) -> memoryview:
+        """Where the body (a whole record's payload) of the record at ``offset`` goes;
+        filled before ``write_record``."""
+        _, _, pay_off, _ = record_layout(n_tokens, fp_len, body_len)
+        return memoryview(self.mm)[offset + pay_off : offset + pay_off + body_len]
+
+    # -- chunks -----------------------------------------------------------------
+    def chunk_data(self, offset: int, length: int) -> memoryview:
+        """Where the data of the chunk at ``offset`` is (written before its header)."""
+        start = offset + CHUNK_HEADER_SIZE
+        return memoryview(self.mm)[start : start + length]
+
+    def write_chunk_header(
+        self, offset: int, gen: int, length: int, digest: bytes, publisher: int
+    ) -> None:
+        """Write the header of a chunk whose data is in place."""
+        _CHUNK.pack_into(
+            self.mm, offset, CHUNK_MAGIC, FORMAT_VERSION, 0, gen, length, digest, publisher
+        )
+
+    def zap_chunk(self, offset: int) -> None:
+        """Clear a freed chunk's magic: a stale reference fails at its header."""
+        self.mm[offset : offset + 4] = b"\0\0\0\0"
 
     def write_record(
         self,
@@ -639,22 +964,26 @@ class ArenaWriter:
         payload_xxh3: int,
         created: float,
         publisher: int,
+        body_len: int | None = None,
     ) -> None:
-        """Write the fingerprint, token ids and header of a record whose payload is in place.
+        """Write the fingerprint, token ids and header of a record whose body is in place.
 
-        ``tokens`` are the raw little-endian int32 ids; ``publisher`` the uid that put it.
-        The header goes last, with its metadata checksum over header, fingerprint and
-        token ids.
+        ``tokens`` are the raw little-endian int32 ids; ``publisher`` the uid that put it;
+        ``body_len``: a chunked record's body length (None: a whole record, its body the
+        payload). The header goes last, with its metadata checksum over header,
+        fingerprint and token ids.
         """
         n_tokens = len(tokens) // 4
-        fp_off, tok_off, pay_off, _ = record_layout(n_tokens, len(fingerprint), payload_len)
+        flags = 0 if body_len is None else FLAG_CHUNKED
+        body_len = payload_len if body_len is None else body_len
+        fp_off, tok_off, pay_off, _ = record_layout(n_tokens, len(fingerprint), body_len)
         self.mm[offset + fp_off : offset + fp_off + len(fingerprint)] = fingerprint
         self.mm[offset + tok_off : offset + tok_off + len(tokens)] = tokens
         hdr = bytearray(
             _REC.pack(
                 REC_MAGIC,
                 FORMAT_VERSION,
-                0,
+                flags,
                 gen,
                 key,
                 root,
@@ -668,6 +997,7 @@ class ArenaWriter:
                 0,
                 created,
                 publisher,
+                body_len,
             )
         )
         _U64.pack_into(hdr, _META_CSUM_OFF, meta_checksum(bytes(hdr), fingerprint, tokens))

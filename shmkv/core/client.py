@@ -214,7 +214,9 @@ class Lease:
 
     @property
     def payload(self) -> memoryview:
-        return self.view.payload(self.record)
+        """The record's payload: a whole record's bytes in the mapping, a chunked one's
+        assembled into a new buffer (``ArenaView.blob``); check it against its XXH3."""
+        return self.view.blob(self.record)
 
     def tokens(self) -> np.ndarray:
         return self.view.tokens(self.record)

@@ -354,6 +354,9 @@ class ArenaCounters:
         "worker_exit from a process that is not the worker's parent)"
     )
     bytes_put: int = counter("payload bytes stored", metric="put_bytes")
+    chunked_puts: int = counter(
+        "states stored as chunks (their full token groups shared with other states)"
+    )
     foreign_fds: int = counter(
         "descriptors peers passed that were not a put's memfd (closed off the loop)"
     )
@@ -407,6 +410,15 @@ class ArenaGauges:
         "largest free extent, bytes", metric="arena_largest_free_extent_bytes"
     )
     free_extents: int = gauge("free extents (fragmentation)")
+    chunks: int = gauge("chunks stored (token groups that chunked states share)")
+    chunk_bytes: int = gauge(
+        "bytes of the data region held by chunks, each counted once (in bytes_used)",
+        metric="arena_chunk_bytes",
+    )
+    chunk_bytes_shared: int = gauge(
+        "bytes that sharing chunks saved: what the states would take in copies of them",
+        metric="arena_chunk_shared_bytes",
+    )
     index_used: int = gauge("index slots in use (chunk prefixes)")
     index_capacity: int = gauge("index slots usable")
     chunk_tokens: int = gauge("tokens per chunk")

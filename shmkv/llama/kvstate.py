@@ -5,7 +5,8 @@ the only module that calls llama.cpp's state API. :func:`apply` carries out a
 restore plan: it leases the planned record, checks it (fingerprint, token
 ids, payload checksum, the arena still whole, the lease still intact) and
 hands the payload straight from the read-only mapping to
-``llama_state_seq_set_data``; it decides nothing and counts nothing, but says
+``llama_state_seq_set_data`` (a chunked record's assembled first into a buffer this
+thread reuses, and its XXH3-64 checked, always); it decides nothing and counts nothing, but says
 what happened. :func:`copy_out` copies the context's state into a memfd for
 publishing; :func:`forget` makes the context start from scratch.
 llama-cpp-python uses sequence 0 only.
@@ -13,6 +14,7 @@ llama-cpp-python uses sequence 0 only.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -21,6 +23,7 @@ from types import TracebackType
 
 import llama_cpp
 import numpy as np
+import xxhash
 from llama_cpp import llama_cpp as lc
 
 from shmkv.core.arena import Hit, common_prefix
@@ -348,37 +351,49 @@ def load(
     if common <= local or not window_allows_cut(n_swa, rec.n_tokens, cut):
         return 0  # (nothing gained, or a window state that cannot be cut this far)
     lease.view.check()
-    if verify and not lease.view.verify_payload(rec):
-        raise ArenaCorruptError("blob payload fails its checksum")
-    ptr = ctypes.cast(lease.address, ctypes.POINTER(ctypes.c_uint8))
-    mem = lc.llama_get_memory(llm.ctx)
-    # Start from an empty cache with its head at cell 0, as a cold prefill does, so
-    # the restored cells sit where a prefill would have put them.
-    lc.llama_memory_clear(mem, False)
-    llm.n_tokens = 0
-    try:
-        n = lc.llama_state_seq_set_data(llm.ctx, ptr, rec.payload_len, SEQ)
-        if n != rec.payload_len:
-            raise StateRefused(
-                f"llama_state_seq_set_data accepted {n} of {rec.payload_len} bytes: the "
-                "state does not fit this context (published by a worker with other settings?)"
-            )
-        if common < rec.n_tokens and not lc.llama_memory_seq_rm(mem, SEQ, common, -1):
-            raise CutRefused(
-                f"llama.cpp cannot cut a restored state of {rec.n_tokens} tokens back to "
-                f"{common} (a recurrent or hybrid model?): this worker restores whole states "
-                "only from now on, checkpoints at chat message boundaries and before a "
-                "prompt's end"
-            )
-        if not context_allows_cut(n_swa, pos_min(llm), cut):  # (planning prevents this)
-            raise ModelMismatchError(
-                "a restored sliding-window or recurrent state lacks what its cut needs"
-            )
-        if not lease.finish():  # (tokens_restored: in the ledger's reported totals)
-            raise LeaseLost("a read lease was revoked, or its connection lost, during the restore")
-    except BaseException:
-        forget(llm, wipe=True)
-        raise
+    with contextlib.ExitStack() as buffer:
+        if rec.chunked:  # (assembled into the process's buffer, held until set_data is done)
+            blob = buffer.enter_context(lease.view.assembled(rec))
+            if xxhash.xxh3_64_intdigest(blob.data) != rec.payload_xxh3:
+                raise ArenaCorruptError("assembled blob fails its checksum")
+            address = blob.ctypes.data
+        else:
+            if verify and not lease.view.verify_payload(rec):
+                raise ArenaCorruptError("blob payload fails its checksum")
+            address = lease.address
+        ptr = ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8))
+        mem = lc.llama_get_memory(llm.ctx)
+        # Start from an empty cache with its head at cell 0, as a cold prefill does, so
+        # the restored cells sit where a prefill would have put them.
+        lc.llama_memory_clear(mem, False)
+        llm.n_tokens = 0
+        try:
+            n = lc.llama_state_seq_set_data(llm.ctx, ptr, rec.payload_len, SEQ)
+            buffer.close()  # (llama.cpp copied it: the buffer is another thread's now)
+            if n != rec.payload_len:
+                raise StateRefused(
+                    f"llama_state_seq_set_data accepted {n} of {rec.payload_len} bytes: the "
+                    "state does not fit this context (published by a worker with other "
+                    "settings?)"
+                )
+            if common < rec.n_tokens and not lc.llama_memory_seq_rm(mem, SEQ, common, -1):
+                raise CutRefused(
+                    f"llama.cpp cannot cut a restored state of {rec.n_tokens} tokens back to "
+                    f"{common} (a recurrent or hybrid model?): this worker restores whole "
+                    "states only from now on, checkpoints at chat message boundaries and "
+                    "before a prompt's end"
+                )
+            if not context_allows_cut(n_swa, pos_min(llm), cut):  # (planning prevents this)
+                raise ModelMismatchError(
+                    "a restored sliding-window or recurrent state lacks what its cut needs"
+                )
+            if not lease.finish():  # (tokens_restored: in the ledger's reported totals)
+                raise LeaseLost(
+                    "a read lease was revoked, or its connection lost, during the restore"
+                )
+        except BaseException:
+            forget(llm, wipe=True)
+            raise
     llm.input_ids[:common] = prompt[:common]
     llm.n_tokens = common
     compat.requires_eval(llm)

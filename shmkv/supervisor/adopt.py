@@ -38,6 +38,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from shmkv import __version__
 from shmkv.core.arena import (
@@ -62,6 +63,7 @@ from shmkv.core.errors import (
 )
 from shmkv.core.keys import chain_digests, content_digest
 from shmkv.supervisor.arenafile import ArenaFile, _same_file, check_ours, map_arena
+from shmkv.supervisor.chunks import Chunk, ChunkKey
 from shmkv.supervisor.record import Entry
 from shmkv.supervisor.store import Store
 
@@ -224,6 +226,15 @@ def _take(af: ArenaFile, fd: int, old: Geometry) -> Geometry:
     return geometry
 
 
+class Kept(NamedTuple):
+    """A record found intact: its header, content digest, chain digests and chunks."""
+
+    rec: Record
+    content: bytes
+    digests: list[bytes]
+    chunks: list[ChunkSeen]
+
+
 @dataclass
 class Adopted:
     """What :func:`rebuild` found: records adopted and dropped, slots caught mid-write."""
@@ -235,18 +246,43 @@ class Adopted:
     seconds: float = 0.0
 
 
-def _valid(view: ArenaView, offset: int, gen: int) -> Record | None:
-    """The record (offset, gen) if every check a worker makes passes, payload included.
+@dataclass(frozen=True)
+class ChunkSeen:
+    """A chunk an adopted record names: where, which, and the key it is found by."""
+
+    key: ChunkKey
+    offset: int
+    gen: int
+    length: int
+    extent: int
+
+
+def _valid(view: ArenaView, offset: int, gen: int) -> tuple[Record, list[ChunkSeen]] | None:
+    """The record (offset, gen) and the chunks it names if every check a worker makes
+    passes, payload included (a chunked one's assembled from its chunks).
 
     Its pages must all exist before the mapping reads them: a slot of a damaged arena
     may name a hole (``pages.py``), and a fault on one allocates it, or SIGBUSes when the
-    tmpfs is full. So the header is read with ``pread``, and the extent it claims is
-    looked up for holes (``SEEK_HOLE``) first.
+    tmpfs is full. So the header (and a chunked record's body and chunk headers) is read
+    with ``pread``, and each extent it claims is looked up for holes (``SEEK_HOLE``) first.
+    A chunk of another publisher than its record's is damage: records never share across
+    publishers.
     """
     try:
         head, _ = view.peek(offset, gen)
-        *_, extent = record_layout(head.n_tokens, head.fp_len, head.payload_len)
-        if os.lseek(view.fd, offset, os.SEEK_HOLE) < offset + extent:
+        extents = [(offset, record_layout(head.n_tokens, head.fp_len, head.body_len)[3])]
+        chunks: list[ChunkSeen] = []
+        if head.chunked:
+            manifest, _refs, infos = view.peek_chunks(head)
+            for info, sig in zip(infos, manifest.group_sigs, strict=True):
+                if info is None:
+                    continue
+                if info.publisher != head.publisher or not 0 < info.gen <= MAX_ADOPTED_GEN:
+                    return None
+                key = (info.publisher, bytes(sig), info.digest)
+                chunks.append(ChunkSeen(key, info.offset, info.gen, info.length, info.extent))
+                extents.append((info.offset, info.extent))
+        if any(os.lseek(view.fd, off, os.SEEK_HOLE) < off + n for off, n in extents):
             return None
         rec = view.read_record(offset, gen)
         view.verify_meta(rec)
@@ -254,7 +290,7 @@ def _valid(view: ArenaView, offset: int, gen: int) -> Record | None:
         return None
     if not _in_range(rec):
         return None
-    return rec if view.verify_payload(rec) else None
+    return (rec, chunks) if view.verify_payload(rec) else None
 
 
 def _in_range(rec: Record) -> bool:
@@ -290,12 +326,13 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
     named: dict[tuple[int, int], dict[bytes, int]] = defaultdict(dict)
     for s in slots:
         named[(s.rec_offset, s.rec_gen)][s.digest] = s.n_chunks
-    kept: list[tuple[Record, bytes, list[bytes]]] = []
+    kept: list[Kept] = []
     for (offset, gen), by_slot in named.items():
-        rec = _valid(view, offset, gen)
-        if rec is None:
+        valid = _valid(view, offset, gen)
+        if valid is None:
             out.dropped += 1
             continue
+        rec, chunks = valid
         tokens = view.tokens(rec).tobytes()
         digests = chain_digests(rec.root, view.tokens(rec), g.chunk_tokens)
         chain = {d: k for k, d in enumerate(digests, 1)}
@@ -306,7 +343,8 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
             out.dropped += 1  # only damaged slots name it
             continue
         fp = bytes(view.fingerprint(rec))
-        kept.append((rec, content_digest(rec.root, fp, tokens, rec.publisher), digests))
+        content = content_digest(rec.root, fp, tokens, rec.publisher)
+        kept.append(Kept(rec, content, digests, chunks))
     kept = _without_overlaps(kept, out)
     kept = _without_duplicates(kept, out)
     store.arena.clear_index()
@@ -315,9 +353,19 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
     # --ttl runs from the adoption, never from the put (or every record older than
     # --ttl would go at the first tick after a restart)
     now = store.clock()
-    for rec, content, digests in sorted(kept, key=lambda t: (t[0].created, t[0].gen)):
-        *_, extent = record_layout(rec.n_tokens, rec.fp_len, rec.payload_len)
+    chunk_at: dict[int, Chunk] = {}
+    for rec, content, digests, seen in sorted(kept, key=lambda t: (t.rec.created, t.rec.gen)):
+        *_, extent = record_layout(rec.n_tokens, rec.fp_len, rec.body_len)
         store.alloc.reserve(rec.offset, extent)
+        held: list[Chunk] = []
+        for cs in seen:  # each chunk once, a reference per record that names it
+            c = chunk_at.get(cs.offset)
+            if c is None:
+                c = chunk_at[cs.offset] = Chunk(cs.key, cs.offset, cs.gen, cs.length, cs.extent)
+                store.alloc.reserve(cs.offset, cs.extent)
+                store.chunks.add(c)
+            store.chunks.ref(c)
+            held.append(c)
         e = Entry(
             rec.gen,
             rec.offset,
@@ -331,6 +379,7 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
             rec.created,
             last_used=now,
             publisher=rec.publisher,
+            chunks=held,
         )
         store.insert(e, point=False)
         out.entries += 1
@@ -340,6 +389,7 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
     # dropped since), so that no old (offset, gen) names a new record: a put takes
     # more than a microsecond
     top = max((e.gen for e in store.entries.values()), default=0)
+    top = max([top, *(c.gen for c in chunk_at.values())])
     store.gens_from(max(top + 1, int(time.time() * 1e6)))
     store.counters.adopted += out.entries
     store.counters.adopt_dropped += out.dropped
@@ -355,32 +405,36 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
     return out
 
 
-def _without_overlaps(
-    kept: list[tuple[Record, bytes, list[bytes]]], out: Adopted
-) -> list[tuple[Record, bytes, list[bytes]]]:
-    """Drop records whose extents overlap (only damage can make two live ones overlap)."""
-    kept = sorted(kept, key=lambda t: t[0].offset)
+def _without_overlaps(kept: list[Kept], out: Adopted) -> list[Kept]:
+    """Drop records whose extents, or their chunks' extents, overlap another record's or
+    chunk's (only damage can make two live ones overlap; records that name the same chunk
+    share its extent, which is no overlap)."""
+    # every distinct extent: (offset, length, generation) -> the records that hold it
+    holders: dict[tuple[int, int, int], set[int]] = defaultdict(set)
+    for i, t in enumerate(kept):
+        *_, extent = record_layout(t.rec.n_tokens, t.rec.fp_len, t.rec.body_len)
+        holders[(t.rec.offset, extent, t.rec.gen)].add(i)
+        for c in t.chunks:
+            holders[(c.offset, c.extent, c.gen)].add(i)
     bad: set[int] = set()
-    end, last = -1, -1
-    for i, (rec, _, _) in enumerate(kept):
-        *_, extent = record_layout(rec.n_tokens, rec.fp_len, rec.payload_len)
-        if rec.offset < end:
-            bad.update((i, last))
-        if rec.offset + extent > end:
-            end, last = rec.offset + extent, i
+    end, last = -1, None
+    for key in sorted(holders):
+        off, n, _gen = key
+        if off < end and last is not None:
+            bad |= holders[key] | holders[last]
+        if off + n > end:
+            end, last = off + n, key
     out.dropped += len(bad)
     return [t for i, t in enumerate(kept) if i not in bad]
 
 
-def _without_duplicates(
-    kept: list[tuple[Record, bytes, list[bytes]]], out: Adopted
-) -> list[tuple[Record, bytes, list[bytes]]]:
+def _without_duplicates(kept: list[Kept], out: Adopted) -> list[Kept]:
     """One record per content (the newest), as the store keeps it."""
-    newest: dict[bytes, tuple[Record, bytes, list[bytes]]] = {}
+    newest: dict[bytes, Kept] = {}
     for t in kept:
-        have = newest.get(t[1])
-        if have is None or have[0].gen < t[0].gen:
-            newest[t[1]] = t
+        have = newest.get(t.content)
+        if have is None or have.rec.gen < t.rec.gen:
+            newest[t.content] = t
     out.dropped += len(kept) - len(newest)
     return list(newest.values())
 

@@ -149,6 +149,9 @@ class Context:
             bytes_resident=store.pages.resident(),
             bytes_free_largest=store.alloc.largest(),
             free_extents=store.alloc.count(),
+            chunks=store.chunks.count,
+            chunk_bytes=store.chunks.bytes,
+            chunk_bytes_shared=store.chunks.shared_bytes,
             index_used=len(store.owners),
             index_capacity=store.index_capacity,
             chunk_tokens=g.chunk_tokens,
@@ -259,7 +262,17 @@ def ls(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
                 "last_used": now - (now_mono - e.last_used),
             }
         )
-    return {"entries": rows, "total": len(live)}, None
+        if e.chunks:  # (a chunked record: what its chunks hold, shared ones in full)
+            rows[-1].update(chunks=len(e.chunks), chunk_bytes=sum(c.extent for c in e.chunks))
+    chunks = ctx.store.chunks
+    return {
+        "entries": rows,
+        "total": len(live),
+        # (the data region as a whole: each chunk counted once)
+        "bytes_used": ctx.store.bytes_used(),
+        "chunk_bytes": chunks.bytes,
+        "chunk_bytes_shared": chunks.shared_bytes,
+    }, None
 
 
 #: longest TTL a pin may carry (ten years)

@@ -10,8 +10,10 @@ what the cache holds, not ``--size``.
   write (``fallocate``, mode 0) before it copies a byte into them
   (``put.py``). If the tmpfs is full (or its size limit, or a memory cgroup's,
   is reached) the put is rejected and its space given back: the worker misses,
-  and nobody ever writes into a hole, which SIGBUSes on a full tmpfs.
-* A free punches later. A freed record's extent goes on a list of pages to
+  and nobody ever writes into a hole, which SIGBUSes on a full tmpfs. The chunks a
+  put writes are allocated the same way, each before its bytes are copied.
+* A free punches later. A freed record's extent (a chunk's, at its last reference)
+  goes on a list of pages to
   punch (``FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE``), which :meth:`Pages.step`
   works through a few MiB at a time between the loop's other work: no eviction
   storm becomes a long pause. Space reused before its turn comes is simply taken

@@ -1,10 +1,17 @@
-"""A put in progress: make room, copy and checksum the payload, index the record.
+"""A put in progress: stage and checksum the payload, split it, make room, write, index.
 
 Runs only in the supervisor, on its one thread, against its
 :class:`~shmkv.supervisor.store.Store` (the arena's single writer). A put is sliced: each
-:meth:`PutJob.step` evicts and copies until a deadline and goes on where it
+:meth:`PutJob.step` copies, evicts and writes until a deadline and goes on where it
 stopped at the next call, so that the supervisor can serve other peers between
 the slices of a put that must evict thousands of records or copy hundreds of MiB.
+
+The payload is first staged in the supervisor's own memory (read from the worker's
+memfd, or the tier's buffer, and checked against its XXH3-64), then split
+(``kvformat.split``): a state that splits is stored as a chunked record whose full
+groups are chunks found by key (``chunks.py``: reused, a reference more) or written
+anew, and whose other groups are inline in its body; any other stays whole, its
+payload in the record as before.
 """
 
 from __future__ import annotations
@@ -17,12 +24,26 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
-from shmkv.core.arena import PAGE, ArenaWriter, Geometry, align, record_layout
+from shmkv.core import kvformat
+from shmkv.core.arena import (
+    PAGE,
+    ArenaWriter,
+    ChunkRef,
+    Geometry,
+    align,
+    body_layout,
+    chunk_digest,
+    chunk_extent,
+    pack_body_head,
+    record_layout,
+    stored_manifest,
+)
 from shmkv.core.config import format_size
 from shmkv.core.errors import ArenaFullError, BadRequest, ChecksumMismatch, LimitExceeded
 from shmkv.core.keys import chain_digests, content_digest
 from shmkv.core.stats import ArenaCounters
 from shmkv.supervisor.allocator import Allocator
+from shmkv.supervisor.chunks import Chunk, ChunkKey, Chunks
 from shmkv.supervisor.pages import Pages
 from shmkv.supervisor.record import Entry
 from shmkv.supervisor.tiers.base import Accepted, TierHook
@@ -57,10 +78,11 @@ class PutStore(Protocol):
     index_capacity: int
     uid: int
     clock: Callable[[], float]
+    chunks: Chunks
 
     def duplicate(self, content: bytes, pin: bool) -> Entry | None: ...
     def check_pin(self, extent: int) -> None: ...
-    def fits(self, extent: int, digests: list[bytes]) -> bool: ...
+    def index_room(self, digests: list[bytes]) -> bool: ...
     def evict_one(self) -> bool: ...
     def revoke_stale_leases(self) -> bool: ...
     def take_gen(self) -> int: ...
@@ -69,13 +91,14 @@ class PutStore(Protocol):
 
 
 class PutJob:
-    """One put in progress: room made, payload copied and checked, record indexed.
+    """One put in progress: payload staged and checked, split, room made, written, indexed.
 
     Made by :meth:`Store.begin_put`. Each :meth:`step` works until its deadline
     and returns the stored :class:`Entry` once done (None: call again). What a
-    step did stays done: evictions and copied bytes are not redone. Between
-    steps the store serves others; a put that finished meanwhile with the same
-    content makes this one a duplicate. :meth:`abort` gives back its space.
+    step did stays done: copied bytes, evictions and written chunks are not redone.
+    Between steps the store serves others; a put that finished meanwhile with the
+    same content makes this one a duplicate. :meth:`abort` gives back its space and
+    the chunk references it holds.
     """
 
     def __init__(
@@ -99,16 +122,40 @@ class PutJob:
         #: uid of the peer that put it (the kernel's word: see ops.put)
         self.publisher = publisher
         self.piece = COPY_PIECE
+        #: the record's extent (a whole blob's until the split says otherwise)
         self.extent = 0
         self.digests: list[bytes] = []
-        #: the space taken, once room was made; None before (and after abort)
-        self.offset: int | None = None
+        #: the payload, staged in our memory (None before the first step and after the end)
+        self.staged: bytearray | None = None
+        #: payload bytes staged (and hashed) so far
         self.copied = 0
+        self.hasher = xxhash.xxh3_64()
+        #: the split was made (``manifest`` None: the record is whole)
+        self.planned = False
+        self.manifest: bytes | None = None
+        self.stored_manifest = b""
+        #: each group's data, in blob order (views into ``staged``), and for each the chunk
+        #: it is stored in (None: inline) and its inline offset in the body
+        self.groups: list[memoryview] = []
+        self.refs: list[Chunk | None] = []
+        self.inline_offs: list[int] = []
+        #: the body's length (a whole record's: its payload's)
+        self.body_len = payload_len
+        #: the chunks this put writes (offset -1 until their space is taken)
+        self.new: list[Chunk] = []
+        self.new_data: list[memoryview] = []
+        #: chunks found already stored: a reference held on each, per use
+        self.held: list[Chunk] = []
+        #: new chunks written so far
+        self.written = 0
+        #: the record's space, once taken; None before (and after abort)
+        self.offset: int | None = None
+        #: body bytes written (a whole record's payload)
+        self.body_written = 0
         #: bytes from the record's start whose pages exist (``pages.py``)
         self.allocated = 0
-        #: where the payload starts, from the record's start
+        #: where the body (a whole record's payload) starts, from the record's start
         self.payload_offset = record_layout(len(tokens), len(fingerprint), 0)[2]
-        self.hasher = xxhash.xxh3_64()
         self.revoked = False
         self.steps = 0
         self.entry: Entry | None = None
@@ -200,9 +247,13 @@ class PutJob:
         if self.steps == 2:
             self.store.counters.puts_sliced += 1
         try:
-            if self.offset is None and not self._make_room(deadline):
+            if not self._stage(deadline):
                 return None
-            if not self._copy(deadline):
+            if not self.planned:
+                self._plan()
+            if not self._make_room(deadline):
+                return None
+            if not self._write(deadline):
                 return None
             self.entry = self._finish()
             return self.entry
@@ -211,10 +262,108 @@ class PutJob:
             self.abort()
             raise
 
+    # ------------------------------------------------------------------ stage
+    def _stage(self, deadline: float) -> bool:
+        """Copy and checksum the payload into our memory, a piece at a time; True once
+        all of it is in and its checksum matched."""
+        if self.planned:
+            return True
+        if self.staged is None:
+            self.staged = bytearray(self.payload_len)
+        view = memoryview(self.staged)
+        try:
+            while self.copied < self.payload_len:
+                part = view[self.copied : self.copied + self.piece]
+                try:
+                    self.read(part, self.copied)
+                    self.hasher.update(part)
+                    self.copied += len(part)
+                finally:
+                    part.release()
+                if self.copied < self.payload_len and time.monotonic() >= deadline:
+                    return False
+        finally:
+            view.release()
+        if self.hasher.intdigest() != self.xxh3:
+            raise ChecksumMismatch(
+                "payload does not match its checksum: the blob was "
+                "changed or truncated in transit; not stored"
+            )
+        return True
+
+    # ------------------------------------------------------------------- plan
+    def _plan(self) -> None:
+        """Split the staged payload and find each full group's chunk; size the record."""
+        store, g = self.store, self.store.geometry
+        assert self.staged is not None
+        self.planned = True
+        split = kvformat.split(self.staged, g.chunk_tokens)
+        if split is None or not any(split[0].group_full):
+            return  # whole: the payload is the body
+        manifest, groups = split
+        planned: dict[ChunkKey, Chunk] = {}
+        inline: list[int] = []
+        for data, full, sig in zip(groups, manifest.group_full, manifest.group_sigs, strict=True):
+            data = memoryview(data).cast("B")
+            self.groups.append(data)
+            if not full:
+                self.refs.append(None)
+                inline.append(len(data))
+                continue
+            key = (self.publisher, bytes(sig), chunk_digest(data))
+            c = planned.get(key)
+            if c is None:
+                c = store.chunks.find(key, data)
+                if c is None:
+                    c = Chunk(key, -1, 0, len(data), chunk_extent(len(data)))
+                    self.new.append(c)
+                    self.new_data.append(data)
+                planned[key] = c
+            if c.offset >= 0 and c not in self.new:  # stored already: hold it from now on
+                store.chunks.ref(c)
+                self.held.append(c)
+            self.refs.append(c)
+            inline.append(0)
+        self.manifest = manifest.pack()
+        self.stored_manifest = stored_manifest(self.manifest)
+        self.staged = None  # (the groups are copies: ``kvformat.split``)
+        _, _, self.inline_offs, self.body_len = body_layout(len(self.stored_manifest), inline)
+        *_, self.extent = record_layout(len(self.tokens), len(self.fingerprint), self.body_len)
+        if self.extent + sum(c.extent for c in self.new) > g.data_size:
+            raise ArenaFullError(
+                f"a {format_size(self.payload_len)} state can never fit in this arena's "
+                f"{format_size(g.data_size)} data region: restart `shmkv supervise` "
+                f"with a larger --size"
+            )
+        if self.pin:
+            store.check_pin(self._footprint())
+
+    def _footprint(self) -> int:
+        """The record's extent and its chunks' (what pinning it holds)."""
+        return self.extent + sum(c.extent for c in self.refs if c is not None)
+
+    # -------------------------------------------------------------- make room
     def _make_room(self, deadline: float) -> bool:
-        """Evict until the extent fits and the index has room, then take the space."""
+        """Evict until the record's extent, each new chunk's and the index's slots fit;
+        take each space as soon as it fits. True once all are taken."""
         store = self.store
-        while not store.fits(self.extent, self.digests):
+        while True:
+            todo = next((c for c in self.new if c.offset < 0), None)
+            if self.offset is None:
+                size = self.extent
+            elif todo is not None:
+                size = todo.extent
+            else:
+                return True
+            off = store.alloc.alloc(size) if store.index_room(self.digests) else None
+            if off is not None:
+                if self.offset is None:
+                    self.offset, self.allocated = off, 0
+                    self._allocate(self.payload_offset)  # header, fingerprint, token ids
+                else:
+                    assert todo is not None
+                    todo.offset, todo.gen = off, store.take_gen()
+                continue
             if not self.may_evict:
                 raise ArenaFullError("no room left without evicting")
             if not store.evict_one():
@@ -224,11 +373,6 @@ class PutJob:
                 raise ArenaFullError(FULL)
             if time.monotonic() >= deadline:
                 return False
-        self.offset = store.alloc.alloc(self.extent)
-        assert self.offset is not None  # it fits
-        self.allocated = 0
-        self._allocate(self.payload_offset)  # header, fingerprint, token ids
-        return True
 
     def _allocate(self, upto: int) -> None:
         """Make the record's first ``upto`` bytes exist before they are written (a put
@@ -242,31 +386,62 @@ class PutJob:
                 raise ArenaFullError(SHM_FULL)
             self.allocated = upto
 
-    def _copy(self, deadline: float) -> bool:
-        """Copy and checksum the payload, a piece at a time; True once all of it is in."""
+    # ------------------------------------------------------------------ write
+    def _write(self, deadline: float) -> bool:
+        """Write the new chunks, then the body, a piece at a time; True once all is in."""
+        store = self.store
         assert self.offset is not None
-        while self.copied < self.payload_len:
-            view = self.store.arena.payload(
-                self.offset, len(self.tokens), len(self.fingerprint), self.payload_len
-            )
-            part = view[self.copied : self.copied + self.piece]
+        while self.written < len(self.new):
+            c, data = self.new[self.written], self.new_data[self.written]
+            if not store.pages.allocate(c.offset, c.extent):
+                store.counters.shm_full_puts += 1
+                raise ArenaFullError(SHM_FULL)
+            dest = store.arena.chunk_data(c.offset, c.length)
             try:
-                self._allocate(self.payload_offset + self.copied + len(part))
-                self.read(part, self.copied)
-                self.hasher.update(part)
-                self.copied += len(part)
+                dest[:] = data
             finally:
-                part.release()
-                view.release()
-            if self.copied < self.payload_len and time.monotonic() >= deadline:
+                dest.release()
+            store.arena.write_chunk_header(c.offset, c.gen, c.length, c.key[2], self.publisher)
+            self.written += 1
+            if time.monotonic() >= deadline:
                 return False
-        if self.hasher.intdigest() != self.xxh3:
-            raise ChecksumMismatch(
-                "payload does not match its checksum: the blob was "
-                "changed or truncated in transit; not stored"
-            )
+        if self.manifest is None:
+            assert self.staged is not None
+            src = memoryview(self.staged)
+        else:
+            src = memoryview(self._body())
+        view = store.arena.payload(
+            self.offset, len(self.tokens), len(self.fingerprint), self.body_len
+        )
+        try:
+            while self.body_written < self.body_len:
+                end = min(self.body_len, self.body_written + self.piece)
+                self._allocate(self.payload_offset + end)
+                view[self.body_written : end] = src[self.body_written : end]
+                self.body_written = end
+                if self.body_written < self.body_len and time.monotonic() >= deadline:
+                    return False
+        finally:
+            view.release()
+            src.release()
         return True
 
+    def _body(self) -> bytearray:
+        """A chunked record's body: manifest, references, inline groups."""
+        assert self.manifest is not None
+        refs = [
+            ChunkRef(off, 0, len(d)) if c is None else ChunkRef(c.offset, c.gen, c.length)
+            for c, d, off in zip(self.refs, self.groups, self.inline_offs, strict=True)
+        ]
+        out = bytearray(self.body_len)
+        head = pack_body_head(self.manifest, self.stored_manifest, refs)
+        out[: len(head)] = head
+        for c, d, off in zip(self.refs, self.groups, self.inline_offs, strict=True):
+            if c is None:
+                out[off : off + len(d)] = d
+        return out
+
+    # ----------------------------------------------------------------- finish
     def _finish(self) -> Entry:
         store = self.store
         assert self.offset is not None
@@ -276,16 +451,34 @@ class PutJob:
             self.abort()
             return dup
         if self.pin:
-            store.check_pin(self.extent)  # others may have pinned between our steps
+            store.check_pin(self._footprint())  # others may have pinned between our steps
         offset, self.offset = self.offset, None
         return self._record(offset)
 
     def abort(self) -> None:
-        """Give back the space taken (the put is over, done or not)."""
+        """Give back the space taken and the references held (the put is over, done or not)."""
+        store = self.store
         if self.offset is not None:
-            self.store.alloc.release(self.offset, self.extent)
-            self.store.pages.freed(self.offset, self.extent)
+            store.alloc.release(self.offset, self.extent)
+            store.pages.freed(self.offset, self.extent)
             self.offset = None
+        for c in self.new:
+            if c.offset >= 0:
+                store.alloc.release(c.offset, c.extent)
+                store.pages.freed(c.offset, c.extent)
+                c.offset = -1
+        for c in self.held:
+            store.chunks.unref(c)
+        self._drop_plan()
+
+    def _drop_plan(self) -> None:
+        """Forget the staged payload and the plan (their views first)."""
+        for v in self.groups:
+            v.release()
+        for v in self.new_data:
+            v.release()
+        self.groups, self.new_data, self.new, self.held, self.refs = [], [], [], [], []
+        self.staged = None
 
     def _record(self, offset: int) -> Entry:
         """Write the record of a filled and checked payload, then index it."""
@@ -293,6 +486,7 @@ class PutJob:
         gen = store.take_gen()
         created = time.time()
         digests, pin = self.digests, self.pin
+        chunked = self.manifest is not None
         store.arena.write_record(
             offset,
             gen,
@@ -305,7 +499,17 @@ class PutJob:
             self.xxh3,
             created,
             self.publisher,
+            body_len=self.body_len if chunked else None,
         )
+        for c in self.new:  # written in full: findable, and referenced below
+            store.chunks.add(c)
+        held = set(map(id, self.held))
+        chunks = [c for c in self.refs if c is not None]
+        for c in chunks:
+            if id(c) not in held:  # (a reused chunk's reference is held already)
+                store.chunks.ref(c)
+        self.new, self.held = [], []
+        self._drop_plan()
         e = Entry(
             gen,
             offset,
@@ -320,10 +524,13 @@ class PutJob:
             pinned=pin,
             last_used=store.clock(),
             publisher=self.publisher,
+            chunks=chunks,
         )
         store.insert(e)
         store.counters.puts += 1
         store.counters.bytes_put += self.payload_len
+        if chunked:
+            store.counters.chunked_puts += 1
         ev = Accepted(
             root=self.root,
             fingerprint=self.fingerprint,

@@ -5,7 +5,9 @@ Runs only in the supervisor (see :mod:`shmkv.supervisor.store`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from shmkv.supervisor.chunks import Chunk
 
 
 @dataclass
@@ -32,3 +34,10 @@ class Entry:
     #: a lease of it was revoked or ended with its connection: its holder may still be
     #: reading, so its pages are never punched (``pages.py``)
     stale_readers: bool = False
+    #: the chunks it references, a reference held on each (``chunks.py``); none: whole
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def footprint(self) -> int:
+        """Its extent and its chunks' (shared ones counted in full: what pinning it holds)."""
+        return self.extent + sum(c.extent for c in self.chunks)

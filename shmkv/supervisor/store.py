@@ -57,6 +57,7 @@ from shmkv.core.errors import LimitExceeded, NotFound
 from shmkv.core.stats import ArenaCounters, LimitCounters
 from shmkv.supervisor.allocator import Allocator
 from shmkv.supervisor.chunk_owners import IndexOwners
+from shmkv.supervisor.chunks import Chunks
 from shmkv.supervisor.leases import Leases
 from shmkv.supervisor.pages import Pages
 from shmkv.supervisor.put import COPY_PIECE, PutJob
@@ -114,6 +115,8 @@ class Store:
         self.index = IndexOwners(self.arena, self.entries, geometry.chunk_tokens, self.uid)
         #: chunk digest -> {gen: n_tokens} of every live record indexed under it
         self.owners = self.index.owners
+        #: the chunks chunked records share, reference-counted (``chunks.py``)
+        self.chunks = Chunks(self.arena, self.alloc, self.pages)
 
     # ---------------------------------------------------------------- eviction
     def revoke_stale_leases(self) -> bool:
@@ -133,11 +136,8 @@ class Store:
         )
         return True
 
-    def fits(self, extent: int, digests: list[bytes]) -> bool:
-        """Would a record of ``extent`` bytes and these chunk digests fit now (space and
-        index slots), without evicting?"""
-        if self.alloc.largest() < extent:
-            return False
+    def index_room(self, digests: list[bytes]) -> bool:
+        """Do the index slots these chunk digests need fit now, without evicting?"""
         new = sum(1 for d in digests if d not in self.owners)
         return len(self.owners) + new <= self.index_capacity
 
@@ -159,13 +159,15 @@ class Store:
         self.arena.zap_record(e.offset)
         self.alloc.release(e.offset, e.extent)
         self.pages.freed(e.offset, e.extent, e.stale_readers)
+        for c in e.chunks:  # (a chunk is freed with its last reference)
+            self.chunks.unref(c, e.stale_readers)
         del self.entries[e.gen]
 
     def remove(self, e: Entry) -> None:
         """Take ``e`` out of the index now; free its space now or at its last release."""
         self.lru.pop(e.gen, None)
         if e.pinned and not e.doomed:
-            self.pinned_bytes -= e.extent
+            self.pinned_bytes -= e.footprint
         if self.by_content.get(e.content) == e.gen:
             del self.by_content[e.content]
         for k, d in enumerate(e.digests, 1):
@@ -200,7 +202,7 @@ class Store:
             if point and not self.index.point(d, k):
                 log.warning("index probe limit reached; entry %s only partly indexed", d.hex()[:12])
         if e.pinned:
-            self.pinned_bytes += e.extent
+            self.pinned_bytes += e.footprint
         else:
             self.lru[e.gen] = None
 
@@ -411,11 +413,11 @@ class Store:
             return
         if e.pinned != pinned:
             if pinned:
-                self.check_pin(e.extent)
-                self.pinned_bytes += e.extent
+                self.check_pin(e.footprint)
+                self.pinned_bytes += e.footprint
                 self.lru.pop(e.gen, None)
             else:
-                self.pinned_bytes -= e.extent
+                self.pinned_bytes -= e.footprint
                 if e.leases == 0:
                     self.lru[e.gen] = None
             e.pinned = pinned

@@ -11,10 +11,10 @@ Runs in the pytest process. The chaos files, every one of them SIGKILLing real p
 4. test_chaos_serve.py: the same under gunicorn (workers/app.py) over HTTP.
 
 After each trial: leases and arena space balance (``leases_active == 0``, ``bytes_used`` ==
-sum of the listed extents, every indexed record intact), every finished request's text
-equals a cold plain ``Llama``'s, and a killed supervisor's files are taken over by the next
-one, not accumulated. Once everything is stopped nothing named ``shmkv-NAME*`` is left in
-/dev/shm, and no socket.
+sum of the listed extents and of the chunks, every indexed record intact), every finished
+request's text equals a cold plain ``Llama``'s, and a killed supervisor's files are taken
+over by the next one, not accumulated. Once everything is stopped nothing named
+``shmkv-NAME*`` is left in /dev/shm, and no socket.
 
 ``SHMKV_CHAOS_TRIALS`` (default 210) sets the number of kills of files 1-3 together,
 ``SHMKV_CHAOS_SERVE_TRIALS`` (default 15) those of file 4. Counts are logged at INFO (run
@@ -134,7 +134,8 @@ def check_arena(c: Client, conns: int = 1, timeout: float = 10.0) -> tuple[list[
         problems.append("an entry still counts leases")
     if not st["entries"] == ls["total"] == len(ls["entries"]):
         problems.append(f"entries {st['entries']} vs listed {ls['total']}/{len(ls['entries'])}")
-    extents = sum(e["extent"] for e in ls["entries"])
+    # records' extents, and the chunks they share counted once
+    extents = sum(e["extent"] for e in ls["entries"]) + ls["chunk_bytes"]
     if st["bytes_used"] != extents:
         problems.append(
             f"bytes_used {st['bytes_used']} != sum of extents {extents} "

@@ -48,6 +48,18 @@ def records(arena: Path) -> list[A.Record]:
     return each_record(arena, lambda view, off, gen: view.read_record(off, gen))
 
 
+def payload_of(arena: Path, rec: A.Record) -> bytes:
+    """The payload of ``rec`` (a chunked record's assembled), read without a lease."""
+    (payload,) = [
+        p
+        for p in each_record(
+            arena, lambda view, off, gen: view.read_payload(rec) if off == rec.offset else None
+        )
+        if p is not None
+    ]
+    return payload
+
+
 def record_for(arena: Path, tokens: list[int]) -> A.Record:
     """The record holding the longest prefix of ``tokens`` (by its stored token ids)."""
     best, best_n = None, -1
@@ -244,8 +256,7 @@ def test_blob_of_another_model_under_this_models_key_is_never_restored(superviso
         fp1 = f.read(rec.fp_len)
         f.seek(rec.tokens_off)
         rec_tokens = np.frombuffer(f.read(4 * rec.n_tokens), dtype="<i4").copy()
-        f.seek(rec.payload_off)
-        payload = f.read(rec.payload_len)
+    payload = payload_of(supervisor.arena, rec)
     # seed0 does not even find seed1's records: another fingerprint, another key chain
     plain = run_worker(supervisor, models["seed0"], jobs)
     assert texts(plain) == texts(cold0)

@@ -25,6 +25,7 @@ import pytest
 from shmkv.core.keys import chain_digests
 from shmkv.llama import key_root, model_fingerprint
 from tests.support.blobs import CHUNK
+from tests.support.kvblobs import kv_state
 from tests.support.llama_workers import KW, SYSTEM, completion, run_worker, texts
 from tests.support.supervisors import Sup, wait_for_socket
 from tests.support.users import GROUP, publish_as, system_user
@@ -160,3 +161,47 @@ def test_trust_publishers_widens_whose_records_a_worker_restores(
     assert trusting["results"][0]["last"]["tokens_restored"] > 0, trusting["totals"]
     assert trusting["totals"]["untrusted"] == 0
     assert texts(trusting) == texts(cold)
+
+
+def test_another_uid_cannot_share_a_chunk_into_our_records(
+    group_sup: Sup, users, tmp_path: Path
+) -> None:
+    """A group member publishes first the states we are about to (the same bytes, and a
+    forged one that differs in one byte of a shared group): our records name only chunks
+    we wrote, and read back as ours."""
+    root, fp = os.urandom(16), b"fp"
+    prefix = np.arange(700, dtype="<i4")
+    prompts = [np.concatenate([prefix, np.arange(20, dtype="<i4") + 5000 * i]) for i in (1, 2)]
+    ours = [kv_state(t) for t in prompts]
+    forged = bytearray(ours[1])
+    forged[len(forged) // 3] ^= 1  # (inside a full group of the shared prefix)
+    publish_as(users["evil"], group_sup, tmp_path, root, prompts[0], fp, ours[0])
+    publish_as(users["evil"], group_sup, tmp_path, root, prompts[1], fp, bytes(forged))
+    st = group_sup.stats_json()
+    theirs = st["chunks"]
+    assert st["chunked_puts"] == 2 and theirs > 0
+    with group_sup.client() as c:
+        for t, d in zip(prompts, ours, strict=True):
+            c.put_bytes(root, t, fp, d)
+    assert group_sup.stats_json()["chunks"] > theirs
+    # each record names chunks of its own publisher only, and ours share among themselves
+    named: dict[int, set[int]] = {}
+    with group_sup.client() as c:  # (every record: the index names ours first)
+        for row in c.ls()["entries"]:
+            publisher, chunks = _chunks_of(c.view, row["offset"], row["gen"])
+            assert publisher == row["publisher"] and {p for p, _ in chunks} == {publisher}
+            named.setdefault(publisher, set()).update(off for _, off in chunks)
+    assert set(named) == {os.geteuid(), users["evil"][0]}
+    assert not named[os.geteuid()] & named[users["evil"][0]]
+    with group_sup.client() as c:
+        for t, d in zip(prompts, ours, strict=True):
+            hit = c.lookup(chain_digests(root, t, CHUNK))
+            with c.acquire(hit) as lease:
+                assert lease.record.publisher == os.geteuid()
+                assert bytes(lease.payload) == d and lease.finish()
+
+
+def _chunks_of(view, off, gen) -> tuple[int, set[tuple[int, int]]]:
+    """(publisher, {(publisher, offset) of each chunk it names}) of a record."""
+    rec, _ = view.peek(off, gen)
+    return rec.publisher, {(i.publisher, i.offset) for i in view.peek_chunks(rec)[2] if i}

@@ -234,7 +234,7 @@ def _torn_records(sup, model: str) -> tuple[int, list[int]]:
     for off, gen in sorted(records):
         rec = view.read_record(off, gen)
         toks = [int(t) for t in view.tokens(rec)]
-        payload = bytes(view.payload(rec))
+        payload = bytes(view.blob(rec))  # (a chunked record's assembled)
         lc.llama_memory_clear(mem, True)
         llm.n_tokens = 0
         llm.eval(toks)

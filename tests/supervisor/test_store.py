@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import os
 import struct
-import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +39,7 @@ from shmkv.core.keys import chain_digests
 from shmkv.supervisor.allocator import Allocator
 from shmkv.supervisor.put import PutJob
 from shmkv.supervisor.store import Store
-from tests.support import SHM
+from tests.support.arenas import ArenaFile
 from tests.support.blobs import payload_for
 
 log = logging.getLogger(__name__)
@@ -50,68 +48,6 @@ PAGE = A.PAGE
 
 
 # ----------------------------------------------------------------------------- helpers
-class ArenaFile:
-    """A writable arena file in /dev/shm with a valid header, plus a read-only view of it."""
-
-    def __init__(
-        self,
-        data_pages: int,
-        chunk_tokens: int,
-        index_slots: int,
-        lease_timeout: float = 10.0,
-        **store_kw,
-    ) -> None:
-        slots = 1 << (index_slots - 1).bit_length()
-        index_bytes = A.align(slots * A.SLOT_SIZE, PAGE)
-        size = A.HEADER_SIZE + index_bytes + data_pages * PAGE
-        self.path = SHM / f"shmkv-teststore-{os.getpid()}-{uuid.uuid4().hex[:10]}"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        self.ro_fd = -1
-        self.view: A.ArenaView | None = None
-        try:
-            os.posix_fallocate(self.fd, 0, size)
-            self.mm = mmap.mmap(
-                self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
-            )
-            self.geometry = A.Geometry.plan(size, chunk_tokens, index_slots)
-            write_header(self.mm, self.geometry)
-            self.now = 1000.0
-            self.store = Store(
-                self.mm,
-                self.geometry,
-                lease_timeout=lease_timeout,
-                clock=lambda: self.now,
-                **store_kw,
-            )
-            self.ro_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            self.view = A.ArenaView(self.ro_fd, populate=False)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if self.view is not None:
-            self.view.close()
-            self.view = None
-        if getattr(self, "mm", None) is not None:
-            self.store = None  # type: ignore[assignment]
-            try:
-                self.mm.close()
-            except BufferError:
-                log.warning("arena mapping still exported; left to GC")
-            self.mm = None
-        for fd in (self.fd, self.ro_fd):
-            if fd >= 0:
-                os.close(fd)
-        self.fd = self.ro_fd = -1
-        self.path.unlink(missing_ok=True)
-
-
-def write_header(mm: mmap.mmap, geometry: A.Geometry) -> None:
-    """The header the supervisor writes (ArenaFile.create), checksum included."""
-    A.ArenaWriter(mm, geometry).format()
-
-
 def filler(data: bytes):
     def fill(view: memoryview) -> None:
         view[:] = data
@@ -1126,7 +1062,9 @@ def test_a_sliced_put_whose_content_was_put_meanwhile_is_a_duplicate(
     data = b"x" * (4 * PAGE)
     csum = xxhash.xxh3_64_intdigest(data)
     job = store.begin_put(ROOTS[0], tokens, b"fp", len(data), csum, reader(data), piece=PAGE)
-    assert job.step(0.0) is None and job.offset is not None  # took its space, one page in
+    while job.offset is None:  # staged in the supervisor's memory, a page a step
+        assert job.step(0.0) is None
+    assert job.body_written == PAGE  # took its space, one page in
     first = put_bytes(store, ROOTS[0], tokens, data)  # the same content, in one go
     got = job.step(math.inf)
     assert got is first and store.counters.duplicate_puts == 1 and store.counters.puts == 1
@@ -1136,9 +1074,12 @@ def test_a_sliced_put_whose_content_was_put_meanwhile_is_a_duplicate(
 def test_a_sliced_put_aborted_gives_its_space_back(small_arena: ArenaFile) -> None:
     store = small_arena.store
     data = b"y" * (6 * PAGE)
+    csum = xxhash.xxh3_64_intdigest(data)
     job = store.begin_put(
-        ROOTS[0], BASES[1][:8].copy(), b"fp", len(data), 0, reader(data), piece=PAGE
+        ROOTS[0], BASES[1][:8].copy(), b"fp", len(data), csum, reader(data), piece=PAGE
     )
-    assert job.step(0.0) is None and store.bytes_used() > 0
+    while job.offset is None:  # staged in the supervisor's memory, a page a step
+        assert job.step(0.0) is None
+    assert store.bytes_used() > 0
     job.abort()
     assert store.bytes_used() == 0 and store.alloc.count() == 1

@@ -8,6 +8,8 @@ import from here and take the fixtures of ``tests/conftest.py``, never from one 
 * ``users``: real other users (root only) and running code as one of them;
 * ``supervisors``: ``shmkv supervise`` processes (:class:`~tests.support.supervisors.Sup`);
 * ``blobs``: blobs that are a pure function of a seed or of their key;
+* ``kvblobs``: sequence-state blobs in llama.cpp's format, made without a model;
+* ``arenas``: an arena file and a Store over it, in the test's process;
 * ``peer``: a raw protocol peer that writes frames by hand;
 * ``llama_workers``: llama worker processes (``llama_worker.py``) and their jobs;
 * ``media``: images without a projector: embedding batches (in llama workers);

@@ -38,23 +38,32 @@ def blob(seed: int, size: int, n_tokens: int = 2 * CHUNK) -> Blob:
 
 
 def flip_payload_bytes(arena_path: Path) -> int:
-    """Flip bytes in the middle of every record's payload (as a stray writer would)."""
+    """Flip bytes in the middle of every record's payload (as a stray writer would): a
+    chunked record's in the middle of the middle chunk it names (once, if records share
+    it). Returns how many records were hit."""
     fd = os.open(arena_path, os.O_RDONLY)
     try:
         view = A.ArenaView(fd, populate=False)
     finally:
         os.close(fd)
     records = {(s.rec_offset, s.rec_gen) for s in view.scan()}
-    targets = [view.read_record(off, gen) for off, gen in records]
+    targets = set()
+    for off, gen in records:
+        rec = view.read_record(off, gen)
+        chunks = [i for i in view.peek_chunks(rec)[2] if i] if rec.chunked else []
+        if chunks:
+            mid = chunks[len(chunks) // 2]
+            targets.add(mid.data_off + mid.length // 2)
+        else:
+            targets.add(rec.payload_off + rec.body_len // 2)
     view.close()
     with open(arena_path, "r+b") as f:
-        for rec in targets:
-            pos = rec.payload_off + rec.payload_len // 2
+        for pos in targets:
             f.seek(pos)
             b = f.read(16)
             f.seek(pos)
             f.write(bytes(x ^ 0xFF for x in b))
-    return len(targets)
+    return len(records)
 
 
 def put_and_hit(c: Client, n_chunks: int = 2, size: int = 10_000) -> tuple[dict, bytes, int]:

@@ -142,7 +142,9 @@ class PayloadSource:
             os.close(fd)
 
     def payload(self, ev: Accepted) -> bytes | None:
-        """A copy of the payload of ``ev``'s record if it is still in place, else None.
+        """A copy of the payload of ``ev``'s record if it is still in place, else None: a
+        chunked record's assembled from its chunks (tiers keep whole blobs; a refill or
+        fetch is split again when it lands in the arena).
 
         The record may be evicted, its pages punched and its space reused while we copy:
         so the copy is read with ``pread`` (a hole reads as zeros, never faults: see

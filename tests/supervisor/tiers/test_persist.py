@@ -23,6 +23,7 @@ import pytest
 from shmkv.core.keys import chain_digests
 from shmkv.supervisor.tiers.disk.lmdb_store import DiskRecord
 from tests.support.blobs import blob, put_blob, use_blob
+from tests.support.kvblobs import kv_state
 from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
 from tests.support.supervisors import (
     Sup,
@@ -507,3 +508,39 @@ def test_a_crash_with_a_queue_leaves_what_was_written_intact(make_supervisor, tm
     finally:
         assert again.stop() == 0
     no_internal_errors(again)
+
+
+def test_chunked_states_persist_whole_and_are_split_again_on_refill(make_supervisor, tmp_path):
+    """States that share a prefix are chunks in the arena, whole blobs on disk (the write
+    -behind reads them assembled), and chunks again, shared as before, after a reboot."""
+    disk = tmp_path / "persist"
+    root = bytes(range(16))
+    prefix = np.arange(700, dtype="<i4")
+    prompts = [np.concatenate([prefix, np.arange(30, dtype="<i4") + 9000 * i]) for i in (1, 2, 3)]
+    datas = [kv_state(t) for t in prompts]
+    sup = make_supervisor("--size", "32M", "--persist", str(disk))
+    with sup.client() as c:
+        for t, d in zip(prompts, datas, strict=True):
+            c.put_bytes(root, t, b"fp", d)
+    before = sup.stats()
+    assert before["chunked_puts"] == 3 and before["chunk_bytes_shared"] > 0
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind")
+    env = lmdb.open(str(disk), max_dbs=2, readonly=True, lock=False)
+    with env.begin(db=env.open_db(b"blob", create=False)) as txn:
+        on_disk = sorted(bytes(v) for _, v in txn.cursor())
+    env.close()
+    assert on_disk == sorted(datas)  # whole blobs
+    again = reboot(tmp_path, sup, "--size", "32M", "--persist", str(disk))
+    try:
+        st = refilled(again)
+        assert st["refilled"] == 3, st
+        for k in ("chunks", "chunk_bytes", "chunk_bytes_shared", "bytes_used"):
+            assert st[k] == before[k], k
+        with again.client() as c:
+            for t, d in zip(prompts, datas, strict=True):
+                hit = c.lookup(chain_digests(root, t, 64))
+                with c.acquire(hit) as lease:
+                    assert lease.record.chunked and bytes(lease.payload) == d and lease.finish()
+    finally:
+        assert again.stop() == 0
+        no_internal_errors(sup, again)

@@ -1,0 +1,527 @@
+"""llama.cpp's sequence-state blob cut into token groups, and put back together.
+
+Runs in the supervisor (``split`` when a put lands) and in every reader of a chunked
+record (``Manifest.unpack`` and ``assemble``). No llama_cpp import: the format below is
+read from llama.cpp's source (``llama_kv_cache::state_write`` in
+``src/llama-kv-cache.cpp`` as vendored by llama-cpp-python 0.3.36), and the tests check
+it against real blobs.
+
+A blob (``llama_state_seq_get_data``) starts with ``u32 magic (0xaf143cd8), i32 seq_id``
+(``llama_context::state_seq_get_data``), then the memory's state. One KV cache's state (a
+**part**), little-endian::
+
+    u32 n_stream
+    per stream:
+      u32 cell_count                (0: nothing more for this stream)
+      cell_count x { i32 pos, u32 n_seq_id, [12-byte llama_kv_cell_ext], i32 seq_id x n_seq_id }
+      u32 v_trans, u32 n_layer
+      per layer: i32 k_type, u64 k_size_row, cell_count * k_size_row bytes
+      not v_trans: per layer with V: i32 v_type, u64 v_size_row, cell_count * v_size_row
+      v_trans:     per layer with V: i32 v_type, u32 v_size_el, u32 n_embd_v_gqa,
+                   n_embd_v_gqa x (cell_count * v_size_el)       (dimension-major)
+
+An iSWA model's blob is two parts back to back (the base cache's, then the window's);
+the only way to find where one ends is to parse it, so the parser tries each reading
+(with and without the cell extension, fewer V layers) and keeps the one that covers the
+blob exactly. Recurrent and hybrid states do not parse that way and stay whole.
+
+Each part's cells (in blob order) are cut into **groups**: maximal runs of cells with
+consecutive positions inside one aligned range ``[k*C, (k+1)*C)``. A group covering its
+whole range is **full**: equal prefixes give equal full groups, which is what the arena
+stores once. A group's **data** is, per layer, its K rows, then per layer with V its V
+rows (or, transposed, its ``n_embd_v_gqa x (n * v_size_el)`` block, dimension-major).
+Everything else (counts, cell metadata, type and size headers) is the **skeleton**, kept
+in the manifest. ``assemble`` puts skeleton and groups back byte for byte; the record's
+whole-blob XXH3-64 still guards the result.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+from shmkv.core.errors import ArenaCorruptError
+
+__all__ = ["Manifest", "Region", "PartLayout", "split", "assemble", "KIND_K", "KIND_V", "KIND_VT"]
+
+#: region kinds: K rows, V rows, transposed V (one run of cells per dimension)
+KIND_K, KIND_V, KIND_VT = 0, 1, 2
+
+#: size of llama.cpp's llama_kv_cell_ext (i32 x, i32 y, i32 tok), written per cell when the
+#: model has M-RoPE or per-layer embeddings (``has_cell_ext``)
+CELL_EXT_BYTES = 12
+
+#: the largest blob a manifest may describe (a reader sizes its buffer from it)
+MAX_BLOB = 1 << 40
+#: most parts a blob may have (iSWA has 2)
+MAX_PARTS = 4
+#: most layers a part may declare
+MAX_LAYERS = 4096
+#: ggml type ids are small (GGML_TYPE_COUNT is ~40)
+MAX_GGML_TYPE = 256
+#: groups a part may have beyond its positions' aligned ranges (seams of a ring, holes
+#: left by cuts); more means a fragmented cache, which stays whole
+EXTRA_GROUPS = 64
+#: how many part readings split tries before it gives up on a blob (bounds the search
+#: over cell-extension and V-layer-count readings against a crafted blob)
+PARSE_BUDGET = 256
+
+_MAGIC = b"SKVM"
+_VERSION = 1
+_HEADER = struct.Struct("<4sHHIQQIII")  # magic, version, 0, chunk_tokens, blob_len,
+#                                          skeleton_len, n_parts, n_regions, n_groups
+_PART = struct.Struct("<IIII")  # cell_count, v_trans, n_regions, n_groups
+_REGION = struct.Struct("<QIiII")  # offset, kind, ggml type, unit, nrep
+_GROUP = struct.Struct("<II")  # n cells, flags (bit 0: full)
+_FULL = 1
+
+#: what llama_context::state_seq_get_data writes first: io_magic, then the seq_id
+_BLOB_HEAD = struct.Struct("<Ii")
+_IO_MAGIC = 0xAF143CD8
+_KHDR = struct.Struct("<iQ")
+_VTHDR = struct.Struct("<iII")
+_SIG = struct.Struct("<IIII")
+_SIG_REGION = struct.Struct("<IiII")
+
+
+class Region(NamedTuple):
+    """One tensor's data in the blob: ``nrep`` runs of ``cell_count * unit`` bytes from
+    ``offset`` (nrep is 1 but for transposed V, where it is n_embd_v_gqa)."""
+
+    offset: int
+    kind: int
+    ggml_type: int
+    unit: int
+    nrep: int
+
+
+class PartLayout(NamedTuple):
+    """One KV cache's state: its cells, their data regions and its groups' cell counts
+    (in blob order; they add up to cell_count)."""
+
+    cell_count: int
+    v_trans: int
+    regions: tuple[Region, ...]
+    group_cells: tuple[int, ...]
+
+
+class Manifest:
+    """Everything ``assemble`` needs except the groups' data: the skeleton bytes and where
+    each group's rows go. Built by ``split`` or read back by ``unpack``; validated on
+    construction (ArenaCorruptError), so a Manifest is always self-consistent."""
+
+    __slots__ = (
+        "blob_len",
+        "chunk_tokens",
+        "skeleton",
+        "parts",
+        "group_full",
+        "group_sizes",
+        "group_sigs",
+        "gaps",
+    )
+
+    def __init__(
+        self,
+        blob_len: int,
+        chunk_tokens: int,
+        skeleton: bytes,
+        parts: Sequence[PartLayout],
+        group_full: Sequence[bool],
+    ) -> None:
+        self.blob_len = blob_len
+        self.chunk_tokens = chunk_tokens
+        self.skeleton = skeleton
+        self.parts = tuple(parts)
+        self.group_full = list(group_full)
+        #: data length of each group, in blob order
+        self.group_sizes: list[int] = []
+        #: a layout signature per group (part, cells, per-region kind/type/sizes, v_trans)
+        self.group_sigs: list[bytes] = []
+        #: skeleton pieces: (blob offset, skeleton offset, length)
+        self.gaps: list[tuple[int, int, int]] = []
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(why: str) -> ArenaCorruptError:
+            return ArenaCorruptError(
+                f"chunked record's manifest is inconsistent ({why}); the record is dropped "
+                "as a miss (a stray writer or a bug in the supervisor: report it)"
+            )
+
+        if not 0 < self.blob_len <= MAX_BLOB:
+            raise bad(f"blob length {self.blob_len}")
+        if not 0 < self.chunk_tokens < 1 << 32:
+            raise bad(f"chunk_tokens {self.chunk_tokens}")
+        if not 0 < len(self.parts) <= MAX_PARTS:
+            raise bad(f"{len(self.parts)} parts")
+        n_groups = sum(len(p.group_cells) for p in self.parts)
+        if len(self.group_full) != n_groups:
+            raise bad(f"{len(self.group_full)} full flags for {n_groups} groups")
+        end = 0  # end of the previous region in the blob
+        skel = 0
+        gi = 0
+        for pi, part in enumerate(self.parts):
+            cc = part.cell_count
+            if not 0 < cc < 1 << 32 or part.v_trans not in (0, 1):
+                raise bad(f"part {pi}: {cc} cells, v_trans {part.v_trans}")
+            if not part.regions or not part.group_cells:
+                raise bad(f"part {pi}: no regions or no groups")
+            if any(n <= 0 for n in part.group_cells) or sum(part.group_cells) != cc:
+                raise bad(f"part {pi}: group cell counts do not add up to {cc}")
+            for r in part.regions:
+                if r.kind not in (KIND_K, KIND_V, KIND_VT) or (r.kind == KIND_VT) != (
+                    part.v_trans and r.kind != KIND_K
+                ):
+                    raise bad(f"part {pi}: region kind {r.kind} with v_trans {part.v_trans}")
+                if not 0 < r.unit < 1 << 32 or not 0 < r.nrep < 1 << 32:
+                    raise bad(f"part {pi}: unit {r.unit}, nrep {r.nrep}")
+                if r.kind != KIND_VT and r.nrep != 1:
+                    raise bad(f"part {pi}: {r.nrep} runs in an untransposed region")
+                if not 0 <= r.ggml_type < MAX_GGML_TYPE:
+                    raise bad(f"part {pi}: ggml type {r.ggml_type}")
+                if r.offset < end:
+                    raise bad(f"part {pi}: region at {r.offset} overlaps the one before")
+                size = r.nrep * cc * r.unit
+                if r.offset + size > self.blob_len:
+                    raise bad(f"part {pi}: region at {r.offset} ends past the blob")
+                if r.offset > end:
+                    self.gaps.append((end, skel, r.offset - end))
+                    skel += r.offset - end
+                end = r.offset + size
+            head = _SIG.pack(pi, 0, part.v_trans, len(part.regions)) + b"".join(
+                _SIG_REGION.pack(r.kind, r.ggml_type, r.unit, r.nrep) for r in part.regions
+            )
+            per_cell = sum(r.nrep * r.unit for r in part.regions)
+            for n in part.group_cells:
+                if self.group_full[gi] and n != self.chunk_tokens:
+                    raise bad(f"group {gi} of {n} cells marked full")
+                self.group_sizes.append(n * per_cell)
+                sig = _SIG.pack(pi, n, part.v_trans, len(part.regions)) + head[_SIG.size :]
+                self.group_sigs.append(xxhash.xxh3_64_digest(sig))
+                gi += 1
+        if end < self.blob_len:
+            self.gaps.append((end, skel, self.blob_len - end))
+            skel += self.blob_len - end
+        if skel != len(self.skeleton):
+            raise bad(f"skeleton of {len(self.skeleton)} bytes where the layout leaves {skel}")
+
+    def pack(self) -> bytes:
+        """The manifest as bytes (``unpack`` reads them back)."""
+        out = [
+            _HEADER.pack(
+                _MAGIC,
+                _VERSION,
+                0,
+                self.chunk_tokens,
+                self.blob_len,
+                len(self.skeleton),
+                len(self.parts),
+                sum(len(p.regions) for p in self.parts),
+                len(self.group_full),
+            )
+        ]
+        out += [
+            _PART.pack(p.cell_count, p.v_trans, len(p.regions), len(p.group_cells))
+            for p in self.parts
+        ]
+        out += [_REGION.pack(*r) for p in self.parts for r in p.regions]
+        full = iter(self.group_full)
+        out += [
+            _GROUP.pack(n, _FULL if next(full) else 0) for p in self.parts for n in p.group_cells
+        ]
+        out.append(self.skeleton)
+        return b"".join(out)
+
+    @classmethod
+    def unpack(cls, buf: bytes | bytearray | memoryview) -> Manifest:
+        """Read a packed manifest back; everything is checked (counts against the buffer's
+        length, regions inside the blob and apart, sums), so nothing in ``buf`` can make it
+        allocate more than a small multiple of ``len(buf)``. ArenaCorruptError if not."""
+        mv = memoryview(buf).cast("B")
+        n = len(mv)
+
+        def bad(why: str) -> ArenaCorruptError:
+            return ArenaCorruptError(
+                f"chunked record's manifest is unreadable ({why}); the record is dropped as "
+                "a miss (a stray writer or a bug in the supervisor: report it)"
+            )
+
+        if n < _HEADER.size:
+            raise bad(f"{n} bytes, shorter than its header")
+        magic, version, zero, chunk_tokens, blob_len, skel_len, n_parts, n_regions, n_groups = (
+            _HEADER.unpack_from(mv, 0)
+        )
+        if magic != _MAGIC or version != _VERSION or zero != 0:
+            raise bad(f"magic {bytes(magic)!r}, version {version}")
+        want = (
+            _HEADER.size
+            + n_parts * _PART.size
+            + n_regions * _REGION.size
+            + n_groups * _GROUP.size
+            + skel_len
+        )
+        if want != n:
+            raise bad(f"{n} bytes where its counts say {want}")
+        if not 0 < n_parts <= MAX_PARTS:
+            raise bad(f"{n_parts} parts")
+        off = _HEADER.size
+        heads = list(_PART.iter_unpack(mv[off : off + n_parts * _PART.size]))
+        off += n_parts * _PART.size
+        regions = [
+            Region(*r) for r in _REGION.iter_unpack(mv[off : off + n_regions * _REGION.size])
+        ]
+        off += n_regions * _REGION.size
+        groups = list(_GROUP.iter_unpack(mv[off : off + n_groups * _GROUP.size]))
+        off += n_groups * _GROUP.size
+        if sum(h[2] for h in heads) != n_regions or sum(h[3] for h in heads) != n_groups:
+            raise bad("its parts' region or group counts do not add up")
+        if any(flags & ~_FULL for _, flags in groups):
+            raise bad("unknown group flags")
+        parts = []
+        ri = gi = 0
+        for cell_count, v_trans, nr, ng in heads:
+            parts.append(
+                PartLayout(
+                    cell_count,
+                    v_trans,
+                    tuple(regions[ri : ri + nr]),
+                    tuple(g[0] for g in groups[gi : gi + ng]),
+                )
+            )
+            ri += nr
+            gi += ng
+        return cls(
+            blob_len,
+            chunk_tokens,
+            bytes(mv[off:]),
+            parts,
+            [bool(flags & _FULL) for _, flags in groups],
+        )
+
+
+class _Parsed(NamedTuple):
+    layout: PartLayout
+    pos: np.ndarray  # the cells' positions, in blob order
+
+
+def _read_part(
+    mv: memoryview, off: int, n: int
+) -> Iterator[tuple[tuple[int, np.ndarray, int, list[Region]] | None, int]]:
+    """Each reading of a part that starts at ``off``: (cells, positions, v_trans, regions)
+    or None for an empty stream, and where the reading ends. Most likely first."""
+    if off + 8 > n:
+        return
+    n_stream, cell_count = struct.unpack_from("<II", mv, off)
+    if n_stream != 1:
+        return
+    off += 8
+    if cell_count == 0:
+        yield None, off
+        return
+    for ext in (0, CELL_EXT_BYTES):
+        stride = 12 + ext
+        meta_end = off + cell_count * stride
+        if meta_end + 8 > n:
+            continue
+        cells = np.frombuffer(mv, dtype="<u4", count=cell_count * stride // 4, offset=off)
+        cells = cells.reshape(cell_count, stride // 4)
+        if not np.all(cells[:, 1] == 1):  # n_seq_id: one sequence per cell
+            continue
+        pos = cells[:, 0].view("<i4").astype(np.int64)
+        v_trans, n_layer = struct.unpack_from("<II", mv, meta_end)
+        if v_trans not in (0, 1) or not 0 < n_layer <= MAX_LAYERS:
+            continue
+        p = meta_end + 8
+        regions: list[Region] = []
+        for _ in range(n_layer):
+            if p + _KHDR.size > n:
+                break
+            k_type, row = _KHDR.unpack_from(mv, p)
+            p += _KHDR.size
+            if not 0 <= k_type < MAX_GGML_TYPE or not 0 < row < 1 << 32:
+                break
+            if p + cell_count * row > n:
+                break
+            regions.append(Region(p, KIND_K, k_type, row, 1))
+            p += cell_count * row
+        if len(regions) != n_layer:
+            continue
+        # V: layers without V are skipped and their count is not written, so every count
+        # from n_layer down is a reading (n_layer first: the usual case)
+        ends = [p]
+        for _ in range(n_layer):
+            if not v_trans:
+                if p + _KHDR.size > n:
+                    break
+                v_type, unit = _KHDR.unpack_from(mv, p)
+                p += _KHDR.size
+                nrep = 1
+                kind = KIND_V
+            else:
+                if p + _VTHDR.size > n:
+                    break
+                v_type, unit, nrep = _VTHDR.unpack_from(mv, p)
+                p += _VTHDR.size
+                kind = KIND_VT
+            if not 0 <= v_type < MAX_GGML_TYPE or not 0 < unit < 1 << 32 or not 0 < nrep:
+                break
+            if p + nrep * cell_count * unit > n:
+                break
+            regions.append(Region(p, kind, v_type, unit, nrep))
+            p += nrep * cell_count * unit
+            ends.append(p)
+        for n_v in range(len(ends) - 1, -1, -1):
+            yield (cell_count, pos, v_trans, regions[: n_layer + n_v]), ends[n_v]
+
+
+def _parse(mv: memoryview) -> list[tuple[int, np.ndarray, int, list[Region]]] | None:
+    """The blob's parts (empty streams left out), or None unless one reading of up to
+    MAX_PARTS parts covers it exactly."""
+    n = len(mv)
+    if n < _BLOB_HEAD.size or _BLOB_HEAD.unpack_from(mv, 0)[0] != _IO_MAGIC:
+        return None
+    budget = [PARSE_BUDGET]
+    failed: set[tuple[int, int]] = set()
+
+    def rest(off: int, depth: int) -> list[tuple[int, np.ndarray, int, list[Region]]] | None:
+        if off == n:
+            return []
+        if depth == MAX_PARTS or (off, depth) in failed:
+            return None
+        for part, end in _read_part(mv, off, n):
+            budget[0] -= 1
+            if budget[0] < 0:
+                return None
+            tail = rest(end, depth + 1)
+            if tail is not None:
+                return tail if part is None else [part, *tail]
+        failed.add((off, depth))
+        return None
+
+    return rest(_BLOB_HEAD.size, 0)
+
+
+def _groups(pos: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cell counts and full flags of the groups of cells at these positions (blob order)."""
+    if len(pos) > 1:
+        nxt, prev = pos[1:], pos[:-1]
+        cut = np.flatnonzero((nxt != prev + 1) | (nxt // c != prev // c)) + 1
+    else:
+        cut = np.zeros(0, dtype=np.int64)
+    starts = np.concatenate(([0], cut))
+    counts = np.diff(np.concatenate((starts, [len(pos)])))
+    full = (counts == c) & (pos[starts] % c == 0)
+    return counts, full
+
+
+def split(
+    blob: bytes | bytearray | memoryview, chunk_tokens: int, *, min_full: int = 1
+) -> tuple[Manifest, list[memoryview]] | None:
+    """The blob's manifest and each group's data (new buffers, in blob order), or None for
+    a blob that stays whole: one that does not parse as KV cache parts (recurrent or
+    hybrid state), n_stream != 1, cells of more than one sequence, a fragmented cache, or
+    fewer than ``min_full`` full groups (nothing worth sharing)."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, not {chunk_tokens}")
+    mv = memoryview(blob).cast("B")
+    if not 0 < len(mv) <= MAX_BLOB:
+        return None
+    parsed = _parse(mv)
+    if not parsed:
+        return None
+    parts: list[PartLayout] = []
+    full_flags: list[bool] = []
+    for cell_count, pos, v_trans, regions in parsed:
+        counts, full = _groups(pos, chunk_tokens)
+        if len(counts) > -(-cell_count // chunk_tokens) + EXTRA_GROUPS:
+            return None
+        parts.append(PartLayout(cell_count, v_trans, tuple(regions), tuple(counts.tolist())))
+        full_flags += full.tolist()
+    if sum(full_flags) < min_full:
+        return None
+    src = np.frombuffer(mv, dtype=np.uint8)
+    skeleton: list[bytes] = []
+    end = 0
+    for part in parts:
+        for r in part.regions:
+            skeleton.append(bytes(mv[end : r.offset]))
+            end = r.offset + r.nrep * part.cell_count * r.unit
+    skeleton.append(bytes(mv[end:]))
+    manifest = Manifest(len(mv), chunk_tokens, b"".join(skeleton), parts, full_flags)
+    datas: list[memoryview] = []
+    gi = 0
+    for part in parts:
+        cc = part.cell_count
+        a = 0
+        for n in part.group_cells:
+            data = np.empty(manifest.group_sizes[gi], dtype=np.uint8)
+            q = 0
+            for r in part.regions:
+                if r.nrep == 1:
+                    data[q : q + n * r.unit] = src[
+                        r.offset + a * r.unit : r.offset + (a + n) * r.unit
+                    ]
+                else:
+                    block = src[r.offset : r.offset + r.nrep * cc * r.unit].reshape(r.nrep, -1)
+                    data[q : q + r.nrep * n * r.unit].reshape(r.nrep, -1)[:] = block[
+                        :, a * r.unit : (a + n) * r.unit
+                    ]
+                q += r.nrep * n * r.unit
+            datas.append(data.data)
+            a += n
+            gi += 1
+    return manifest, datas
+
+
+def assemble(
+    manifest: Manifest, groups: Sequence[bytes | bytearray | memoryview], out: memoryview
+) -> None:
+    """Write the blob into ``out[:manifest.blob_len]`` from the manifest's skeleton and the
+    groups' data (``groups[i]`` exactly ``group_sizes[i]`` bytes, else ArenaCorruptError).
+    One block copy per (region, group): a transposed V block is one strided numpy copy."""
+    sizes = manifest.group_sizes
+    if len(groups) != len(sizes):
+        raise ArenaCorruptError(
+            f"chunked record has {len(groups)} chunks where its manifest lists {len(sizes)}: "
+            "the record is dropped as a miss"
+        )
+    srcs = []
+    for i, g in enumerate(groups):
+        s = np.frombuffer(g, dtype=np.uint8)
+        if s.size != sizes[i]:
+            raise ArenaCorruptError(
+                f"chunk {i} of a chunked record holds {s.size} bytes where its manifest says "
+                f"{sizes[i]}: the record is dropped as a miss"
+            )
+        srcs.append(s)
+    if out.nbytes < manifest.blob_len:
+        raise ValueError(f"out holds {out.nbytes} bytes, the blob needs {manifest.blob_len}")
+    dst = np.frombuffer(out, dtype=np.uint8, count=manifest.blob_len)
+    skel = np.frombuffer(manifest.skeleton, dtype=np.uint8)
+    for at, start, length in manifest.gaps:
+        dst[at : at + length] = skel[start : start + length]
+    gi = 0
+    for part in manifest.parts:
+        cc = part.cell_count
+        a = 0
+        for n in part.group_cells:
+            src = srcs[gi]
+            q = 0
+            for r in part.regions:
+                if r.nrep == 1:
+                    dst[r.offset + a * r.unit : r.offset + (a + n) * r.unit] = src[
+                        q : q + n * r.unit
+                    ]
+                else:
+                    block = dst[r.offset : r.offset + r.nrep * cc * r.unit].reshape(r.nrep, -1)
+                    block[:, a * r.unit : (a + n) * r.unit] = src[
+                        q : q + r.nrep * n * r.unit
+                    ].reshape(r.nrep, -1)
+                q += r.nrep * n * r.unit
+            a += n
+            gi += 1
