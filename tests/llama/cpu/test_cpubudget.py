@@ -179,6 +179,62 @@ def test_a_stuck_holder_delays_others_at_most_cpu_wait(name):
         holder.wait()
 
 
+# A holder of every core whose record expects a short run (a first, instant run gave its
+# budget a rate): it spins for ARGV[3] s as a batch slowed by a loaded machine would, gives
+# the cores back, then (on a line on stdin) takes them again and sleeps: no progress.
+SLOWED_HOLDER = r"""
+import sys, time
+from shmkv.llama.cpu import budget as cpubudget
+name, cores, spin = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+b = cpubudget.CpuBudget("/dev/shm", name, cores)
+b.give_back(b.take(cores, tokens=100))
+g = b.take(cores, tokens=100)
+print("spinning", flush=True)
+end = time.monotonic() + spin
+while time.monotonic() < end:
+    pass
+b.give_back(g)
+sys.stdin.readline()
+b.give_back(b.take(cores, tokens=100))  # (a short run again: what it expects next)
+g = b.take(cores, tokens=100)
+print("sleeping", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_holder_slowed_by_load_is_not_taken_for_stalled(name, monkeypatch):
+    """A holder whose run takes far longer than it expected but that still gets CPU (a
+    loaded machine) keeps its cores: a waiter waits for them instead of running past the
+    budget beside it (which put 5 threads on a budget of 3 beside a CPU hog). Once the
+    holder makes no progress (it sleeps holding them) the waiter stops waiting. The bound
+    is made short here (0.25 s); the holder spins well past it and PROGRESS_SECONDS."""
+    monkeypatch.setattr(cpuqueue, "STALL_MIN_SECONDS", 0.25)
+    cores, spin = 2, 3 * cpuqueue.PROGRESS_SECONDS
+    holder = subprocess.Popen(
+        [sys.executable, "-c", SLOWED_HOLDER, name, str(cores), str(spin)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline() == "spinning\n"
+        with cpubudget.CpuBudget(SHM, name, cores, wait=60) as b:
+            g = b.take(cores)
+            assert not g.timed_out and len(g.slots) == cores, "taken for stalled while it ran"
+            assert g.waited > 2 * cpuqueue.STALL_MIN_SECONDS, "it waited past the bound"
+            b.give_back(g)
+            holder.stdin.write("go\n")
+            holder.stdin.flush()
+            assert holder.stdout.readline() == "sleeping\n"
+            g = b.take(cores)
+            assert g.stalled and g.slots == [], "a holder that makes no progress is stalled"
+            assert g.waited < 30, "well before --cpu-wait"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # A worker on the budget (default --cpu-wait) that prefills a long prompt and stops itself
 # (SIGSTOP) inside its fourth batch, holding every core; SIGCONT lets it finish.
 STOPPED_PREFILL = r"""
