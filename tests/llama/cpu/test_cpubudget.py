@@ -155,8 +155,9 @@ def test_a_killed_holder_leaks_no_core(name):
             holder.send_signal(signal.SIGKILL)
             waiter.join(10)
             assert got and len(got[0].slots) == cores and not got[0].timed_out
-            # a dead holder rings no bell: its cores are found by the next poll
-            assert time.monotonic() - killed_at < 2
+            # a dead holder rings no bell: its cores are found by the next poll (0.05 s),
+            # not at the end of --cpu-wait (60 s here); the bound leaves a loaded machine room
+            assert time.monotonic() - killed_at < 15
             b.give_back(got[0])
             g = b.take(cores)  # and the next prefill gets them all at once
             assert len(g.slots) == cores and g.waited == 0
@@ -330,7 +331,9 @@ def test_a_stopped_prefill_costs_another_worker_one_short_wait(tmp_path, models,
         reader.join(30)  # (today: 17 evals x 30 s)
         assert got, "the 16-token completion did not finish in 30 s behind a stopped holder"
         res = json.loads(got[0])
-        assert res["took"] < res["normal"] + 4, res
+        # one short wait (the stall bound, about a second), not the default --cpu-wait (30 s)
+        # once, let alone per token; the slack is for a loaded machine
+        assert res["took"] < res["normal"] + 15, res
         assert res["timeouts"] == 1, "one wait per request, counted once"
         assert b.wait(30) == 0
         a.send_signal(signal.SIGCONT)
