@@ -50,6 +50,16 @@ TRIALS = int(os.environ.get("SHMKV_CHAOS_TRIALS", "210"))
 WORKER_TRIALS = max(1, round(TRIALS * 0.52))
 RESTART_TRIALS = max(4, round(TRIALS * 0.07))
 SUPERVISOR_TRIALS = max(1, TRIALS - WORKER_TRIALS - RESTART_TRIALS)
+#: the share of a chaos test's trials it runs in the other arena mode, ``--reserve false``
+#: (the ``reserve_mode`` fixture; the suite's time): every kill target still comes up
+RESERVE_FALSE_SHARE = 0.25
+
+
+def trials(n: int, reserve: str, targets: int) -> int:
+    """How many of a test's ``n`` trials it runs with ``--reserve`` ``reserve``: in the
+    other mode a share of them, but each of its ``targets`` at least once."""
+    return n if reserve == "true" else min(n, max(targets, round(n * RESERVE_FALSE_SHARE)))
+
 
 MAX_TOKENS = 24
 _SYSTEMS = [("Rule", "cat", "mat"), ("Law", "dog", "rug"), ("Clause", "owl", "branch")]

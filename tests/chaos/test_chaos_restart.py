@@ -33,6 +33,7 @@ from tests.chaos.harness import (
     shm_files,
     socket_litter,
     stale_arena_maps,
+    trials,
     wait_flag,
 )
 from tests.chaos.worker import VIEWS_LISTED
@@ -48,7 +49,9 @@ RESTART_TARGETS = ["lease", "put", "restore", "capture", "set_data", "get_data",
 
 
 @pytest.mark.timeout(600)
-def test_supervisor_restart_under_running_workers(make_supervisor, models, chaos_refs, tmp_path):
+def test_supervisor_restart_under_running_workers(
+    make_supervisor, models, chaos_refs, tmp_path, reserve_mode
+):
     t_start = time.monotonic()
     rnd = random.Random(3)
     sup = make_supervisor("--size", "16M")
@@ -62,7 +65,7 @@ def test_supervisor_restart_under_running_workers(make_supervisor, models, chaos
         for i, w in enumerate(workers):
             w.go(sup, seed=100 + i)
         wait_until(lambda: all(w.finished >= 2 for w in workers), 60, "workers warming up")
-        for t in range(RESTART_TRIALS):
+        for t in range(trials(RESTART_TRIALS, reserve_mode, len(RESTART_TARGETS))):
             target = RESTART_TARGETS[t % len(RESTART_TARGETS)]
             w = wait_flag(workers, target, timeout=10.0)
             if target not in ("set_data", "get_data"):
@@ -159,7 +162,7 @@ def test_supervisor_restart_under_running_workers(make_supervisor, models, chaos
         wall,
     )
     TOTALS.update(kills=len(kills), outputs=outputs, wrong=len(wrong), leaks=len(problems))
-    SUMMARY["restarts under load"] = (
+    SUMMARY[f"restarts under load (--reserve {reserve_mode})"] = (
         f"{len(kills)} trials {groups}, {outputs} outputs, "
         f"{len(wrong)} wrong, {len(problems)} problems, "
         f"reattach <= {max(reattach_s, default=0):.1f} s, "

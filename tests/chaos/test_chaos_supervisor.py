@@ -34,6 +34,7 @@ from tests.chaos.harness import (
     check_outputs,
     shm_files,
     socket_litter,
+    trials,
 )
 from tests.support import SHM
 from tests.support.blobs import Blob, blob
@@ -189,7 +190,7 @@ SUP_START = ["start:arena", "start:socket", "start:random"]
 
 
 @pytest.mark.timeout(600)
-def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
+def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path, reserve_mode):
     t_start = time.monotonic()
     rnd = random.Random(2)
     # a few blobs: puts evict; --fresh: each restart takes the leftovers over and starts
@@ -211,7 +212,8 @@ def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
         hammer = Hammer(sup, data_size)
         hammer.resume()
         t = 0
-        while n_kills < SUPERVISOR_TRIALS:
+        n_trials = trials(SUPERVISOR_TRIALS, reserve_mode, len(SUP_TARGETS))
+        while n_kills < n_trials:
             target = SUP_TARGETS[t % len(SUP_TARGETS)]
             # the hammer's clients reconnect by themselves (after their back-off)
             wait_until(lambda: hammer.counts["puts since resume"] > 0, 15, "the hammer to put")
@@ -343,7 +345,7 @@ def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
         leaks=len(problems),
     )
     evict = kills["put+evict"]
-    SUMMARY["supervisor kills"] = (
+    SUMMARY[f"supervisor kills (--reserve {reserve_mode})"] = (
         f"{n_kills} trials (put {kills['put'] + evict}, evicting {evict}, clear "
         f"{kills['clear']}, lease ops {kills['acquire'] + kills['read'] + kills['release']}, "
         f"start-up {sum(v for k, v in kills.items() if k.startswith('start'))}), "
