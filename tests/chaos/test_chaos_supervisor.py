@@ -364,13 +364,23 @@ def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path, 
 @pytest.mark.timeout(120)
 def test_supervisor_killed_while_creating_its_arena_leaves_no_temp_arena(tmp_path):
     """A kill between creating ``shmkv-NAME.PID.tmp`` (fallocated to the full --size) and
-    renaming it into place left the file for good: the next supervisor never removed it."""
+    renaming it into place left the file for good: the next supervisor never removed it.
+    (``--reserve true``: the window is the fallocate of all of --size; ``false`` allocates
+    the header and index only, a window too brief to catch. ``--fresh``: an attempt that
+    missed it leaves an arena the next would adopt, creating none.)"""
     name = f"t{os.urandom(5).hex()}"
-    for _ in range(10):
-        sup = start_supervisor(tmp_path, "--size", "64M", name=name, wait=False)
+    args = ("--size", "64M", "--reserve", "true", "--fresh")
+    for i in range(10):
+        sock = {"SHMKV_SOCKET": str(tmp_path / f"try{i}.sock")}  # (a killed one's may stay)
+        sup = start_supervisor(tmp_path, *args, name=name, env_extra=sock, wait=False)
         tmp = SHM / f"shmkv-{name}.{sup.proc.pid}.tmp"
         deadline = time.monotonic() + 20
-        while not tmp.exists() and sup.proc.poll() is None and time.monotonic() < deadline:
+        while (
+            not tmp.exists()
+            and not os.path.exists(sup.socket)  # (it is up: the window was missed)
+            and sup.proc.poll() is None
+            and time.monotonic() < deadline
+        ):
             pass
         sup.proc.kill()
         sup.proc.wait(10)
