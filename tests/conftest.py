@@ -81,6 +81,15 @@ def public_dir() -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture(params=["true", "false"], ids=["reserve-true", "reserve-false"])
+def reserve_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each arena mode in turn (``--reserve true`` and ``false``) for every supervisor the
+    test starts: SHMKV_RESERVE in the environment, which they inherit (``start_supervisor``)
+    and read unless given ``--reserve`` themselves. The hostile and chaos files use it."""
+    monkeypatch.setenv("SHMKV_RESERVE", request.param)
+    return str(request.param)
+
+
 @pytest.fixture
 def supervisor(make_supervisor) -> Sup:
     """One supervisor with a 64 MiB arena."""

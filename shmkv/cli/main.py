@@ -145,8 +145,9 @@ def main() -> None:
 def supervise(config_file: str | None, **cli: Any) -> None:
     """Create the arena and serve workers until SIGTERM/SIGINT.
 
-    The arena file (--dir/shmkv-NAME) is reserved in full at start, so a
-    too-small tmpfs fails now with a clear message rather than later. With
+    The arena file (--dir/shmkv-NAME) takes memory as states are stored;
+    --reserve true reserves it in full at start, so that a too-small tmpfs
+    fails then with a clear message rather than with rejected puts. With
     systemd (Type=notify) READY=1 and WATCHDOG=1 are sent.
     """
     from shmkv.supervisor.loop import Supervisor

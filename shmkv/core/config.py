@@ -339,12 +339,13 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "reserve",
             parse_bool,
-            True,
-            "true (the default): allocate and map all of --size at start (the start "
-            "fails if /dev/shm lacks the room; no put is ever refused for it), so the "
-            "arena takes --size however little it holds. false (experimental): pages are "
-            "allocated as states are stored and given back as they are evicted, so the "
-            "arena takes what it holds, and a full /dev/shm rejects puts.",
+            False,
+            "false (the default): pages are allocated as states are stored and given "
+            "back as they are evicted, so the arena takes the memory of what it holds, "
+            "and a full /dev/shm rejects puts (shm_full_puts: workers miss). true: "
+            "allocate and map all of --size at start (the start fails if /dev/shm lacks "
+            "the room; no put is ever refused for it), so the arena takes --size however "
+            "little it holds.",
             _SUP,
             "BOOL",
         ),

@@ -432,6 +432,7 @@ class ArenaGauges:
     fds_closing: int = gauge("descriptors peers passed, waiting for the closer thread")
     unread_bytes: int = gauge("bytes of replies queued for peers that have not read them yet")
     claims_held: int = gauge("prefill claims held")
+    claims_waiting: int = gauge("requests waiting for another connection's claimed prefill")
 
 
 @dataclass

@@ -3,8 +3,8 @@
 Runs in the supervisor only. Start-up order: take the name's lock file (flock,
 released by the kernel if we die, so a killed supervisor's name is simply
 taken over), remove the arena and temporary files a killed predecessor left,
-check the arena's space, allocate it (``--reserve true``, the default: all of it, so that a
-full tmpfs fails here; ``--reserve false``: only the header and index, and ``pages.py``
+check the arena's space, allocate it (``--reserve true``: all of it, so that a full
+tmpfs fails here; ``--reserve false``, the default: only the header and index, and ``pages.py``
 allocates each record's pages before it is written, so that a full tmpfs costs a rejected
 put, never a SIGBUS), write the header, publish the file by rename,
 and open the read-only descriptor every worker is handed. The bytes

@@ -168,6 +168,10 @@ class Claims:
                 woken += self._end([item], RETRY)
         return woken
 
+    def waiting(self) -> int:
+        """Requests waiting for a claim to end (``claims_waiting``)."""
+        return self._n_waiting
+
     def next_deadline(self) -> float | None:
         heap = self._heap
         while heap and self._stale(heap[0][0], heap[0][2]):

@@ -162,6 +162,7 @@ class Context:
             fds_closing=fds_closing(),
             unread_bytes=sum(c.out_bytes for c in self.conns.values()),
             claims_held=len(self.claims.claims),
+            claims_waiting=self.claims.waiting(),
         )
         return SupervisorStats(
             name=self.settings.name,

@@ -1,7 +1,7 @@
 """Which pages of the arena's data region exist: allocated before a write, punched after a free.
 
 Runs in the supervisor only, on its one thread (the arena's single writer). With
-``--reserve false`` (experimental; the default reserves all of ``--size`` at start)
+``--reserve false`` (the default; ``true`` reserves all of ``--size`` at start)
 the arena file is sparse: only its header and index are allocated at start, so that
 the memory it takes (in /dev/shm, and in the PSS of every process mapping it) follows
 what the cache holds, not ``--size``.

@@ -57,7 +57,7 @@ COPY_PIECE = 8 << 20
 SHM_FULL = (
     "no memory left for this state in the arena's tmpfs (its directory, --dir, is full): "
     "free space there or enlarge it (Docker: --shm-size), lower --size, or start the "
-    "supervisor with --reserve true (the default) to claim all of --size at start"
+    "supervisor with --reserve true to claim all of --size at start"
 )
 
 FULL = (

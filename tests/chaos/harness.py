@@ -41,6 +41,7 @@ from shmkv import Client
 from tests.chaos.worker import COUNT_OFF, FLAG, FLAGS_SIZE, PHASES, READY, STOP
 from tests.support import SHM
 from tests.support.llama_workers import KW
+from tests.support.supervisors import RESERVE_DEFAULT
 from tests.support.waiting import wait_until
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,18 @@ TRIALS = int(os.environ.get("SHMKV_CHAOS_TRIALS", "210"))
 WORKER_TRIALS = max(1, round(TRIALS * 0.52))
 RESTART_TRIALS = max(4, round(TRIALS * 0.07))
 SUPERVISOR_TRIALS = max(1, TRIALS - WORKER_TRIALS - RESTART_TRIALS)
+#: the share of a chaos test's trials it runs in the arena mode that is not the default
+#: (the ``reserve_mode`` fixture; the suite's time)
+RESERVE_OTHER_SHARE = 0.25
+
+
+def trials(n: int, reserve: str, targets: int) -> int:
+    """How many of a test's ``n`` trials it runs with ``--reserve`` ``reserve``: all in the
+    default mode, a share in the other, but each of its ``targets`` at least once."""
+    if reserve == RESERVE_DEFAULT:
+        return n
+    return min(n, max(targets, round(n * RESERVE_OTHER_SHARE)))
+
 
 MAX_TOKENS = 24
 _SYSTEMS = [("Rule", "cat", "mat"), ("Law", "dog", "rug"), ("Clause", "owl", "branch")]

@@ -34,6 +34,7 @@ from tests.chaos.harness import (
     check_outputs,
     shm_files,
     socket_litter,
+    trials,
 )
 from tests.support import SHM
 from tests.support.blobs import Blob, blob
@@ -189,7 +190,7 @@ SUP_START = ["start:arena", "start:socket", "start:random"]
 
 
 @pytest.mark.timeout(600)
-def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
+def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path, reserve_mode):
     t_start = time.monotonic()
     rnd = random.Random(2)
     # a few blobs: puts evict; --fresh: each restart takes the leftovers over and starts
@@ -211,7 +212,8 @@ def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
         hammer = Hammer(sup, data_size)
         hammer.resume()
         t = 0
-        while n_kills < SUPERVISOR_TRIALS:
+        n_trials = trials(SUPERVISOR_TRIALS, reserve_mode, len(SUP_TARGETS))
+        while n_kills < n_trials:
             target = SUP_TARGETS[t % len(SUP_TARGETS)]
             # the hammer's clients reconnect by themselves (after their back-off)
             wait_until(lambda: hammer.counts["puts since resume"] > 0, 15, "the hammer to put")
@@ -343,7 +345,7 @@ def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
         leaks=len(problems),
     )
     evict = kills["put+evict"]
-    SUMMARY["supervisor kills"] = (
+    SUMMARY[f"supervisor kills (--reserve {reserve_mode})"] = (
         f"{n_kills} trials (put {kills['put'] + evict}, evicting {evict}, clear "
         f"{kills['clear']}, lease ops {kills['acquire'] + kills['read'] + kills['release']}, "
         f"start-up {sum(v for k, v in kills.items() if k.startswith('start'))}), "
@@ -362,13 +364,23 @@ def test_supervisor_killed_in_put_evict_and_clear(models, chaos_refs, tmp_path):
 @pytest.mark.timeout(120)
 def test_supervisor_killed_while_creating_its_arena_leaves_no_temp_arena(tmp_path):
     """A kill between creating ``shmkv-NAME.PID.tmp`` (fallocated to the full --size) and
-    renaming it into place left the file for good: the next supervisor never removed it."""
+    renaming it into place left the file for good: the next supervisor never removed it.
+    (``--reserve true``: the window is the fallocate of all of --size; ``false`` allocates
+    the header and index only, a window too brief to catch. ``--fresh``: an attempt that
+    missed it leaves an arena the next would adopt, creating none.)"""
     name = f"t{os.urandom(5).hex()}"
-    for _ in range(10):
-        sup = start_supervisor(tmp_path, "--size", "64M", name=name, wait=False)
+    args = ("--size", "64M", "--reserve", "true", "--fresh")
+    for i in range(10):
+        sock = {"SHMKV_SOCKET": str(tmp_path / f"try{i}.sock")}  # (a killed one's may stay)
+        sup = start_supervisor(tmp_path, *args, name=name, env_extra=sock, wait=False)
         tmp = SHM / f"shmkv-{name}.{sup.proc.pid}.tmp"
         deadline = time.monotonic() + 20
-        while not tmp.exists() and sup.proc.poll() is None and time.monotonic() < deadline:
+        while (
+            not tmp.exists()
+            and not os.path.exists(sup.socket)  # (it is up: the window was missed)
+            and sup.proc.poll() is None
+            and time.monotonic() < deadline
+        ):
             pass
         sup.proc.kill()
         sup.proc.wait(10)

@@ -26,6 +26,7 @@ from tests.chaos.harness import (
     kill_phase_counts,
     shm_files,
     socket_litter,
+    trials,
     wait_flag,
 )
 from tests.support.waiting import fd_count, wait_until
@@ -50,7 +51,7 @@ WORKER_TARGETS = [
 
 @pytest.mark.timeout(600)
 def test_workers_killed_in_restore_publish_and_generation(
-    make_supervisor, models, chaos_refs, tmp_path
+    make_supervisor, models, chaos_refs, tmp_path, reserve_mode
 ):
     t_start = time.monotonic()
     sup = make_supervisor("--size", "8M")  # ~9 blobs of ~0.75 MB: constant eviction
@@ -67,7 +68,7 @@ def test_workers_killed_in_restore_publish_and_generation(
         with sup.client() as c:
             wait_until(lambda: c.stats()["connections"] == 1, what="a quiet supervisor")
             base_fds = fd_count(sup.proc.pid)
-            for t in range(WORKER_TRIALS):
+            for t in range(trials(WORKER_TRIALS, reserve_mode, len(WORKER_TARGETS))):
                 w, spare = spare, None
                 w.go(sup, seed=t)
                 spare = Worker(tmp_path, f"w{t + 1}")  # its imports overlap this trial
@@ -157,7 +158,7 @@ def test_workers_killed_in_restore_publish_and_generation(
         wall,
     )
     TOTALS.update(kills=len(kills), outputs=outputs, wrong=len(wrong), leaks=len(leaks))
-    SUMMARY["worker kills"] = (
+    SUMMARY[f"worker kills (--reserve {reserve_mode})"] = (
         f"{len(kills)} trials {groups}, {outputs} outputs, "
         f"{len(wrong)} wrong, {len(leaks)} leaks, {wall:.0f} s"
     )

@@ -30,7 +30,7 @@ import pytest
 from shmkv import ArenaCorruptError, ArenaFullError, Client, NotFound
 from shmkv.core.keys import chain_digests
 from tests.support.blobs import payload_for
-from tests.support.supervisors import no_internal_errors
+from tests.support.supervisors import RESERVE_DEFAULT, no_internal_errors
 
 log = logging.getLogger(__name__)
 
@@ -422,13 +422,16 @@ def test_stress_every_read_verified_under_constant_eviction(make_supervisor):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     "reserve, share",
-    [pytest.param("true", 1, id="reserve-true"), pytest.param("false", 2, id="reserve-false")],
+    [
+        pytest.param(m, 1 if m == RESERVE_DEFAULT else 2, id=f"reserve-{m}")
+        for m in ("true", "false")
+    ],
 )
 def test_stress_revoked_leases_are_discarded_never_wrong(make_supervisor, reserve, share):
     # A small arena and readers that sleep past a 0.2 s lease timeout: writers run
     # out of unleased space, so the supervisor revokes leases and reuses their bytes. With
-    # --reserve false (half the reads) the freed pages are punched, except those a revoked
-    # reader may still read (pages.py).
+    # --reserve false the freed pages are punched, except those a revoked reader may still
+    # read (pages.py). The mode that is not the default gets half the reads.
     sup = make_supervisor(
         "--size",
         "6M",

@@ -45,6 +45,8 @@ PHASES = [
 FLAG = {name: i for i, name in enumerate(PHASES)}
 READY, STOP = 14, 15
 COUNT_OFF = 16  # u32: requests finished
+#: the last line of what SIGUSR1 prints (the replaced arena views still referenced)
+VIEWS_LISTED = "old views listed"
 FLAGS_SIZE = 32
 
 
@@ -130,7 +132,7 @@ def main() -> None:
                 print(f"  held by {type(r).__name__} {getattr(r, 'f_code', '')}", file=sys.stderr)
                 for r2 in gc.get_referrers(r):
                     print(f"    held by {type(r2).__name__} {str(r2)[:160]}", file=sys.stderr)
-        sys.stderr.flush()
+        print(VIEWS_LISTED, file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGUSR1, who_holds_old_views)
     flags[READY] = 1

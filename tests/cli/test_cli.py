@@ -516,14 +516,18 @@ def test_shm_too_small_is_one_line_and_leaves_nothing(small_tmpfs: Path, tmp_pat
     name = f"t{uuid.uuid4().hex[:10]}"
     sock = tmp_path / "small.sock"
     env = clean_env(SHMKV_NAME=name, SHMKV_SOCKET=str(sock))
-    # (--reserve true, the default; with --reserve false a too large arena only warns)
-    res = shmkv("supervise", "--dir", str(small_tmpfs), "--size", "128M", env=env)
+    # (--reserve true; with --reserve false, the default, a too large arena only warns)
+    res = shmkv(
+        "supervise", "--dir", str(small_tmpfs), "--size", "128M", "--reserve", "true", env=env
+    )
     assert res.returncode == 4
     assert_one_error_line(res, "--size 128.0 MiB", "64.0 MiB", str(small_tmpfs))
     assert os.listdir(small_tmpfs) == [] and not sock.exists()
     # partly used: the free space is what is reported
     (small_tmpfs / "filler").write_bytes(b"\0" * (10 << 20))
-    res = shmkv("supervise", "--dir", str(small_tmpfs), "--size", "60M", env=env)
+    res = shmkv(
+        "supervise", "--dir", str(small_tmpfs), "--size", "60M", "--reserve", "true", env=env
+    )
     assert res.returncode == 4
     assert_one_error_line(res, "60.0 MiB", "54.0 MiB")
     assert os.listdir(small_tmpfs) == ["filler"] and not sock.exists()

@@ -49,7 +49,7 @@ from shmkv.core.errors import ArenaFullError
 from shmkv.core.keys import chain_digests
 from shmkv.supervisor.loop import MAX_PENDING_FDS
 from tests.support.peer import Raw, memfd_with, put_msg
-from tests.support.supervisors import assert_healthy, no_internal_errors
+from tests.support.supervisors import RESERVE_DEFAULT, assert_healthy, no_internal_errors
 from tests.support.waiting import fd_count, wait_until
 
 log = logging.getLogger(__name__)
@@ -57,11 +57,14 @@ log = logging.getLogger(__name__)
 pytestmark = pytest.mark.timeout(400)
 
 TARGET_MESSAGES = int(os.environ.get("SHMKV_FUZZ_MESSAGES", "10000"))
-#: the arena's two modes (``--reserve``) and the messages each gets: the default the whole
-#: run, pages on demand (allocated by each put, punched after each free) half of it
+#: the arena's two modes (``--reserve``: pages on demand, allocated by each put and punched
+#: after each free, or all reserved at start) and the messages each gets: the default the
+#: whole run, the other half of it
 RESERVE_MODES = [
-    pytest.param("true", TARGET_MESSAGES, id="reserve-true"),
-    pytest.param("false", TARGET_MESSAGES // 2, id="reserve-false"),
+    pytest.param(
+        mode, TARGET_MESSAGES // (1 if mode == RESERVE_DEFAULT else 2), id=f"reserve-{mode}"
+    )
+    for mode in ("true", "false")
 ]
 BATCH = 100
 ATTACHED = 4  # pool connections 0..3 attach; 4 stays an unattached admin peer

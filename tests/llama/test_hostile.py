@@ -4,7 +4,9 @@ Arena: a corrupted header, a truncated file, flipped blob bytes, a blob of
 another model, token ids that do not match their digest. Each must be
 detected, counted (the worker's ``totals`` and, where the worker can still
 reach it, the supervisor's ``restore_failures``), never restored, and the
-output must equal a cold run's. Nothing may die of a signal (SIGBUS).
+output must equal a cold run's. Nothing may die of a signal (SIGBUS). The
+corruptions and truncations run in both arena modes (``--reserve true`` and
+``false``: the ``reserve_mode`` fixture).
 
 HTTP: oversize bodies, invalid JSON, prompts longer than the context, token
 ids outside the vocabulary, against real gunicorn workers: each a clear 4xx,
@@ -101,6 +103,7 @@ def test_corrupted_header_byte_refuses_every_new_attach(supervisor, pos: int) ->
     assert supervisor.proc.poll() is None
 
 
+@pytest.mark.usefixtures("reserve_mode")  # (the arena's pages: both modes)
 def test_corrupted_header_new_worker_runs_cold_and_counts_it(supervisor, models) -> None:
     prompt = SYSTEM + " Question: is the header sane?"
     jobs = [completion(prompt), completion(prompt + " Again?")]
@@ -124,6 +127,7 @@ def test_corrupted_header_new_worker_runs_cold_and_counts_it(supervisor, models)
 
 
 # ---------------------------------------------------------- arena: truncated
+@pytest.mark.usefixtures("reserve_mode")  # (the arena's pages: both modes)
 @pytest.mark.parametrize("keep", ["nothing", "header", "half"])
 def test_truncated_arena_worker_runs_cold_supervisor_exits_7_no_sigbus(
     make_supervisor, models, keep: str
@@ -170,6 +174,7 @@ def test_truncated_arena_worker_runs_cold_supervisor_exits_7_no_sigbus(
     assert not list(SHM.glob(f"shmkv-{sup.name}*"))
 
 
+@pytest.mark.usefixtures("reserve_mode")  # (the arena's pages: both modes)
 def test_truncated_arena_idle_supervisor_exits_7_within_2s(make_supervisor) -> None:
     """No request arrives: the supervisor's own once-a-second check notices."""
     sup = make_supervisor("--size", "16M")
@@ -184,6 +189,7 @@ def test_truncated_arena_idle_supervisor_exits_7_within_2s(make_supervisor) -> N
     log.info("idle supervisor noticed the truncation and exited %d after %.2fs", rc, took)
 
 
+@pytest.mark.usefixtures("reserve_mode")  # (the arena's pages: both modes)
 @pytest.mark.parametrize("then", ["close-with-lease", "clear", "release-doomed"])
 def test_arena_writes_after_truncation_never_sigbus_the_supervisor(
     make_supervisor, then: str
@@ -215,6 +221,7 @@ def test_arena_writes_after_truncation_never_sigbus_the_supervisor(
 
 
 # -------------------------------------------------------- arena: flipped blob
+@pytest.mark.usefixtures("reserve_mode")  # (the arena's pages: both modes)
 def test_flipped_blob_bytes_are_counted_in_shmkv_stats_and_never_restored(supervisor, models):
     prompt = SYSTEM + " Question: is this blob intact?"
     jobs = [completion(prompt), completion(prompt + " Really?"), completion(prompt[:-10])]

@@ -1,5 +1,5 @@
-"""With ``--reserve false`` the arena holds the memory of what it caches, not of its whole
---size (``pages.py``); ``--reserve true``, the default, allocates all of it at start.
+"""With ``--reserve false`` (the default) the arena holds the memory of what it caches, not
+of its whole --size (``pages.py``); ``--reserve true`` allocates all of it at start.
 
 Real supervisors, real clients, real tmpfs: the arena file's allocated bytes
 (st_blocks) and the pages a reader maps follow what is stored; a tmpfs too small

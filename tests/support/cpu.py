@@ -14,9 +14,9 @@ from tests.support.waiting import wait_until
 SHM = "/dev/shm"
 
 
-def board(name: str) -> list[tuple[float, int, int, int, float, float]]:
+def board(name: str) -> list[tuple[float, int, int, int, float, float, int, int]]:
     """Every record of budget ``name``'s board, live or not, read from the file:
-    (since, tokens left, cores wanted, state, stamp, expected seconds)."""
+    (since, tokens left, cores wanted, state, stamp, expected seconds, pid, pid namespace)."""
     raw = Path(cpubudget.budget_path(SHM, name)).read_bytes()
     size = cpuqueue.SLOTS * cpuqueue.REC.size
     recs = raw[cpuqueue.BOARD_OFFSET : cpuqueue.BOARD_OFFSET + size].ljust(size, b"\0")

@@ -19,9 +19,15 @@ from typing import Any
 import numpy as np
 
 from shmkv import Client, SupervisorUnavailable
+from shmkv.core.config import SETTINGS
 from shmkv.core.keys import chain_digests
 from tests.support.users import python_for, spawn_kw
 from tests.support.waiting import wait_until
+
+#: the arena mode (``--reserve``) a supervisor runs in unless told otherwise, and the
+#: other: a test that runs in both gives the other a share of its work
+RESERVE_DEFAULT = "true" if SETTINGS["reserve"].default else "false"
+RESERVE_OTHER = "false" if RESERVE_DEFAULT == "true" else "true"
 
 
 @dataclass

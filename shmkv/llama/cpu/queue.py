@@ -34,9 +34,15 @@ Holders that make no progress: a record that runs (a prefill batch or a decode s
 carries when it began (its stamp) and how long its holder expects it to take (from its
 own last batches). A running record older than :func:`stall_bound` of that is stalled: a
 stopped process (SIGSTOP, a paused container, a debugger) keeps its locks, and so its
-cores, but uses no CPU. Waiters count a stalled holder's cores as free for admission
-(:meth:`Queue.stalled`); the locks still decide who holds a core, and the kernel still
-frees a dead holder's.
+cores, but uses no CPU. Age alone does not make a run stalled: on a loaded machine a
+live holder's batch can take many times what it expected (its threads wait for a core),
+and a waiter that took it for stalled ran past the budget beside it. So the record also
+names its holder (pid, and its pid namespace): a run past its bound is stalled only if
+its holder is stopped (``T``/``t`` in ``/proc/PID/stat``) or its CPU time has not moved for
+:data:`PROGRESS_SECONDS` while a waiter watched. A holder this process cannot look at (in
+another pid namespace) is judged by age alone. Waiters count a stalled holder's cores as
+free for admission (:meth:`Queue.stalled`); the locks still decide who holds a core, and
+the kernel still frees a dead holder's.
 """
 
 from __future__ import annotations
@@ -64,11 +70,33 @@ STALL_FACTOR = 4.0
 STALL_MIN_SECONDS = 1.0
 #: a running record whose holder expected nothing yet (its first batch) is stalled after
 STALL_UNKNOWN_SECONDS = 5.0
+#: ... and only once its holder's CPU time has not moved for this long (a live holder on a
+#: loaded machine gets some CPU within it; a stopped or frozen one none)
+PROGRESS_SECONDS = 1.0
 
 IDLE, WAITING, RUNNING = 0, 1, 2
 #: since (monotonic seconds), tokens left, cores wanted (running: held), state,
-#: stamp (monotonic seconds the run began), expected seconds of the run (0: unknown)
-REC = struct.Struct("=dqiidd")
+#: stamp (monotonic seconds the run began), expected seconds of the run (0: unknown),
+#: the holder's pid and its pid namespace's inode (0: unknown)
+REC = struct.Struct("=dqiiddiQ")
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def holder_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, user + system CPU time in clock ticks) of process ``pid`` from
+    ``/proc/PID/stat``; None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0].decode("ascii", "replace"), int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def stall_bound(expect: float) -> float:
@@ -87,6 +115,9 @@ class Queue:
         self.slot: int | None = None
         self.since = 0.0
         self.remaining = 0
+        self.pid, self.pidns = os.getpid(), _pid_namespace()
+        #: (slot, stamp) of runs past their bound -> (holder's CPU ticks, when first seen)
+        self._watched: dict[tuple[int, float], tuple[int, float]] = {}
         for i in range(SLOTS):
             if lock(fd, fcntl.F_WRLCK, LOCK_BASE + i):
                 self.slot = i
@@ -97,7 +128,7 @@ class Queue:
         self, state: int, remaining: int, want: int, stamp: float = 0.0, expect: float = 0.0
     ) -> None:
         if self.slot is not None:
-            rec = REC.pack(self.since, remaining, want, state, stamp, expect)
+            rec = REC.pack(self.since, remaining, want, state, stamp, expect, self.pid, self.pidns)
             os.pwrite(self.fd, rec, BOARD_OFFSET + self.slot * REC.size)
 
     def _key(self, remaining: int, since: float, now: float) -> float:
@@ -119,10 +150,10 @@ class Queue:
         self.remaining = 0
         self._write(IDLE, 0, 0)
 
-    def _others(self) -> list[tuple[int, float, int, int, int, float, float]]:
+    def _others(self) -> list[tuple[int, float, int, int, int, float, float, int, int]]:
         """Every other record on the board: (slot, since, remaining, want, state, stamp,
-        expect); none when
-        we have no record (the board is full: we queue by arrival, as without a board)."""
+        expect, pid, pidns); none when we have no record (the board is full: we queue by
+        arrival, as without a board)."""
         if self.slot is None:
             return []
         try:
@@ -138,7 +169,7 @@ class Queue:
         now = time.monotonic()
         mine = (self._key(self.remaining, self.since, now), self.since, self.slot)
         wanted = waiting = 0
-        for j, since, remaining, want, state, _, _ in self._others():
+        for j, since, remaining, want, state, *_ in self._others():
             if state != WAITING or want <= 0:
                 continue
             waiting += 1
@@ -152,13 +183,40 @@ class Queue:
         return sum(1 for rec in self._others() if rec[4] == WAITING)
 
     def stalled(self) -> int:
-        """Cores held by live running records older than their :func:`stall_bound`: their
-        holders make no progress (a stopped process keeps its locks)."""
+        """Cores held by live running records older than their :func:`stall_bound` whose
+        holders make no progress (:meth:`_progressing`): a stopped process keeps its locks."""
         now = time.monotonic()
         cores = 0
-        for j, _, _, want, state, stamp, expect in self._others():
+        watched: dict[tuple[int, float], tuple[int, float]] = {}
+        for j, _, _, want, state, stamp, expect, pid, pidns in self._others():
             if state != RUNNING or want <= 0 or not math.isfinite(stamp):
                 continue
             if now - stamp > stall_bound(expect) and is_held(self.fd, LOCK_BASE + j):
+                if self._progressing((j, stamp), pid, pidns, now, watched):
+                    continue
                 cores += min(int(want), 1 << 16)
+        self._watched = watched
         return cores
+
+    def _progressing(
+        self,
+        run: tuple[int, float],
+        pid: int,
+        pidns: int,
+        now: float,
+        watched: dict[tuple[int, float], tuple[int, float]],
+    ) -> bool:
+        """Whether the holder of ``run`` (slot, stamp), past its bound, still makes
+        progress: it is not stopped and its CPU time moved within :data:`PROGRESS_SECONDS`
+        of this handle's watch. False (judged by age alone) if it cannot be looked at."""
+        if pid <= 0 or pidns == 0 or pidns != self.pidns:
+            return False
+        got = holder_state(pid)
+        if got is None or got[0] in ("T", "t"):  # (stopped, or stopped by a debugger)
+            return False
+        ticks = got[1]
+        seen = self._watched.get(run)
+        if seen is None or seen[0] != ticks:
+            seen = (ticks, now)
+        watched[run] = seen
+        return now - seen[1] < PROGRESS_SECONDS
