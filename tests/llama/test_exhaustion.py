@@ -49,7 +49,9 @@ def family_prompt(f: int, s: int) -> str:
 # ----------------------------------------------------------- a tiny arena
 @pytest.mark.stress
 def test_arena_ten_times_smaller_than_the_working_set(make_supervisor, models) -> None:
-    sup = make_supervisor("--size", "8M")
+    # 2 MiB: about three families' shared prefixes (the arena stores each once), so the
+    # families' turns evict one another
+    sup = make_supervisor("--size", "2M")
     prompts = [family_prompt(f, s) for f in range(FAMILIES) for s in range(SUFFIXES)]
     t0 = time.monotonic()
     cold = dict(
