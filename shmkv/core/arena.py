@@ -607,29 +607,49 @@ class ArenaView:
         is checked but bounds (the caller compares the payload's XXH3 to the record's)."""
         if not rec.chunked:
             return self._pread(rec.payload_len, rec.payload_off)
-        body = self._pread(rec.body_len, rec.payload_off)
-        manifest, refs = parse_body(body)
-        groups: list[bytes | memoryview] = []
-        for ref in refs:
-            if ref.inline:
-                groups.append(memoryview(body)[ref.offset : ref.offset + ref.length])
-            else:
-                info = self._chunk_header(self._pread(CHUNK_HEADER_SIZE, ref.offset), 0, ref)
-                groups.append(self._pread(info.length, info.data_off))
-        out = bytearray(manifest.blob_len)
-        assemble(manifest, groups, memoryview(out))
+        out = bytearray(rec.payload_len)
+        self._assemble(rec, self._pread, memoryview(out))
         return bytes(out)
 
     # -- chunks -------------------------------------------------------------------
     def peek_chunks(self, rec: Record) -> tuple[Manifest, list[ChunkRef], list[ChunkInfo | None]]:
         """:meth:`chunks` read with ``pread`` (lease-free, as :meth:`peek`): a chunked
         record's manifest, references and the header of each chunk they name."""
-        manifest, refs = parse_body(self._pread(rec.body_len, rec.payload_off))
-        infos = [
-            None if r.inline else self._chunk_header(self._pread(CHUNK_HEADER_SIZE, r.offset), 0, r)
-            for r in refs
-        ]
+        manifest, refs, infos, _ = self._chunk_parts(rec, self._pread)
         return manifest, refs, infos
+
+    def _mapped(self, n: int, offset: int) -> memoryview:
+        """``n`` bytes of the mapping at ``offset`` (zero copy; under a lease)."""
+        return memoryview(self.mm)[offset : offset + n]
+
+    def _chunk_parts(
+        self, rec: Record, read: Callable[[int, int], bytes | memoryview]
+    ) -> tuple[Manifest, list[ChunkRef], list[ChunkInfo | None], bytes | memoryview]:
+        """A chunked record's manifest, references, the header of each chunk they name (None
+        for an inline group) and its body, each read with ``read(n, offset)`` (``pread``, or
+        the mapping) and bounds-checked; ArenaCorruptError if any does not parse."""
+        body = read(rec.body_len, rec.payload_off)
+        manifest, refs = parse_body(body)
+        infos = [None if r.inline else self._chunk_header(r, read) for r in refs]
+        return manifest, refs, infos, body
+
+    def _assemble(
+        self, rec: Record, read: Callable[[int, int], bytes | memoryview], out: memoryview
+    ) -> None:
+        """Assemble chunked ``rec``'s payload into ``out`` from what ``read`` reads."""
+        manifest, refs, infos, body = self._chunk_parts(rec, read)
+        if manifest.blob_len != rec.payload_len:
+            raise ArenaCorruptError(f"record at {rec.offset}: its manifest is of another length")
+        groups = [
+            body[r.offset : r.offset + r.length] if i is None else read(i.length, i.data_off)
+            for r, i in zip(refs, infos, strict=True)
+        ]
+        try:
+            assemble(manifest, groups, out)
+        finally:
+            for v in (*groups, body):
+                if isinstance(v, memoryview):
+                    v.release()
 
     def _check_chunk_offset(self, ref: ChunkRef) -> None:
         g = self.geometry
@@ -640,11 +660,15 @@ class ArenaView:
         ):
             raise ArenaCorruptError(f"chunk offset {ref.offset} outside the data region")
 
-    def _chunk_header(self, buf: mmap.mmap | bytes, at: int, ref: ChunkRef) -> ChunkInfo:
-        """The chunk ``ref`` names, its header found at ``buf[at:]``; ArenaCorruptError unless
-        it is in bounds and has the reference's generation and length."""
+    def _chunk_header(
+        self, ref: ChunkRef, read: Callable[[int, int], bytes | memoryview]
+    ) -> ChunkInfo:
+        """The chunk ``ref`` names, its header read with ``read`` once its extent is known to
+        be in the data region; ArenaCorruptError unless it has the reference's generation
+        and length."""
         self._check_chunk_offset(ref)
-        magic, version, flags, gen, length, digest, publisher = _CHUNK.unpack_from(buf, at)
+        head = read(CHUNK_HEADER_SIZE, ref.offset)
+        magic, version, flags, gen, length, digest, publisher = _CHUNK.unpack_from(head)
         if magic != CHUNK_MAGIC or version != FORMAT_VERSION or flags != 0:
             raise ArenaCorruptError(f"no chunk at offset {ref.offset}")
         if gen != ref.gen or length != ref.length:
@@ -660,12 +684,9 @@ class ArenaView:
         """A chunked record's manifest, references, and the header of each chunk they name
         (None for an inline group), read from the mapping (under a lease) and bounds-checked;
         ArenaCorruptError if any does not parse."""
-        body = self.body(rec)
-        try:
-            manifest, refs = parse_body(body)
-        finally:
+        manifest, refs, infos, body = self._chunk_parts(rec, self._mapped)
+        if isinstance(body, memoryview):
             body.release()
-        infos = [None if r.inline else self._chunk_header(self.mm, r.offset, r) for r in refs]
         return manifest, refs, infos
 
     def blob(self, rec: Record, out: memoryview | None = None) -> memoryview:
@@ -674,34 +695,18 @@ class ArenaView:
         Unchecked: compare its XXH3 to ``rec.payload_xxh3`` before trusting it."""
         if not rec.chunked:
             return self.payload(rec)
-        manifest, refs, infos = self.chunks(rec)
-        if manifest.blob_len != rec.payload_len:
-            raise ArenaCorruptError(f"record at {rec.offset}: its manifest is of another length")
-        mm = memoryview(self.mm)
-        groups: list[memoryview] = []
-        for ref, info in zip(refs, infos, strict=True):
-            if info is None:
-                start = rec.payload_off + ref.offset
-                groups.append(mm[start : start + ref.length])
-            else:
-                groups.append(mm[info.data_off : info.data_off + info.length])
         if out is None:
             out = memoryview(bytearray(rec.payload_len))
         elif len(out) < rec.payload_len:
             raise ValueError(f"a {len(out)}-byte buffer cannot hold a {rec.payload_len}-byte blob")
-        try:
-            assemble(manifest, groups, out)
-        finally:
-            for v in groups:
-                v.release()
-            mm.release()
+        self._assemble(rec, self._mapped, out)
         return out[: rec.payload_len]
 
     @contextmanager
     def assembled(self, rec: Record) -> Iterator[np.ndarray]:
-        """A chunked record's payload assembled into this view's reusable buffer, which is
-        the caller's until the ``with`` ends (one per process: another thread waits); what
-        ``kvstate`` hands to llama.cpp. Unchecked: compare its XXH3 to the record's."""
+        """A chunked record's payload assembled into this view's reusable buffer and checked
+        against its XXH3-64 (ArenaCorruptError if it fails), the caller's until the ``with``
+        ends (one per process: another thread waits); what ``kvstate`` hands to llama.cpp."""
         with self._buf_lock:
             if self._buf is None or len(self._buf) < rec.payload_len:
                 self._buf = None  # (the old one goes first: never two at once)
@@ -711,7 +716,10 @@ class ArenaView:
                 self.blob(rec, mv)
             finally:
                 mv.release()
-            yield self._buf[: rec.payload_len]
+            blob = self._buf[: rec.payload_len]
+            if xxhash.xxh3_64_intdigest(blob.data) != rec.payload_xxh3:
+                raise ArenaCorruptError("assembled blob fails its checksum")
+            yield blob
 
     def _parse_record(
         self, buf: mmap.mmap | bytes, at: int, gen: int, offset: int | None = None
@@ -799,8 +807,8 @@ class ArenaView:
         if not rec.chunked:
             return xxhash.xxh3_64_intdigest(self.payload(rec)) == rec.payload_xxh3
         try:
-            with self.assembled(rec) as blob:
-                return xxhash.xxh3_64_intdigest(blob.data) == rec.payload_xxh3
+            with self.assembled(rec):
+                return True
         except ArenaCorruptError:
             return False
 

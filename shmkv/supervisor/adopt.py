@@ -63,7 +63,7 @@ from shmkv.core.errors import (
 )
 from shmkv.core.keys import chain_digests, content_digest
 from shmkv.supervisor.arenafile import ArenaFile, _same_file, check_ours, map_arena
-from shmkv.supervisor.chunks import Chunk, ChunkKey
+from shmkv.supervisor.chunks import Chunk
 from shmkv.supervisor.record import Entry
 from shmkv.supervisor.store import Store
 
@@ -232,7 +232,9 @@ class Kept(NamedTuple):
     rec: Record
     content: bytes
     digests: list[bytes]
-    chunks: list[ChunkSeen]
+    #: the chunks it names, as found (the first record to name one gives the store its
+    #: :class:`Chunk`)
+    chunks: list[Chunk]
 
 
 @dataclass
@@ -246,18 +248,7 @@ class Adopted:
     seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class ChunkSeen:
-    """A chunk an adopted record names: where, which, and the key it is found by."""
-
-    key: ChunkKey
-    offset: int
-    gen: int
-    length: int
-    extent: int
-
-
-def _valid(view: ArenaView, offset: int, gen: int) -> tuple[Record, list[ChunkSeen]] | None:
+def _valid(view: ArenaView, offset: int, gen: int) -> tuple[Record, list[Chunk]] | None:
     """The record (offset, gen) and the chunks it names if every check a worker makes
     passes, payload included (a chunked one's assembled from its chunks).
 
@@ -271,7 +262,7 @@ def _valid(view: ArenaView, offset: int, gen: int) -> tuple[Record, list[ChunkSe
     try:
         head, _ = view.peek(offset, gen)
         extents = [(offset, record_layout(head.n_tokens, head.fp_len, head.body_len)[3])]
-        chunks: list[ChunkSeen] = []
+        chunks: list[Chunk] = []
         if head.chunked:
             manifest, _refs, infos = view.peek_chunks(head)
             for info, sig in zip(infos, manifest.group_sigs, strict=True):
@@ -280,7 +271,7 @@ def _valid(view: ArenaView, offset: int, gen: int) -> tuple[Record, list[ChunkSe
                 if info.publisher != head.publisher or not 0 < info.gen <= MAX_ADOPTED_GEN:
                     return None
                 key = (info.publisher, bytes(sig), info.digest)
-                chunks.append(ChunkSeen(key, info.offset, info.gen, info.length, info.extent))
+                chunks.append(Chunk(key, info.offset, info.gen, info.length, info.extent))
                 extents.append((info.offset, info.extent))
         if any(os.lseek(view.fd, off, os.SEEK_HOLE) < off + n for off, n in extents):
             return None
@@ -358,11 +349,10 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
         *_, extent = record_layout(rec.n_tokens, rec.fp_len, rec.body_len)
         store.alloc.reserve(rec.offset, extent)
         held: list[Chunk] = []
-        for cs in seen:  # each chunk once, a reference per record that names it
-            c = chunk_at.get(cs.offset)
-            if c is None:
-                c = chunk_at[cs.offset] = Chunk(cs.key, cs.offset, cs.gen, cs.length, cs.extent)
-                store.alloc.reserve(cs.offset, cs.extent)
+        for found in seen:  # each chunk once, a reference per record that names it
+            c = chunk_at.setdefault(found.offset, found)
+            if c is found:
+                store.alloc.reserve(c.offset, c.extent)
                 store.chunks.add(c)
             store.chunks.ref(c)
             held.append(c)

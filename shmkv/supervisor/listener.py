@@ -33,6 +33,7 @@ from shmkv.core.errors import (
     UnsafePathError,
     setup_error,
 )
+from shmkv.core.procfs import stat_fields
 from shmkv.core.protocol import FrameBuffer, peer_credentials, send_msg
 from shmkv.supervisor.fdcloser import discard_socket
 
@@ -69,12 +70,10 @@ class Conn:
 
 def parent_pid(pid: int) -> int | None:
     """The parent of process ``pid`` (/proc/PID/stat), or None if it cannot be read."""
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        return int(data[data.rindex(b")") + 2 :].split()[1])
-    except (OSError, ValueError, IndexError):
+        return None if fields is None else int(fields[1])
+    except (ValueError, IndexError):
         return None
 
 

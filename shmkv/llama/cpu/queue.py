@@ -53,6 +53,7 @@ import os
 import struct
 import time
 
+from shmkv.core.procfs import stat_fields
 from shmkv.llama.cpu.ofd import is_held, lock
 
 #: records in the board: the most contexts that queue by priority at once (more: they
@@ -91,11 +92,14 @@ def _pid_namespace() -> int:
 def holder_state(pid: int) -> tuple[str, int] | None:
     """(state letter, user + system CPU time in clock ticks) of process ``pid`` from
     ``/proc/PID/stat``; None if it cannot be read."""
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return fields[0].decode("ascii", "replace"), int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
+        return (
+            None
+            if fields is None
+            else (fields[0].decode("ascii", "replace"), int(fields[11]) + int(fields[12]))
+        )
+    except (IndexError, ValueError):
         return None
 
 
