@@ -62,7 +62,7 @@ from shmkv.llama import offload
 from shmkv.llama.cpu.ofd import OFD_AVAILABLE as _OFD
 from shmkv.llama.cpu.ofd import is_held as _is_held
 from shmkv.llama.cpu.ofd import lock as _lock
-from shmkv.llama.cpu.queue import Queue
+from shmkv.llama.cpu.queue import GATHER_SECONDS, Queue
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ USERS_BYTE = 1 << 40
 POLL_SECONDS = 0.05
 #: without a usable bell, waiters poll this often
 POLL_NO_BELL_SECONDS = 0.005
+#: a prefill batch of at least this many tokens waits for the cores decode steps hold
+#: (``CpuBudget._gather``); a shorter one (an arena hit's suffix) runs on the cores free
+GATHER_MIN_TOKENS = 128
 
 
 def budget_path(directory: str, name: str) -> Path:
@@ -349,9 +352,13 @@ class CpuBudget:
                 ahead, _ = queue.ahead()
                 if ahead:
                     allowed = min(want, self._free() - ahead)
+            elif queue.gathering():  # (a prefill batch waits for the cores decode steps hold)
+                allowed = 0
             if allowed > 0:
                 self._grab(allowed, g.slots)
                 if g.slots:
+                    if prefill and not ahead and not bypass and g.tokens >= GATHER_MIN_TOKENS:
+                        slept |= self._gather(g, want)
                     break
             if bypass:  # (this request stopped waiting once already)
                 break
@@ -374,6 +381,25 @@ class CpuBudget:
             request.bypass = True
         queue.run(len(g.slots), self._expect(g.tokens, g.threads))
         return g
+
+    def _gather(self, g: Grant, want: int) -> bool:
+        """A prefill batch holding fewer than ``want`` cores waits, at most
+        ``GATHER_SECONDS``, for those that decode steps hold and are about to give back;
+        decode steps take no core meanwhile (``Queue.gathering``). Without it, a prefill
+        on a busy deployment nearly always begins while some worker's decode step holds a
+        core, and runs its whole batch (n_batch tokens, most of a second) on the cores
+        left, while the decode steps that follow take the other core in turn. Whether
+        it waited."""
+        queue = self._queue
+        target = min(want, len(g.slots) + queue.decoding(GATHER_SECONDS))
+        if target <= len(g.slots):
+            return False
+        queue.gather(len(g.slots))
+        end = time.monotonic() + GATHER_SECONDS
+        while len(g.slots) < target and (left := end - time.monotonic()) > 0:
+            self._sleep(left)
+            self._grab(target, g.slots)
+        return True
 
     def _sleep(self, left: float) -> None:
         if self._bell is None:

@@ -74,8 +74,12 @@ STALL_UNKNOWN_SECONDS = 5.0
 #: ... and only once its holder's CPU time has not moved for this long (a live holder on a
 #: loaded machine gets some CPU within it; a stopped or frozen one none)
 PROGRESS_SECONDS = 1.0
+#: a prefill batch waits at most this long for the cores decode steps hold (``gather``)
+GATHER_SECONDS = 0.1
 
-IDLE, WAITING, RUNNING = 0, 1, 2
+IDLE, WAITING, RUNNING, GATHERING = 0, 1, 2, 3
+#: states in which a record holds cores
+HOLDING = (RUNNING, GATHERING)
 #: since (monotonic seconds), tokens left, cores wanted (running: held), state,
 #: stamp (monotonic seconds the run began), expected seconds of the run (0: unknown),
 #: the holder's pid and its pid namespace's inode (0: unknown)
@@ -150,6 +154,13 @@ class Queue:
         ``expect`` seconds (0: unknown), from now."""
         self._write(RUNNING, self.remaining, cores, time.monotonic(), expect)
 
+    def gather(self, cores: int) -> None:
+        """Holding ``cores`` cores and waiting (at most :data:`GATHER_SECONDS`) for the
+        cores that decode steps hold: decode steps take no core meanwhile
+        (:meth:`gathering`), so that a prefill batch runs on every core instead of on the
+        one a decode step happened not to hold when it began."""
+        self._write(GATHERING, self.remaining, cores, time.monotonic(), GATHER_SECONDS)
+
     def done(self) -> None:
         self.remaining = 0
         self._write(IDLE, 0, 0)
@@ -183,8 +194,30 @@ class Queue:
         return wanted, waiting
 
     def waiting(self) -> int:
-        """Live-or-not waiting records other than ours (how many to wake)."""
-        return sum(1 for rec in self._others() if rec[4] == WAITING)
+        """Live-or-not waiting or gathering records other than ours (how many to wake)."""
+        return sum(1 for rec in self._others() if rec[4] in (WAITING, GATHERING))
+
+    def decoding(self, within: float) -> int:
+        """Cores held by live decode steps (single-token runs) that their holders expect to
+        end within ``within`` seconds from now."""
+        now, cores = time.monotonic(), 0
+        for j, _, remaining, want, state, stamp, expect, *_ in self._others():
+            if state != RUNNING or remaining > 1 or want <= 0 or not 0 < expect < within:
+                continue
+            if stamp + expect - now < within and is_held(self.fd, LOCK_BASE + j):
+                cores += min(int(want), 1 << 16)
+        return cores
+
+    def gathering(self) -> bool:
+        """Whether a live prefill batch gathers cores (:meth:`gather`) now: a decode step
+        then takes none. A gather older than twice its bound (a stopped holder) no longer
+        counts."""
+        now = time.monotonic()
+        for j, _, _, _, state, stamp, *_ in self._others():
+            if state == GATHERING and 0 <= now - stamp < 2 * GATHER_SECONDS:
+                if is_held(self.fd, LOCK_BASE + j):
+                    return True
+        return False
 
     def stalled(self) -> int:
         """Cores held by live running records older than their :func:`stall_bound` whose
@@ -193,7 +226,7 @@ class Queue:
         cores = 0
         watched: dict[tuple[int, float], tuple[int, float]] = {}
         for j, _, _, want, state, stamp, expect, pid, pidns in self._others():
-            if state != RUNNING or want <= 0 or not math.isfinite(stamp):
+            if state not in HOLDING or want <= 0 or not math.isfinite(stamp):
                 continue
             if now - stamp > stall_bound(expect) and is_held(self.fd, LOCK_BASE + j):
                 if self._progressing((j, stamp), pid, pidns, now, watched):

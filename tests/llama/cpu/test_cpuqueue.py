@@ -26,7 +26,8 @@ from tests.support.waiting import wait_until
 SHM = "/dev/shm"
 
 # One process on the budget: "take REMAINING [hold] [give_back NEXT] [pause] [take NEXT]..."
-# as a JSON list of steps; prints a JSON line per step with the monotonic time it ended.
+# as a JSON list of steps; prints a JSON line per step with the monotonic time it ended
+# ("ready": just the line, once the budget is open).
 ACTOR = r"""
 import json, os, sys, time
 from shmkv.llama.cpu import budget as cpubudget
@@ -54,6 +55,18 @@ for op, arg in steps:
             b.give_back(g)
             n += 1
         print(json.dumps({"op": op, "n": n, "t": time.monotonic()}), flush=True)
+        continue
+    elif op == "loop_decode":  # decode steps of 20 ms back to back for ARG s (or until stop)
+        end = time.monotonic() + arg
+        n = worst = 0
+        while time.monotonic() < end and not (stop and os.path.exists(stop)):
+            t0 = time.monotonic()
+            g = b.take(1)
+            worst = max(worst, time.monotonic() - t0) if n else 0  # (its first: no estimate)
+            time.sleep(0.02)
+            b.give_back(g)
+            n += 1
+        print(json.dumps({"op": op, "n": n, "worst": worst, "t": time.monotonic()}), flush=True)
         continue
     elif op == "batches":  # one prefill of ARG batches of 0.25 s, back to back
         for k in range(int(arg), 0, -1):
@@ -227,3 +240,65 @@ def test_a_decode_step_waits_at_most_about_one_batch(name):
     finally:
         prefill.kill()
         prefill.wait()
+
+
+def test_a_prefill_batch_beside_decode_steps_runs_on_every_core(name, tmp_path):
+    """Two cores; two other workers stream, one 20 ms decode step after another, so the
+    cores are nearly always held by decode steps. A 512-token prefill batch that got one
+    core waits for the step holding the other (``CpuBudget._gather``, at most
+    GATHER_SECONDS; decode steps take no core meanwhile) and runs on both, every time
+    (without the gather it runs its whole batch on the one core it got; without the
+    decode steps holding back, the other stream's next step takes the core); the decode
+    steps still get in between the batches. A 20-token batch (an arena hit's suffix) does
+    not wait: it runs on the core it got at once."""
+    cores, stop = 2, tmp_path / "stop"
+    decoders = [actor(name, cores, [("loop_decode", 60.0)], stop) for _ in range(2)]
+    try:
+        wait_until(lambda: _held(name, cores) >= 1, 30, "the decode steps to run", step=0.002)
+        with cpubudget.CpuBudget(SHM, name, cores, wait=60) as b:
+            wait_until(lambda: b._queue.decoding(1.0), 30, "a decode step with an estimate")
+            threads = []
+            for _ in range(5):
+                g = b.take(cores, remaining=512, tokens=512)
+                threads.append(len(g.slots))
+                time.sleep(0.1)  # (the batch)
+                b.give_back(g)
+                time.sleep(0.05)  # (the decode steps' turn)
+            short = []
+            for _ in range(5):
+                t0 = time.monotonic()
+                g = b.take(cores, remaining=20, tokens=20)
+                short.append((len(g.slots), time.monotonic() - t0))
+                b.give_back(g)
+                time.sleep(0.05)
+    finally:
+        stop.touch()
+    got = [events(d)[0] for d in decoders]
+    assert threads == [cores] * 5, f"prefill batches ran on {threads} cores"
+    assert all(d["n"] >= 10 for d in got), got  # (the decode steps did run throughout)
+    # a decode step waits for at most a gather and one batch (0.2 s), with slack for a hog
+    assert all(d["worst"] < 2.0 for d in got), got
+    assert any(n == 1 for n, _ in short), f"every short batch waited for both cores: {short}"
+
+
+def test_decode_steps_take_no_core_while_a_prefill_gathers(name, tmp_path):
+    """While a prefill batch gathers cores (its record says so, renewed within
+    GATHER_SECONDS), another worker's decode step takes none, though one is free: it gets
+    a core only after the gather has ended (without the rule it takes the free core at
+    once, and a stream of decode steps keeps the prefill on one core)."""
+    go = tmp_path / "go"
+    decode = actor(name, 2, [("ready", 0), ("await", str(go)), ("take", 1), ("give_back", 0)])
+    assert decode.stdout is not None and "ready" in decode.stdout.readline()  # (started)
+    with cpubudget.CpuBudget(SHM, name, 2, wait=60) as b:
+        g = b.take(1)  # (one core held, one free)
+        b._queue.gather(1)
+        go.touch()
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:  # (the gather, renewed as a long one would be)
+            b._queue.gather(1)
+            time.sleep(cpuqueue.GATHER_SECONDS / 5)
+        b._queue.run(1)
+        ended = time.monotonic()
+        b.give_back(g)
+    took = events(decode)[0]["t"]
+    assert took >= ended, f"a decode step took a core {ended - took:.3f} s before the gather ended"
