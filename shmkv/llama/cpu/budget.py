@@ -62,7 +62,7 @@ from shmkv.llama import offload
 from shmkv.llama.cpu.ofd import OFD_AVAILABLE as _OFD
 from shmkv.llama.cpu.ofd import is_held as _is_held
 from shmkv.llama.cpu.ofd import lock as _lock
-from shmkv.llama.cpu.queue import GATHER_SECONDS, Queue
+from shmkv.llama.cpu.queue import GATHER_WITHIN, Queue
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,9 @@ USERS_BYTE = 1 << 40
 POLL_SECONDS = 0.05
 #: without a usable bell, waiters poll this often
 POLL_NO_BELL_SECONDS = 0.005
-#: a prefill batch of at least this many tokens waits for the cores decode steps hold
-#: (``CpuBudget._gather``); a shorter one (an arena hit's suffix) runs on the cores free
+#: a prefill batch of at least this many tokens runs on all the cores it wants or waits
+#: for them, if they come free soon (``Queue.gather``); a shorter one (an arena hit's
+#: suffix) runs at once on the cores free
 GATHER_MIN_TOKENS = 128
 
 
@@ -345,20 +346,31 @@ class CpuBudget:
             queue.wait(remaining, want)
         t0 = time.monotonic()
         deadline = t0 + self.wait
-        slept = posted = False
+        slept = posted = gathering = False
+        gather = prefill and not bypass and want > 1 and g.tokens >= GATHER_MIN_TOKENS
         while True:
             allowed, ahead = want, 0
             if prefill:
                 ahead, _ = queue.ahead()
+                wait_all = False
                 if ahead:
                     allowed = min(want, self._free() - ahead)
-            elif queue.gathering():  # (a prefill batch waits for the cores decode steps hold)
-                allowed = 0
+                elif gather:  # every core, or none while the rest come free soon
+                    free = self._free()
+                    wait_all = free < want <= free + queue.ending(GATHER_WITHIN)
+                    allowed = 0 if wait_all else want
+                if wait_all:
+                    queue.gather(want)
+                elif gathering:  # (no longer first in line, or the rest come late)
+                    queue.wait(remaining, want)
+                gathering = wait_all
+            deferring = not prefill and queue.gathering()
+            if deferring:  # (behind a long prefill batch, not ahead of it)
+                allowed, posted = 0, False
+                queue.defer()
             if allowed > 0:
                 self._grab(allowed, g.slots)
                 if g.slots:
-                    if prefill and not ahead and not bypass and g.tokens >= GATHER_MIN_TOKENS:
-                        slept |= self._gather(g, want)
                     break
             if bypass:  # (this request stopped waiting once already)
                 break
@@ -369,7 +381,7 @@ class CpuBudget:
             if left <= 0:
                 g.timed_out = True
                 break
-            if not prefill and not posted:  # first in line: a prefill's next batch waits
+            if not (prefill or posted or deferring):  # first in line: a prefill's next batch waits
                 queue.wait(1, 1)
                 posted = True
             self._sleep(left)
@@ -381,25 +393,6 @@ class CpuBudget:
             request.bypass = True
         queue.run(len(g.slots), self._expect(g.tokens, g.threads))
         return g
-
-    def _gather(self, g: Grant, want: int) -> bool:
-        """A prefill batch holding fewer than ``want`` cores waits, at most
-        ``GATHER_SECONDS``, for those that decode steps hold and are about to give back;
-        decode steps take no core meanwhile (``Queue.gathering``). Without it, a prefill
-        on a busy deployment nearly always begins while some worker's decode step holds a
-        core, and runs its whole batch (n_batch tokens, most of a second) on the cores
-        left, while the decode steps that follow take the other core in turn. Whether
-        it waited."""
-        queue = self._queue
-        target = min(want, len(g.slots) + queue.decoding(GATHER_SECONDS))
-        if target <= len(g.slots):
-            return False
-        queue.gather(len(g.slots))
-        end = time.monotonic() + GATHER_SECONDS
-        while len(g.slots) < target and (left := end - time.monotonic()) > 0:
-            self._sleep(left)
-            self._grab(target, g.slots)
-        return True
 
     def _sleep(self, left: float) -> None:
         if self._bell is None:

@@ -74,12 +74,15 @@ STALL_UNKNOWN_SECONDS = 5.0
 #: ... and only once its holder's CPU time has not moved for this long (a live holder on a
 #: loaded machine gets some CPU within it; a stopped or frozen one none)
 PROGRESS_SECONDS = 1.0
-#: a prefill batch waits at most this long for the cores decode steps hold (``gather``)
-GATHER_SECONDS = 0.1
+#: a long prefill batch first in line waits for every core it wants (``gather``) when the
+#: runs holding the others are expected to end within this many seconds
+GATHER_WITHIN = 0.2
+#: a gather whose record was not renewed for this long (a stopped gatherer) holds nobody
+GATHER_STALE = 0.25
 
-IDLE, WAITING, RUNNING, GATHERING = 0, 1, 2, 3
-#: states in which a record holds cores
-HOLDING = (RUNNING, GATHERING)
+IDLE, WAITING, RUNNING, GATHERING, DEFERRED = 0, 1, 2, 3, 4
+#: states of a prefill in line (a gathering one is in line too)
+IN_LINE = (WAITING, GATHERING)
 #: since (monotonic seconds), tokens left, cores wanted (running: held), state,
 #: stamp (monotonic seconds the run began), expected seconds of the run (0: unknown),
 #: the holder's pid and its pid namespace's inode (0: unknown)
@@ -154,12 +157,18 @@ class Queue:
         ``expect`` seconds (0: unknown), from now."""
         self._write(RUNNING, self.remaining, cores, time.monotonic(), expect)
 
-    def gather(self, cores: int) -> None:
-        """Holding ``cores`` cores and waiting (at most :data:`GATHER_SECONDS`) for the
-        cores that decode steps hold: decode steps take no core meanwhile
-        (:meth:`gathering`), so that a prefill batch runs on every core instead of on the
-        one a decode step happened not to hold when it began."""
-        self._write(GATHERING, self.remaining, cores, time.monotonic(), GATHER_SECONDS)
+    def gather(self, want: int) -> None:
+        """First in line and waiting for all ``want`` cores at once (a long prefill batch):
+        decode steps take no core meanwhile (:meth:`gathering`) and the runs holding cores
+        end, so that the batch runs on every core instead of on the one a decode step
+        happened not to hold when it began. Renewed at each look at the board."""
+        self._write(GATHERING, self.remaining, want, time.monotonic())
+
+    def defer(self) -> None:
+        """A decode step waiting behind a gathering prefill: it is not ahead of it in line
+        (a decode step in line goes first, :meth:`wait`), so that the prefill gets every
+        core before the next round of decode steps."""
+        self._write(DEFERRED, 1, 1)
 
     def done(self) -> None:
         self.remaining = 0
@@ -185,7 +194,7 @@ class Queue:
         mine = (self._key(self.remaining, self.since, now), self.since, self.slot)
         wanted = waiting = 0
         for j, since, remaining, want, state, *_ in self._others():
-            if state != WAITING or want <= 0:
+            if state not in IN_LINE or want <= 0:
                 continue
             waiting += 1
             theirs = (self._key(remaining, since, now), since, j)
@@ -194,27 +203,27 @@ class Queue:
         return wanted, waiting
 
     def waiting(self) -> int:
-        """Live-or-not waiting or gathering records other than ours (how many to wake)."""
-        return sum(1 for rec in self._others() if rec[4] in (WAITING, GATHERING))
+        """Live-or-not records other than ours that wait for cores (how many to wake)."""
+        return sum(1 for rec in self._others() if rec[4] in (*IN_LINE, DEFERRED))
 
-    def decoding(self, within: float) -> int:
-        """Cores held by live decode steps (single-token runs) that their holders expect to
-        end within ``within`` seconds from now."""
+    def ending(self, within: float) -> int:
+        """Cores held by live runs that their holders expect to end within ``within``
+        seconds from now; a run whose length is unknown, or that is already late by more
+        than that (a stopped holder, a loaded machine), is not counted."""
         now, cores = time.monotonic(), 0
-        for j, _, remaining, want, state, stamp, expect, *_ in self._others():
-            if state != RUNNING or remaining > 1 or want <= 0 or not 0 < expect < within:
+        for j, _, _, want, state, stamp, expect, *_ in self._others():
+            if state != RUNNING or want <= 0 or not (math.isfinite(expect) and expect > 0):
                 continue
-            if stamp + expect - now < within and is_held(self.fd, LOCK_BASE + j):
+            if abs(stamp + expect - now) < within and is_held(self.fd, LOCK_BASE + j):
                 cores += min(int(want), 1 << 16)
         return cores
 
     def gathering(self) -> bool:
-        """Whether a live prefill batch gathers cores (:meth:`gather`) now: a decode step
-        then takes none. A gather older than twice its bound (a stopped holder) no longer
-        counts."""
+        """Whether a live prefill gathers cores (:meth:`gather`) now, its record renewed
+        within :data:`GATHER_STALE`: a decode step then takes none."""
         now = time.monotonic()
         for j, _, _, _, state, stamp, *_ in self._others():
-            if state == GATHERING and 0 <= now - stamp < 2 * GATHER_SECONDS:
+            if state == GATHERING and 0 <= now - stamp < GATHER_STALE:
                 if is_held(self.fd, LOCK_BASE + j):
                     return True
         return False
@@ -226,7 +235,7 @@ class Queue:
         cores = 0
         watched: dict[tuple[int, float], tuple[int, float]] = {}
         for j, _, _, want, state, stamp, expect, pid, pidns in self._others():
-            if state not in HOLDING or want <= 0 or not math.isfinite(stamp):
+            if state != RUNNING or want <= 0 or not math.isfinite(stamp):
                 continue
             if now - stamp > stall_bound(expect) and is_held(self.fd, LOCK_BASE + j):
                 if self._progressing((j, stamp), pid, pidns, now, watched):

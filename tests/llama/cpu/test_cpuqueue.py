@@ -244,19 +244,17 @@ def test_a_decode_step_waits_at_most_about_one_batch(name):
 
 def test_a_prefill_batch_beside_decode_steps_runs_on_every_core(name, tmp_path):
     """Two cores; two other workers stream, one 20 ms decode step after another, so the
-    cores are nearly always held by decode steps. A 512-token prefill batch that got one
-    core waits for the step holding the other (``CpuBudget._gather``, at most
-    GATHER_SECONDS; decode steps take no core meanwhile) and runs on both, every time
-    (without the gather it runs its whole batch on the one core it got; without the
-    decode steps holding back, the other stream's next step takes the core); the decode
-    steps still get in between the batches. A 20-token batch (an arena hit's suffix) does
-    not wait: it runs on the core it got at once."""
+    cores are nearly always held by decode steps. A 512-token prefill batch waits for
+    the steps holding them to end (``Queue.gather``; decode steps take no core meanwhile)
+    and runs on both, every time (without the gather it runs its whole batch on the one
+    core that happened to be free); the decode steps still get in between the batches. A
+    20-token batch (an arena hit's suffix) does not wait: it runs on the core free."""
     cores, stop = 2, tmp_path / "stop"
     decoders = [actor(name, cores, [("loop_decode", 60.0)], stop) for _ in range(2)]
     try:
         wait_until(lambda: _held(name, cores) >= 1, 30, "the decode steps to run", step=0.002)
         with cpubudget.CpuBudget(SHM, name, cores, wait=60) as b:
-            wait_until(lambda: b._queue.decoding(1.0), 30, "a decode step with an estimate")
+            wait_until(lambda: b._queue.ending(1.0), 30, "a decode step with an estimate")
             threads = []
             for _ in range(5):
                 g = b.take(cores, remaining=512, tokens=512)
@@ -282,21 +280,21 @@ def test_a_prefill_batch_beside_decode_steps_runs_on_every_core(name, tmp_path):
 
 
 def test_decode_steps_take_no_core_while_a_prefill_gathers(name, tmp_path):
-    """While a prefill batch gathers cores (its record says so, renewed within
-    GATHER_SECONDS), another worker's decode step takes none, though one is free: it gets
-    a core only after the gather has ended (without the rule it takes the free core at
-    once, and a stream of decode steps keeps the prefill on one core)."""
+    """While a long prefill batch gathers cores (its record says so, renewed within
+    GATHER_STALE), another worker's decode step takes none, though one is free: it gets a
+    core only after the gather has ended (without the rule it takes the free core at
+    once, and a stream of decode steps keeps the gathering prefill waiting)."""
     go = tmp_path / "go"
     decode = actor(name, 2, [("ready", 0), ("await", str(go)), ("take", 1), ("give_back", 0)])
     assert decode.stdout is not None and "ready" in decode.stdout.readline()  # (started)
     with cpubudget.CpuBudget(SHM, name, 2, wait=60) as b:
         g = b.take(1)  # (one core held, one free)
-        b._queue.gather(1)
+        b._queue.gather(2)
         go.touch()
         end = time.monotonic() + 0.5
         while time.monotonic() < end:  # (the gather, renewed as a long one would be)
-            b._queue.gather(1)
-            time.sleep(cpuqueue.GATHER_SECONDS / 5)
+            b._queue.gather(2)
+            time.sleep(cpuqueue.GATHER_STALE / 5)
         b._queue.run(1)
         ended = time.monotonic()
         b.give_back(g)
