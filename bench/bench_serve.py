@@ -398,8 +398,8 @@ def shmkv_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
 
 # where a shmkv request's time to first token went, in order (each phase's span is in the docs'
 # table "Where the time to first token goes"); they add up to its TTFT
-PHASES = ("queue", "app", "coalesce wait", "remote wait", "restore", "cpu wait", "prefill")
-PHASES += ("first decode", "other", "response")
+PHASES = ("queue", "app", "coalesce wait", "remote wait", "restore", "cpu wait", "prefill",
+          "first decode", "other", "response")  # fmt: skip
 IN_CALL = ("coalesce wait", "remote wait", "restore", "cpu wait", "prefill", "first decode")
 WAITS = ("queue", "app", "coalesce wait", "remote wait", "cpu wait")
 
@@ -431,28 +431,30 @@ def phase_breakdown(rs: list[dict[str, Any]], sys_tokens: int) -> dict[str, Any]
 
 
 def ideal_mean_ttft(prompts: list[int], cc: int, prefill: dict[int, float], hit: float,
-                    decode: float) -> float:  # fmt: skip
-    """The ideal line, a lower bound: the cell's requests in order, each as one of its clients is
-    free; a prompt's first request prefilled alone on all cores (its time in one process, no
-    HTTP), one at a time; a later one for it waits for that, then costs the cell's mean hit or
-    local reuse less its waits (queue, app, coalesce, remote, CPU); no worker limit, no core
-    shared. No assumption adds a cost: no prefill beats all cores alone, equal prefills in turn
-    end sooner on average than sharing the cores (if all cores are >= 1.5x as fast as half), no
-    prefix is restored before it exists; but hits and decodes cost what they did in the cell."""
-    free, lane, ready, ttfts = [0.0] * cc, 0.0, {}, []
+                    decode: float, workers: int) -> float:  # fmt: skip
+    """The ideal line, a lower bound: the cell's requests in order, each once one of its clients
+    and one of the deployment's workers (one stream each) are free; a prompt's first request
+    prefilled alone on all cores (timed in one process), one at a time; a later one waits for
+    that, then costs the cell's mean hit or local reuse less its waits (queue, app, coalesce,
+    remote, CPU); no core shared. No assumption adds a cost (nothing beats all cores alone, equal
+    prefills in turn end sooner on average than sharing cores if all cores are >= 1.5x as fast
+    as half, no prefix is restored before it exists, no worker serves two streams), but hits
+    and decodes cost what they did in the cell."""
+    free, lane, ready, ttfts, idle = [0.0] * cc, 0.0, {}, [], [0.0] * workers
     for p in prompts:
         t = heapq.heappop(free)
         if p in ready:
-            first = max(t, ready[p]) + hit
+            first = max(t, heapq.heappop(idle), ready[p]) + hit
         else:
-            first = lane = ready[p] = max(t, lane) + prefill[p]
+            first = lane = ready[p] = max(t, heapq.heappop(idle), lane) + prefill[p]
         ttfts.append(first - t)
-        heapq.heappush(free, first + decode)
+        for heap in (free, idle):
+            heapq.heappush(heap, first + decode)
     return sum(ttfts) / len(ttfts) if ttfts else 0.0
 
 
 def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """``ideal_mean_ttft`` of a shmkv cell: measured prefills, its own hits less WAITS."""
+    """``ideal_mean_ttft`` of a shmkv cell: measured prefills, its hits less WAITS."""
     measured, sys_tokens = (cfg.get("cold_prefill") or {}).get("seconds"), min(cfg["system_tokens"])
     done = [r for r in c["results"] if r["ttft"] is not None and r["total"] is not None]
     warm = [p for r in done if r.get("shmkv") and cache_class(r, sys_tokens) != "cold"
@@ -462,10 +464,11 @@ def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[s
     hit = sum(sum(p.values()) - sum(p[w] for w in WAITS) for p in warm) / len(warm)
     decode = sum(r["total"] - r["ttft"] for r in done) / len(done)
     prefill, prompts = {int(p): s for p, s in measured.items()}, cfg["request_prompts"]
-    mean = ideal_mean_ttft(prompts[: c["planned"]], c["concurrency"], prefill, hit, decode)
-    res = dict(mean_ttft_s=mean, hit_s=hit, decode_s=decode,
-               assumes=" ".join((ideal_mean_ttft.__doc__ or "").split()))  # fmt: skip
-    return res | {"measured_mean_ttft_s": out["ttft"].get("mean")}
+    args = (prompts[: c["planned"]], c["concurrency"], prefill, hit, decode)
+    return dict(mean_ttft_s=ideal_mean_ttft(*args, cfg["workers"]), hit_s=hit, decode_s=decode,
+                unlimited_mean_ttft_s=ideal_mean_ttft(*args, c["concurrency"]),
+                measured_mean_ttft_s=out["ttft"].get("mean"),
+                assumes=" ".join((ideal_mean_ttft.__doc__ or "").split()))  # fmt: skip
 
 
 def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -603,9 +606,10 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
             share = {k: f" ({(v or 0) * 100:.0f} %)" for k, v in ph["share"].items()}
             rows.append(row | {k: f(ph["mean"][k]) + share[k] for k in PHASES})
         if i := c.get("ideal"):
-            what = f"(hit {f(i['hit_s'])}, decode {f(i['decode_s'])})"
-            notes.append(f"- {cell_key(c)}: mean TTFT {f(i['measured_mean_ttft_s'])}, ideal line "
-                         f"{f(i['mean_ttft_s'])} {what}")  # fmt: skip
+            m, u = i["measured_mean_ttft_s"], i.get("unlimited_mean_ttft_s")
+            notes.append(f"- {cell_key(c)}: mean TTFT {f(m)}, ideal line {f(i['mean_ttft_s'])} "
+                         f"({m / i['mean_ttft_s']:.2f}x; hit {f(i['hit_s'])}, decode "
+                         f"{f(i['decode_s'])}; without the worker limit {f(u)})")  # fmt: skip
     notes += [c["ideal"]["assumes"] for c in cells if c.get("ideal")][:1]
     return "\n\n".join([common.dict_table(rows, left=2), "\n".join(notes)]) if rows else ""
 

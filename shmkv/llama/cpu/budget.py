@@ -347,15 +347,21 @@ class CpuBudget:
         t0 = time.monotonic()
         deadline = t0 + self.wait
         slept = posted = gathering = False
+        behind = 0.0  # (since when a long batch has let those ahead in line take their cores)
         gather = prefill and not bypass and want > 1 and g.tokens >= GATHER_MIN_TOKENS
         while True:
             allowed, ahead = want, 0
             if prefill:
                 ahead, _ = queue.ahead()
                 wait_all = False
-                if ahead:
+                if ahead:  # (a long batch lets them take theirs, for a while, then gathers)
+                    behind = behind or time.monotonic()
                     allowed = min(want, self._free() - ahead)
-                elif gather:  # every core, or none while the rest come free soon
+                    if gather and time.monotonic() - behind < GATHER_WITHIN:
+                        allowed = 0
+                else:
+                    behind = 0.0
+                if gather and not ahead:  # every core, or none while the rest come free soon
                     free = self._free()
                     wait_all = free < want <= free + queue.ending(GATHER_WITHIN)
                     allowed = 0 if wait_all else want
