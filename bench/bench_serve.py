@@ -596,9 +596,6 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
     """Each shmkv cell's phases per request class, and the ideal scheduler's mean."""
     rows, notes, f = [], [], common.fmt_s
     label = {"all": "all", "cold": "cold", "hit": "arena hit", "local": "local reuse"}
-    if cp := cfg.get("cold_prefill"):
-        what = f"- cold prefill per system prompt, one process, {cp['threads']} threads"
-        notes.append(f"{what}: {', '.join(f(v) for v in cp['seconds'].values())}")
     for c in cells:
         for cls, ph in (c.get("phases") or {}).items():
             row = {"cell": cell_key(c), "requests": label[cls], "n": ph["n"]}
@@ -606,10 +603,12 @@ def phase_table(cells: list[dict[str, Any]], cfg: dict[str, Any]) -> str:
             share = {k: f" ({(v or 0) * 100:.0f} %)" for k, v in ph["share"].items()}
             rows.append(row | {k: f(ph["mean"][k]) + share[k] for k in PHASES})
         if i := c.get("ideal"):
-            m, u = i["measured_mean_ttft_s"], i.get("unlimited_mean_ttft_s")
+            m, u, cp = i["measured_mean_ttft_s"], i["unlimited_mean_ttft_s"], i["cold_prefill"]
             notes.append(f"- {cell_key(c)}: mean TTFT {f(m)}, ideal line {f(i['mean_ttft_s'])} "
                          f"({m / i['mean_ttft_s']:.2f}x; hit {f(i['hit_s'])}, decode "
-                         f"{f(i['decode_s'])}; without the worker limit {f(u)})")  # fmt: skip
+                         f"{f(i['decode_s'])}; without the worker limit {f(u)}); cold prefill "
+                         f"alone on {cp['threads']} threads, timed before the cell: "
+                         f"{', '.join(f(v) for v in cp['seconds'].values())}")  # fmt: skip
     notes += [c["ideal"]["assumes"] for c in cells if c.get("ideal")][:1]
     return "\n\n".join([common.dict_table(rows, left=2), "\n".join(notes)]) if rows else ""
 
@@ -657,9 +656,6 @@ def main(report: common.Report, o: Any) -> None:
         raise click.BadParameter("prompt + max tokens must fit --n-ctx")
     wl = make_workload(model, cfg["prompts"], cfg["prompt_tokens_target"], n)
     cfg.update(system_tokens=wl.system_tokens, request_prompts=[p for p, _ in wl.requests])
-    if o.ideal and any(a.startswith("shmkv") for a in arms):
-        cfg["cold_prefill"] = measure_cold_prefill(model, wl, cfg)
-        log.info("cold prefill on all cores, one process: %s", cfg["cold_prefill"]["seconds"])
     what = "%d system prompts of %s tokens; %d requests; concurrency %s; arms %s"
     log.info(what, cfg["prompts"], wl.system_tokens, n, cfg["concurrency"], arms)
     fields = {f.upper() for f in [*ModelSettings.model_fields, *ServerSettings.model_fields]}
@@ -672,11 +668,14 @@ def main(report: common.Report, o: Any) -> None:
             for arm, cc in itertools.product(arms, cfg["concurrency"]):
                 cacheless = arm.removesuffix("-chat") in ("nocache", "ramcache")
                 n_cell = cfg["cacheless_requests"] if cacheless else n
+                if o.ideal and arm.startswith("shmkv"):  # (just before: the machine's speed drifts)
+                    cfg["cold_prefill"] = measure_cold_prefill(model, wl, cfg)
+                    log.info("cold prefill on all cores, one process: %s", cfg["cold_prefill"])
                 log.info("cell %s, concurrency %d, %d requests", arm, cc, n_cell)
                 cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)))
                 a = analyse_cell(cells[-1], min(wl.system_tokens))
-                if a.get("phases"):
-                    a["ideal"] = ideal(cells[-1], a, cfg)
+                if a.get("phases") and (i := ideal(cells[-1], a, cfg)):
+                    a["ideal"] = i | {"cold_prefill": cfg["cold_prefill"]}
                 analysed.append(a)
                 done = f"{a['ok']} ok, {a['errors']} errors, {a['requests_per_s']:.2f} req/s"
                 stopped = f" (stopped: {a['aborted']})" if a["aborted"] else ""
