@@ -13,8 +13,15 @@ of another worker gets in between the batches of a long prefill, and a prefill p
 up the cores others gave back at its next batch. When prefills wait for cores, the one
 with the fewest tokens left goes first, a long wait moving a prefill up (``queue.py``):
 prefills run one after another on all the cores instead of sharing them, and a short
-suffix passes a long cold prompt. A wait ends early when the cores' holders make no
-progress (a stopped process keeps its locks: ``cpuqueue.Queue.stalled``); a request whose
+suffix passes a long cold prompt. A long batch (``GATHER_MIN_TOKENS`` or more, a cold
+prompt's) takes all the cores it wants or waits for them when the runs holding them
+end soon (``Queue.gather``): on a deployment whose other workers are streaming, some
+decode step nearly always holds a core when a batch begins, and the batch would run
+its n_batch tokens, most of a second, on the cores left; decode steps take no core
+while a batch gathers and get theirs between its batches (one step each per batch, as
+in llama-server, whose decode tokens ride in the same batch). A wait ends early when the
+cores' holders make no progress (a stopped process keeps its locks:
+``cpuqueue.Queue.stalled``); a request whose
 eval stopped waiting once runs the rest of its evals without waiting (:class:`Request`),
 so a stuck holder costs each request one short wait, not one per token.
 
@@ -419,7 +426,7 @@ class CpuBudget:
             self._rate[g.tokens <= 1] = took * g.threads / max(1, g.tokens)
             g.started = 0.0
         if next_remaining > 1:
-            queue.wait(next_remaining, max(1, min(next_want, self.cores)))
+            queue.wait(next_remaining, max(1, min(next_want, self.cores)), after_batch=True)
         else:
             queue.done()
         for slot in g.slots:

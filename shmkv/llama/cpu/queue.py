@@ -1,7 +1,8 @@
 """Which prefill of a CPU budget gets the cores first: the one with the least left to do.
 
 Runs inside each worker, under its :class:`~shmkv.llama.cpu.budget.CpuBudget` (one queue slot per
-llama context). Decode steps do not queue here: they take a free core as they come.
+llama context). Decode steps do not queue here: they take a free core as they come,
+unless a long prefill batch is gathering the cores (:meth:`Queue.gather`).
 
 Why: when several workers prefill at once on a budget of a few cores, sharing the cores
 between them makes every one of them as late as the last (four 1,000-token prompts on two
@@ -20,7 +21,10 @@ lock nobody holds is ignored whatever it says. A record is what the handle's cur
 prefill still has to evaluate (tokens), how many cores its next batch wants, since when
 it has been in line (``CLOCK_MONOTONIC``, one clock for all processes), and whether it
 waits or runs. A decode step that finds no free core posts itself too (one token left: it
-goes first), so that a prefill's next batch leaves it a core. A prefill posts itself as
+goes first), so that a prefill's next batch leaves it a core. A long prefill batch first
+in line whose missing cores are held by runs about to end gathers them (``GATHERING``: it
+holds none yet, and decode steps stay out of its way as ``DEFERRED``, behind it), so that
+it runs on every core. A prefill posts itself as
 waiting *before* it gives back the cores of one batch, so that a longer prefill woken by
 the release sees it and lets it take the cores for its next batch.
 
@@ -145,9 +149,13 @@ class Queue:
     def _key(self, remaining: int, since: float, now: float) -> float:
         return remaining - AGING_TOKENS_PER_SECOND * (now - since)
 
-    def wait(self, remaining: int, want: int) -> None:
-        """In line for a batch, with ``remaining`` tokens left to evaluate."""
-        if self.remaining == 0:
+    def wait(self, remaining: int, want: int, after_batch: bool = False) -> None:
+        """In line for a batch, with ``remaining`` tokens left to evaluate; ``after_batch``:
+        its last batch has just ended. A prefill ages by the time it waits, not by the time
+        its batches ran: a long prompt running batch after batch must not age ahead of a
+        short one that just got in line (a cold prompt's last tokens, evaluated apart
+        after a checkpoint, waited for the next cold prompt's whole prefill)."""
+        if self.remaining == 0 or after_batch:
             self.since = time.monotonic()
         self.remaining = remaining
         self._write(WAITING, remaining, want)

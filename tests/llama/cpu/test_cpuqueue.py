@@ -38,6 +38,8 @@ g = None
 for op, arg in steps:
     if op == "take":
         g = b.take(cores, remaining=arg)
+    elif op == "decode":  # one decode step's take: one core
+        g = b.take(1)
     elif op == "give_back":
         b.give_back(g, next_remaining=arg, next_want=cores)
     elif op == "sleep":
@@ -73,7 +75,8 @@ for op, arg in steps:
             g = b.take(cores, remaining=1000 * k)
             time.sleep(0.25)
             b.give_back(g, next_remaining=1000 * (k - 1), next_want=cores)
-    print(json.dumps({"op": op, "arg": arg, "t": time.monotonic()}), flush=True)
+    held = len(g.slots) if g is not None else 0
+    print(json.dumps({"op": op, "arg": arg, "t": time.monotonic(), "cores": held}), flush=True)
 """
 
 
@@ -300,3 +303,46 @@ def test_decode_steps_take_no_core_while_a_prefill_gathers(name, tmp_path):
         b.give_back(g)
     took = events(decode)[0]["t"]
     assert took >= ended, f"a decode step took a core {ended - took:.3f} s before the gather ended"
+
+
+def test_a_long_batch_lets_a_decode_step_ahead_go_then_takes_every_core(name, tmp_path):
+    """Both cores held; a decode step (its worker has run one, so its length is known) and
+    a 512-token prefill wait in line, the decode step ahead. When the cores come free, the
+    prefill does not take the core the decode step leaves and run its batch on it: it lets
+    the step take its core, waits for it to end, and runs on both (without the rule it
+    starts at once on one core)."""
+    go = tmp_path / "go"
+    steps = [("decode", 0), ("give_back", 0), ("await", str(go)), ("decode", 0)]
+    decode = actor(name, 2, [*steps, ("sleep", 0.03), ("give_back", 0)])
+    assert decode.stdout is not None
+    while "give_back" not in decode.stdout.readline():  # (its first step is over)
+        pass
+    held = [HeldCore(name, slot) for slot in (0, 1)]
+    prefill = actor(name, 2, [("ready", 0), ("take", 512), ("give_back", 0)])
+    assert prefill.stdout is not None and "ready" in prefill.stdout.readline()
+    go.touch()
+    wait_until_in_line(name, 2)
+    for h in held:
+        h.release()
+    took = events(prefill)[0]
+    stepped = [e for e in events(decode) if e["op"] == "decode"][-1]
+    assert took["cores"] == 2, f"the prefill's batch ran on {took['cores']} core(s)"
+    assert stepped["t"] < took["t"], "the decode step ahead in line did not go first"
+
+
+def test_a_prefill_ages_by_its_waits_not_by_its_batches(name):
+    """A 1,000-token prefill runs its first batch (0.6 s) and gets back in line with 500
+    tokens left; a 450-token one gets in line then: it goes first (it has fewer left, and
+    neither has waited). Ageing by the time since the long one first got in line would
+    put it ahead (500 - 256 x 0.6 < 450): a cold prompt's last tokens, evaluated apart
+    after a checkpoint, then waited for the next cold prompt's whole prefill."""
+    with (
+        cpubudget.CpuBudget(SHM, name, 1, wait=60) as long,
+        cpubudget.CpuBudget(SHM, name, 1, wait=60) as short,
+    ):
+        g = long.take(1, remaining=1000, tokens=500)
+        time.sleep(0.6)  # (the batch)
+        long.give_back(g, next_remaining=500, next_want=1)
+        short._queue.wait(450, 1)
+        assert long._queue.ahead() == (1, 1), "the long prefill aged ahead while it ran"
+        assert short._queue.ahead()[0] == 0
