@@ -340,6 +340,8 @@ class Call:
             return
         try:
             gen.close()
+            if first and cache.cpu is not None:  # (a checkpoint's eval left it in line)
+                cache.cpu.leave_line()
             if prompt_capture:  # stopped right after the first token: the KV is the prompt
                 self._capture_prompt()
             elif not first:  # prompt + completion: worth a blob if it adds a chunk or more
@@ -366,9 +368,12 @@ class Call:
             cache.context.aligned = plan.aligned
         if not plan.points:
             return reused
+        cpu = cache.cpu.request(cache.last) if cache.cpu is not None else None
         try:
             llm.n_tokens = min(reused, len(tokens) - 1)
             for p in plan.points:
+                if cpu is not None:  # (the rest keeps this eval's place in line for cores)
+                    cpu.after = len(tokens) - p
                 llm.eval(tokens[llm.n_tokens : p])
                 if cache.capture(n_tokens=p, min_new=plan.min_new):
                     cache.ledger.add(checkpoints=1)
@@ -381,6 +386,9 @@ class Call:
             cache.ledger.fail("checkpoint failed", e)
             cache.go_cold()
             return 0
+        finally:
+            if cpu is not None:
+                cpu.after = 0
 
     def _prefilled(self, in_context: int) -> None:
         """At the first token: count what was evaluated, tell ``on_prefill``."""

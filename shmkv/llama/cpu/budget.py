@@ -256,10 +256,13 @@ class Request:
     once and otherwise run on one thread: a stuck holder costs a request one wait, not one
     per token."""
 
-    __slots__ = ("bypass",)
+    __slots__ = ("bypass", "after")
 
     def __init__(self) -> None:
         self.bypass = False
+        #: tokens the call evaluates after its current eval, apart (past a checkpoint): the
+        #: eval's last batch keeps its place in line for them instead of leaving it
+        self.after = 0
 
 
 class CpuBudget:
@@ -446,6 +449,12 @@ class CpuBudget:
         g.slots = []
 
     # ------------------------------------------------------------------ observing
+    def leave_line(self) -> None:
+        """Out of line: a call that said more tokens would follow (``Request.after``) and
+        evaluates none after all."""
+        self._ensure()
+        self._queue.done()
+
     def held(self) -> int:
         """Cores held by other handles right now (a snapshot, for tests and health)."""
         self._ensure()
@@ -540,8 +549,9 @@ def evaluate(
     def wants(piece: Sequence[int]) -> int:
         return 1 if len(piece) <= 1 else budget.max_threads or budget.cores
 
+    after = request.after if request is not None else 0
     for k, piece in enumerate(pieces):
-        g = budget.take(wants(piece), remaining=left, tokens=len(piece), request=request)
+        g = budget.take(wants(piece), remaining=left + after, tokens=len(piece), request=request)
         left -= len(piece)
         more = k + 1 < len(pieces)
         try:
@@ -552,7 +562,10 @@ def evaluate(
         except BaseException:
             budget.give_back(g)
             raise
-        budget.give_back(g, left if more else 0, wants(pieces[k + 1]) if more else 1)
+        if more:
+            budget.give_back(g, left + after, wants(pieces[k + 1]))
+        else:  # (in line for the tokens after this eval, if any, at their place)
+            budget.give_back(g, after, budget.max_threads or budget.cores)
 
 
 def run_eval(cache: Any, orig_eval: Callable[[Sequence[int]], None], tokens: Sequence[int]) -> None:

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import llama_cpp
 import numpy as np
 import pytest
 
@@ -32,7 +33,7 @@ from shmkv.core.errors import UnsafePathError
 from shmkv.llama.cpu import budget as cpubudget
 from shmkv.llama.cpu import queue as cpuqueue
 from tests.support import TESTS
-from tests.support.cpu import wait_until_in_line
+from tests.support.cpu import board, wait_until_in_line
 from tests.support.servers import EXTRA, SAMPLING, Server
 from tests.support.waiting import wait_until
 
@@ -691,3 +692,26 @@ def test_threads_caps_a_prefill_and_cpu_wait_bounds_its_wait(
             holder.kill()
             holder.wait()
         srv.stop()
+
+
+def test_an_eval_with_tokens_after_it_keeps_its_place_in_line(models, name):
+    """An eval that says more tokens follow apart (``Request.after``: a cold prompt's last
+    tokens, evaluated after its checkpoint is captured) ends in line for them, at their
+    count, instead of leaving the line: a prefill with more left waiting meanwhile does not
+    take the cores in between (it did, and the cold prompt's last 64 tokens waited for its
+    whole prefill). ``leave_line`` takes it out if they never come."""
+    llm = llama_cpp.Llama(model_path=models["seed0"], n_ctx=512, n_batch=64, verbose=False)
+    with (
+        cpubudget.CpuBudget(SHM, name, 2, wait=60) as b,
+        cpubudget.CpuBudget(SHM, name, 2, wait=60) as other,
+    ):
+        request = b.request(object())
+        request.after = 64
+        cpubudget.evaluate(b, llm, llm.eval, list(range(1, 101)), request=request)
+        other._queue.wait(500, 2)
+        assert other._queue.ahead()[0] == 2, "the eval left the line before its last tokens"
+        mine = [rec for rec in board(name) if rec[3] == cpuqueue.WAITING and rec[1] == 64]
+        assert len(mine) == 1
+        b.leave_line()
+        assert other._queue.ahead()[0] == 0
+    llm.close()
