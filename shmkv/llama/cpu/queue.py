@@ -216,11 +216,14 @@ class Queue:
 
     def ending(self, within: float) -> int:
         """Cores held by live runs that their holders expect to end within ``within``
-        seconds from now; a run whose length is unknown, or that is already late by more
-        than that (a stopped holder, a loaded machine), is not counted."""
+        seconds from now; a run that is already late by more than that (a stopped holder,
+        a loaded machine) is not counted, nor a batch whose length is unknown (a decode
+        step of unknown length is taken to be short)."""
         now, cores = time.monotonic(), 0
-        for j, _, _, want, state, stamp, expect, *_ in self._others():
-            if state != RUNNING or want <= 0 or not (math.isfinite(expect) and expect > 0):
+        for j, _, remaining, want, state, stamp, expect, *_ in self._others():
+            if state != RUNNING or want <= 0 or not math.isfinite(expect):
+                continue
+            if expect <= 0 and remaining > 1:
                 continue
             if abs(stamp + expect - now) < within and is_held(self.fd, LOCK_BASE + j):
                 cores += min(int(want), 1 << 16)

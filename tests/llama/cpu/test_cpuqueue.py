@@ -306,17 +306,15 @@ def test_decode_steps_take_no_core_while_a_prefill_gathers(name, tmp_path):
 
 
 def test_a_long_batch_lets_a_decode_step_ahead_go_then_takes_every_core(name, tmp_path):
-    """Both cores held; a decode step (its worker has run one, so its length is known) and
-    a 512-token prefill wait in line, the decode step ahead. When the cores come free, the
-    prefill does not take the core the decode step leaves and run its batch on it: it lets
-    the step take its core, waits for it to end, and runs on both (without the rule it
-    starts at once on one core)."""
+    """Both cores held; a decode step (its worker's first: its length is not known, and a
+    decode step is taken to be short) and a 512-token prefill wait in line, the decode step
+    ahead. When the cores come free, the prefill does not take the core the decode step
+    leaves and run its batch on it: it lets the step take its core, waits for it to end,
+    and runs on both (without the rule it starts at once on one core)."""
     go = tmp_path / "go"
-    steps = [("decode", 0), ("give_back", 0), ("await", str(go)), ("decode", 0)]
-    decode = actor(name, 2, [*steps, ("sleep", 0.03), ("give_back", 0)])
-    assert decode.stdout is not None
-    while "give_back" not in decode.stdout.readline():  # (its first step is over)
-        pass
+    steps = [("ready", 0), ("await", str(go)), ("decode", 0)]
+    decode = actor(name, 2, [*steps, ("sleep", 0.15), ("give_back", 0)])
+    assert decode.stdout is not None and "ready" in decode.stdout.readline()
     held = [HeldCore(name, slot) for slot in (0, 1)]
     prefill = actor(name, 2, [("ready", 0), ("take", 512), ("give_back", 0)])
     assert prefill.stdout is not None and "ready" in prefill.stdout.readline()
