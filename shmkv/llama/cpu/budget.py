@@ -343,9 +343,13 @@ class CpuBudget:
         ``remaining``: tokens the eval still has to evaluate, this batch included. A batch
         of a prefill (``remaining`` > 1) lets the cores go first to waiting prefills with
         less left to do (``queue.py``); a decode step takes a free core as it comes,
-        and goes first in line if there is none. ``tokens``: tokens in this batch (0: as
-        many as ``remaining``), from which the holder's record says how long it expects
-        to run."""
+        and goes first in line if there is none. A batch of ``GATHER_MIN_TOKENS`` or
+        more first in line takes all ``want`` cores at once, waiting for those whose
+        runs are about to end (``Queue.gather``; decode steps defer to it meanwhile), and
+        lets those ahead of it in line take theirs first (for at most ``GATHER_WITHIN``)
+        instead of starting on the cores they leave. ``tokens``: tokens in this batch (0:
+        as many as ``remaining``), from which the holder's record says how long it
+        expects to run."""
         self._ensure()
         g = Grant(tokens or max(1, remaining))
         want = max(1, min(want, self.cores))
