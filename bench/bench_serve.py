@@ -454,7 +454,7 @@ def ideal_mean_ttft(prompts: list[int], cc: int, prefill: dict[int, float], hit:
 
 
 def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """``ideal_mean_ttft`` of a shmkv cell: measured prefills, its hits less WAITS."""
+    """``ideal_mean_ttft`` of a shmkv cell: the prefills timed before it, its hits less WAITS."""
     measured, sys_tokens = (cfg.get("cold_prefill") or {}).get("seconds"), min(cfg["system_tokens"])
     done = [r for r in c["results"] if r["ttft"] is not None and r["total"] is not None]
     warm = [p for r in done if r.get("shmkv") and cache_class(r, sys_tokens) != "cold"
@@ -467,7 +467,7 @@ def ideal(c: dict[str, Any], out: dict[str, Any], cfg: dict[str, Any]) -> dict[s
     args = (prompts[: c["planned"]], c["concurrency"], prefill, hit, decode)
     return dict(mean_ttft_s=ideal_mean_ttft(*args, cfg["workers"]), hit_s=hit, decode_s=decode,
                 unlimited_mean_ttft_s=ideal_mean_ttft(*args, c["concurrency"]),
-                measured_mean_ttft_s=out["ttft"].get("mean"),
+                measured_mean_ttft_s=out["ttft"].get("mean"), cold_prefill=cfg["cold_prefill"],
                 assumes=" ".join((ideal_mean_ttft.__doc__ or "").split()))  # fmt: skip
 
 
@@ -674,8 +674,8 @@ def main(report: common.Report, o: Any) -> None:
                 log.info("cell %s, concurrency %d, %d requests", arm, cc, n_cell)
                 cells.append(run_cell(arm, cc, n_cell, cfg, wl, Path(tmp)))
                 a = analyse_cell(cells[-1], min(wl.system_tokens))
-                if a.get("phases") and (i := ideal(cells[-1], a, cfg)):
-                    a["ideal"] = i | {"cold_prefill": cfg["cold_prefill"]}
+                if a.get("phases"):
+                    a["ideal"] = ideal(cells[-1], a, cfg)
                 analysed.append(a)
                 done = f"{a['ok']} ok, {a['errors']} errors, {a['requests_per_s']:.2f} req/s"
                 stopped = f" (stopped: {a['aborted']})" if a["aborted"] else ""

@@ -373,10 +373,8 @@ class CpuBudget:
                     allowed = min(want, self._free() - ahead)
                     if gather and time.monotonic() - behind < GATHER_WITHIN:
                         allowed = 0
-                else:
-                    behind = 0.0
-                if gather and not ahead:  # every core, or none while the rest come free soon
-                    free = self._free()
+                elif gather:  # every core, or none while the rest come free soon
+                    behind, free = 0.0, self._free()
                     wait_all = free < want <= free + queue.ending(GATHER_WITHIN)
                     allowed = 0 if wait_all else want
                 if wait_all:
@@ -550,14 +548,15 @@ def evaluate(
     pieces = [tokens[i : i + step] for i in range(0, max(1, len(tokens)), step)]
     left = len(tokens)
 
-    def wants(piece: Sequence[int]) -> int:
-        return 1 if len(piece) <= 1 else budget.max_threads or budget.cores
+    def wants(n_tokens: int) -> int:
+        return 1 if n_tokens <= 1 else budget.max_threads or budget.cores
 
     after = request.after if request is not None else 0
     for k, piece in enumerate(pieces):
-        g = budget.take(wants(piece), remaining=left + after, tokens=len(piece), request=request)
+        g = budget.take(wants(len(piece)), left + after, tokens=len(piece), request=request)
         left -= len(piece)
-        more = k + 1 < len(pieces)
+        # (then in line for the next batch, or for the tokens after this eval, if any)
+        following = len(pieces[k + 1]) if k + 1 < len(pieces) else after
         try:
             set_threads(llm, g.threads)
             if on_grant is not None:
@@ -566,10 +565,7 @@ def evaluate(
         except BaseException:
             budget.give_back(g)
             raise
-        if more:
-            budget.give_back(g, left + after, wants(pieces[k + 1]))
-        else:  # (in line for the tokens after this eval, if any, at their place)
-            budget.give_back(g, after, budget.max_threads or budget.cores)
+        budget.give_back(g, left + after, wants(following))
 
 
 def run_eval(cache: Any, orig_eval: Callable[[Sequence[int]], None], tokens: Sequence[int]) -> None:
