@@ -1,6 +1,6 @@
 """llama.cpp's sequence-state blob cut into token groups, and put back together.
 
-Runs in the supervisor (``split`` when a put lands) and in every reader of a chunked
+Runs in the supervisor (``plan`` and ``gather`` when a put lands) and in every reader of a chunked
 record (``Manifest.unpack`` and ``assemble``). No llama_cpp import: the format below is
 read from llama.cpp's source (``llama_kv_cache::state_write`` in
 ``src/llama-kv-cache.cpp`` as vendored by llama-cpp-python 0.3.36), and the tests check
@@ -37,6 +37,7 @@ whole-blob XXH3-64 still guards the result.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -46,7 +47,18 @@ import xxhash
 
 from shmkv.core.errors import ArenaCorruptError
 
-__all__ = ["Manifest", "Region", "PartLayout", "split", "assemble", "KIND_K", "KIND_V", "KIND_VT"]
+__all__ = [
+    "Manifest",
+    "Region",
+    "PartLayout",
+    "plan",
+    "gather",
+    "split",
+    "assemble",
+    "KIND_K",
+    "KIND_V",
+    "KIND_VT",
+]
 
 #: region kinds: K rows, V rows, transposed V (one run of cells per dimension)
 KIND_K, KIND_V, KIND_VT = 0, 1, 2
@@ -78,6 +90,9 @@ _PART = struct.Struct("<IIII")  # cell_count, v_trans, n_regions, n_groups
 _REGION = struct.Struct("<QIiII")  # offset, kind, ggml type, unit, nrep
 _GROUP = struct.Struct("<II")  # n cells, flags (bit 0: full)
 _FULL = 1
+
+#: what a blob may be read from (the supervisor stages a put's payload in a mapping)
+Blob = bytes | bytearray | memoryview | mmap.mmap
 
 #: what llama_context::state_seq_get_data writes first: io_magic, then the seq_id
 _BLOB_HEAD = struct.Struct("<Ii")
@@ -123,6 +138,7 @@ class Manifest:
         "group_sizes",
         "group_sigs",
         "gaps",
+        "spans",
     )
 
     def __init__(
@@ -145,6 +161,13 @@ class Manifest:
         #: skeleton pieces: (blob offset, skeleton offset, length)
         self.gaps: list[tuple[int, int, int]] = []
         self._validate()
+        #: (part, first cell, cells) of each group, in blob order
+        self.spans: list[tuple[PartLayout, int, int]] = []
+        for part in self.parts:
+            a = 0
+            for n in part.group_cells:
+                self.spans.append((part, a, n))
+                a += n
 
     def _validate(self) -> None:
         def bad(why: str) -> ArenaCorruptError:
@@ -382,28 +405,31 @@ def _read_part(
 def _parse(mv: memoryview) -> list[tuple[int, np.ndarray, int, list[Region]]] | None:
     """The blob's parts (empty streams left out), or None unless one reading of up to
     MAX_PARTS parts covers it exactly."""
+    if len(mv) < _BLOB_HEAD.size or _BLOB_HEAD.unpack_from(mv, 0)[0] != _IO_MAGIC:
+        return None
+    return _parts_from(mv, _BLOB_HEAD.size, 0, [PARSE_BUDGET], set())
+
+
+def _parts_from(
+    mv: memoryview, off: int, depth: int, budget: list[int], failed: set[tuple[int, int]]
+) -> list[tuple[int, np.ndarray, int, list[Region]]] | None:
+    """The parts from ``off`` to the blob's end, or None if no reading covers it exactly.
+    (A function of its own, not a closure: a closure that calls itself is a reference
+    cycle, which held the blob, a put's staged payload, until the collector's next pass.)"""
     n = len(mv)
-    if n < _BLOB_HEAD.size or _BLOB_HEAD.unpack_from(mv, 0)[0] != _IO_MAGIC:
+    if off == n:
+        return []
+    if depth == MAX_PARTS or (off, depth) in failed:
         return None
-    budget = [PARSE_BUDGET]
-    failed: set[tuple[int, int]] = set()
-
-    def rest(off: int, depth: int) -> list[tuple[int, np.ndarray, int, list[Region]]] | None:
-        if off == n:
-            return []
-        if depth == MAX_PARTS or (off, depth) in failed:
+    for part, end in _read_part(mv, off, n):
+        budget[0] -= 1
+        if budget[0] < 0:
             return None
-        for part, end in _read_part(mv, off, n):
-            budget[0] -= 1
-            if budget[0] < 0:
-                return None
-            tail = rest(end, depth + 1)
-            if tail is not None:
-                return tail if part is None else [part, *tail]
-        failed.add((off, depth))
-        return None
-
-    return rest(_BLOB_HEAD.size, 0)
+        tail = _parts_from(mv, end, depth + 1, budget, failed)
+        if tail is not None:
+            return tail if part is None else [part, *tail]
+    failed.add((off, depth))
+    return None
 
 
 def _groups(pos: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray]:
@@ -419,13 +445,12 @@ def _groups(pos: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray]:
     return counts, full
 
 
-def split(
-    blob: bytes | bytearray | memoryview, chunk_tokens: int, *, min_full: int = 1
-) -> tuple[Manifest, list[memoryview]] | None:
-    """The blob's manifest and each group's data (new buffers, in blob order), or None for
-    a blob that stays whole: one that does not parse as KV cache parts (recurrent or
-    hybrid state), n_stream != 1, cells of more than one sequence, a fragmented cache, or
-    fewer than ``min_full`` full groups (nothing worth sharing)."""
+def plan(blob: Blob, chunk_tokens: int, *, min_full: int = 1) -> Manifest | None:
+    """The blob's manifest (no group data is copied), or None for a blob that stays whole:
+    one that does not parse as KV cache parts (recurrent or hybrid state), n_stream != 1,
+    cells of more than one sequence, a fragmented cache, or fewer than ``min_full`` full
+    groups (nothing worth sharing). Each group's data is then :func:`gather`-ed from the
+    same blob."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, not {chunk_tokens}")
     mv = memoryview(blob).cast("B")
@@ -444,7 +469,6 @@ def split(
         full_flags += full.tolist()
     if sum(full_flags) < min_full:
         return None
-    src = np.frombuffer(mv, dtype=np.uint8)
     skeleton: list[bytes] = []
     end = 0
     for part in parts:
@@ -452,29 +476,40 @@ def split(
             skeleton.append(bytes(mv[end : r.offset]))
             end = r.offset + r.nrep * part.cell_count * r.unit
     skeleton.append(bytes(mv[end:]))
-    manifest = Manifest(len(mv), chunk_tokens, b"".join(skeleton), parts, full_flags)
+    return Manifest(len(mv), chunk_tokens, b"".join(skeleton), parts, full_flags)
+
+
+def gather(manifest: Manifest, blob: Blob, i: int, out: memoryview) -> None:
+    """Write group ``i``'s data (``manifest.group_sizes[i]`` bytes) from ``blob`` into ``out``:
+    one block copy per region (a transposed V region is one strided numpy copy)."""
+    part, a, n = manifest.spans[i]
+    src = np.frombuffer(blob, dtype=np.uint8)
+    data = np.frombuffer(out, dtype=np.uint8, count=manifest.group_sizes[i])
+    cc = part.cell_count
+    q = 0
+    for r in part.regions:
+        if r.nrep == 1:
+            data[q : q + n * r.unit] = src[r.offset + a * r.unit : r.offset + (a + n) * r.unit]
+        else:
+            block = src[r.offset : r.offset + r.nrep * cc * r.unit].reshape(r.nrep, -1)
+            data[q : q + r.nrep * n * r.unit].reshape(r.nrep, -1)[:] = block[
+                :, a * r.unit : (a + n) * r.unit
+            ]
+        q += r.nrep * n * r.unit
+
+
+def split(
+    blob: Blob, chunk_tokens: int, *, min_full: int = 1
+) -> tuple[Manifest, list[memoryview]] | None:
+    """:func:`plan` and each group's data gathered into a new buffer (in blob order)."""
+    manifest = plan(blob, chunk_tokens, min_full=min_full)
+    if manifest is None:
+        return None
     datas: list[memoryview] = []
-    gi = 0
-    for part in parts:
-        cc = part.cell_count
-        a = 0
-        for n in part.group_cells:
-            data = np.empty(manifest.group_sizes[gi], dtype=np.uint8)
-            q = 0
-            for r in part.regions:
-                if r.nrep == 1:
-                    data[q : q + n * r.unit] = src[
-                        r.offset + a * r.unit : r.offset + (a + n) * r.unit
-                    ]
-                else:
-                    block = src[r.offset : r.offset + r.nrep * cc * r.unit].reshape(r.nrep, -1)
-                    data[q : q + r.nrep * n * r.unit].reshape(r.nrep, -1)[:] = block[
-                        :, a * r.unit : (a + n) * r.unit
-                    ]
-                q += r.nrep * n * r.unit
-            datas.append(data.data)
-            a += n
-            gi += 1
+    for i, size in enumerate(manifest.group_sizes):
+        data = np.empty(size, dtype=np.uint8)
+        gather(manifest, blob, i, data.data)
+        datas.append(data.data)
     return manifest, datas
 
 

@@ -7,17 +7,28 @@ stopped at the next call, so that the supervisor can serve other peers between
 the slices of a put that must evict thousands of records or copy hundreds of MiB.
 
 The payload is first staged in the supervisor's own memory (read from the worker's
-memfd, or the tier's buffer, and checked against its XXH3-64), then split
-(``kvformat.split``): a state that splits is stored as a chunked record whose full
+memfd, or the tier's buffer, and checked against its XXH3-64), then planned
+(``kvformat.plan``): a state that splits is stored as a chunked record whose full
 groups are chunks found by key (``chunks.py``: reused, a reference more) or written
 anew, and whose other groups are inline in its body; any other stays whole, its
 payload in the record as before.
+
+What a put holds of the supervisor's memory is its staged payload and one group's
+scratch: each group is gathered from the staged payload straight to where it goes
+(the scratch, to find its chunk; a new chunk's or the body's place in the arena),
+never into a copy of the whole state. The staging is an anonymous mapping, given back
+to the kernel when the put ends (glibc's heap would keep it), and the puts in progress
+stage at most :data:`STAGE_BUDGET` bytes at once (:class:`Staging`): a put past it
+waits its turn, so a burst of puts from every worker does not multiply the
+supervisor's memory by their number.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import time
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -54,6 +65,10 @@ log = logging.getLogger("shmkv.supervisor.store")
 #: a look at the put's deadline
 COPY_PIECE = 8 << 20
 
+#: payload bytes the puts in progress may hold staged at once (a larger payload is staged
+#: alone): two or three states of a small model, one of a large one
+STAGE_BUDGET = 64 << 20
+
 SHM_FULL = (
     "no memory left for this state in the arena's tmpfs (its directory, --dir, is full): "
     "free space there or enlarge it (Docker: --shm-size), lower --size, or start the "
@@ -64,6 +79,45 @@ FULL = (
     "the arena is full of pinned or in-use entries: unpin some, or restart "
     "`shmkv supervise` with a larger --size (or --index-slots)"
 )
+
+
+class Staging:
+    """The payloads the puts in progress hold staged in the supervisor's memory: at most
+    ``budget`` bytes of them at once (a larger one alone), taken in the order the puts
+    first asked. Jobs are held weakly: one dropped without :meth:`PutJob.abort` (its
+    owner gone) gives its share back when it is collected, never holding the rest up."""
+
+    def __init__(self, budget: int = STAGE_BUDGET) -> None:
+        self.budget = budget
+        self._holders: weakref.WeakSet[PutJob] = weakref.WeakSet()
+        self._line: list[weakref.ref[PutJob]] = []
+
+    @property
+    def held(self) -> int:
+        """Payload bytes staged now."""
+        return sum(j.payload_len for j in self._holders)
+
+    def take(self, job: PutJob, wait: bool = True) -> bool:
+        """True: ``job`` may stage its payload now (it holds its share until :meth:`give`).
+        False: it is in line; ask again at its next step. ``wait`` False: take it now."""
+        self._line = [r for r in self._line if r() is not None]
+        first = next((r() for r in self._line), None)
+        if wait and first is not None and first is not job:
+            if all(r() is not job for r in self._line):
+                self._line.append(weakref.ref(job))
+            return False
+        if wait and len(self._holders) and self.held + job.payload_len > self.budget:
+            if first is None:
+                self._line.append(weakref.ref(job))
+            return False
+        self._line = [r for r in self._line if r() is not job]
+        self._holders.add(job)
+        return True
+
+    def give(self, job: PutJob) -> None:
+        """``job`` holds nothing staged, nor a place in line, any more."""
+        self._holders.discard(job)
+        self._line = [r for r in self._line if r() not in (None, job)]
 
 
 class PutStore(Protocol):
@@ -79,6 +133,7 @@ class PutStore(Protocol):
     uid: int
     clock: Callable[[], float]
     chunks: Chunks
+    staging: Staging
 
     def duplicate(self, content: bytes, pin: bool) -> Entry | None: ...
     def check_pin(self, extent: int) -> None: ...
@@ -126,24 +181,27 @@ class PutJob:
         self.extent = 0
         self.digests: list[bytes] = []
         #: the payload, staged in our memory (None before the first step and after the end)
-        self.staged: bytearray | None = None
+        self.staged: mmap.mmap | None = None
+        #: False: stage at once, past the budget (a put done in one call: ``Store.put``)
+        self.may_wait = True
         #: payload bytes staged (and hashed) so far
         self.copied = 0
         self.hasher = xxhash.xxh3_64()
-        #: the split was made (``manifest`` None: the record is whole)
+        #: the plan was made (``layout`` None: the record is whole)
         self.planned = False
-        self.manifest: bytes | None = None
+        self.layout: kvformat.Manifest | None = None
+        self.manifest = b""
         self.stored_manifest = b""
-        #: each group's data, in blob order (views into ``staged``), and for each the chunk
-        #: it is stored in (None: inline) and its inline offset in the body
-        self.groups: list[memoryview] = []
+        #: for each group, in blob order, the chunk it is stored in (None: inline) and its
+        #: inline offset in the body
         self.refs: list[Chunk | None] = []
         self.inline_offs: list[int] = []
         #: the body's length (a whole record's: its payload's)
         self.body_len = payload_len
-        #: the chunks this put writes (offset -1 until their space is taken)
+        #: the chunks this put writes (offset -1 until their space is taken) and the group
+        #: each is gathered from
         self.new: list[Chunk] = []
-        self.new_data: list[memoryview] = []
+        self.new_groups: list[int] = []
         #: chunks found already stored: a reference held on each, per use
         self.held: list[Chunk] = []
         #: new chunks written so far
@@ -269,7 +327,10 @@ class PutJob:
         if self.planned:
             return True
         if self.staged is None:
-            self.staged = bytearray(self.payload_len)
+            if not self.store.staging.take(self, self.may_wait):
+                return False  # (in line behind other puts' payloads)
+            # (private: anonymous memory of ours, not shmem)
+            self.staged = mmap.mmap(-1, self.payload_len, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = memoryview(self.staged)
         try:
             while self.copied < self.payload_len:
@@ -293,40 +354,42 @@ class PutJob:
 
     # ------------------------------------------------------------------- plan
     def _plan(self) -> None:
-        """Split the staged payload and find each full group's chunk; size the record."""
+        """Plan the staged payload's split and find each full group's chunk; size the record."""
         store, g = self.store, self.store.geometry
         assert self.staged is not None
         self.planned = True
-        split = kvformat.split(self.staged, g.chunk_tokens)
-        if split is None or not any(split[0].group_full):
+        layout = kvformat.plan(self.staged, g.chunk_tokens)
+        if layout is None or not any(layout.group_full):
             return  # whole: the payload is the body
-        manifest, groups = split
+        self.layout = layout
+        scratch = np.empty(max(layout.group_sizes), dtype=np.uint8)
         planned: dict[ChunkKey, Chunk] = {}
         inline: list[int] = []
-        for data, full, sig in zip(groups, manifest.group_full, manifest.group_sigs, strict=True):
-            data = memoryview(data).cast("B")
-            self.groups.append(data)
+        for i, (size, full, sig) in enumerate(
+            zip(layout.group_sizes, layout.group_full, layout.group_sigs, strict=True)
+        ):
             if not full:
                 self.refs.append(None)
-                inline.append(len(data))
+                inline.append(size)
                 continue
+            data = scratch[:size].data
+            kvformat.gather(layout, self.staged, i, data)
             key = (self.publisher, bytes(sig), chunk_digest(data))
             c = planned.get(key)
             if c is None:
                 c = store.chunks.find(key, data)
                 if c is None:
-                    c = Chunk(key, -1, 0, len(data), chunk_extent(len(data)))
+                    c = Chunk(key, -1, 0, size, chunk_extent(size))
                     self.new.append(c)
-                    self.new_data.append(data)
+                    self.new_groups.append(i)
                 planned[key] = c
             if c.offset >= 0 and c not in self.new:  # stored already: hold it from now on
                 store.chunks.ref(c)
                 self.held.append(c)
             self.refs.append(c)
             inline.append(0)
-        self.manifest = manifest.pack()
+        self.manifest = layout.pack()
         self.stored_manifest = stored_manifest(self.manifest)
-        self.staged = None  # (the groups are copies: ``kvformat.split``)
         _, _, self.inline_offs, self.body_len = body_layout(len(self.stored_manifest), inline)
         *_, self.extent = record_layout(len(self.tokens), len(self.fingerprint), self.body_len)
         if self.extent + sum(c.extent for c in self.new) > g.data_size:
@@ -390,56 +453,63 @@ class PutJob:
     def _write(self, deadline: float) -> bool:
         """Write the new chunks, then the body, a piece at a time; True once all is in."""
         store = self.store
-        assert self.offset is not None
+        assert self.offset is not None and self.staged is not None
         while self.written < len(self.new):
-            c, data = self.new[self.written], self.new_data[self.written]
+            c, i = self.new[self.written], self.new_groups[self.written]
+            assert self.layout is not None
             if not store.pages.allocate(c.offset, c.extent):
                 store.counters.shm_full_puts += 1
                 raise ArenaFullError(SHM_FULL)
             dest = store.arena.chunk_data(c.offset, c.length)
             try:
-                dest[:] = data
+                kvformat.gather(self.layout, self.staged, i, dest)
             finally:
                 dest.release()
             store.arena.write_chunk_header(c.offset, c.gen, c.length, c.key[2], self.publisher)
             self.written += 1
             if time.monotonic() >= deadline:
                 return False
-        if self.manifest is None:
-            assert self.staged is not None
-            src = memoryview(self.staged)
-        else:
-            src = memoryview(self._body())
         view = store.arena.payload(
             self.offset, len(self.tokens), len(self.fingerprint), self.body_len
         )
         try:
-            while self.body_written < self.body_len:
-                end = min(self.body_len, self.body_written + self.piece)
-                self._allocate(self.payload_offset + end)
-                view[self.body_written : end] = src[self.body_written : end]
-                self.body_written = end
-                if self.body_written < self.body_len and time.monotonic() >= deadline:
-                    return False
+            if self.layout is not None:
+                self._write_body(view)
+                return True
+            src = memoryview(self.staged)
+            try:
+                while self.body_written < self.body_len:
+                    end = min(self.body_len, self.body_written + self.piece)
+                    self._allocate(self.payload_offset + end)
+                    view[self.body_written : end] = src[self.body_written : end]
+                    self.body_written = end
+                    if self.body_written < self.body_len and time.monotonic() >= deadline:
+                        return False
+            finally:
+                src.release()
         finally:
             view.release()
-            src.release()
         return True
 
-    def _body(self) -> bytearray:
-        """A chunked record's body: manifest, references, inline groups."""
-        assert self.manifest is not None
+    def _write_body(self, view: memoryview) -> None:
+        """A chunked record's body (manifest, references, inline groups: a partial group's
+        few rows each), in one go."""
+        assert self.layout is not None and self.staged is not None
+        self._allocate(self.payload_offset + self.body_len)
         refs = [
-            ChunkRef(off, 0, len(d)) if c is None else ChunkRef(c.offset, c.gen, c.length)
-            for c, d, off in zip(self.refs, self.groups, self.inline_offs, strict=True)
+            ChunkRef(off, 0, size) if c is None else ChunkRef(c.offset, c.gen, c.length)
+            for c, size, off in zip(
+                self.refs, self.layout.group_sizes, self.inline_offs, strict=True
+            )
         ]
-        out = bytearray(self.body_len)
         head = pack_body_head(self.manifest, self.stored_manifest, refs)
-        out[: len(head)] = head
-        for c, d, off in zip(self.refs, self.groups, self.inline_offs, strict=True):
+        view[: len(head)] = head
+        for i, (c, size, off) in enumerate(
+            zip(self.refs, self.layout.group_sizes, self.inline_offs, strict=True)
+        ):
             if c is None:
-                out[off : off + len(d)] = d
-        return out
+                kvformat.gather(self.layout, self.staged, i, view[off : off + size])
+        self.body_written = self.body_len
 
     # ----------------------------------------------------------------- finish
     def _finish(self) -> Entry:
@@ -472,13 +542,17 @@ class PutJob:
         self._drop_plan()
 
     def _drop_plan(self) -> None:
-        """Forget the staged payload and the plan (their views first)."""
-        for v in self.groups:
-            v.release()
-        for v in self.new_data:
-            v.release()
-        self.groups, self.new_data, self.new, self.held, self.refs = [], [], [], [], []
-        self.staged = None
+        """Forget the plan; give the staged payload back to the kernel and its share of
+        :data:`STAGE_BUDGET` to the puts in line."""
+        self.new, self.new_groups, self.held, self.refs = [], [], [], []
+        self.layout = None
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            try:
+                staged.close()
+            except BufferError:  # (a view still out: the mapping goes with its last one)
+                pass
+        self.store.staging.give(self)
 
     def _record(self, offset: int) -> Entry:
         """Write the record of a filled and checked payload, then index it."""
@@ -486,7 +560,7 @@ class PutJob:
         gen = store.take_gen()
         created = time.time()
         digests, pin = self.digests, self.pin
-        chunked = self.manifest is not None
+        chunked = self.layout is not None
         store.arena.write_record(
             offset,
             gen,

@@ -60,7 +60,7 @@ from shmkv.supervisor.chunk_owners import IndexOwners
 from shmkv.supervisor.chunks import Chunks
 from shmkv.supervisor.leases import Leases
 from shmkv.supervisor.pages import Pages
-from shmkv.supervisor.put import COPY_PIECE, PutJob
+from shmkv.supervisor.put import COPY_PIECE, PutJob, Staging
 from shmkv.supervisor.record import Entry
 from shmkv.supervisor.tiers.base import Accepted, RecordMeta, TierHook, bytes_reader
 
@@ -117,6 +117,8 @@ class Store:
         self.owners = self.index.owners
         #: the chunks chunked records share, reference-counted (``chunks.py``)
         self.chunks = Chunks(self.arena, self.alloc, self.pages)
+        #: the payloads puts in progress hold staged, bounded (``put.py``)
+        self.staging = Staging()
 
     # ---------------------------------------------------------------- eviction
     def revoke_stale_leases(self) -> bool:
@@ -329,6 +331,7 @@ class Store:
             piece=max(1, payload_len),
             publisher=publisher,
         )
+        job.may_wait = False  # (no later step to wait for)
         entry = job.step(math.inf)
         assert entry is not None  # no deadline: done or raised
         return entry

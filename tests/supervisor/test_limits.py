@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -24,8 +25,10 @@ import pytest
 from shmkv import ShmkvError
 from shmkv.core import arena as A
 from shmkv.core.keys import chain_digests
+from shmkv.supervisor.put import STAGE_BUDGET
 from tests.support import MiB
 from tests.support.blobs import CHUNK, blob
+from tests.support.kvblobs import kv_state
 from tests.support.peer import Raw, put_msg
 from tests.support.supervisors import Sup
 from tests.support.waiting import cpu_seconds, fd_count, wait_until
@@ -408,6 +411,51 @@ def test_a_sliced_put_answers_in_order_and_a_closed_peer_gives_its_space_back(
     assert st["bytes_used"] == used and st["entries"] == 1, st
     assert fd_count(sup.proc.pid) <= fds, (fd_count(sup.proc.pid), fds)
     other.close()
+
+
+def test_a_burst_of_puts_holds_a_bounded_share_of_the_supervisor_memory(make_supervisor):
+    """Six workers publish a 24 MiB state each at once. Each put staged its whole payload
+    in the supervisor's heap and split it into a second copy, every put in progress at
+    the same time: 6 x 48 MiB of anonymous memory at the peak, kept by the heap after.
+    Now the puts in progress stage at most ``STAGE_BUDGET`` bytes (two of these), each
+    group goes from the staged payload straight to its place, and the staging is given
+    back to the kernel when the put ends."""
+    sup = make_supervisor("--size", "512M", env_extra={"SHMKV_PUT_SLICE": "0.001"})
+    n_tok, row = 4096, 1536  # 4,096 cells x 2 layers x (K + V) x 1,536 bytes: 24 MiB
+    states = [kv_state(np.arange(n_tok) + 100_000 * i, row=row) for i in range(6)]
+    size = len(states[0])
+    assert size > 24 * MiB
+    pid = sup.proc.pid
+    raws, fds = [], []
+    try:
+        for data in states:
+            raw = Raw(sup.socket, timeout=120)
+            raw.attach()
+            fd = os.memfd_create("test-put", os.MFD_CLOEXEC)
+            os.write(fd, data)
+            raws.append(raw)
+            fds.append(fd)
+        base = vm(pid, "RssAnon")
+        for i, (raw, fd, data) in enumerate(zip(raws, fds, states, strict=True)):
+            raw.send(put_msg(np.arange(n_tok, dtype="<i4") + 100_000 * i, data), [fd])
+        peak, replies = base, []
+        for raw in raws:
+            while not select.select([raw.sock], [], [], 0.001)[0]:  # (sampled till it replies)
+                peak = max(peak, vm(pid, "RssAnon"))
+            replies.append(raw.recv())
+        after = vm(pid, "RssAnon")
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for raw in raws:
+            raw.close()
+    assert all("gen" in r for r in replies), replies
+    st = sup.stats()
+    assert st["entries"] == 6 and st["chunked_puts"] == 6, st
+    grown = (peak - base) / MiB
+    # at most the budget staged (two 24 MiB payloads), a group's scratch and the loop's own
+    assert grown < STAGE_BUDGET / MiB + 16, f"{grown:.0f} MiB of anonymous memory at the peak"
+    assert (after - base) / MiB < 16, f"{(after - base) / MiB:.0f} MiB kept after the puts"
 
 
 def test_records_sharing_a_prefix_do_not_slow_puts_and_evictions(make_supervisor):

@@ -1083,3 +1083,45 @@ def test_a_sliced_put_aborted_gives_its_space_back(small_arena: ArenaFile) -> No
     assert store.bytes_used() > 0
     job.abort()
     assert store.bytes_used() == 0 and store.alloc.count() == 1
+
+
+def test_puts_stage_within_the_budget_in_the_order_they_asked(small_arena: ArenaFile) -> None:
+    """The puts in progress hold at most the staging budget of payload bytes (a larger one
+    alone); one past it waits its turn, and a smaller one asking later waits behind it
+    rather than starve it. A put done, aborted or dropped gives its share back."""
+    store = small_arena.store
+    store.staging.budget = 6 * PAGE
+
+    def begin(i: int, pages: int) -> PutJob:
+        tokens = BASES[i % 3][: 8 + 4 * (i // 3)].copy()
+        data = payload_for(ROOTS[0], tokens, pages * PAGE)
+        return store.begin_put(
+            ROOTS[0],
+            tokens,
+            b"fp",
+            len(data),
+            xxhash.xxh3_64_intdigest(data),
+            reader(data),
+            piece=PAGE,
+        )
+
+    a, b, c = begin(0, 3), begin(1, 4), begin(2, 2)
+    assert a.step(0.0) is None and a.copied == PAGE  # staging: 3 pages of 6
+    assert b.step(0.0) is None and b.staged is None  # 3 + 4 > 6: in line
+    assert c.step(0.0) is None and c.staged is None  # 3 + 2 fits, but b asked first
+    assert store.staging.held == 3 * PAGE
+    assert a.step(math.inf) is not None and store.staging.held == 0
+    assert c.step(0.0) is None and c.staged is None  # still behind b
+    assert b.step(0.0) is None and b.copied == PAGE
+    assert c.step(0.0) is None and c.copied == PAGE  # 4 + 2 fits
+    assert store.staging.held == 6 * PAGE
+    c.abort()
+    assert store.staging.held == 4 * PAGE
+    del c
+    d = begin(3, 2)
+    assert d.step(0.0) is None and d.copied == PAGE
+    del d  # dropped half done, by an owner that went away without aborting it
+    assert store.staging.held == 4 * PAGE
+    e = b.step(math.inf)
+    assert e is not None and store.staging.held == 0
+    assert bytes(small_arena.view.payload(small_arena.view.read_record(e.offset, e.gen)))
