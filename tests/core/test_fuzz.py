@@ -756,10 +756,18 @@ class Fuzzer:
         assert self.sup.proc.poll() is None, f"supervisor died:\n{self.sup.log()[-3000:]}"
         for i in range(POOL):
             self.complete_tail(i)
-        for p in self.pool:  # a ping on every connection: it still answers, in order
+        for i, p in enumerate(self.pool):  # a ping on every connection: it still answers
             rid = self.next_id
             self.next_id += 1
-            p.send({"op": "ping", "id": rid})
+            try:
+                p.send({"op": "ping", "id": rid})
+            except (BrokenPipeError, ConnectionResetError) as e:
+                # (closed by the supervisor for a reason the fuzzer did not expect: its log
+                # says which)
+                raise AssertionError(
+                    f"pool connection {i} was closed ({e}); recent actions: "
+                    f"{list(self.recent)[-5:]!r:.2000}\nsupervisor log:\n{self.sup.log()[-4000:]}"
+                ) from None
             reply = p.recv_reply(rid, 10)
             assert reply is not None and reply["ok"] and reply["id"] == rid, reply
         worker_roundtrip(self.sup)
@@ -877,10 +885,10 @@ def test_worker_exit_answered_before_a_refused_frame_reopens_the_other_connectio
 def test_fuzz_ten_thousand_hostile_messages_over_many_connections(
     make_supervisor, reserve: str, target: int
 ) -> None:
-    # short lease and claim timeouts so that revocation and claim expiry happen too
-    sup = make_supervisor(
-        "--size", "8M", "--lease-timeout", "2", "--claim-timeout", "3", "--reserve", reserve
-    )
+    # short lease and claim timeouts so that revocation and claim expiry happen too; debug
+    # logging, so that a connection closed unexpectedly shows why in the failure
+    args = ["--size", "8M", "--lease-timeout", "2", "--claim-timeout", "3"]
+    sup = make_supervisor(*args, "--reserve", reserve, "--log-level", "debug")
     fuzz_counts.clear()
     fz = Fuzzer(sup)
     t0 = time.monotonic()
