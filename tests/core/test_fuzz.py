@@ -885,10 +885,10 @@ def test_worker_exit_answered_before_a_refused_frame_reopens_the_other_connectio
 def test_fuzz_ten_thousand_hostile_messages_over_many_connections(
     make_supervisor, reserve: str, target: int
 ) -> None:
-    # short lease and claim timeouts so that revocation and claim expiry happen too; debug
-    # logging, so that a connection closed unexpectedly shows why in the failure
+    # short lease and claim timeouts so that revocation and claim expiry happen too (to see
+    # why a connection was closed, add "--log-level", "debug": the log is in the failure)
     args = ["--size", "8M", "--lease-timeout", "2", "--claim-timeout", "3"]
-    sup = make_supervisor(*args, "--reserve", reserve, "--log-level", "debug")
+    sup = make_supervisor(*args, "--reserve", reserve)
     fuzz_counts.clear()
     fz = Fuzzer(sup)
     t0 = time.monotonic()
