@@ -183,18 +183,15 @@ class _MemfdPool:
         return m
 
     def give_back(self, m: _Memfd) -> None:
+        try:
+            m.release_pages()  # (outside the lock: a hole punched in MiBs of pages)
+        except OSError:  # (a kernel without MADV_REMOVE on shmem: not kept, then)
+            m.close()
+            return
         with self._lock:
-            keep = os.getpid() == self._pid and len(self._free) < self.keep
-        if keep:
-            try:
-                m.release_pages()
-            except OSError:  # (a kernel without MADV_REMOVE on shmem: not kept, then)
-                keep = False
-        if keep:
-            with self._lock:
-                if len(self._free) < self.keep:
-                    self._free.append(m)
-                    return
+            if os.getpid() == self._pid and len(self._free) < self.keep:
+                self._free.append(m)
+                return
         m.close()
 
     def close(self) -> None:

@@ -92,7 +92,7 @@ _GROUP = struct.Struct("<II")  # n cells, flags (bit 0: full)
 _FULL = 1
 
 #: what a blob may be read from (the supervisor stages a put's payload in a mapping)
-Blob = bytes | bytearray | memoryview | mmap.mmap
+BlobBuffer = bytes | bytearray | memoryview | mmap.mmap
 
 #: what llama_context::state_seq_get_data writes first: io_magic, then the seq_id
 _BLOB_HEAD = struct.Struct("<Ii")
@@ -445,7 +445,7 @@ def _groups(pos: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray]:
     return counts, full
 
 
-def plan(blob: Blob, chunk_tokens: int, *, min_full: int = 1) -> Manifest | None:
+def plan(blob: BlobBuffer, chunk_tokens: int, *, min_full: int = 1) -> Manifest | None:
     """The blob's manifest (no group data is copied), or None for a blob that stays whole:
     one that does not parse as KV cache parts (recurrent or hybrid state), n_stream != 1,
     cells of more than one sequence, a fragmented cache, or fewer than ``min_full`` full
@@ -479,7 +479,7 @@ def plan(blob: Blob, chunk_tokens: int, *, min_full: int = 1) -> Manifest | None
     return Manifest(len(mv), chunk_tokens, b"".join(skeleton), parts, full_flags)
 
 
-def gather(manifest: Manifest, blob: Blob, i: int, out: memoryview) -> None:
+def gather(manifest: Manifest, blob: BlobBuffer, i: int, out: memoryview) -> None:
     """Write group ``i``'s data (``manifest.group_sizes[i]`` bytes) from ``blob`` into ``out``:
     one block copy per region (a transposed V region is one strided numpy copy)."""
     part, a, n = manifest.spans[i]
@@ -499,7 +499,7 @@ def gather(manifest: Manifest, blob: Blob, i: int, out: memoryview) -> None:
 
 
 def split(
-    blob: Blob, chunk_tokens: int, *, min_full: int = 1
+    blob: BlobBuffer, chunk_tokens: int, *, min_full: int = 1
 ) -> tuple[Manifest, list[memoryview]] | None:
     """:func:`plan` and each group's data gathered into a new buffer (in blob order)."""
     manifest = plan(blob, chunk_tokens, min_full=min_full)
@@ -540,23 +540,15 @@ def assemble(
     skel = np.frombuffer(manifest.skeleton, dtype=np.uint8)
     for at, start, length in manifest.gaps:
         dst[at : at + length] = skel[start : start + length]
-    gi = 0
-    for part in manifest.parts:
+    for src, (part, a, n) in zip(srcs, manifest.spans, strict=True):
         cc = part.cell_count
-        a = 0
-        for n in part.group_cells:
-            src = srcs[gi]
-            q = 0
-            for r in part.regions:
-                if r.nrep == 1:
-                    dst[r.offset + a * r.unit : r.offset + (a + n) * r.unit] = src[
-                        q : q + n * r.unit
-                    ]
-                else:
-                    block = dst[r.offset : r.offset + r.nrep * cc * r.unit].reshape(r.nrep, -1)
-                    block[:, a * r.unit : (a + n) * r.unit] = src[
-                        q : q + r.nrep * n * r.unit
-                    ].reshape(r.nrep, -1)
-                q += r.nrep * n * r.unit
-            a += n
-            gi += 1
+        q = 0
+        for r in part.regions:
+            if r.nrep == 1:
+                dst[r.offset + a * r.unit : r.offset + (a + n) * r.unit] = src[q : q + n * r.unit]
+            else:
+                block = dst[r.offset : r.offset + r.nrep * cc * r.unit].reshape(r.nrep, -1)
+                block[:, a * r.unit : (a + n) * r.unit] = src[q : q + r.nrep * n * r.unit].reshape(
+                    r.nrep, -1
+                )
+            q += r.nrep * n * r.unit

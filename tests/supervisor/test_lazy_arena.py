@@ -21,7 +21,7 @@ from shmkv.core.errors import ShmkvError
 from tests.support.blobs import blob
 from tests.support.peer import Raw
 from tests.support.supervisors import assert_healthy
-from tests.support.waiting import no_signal_deaths, wait_until
+from tests.support.waiting import mapped_kib, no_signal_deaths, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 MiB = 1 << 20
@@ -32,16 +32,8 @@ def allocated(path: Path) -> int:
 
 
 def mapping_kib(path: Path, field: str = "Rss") -> int:
-    """``field`` (kB) of this process's mappings of ``path``, from /proc/self/smaps."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-                inside = line.rstrip().endswith(str(path))
-            elif inside and line.startswith(field + ":"):
-                total += int(head[1])
-    return total
+    """``field`` (kB) of this process's mappings of ``path``, all together."""
+    return sum(mapped_kib(str(path), field))
 
 
 def settled(sup) -> dict:

@@ -31,7 +31,7 @@ from tests.support.blobs import CHUNK, blob
 from tests.support.kvblobs import kv_state
 from tests.support.peer import Raw, put_msg
 from tests.support.supervisors import Sup
-from tests.support.waiting import cpu_seconds, fd_count, wait_until
+from tests.support.waiting import cpu_seconds, fd_count, mapped_kib, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -458,19 +458,6 @@ def test_a_burst_of_puts_holds_a_bounded_share_of_the_supervisor_memory(make_sup
     assert (after - base) / MiB < 16, f"{(after - base) / MiB:.0f} MiB kept after the puts"
 
 
-def memfd_pages(name: str = "/memfd:shmkv-put") -> list[int]:
-    """Resident bytes of each of this process's mappings of memfds called ``name``."""
-    out, cur = [], None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's line
-                cur = name in line
-            elif cur and line.startswith("Rss:"):
-                out.append(int(head[1]) * 1024)
-    return out
-
-
 def test_a_worker_keeps_no_copy_of_the_states_it_published(make_supervisor):
     """A worker's memfds stayed warm between puts, each holding the last state handed over
     in it: on a large model hundreds of MiB per worker, idle. The pool keeps the memfds
@@ -481,9 +468,9 @@ def test_a_worker_keeps_no_copy_of_the_states_it_published(make_supervisor):
         for i in range(3):
             root = hashlib.blake2b(b"kept %d" % i, digest_size=16).digest()
             c.put_bytes(root, np.arange(2 * CHUNK, dtype="<i4"), b"fp", data)
-            held = memfd_pages()
+            held = mapped_kib("/memfd:shmkv-put (deleted)")  # (resident kB of each)
             assert len(held) == 1, held  # one memfd, made once and reused
-            assert held[0] == 0, f"{held[0] / MiB:.1f} MiB of the last state kept"
+            assert held[0] == 0, f"{held[0] / 1024:.1f} MiB of the last state kept"
         assert sup.stats()["entries"] == 3
 
 

@@ -12,6 +12,22 @@ from typing import Any
 from tests.support import SHM
 
 
+def mapped_kib(path: str, field: str = "Rss") -> list[int]:
+    """``field`` (kB) of each of this process's mappings of ``path``, from /proc/self/smaps."""
+    out: list[int] = []
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                inside = line.rstrip().endswith(path)
+                if inside:
+                    out.append(0)
+            elif inside and line.startswith(field + ":"):
+                out[-1] += int(head[1])
+    return out
+
+
 def wait_until(
     pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition", step: float = 0.01
 ) -> Any:

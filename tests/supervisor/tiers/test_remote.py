@@ -362,7 +362,7 @@ def test_redis_killed_mid_puts_never_serves_a_partial_record(make_supervisor, tm
         # A resumes writing behind by itself; a new record goes across
         late = blob(600, 300_000)
         with a.client() as c:
-            wait_until(lambda: _put_and_written(a, c, late, r), 60, "A resumes", step=1.0)
+            wait_until(lambda: _put_and_written(c, late, r), 60, "A resumes", step=1.0)
         assert _fetch_blob(b, late) == ("fetched", late.data)
         st = a.stats()
         assert st["remote_errors"] and st["remote_dropped"] >= 1, st
@@ -378,8 +378,8 @@ def _probe(sup: Sup) -> bool:
         return c.fetch(b.root, b.tokens, 0, 1.0, 0.0) == "none"
 
 
-def _put_and_written(sup: Sup, c, b, r) -> bool:
-    """Put ``b`` on ``sup``; True once Redis (client ``r``) holds its manifest. (Not "the
+def _put_and_written(c, b, r) -> bool:
+    """Put ``b`` through client ``c``; True once Redis (client ``r``) holds its manifest. (Not "the
     node wrote a record": a node resuming writes the records it held back too, and one of
     those counted for ``b`` while ``b`` itself was not written yet.)"""
     from shmkv.supervisor.tiers.redis import layout as fmt
