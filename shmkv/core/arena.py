@@ -618,6 +618,15 @@ class ArenaView:
         manifest, refs, infos, _ = self._chunk_parts(rec, self._pread)
         return manifest, refs, infos
 
+    def read_chunk(self, offset: int, gen: int, length: int) -> tuple[bytes, bytes]:
+        """A copy of the data of the chunk (offset, gen) of ``length`` bytes, read with
+        ``pread`` (lease-free, as :meth:`peek`), and the XXH3-128 its header keeps:
+        ArenaCorruptError unless a chunk of that generation and length is there. The chunk
+        may be freed and its space reused during the read: compare the data's XXH3-128 to
+        what you expect before trusting it."""
+        info = self._chunk_header(ChunkRef(offset, gen, length), self._pread)
+        return self._pread(length, info.data_off), info.digest
+
     def _mapped(self, n: int, offset: int) -> memoryview:
         """``n`` bytes of the mapping at ``offset`` (zero copy; under a lease)."""
         return memoryview(self.mm)[offset : offset + n]

@@ -547,8 +547,20 @@ class RemoteStats:
         "remote keys of the wrong type (not written by shmkv): a miss, or replaced"
     )
     remote_corrupt: int = counter("remote records found corrupt and deleted")
-    remote_pulled_bytes: int = counter("bytes read from the remote tier's pieces")
-    remote_pull_seconds: float = seconds("seconds spent reading pieces from the remote tier")
+    remote_pulled_bytes: int = counter("bytes read from the remote tier's pieces and chunks")
+    remote_pull_seconds: float = seconds(
+        "seconds spent reading pieces and chunks from the remote tier"
+    )
+    remote_chunks_sent: int = counter(
+        "chunks (shared token groups of a state) sent to the remote tier: it lacked them"
+    )
+    remote_chunks_present: int = counter(
+        "chunks the remote tier held already (another record or node sent them): not sent"
+    )
+    remote_chunks_local: int = counter(
+        "chunks of fetched records copied from this arena, not read from the remote tier"
+    )
+    remote_chunks_pulled: int = counter("chunks of fetched records read from the remote tier")
     remote_bandwidth: int = gauge(
         "measured fetch bandwidth, bytes/s (moving average)",
         metric="remote_bandwidth_bytes_per_second",

@@ -73,6 +73,14 @@ class Chunks:
             stored.release()
         return c if same else None
 
+    def where(self, key: ChunkKey) -> tuple[int, int, int] | None:
+        """(offset, generation, length) of the chunk ``key`` finds, or None. The one method
+        another thread may call (the remote fetcher, to take a chunk it would otherwise
+        fetch from the arena): one dict read under the GIL. The answer may be stale by the
+        time it is used: the caller reads the chunk lease-free and checks its digest."""
+        c = self.by_key.get(key)
+        return None if c is None else (c.offset, c.gen, c.length)
+
     def add(self, c: Chunk) -> None:
         """A chunk written in full: what its key finds from now on (one found under the same
         key before was not equal to it, a damaged copy, or is another put's copy of it)."""

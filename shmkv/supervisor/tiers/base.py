@@ -159,6 +159,19 @@ class PayloadSource:
         except ArenaCorruptError:
             return None
 
+    def chunk(self, where: tuple[int, int, int], digest: bytes) -> bytes | None:
+        """A copy of the data of the chunk at ``where`` (offset, generation, length, as
+        ``Chunks.where`` says) if its XXH3-128 is ``digest``, else None (freed, reused or
+        torn while we read: read it from elsewhere)."""
+        try:
+            self.view.check()
+            data, kept = self.view.read_chunk(*where)
+        except ArenaCorruptError:
+            return None
+        if kept != digest or xxhash.xxh3_128_digest(data) != digest:
+            return None
+        return data
+
     def close(self) -> None:
         self.view.close()
 

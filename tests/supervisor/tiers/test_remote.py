@@ -30,78 +30,25 @@ import xxhash
 from shmkv.core.keys import chain_digests, remote_id
 from tests.support.blobs import CHUNK, blob, each_record
 from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
+from tests.support.redis import (
+    NO_REDIS,
+    REDIS,
+    RedisProc,
+    fetch_blob,
+    key_file,
+    put_written,
+    received_by,
+    redis_keys,
+    sent_by,
+    settled,
+    written,
+)
 from tests.support.servers import free_port
 from tests.support.supervisors import Sup, no_internal_errors, wait_for_socket
 from tests.support.users import GROUP, publish_as, system_user
 from tests.support.waiting import wait_until
 
-REDIS = shutil.which("redis-server")
-pytestmark = pytest.mark.skipif(
-    REDIS is None, reason="needs redis-server (apt-get install redis-server; .ci/run does)"
-)
-
-
-class RedisProc:
-    """One redis-server on a loopback port, its files in ``dir``."""
-
-    def __init__(self, dir: Path, port: int | None = None, *extra: str) -> None:
-        self.dir, self.port, self.extra = dir, port or free_port(), extra
-        dir.mkdir(parents=True, exist_ok=True)
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-            + ["--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning"]
-            + list(self.extra or ("--appendonly", "no")),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        r = redis.Redis(port=self.port, socket_timeout=1)
-        try:
-            wait_until(lambda: self._pings(r), 15, f"redis-server on port {self.port}")
-        except AssertionError:
-            self.kill()
-            raise
-        finally:
-            r.close()
-
-    @staticmethod
-    def _pings(r: redis.Redis) -> bool:
-        try:
-            return bool(r.ping())
-        except redis.RedisError:
-            return False
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    srv = RedisProc(tmp_path / "redis")
-    yield srv
-    srv.kill()
-
-
-def written(sup: Sup, n: int = 1) -> dict:
-    """``sup``'s stats once its write-behind wrote ``n`` records and has none queued."""
-    return wait_until(
-        lambda: (st := sup.stats())["remote_written"] >= n and st["remote_queue"] == 0 and st,
-        20,
-        "the remote write-behind",
-    )
-
+pytestmark = pytest.mark.skipif(REDIS is None, reason=NO_REDIS)
 
 PROMPT = SYSTEM + " Question: which mat does the cat on the other node sit on?"
 
@@ -158,6 +105,31 @@ def test_node_b_restores_the_system_prompt_another_question_shares(
     no_internal_errors(a, b)
 
 
+def test_node_b_takes_the_chunks_it_holds_from_its_arena_not_from_redis(
+    make_supervisor, models, redis_server
+):
+    """Node A answers two questions on one system prompt (the second after a story of a
+    few chunks); node B answers them too. B fetches A's first state whole, and for the
+    second only the groups its arena lacks (the system prompt's come from its arena:
+    llama.cpp's real state format); greedy text equals cold for both."""
+    story = " ".join(f"On day {i} the second cat chose mat {i % 3}." for i in range(30))
+    second = SYSTEM + " Story: " + story + " Question: which mat did it choose last?"
+    jobs = [completion(PROMPT), completion(second)]
+    cold = run_worker(None, models["seed0"], jobs, mode="cold")
+    a = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    b = make_supervisor("--size", "64M", "--remote", redis_server.url)
+    run_worker(a, models["seed0"], jobs)
+    written(a, 2)
+    assert a.stats()["remote_chunks_present"] > 0  # (Redis holds the prompt's groups once)
+    got = run_worker(b, models["seed0"], jobs)
+    assert texts(got) == texts(cold)
+    assert [r["last"]["remote"] for r in got["results"]] == ["fetched", "fetched"], got
+    st = b.stats()
+    assert st["remote_fetched"] == 2 and st["remote_chunks_local"] > 0, st
+    assert st["remote_chunks_pulled"] < 2 * a.stats()["remote_chunks_sent"], st
+    no_internal_errors(a, b)
+
+
 def arena_tokens(sup: Sup) -> list[np.ndarray]:
     """The token ids of every record in ``sup``'s arena (lease-free peeks)."""
     return each_record(sup.arena, lambda view, off, gen: view.peek(off, gen)[1].copy())
@@ -210,19 +182,6 @@ def test_corrupt_record_in_redis_is_rejected(make_supervisor, models, redis_serv
     third = run_worker(c, models["seed0"], [completion(PROMPT)])
     assert texts(third) == texts(cold) and third["results"][0]["last"]["remote"] == "fetched"
     no_internal_errors(a, b)
-
-
-def _fetch_blob(sup: Sup, b, wait: float = 5.0) -> tuple[str, bytes | None]:
-    """Ask ``sup`` to fetch blob ``b`` from Redis; (status, payload now in its arena)."""
-    with sup.client() as c:
-        status = c.fetch(b.root, b.tokens, 0, wait, 0.0)
-        hit = c.lookup(b.digests())
-        if hit is None:
-            return status, None
-        with c.acquire(hit) as lease:
-            data = bytes(lease.payload)
-            assert lease.finish()
-        return status, data
 
 
 class HoldingProxy:
@@ -343,7 +302,7 @@ def test_redis_killed_mid_puts_never_serves_a_partial_record(make_supervisor, tm
                 assert c.lookup(bl.digests()) is not None
         # node B, Redis down: answered at once (or at the bound), never a wrong record
         t0 = time.monotonic()
-        status, data = _fetch_blob(b, blobs[0], wait=1.0)
+        status, data = fetch_blob(b, blobs[0], wait=1.0)
         assert time.monotonic() - t0 < 1.0 + 2.5 and data is None and status != "fetched"
         srv.start()  # the same port and append-only file: what was fsynced is back
         proxy.release()
@@ -354,7 +313,7 @@ def test_redis_killed_mid_puts_never_serves_a_partial_record(make_supervisor, tm
         assert len(whole) >= 3 and rid not in {_rid(bl) for bl in whole}, len(whole)
         wait_until(lambda: b.stats()["remote_paused"] == 0 or _probe(b), 40, "B resumes")
         for bl in blobs:
-            status, data = _fetch_blob(b, bl)
+            status, data = fetch_blob(b, bl)
             if bl in whole:
                 assert (status, data) == ("fetched", bl.data)  # whole and right
             else:  # the partial record above all: never part of one
@@ -363,7 +322,7 @@ def test_redis_killed_mid_puts_never_serves_a_partial_record(make_supervisor, tm
         late = blob(600, 300_000)
         with a.client() as c:
             wait_until(lambda: _put_and_written(c, late, r), 60, "A resumes", step=1.0)
-        assert _fetch_blob(b, late) == ("fetched", late.data)
+        assert fetch_blob(b, late) == ("fetched", late.data)
         st = a.stats()
         assert st["remote_errors"] and st["remote_dropped"] >= 1, st
         no_internal_errors(a, b)
@@ -529,15 +488,6 @@ def test_longer_records_of_other_suffixes_do_not_hide_the_shared_prefix(
 
 
 # ------------------------------------------------------- what the guide promises (issue 22)
-def redis_keys(r: redis.Redis) -> dict[str, int]:
-    """Every shmkv key in ``r`` and its PTTL in ms (-1: it never expires)."""
-    return {k.decode(): r.pttl(k) for k in r.scan_iter("shmkv:*")}
-
-
-def received_by(r: redis.Redis) -> int:
-    return int(r.info("stats")["total_net_input_bytes"])
-
-
 def test_two_nodes_publishing_one_prompt_share_one_copy_and_every_key_expires(
     make_supervisor, redis_server
 ):
@@ -548,7 +498,7 @@ def test_two_nodes_publishing_one_prompt_share_one_copy_and_every_key_expires(
     args = ("--size", "64M", "--remote", redis_server.url, "--remote-ttl", "600")
     a, b = make_supervisor(*args), make_supervisor(*args)
     p = blob(860, (5 << 19) + 1000)
-    _put(a, p)
+    put_written(a, p)
     r = redis_server.client()
     keys = redis_keys(r)
     pointers = [k for k in keys if ":y64:" in k]  # (one per chunk prefix of P)
@@ -580,7 +530,7 @@ def test_a_fetch_slower_than_prefilling_is_not_taken(make_supervisor, redis_serv
     a = make_supervisor("--size", "64M", "--remote", redis_server.url)
     b = make_supervisor("--size", "64M", "--remote", redis_server.url)
     p = blob(861, 8 << 20)
-    _put(a, p)
+    put_written(a, p)
     wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
     transfer = len(p.data) / DEFAULT_BANDWIDTH  # (what B expects before it measured one)
     fast, slow = len(p.tokens) / (transfer / 4), len(p.tokens) / (transfer * 20)
@@ -606,7 +556,7 @@ def test_a_fetch_past_its_deadline_still_warms_the_arena(make_supervisor, redis_
     a = make_supervisor("--size", "64M", "--remote", redis_server.url)
     b = make_supervisor("--size", "64M", "--remote", redis_server.url)
     big = blob(862, 24 << 20)
-    _put(a, big)
+    put_written(a, big)
     wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
     with b.client() as c:
         assert c.fetch(big.root, big.tokens, 0, 0.0, 0.0) == "timeout"
@@ -797,18 +747,6 @@ def publisher_in(sup: Sup, b) -> int:
     return rows[0]["publisher"]
 
 
-def settled(sup: Sup, n: int) -> dict:
-    """``sup``'s stats once its write-behind took ``n`` accepted records (written,
-    present or not trusted) and has none queued."""
-
-    def done():
-        st = sup.stats()
-        took = st["remote_written"] + st["remote_present"] + st.get("remote_untrusted", 0)
-        return took >= n and st["remote_queue"] == 0 and st
-
-    return wait_until(done, 20, "the remote write-behind")
-
-
 def test_untrusted_members_state_never_leaves_the_machine(make_supervisor, redis_server, tmp_path):
     """Node A shares its arena with --group G and trusts one member (friend): the other
     member's (evil's) state is never written to Redis, whatever its key; A's own state of
@@ -844,10 +782,10 @@ def test_untrusted_members_state_never_leaves_the_machine(make_supervisor, redis
             "--size", "64M", "--remote", redis_server.url, "--trust-publishers", str(friend[0])
         )
         wait_until(lambda: b.stats()["remote_on"] and c_.stats()["remote_on"], 10, "nodes up")
-        assert _fetch_blob(b, p) == ("fetched", p.data)
-        assert _fetch_blob(b, q) == ("none", None)  # the friend of A is nobody to B
+        assert fetch_blob(b, p) == ("fetched", p.data)
+        assert fetch_blob(b, q) == ("none", None)  # the friend of A is nobody to B
         assert b.stats()["remote_fetch_untrusted"] == 1
-        assert _fetch_blob(c_, q) == ("fetched", q.data)
+        assert fetch_blob(c_, q) == ("fetched", q.data)
         assert publisher_in(c_, q) == friend[0]  # never re-labelled as C's own
         assert publisher_in(b, p) == 0
         no_internal_errors(a, b, c_)
@@ -868,7 +806,7 @@ def test_a_legitimate_writer_replaces_what_an_untrusted_writer_put_first(
     a = make_supervisor("--size", "64M", "--remote", redis_server.url)
     b = make_supervisor("--size", "64M", "--remote", redis_server.url)
     wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
-    assert _fetch_blob(b, p) == ("none", None)  # (not a uid B trusts: a miss)
+    assert fetch_blob(b, p) == ("none", None)  # (not a uid B trusts: a miss)
     assert b.stats()["remote_fetch_untrusted"] == 1
     with a.client() as c:
         c.put_bytes(p.root, p.tokens, b"fp", p.data)
@@ -878,7 +816,7 @@ def test_a_legitimate_writer_replaces_what_an_untrusted_writer_put_first(
     assert man.uid == 0 and man.payload_xxh3 == xxhash.xxh3_64_intdigest(p.data)
     c2 = make_supervisor("--size", "64M", "--remote", redis_server.url)
     wait_until(lambda: c2.stats()["remote_on"], 10, "node C up")
-    assert _fetch_blob(c2, p) == ("fetched", p.data)
+    assert fetch_blob(c2, p) == ("fetched", p.data)
     no_internal_errors(a, b, c2)
 
 
@@ -889,10 +827,6 @@ def vm_hwm(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM")
-
-
-def sent_by(r: redis.Redis) -> int:
-    return int(r.info("stats")["total_net_output_bytes"])
 
 
 def test_a_record_larger_than_the_arena_is_refused_unread(make_supervisor, redis_server):
@@ -924,8 +858,8 @@ def test_a_record_larger_than_the_arena_is_refused_unread(make_supervisor, redis
     )  # fmt: skip
     hwm, sent = vm_hwm(b.proc.pid), sent_by(r)
     for _ in range(3):
-        assert _fetch_blob(b, big) == ("none", None)
-        assert _fetch_blob(b, bomb) == ("none", None)
+        assert fetch_blob(b, big) == ("none", None)
+        assert fetch_blob(b, bomb) == ("none", None)
     assert sent_by(r) - sent < 1 << 20, "B read pieces of a record that can never fit"
     assert vm_hwm(b.proc.pid) - hwm < 48 << 20
     st = b.stats()
@@ -951,8 +885,8 @@ def test_a_key_of_the_wrong_type_is_a_miss_not_an_outage(make_supervisor, redis_
     r.set(fmt.index_key(x.root, CHUNK, x.digests()[-1]), b"not a hash")
     wait_until(lambda: b.stats()["remote_on"], 10, "node B up")
     for _ in range(2):
-        assert _fetch_blob(b, x)[0] == "none"
-    assert _fetch_blob(b, y) == ("fetched", y.data)
+        assert fetch_blob(b, x)[0] == "none"
+    assert fetch_blob(b, y) == ("fetched", y.data)
     st = b.stats()
     assert st["remote_bad_keys"] == 2 and st["remote_paused"] == 0, st
     assert not st["remote_errors"] and st["remote_fetch_down"] == 0, st
@@ -961,19 +895,12 @@ def test_a_key_of_the_wrong_type_is_a_miss_not_an_outage(make_supervisor, redis_
         c.put_bytes(x.root, x.tokens, b"fp", x.data)
     st = settled(c2, 1)
     assert st["remote_bad_keys"] == 1 and not st["remote_errors"], st
-    assert _fetch_blob(b, x) == ("fetched", x.data)
+    assert fetch_blob(b, x) == ("fetched", x.data)
     no_internal_errors(a, b, c2)
 
 
 # ------------------------------------------------------- signed records (issue 18)
 K1, K2 = b"k1-" + b"a" * 40, b"k2-" + b"b" * 40
-
-
-def key_file(tmp_path: Path, name: str, *keys: bytes, mode: int = 0o600) -> str:
-    path = tmp_path / name
-    path.write_bytes(b"\n".join(keys) + b"\n")
-    path.chmod(mode)
-    return str(path)
 
 
 def test_a_key_file_must_be_ours_closed_and_long_enough(make_supervisor, redis_server, tmp_path):
@@ -987,13 +914,6 @@ def test_a_key_file_must_be_ours_closed_and_long_enough(make_supervisor, redis_s
         )
         assert sup.proc.wait(30) == rc, sup.log()
         assert says in sup.log() and "Traceback" not in sup.log(), sup.log()
-
-
-def _put(sup: Sup, *blobs) -> None:
-    with sup.client() as c:
-        for b in blobs:
-            c.put_bytes(b.root, b.tokens, b"fp", b.data)
-    written(sup, len(blobs))
 
 
 def test_a_node_with_a_key_restores_only_records_signed_with_it(
@@ -1017,9 +937,9 @@ def test_a_node_with_a_key_restores_only_records_signed_with_it(
     a = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", k1)
     a2 = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", k1)
     bs = [blob(840 + i, 150_000) for i in range(8)]
-    _put(keyless, bs[0])
-    _put(other, bs[1])
-    _put(a, bs[2], bs[3], bs[5])
+    put_written(keyless, bs[0])
+    put_written(other, bs[1])
+    put_written(a, bs[2], bs[3], bs[5])
     r = redis_server.client()
     forge(r, bs[4], blob(850, 150_000).data, uid=0)  # an unsigned forgery, checksums right
     # a signed manifest rewritten: another payload's checksums, the MAC kept
@@ -1033,22 +953,22 @@ def test_a_node_with_a_key_restores_only_records_signed_with_it(
     r.set(fmt.manifest_key(rid), msgpack.packb({**env, "m": msgpack.packb(body)}))
     wait_until(lambda: a2.stats()["remote_on"], 10, "node A2 up")
     for b in (bs[0], bs[1], bs[4], bs[3]):
-        assert _fetch_blob(a2, b) == ("none", None)
-    assert _fetch_blob(a2, bs[2]) == ("fetched", bs[2].data)
+        assert fetch_blob(a2, b) == ("none", None)
+    assert fetch_blob(a2, bs[2]) == ("fetched", bs[2].data)
     st = a2.stats()
     assert st["remote_fetch_unverified"] == 4 and st["remote_corrupt"] == 0, st
     assert stored_manifest(r, bs[0]) is not None  # (not ours to delete)
-    assert _fetch_blob(keyless, bs[5]) == ("fetched", bs[5].data)
+    assert fetch_blob(keyless, bs[5]) == ("fetched", bs[5].data)
     # rotation: K2 current, K1 previous
     r1 = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", rot)
     r2 = make_supervisor("--size", "64M", "--remote", url, "--remote-key-file", rot)
     wait_until(lambda: r1.stats()["remote_on"] and r2.stats()["remote_on"], 10, "nodes up")
-    assert _fetch_blob(r1, bs[5]) == ("fetched", bs[5].data)  # signed with K1
-    assert _fetch_blob(r1, bs[1]) == ("fetched", bs[1].data)  # signed with K2
-    _put(r1, bs[6])
+    assert fetch_blob(r1, bs[5]) == ("fetched", bs[5].data)  # signed with K1
+    assert fetch_blob(r1, bs[1]) == ("fetched", bs[1].data)  # signed with K2
+    put_written(r1, bs[6])
     assert stored_manifest(r, bs[6], (K2,)) is not None  # signed with the current key
-    assert _fetch_blob(r2, bs[6]) == ("fetched", bs[6].data)
-    assert _fetch_blob(a2, bs[6]) == ("none", None)  # K1 alone: not yet rotated
+    assert fetch_blob(r2, bs[6]) == ("fetched", bs[6].data)
+    assert fetch_blob(a2, bs[6]) == ("none", None)  # K1 alone: not yet rotated
     no_internal_errors(keyless, other, a, a2, r1, r2)
 
 
@@ -1060,7 +980,7 @@ def test_remote_ttl_setting_bounds_every_key_it_writes(make_supervisor, redis_se
 
     sup = make_supervisor("--size", "16M", "--remote", redis_server.url, "--remote-ttl", "100")
     b = blob(900, 300_000)
-    _put(sup, b)
+    put_written(sup, b)
     r = redis_server.client()
     rid = remote_id(b.root, b"fp", np.ascontiguousarray(b.tokens, dtype="<i4").tobytes())
     assert 0 < r.pttl(fmt.manifest_key(rid)) <= 100_000
@@ -1079,7 +999,7 @@ def test_remote_compress_setting_sends_zstd_and_falls_back_per_record(
     b = make_supervisor("--size", "16M", "--remote", redis_server.url)
     text, noise = blob(901, 0), blob(902, 300_000)
     text = text._replace(data=b"the cat sits on the mat. " * 12_000)
-    _put(a, text, noise)
+    put_written(a, text, noise)
     r = redis_server.client()
     assert stored_manifest(r, text).codec == "zstd"
     assert stored_manifest(r, noise).codec == "none"
@@ -1087,8 +1007,8 @@ def test_remote_compress_setting_sends_zstd_and_falls_back_per_record(
     assert st["remote_stored_bytes"] < len(text.data) // 10 + len(noise.data), st
     r.close()
     wait_until(lambda: b.stats()["remote_on"], 10, "node B to reach Redis")
-    assert _fetch_blob(b, text) == ("fetched", text.data)
-    assert _fetch_blob(b, noise) == ("fetched", noise.data)
+    assert fetch_blob(b, text) == ("fetched", text.data)
+    assert fetch_blob(b, noise) == ("fetched", noise.data)
     no_internal_errors(a, b)
 
 
@@ -1102,7 +1022,7 @@ def test_remote_cluster_flag_makes_a_plain_url_a_cluster(make_supervisor, redis_
     a = make_supervisor("--size", "16M", "--remote", url, "--remote-cluster")
     b = make_supervisor("--size", "16M", "--remote", url, env_extra={"SHMKV_REMOTE_CLUSTER": "1"})
     blobs = [blob(910 + i, 100_000) for i in range(6)]
-    _put(a, *blobs)
+    put_written(a, *blobs)
     assert not a.stats()["remote_errors"]
     rc = RedisCluster(host="127.0.0.1", port=redis_cluster[0])
     owners = {
@@ -1113,7 +1033,7 @@ def test_remote_cluster_flag_makes_a_plain_url_a_cluster(make_supervisor, redis_
     assert len(owners) > 1, owners  # (the records really live on several nodes)
     wait_until(lambda: b.stats()["remote_on"], 10, "node B to reach Redis")
     for bl in blobs:
-        assert _fetch_blob(b, bl) == ("fetched", bl.data)
+        assert fetch_blob(b, bl) == ("fetched", bl.data)
     no_internal_errors(a, b)
 
 
@@ -1123,11 +1043,11 @@ def _fetch_after_stop(sup: Sup, srv: RedisProc, wait: float) -> tuple[str, float
     seconds: its status and how long it took."""
     wait_until(lambda: sup.stats()["remote_on"], 10, "the node to reach Redis")
     b = blob(920, 1000)
-    assert _fetch_blob(sup, b) == ("none", None)
+    assert fetch_blob(sup, b) == ("none", None)
     srv.proc.send_signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        status, data = _fetch_blob(sup, b, wait=wait)
+        status, data = fetch_blob(sup, b, wait=wait)
         took = time.monotonic() - t0
     finally:
         srv.proc.send_signal(signal.SIGCONT)

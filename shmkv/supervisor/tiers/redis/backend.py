@@ -39,14 +39,16 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from shmkv.core import kvformat
 from shmkv.core.arena import DIGEST_SIZE, common_prefix, record_layout
-from shmkv.core.errors import ConfigError, TierError, UnsafePathError
+from shmkv.core.errors import ArenaCorruptError, ConfigError, TierError, UnsafePathError
 from shmkv.core.keys import chain_digests, remote_id
 from shmkv.supervisor.tiers.base import FIRST_BACKOFF, MAX_BACKOFF, Accepted, Event, PayloadSource
 from shmkv.supervisor.tiers.redis import layout as fmt
@@ -70,6 +72,11 @@ MAX_REFUSED, REFUSED_TTL = 4096, 60.0
 MAX_LANDED, LANDED_TTL = 1024, 30.0
 #: keys a --remote-key-file holds: the current one (signs), and the previous one
 MAX_KEYS = 2
+#: how much longer than its manifest a record's pieces and chunks live, ms (a reader
+#: that found the manifest finds them)
+PIECE_GRACE_MS = 60_000
+#: chunk bytes one pipeline sends at most
+SEND_BATCH = 8 << 20
 
 
 def load_keys(path: str) -> tuple[bytes, ...]:
@@ -221,6 +228,8 @@ class RedisWriter:
         self.conf = conf
         self.r: Any = None
         self.written = self.written_bytes = self.stored_bytes = self.gone = self.present = 0
+        #: chunks of chunked records sent, and found in Redis already (not sent)
+        self.chunks_sent = self.chunks_present = 0
         #: records not written: their publisher is not trusted; keys of the wrong type
         self.untrusted = self.bad_keys = 0
 
@@ -281,10 +290,17 @@ class RedisWriter:
         if len(data) != ev.payload_len or xxhash.xxh3_64_intdigest(data) != ev.payload_xxh3:
             self.gone += 1  # evicted and reused while we copied
             return
-        stored = _compress(conf.codec, data)
+        ttl_ms = conf.ttl * 1000
+        layout = kvformat.plan(data, conf.chunk)
+        if layout is not None and sum(layout.group_full) > fmt.MAX_CHUNKS:
+            layout = None
+        body, chunks, sent = data, b"", 0
+        if layout is not None:  # (chunks first: Redis keeps each once)
+            body, chunks, sent = self._write_chunks(ev.root, layout, data, ttl_ms)
+        stored = _compress(conf.codec, body)
         codec = conf.codec
-        if codec != "none" and len(stored) >= len(data):  # (incompressible: store as is)
-            stored, codec = data, "none"
+        if codec != "none" and len(stored) >= len(body):  # (incompressible: store as is)
+            stored, codec = body, "none"
         parts = fmt.split(stored)
         man = fmt.Manifest(
             ev.root,
@@ -298,19 +314,73 @@ class RedisWriter:
             f"{conf.node}/{ev.publisher}",
             ev.publisher,
             b"".join(fmt.piece_digest(p) for p in parts),
+            len(body) if chunks else 0,
+            chunks,
         )
-        ttl_ms = conf.ttl * 1000
         pipe = self.r.pipeline(transaction=False)
         for i, part in enumerate(parts):
-            pipe.set(fmt.piece_key(rid, i), bytes(part), px=ttl_ms + 60_000)
-        pipe.execute()  # every piece stored before the manifest makes them a record
+            pipe.set(fmt.piece_key(rid, i), bytes(part), px=ttl_ms + PIECE_GRACE_MS)
+        pipe.execute()  # every piece and chunk stored before the manifest makes them a record
         pipe = self.r.pipeline(transaction=False)
         pipe.set(fmt.manifest_key(rid), man.pack(conf.keys[0] if conf.keys else None), px=ttl_ms)
         pipe.execute()
         self._index(ev, rid, chain, ttl_ms)
         self.written += 1
         self.written_bytes += ev.payload_len
-        self.stored_bytes += len(stored)
+        self.stored_bytes += len(stored) + sent
+
+    def _write_chunks(
+        self, root: bytes, layout: kvformat.Manifest, data: bytes, ttl_ms: int
+    ) -> tuple[bytes, bytes, int]:
+        """Store each full group of ``data`` (planned as ``layout``) that Redis lacks as a
+        chunk, and make each one it holds live at least as long as this record's pieces
+        (a TTL is only ever raised). Returns the record's body, its chunk list for the
+        manifest, and the bytes sent. Each group is gathered twice (to name it, then to
+        send it if Redis lacks it), never all at once: the thread holds the payload and
+        at most :data:`SEND_BATCH` bytes of chunks."""
+        life = ttl_ms + PIECE_GRACE_MS
+        full = [i for i, f in enumerate(layout.group_full) if f]
+        scratch = np.empty(max(layout.group_sizes, default=0), dtype=np.uint8)
+        names: list[tuple[bytes, bytes]] = []
+        inline: list[bytes] = []
+        for i, size in enumerate(layout.group_sizes):
+            view = scratch[:size].data
+            kvformat.gather(layout, data, i, view)
+            if layout.group_full[i]:
+                names.append((fmt.chunk_digest(view), xxhash.xxh3_128_digest(view)))
+            else:
+                inline.append(bytes(view))
+        keys = [fmt.chunk_key(root, b) for b, _ in names]
+        pipe = self.r.pipeline(transaction=False)
+        for k in keys:
+            pipe.pttl(k)
+        left = pipe.execute()
+        lacking = [j for j, ms in enumerate(left) if not isinstance(ms, int) or ms == -2]
+        longer = [j for j, ms in enumerate(left) if isinstance(ms, int) and 0 <= ms < life]
+        if longer:
+            pipe = self.r.pipeline(transaction=False)
+            for j in longer:
+                pipe.pexpire(keys[j], life)
+            # (one that expired since: sent below)
+            lacking += [j for j, ok in zip(longer, pipe.execute(), strict=True) if not ok]
+        sent = 0
+        pipe, batch = self.r.pipeline(transaction=False), 0
+        for j in sorted(lacking):
+            i = full[j]
+            view = scratch[: layout.group_sizes[i]].data
+            kvformat.gather(layout, data, i, view)
+            value = fmt.chunk_value(self.conf.codec, view)
+            pipe.set(keys[j], value, px=life)
+            sent += len(value)
+            batch += len(value)
+            if batch >= SEND_BATCH:
+                pipe.execute()
+                pipe, batch = self.r.pipeline(transaction=False), 0
+        pipe.execute()
+        self.chunks_sent += len(lacking)
+        self.chunks_present += len(names) - len(lacking)
+        body = fmt.pack_body(layout, inline)
+        return body, b"".join(b + x for b, x in names), sent
 
     def _index(self, ev: Accepted, rid: bytes, chain: list[bytes], ttl_ms: int) -> None:
         """Make record ``rid`` (of ``ev``, whose digest chain is ``chain``) findable: in
@@ -403,7 +473,23 @@ class Fetcher:
         self.corrupt = self.bad_keys = self.refused_skipped = 0
         self.fetched_bytes = 0
         self.fetch_seconds = 0.0
+        #: chunks of fetched records taken from this arena, and read from Redis
+        self.chunks_local = self.chunks_pulled = 0
+        #: where this arena keeps a chunk (``Chunks.where``), and this thread's read-only
+        #: view to copy it from (``attach``): without them every chunk is read from Redis
+        self.locate: Callable[[tuple[int, bytes, bytes]], tuple[int, int, int] | None] | None
+        self.source: PayloadSource | None
+        self.locate, self.source = None, None
         self._thread = threading.Thread(target=self._run, name="shmkv-fetch", daemon=True)
+
+    def attach(
+        self,
+        locate: Callable[[tuple[int, bytes, bytes]], tuple[int, int, int] | None],
+        source: PayloadSource,
+    ) -> None:
+        """Take the chunks of a fetched record that this arena holds from it (``locate``
+        says where one is, ``source`` reads it), not from Redis. Before :meth:`start`."""
+        self.locate, self.source = locate, source
 
     def start(self) -> None:
         self._thread.start()
@@ -594,16 +680,22 @@ class Fetcher:
         rid = man.rid()
         if self.joinable(rid):  # (being put into the arena, or just put: read once)
             return FetchResult(req.key, "joined", man, req=req)
-        bw = self.bandwidth or DEFAULT_BANDWIDTH
-        cost = self.rtt + man.stored_len / bw
-        if req.prefill_tps > 0 and cost >= (useful - req.have) / req.prefill_tps:
+        # (fetching beats prefilling what it saves? For a chunked record, decided once its
+        # body says which chunks this arena lacks)
+        worth = self._worth(req, useful)
+        if not man.chunks and not worth(man.stored_len):
             return FetchResult(req.key, "not_worth", man)
         try:
             stored = self._read_pieces(rid, man)
             if stored is None:
                 return FetchResult(req.key, "none")  # expired or evicted under maxmemory
-            payload = _decompress(man.codec, stored, man.payload_len)
+            payload: bytes | bytearray | None = _decompress(man.codec, stored, man.stored_of)
             del stored
+            status = "found"
+            if man.chunks and payload is not None:
+                status, payload = self._chunked(rid, man, payload, worth)
+            if payload is None:
+                return FetchResult(req.key, status, man if status == "not_worth" else None)
             if (
                 len(payload) != man.payload_len
                 or xxhash.xxh3_64_intdigest(payload) != man.payload_xxh3
@@ -617,6 +709,83 @@ class Fetcher:
         with self._lock:
             self._landing.add(rid)
         return FetchResult(req.key, "found", man, payload)
+
+    def _worth(self, req: FetchReq, useful: int) -> Callable[[int], bool]:
+        """Whether reading ``n`` more bytes from Redis takes less time than prefilling the
+        ``useful - have`` tokens it saves (at the worker's measured speed; unmeasured:
+        yes)."""
+        bw = self.bandwidth or DEFAULT_BANDWIDTH
+
+        def worth(n: int) -> bool:
+            tps = req.prefill_tps
+            return tps <= 0 or self.rtt + n / bw < (useful - req.have) / tps
+
+        return worth
+
+    def _chunked(
+        self, rid: bytes, man: fmt.Manifest, body: bytes | bytearray, worth: Callable[[int], bool]
+    ) -> tuple[str, bytearray | None]:
+        """Chunked record ``man``'s payload, put together from its ``body`` and its chunks:
+        those this arena holds copied from it (under the record's publisher uid, checked
+        by XXH3-128), the others read from Redis (checked by BLAKE2b-128). ("found",
+        payload), or (status, None): "not_worth" (the chunks to read take longer than the
+        prefill), "none" (a chunk is gone: the record is forgotten)."""
+        layout, inline = fmt.parse_body(body, man)
+        full = [i for i, f in enumerate(layout.group_full) if f]
+        groups: list[bytes | memoryview | None] = [None] * len(layout.group_sizes)
+        it = iter(inline)
+        for i, f in enumerate(layout.group_full):
+            if not f:
+                groups[i] = next(it)
+        need: list[tuple[int, int]] = []  # (chunk, group)
+        for j, i in enumerate(full):
+            _, xxh = man.chunk(j)
+            got = None
+            if self.locate is not None and self.source is not None:
+                where = self.locate((man.uid, layout.group_sigs[i], xxh))
+                if where is not None and where[2] == layout.group_sizes[i]:
+                    got = self.source.chunk(where, xxh)
+            if got is None:
+                need.append((j, i))
+            else:
+                groups[i] = got
+        self.chunks_local += len(full) - len(need)
+        if not worth(sum(layout.group_sizes[i] for _, i in need)):
+            return "not_worth", None
+        t1, nbytes = time.perf_counter(), 0
+        for lo in range(0, len(need), PIECES_PER_READ):
+            batch = need[lo : lo + PIECES_PER_READ]
+            pipe = self.r.pipeline(transaction=False)
+            for j, _ in batch:
+                pipe.get(fmt.chunk_key(man.root, man.chunk(j)[0]))
+            for (j, i), raw in zip(batch, self._results(pipe), strict=True):
+                if raw is None:  # (expired or evicted: the record can never be read again)
+                    log.info("remote record %s lost a chunk: forgotten", rid.hex()[:12])
+                    self._forget(rid)
+                    return "none", None
+                blake, xxh = man.chunk(j)
+                data = fmt.chunk_data(raw, layout.group_sizes[i], blake)
+                if xxhash.xxh3_128_digest(data) != xxh:
+                    raise TierError("remote chunk's two digests disagree", "corrupt")
+                groups[i] = data
+                nbytes += len(raw)
+        self.chunks_pulled += len(need)
+        self.fetched_bytes += nbytes
+        if need:
+            self._measured(nbytes, time.perf_counter() - t1)
+        out = bytearray(man.payload_len)
+        try:
+            kvformat.assemble(layout, groups, memoryview(out))  # type: ignore[arg-type]
+        except ArenaCorruptError as e:
+            raise TierError(f"remote record does not assemble: {e}", "corrupt") from None
+        return "found", out
+
+    def _measured(self, nbytes: int, dt: float) -> None:
+        """``nbytes`` were read from Redis in ``dt`` seconds: the bandwidth estimate."""
+        self.fetch_seconds += dt
+        if dt > 0:
+            got = nbytes / dt
+            self.bandwidth = got if not self.bandwidth else 0.7 * self.bandwidth + 0.3 * got
 
     # ------------------------------------------------------------- merging
     def joinable(self, rid: bytes) -> bool:
@@ -663,21 +832,22 @@ class Fetcher:
                 out[pos : pos + want] = part
                 pos += want
                 self.fetched_bytes += want
-        dt = time.perf_counter() - t1
-        self.fetch_seconds += dt
-        if dt > 0:
-            got = man.stored_len / dt
-            self.bandwidth = got if not self.bandwidth else 0.7 * self.bandwidth + 0.3 * got
+        self._measured(man.stored_len, time.perf_counter() - t1)
         return out
 
     def _corrupt(self, rid: bytes, e: TierError) -> None:
         self.corrupt += 1
         self._refuse(rid)
         log.warning("remote record %s rejected: %s", rid.hex()[:12], e)
+        self._forget(rid)
+
+    def _forget(self, rid: bytes) -> None:
+        """Delete record ``rid``'s manifest: nobody fetches it again, and the next node
+        that publishes its prompt writes it anew."""
         try:
-            self.r.delete(fmt.manifest_key(rid))  # nobody fetches it again
-        except Exception as e2:
-            log.debug("cannot delete the corrupt remote record: %s", e2)
+            self.r.delete(fmt.manifest_key(rid))
+        except Exception as e:
+            log.debug("cannot delete the remote record: %s", e)
 
     def close(self) -> None:
         self._stop.set()

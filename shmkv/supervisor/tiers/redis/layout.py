@@ -12,6 +12,21 @@ One record, named by its remote id ``rid = BLAKE2b-128(root | fingerprint | toke
                              ``{"v": 2, "m": <body>, "mac": <HMAC-SHA256 or b"">}``, the
                              body a msgpack map of the fields of :class:`Manifest`
 
+A record whose state splits into token groups (``shmkv.core.kvformat``: a KV cache's
+state, not a recurrent one) is written in format 3: its pieces hold its **body** (the
+group layout and the groups that are not full, :func:`pack_body`), and each full group
+is a **chunk** stored once for every record and node that has the same bytes::
+
+    shmkv:{<root hex>.<chunk hex>}:c   one full group's data (a codec byte, then the
+                                       bytes, zstd-compressed if that is smaller)
+
+``chunk`` being the BLAKE2b-128 of the group's data; the manifest names each chunk by
+that digest and by its XXH3-128 (how the arena finds a chunk it already holds: a node
+fetches only the chunks its arena lacks, and a writer sends only those Redis lacks).
+The chunk keys are rooted in the record's root (model, context settings, tenant): a
+tenant never learns whether another computed the same bytes. A whole record (format 2)
+has no chunks: its pieces hold its payload.
+
 and each record is findable from a prompt through one hash per chunk prefix::
 
     shmkv:{<root hex>}:x<chunk>:<digest hex>   HASH  rid -> "<token count>:<tokens tag>"
@@ -42,32 +57,37 @@ their question share one index hash, and are told apart without a round trip eac
 
 A reader trusts nothing it reads here beyond what it checks: :func:`unpack_manifest`
 bounds every field and checks that root, fingerprint and tokens hash to the key it was
-read under; each piece is checked against its BLAKE2b-128 digest in the manifest as it
-arrives, the payload against the manifest's XXH3 once assembled; the arena's put checks
-it again, and the worker checks fingerprint, tokens and checksum before it restores, as
-for any local record. With ``--remote-key-file`` the manifest's body (which names every
-piece's digest, the payload's length and the publisher's uid) carries an HMAC-SHA256
-under the key: a node with keys takes only records whose MAC verifies under one of them,
-so nobody who can merely write to Redis can make it restore a state they computed.
+read under; each piece and each chunk is checked against its BLAKE2b-128 digest in the
+manifest as it arrives (a chunk taken from the local arena, against its XXH3-128), the
+payload against the manifest's XXH3 once assembled; the arena's put checks it again,
+and the worker checks fingerprint, tokens and checksum before it restores, as for any
+local record. With ``--remote-key-file`` the manifest's body (which names every piece's
+digest, the payload's length, the publisher's uid and a chunked record's chunk
+digests) carries an HMAC-SHA256 under the key: a node with keys takes only records
+whose MAC verifies under one of them, so nobody who can merely write to Redis can make
+it restore a state they computed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
 
+from shmkv.core import kvformat
 from shmkv.core.arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
-from shmkv.core.errors import TierError
+from shmkv.core.errors import ArenaCorruptError, TierError
 from shmkv.core.keys import remote_id
 from shmkv.supervisor.tiers.base import RecordMeta
 
-VERSION = 2
+#: a whole record's manifest (its pieces hold the payload), and a chunked record's
+VERSION, CHUNKED_VERSION = 2, 3
 #: bytes per piece: one command per MiB keeps Redis responsive to other clients
 PIECE = 1 << 20
 #: the largest payload a manifest may describe (a 1M-token state of a big model fits)
@@ -82,8 +102,15 @@ MIN_KEY = 32
 #: boundary pointers one record writes at most (a 16k-token record at 64-token chunks
 #: has one per chunk; a longer one, one every few chunks)
 MAX_BOUNDARIES = 256
-#: the longest manifest a reader accepts (token ids and piece digests dominate)
-MAX_MANIFEST = 4 * MAX_TOKENS + PIECE_DIGEST * MAX_PIECES + 4096
+#: bytes a chunked record's manifest keeps per chunk: BLAKE2b-128, then XXH3-128
+CHUNK_REF = 32
+#: the most chunks one record may name (a state with more is written whole)
+MAX_CHUNKS = 1 << 16
+#: the longest manifest a reader accepts (token ids, piece and chunk digests dominate)
+MAX_MANIFEST = 4 * MAX_TOKENS + PIECE_DIGEST * MAX_PIECES + CHUNK_REF * MAX_CHUNKS + 4096
+#: a chunk value's first byte: how the rest is stored
+CHUNK_RAW, CHUNK_ZSTD = 0, 1
+_BODY_HEAD = struct.Struct("<I")
 
 
 def piece_digest(piece: bytes | memoryview) -> bytes:
@@ -132,6 +159,85 @@ def index_key(root: bytes, chunk: int, digest: bytes) -> str:
 
 def boundary_key(root: bytes, chunk: int, digest: bytes) -> str:
     return f"{PREFIX}:{{{root.hex()}}}:y{chunk}:{digest.hex()}"
+
+
+def chunk_key(root: bytes, digest: bytes) -> str:
+    """Where the chunk of BLAKE2b-128 ``digest`` of a record rooted in ``root`` is."""
+    return f"{PREFIX}:{{{root.hex()}.{digest.hex()}}}:c"
+
+
+def chunk_digest(data: bytes | memoryview) -> bytes:
+    """A chunk's name in Redis and in the manifest: BLAKE2b-128 of its data."""
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
+
+
+def chunk_value(codec: str, data: bytes | memoryview) -> bytes:
+    """What a chunk's key holds: a codec byte, then ``data`` (zstd if ``codec`` says so
+    and that is smaller)."""
+    if codec == "zstd":
+        import zstandard
+
+        packed = zstandard.ZstdCompressor(level=1).compress(data)
+        if len(packed) < len(data):
+            return bytes([CHUNK_ZSTD]) + packed
+    return bytes([CHUNK_RAW]) + bytes(data)
+
+
+def chunk_data(raw: bytes, length: int, digest: bytes) -> bytes:
+    """The data of a chunk value read from Redis, which must be ``length`` bytes of
+    BLAKE2b-128 ``digest``; TierError("corrupt") if not (never more than ``length``
+    bytes are produced)."""
+    if not raw or raw[0] not in (CHUNK_RAW, CHUNK_ZSTD):
+        raise TierError("remote chunk of an unknown codec", "corrupt")
+    data: bytes = raw[1:]
+    if raw[0] == CHUNK_ZSTD:
+        import zstandard
+
+        try:
+            if zstandard.frame_content_size(data) != length:
+                raise TierError("remote chunk's frame size does not match its record", "corrupt")
+            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=length)
+        except zstandard.ZstdError as e:
+            raise TierError(f"remote chunk undecodable: {e}", "corrupt") from None
+    if len(data) != length or chunk_digest(data) != digest:
+        raise TierError("remote chunk does not match its manifest", "corrupt")
+    return data
+
+
+def pack_body(layout: kvformat.Manifest, inline: Sequence[bytes | memoryview]) -> bytes:
+    """A chunked record's body: the length of its packed group layout, the layout, then
+    the data of each group that is not full (in blob order)."""
+    packed = layout.pack()
+    return b"".join([_BODY_HEAD.pack(len(packed)), packed, *inline])
+
+
+def parse_body(
+    body: bytes | bytearray, man: Manifest
+) -> tuple[kvformat.Manifest, list[memoryview]]:
+    """A chunked record's group layout and the data of its groups that are not full, read
+    from its ``body`` and checked against ``man`` (the blob's length, one chunk per full
+    group, the lengths adding up); TierError("corrupt") if anything disagrees."""
+    mv = memoryview(body)
+    if len(mv) < _BODY_HEAD.size:
+        raise TierError("remote record's body is shorter than its header", "corrupt")
+    (n,) = _BODY_HEAD.unpack_from(mv)
+    if n > len(mv) - _BODY_HEAD.size:
+        raise TierError("remote record's layout runs past its body", "corrupt")
+    try:
+        layout = kvformat.Manifest.unpack(mv[_BODY_HEAD.size : _BODY_HEAD.size + n])
+    except ArenaCorruptError as e:
+        raise TierError(f"remote record's layout is unreadable: {e}", "corrupt") from None
+    if layout.blob_len != man.payload_len or sum(layout.group_full) != man.n_chunks:
+        raise TierError("remote record's layout does not match its manifest", "corrupt")
+    pos = _BODY_HEAD.size + n
+    inline = []
+    for size, full in zip(layout.group_sizes, layout.group_full, strict=True):
+        if not full:
+            inline.append(mv[pos : pos + size])
+            pos += size
+    if pos != len(mv):
+        raise TierError("remote record's groups do not add up to its body", "corrupt")
+    return layout, inline
 
 
 def boundary_value(rid: bytes, n_tokens: int) -> str:
@@ -184,10 +290,33 @@ class Manifest:
     uid: int
     #: :func:`piece_digest` of each stored piece, concatenated
     digests: bytes
+    #: a chunked record (format 3): its body's length (what the pieces hold, before
+    #: compression), and per chunk its :func:`chunk_digest` and XXH3-128; 0 and b"" for
+    #: a whole record (format 2: the pieces hold the payload)
+    body_len: int = 0
+    chunks: bytes = b""
 
     @property
     def n_tokens(self) -> int:
         return len(self.tokens) // 4
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks) // CHUNK_REF
+
+    @property
+    def version(self) -> int:
+        return CHUNKED_VERSION if self.chunks else VERSION
+
+    @property
+    def stored_of(self) -> int:
+        """What the pieces hold once decompressed: the body, or the payload."""
+        return self.body_len if self.chunks else self.payload_len
+
+    def chunk(self, j: int) -> tuple[bytes, bytes]:
+        """Chunk ``j``'s (BLAKE2b-128, XXH3-128)."""
+        ref = self.chunks[j * CHUNK_REF : (j + 1) * CHUNK_REF]
+        return ref[:DIGEST_SIZE], ref[DIGEST_SIZE:]
 
     @property
     def pieces(self) -> int:
@@ -211,9 +340,13 @@ class Manifest:
 
     def pack(self, key: bytes | None = None) -> bytes:
         """The stored manifest, MACed under ``key`` if given."""
+        fields: dict[str, Any] = {}
+        if self.chunks:
+            fields = {"body": self.body_len, "chunks": self.chunks}
         body: bytes = msgpack.packb(
             {
-                "v": VERSION,
+                "v": self.version,
+                **fields,
                 "root": self.root,
                 "fp": self.fingerprint,
                 "tokens": self.tokens,
@@ -230,7 +363,7 @@ class Manifest:
             use_bin_type=True,
         )
         tag = b"" if key is None else mac(key, self.rid(), body)
-        out: bytes = msgpack.packb({"v": VERSION, "m": body, "mac": tag}, use_bin_type=True)
+        out: bytes = msgpack.packb({"v": self.version, "m": body, "mac": tag}, use_bin_type=True)
         return out
 
 
@@ -249,7 +382,8 @@ def unpack_manifest(rid: bytes, raw: bytes, keys: Sequence[bytes] = ()) -> Manif
     if len(raw) > MAX_MANIFEST:
         raise TierError("remote manifest too large", "corrupt")
     env = _unpack(raw)
-    if not isinstance(env, dict) or env.get("v") != VERSION:
+    version = env.get("v") if isinstance(env, dict) else None
+    if version not in (VERSION, CHUNKED_VERSION):
         raise TierError("remote manifest of another format version", "corrupt")
     body, tag = env.get("m"), env.get("mac")
     if not isinstance(body, bytes) or not isinstance(tag, bytes):
@@ -257,7 +391,7 @@ def unpack_manifest(rid: bytes, raw: bytes, keys: Sequence[bytes] = ()) -> Manif
     if keys and not any(hmac.compare_digest(mac(k, rid, body), tag) for k in keys):
         raise TierError("remote manifest not signed by any key of --remote-key-file", "unverified")
     m = _unpack(body)
-    if not isinstance(m, dict) or m.get("v") != VERSION:
+    if not isinstance(m, dict) or m.get("v") != version:
         raise TierError("remote manifest of another format version", "corrupt")
 
     def field(name: str, typ: type, lo: int = 0, hi: int = 1 << 64) -> Any:
@@ -282,15 +416,23 @@ def unpack_manifest(rid: bytes, raw: bytes, keys: Sequence[bytes] = ()) -> Manif
         uid=field("uid", int, 0, 1 << 32),
         digests=field("digests", bytes, PIECE_DIGEST, PIECE_DIGEST * MAX_PIECES + 1),
     )
+    if version == CHUNKED_VERSION:
+        man = replace(
+            man,
+            body_len=field("body", int, 1, MAX_PAYLOAD + 1),
+            chunks=field("chunks", bytes, CHUNK_REF, CHUNK_REF * MAX_CHUNKS + 1),
+        )
+        if len(man.chunks) % CHUNK_REF:
+            raise TierError("remote manifest's chunk list is of an odd length", "corrupt")
     if len(man.tokens) % 4 or man.codec not in CODECS:
         raise TierError("remote manifest has odd tokens or an unknown codec", "corrupt")
     if field("pieces", int, 1, MAX_PIECES + 1) != man.pieces:
         raise TierError("remote manifest's piece count does not match its length", "corrupt")
     if len(man.digests) != PIECE_DIGEST * man.pieces:
         raise TierError("remote manifest's piece digests do not match its length", "corrupt")
-    if man.codec == "none" and man.stored_len != man.payload_len:
+    if man.codec == "none" and man.stored_len != man.stored_of:
         raise TierError("remote manifest's lengths disagree", "corrupt")
-    if man.codec == "zstd" and man.stored_len >= man.payload_len:
+    if man.codec == "zstd" and man.stored_len >= man.stored_of:
         raise TierError("remote manifest's compressed length is not smaller", "corrupt")
     if man.rid() != rid:
         raise TierError("remote manifest does not match its key", "corrupt")

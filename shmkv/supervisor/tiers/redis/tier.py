@@ -90,6 +90,8 @@ class Remote:
         self.redis = RedisWriter(self.conf)
         self.writer = WriteBehind(self.redis, PayloadSource(ro_fd))
         self.fetcher = Fetcher(self.conf)
+        #: the fetcher thread's own read-only view, to take chunks this arena holds
+        self._chunk_source = PayloadSource(ro_fd)
         self.stats = RemoteStats()
         self.pending: dict[int, Pending] = {}
         self._next = 1
@@ -105,6 +107,7 @@ class Remote:
         reply)``; tell ``indexed(digests)`` of each fetched record (claims wait on it)."""
         self._store, self._answer, self._indexed = store, answer, indexed
         self.fetcher.capacity = store.geometry.data_size
+        self.fetcher.attach(store.chunks.where, self._chunk_source)
         store.tiers.append(self.writer)
         self.writer.start()
         self.fetcher.start()
@@ -274,6 +277,10 @@ class Remote:
         s.remote_pulled_bytes = f.fetched_bytes
         s.remote_pull_seconds = f.fetch_seconds
         s.remote_bandwidth = int(f.bandwidth)
+        s.remote_chunks_sent = r.chunks_sent
+        s.remote_chunks_present = r.chunks_present
+        s.remote_chunks_local = f.chunks_local
+        s.remote_chunks_pulled = f.chunks_pulled
         s.remote_errors = merged_errors(w.errors, f.errors)
         return s
 
@@ -286,3 +293,4 @@ class Remote:
         self._jobs = []
         self.fetcher.close()
         self.writer.close()
+        self._chunk_source.close()
