@@ -1,5 +1,6 @@
 """Two nodes, one Redis: cross-node hit TTFT against cold and local hits, with and without
-compression (docs/guides/redis.md). Smoke run: ``--quick``."""
+compression, and for a conversation that moves to the other node (which reads only the
+chunks its arena lacks) (docs/guides/redis.md). Smoke run: ``--quick``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import common
 import redis
 
 PREFIX_TOKENS = 2000
+#: the second turn of a conversation that moves to node B
+FOLLOW_TOKENS = 400
 
 
 @contextlib.contextmanager
@@ -68,6 +71,58 @@ def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: 
     return out
 
 
+def arm_moved(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: list[str],
+              follow: str) -> dict[str, Any]:  # fmt: skip
+    """A conversation that moves to node B: A answered its first and second turn and
+    published both states; B, which holds the first turn's state (fetched), gets the
+    second: a cross-node hit that reads only the chunks B's arena lacks. Against the same
+    hit into an empty arena (every chunk read) and a local hit."""
+    with redis.Redis.from_url(url) as r:
+        r.flushall()
+    args = ("--size", "512M", "--remote", url, "--remote-wait", "10")
+    out: dict[str, Any] = {}
+    with common.supervisor(work, *args) as a, common.supervisor(work, *args) as b:
+        pub = common.llama(model, threads, a, n_threads_batch=None)
+        for s in sfx:
+            pub.reset()
+            ttft(pub, prefix + s)
+            pub.reset()
+            ttft(pub, prefix + s + follow)
+        pub.shmkv.flush()
+        done = lambda s: s["remote_queue"] == 0 and s["remote_written"] and s  # noqa: E731
+        common.poll(lambda: done(a.stats()), 60, "write-behind catch-up", every=0.1)
+        node_b = common.llama(model, threads, b, n_threads_batch=None)
+        rows: list[dict[str, Any]] = []
+
+        def second_turn(s: str) -> dict[str, Any]:
+            before = b.stats()
+            node_b.reset()
+            t, text = ttft(node_b, prefix + s + follow)
+            after = b.stats()
+            row = {"ttft": t, "text": text, "remote": node_b.shmkv.last.remote}
+            for k in ("pulled_bytes", "chunks_local", "chunks_pulled", "fetched_bytes"):
+                row[k] = after[f"remote_{k}"] - before[f"remote_{k}"]
+            return row
+
+        for s in sfx:
+            with b.client(populate=False, attach=False) as c:
+                c.clear()
+            empty = second_turn(s)
+            with b.client(populate=False, attach=False) as c:
+                c.clear()
+            node_b.reset()
+            ttft(node_b, prefix + s)  # (B's first turn: fetched from A's)
+            node_b.shmkv.flush()
+            warm = second_turn(s)
+            node_b.reset()
+            local = ttft(node_b, prefix + s + follow)[0]
+            rows.append({"empty": empty, "warm": warm, "local": local})
+        out["rows"] = rows
+        pub.shmkv.close()
+        node_b.shmkv.close()
+    return out
+
+
 @common.command("remote", quick="Fewer requests: a smoke run.", model=True, threads=2)
 @click.option("--redis", "redis_url", default=None, help="Use this Redis instead of our own.")
 def main(report: common.Report, o: Any) -> None:
@@ -85,11 +140,24 @@ def main(report: common.Report, o: Any) -> None:
             del cold_llm
             pairs = [arm_pair(Path(tmp), url, o.model, o.threads, prefix, sfx, codec)
                      for codec in ("none", "zstd")]  # fmt: skip
+            follow = common.fill_to(FOLLOW_TOKENS, lambda t: len(count(t)), " Follow-up.", line)
+            cold_llm, cold2 = common.llama(o.model, o.threads, n_threads_batch=None), []
+            for s in sfx[2:]:
+                cold_llm.reset()
+                cold2.append(ttft(cold_llm, prefix + s + follow)[1])
+            del cold_llm
+            moved = arm_moved(Path(tmp), url, o.model, o.threads, prefix, sfx[2:], follow)
     arms, kinds = [("cold", [t for t, _ in cold])], (("cross-node", "cross"), ("local", "local"))
     for p in pairs:
         p["same_text_as_cold"] = p.pop("cross_texts") == [x for _, x in cold]
         arms += [(f"{w} hit ({p['codec']})", p[f"{k}_s"]) for w, k in kinds]
-    res = {**report.header(), "cold_s": arms[0][1], "pairs": pairs}
+    for name, key in (("moved: cross-node, empty arena", "empty"),
+                      ("moved: cross-node, first turn held", "warm")):  # fmt: skip
+        arms.append((name, [r[key]["ttft"] for r in moved["rows"]]))
+    arms.append(("moved: local hit", [r["local"] for r in moved["rows"]]))
+    for key in ("empty", "warm"):
+        moved[f"same_text_as_cold_{key}"] = [r[key]["text"] for r in moved["rows"]] == cold2
+    res = {**report.header(), "cold_s": arms[0][1], "pairs": pairs, "moved": moved}
     res["config"] = {"quick": o.quick, "prefix_tokens": PREFIX_TOKENS, "threads": o.threads}
     rows = [[a, *(common.fmt_s(s[k]) for k in ("p50", "mean")), str(s["n"])]
             for a, xs in arms if (s := common.summary(xs))]  # fmt: skip
@@ -98,6 +166,13 @@ def main(report: common.Report, o: Any) -> None:
         click.echo(f"{p['codec']}: state {common.fmt_b(p['state_bytes'])}, sent "
                    f"{common.fmt_b(p['stored_bytes'])} for {common.fmt_b(p['written_bytes'])}, "
                    f"answers {p['statuses']}, text as cold: {p['same_text_as_cold']}")  # fmt: skip
+    for key in ("empty", "warm"):
+        rs = [r[key] for r in moved["rows"]]
+        read, state = (sum(r[k] for r in rs) / len(rs) for k in ("pulled_bytes", "fetched_bytes"))
+        click.echo(f"moved, {key}: read {common.fmt_b(read)} per hit for {common.fmt_b(state)} "
+                   f"of state; chunks local {sum(r['chunks_local'] for r in rs)}, read "
+                   f"{sum(r['chunks_pulled'] for r in rs)}; answers {[r['remote'] for r in rs]}, "
+                   f"text as cold: {moved[f'same_text_as_cold_{key}']}")  # fmt: skip
     report.write(res, [(a, (s := common.summary(xs))["p50"], s["p99"]) for a, xs in arms])
 
 
