@@ -28,6 +28,21 @@ def mapped_kib(path: str, field: str = "Rss") -> list[int]:
     return out
 
 
+def resident_kib_at(address: int) -> int:
+    """Resident kB of this process's mapping that holds ``address``, from /proc/self/smaps."""
+    inside, rss = False, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("Rss:"):
+                rss = int(head[1])
+    assert rss is not None, f"no mapping holds {address:#x}"
+    return rss
+
+
 def wait_until(
     pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition", step: float = 0.01
 ) -> Any:
