@@ -18,7 +18,7 @@ import pytest
 from shmkv.core import kvformat
 from shmkv.core.keys import remote_id
 from shmkv.supervisor.tiers.redis import layout as fmt
-from tests.support.blobs import Blob
+from tests.support.blobs import Blob, blob
 from tests.support.kvblobs import kv_state
 from tests.support.redis import (
     NO_REDIS,
@@ -170,3 +170,26 @@ def test_a_signed_chunk_list_cannot_be_swapped(make_supervisor, redis_server, tm
     st = c.stats()
     assert st["remote_fetch_unverified"] == 1 and st["remote_chunks_pulled"] == 0, st
     no_internal_errors(a, b, c)
+
+
+def test_an_oversized_piece_or_chunk_is_read_no_further_than_its_length(
+    make_supervisor, redis_server
+):
+    """Whoever can write to Redis replaces a chunk of a chunked record, and a piece of a
+    whole one, with 64 MiB of junk: node B reads no more of either than the manifest
+    allows (a byte past it), and both are misses."""
+    args = ("--size", "64M", "--remote", redis_server.url)
+    a = make_supervisor(*args)
+    conv, whole = conversation(30), blob(31, 300_000)
+    put_written(a, conv, whole)
+    r = redis_server.client()
+    junk = b"\x00" * (64 << 20)
+    r.set(fmt.chunk_key(ROOT, chunk_names(conv)[0]), junk)
+    r.set(fmt.piece_key(remote_id(whole.root, b"fp", whole.tokens.tobytes()), 0), junk)
+    b = make_supervisor(*args)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B to reach Redis")
+    for x in (conv, whole):
+        before = sent_by(r)
+        assert fetch_blob(b, x) == ("corrupt", None)
+        assert sent_by(r) - before < len(x.data) + (1 << 20), "read the junk"
+    no_internal_errors(a, b)

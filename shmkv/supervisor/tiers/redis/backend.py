@@ -756,10 +756,14 @@ class Fetcher:
         for lo in range(0, len(need), PIECES_PER_READ):
             batch = need[lo : lo + PIECES_PER_READ]
             pipe = self.r.pipeline(transaction=False)
-            for j, _ in batch:
-                pipe.get(fmt.chunk_key(man.root, man.chunk(j)[0]))
+            for j, i in batch:  # (never more than a chunk of its size can take)
+                pipe.getrange(
+                    fmt.chunk_key(man.root, man.chunk(j)[0]),
+                    0,
+                    fmt.chunk_room(layout.group_sizes[i]),
+                )
             for (j, i), raw in zip(batch, self._results(pipe), strict=True):
-                if raw is None:  # (expired or evicted: the record can never be read again)
+                if not raw:  # (expired or evicted: the record can never be read again)
                     log.info("remote record %s lost a chunk: forgotten", rid.hex()[:12])
                     self._forget(rid)
                     return "none", None
@@ -820,10 +824,12 @@ class Fetcher:
         for lo in range(0, man.pieces, PIECES_PER_READ):
             hi = min(man.pieces, lo + PIECES_PER_READ)
             pipe = self.r.pipeline(transaction=False)
-            for i in range(lo, hi):
-                pipe.get(fmt.piece_key(rid, i))
+            for i in range(lo, hi):  # (a byte past its length at most: a longer one is bad)
+                pipe.getrange(
+                    fmt.piece_key(rid, i), 0, min(fmt.PIECE, man.stored_len - i * fmt.PIECE)
+                )
             for i, part in zip(range(lo, hi), self._results(pipe), strict=True):
-                if part is None:
+                if not part:
                     return None
                 want = min(fmt.PIECE, man.stored_len - pos)
                 d = fmt.PIECE_DIGEST

@@ -171,6 +171,13 @@ def chunk_digest(data: bytes | memoryview) -> bytes:
     return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
 
 
+def chunk_room(length: int) -> int:
+    """The longest value a chunk of ``length`` data bytes may be stored as: its codec byte,
+    then the data or a smaller zstd frame of it. A reader reads at most one byte more,
+    and a value that long is damaged."""
+    return 1 + length
+
+
 def chunk_value(codec: str, data: bytes | memoryview) -> bytes:
     """What a chunk's key holds: a codec byte, then ``data`` (zstd if ``codec`` says so
     and that is smaller)."""
@@ -187,7 +194,7 @@ def chunk_data(raw: bytes, length: int, digest: bytes) -> bytes:
     """The data of a chunk value read from Redis, which must be ``length`` bytes of
     BLAKE2b-128 ``digest``; TierError("corrupt") if not (never more than ``length``
     bytes are produced)."""
-    if not raw or raw[0] not in (CHUNK_RAW, CHUNK_ZSTD):
+    if not raw or len(raw) > chunk_room(length) or raw[0] not in (CHUNK_RAW, CHUNK_ZSTD):
         raise TierError("remote chunk of an unknown codec", "corrupt")
     data: bytes = raw[1:]
     if raw[0] == CHUNK_ZSTD:
