@@ -89,12 +89,17 @@ class ConnIO:
         conn.backlog_bytes = 0
         self._closed(conn, reason)
 
-    def discard_fds(self, conn: Conn) -> None:
-        """Close (off the loop) the descriptors a peer sent that no put took."""
-        for fd in conn.fds:
+    def discard_fds(self, conn: Conn, upto: int | None = None) -> None:
+        """Close (off the loop) the descriptors a peer sent that no put took: all of them,
+        or those that came with frames handled already (their read ended at or before
+        stream offset ``upto``: the frame they came with was one of those, and took none)."""
+        n = len(conn.fds)
+        if upto is not None:
+            n = next((i for i, end in enumerate(conn.fd_ends) if end > upto), n)
+        for fd in conn.fds[:n]:
             self._counters().foreign_fds += 1
             discard(fd)
-        conn.fds.clear()
+        del conn.fds[:n], conn.fd_ends[:n]
 
     def on_readable(self, conn: Conn) -> None:
         try:
@@ -106,7 +111,10 @@ class ConnIO:
         except OSError as e:
             self.close(conn, str(e))
             return
-        conn.fds.extend(fds_of(anc))
+        conn.fed += len(data)
+        new = fds_of(anc)
+        conn.fds.extend(new)
+        conn.fd_ends.extend([conn.fed] * len(new))
         if flags & socket.MSG_CTRUNC or len(conn.fds) > MAX_PENDING_FDS:
             self.reply_error(
                 conn, 0, ProtocolError(f"more than {MAX_PENDING_FDS} file descriptors sent at once")
@@ -136,6 +144,9 @@ class ConnIO:
             body = conn.backlog.popleft()
             conn.backlog_bytes -= len(body)
             self._handle(conn, body)
+            conn.handled += 4 + len(body)
+            if conn.fds and not conn.closing:  # (a put took its own at once)
+                self.discard_fds(conn, upto=conn.handled)  # fds no later frame can own
         if conn.closing:
             return
         if not conn.backlog and conn.frames.pending() == 0 and conn.fds:

@@ -52,8 +52,14 @@ class Conn:
     #: the peer's parent pid when it connected (None: not visible in /proc)
     ppid: int | None = None
     frames: FrameBuffer = field(default_factory=FrameBuffer)
-    #: descriptors received (SCM_RIGHTS) and not yet taken by a put
+    #: descriptors received (SCM_RIGHTS) and not yet taken by a put, and for each the
+    #: stream offset where the read that brought it ended: its frame holds a byte before
+    #: that offset (the kernel hands descriptors with the last segment of a read)
     fds: list[int] = field(default_factory=list)
+    fd_ends: list[int] = field(default_factory=list)
+    #: stream bytes read from the peer, and those of the frames handled
+    fed: int = 0
+    handled: int = 0
     #: replies not yet sent: [data, fds or None] each
     out: deque[list[Any]] = field(default_factory=deque)
     out_bytes: int = 0
@@ -66,6 +72,14 @@ class Conn:
     events: int = 0
     attached: bool = False
     closing: bool = False
+
+
+    def take_fd(self) -> int | None:
+        """The first descriptor not yet taken (a put's memfd), or None."""
+        if not self.fds:
+            return None
+        self.fd_ends.pop(0)
+        return self.fds.pop(0)
 
 
 def parent_pid(pid: int) -> int | None:

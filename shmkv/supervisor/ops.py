@@ -516,9 +516,9 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     payload_len = get_int(msg, "payload_len", 1)
     checksum = get_int(msg, "checksum", 0, MAX_U64)
     pinned = get_bool(msg, "pin")
-    if not conn.fds:
+    fd = conn.take_fd()
+    if fd is None:
         raise BadRequest("put without a memfd: send the payload fd with SCM_RIGHTS")
-    fd = conn.fds.pop(0)
     work = None
     try:
         if pinned and not Privilege.ADMIN.permits(conn):
