@@ -73,7 +73,6 @@ class Conn:
     attached: bool = False
     closing: bool = False
 
-
     def take_fd(self) -> int | None:
         """The first descriptor not yet taken (a put's memfd), or None."""
         if not self.fds:
