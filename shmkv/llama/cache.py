@@ -165,7 +165,7 @@ class Call:
         cache = self.cache
         if self.prompt_logits:  # a restore brings cells, not the logits of their tokens
             return cache.keep_local(self.prompt, limit=cache.scores_valid)
-        reused = self.fetch(cache.restore(self.tokens))
+        reused = self.fetch_and_restore()
         budget = cache.settings.coalesce_wait
         chunk = cache.chunk_tokens if budget > 0 else None
         if chunk is None:
@@ -193,33 +193,33 @@ class Call:
                 return reused
         return reused
 
-    def fetch(self, reused: int) -> int:
-        """On a miss, or a hit much shorter than the prompt, ask the supervisor to fetch a
-        longer prefix from ``--remote`` (one round trip, bounded wait); restore it if it
-        came. Returns the prompt tokens now in the context."""
+    def fetch_and_restore(self) -> int:
+        """Restore; first, if what the arena and the context hold of the prompt leaves a
+        long prefill, ask the supervisor to fetch a longer prefix from ``--remote`` (one
+        round trip, bounded wait), so that a record it fetches is the one restored (not a
+        shorter local one first, then it). Returns the prompt tokens now in the context."""
         cache = self.cache
         chunk, wait = cache.chunk_tokens, float(getattr(cache.settings, "remote_wait", 0.0))
         if not chunk or wait <= 0 or not cache.reader.attach_info.get("remote"):
-            return reused
-        if len(self.prompt) - reused < COALESCE_MIN_CHUNKS * chunk:
-            return reused
+            return cache.restore(self.tokens)
+        have = cache.probe(self.tokens)
+        if len(self.prompt) - have < COALESCE_MIN_CHUNKS * chunk:
+            return cache.restore(self.tokens)
         t0 = time.perf_counter()
         try:
             status = cache.reader.fetch(
-                self.root, self.prompt, reused, wait, cache.prefill_tps, cache.policy.cuts_back
+                self.root, self.prompt, have, wait, cache.prefill_tps, cache.policy.cuts_back
             )
         except ShmkvError as e:
             cache.ledger.fail("fetch failed", e)
-            return reused
+            return cache.restore(self.tokens)
         cache.last.remote = status
         cache.last.remote_wait_seconds = time.perf_counter() - t0
         cache.ledger.add(remote_asked=1)
-        if status != "fetched":
-            return reused
-        again = cache.restore(self.tokens)
-        if again > reused:
+        reused = cache.restore(self.tokens)
+        if status == "fetched" and reused > have:
             cache.ledger.add(remote_restored=1)
-        return max(again, reused)
+        return reused
 
     def run(self, orig_generate: Any, reset: bool, kwargs: dict[str, Any]) -> Iterator[int]:
         """Restore, prefill with checkpoints, generate, publish; yields the tokens.
@@ -679,6 +679,13 @@ class SharedPrefixCache:
         if self.call is None or not self.call.is_for(tokens, root):
             self.call = Call(self, tokens)
         return self.call
+
+    def probe(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` a :meth:`restore` would leave in the context now, with
+        nothing restored (the current tenant's records only)."""
+        call = self._call_for(tokens)
+        self.enter(call.root)
+        return self.restorer.probe(call.prompt, call.digests)
 
     def restore(self, tokens: Sequence[int]) -> int:
         """Restore the longest usable cached prefix of ``tokens`` if it beats the context's own

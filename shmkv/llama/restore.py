@@ -85,6 +85,44 @@ class Restorer:
             self.context.seen = min(self.context.seen, local)
         return local
 
+    def probe(self, prompt: np.ndarray, digests_of: Callable[[int], list[bytes]]) -> int:
+        """How many of ``prompt``'s tokens :meth:`restore` would leave in the context now
+        (its own, or the record it would restore), with nothing restored, cut or counted:
+        whether to ask ``--remote`` for more before restoring anything."""
+        llm = self.llm
+        held = common_prefix(np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32), prompt)
+        pos_min = kvstate.pos_min(llm) if held and self.policy.rules.n_swa != 0 else -1
+        local, _ = self.policy.keep_local(
+            policy.Local(held, pos_min, self.context.aligned), len(prompt)
+        )
+        try:
+            view = self.reader.ensure()
+            chunk = view.geometry.chunk_tokens
+            if len(prompt) < chunk:
+                return local
+            digests = digests_of(chunk)
+            trust = self.trust()
+            plan = self.policy.plan(
+                policy.Lookup(
+                    view,
+                    prompt,
+                    chunk,
+                    digests,
+                    self.reader.lookup(digests),
+                    local,
+                    self.owners(trust),
+                    trust,
+                )
+            )
+        except ShmkvError:  # (restore says what is wrong, and counts it)
+            return local
+        if plan.hit is None:
+            return local
+        # (the record shares the prompt's first hit.chunks chunks, its digests say, or
+        # what a peek at its tokens found; ``keep`` only bounds what is kept of it)
+        shares = max(plan.known or 0, plan.hit.chunks * chunk)
+        return max(local, min(plan.keep, shares))
+
     def restore(
         self, prompt: np.ndarray, digests_of: Callable[[int], list[bytes]], last: CallStats
     ) -> Restored:

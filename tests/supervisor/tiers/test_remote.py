@@ -111,7 +111,8 @@ def test_node_b_takes_the_chunks_it_holds_from_its_arena_not_from_redis(
     """Node A answers two questions on one system prompt (the second after a story of a
     few chunks); node B answers them too. B fetches A's first state whole, and for the
     second only the groups its arena lacks (the system prompt's come from its arena:
-    llama.cpp's real state format); greedy text equals cold for both."""
+    llama.cpp's real state format), and restores it once (not the first turn's state
+    first); greedy text equals cold for both."""
     story = " ".join(f"On day {i} the second cat chose mat {i % 3}." for i in range(30))
     second = SYSTEM + " Story: " + story + " Question: which mat did it choose last?"
     jobs = [completion(PROMPT), completion(second)]
@@ -121,9 +122,12 @@ def test_node_b_takes_the_chunks_it_holds_from_its_arena_not_from_redis(
     run_worker(a, models["seed0"], jobs)
     written(a, 2)
     assert a.stats()["remote_chunks_present"] > 0  # (Redis holds the prompt's groups once)
-    got = run_worker(b, models["seed0"], jobs)
-    assert texts(got) == texts(cold)
-    assert [r["last"]["remote"] for r in got["results"]] == ["fetched", "fetched"], got
+    first = run_worker(b, models["seed0"], jobs[:1])
+    got = run_worker(b, models["seed0"], jobs[1:])  # (a new worker: its context is empty)
+    assert texts(first) + texts(got) == texts(cold)
+    assert [r["last"]["remote"] for r in first["results"] + got["results"]] == ["fetched"] * 2
+    # one restore: the fetched record, not first the shorter one B held, then it
+    assert got["totals"]["hits"] == 1, got["totals"]
     st = b.stats()
     assert st["remote_fetched"] == 2 and st["remote_chunks_local"] > 0, st
     assert st["remote_chunks_pulled"] < 2 * a.stats()["remote_chunks_sent"], st
