@@ -75,15 +75,19 @@ class Restorer:
             held = common_prefix(ids, prompt)
         if limit is not None:
             held = min(held, limit)
-        n_swa = self.policy.rules.n_swa
-        pos_min = kvstate.pos_min(llm) if held and n_swa != 0 else -1
-        local, cut = self.policy.keep_local(
-            policy.Local(held, pos_min, self.context.aligned), len(prompt)
-        )
+        local, cut = self._local(prompt, held)
         if (cut or limit is not None) and local < llm.n_tokens:
             llm.n_tokens = local
             self.context.seen = min(self.context.seen, local)
         return local
+
+    def _local(self, prompt: np.ndarray, held: int) -> tuple[int, bool]:
+        """The policy's (tokens the context keeps of the ``held`` it shares with ``prompt``,
+        whether it must cut to that)."""
+        pos_min = kvstate.pos_min(self.llm) if held and self.policy.rules.n_swa != 0 else -1
+        return self.policy.keep_local(
+            policy.Local(held, pos_min, self.context.aligned), len(prompt)
+        )
 
     def probe(self, prompt: np.ndarray, digests_of: Callable[[int], list[bytes]]) -> int:
         """How many of ``prompt``'s tokens :meth:`restore` would leave in the context now
@@ -91,10 +95,7 @@ class Restorer:
         whether to ask ``--remote`` for more before restoring anything."""
         llm = self.llm
         held = common_prefix(np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32), prompt)
-        pos_min = kvstate.pos_min(llm) if held and self.policy.rules.n_swa != 0 else -1
-        local, _ = self.policy.keep_local(
-            policy.Local(held, pos_min, self.context.aligned), len(prompt)
-        )
+        local, _ = self._local(prompt, held)
         try:
             view = self.reader.ensure()
             chunk = view.geometry.chunk_tokens

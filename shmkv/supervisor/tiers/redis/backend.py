@@ -192,15 +192,6 @@ def is_wrongtype(e: BaseException) -> bool:
     return isinstance(e, rex.ResponseError) and str(e).startswith("WRONGTYPE")
 
 
-def _compress(codec: str, data: bytes | memoryview) -> bytes | memoryview:
-    if codec == "zstd":
-        import zstandard
-
-        out: bytes = zstandard.ZstdCompressor(level=1).compress(data)
-        return out
-    return data
-
-
 def _decompress(codec: str, data: bytearray, payload_len: int) -> bytearray | bytes:
     """The payload of ``data``: never more than ``payload_len`` bytes are produced (the
     manifest's length, checked against the arena before anything was read)."""
@@ -297,7 +288,7 @@ class RedisWriter:
         body, chunks, sent = data, b"", 0
         if layout is not None:  # (chunks first: Redis keeps each once)
             body, chunks, sent = self._write_chunks(ev.root, layout, data, ttl_ms)
-        stored = _compress(conf.codec, body)
+        stored = fmt.compress(conf.codec, body)
         codec = conf.codec
         if codec != "none" and len(stored) >= len(body):  # (incompressible: store as is)
             stored, codec = body, "none"

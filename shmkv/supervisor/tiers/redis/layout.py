@@ -178,15 +178,22 @@ def chunk_room(length: int) -> int:
     return 1 + length
 
 
-def chunk_value(codec: str, data: bytes | memoryview) -> bytes:
-    """What a chunk's key holds: a codec byte, then ``data`` (zstd if ``codec`` says so
-    and that is smaller)."""
+def compress(codec: str, data: bytes | memoryview) -> bytes | memoryview:
+    """``data`` as ``--remote-compress`` stores it: zstd level 1, or as is."""
     if codec == "zstd":
         import zstandard
 
-        packed = zstandard.ZstdCompressor(level=1).compress(data)
-        if len(packed) < len(data):
-            return bytes([CHUNK_ZSTD]) + packed
+        out: bytes = zstandard.ZstdCompressor(level=1).compress(data)
+        return out
+    return data
+
+
+def chunk_value(codec: str, data: bytes | memoryview) -> bytes:
+    """What a chunk's key holds: a codec byte, then ``data`` (zstd if ``codec`` says so
+    and that is smaller)."""
+    packed = compress(codec, data)
+    if codec == "zstd" and len(packed) < len(data):
+        return bytes([CHUNK_ZSTD]) + bytes(packed)
     return bytes([CHUNK_RAW]) + bytes(data)
 
 
