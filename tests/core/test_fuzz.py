@@ -411,15 +411,40 @@ def valid_id(v: Any) -> bool:
 
 
 def reply_id(msg: dict[str, Any]) -> int:
-    """The id the reply to ``msg`` carries (0 when it has none, or one out of range)."""
+    """The id the reply to ``msg`` carries (0 when it has none, one out of range, or the
+    frame is over the request decoder's limits, so that no field of it is read)."""
     rid = msg.get("id", 0)
-    return rid if valid_id(rid) else 0
+    return rid if valid_id(rid) and within_limits(msg) else 0
+
+
+def within_limits(msg: dict[str, Any]) -> bool:
+    """Whether ``P.decode_body`` decodes ``msg``: no map or array longer than the request
+    limits, and no more maps and arrays in all (the frame's own map counts) than
+    ``P.REQUEST.max_containers``; otherwise it is refused whole, with id 0."""
+    lim = P.REQUEST
+    seen = 0
+    todo: list[Any] = [msg]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            if len(v) > lim.max_map_len:
+                return False
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            if len(v) > lim.max_array_len:
+                return False
+            todo.extend(v)
+        else:
+            continue
+        seen += 1
+    return lim.max_containers is None or seen <= lim.max_containers
 
 
 def own_worker_exit(msg: dict[str, Any]) -> bool:
     """A ``worker_exit`` of this process: if it succeeds, the supervisor closes every other
     connection of ours."""
-    return msg.get("op") == "worker_exit" and msg.get("pid") == os.getpid()
+    return msg.get("op") == "worker_exit" and msg.get("pid") == os.getpid() and within_limits(msg)
 
 
 @functools.lru_cache(maxsize=16)
@@ -666,6 +691,8 @@ class Fuzzer:
             return
         for msg, _body in sent:
             rid = reply_id(msg)
+            if not within_limits(msg):
+                fuzz_counts["frames_over_decoder_limits"] += 1
             if msg.get("op") == "claim" and rid >= ID_BASE:
                 peer.outstanding.add(rid)  # it may wait on another connection's claim
                 fuzz_counts["claims_async"] += 1
@@ -851,6 +878,45 @@ def test_put_with_a_write_only_memfd_is_a_bad_request_not_an_internal_error(supe
         r.close()
     assert reply["ok"] is False and reply["error"]["code"] == "bad_request", reply
     assert "readable memfd" in reply["error"]["message"]
+    assert_healthy(supervisor)
+
+
+_NESTED = st.recursive(
+    st.none() | st.integers(-3, 3) | st.text(max_size=2),
+    lambda inner: (
+        st.lists(inner, max_size=70) | st.dictionaries(st.text(max_size=2), inner, max_size=70)
+    ),
+    max_leaves=120,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=3), _NESTED, max_size=70))
+def test_the_fuzzers_model_of_the_request_limits_agrees_with_the_decoder(msg):
+    """A drawn put once held 17 maps and arrays: the supervisor refused the frame whole
+    (id 0, as it must: no field of it is read), and the fuzzer, which expected its id,
+    failed. Its model of what decodes is checked here against the decoder itself."""
+    try:
+        P.decode_body(msgpack.packb(msg, use_bin_type=True))
+        decoded = True
+    except P.ProtocolError:
+        decoded = False
+    assert within_limits(msg) == decoded
+
+
+def test_a_frame_over_the_container_limit_is_refused_with_id_0_and_the_connection_serves_on(
+    supervisor,
+):
+    r = Raw(supervisor.socket)
+    try:
+        nested = [[] for _ in range(P.REQUEST.max_containers)]  # and the frame's own map
+        r.send({"op": "ping", "id": 7, "x": nested})
+        reply = r.recv()
+        assert reply is not None and reply["id"] == 0, reply
+        assert reply["error"]["code"] == "protocol", reply
+        assert r.call({"op": "ping", "id": 8})["ok"]
+    finally:
+        r.close()
     assert_healthy(supervisor)
 
 
