@@ -37,8 +37,12 @@ def ttft(llm: Any, prompt: str) -> tuple[float, str]:
 
 
 def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: list[str],
-             codec: str) -> dict[str, Any]:  # fmt: skip
-    """Publish on A, cross-node hits and local hits on B, with ``--remote-compress codec``."""
+             fresh: list[str], codec: str) -> dict[str, Any]:  # fmt: skip
+    """Publish on A, cross-node hits and local hits on B, with ``--remote-compress codec``.
+    A cross-node hit is a new question on the shared prefix: it restores the prefix's
+    state and prefills the rest. Its like-for-like local hit is a new question too
+    (``fresh``, B's arena holding the prefix); a local hit of the same prompt again (an
+    exact record, nothing to prefill) is shown beside it."""
     with redis.Redis.from_url(url) as r:
         r.flushall()
     args = ("--size", "512M", "--remote", url, "--remote-compress", codec, "--remote-wait", "10")
@@ -62,8 +66,13 @@ def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: 
         for s in sfx[2:]:
             node_b.reset()
             local.append(ttft(node_b, prefix + s)[0])
+        new = []
+        for s in fresh:
+            node_b.reset()
+            new.append(ttft(node_b, prefix + s)[0])
+            node_b.shmkv.flush()
         sb = b.stats()
-        out |= dict(cross_s=cross, local_s=local, cross_texts=texts, statuses=statuses)
+        out |= dict(cross_s=cross, local_s=local, fresh_s=new, cross_texts=texts, statuses=statuses)
         out |= dict(fetched_bytes=sb["remote_pulled_bytes"], pull_seconds=sb["remote_pull_seconds"])
         out["state_bytes"] = sb["remote_fetched_bytes"] / max(1, sb["remote_fetched"])
         pub.shmkv.close()
@@ -130,7 +139,8 @@ def main(report: common.Report, o: Any) -> None:
     n, count, w = 2 if o.quick else 5, common.tokenizer(o.model), common.WORDS
     line = lambda i: f" Fact {i}: the {w[i % len(w)]} is next to the {w[i * 7 % len(w)]}."  # noqa: E731
     prefix = common.fill_to(PREFIX_TOKENS, lambda t: len(count(t)), "Context.", line)
-    sfx = [f" Question {k}: where is the {w[(k * 13) % 90]}?" for k in range(2 + n)]
+    qs = [f" Question {k}: where is the {w[(k * 13) % 90]}?" for k in range(2 + 2 * n)]
+    sfx, fresh = qs[: 2 + n], qs[2 + n :]
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
         with redis_server(Path(tmp), o.redis_url) as url:
             cold_llm, cold = common.llama(o.model, o.threads, n_threads_batch=None), []
@@ -138,7 +148,7 @@ def main(report: common.Report, o: Any) -> None:
                 cold_llm.reset()
                 cold.append(ttft(cold_llm, prefix + s))
             del cold_llm
-            pairs = [arm_pair(Path(tmp), url, o.model, o.threads, prefix, sfx, codec)
+            pairs = [arm_pair(Path(tmp), url, o.model, o.threads, prefix, sfx, fresh, codec)
                      for codec in ("none", "zstd")]  # fmt: skip
             follow = common.fill_to(FOLLOW_TOKENS, lambda t: len(count(t)), " Follow-up.", line)
             cold_llm, cold2 = common.llama(o.model, o.threads, n_threads_batch=None), []
@@ -147,10 +157,12 @@ def main(report: common.Report, o: Any) -> None:
                 cold2.append(ttft(cold_llm, prefix + s + follow)[1])
             del cold_llm
             moved = arm_moved(Path(tmp), url, o.model, o.threads, prefix, sfx[2:], follow)
-    arms, kinds = [("cold", [t for t, _ in cold])], (("cross-node", "cross"), ("local", "local"))
+    arms = [("cold", [t for t, _ in cold])]
+    kinds = (("cross-node hit", "cross"), ("local hit, new question", "fresh"),
+             ("local hit, same prompt", "local"))  # fmt: skip
     for p in pairs:
         p["same_text_as_cold"] = p.pop("cross_texts") == [x for _, x in cold]
-        arms += [(f"{w} hit ({p['codec']})", p[f"{k}_s"]) for w, k in kinds]
+        arms += [(f"{w} ({p['codec']})", p[f"{k}_s"]) for w, k in kinds]
     for name, key in (("moved: cross-node, empty arena", "empty"),
                       ("moved: cross-node, first turn held", "warm")):  # fmt: skip
         arms.append((name, [r[key]["ttft"] for r in moved["rows"]]))

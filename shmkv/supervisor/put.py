@@ -75,6 +75,10 @@ SHM_FULL = (
     "supervisor with --reserve true to claim all of --size at start"
 )
 
+MISMATCH = (
+    "payload does not match its checksum: the blob was changed or truncated in transit; not stored"
+)
+
 FULL = (
     "the arena is full of pinned or in-use entries: unpin some, or restart "
     "`shmkv supervise` with a larger --size (or --index-slots)"
@@ -181,7 +185,10 @@ class PutJob:
         self.extent = 0
         self.digests: list[bytes] = []
         #: the payload, staged in our memory (None before the first step and after the end)
-        self.staged: mmap.mmap | None = None
+        self.staged: mmap.mmap | bytes | bytearray | None = None
+        #: a payload in our memory already (a tier's record: ``Store.put_record``): staged
+        #: where it is, not copied (None once staged)
+        self.given: bytes | bytearray | None = None
         #: False: stage at once, past the budget (a put done in one call: ``Store.put``)
         self.may_wait = True
         #: payload bytes staged (and hashed) so far
@@ -326,6 +333,12 @@ class PutJob:
         all of it is in and its checksum matched."""
         if self.planned:
             return True
+        if self.given is not None:  # (its checksum at once: XXH3 of 16 MiB is ~0.3 ms)
+            given, self.given = self.given, None
+            if len(given) != self.payload_len or xxhash.xxh3_64_intdigest(given) != self.xxh3:
+                raise ChecksumMismatch(MISMATCH)
+            self.staged, self.copied = given, self.payload_len
+            return True
         if self.staged is None:
             if not self.store.staging.take(self, self.may_wait):
                 return False  # (in line behind other puts' payloads)
@@ -346,10 +359,7 @@ class PutJob:
         finally:
             view.release()
         if self.hasher.intdigest() != self.xxh3:
-            raise ChecksumMismatch(
-                "payload does not match its checksum: the blob was "
-                "changed or truncated in transit; not stored"
-            )
+            raise ChecksumMismatch(MISMATCH)
         return True
 
     # ------------------------------------------------------------------- plan
@@ -546,8 +556,8 @@ class PutJob:
         :data:`STAGE_BUDGET` to the puts in line."""
         self.new, self.new_groups, self.held, self.refs = [], [], [], []
         self.layout = None
-        staged, self.staged = self.staged, None
-        if staged is not None:
+        staged, self.staged, self.given = self.staged, None, None
+        if isinstance(staged, mmap.mmap):
             try:
                 staged.close()
             except BufferError:  # (a view still out: the mapping goes with its last one)

@@ -284,14 +284,16 @@ class Store:
     def put_record(
         self,
         meta: RecordMeta,
-        payload: bytes | bytearray | memoryview,
+        payload: bytes | bytearray,
         source: TierHook | None,
         may_evict: bool = True,
     ) -> PutJob:
         """Start putting a record that the tier ``source`` holds (a refill from disk, a
         fetch from Redis): :meth:`begin_put` of ``meta`` (its publisher's uid, never ours
         instead; pinned if it was) and ``payload``; ``source`` is not told of it, every
-        other tier is. ``may_evict`` False: refuse (ArenaFullError) rather than evict."""
+        other tier is. ``may_evict`` False: refuse (ArenaFullError) rather than evict.
+        ``payload`` is the tier's, in our memory: staged where it is (checked, not
+        copied), so the caller must not change it until the job is over."""
         job = self.begin_put(
             meta.root,
             np.frombuffer(meta.tokens, dtype="<i4"),
@@ -303,6 +305,8 @@ class Store:
             publisher=meta.publisher,
         )
         job.may_evict, job.source = may_evict, source
+        if not job.done:
+            job.given = payload
         return job
 
     def put(

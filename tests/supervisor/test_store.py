@@ -39,6 +39,7 @@ from shmkv.core.keys import chain_digests
 from shmkv.supervisor.allocator import Allocator
 from shmkv.supervisor.put import PutJob
 from shmkv.supervisor.store import Store
+from shmkv.supervisor.tiers.base import RecordMeta
 from tests.support.arenas import ArenaFile
 from tests.support.blobs import payload_for
 
@@ -1125,3 +1126,47 @@ def test_puts_stage_within_the_budget_in_the_order_they_asked(small_arena: Arena
     e = b.step(math.inf)
     assert e is not None and store.staging.held == 0
     assert bytes(small_arena.view.payload(small_arena.view.read_record(e.offset, e.gen)))
+
+
+def test_a_tiers_record_is_checked_and_staged_where_it_is(small_arena: ArenaFile) -> None:
+    """A record from a tier (fetched from Redis, refilled from disk) is in the supervisor's
+    memory already: ``put_record`` checks it and stages it where it is (no second copy of
+    its payload, no share of the staging budget, no place in its line: it is not held up
+    behind workers' puts waiting there); a damaged one is refused and nothing is stored."""
+    store = small_arena.store
+    store.staging.budget = 3 * PAGE
+
+    def meta(tokens: np.ndarray, data: bytes) -> RecordMeta:
+        return RecordMeta(
+            ROOTS[0], b"fp", tokens.tobytes(), store.uid, False, len(data),
+            xxhash.xxh3_64_intdigest(data), 0.0,
+        )  # fmt: skip
+
+    held = payload_for(ROOTS[0], BASES[0][:8].copy(), 3 * PAGE)
+    worker = store.begin_put(
+        ROOTS[0], BASES[0][:8].copy(), b"fp", len(held), xxhash.xxh3_64_intdigest(held),
+        reader(held), piece=PAGE,
+    )  # fmt: skip
+    assert worker.step(0.0) is None and store.staging.held == 3 * PAGE  # the whole budget
+    waiting = store.begin_put(
+        ROOTS[0], BASES[1][:8].copy(), b"fp", len(held), xxhash.xxh3_64_intdigest(held),
+        reader(held), piece=PAGE,
+    )  # fmt: skip
+    assert waiting.step(0.0) is None and waiting.staged is None  # in line
+
+    tokens = BASES[2][:8].copy()
+    payload = bytearray(payload_for(ROOTS[0], tokens, 4 * PAGE))
+    job = store.put_record(meta(tokens, bytes(payload)), payload, None)
+    e = job.step(math.inf)
+    assert e is not None and store.staging.held == 3 * PAGE
+    assert bytes(small_arena.view.payload(small_arena.view.read_record(e.offset, e.gen))) == payload
+
+    used = store.bytes_used()
+    tokens = BASES[2][:12].copy()
+    damaged = bytearray(payload_for(ROOTS[0], tokens, 2 * PAGE))
+    m = meta(tokens, bytes(damaged))
+    damaged[PAGE] ^= 1
+    with pytest.raises(ChecksumMismatch):
+        store.put_record(m, damaged, None).step(math.inf)
+    assert store.bytes_used() == used
+    assert worker.step(math.inf) is not None and waiting.step(math.inf) is not None

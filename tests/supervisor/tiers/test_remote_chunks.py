@@ -193,3 +193,41 @@ def test_an_oversized_piece_or_chunk_is_read_no_further_than_its_length(
         assert fetch_blob(b, x) == ("corrupt", None)
         assert sent_by(r) - before < len(x.data) + (1 << 20), "read the junk"
     no_internal_errors(a, b)
+
+
+def test_a_signed_manifest_has_each_chunk_checked_by_its_blake2b(
+    make_supervisor, redis_server, tmp_path
+):
+    """With ``--remote-key-file`` a chunk is checked by the BLAKE2b-128 the MAC covers, not
+    only by its XXH3-128 (a fast hash, not a proof against a chosen collision). A manifest
+    signed with a chunk's BLAKE2b changed (that of other bytes), its XXH3-128 and its
+    bytes as they were: a miss. Without the BLAKE2b check it would be fetched."""
+    secret = b"k" * 32
+    key = key_file(tmp_path, "k", secret)
+    args = ("--size", "64M", "--remote", redis_server.url, "--remote-key-file", key)
+    a = make_supervisor(*args)
+    one = conversation(40)
+    put_written(a, one)
+    r = redis_server.client()
+    rid = remote_id(ROOT, b"fp", one.tokens.tobytes())
+    man = fmt.unpack_manifest(rid, r.get(fmt.manifest_key(rid)), [secret])
+    blake, xxh = man.chunk(0)
+    other = hashlib.blake2b(b"other bytes", digest_size=len(blake)).digest()
+    r.set(fmt.chunk_key(ROOT, other), r.get(fmt.chunk_key(ROOT, blake)))
+    env = msgpack.unpackb(r.get(fmt.manifest_key(rid)))
+    body = msgpack.unpackb(env["m"])
+    assert body["chunks"][: len(blake)] == blake
+    body["chunks"] = other + body["chunks"][len(blake) :]
+    env["m"] = msgpack.packb(body, use_bin_type=True)
+    env["mac"] = fmt.mac(secret, rid, env["m"])
+    r.set(fmt.manifest_key(rid), msgpack.packb(env, use_bin_type=True))
+    assert fmt.unpack_manifest(rid, r.get(fmt.manifest_key(rid)), [secret]).chunk(0) == (
+        other,
+        xxh,
+    )
+    b = make_supervisor(*args)
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B to reach Redis")
+    assert fetch_blob(b, one) == ("corrupt", None)
+    st = b.stats()
+    assert st["remote_corrupt"] == 1 and st["entries"] == 0, st
+    no_internal_errors(a, b)

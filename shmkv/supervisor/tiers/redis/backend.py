@@ -52,6 +52,7 @@ from shmkv.core.errors import ArenaCorruptError, ConfigError, TierError, UnsafeP
 from shmkv.core.keys import chain_digests, remote_id
 from shmkv.supervisor.tiers.base import FIRST_BACKOFF, MAX_BACKOFF, Accepted, Event, PayloadSource
 from shmkv.supervisor.tiers.redis import layout as fmt
+from shmkv.supervisor.tiers.redis.bulk import BulkReader, is_wrongtype
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,10 @@ MAX_PROBES = 256
 MAX_FETCH_QUEUE = 64
 #: assumed fetch bandwidth (bytes/s) before one was measured
 DEFAULT_BANDWIDTH = 200e6
-#: pieces one round trip reads (the fetch holds at most this much beyond the record)
+#: pieces one round trip reads
 PIECES_PER_READ = 8
+#: chunk bytes one round trip reads at most (beyond the record, the fetch holds no more)
+READ_BATCH = 8 << 20
 #: refused records remembered (their ids), and for how long (seconds)
 MAX_REFUSED, REFUSED_TTL = 4096, 60.0
 #: records just put into the arena (their ids), and for how long (seconds): a fetch that
@@ -183,13 +186,6 @@ class RemoteConf:
 
     def trusts(self, uid: int) -> bool:
         return self.trusted is None or uid in self.trusted
-
-
-def is_wrongtype(e: BaseException) -> bool:
-    """A reply about one key (of another type, or moved), not about the server."""
-    import redis.exceptions as rex
-
-    return isinstance(e, rex.ResponseError) and str(e).startswith("WRONGTYPE")
 
 
 def _decompress(codec: str, data: bytearray, payload_len: int) -> bytearray | bytes:
@@ -441,6 +437,8 @@ class Fetcher:
     def __init__(self, conf: RemoteConf) -> None:
         self.conf = conf
         self.r: Any = None
+        #: pieces and chunks are read through it, on a connection of its own
+        self.bulk: BulkReader | None = None
         #: the data region's size: a record whose extent is larger is refused unread
         self.capacity = 0
         #: records refused (rid -> until, monotonic): not read again for a while
@@ -518,6 +516,7 @@ class Fetcher:
                 try:
                     if self.r is None:
                         self.r = connect(self.conf.url, self.conf.cluster, self.conf.timeout)
+                        self.bulk = BulkReader(self.r)
                     res = self._fetch(req)
                     self._backoff = FIRST_BACKOFF
                 except Exception as e:
@@ -743,30 +742,42 @@ class Fetcher:
         self.chunks_local += len(full) - len(need)
         if not worth(sum(layout.group_sizes[i] for _, i in need)):
             return "not_worth", None
+        pulled = len(need)
         t1, nbytes = time.perf_counter(), 0
-        for lo in range(0, len(need), PIECES_PER_READ):
-            batch = need[lo : lo + PIECES_PER_READ]
-            pipe = self.r.pipeline(transaction=False)
-            for j, i in batch:  # (never more than a chunk of its size can take)
-                pipe.getrange(
-                    fmt.chunk_key(man.root, man.chunk(j)[0]),
-                    0,
-                    fmt.chunk_room(layout.group_sizes[i]),
-                )
-            for (j, i), raw in zip(batch, self._results(pipe), strict=True):
-                if not raw:  # (expired or evicted: the record can never be read again)
+        keyed = bool(self.conf.keys)
+        assert self.bulk is not None
+        while need:
+            batch: list[tuple[int, int]] = []
+            size = 0
+            while need and (not batch or size + layout.group_sizes[need[0][1]] <= READ_BATCH):
+                batch.append(need.pop(0))
+                size += layout.group_sizes[batch[-1][1]]
+            # (never more than a chunk of its size can take, and one byte to tell)
+            bufs = [bytearray(fmt.chunk_room(layout.group_sizes[i]) + 1) for _, i in batch]
+            reads = [
+                (fmt.chunk_key(man.root, man.chunk(j)[0]), len(buf), memoryview(buf))
+                for (j, _), buf in zip(batch, bufs, strict=True)
+            ]
+            for (j, i), buf, n in zip(batch, bufs, self.bulk.read(reads), strict=True):
+                if n is None:
+                    self.bad_keys += 1
+                if not n:  # (expired or evicted: the record can never be read again)
                     log.info("remote record %s lost a chunk: forgotten", rid.hex()[:12])
                     self._forget(rid)
                     return "none", None
                 blake, xxh = man.chunk(j)
-                data = fmt.chunk_data(raw, layout.group_sizes[i], blake)
+                # (signed manifests: each chunk checked by the BLAKE2b the MAC covers; else
+                # by its XXH3-128, as local chunks are: either catches damage, and without
+                # a key whoever writes to Redis writes manifests too)
+                raw = memoryview(buf)[:n]
+                data = fmt.chunk_data(raw, layout.group_sizes[i], blake if keyed else None)
                 if xxhash.xxh3_128_digest(data) != xxh:
                     raise TierError("remote chunk's two digests disagree", "corrupt")
                 groups[i] = data
-                nbytes += len(raw)
-        self.chunks_pulled += len(need)
+                nbytes += n
+        self.chunks_pulled += pulled
         self.fetched_bytes += nbytes
-        if need:
+        if pulled:
             self._measured(nbytes, time.perf_counter() - t1)
         out = bytearray(man.payload_len)
         try:
@@ -807,30 +818,47 @@ class Fetcher:
                     self._landed.popitem(last=False)
 
     def _read_pieces(self, rid: bytes, man: fmt.Manifest) -> bytearray | None:
-        """The stored bytes of ``man``'s record, each piece checked against its digest as
-        it arrives, a few pieces per round trip; None if a piece is missing."""
-        out = bytearray(man.stored_len)
-        pos = 0
+        """The stored bytes of ``man``'s record, a few pieces per round trip, read into
+        one buffer; each piece checked against its digest as it arrives where the
+        manifest is signed (else the payload's XXH3 is the check); None if a piece is
+        missing."""
+        # (one byte more than the record, so that each read may take one byte more than
+        # its piece: one that does is damaged)
+        out = bytearray(man.stored_len + 1)
         t1 = time.perf_counter()
-        for lo in range(0, man.pieces, PIECES_PER_READ):
-            hi = min(man.pieces, lo + PIECES_PER_READ)
-            pipe = self.r.pipeline(transaction=False)
-            for i in range(lo, hi):  # (a byte past its length at most: a longer one is bad)
-                pipe.getrange(
-                    fmt.piece_key(rid, i), 0, min(fmt.PIECE, man.stored_len - i * fmt.PIECE)
-                )
-            for i, part in zip(range(lo, hi), self._results(pipe), strict=True):
-                if not part:
+        with memoryview(out) as view:
+            for lo in range(0, man.pieces, PIECES_PER_READ):
+                if not self._read_batch(rid, man, view, lo, min(man.pieces, lo + PIECES_PER_READ)):
                     return None
-                want = min(fmt.PIECE, man.stored_len - pos)
-                d = fmt.PIECE_DIGEST
-                if len(part) != want or fmt.piece_digest(part) != man.digests[i * d : i * d + d]:
-                    raise TierError(f"remote piece {i} does not match its manifest", "corrupt")
-                out[pos : pos + want] = part
-                pos += want
-                self.fetched_bytes += want
         self._measured(man.stored_len, time.perf_counter() - t1)
+        del out[man.stored_len :]
         return out
+
+    def _read_batch(
+        self, rid: bytes, man: fmt.Manifest, view: memoryview, lo: int, hi: int
+    ) -> bool:
+        """Pieces ``lo`` to ``hi`` of ``man``'s record into their place in ``view``: one
+        round trip; False if one is missing."""
+        keyed, d = bool(self.conf.keys), fmt.PIECE_DIGEST
+        assert self.bulk is not None
+        reads = []
+        for i in range(lo, hi):
+            pos = i * fmt.PIECE
+            want = min(fmt.PIECE, man.stored_len - pos)
+            reads.append((fmt.piece_key(rid, i), want + 1, view[pos : pos + want + 1]))
+        for i, (_, n, part), got in zip(range(lo, hi), reads, self.bulk.read(reads), strict=True):
+            if got is None:
+                self.bad_keys += 1
+            if not got:
+                return False
+            if got != n - 1 or (
+                keyed and fmt.piece_digest(part[:got]) != man.digests[i * d : i * d + d]
+            ):
+                raise TierError(f"remote piece {i} does not match its manifest", "corrupt")
+            self.fetched_bytes += got
+        for _, _, part in reads:
+            part.release()
+        return True
 
     def _corrupt(self, rid: bytes, e: TierError) -> None:
         self.corrupt += 1
@@ -855,6 +883,8 @@ class Fetcher:
         if self._thread.is_alive():
             self._thread.join(self.conf.timeout * 3 + 1.0)
         if self.r is not None and not self._thread.is_alive():
+            if self.bulk is not None:
+                self.bulk.close()
             try:
                 self.r.close()
             except Exception:  # closing: nothing to do about it

@@ -197,13 +197,13 @@ def chunk_value(codec: str, data: bytes | memoryview) -> bytes:
     return bytes([CHUNK_RAW]) + bytes(data)
 
 
-def chunk_data(raw: bytes, length: int, digest: bytes) -> bytes:
-    """The data of a chunk value read from Redis, which must be ``length`` bytes of
-    BLAKE2b-128 ``digest``; TierError("corrupt") if not (never more than ``length``
-    bytes are produced)."""
+def chunk_data(raw: memoryview, length: int, digest: bytes | None) -> bytes | memoryview:
+    """The data of a chunk value read from Redis, which must be ``length`` bytes (and, if
+    ``digest`` is given, of that BLAKE2b-128); TierError("corrupt") if not (never more
+    than ``length`` bytes are produced). A stored-as-is chunk's data is a view of ``raw``."""
     if not raw or len(raw) > chunk_room(length) or raw[0] not in (CHUNK_RAW, CHUNK_ZSTD):
         raise TierError("remote chunk of an unknown codec", "corrupt")
-    data: bytes = raw[1:]
+    data: bytes | memoryview = raw[1:]
     if raw[0] == CHUNK_ZSTD:
         import zstandard
 
@@ -213,7 +213,7 @@ def chunk_data(raw: bytes, length: int, digest: bytes) -> bytes:
             data = zstandard.ZstdDecompressor().decompress(data, max_output_size=length)
         except zstandard.ZstdError as e:
             raise TierError(f"remote chunk undecodable: {e}", "corrupt") from None
-    if len(data) != length or chunk_digest(data) != digest:
+    if len(data) != length or (digest is not None and chunk_digest(data) != digest):
         raise TierError("remote chunk does not match its manifest", "corrupt")
     return data
 
