@@ -41,8 +41,10 @@ def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: 
     """Publish on A, cross-node hits and local hits on B, with ``--remote-compress codec``.
     A cross-node hit is a new question on the shared prefix: it restores the prefix's
     state and prefills the rest. Its like-for-like local hit is a new question too
-    (``fresh``, B's arena holding the prefix); a local hit of the same prompt again (an
-    exact record, nothing to prefill) is shown beside it."""
+    (``fresh``), asked right after it, B's arena holding what the fetch put there. The
+    questions of the cross-node hits asked again at the end (B's arena holding its own
+    later states: a checkpoint where its questions part, the last one's own) are shown
+    beside them."""
     with redis.Redis.from_url(url) as r:
         r.flushall()
     args = ("--size", "512M", "--remote", url, "--remote-compress", codec, "--remote-wait", "10")
@@ -55,24 +57,25 @@ def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: 
         st_a = common.poll(lambda: done(a.stats()), 60, "write-behind catch-up", every=0.1)
         out |= {k: st_a[f"remote_{k}"] for k in ("written_bytes", "stored_bytes")}
         node_b = common.llama(model, threads, b, n_threads_batch=None)
-        got, local = [], []  # (TTFT, text, remote status) of each cross-node hit
-        for s in sfx[2:]:
+        got, local, new = [], [], []  # (TTFT, text, remote status) of each cross-node hit
+        for s, f in zip(sfx[2:], fresh, strict=True):
             with b.client(populate=False, attach=False) as c:
                 c.clear()
             node_b.reset()
             got.append((*ttft(node_b, prefix + s), node_b.shmkv.last.remote))
             node_b.shmkv.flush()
+            # (like for like: B's arena holds what the cross-node hit put there, the
+            # prefix's state, and a new question restores it and prefills as much)
+            node_b.reset()
+            new.append(ttft(node_b, prefix + f)[0])
+            node_b.shmkv.flush()
         cross, texts, statuses = (list(x) for x in zip(*got, strict=True))
         for s in sfx[2:]:
             node_b.reset()
-            local.append(ttft(node_b, prefix + s)[0])
-        new = []
-        for s in fresh:
-            node_b.reset()
-            new.append(ttft(node_b, prefix + s)[0])
-            node_b.shmkv.flush()
+            local.append(ttft(node_b, prefix + s))
         sb = b.stats()
-        out |= dict(cross_s=cross, local_s=local, fresh_s=new, cross_texts=texts, statuses=statuses)
+        out |= dict(cross_s=cross, local_s=[t for t, _ in local], fresh_s=new, statuses=statuses)
+        out |= dict(cross_texts=texts, local_texts=[x for _, x in local])
         out |= dict(fetched_bytes=sb["remote_pulled_bytes"], pull_seconds=sb["remote_pull_seconds"])
         out["state_bytes"] = sb["remote_fetched_bytes"] / max(1, sb["remote_fetched"])
         pub.shmkv.close()
@@ -161,7 +164,10 @@ def main(report: common.Report, o: Any) -> None:
     kinds = (("cross-node hit", "cross"), ("local hit, new question", "fresh"),
              ("local hit, same prompt", "local"))  # fmt: skip
     for p in pairs:
-        p["same_text_as_cold"] = p.pop("cross_texts") == [x for _, x in cold]
+        # (as cold: unless a hit restores a state at another batch split than the cold
+        # run's, docs/limits.md; as a local hit of the same prompt: always)
+        p["same_text_as_cold"] = p["cross_texts"] == [x for _, x in cold]
+        p["same_text_as_local"] = p.pop("cross_texts") == p.pop("local_texts")
         arms += [(f"{w} ({p['codec']})", p[f"{k}_s"]) for w, k in kinds]
     for name, key in (("moved: cross-node, empty arena", "empty"),
                       ("moved: cross-node, first turn held", "warm")):  # fmt: skip
@@ -177,7 +183,8 @@ def main(report: common.Report, o: Any) -> None:
     for p in pairs:
         click.echo(f"{p['codec']}: state {common.fmt_b(p['state_bytes'])}, sent "
                    f"{common.fmt_b(p['stored_bytes'])} for {common.fmt_b(p['written_bytes'])}, "
-                   f"answers {p['statuses']}, text as cold: {p['same_text_as_cold']}")  # fmt: skip
+                   f"answers {p['statuses']}, text as cold: {p['same_text_as_cold']}, "
+                   f"as local: {p['same_text_as_local']}")  # fmt: skip
     for key in ("empty", "warm"):
         rs = [r[key] for r in moved["rows"]]
         read, state = (sum(r[k] for r in rs) / len(rs) for k in ("pulled_bytes", "fetched_bytes"))
