@@ -477,6 +477,8 @@ class Fuzzer:
         self.next_id = ID_BASE
         self.recent: collections.deque = collections.deque(maxlen=5)
         self.failure: BaseException | None = None
+        #: what led to the first failure: recent actions and the supervisor's log
+        self.failure_note = ""
         self.tails: dict[int, tuple[bytes, list]] = {}
         self.rss0 = self.rss()
         self.rss_max = self.rss0
@@ -996,10 +998,10 @@ def test_worker_exit_answered_before_a_refused_frame_reopens_the_other_connectio
 def test_fuzz_ten_thousand_hostile_messages_over_many_connections(
     make_supervisor, reserve: str, target: int
 ) -> None:
-    # short lease and claim timeouts so that revocation and claim expiry happen too (to see
-    # why a connection was closed, add "--log-level", "debug": the log is in the failure)
+    # short lease and claim timeouts so that revocation and claim expiry happen too; a
+    # debug log, so that a failure shows why the supervisor closed a connection
     args = ["--size", "8M", "--lease-timeout", "2", "--claim-timeout", "3"]
-    sup = make_supervisor(*args, "--reserve", reserve)
+    sup = make_supervisor(*args, "--reserve", reserve, "--log-level", "debug")
     fuzz_counts.clear()
     fz = Fuzzer(sup)
     t0 = time.monotonic()
@@ -1014,12 +1016,16 @@ def test_fuzz_ten_thousand_hostile_messages_over_many_connections(
     @given(a=action())
     def one(a: Action) -> None:
         if fz.failure is not None:  # Hypothesis replays a failing example: against a
-            raise fz.failure  # stateful server, show the first failure, not the replay's
+            note(fz.failure_note)  # stateful server, show the first failure, not the
+            raise fz.failure  # replay's (and what led to it: only the replay's notes show)
         try:
             fz.run(a)
         except BaseException as e:
             fz.failure = e
-            note(f"after {fz.messages} messages; recent actions: {list(fz.recent)!r:.3000}")
+            fz.failure_note = (
+                f"after {fz.messages} messages; recent actions: {list(fz.recent)!r:.3000}\n"
+                f"supervisor log:\n{sup.log()[-6000:]}"
+            )
             raise
 
     try:
