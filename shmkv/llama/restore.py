@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import llama_cpp
 import numpy as np
 
-from shmkv.core.arena import common_prefix
+from shmkv.core.arena import ArenaView, Hit, common_prefix
 from shmkv.core.client import Client
 from shmkv.core.errors import ArenaCorruptError, ShmkvError
 from shmkv.core.stats import CallStats
@@ -35,6 +35,17 @@ class Restored:
     checkpoint: int = 0
     #: met a corrupt record: the call publishes a good copy even if one seems cached
     corrupt: bool = False
+
+
+@dataclass(frozen=True)
+class Found:
+    """What the arena's index holds of a prompt: the longest record on its digest chain."""
+
+    view: ArenaView
+    chunk: int
+    #: the prompt's digest chain for the arena's chunk size
+    digests: list[bytes]
+    hit: Hit | None
 
 
 class Restorer:
@@ -97,32 +108,41 @@ class Restorer:
         held = common_prefix(np.asarray(llm.input_ids[: llm.n_tokens], dtype=np.int32), prompt)
         local, _ = self._local(prompt, held)
         try:
-            view = self.reader.ensure()
-            chunk = view.geometry.chunk_tokens
-            if len(prompt) < chunk:
+            found = self._find(prompt, digests_of)
+            if found is None:
                 return local
-            digests = digests_of(chunk)
-            trust = self.trust()
-            plan = self.policy.plan(
-                policy.Lookup(
-                    view,
-                    prompt,
-                    chunk,
-                    digests,
-                    self.reader.lookup(digests),
-                    local,
-                    self.owners(trust),
-                    trust,
-                )
-            )
+            plan, _ = self._plan(prompt, found, local)
         except ShmkvError:  # (restore says what is wrong, and counts it)
             return local
         if plan.hit is None:
             return local
         # (the record shares the prompt's first hit.chunks chunks, its digests say, or
         # what a peek at its tokens found; ``keep`` only bounds what is kept of it)
-        shares = max(plan.known or 0, plan.hit.chunks * chunk)
+        shares = max(plan.known or 0, plan.hit.chunks * found.chunk)
         return max(local, min(plan.keep, shares))
+
+    def _find(self, prompt: np.ndarray, digests_of: Callable[[int], list[bytes]]) -> Found | None:
+        """The arena's longest record on ``prompt``'s digest chain (lock-free); None if the
+        prompt is shorter than a chunk. Raises what the reader raises."""
+        view = self.reader.ensure()
+        chunk = view.geometry.chunk_tokens
+        if len(prompt) < chunk:
+            return None
+        digests = digests_of(chunk)
+        return Found(view, chunk, digests, self.reader.lookup(digests))
+
+    def _plan(
+        self, prompt: np.ndarray, found: Found, local: int
+    ) -> tuple[policy.Plan, policy.Trust]:
+        """The policy's plan for what ``found`` offers a context that keeps ``local`` tokens
+        (one owners round trip where the policy needs it), and the trust it was made under.
+        Raises ShmkvError if the supervisor cannot be asked."""
+        trust = self.trust()
+        owners = self.owners(trust)
+        lookup = policy.Lookup(
+            found.view, prompt, found.chunk, found.digests, found.hit, local, owners, trust
+        )
+        return self.policy.plan(lookup), trust
 
     def restore(
         self, prompt: np.ndarray, digests_of: Callable[[int], list[bytes]], last: CallStats
@@ -135,12 +155,7 @@ class Restorer:
         local = self.keep_local(prompt, held=held)
         t0 = time.perf_counter()
         try:
-            view = reader.ensure()
-            chunk = view.geometry.chunk_tokens
-            if len(prompt) < chunk:
-                return Restored(local)
-            digests = digests_of(chunk)
-            hit = reader.lookup(digests)
+            found = self._find(prompt, digests_of)
         except ArenaCorruptError as e:
             ledger.fail("corrupt arena", e)
             ledger.add(restore_failures=1)
@@ -148,12 +163,11 @@ class Restorer:
         except ShmkvError as e:
             ledger.fail("supervisor unavailable", e)
             return Restored(local)
-        trust = self.trust()
+        if found is None:
+            return Restored(local)
+        chunk = found.chunk
         try:
-            owners = self.owners(trust)
-            plan = self.policy.plan(
-                policy.Lookup(view, prompt, chunk, digests, hit, local, owners, trust)
-            )
+            plan, trust = self._plan(prompt, found, local)
         except ShmkvError as e:  # (the owners round trip)
             ledger.fail("supervisor unavailable", e)
             return Restored(local)

@@ -755,7 +755,7 @@ class Fetcher:
             # (never more than a chunk of its size can take, and one byte to tell)
             bufs = [bytearray(fmt.chunk_room(layout.group_sizes[i]) + 1) for _, i in batch]
             reads = [
-                (fmt.chunk_key(man.root, man.chunk(j)[0]), len(buf), memoryview(buf))
+                (fmt.chunk_key(man.root, man.chunk(j)[0]), memoryview(buf))
                 for (j, _), buf in zip(batch, bufs, strict=True)
             ]
             for (j, i), buf, n in zip(batch, bufs, self.bulk.read(reads), strict=True):
@@ -845,19 +845,18 @@ class Fetcher:
         for i in range(lo, hi):
             pos = i * fmt.PIECE
             want = min(fmt.PIECE, man.stored_len - pos)
-            reads.append((fmt.piece_key(rid, i), want + 1, view[pos : pos + want + 1]))
-        for i, (_, n, part), got in zip(range(lo, hi), reads, self.bulk.read(reads), strict=True):
+            reads.append((fmt.piece_key(rid, i), view[pos : pos + want + 1]))
+        # (the views of ``view`` die with this call, before the caller resizes its buffer)
+        for i, (_, part), got in zip(range(lo, hi), reads, self.bulk.read(reads), strict=True):
             if got is None:
                 self.bad_keys += 1
             if not got:
                 return False
-            if got != n - 1 or (
+            if got != len(part) - 1 or (
                 keyed and fmt.piece_digest(part[:got]) != man.digests[i * d : i * d + d]
             ):
                 raise TierError(f"remote piece {i} does not match its manifest", "corrupt")
             self.fetched_bytes += got
-        for _, _, part in reads:
-            part.release()
         return True
 
     def _corrupt(self, rid: bytes, e: TierError) -> None:

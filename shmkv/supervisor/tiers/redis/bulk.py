@@ -32,8 +32,8 @@ _HEADER_READ = 64 << 10
 #: a header line longer than this is not one Redis sends
 _MAX_LINE = 1024
 
-#: one read: (key, how many bytes at most, where they go: at least that long)
-Read = tuple[str, int, memoryview]
+#: one read: (key, where its value goes: at most that many bytes of it are read)
+Read = tuple[str, memoryview]
 
 
 def is_wrongtype(e: BaseException) -> bool:
@@ -44,7 +44,8 @@ def is_wrongtype(e: BaseException) -> bool:
 
 
 class BulkReader:
-    """``GETRANGE key 0 n-1`` for many keys, each value written into a buffer of ours."""
+    """``GETRANGE key 0 n-1`` for many keys, each value written into a buffer of ours of
+    ``n`` bytes."""
 
     def __init__(self, client: Any, raw: bool | None = None) -> None:
         self.client = client
@@ -96,10 +97,10 @@ class BulkReader:
     def _read(self, reads: Sequence[Read]) -> list[int | None]:
         sock = self._socket()
         conn = self._conn
-        packed = conn.pack_commands([("GETRANGE", key, 0, n - 1) for key, n, _ in reads])
+        packed = conn.pack_commands([("GETRANGE", key, 0, len(into) - 1) for key, into in reads])
         conn.send_packed_command(packed, check_health=False)
         out: list[int | None] = []
-        for _key, n, into in reads:
+        for _key, into in reads:
             line = self._line(sock)
             if line[:1] == b"-":
                 if line.startswith(b"-WRONGTYPE"):
@@ -110,7 +111,7 @@ class BulkReader:
             if line[:1] != b"$" or not line[1:].isdigit():
                 raise TierError(f"remote tier: not a GETRANGE reply: {line[:40]!r}", "error")
             length = int(line[1:])
-            if length > n or length > len(into):
+            if length > len(into):
                 raise TierError("remote tier: a GETRANGE reply longer than asked", "error")
             self._exact(sock, into[:length])
             if self._take(sock, 2) != b"\r\n":
@@ -156,16 +157,16 @@ class BulkReader:
     # ------------------------------------------------------- redis-py's path
     def _piped(self, reads: Sequence[Read]) -> list[int | None]:
         pipe = self.client.pipeline(transaction=False)
-        for key, n, _ in reads:
-            pipe.getrange(key, 0, n - 1)
+        for key, into in reads:
+            pipe.getrange(key, 0, len(into) - 1)
         out: list[int | None] = []
-        for (_, n, into), got in zip(reads, pipe.execute(raise_on_error=False), strict=True):
+        for (_, into), got in zip(reads, pipe.execute(raise_on_error=False), strict=True):
             if isinstance(got, Exception):
                 if not is_wrongtype(got):
                     raise got
                 out.append(None)
                 continue
-            if len(got) > n or len(got) > len(into):
+            if len(got) > len(into):
                 raise TierError("remote tier: a GETRANGE reply longer than asked", "error")
             into[: len(got)] = got
             out.append(len(got))
