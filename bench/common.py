@@ -393,7 +393,8 @@ class Server:
 def stream_completion(client: Any, url: str, body: dict[str, Any], cut: int = 0) -> dict[str, Any]:
     """POST one streaming OpenAI request: its send time (``time.monotonic()``, the clock of a
     shmkv worker's ``*_at``), seconds to its first chunk and text, its text and first chunk's
-    ``shmkv`` field; with ``cut``, closed after that many chunks (error "cut")."""
+    ``shmkv`` field; with ``cut``, closed after that many chunks (error "cut"). A stream that
+    ends without ``[DONE]`` was cut short by the server: an error, never a shorter text."""
     now = time.monotonic()
     r: dict[str, Any] = {"t_send": now, "sent_at": now, "chunks": 0, "text_chunks": 0, "text": ""}
     r |= dict.fromkeys("ttft first_chunk total finish_reason status error shmkv".split())
@@ -403,8 +404,10 @@ def stream_completion(client: Any, url: str, body: dict[str, Any], cut: int = 0)
             if resp.status_code != 200:
                 r["error"] = f"HTTP {resp.status_code}: {resp.read()[:300]!r}"
                 return r
+            done = False
             for line in (x for x in resp.iter_lines() if x.startswith("data:")):
                 if (data := line[5:].strip()) == "[DONE]":
+                    done = True
                     break
                 now, chunk = time.monotonic() - r["t_send"], json.loads(data)
                 r["chunks"] += 1
@@ -419,6 +422,8 @@ def stream_completion(client: Any, url: str, body: dict[str, Any], cut: int = 0)
                 if r["chunks"] == cut:
                     r["error"] = "cut"
                     break
+            if not done and r["error"] is None:
+                r["error"] = f"the stream ended without [DONE] after {r['chunks']} chunks"
     except (httpx.HTTPError, ValueError, OSError) as e:
         r["error"] = f"{type(e).__name__}: {e}"
     r["total"] = time.monotonic() - r["t_send"]

@@ -473,6 +473,7 @@ def create_app(settings: Settings | None = None):
     compat.replace_event_publisher(_event_publisher)
     compat.wrap_error_formatter(_client_errors_are_4xx)
     compat.wrap_request_resources(_named_by_alias)
+    compat.streams_run_through_a_graceful_stop()
     app = server_app.create_app(server_settings=server_settings, model_settings=settings_of_models)
 
     app.dependency_overrides[compat.authenticate_dependency()] = authenticate(keys)

@@ -39,7 +39,7 @@ log = logging.getLogger("shmkv.worker")
 #: the newest of a range, as in ``shmkv.llama.compat``)
 KNOWN = {
     "llama-cpp-python": llama_compat.KNOWN_VERSIONS,
-    "uvicorn": ("0.54.0",),
+    "uvicorn": ("0.54.0", "0.55.0"),
     "uvicorn-worker": ("0.4.0",),
     "python": ("3.11",),  # (asyncio's Server: ``_sockets``, ``_protocol_factory``)
 }
@@ -174,6 +174,30 @@ def original_loader() -> Callable[[Any], llama_cpp.Llama]:
 def replace_loader(load: Callable[[Any], llama_cpp.Llama]) -> None:
     """Load every model of the server with ``load`` (``LlamaProxy``'s loader)."""
     LlamaProxy.load_llama_from_model_settings = staticmethod(load)  # type: ignore[method-assign,assignment]
+
+
+# ------------------------------------------------------------ sse-starlette
+def streams_run_through_a_graceful_stop() -> bool:
+    """Let a stream under way when uvicorn begins a graceful stop run to its end.
+
+    sse-starlette ends every stream when uvicorn is told to exit, and from 3.x ends it with a
+    well-formed close: a reload (SIGHUP), a scale-down or a clean stop gave each client an
+    answer cut mid-way with no error, no ``finish_reason`` and no ``[DONE]``. With its
+    automatic drain off a stream is sent whole while uvicorn waits for its tasks (as a plain
+    request is), within gunicorn's ``graceful_timeout``, after which the worker is killed and
+    the client sees a broken body. False where sse-starlette lacks the switch (streams are
+    then ended as before)."""
+    try:
+        from sse_starlette.sse import AppStatus
+    except ImportError:  # (no sse-starlette: llama_cpp.server cannot stream at all)
+        return False
+    switch = getattr(AppStatus, "disable_automatic_graceful_drain", None)
+    if not callable(switch):
+        log.info("sse-starlette without disable_automatic_graceful_drain: a graceful stop "
+                 "ends the streams under way")  # fmt: skip
+        return False
+    switch()
+    return True
 
 
 # ------------------------------------------------------------ asyncio / uvicorn

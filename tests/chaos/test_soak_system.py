@@ -7,9 +7,9 @@ traffic; SIGHUP. The bench judges and this test asserts its judgement:
 
 * no wrong output: every greedy spot check equals a cold plain Llama's text;
 * a failed request only where a fault explains it (the bench's MAY_FAIL): in flight on the
-  node whose worker was killed or which was rebooted, or a stream on the node a reload hit,
-  from the fault's start to 5 s after it healed; Redis down, a supervisor killed, a worker
-  stopped and a full disk are promised to cost no request;
+  node whose worker was killed or which was rebooted, from the fault's start to 5 s after it
+  healed; Redis down, a supervisor killed, a worker stopped, a full disk and a reload are
+  promised to cost no request (a stream ended without ``[DONE]`` counts as failed);
 * every fault took effect and healed (a new worker, a new supervisor the workers reattached
   to, the stopped worker's request answered, the remote tier back, a ``disk_full`` counted and
   writing resumed, the rebooted node refilled from --persist, the reloaded workers replaced);

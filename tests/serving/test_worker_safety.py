@@ -390,6 +390,54 @@ def test_a_request_in_flight_when_its_worker_stops_gracefully_is_answered(
     assert "Traceback" not in log_text and "Exception in ASGI" not in log_text, log_text[-3000:]
 
 
+def _stream_to_the_end(url: str, body: dict, out: list[dict]) -> None:
+    """POST a stream; append its usage's completion tokens, last finish_reason and whether it
+    ended with ``[DONE]`` (an OpenAI stream that ends without it was cut short)."""
+    got = {"completion_tokens": None, "finish_reason": None, "done": False}
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        for line in (x for x in r.iter_lines() if x.startswith("data:")):
+            if line[5:].strip() == "[DONE]":
+                got["done"] = True
+                break
+            chunk = json.loads(line[5:])
+            for choice in chunk.get("choices") or []:
+                got["finish_reason"] = choice.get("finish_reason") or got["finish_reason"]
+            if chunk.get("usage"):
+                got["completion_tokens"] = chunk["usage"]["completion_tokens"]
+    out.append(got)
+
+
+def test_a_stream_in_flight_when_its_worker_stops_gracefully_is_sent_to_its_end(
+    tmp_path, serve_model, make_supervisor
+):
+    """The streaming twin of the test above: a stream under way when gunicorn stops its worker
+    gracefully (a reload, a scale-down, a clean stop) is sent whole, to its ``[DONE]``.
+    (sse-starlette ends every stream when uvicorn begins a graceful stop, and from 3.x ends
+    it cleanly: the client saw a well-formed stream that stopped mid-answer with no error and
+    no finish_reason, a silently truncated answer. Found by bench/soak_system.py's SIGHUP.)"""
+    sup = make_supervisor("--size", "64M")
+    srv = Server(sup, serve_model, workers=1, tmp_path=tmp_path)
+    body = {"prompt": "Rule 1: the cat", **SAMPLING, **EXTRA, "max_tokens": 1500, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    got: list[dict] = []
+    try:
+        (pid,) = srv.worker_pids()
+        ticks = _cpu_ticks(pid)
+        asker = threading.Thread(
+            target=_stream_to_the_end, args=(srv.base + "/v1/completions", body, got)
+        )
+        asker.start()
+        wait_until(lambda: _cpu_ticks(pid) >= ticks + 20, 60, "the stream under way")
+        os.kill(pid, signal.SIGTERM)
+        asker.join(120)
+        wait_until(lambda: srv.worker_pids() - {pid}, 60, "gunicorn's new worker")
+    finally:
+        srv.stop()
+    assert got == [{"completion_tokens": 1500, "finish_reason": "length", "done": True}], got
+    log_text = srv.log_path.read_text()
+    assert "Traceback" not in log_text and "Exception in ASGI" not in log_text, log_text[-3000:]
+
+
 # ------------------------------------------------------- prompt logits after a restore
 def _prompt_logprobs(out: dict) -> np.ndarray:
     lp = out["choices"][0]["logprobs"]["token_logprobs"]
