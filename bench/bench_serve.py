@@ -6,12 +6,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import hashlib
 import heapq
 import importlib.metadata
 import itertools
 import logging
 import os
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -135,11 +137,14 @@ CMAKE_FLAGS = """-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_CUDA=OFF -DG
 
 def build_llama_server(jobs: int = 2) -> Path:
     """llama.cpp's ``llama-server`` from the llama.cpp that the installed llama-cpp-python's
-    sdist vendors (cmake, CPU only, no curl), built once into
-    ``~/.cache/shmkv-bench/llama-server-<version>/`` (minutes)."""
+    sdist vendors (cmake, CPU only, no curl, plus ``$CMAKE_ARGS``), built once into
+    ``~/.cache/shmkv-bench/llama-server-<version>[-<hash of $CMAKE_ARGS>]/`` (minutes)."""
     ver = importlib.metadata.version("llama-cpp-python")  # the llama.cpp the other arms run
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shmkv-bench"
-    exe = (dest := cache / f"llama-server-{ver}") / "llama-server"
+    # $CMAKE_ARGS, as pip's build of llama-cpp-python takes them (CPU flags: both sides alike)
+    extra = shlex.split(os.environ.get("CMAKE_ARGS", ""))
+    tag = "-" + hashlib.sha256(" ".join(extra).encode()).hexdigest()[:8] if extra else ""
+    exe = (dest := cache / f"llama-server-{ver}{tag}") / "llama-server"
     if exe.is_file() and os.access(exe, os.X_OK):
         return exe
     dest.mkdir(parents=True, exist_ok=True)
@@ -160,7 +165,7 @@ def build_llama_server(jobs: int = 2) -> Path:
             tar.extractall(work, filter="data")
         src, out = next(work.glob("*/vendor/llama.cpp")), work / "build"
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-        run("cmake", "-S", str(src), "-B", str(out), *gen, *CMAKE_FLAGS)
+        run("cmake", "-S", str(src), "-B", str(out), *gen, *CMAKE_FLAGS, *extra)
         log.info("building llama-server with %d jobs (minutes; log: %s)", jobs, build_log)
         run("cmake", "--build", str(out), "--target", "llama-server", "-j", str(jobs))
         shutil.copy2(next(out.glob("bin/llama-server")), tmp := dest / "llama-server.tmp")
