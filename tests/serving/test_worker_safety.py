@@ -355,86 +355,73 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-def test_a_request_in_flight_when_its_worker_stops_gracefully_is_answered(
-    tmp_path, serve_model, make_supervisor
-):
-    """gunicorn stops a worker gracefully (SIGTERM: what a reload, a scale-down or a clean
-    stop sends) while it computes a completion: the answer comes whole and the worker logs
-    no exception. (The worker's accept switch touched the listening socket a graceful stop
-    had closed: gunicorn's wrapper then raises AttributeError, which ended such requests in
-    an exception, or in a 500 for one whose body came in after the stop. Found by
-    bench/soak_system.py's SIGHUP.)"""
+def _stop_its_worker_mid_way(tmp_path, serve_model, make_supervisor, ask) -> str:
+    """Start one worker, run ``ask(base_url)`` in a thread, SIGTERM the worker (gunicorn's
+    graceful stop: what a reload, a scale-down or a clean stop sends) once 0.2 s of its CPU
+    went into the request (over a second of work), wait for the request and gunicorn's new
+    worker; the server's log."""
     sup = make_supervisor("--size", "64M")
     srv = Server(sup, serve_model, workers=1, tmp_path=tmp_path)
-    body = {"prompt": "Rule 1: the cat", **SAMPLING, **EXTRA, "max_tokens": 1500}
-    got: list[httpx.Response] = []
     try:
         (pid,) = srv.worker_pids()
         ticks = _cpu_ticks(pid)
-        asker = threading.Thread(
-            target=lambda: got.append(
-                httpx.post(srv.base + "/v1/completions", json=body, timeout=120)
-            )
-        )
+        asker = threading.Thread(target=ask, args=(srv.base,))
         asker.start()
-        # in flight: 0.2 s of CPU into its 1,500 tokens (over a second of work)
-        wait_until(lambda: _cpu_ticks(pid) >= ticks + 20, 60, "the completion under way")
+        wait_until(lambda: _cpu_ticks(pid) >= ticks + 20, 60, "the request under way")
         os.kill(pid, signal.SIGTERM)
         asker.join(120)
         wait_until(lambda: srv.worker_pids() - {pid}, 60, "gunicorn's new worker")
     finally:
         srv.stop()
+    return srv.log_path.read_text()
+
+
+def test_a_request_in_flight_when_its_worker_stops_gracefully_is_answered(
+    tmp_path, serve_model, make_supervisor
+):
+    """gunicorn stops a worker gracefully while it computes a completion: the answer comes
+    whole and the worker logs no exception. (The worker's accept switch touched the
+    listening socket a graceful stop had closed: gunicorn's wrapper then raises
+    AttributeError, which ended such requests in an exception, or in a 500 for one whose
+    body came in after the stop. Found by bench/soak_system.py's SIGHUP.)"""
+    body = {"prompt": "Rule 1: the cat", **SAMPLING, **EXTRA, "max_tokens": 1500}
+    got: list[httpx.Response] = []
+
+    def ask(base: str) -> None:
+        got.append(httpx.post(base + "/v1/completions", json=body, timeout=120))
+
+    log_text = _stop_its_worker_mid_way(tmp_path, serve_model, make_supervisor, ask)
     assert got and got[0].status_code == 200, got and got[0].text
     assert got[0].json()["usage"]["completion_tokens"] == 1500
-    log_text = srv.log_path.read_text()
     assert "Traceback" not in log_text and "Exception in ASGI" not in log_text, log_text[-3000:]
-
-
-def _stream_to_the_end(url: str, body: dict, out: list[dict]) -> None:
-    """POST a stream; append its usage's completion tokens, last finish_reason and whether it
-    ended with ``[DONE]`` (an OpenAI stream that ends without it was cut short)."""
-    got = {"completion_tokens": None, "finish_reason": None, "done": False}
-    with httpx.stream("POST", url, json=body, timeout=120) as r:
-        for line in (x for x in r.iter_lines() if x.startswith("data:")):
-            if line[5:].strip() == "[DONE]":
-                got["done"] = True
-                break
-            chunk = json.loads(line[5:])
-            for choice in chunk.get("choices") or []:
-                got["finish_reason"] = choice.get("finish_reason") or got["finish_reason"]
-            if chunk.get("usage"):
-                got["completion_tokens"] = chunk["usage"]["completion_tokens"]
-    out.append(got)
 
 
 def test_a_stream_in_flight_when_its_worker_stops_gracefully_is_sent_to_its_end(
     tmp_path, serve_model, make_supervisor
 ):
     """The streaming twin of the test above: a stream under way when gunicorn stops its worker
-    gracefully (a reload, a scale-down, a clean stop) is sent whole, to its ``[DONE]``.
-    (sse-starlette ends every stream when uvicorn begins a graceful stop, and from 3.x ends
-    it cleanly: the client saw a well-formed stream that stopped mid-answer with no error and
-    no finish_reason, a silently truncated answer. Found by bench/soak_system.py's SIGHUP.)"""
-    sup = make_supervisor("--size", "64M")
-    srv = Server(sup, serve_model, workers=1, tmp_path=tmp_path)
+    gracefully is sent whole, to its ``[DONE]``. (sse-starlette ends every stream when
+    uvicorn begins a graceful stop, and from 3.x ends it cleanly: the client saw a
+    well-formed stream that stopped mid-answer with no error and no finish_reason, a
+    silently truncated answer. Found by bench/soak_system.py's SIGHUP.)"""
     body = {"prompt": "Rule 1: the cat", **SAMPLING, **EXTRA, "max_tokens": 1500, "stream": True}
     body["stream_options"] = {"include_usage": True}
-    got: list[dict] = []
-    try:
-        (pid,) = srv.worker_pids()
-        ticks = _cpu_ticks(pid)
-        asker = threading.Thread(
-            target=_stream_to_the_end, args=(srv.base + "/v1/completions", body, got)
-        )
-        asker.start()
-        wait_until(lambda: _cpu_ticks(pid) >= ticks + 20, 60, "the stream under way")
-        os.kill(pid, signal.SIGTERM)
-        asker.join(120)
-        wait_until(lambda: srv.worker_pids() - {pid}, 60, "gunicorn's new worker")
-    finally:
-        srv.stop()
-    assert got == [{"completion_tokens": 1500, "finish_reason": "length", "done": True}], got
-    log_text = srv.log_path.read_text()
+    got = {"completion_tokens": None, "finish_reason": None, "done": False}
+
+    def ask(base: str) -> None:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+            for line in (x for x in r.iter_lines() if x.startswith("data:")):
+                if line[5:].strip() == "[DONE]":  # (a stream without it was cut short)
+                    got["done"] = True
+                    break
+                chunk = json.loads(line[5:])
+                for choice in chunk.get("choices") or []:
+                    got["finish_reason"] = choice.get("finish_reason") or got["finish_reason"]
+                if chunk.get("usage"):
+                    got["completion_tokens"] = chunk["usage"]["completion_tokens"]
+
+    log_text = _stop_its_worker_mid_way(tmp_path, serve_model, make_supervisor, ask)
+    assert got == {"completion_tokens": 1500, "finish_reason": "length", "done": True}, got
     assert "Traceback" not in log_text and "Exception in ASGI" not in log_text, log_text[-3000:]
 
 

@@ -319,6 +319,28 @@ class CpuBudget:
     def _free(self) -> int:
         return sum(not _is_held(self._fd, s) for s in range(self.cores))
 
+    def _yield_to_those_ahead(self, slots: list[int], ahead: int) -> None:
+        """After a grab: the board was read before it, and a prefill between two batches
+        posts itself in line just before it gives its cores back, so it may have got
+        ahead of us while we grabbed them. Keep only what the prefills now ahead leave
+        (the rule ``take`` applies before a grab), give the rest back and ring for them."""
+        again, _ = self._queue.ahead()
+        if again <= ahead:
+            return
+        # (``_free`` counts our own cores as free: a lock never conflicts with its owner)
+        keep = max(0, min(len(slots), self._free() - again))
+        extra = slots[keep:]
+        del slots[keep:]
+        for slot in extra:
+            _lock(self._fd, fcntl.F_UNLCK, slot)
+        bell = self._bell
+        for _ in extra:
+            try:
+                if bell is not None:
+                    bell.release()
+            except posix_ipc.Error:
+                break
+
     def request(self, key: object) -> Request:
         """The :class:`Request` of the call ``key`` stands for (the same object for the
         same call; a new one when ``key`` is another object)."""
@@ -388,6 +410,8 @@ class CpuBudget:
                 queue.defer()
             if allowed > 0:
                 self._grab(allowed, g.slots)
+                if g.slots and prefill and not bypass:
+                    self._yield_to_those_ahead(g.slots, ahead)
                 if g.slots:
                     break
             if bypass:  # (this request stopped waiting once already)

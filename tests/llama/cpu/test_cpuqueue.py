@@ -44,6 +44,10 @@ for op, arg in steps:
         b.give_back(g, next_remaining=arg, next_want=cores)
     elif op == "sleep":
         time.sleep(arg)
+    elif op == "slow_grab":  # from now on, each grab of cores first sleeps ARG s
+        plain = b._grab
+        b._grab = lambda want, into, plain=plain, s=arg: (time.sleep(s), plain(want, into))[1]
+        continue
     elif op == "await":  # until the file ARG exists (the process has loaded by then)
         while not os.path.exists(arg):
             time.sleep(0.002)
@@ -140,6 +144,30 @@ def test_a_prefill_between_batches_keeps_its_place(name):
         got_second = events(second)[0]["t"]
     second_batch = steps[3]["t"]  # (the take of its 500 remaining)
     assert second_batch < got_second, "the longer prefill took the core between two batches"
+
+
+def test_a_waiter_that_grabbed_the_core_of_a_prefill_back_in_line_gives_it_back(name):
+    """The race the test above met once in a full run: a waiter reads the line while the
+    other prefill runs (nobody ahead), and grabs the core just after that prefill posted
+    itself back in line and gave it back between two batches. Made certain here: each grab
+    of the 2,000-token waiter first sleeps 0.3 s, and the prefill pauses 0.5 s between its
+    batches. The waiter must give the core back: the prefill's second batch goes first."""
+    with cpubudget.CpuBudget(SHM, name, 1, wait=60):
+        held = HeldCore(name)
+        first = actor(
+            name,
+            1,
+            [("take", 1000), ("sleep", 0.2), ("give_back", 500), ("sleep", 0.5)]
+            + [("take", 500), ("sleep", 0.2), ("give_back", 0)],
+        )
+        wait_until_in_line(name, 1)
+        second = actor(name, 1, [("slow_grab", 0.3), ("take", 2000), ("give_back", 0)])
+        wait_until_in_line(name, 2)
+        held.release()
+        steps = events(first)
+        got_second = events(second)[0]["t"]
+    second_batch = steps[4]["t"]  # (the take of its 500 remaining)
+    assert second_batch < got_second, "the waiter kept the core it grabbed between two batches"
 
 
 def test_a_long_wait_passes_a_stream_of_short_prefills(name, tmp_path):
