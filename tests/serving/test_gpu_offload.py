@@ -19,6 +19,7 @@ import pytest
 from shmkv.core.config import resolve
 from shmkv.core.errors import ConfigError
 from shmkv.llama import offload
+from shmkv.llama.cpu import budget as cpubudget
 from shmkv.serving.model_settings import model_settings
 from shmkv.serving.runner import settings_env
 from tests.support.cli import assert_one_error_line, clean_env, shmkv
@@ -174,14 +175,18 @@ def test_a_cpu_only_build_warns_once_per_process_and_runs_on_the_cpu(models, tmp
     names the fix, the answers equal a CPU context's, the evals are under the CPU budget,
     and the states are keyed as a CPU context's (they are computed on the CPU)."""
     prompt = "The quick brown fox jumps over the lazy dog. " * 8
-    env = clean_env(SHMKV_NAME=f"gpu-{tmp_path.name}", SHMKV_DIR=str(tmp_path), **GPU_ENV)
-    res = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, models["seed0"], prompt, json.dumps(SAMPLING | EXTRA)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
+    name = f"gpu-{tmp_path.name}"
+    env = clean_env(SHMKV_NAME=name, SHMKV_DIR=str(tmp_path), **GPU_ENV)
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", _SCRIPT, models["seed0"], prompt, json.dumps(SAMPLING | EXTRA)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
+    finally:  # (as gunicorn's master does: the budget's bell is in /dev/shm)
+        cpubudget.remove(str(tmp_path), name)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.splitlines()[-1])
     assert out["params"] == [99, llama_cpp.LLAMA_SPLIT_MODE_ROW, 1, [3.0, 1.0]]
