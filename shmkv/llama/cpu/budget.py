@@ -323,21 +323,30 @@ class CpuBudget:
         """After a grab: the board was read before it, and a prefill between two batches
         posts itself in line just before it gives its cores back, so it may have got
         ahead of us while we grabbed them. Keep only what the prefills now ahead leave
-        (the rule ``take`` applies before a grab), give the rest back and ring for them."""
+        (the rule ``take`` applies before a grab) and give the rest back."""
         again, _ = self._queue.ahead()
         if again <= ahead:
             return
         # (``_free`` counts our own cores as free: a lock never conflicts with its owner)
         keep = max(0, min(len(slots), self._free() - again))
-        extra = slots[keep:]
+        self._release(slots[keep:])
         del slots[keep:]
-        for slot in extra:
+
+    def _release(self, slots: list[int]) -> None:
+        """Unlock ``slots`` and wake the waiters: every waiting prefill looks at the board
+        again (the one the cores are for may not be the one a single ring would wake), and
+        one decode step per core."""
+        for slot in slots:
             _lock(self._fd, fcntl.F_UNLCK, slot)
         bell = self._bell
-        for _ in extra:
+        if bell is None or not slots:
+            return
+        rings = len(slots) + self._queue.waiting()
+        for _ in range(rings):
             try:
-                if bell is not None:
-                    bell.release()
+                if bell.value >= rings:  # nobody waits: do not pile up rings
+                    break
+                bell.release()
             except posix_ipc.Error:
                 break
 
@@ -458,20 +467,7 @@ class CpuBudget:
             queue.wait(next_remaining, max(1, min(next_want, self.cores)), after_batch=True)
         else:
             queue.done()
-        for slot in g.slots:
-            _lock(self._fd, fcntl.F_UNLCK, slot)
-        bell = self._bell
-        if bell is not None and g.slots:
-            # every waiting prefill looks at the board again (the one the cores are for
-            # may not be the one a single ring would wake), and one decode step per core
-            rings = len(g.slots) + queue.waiting()
-            for _ in range(rings):
-                try:
-                    if bell.value >= rings:  # nobody waits: do not pile up rings
-                        break
-                    bell.release()
-                except posix_ipc.Error:
-                    break
+        self._release(g.slots)
         g.slots = []
 
     # ------------------------------------------------------------------ observing

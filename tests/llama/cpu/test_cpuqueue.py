@@ -125,23 +125,34 @@ def test_shortest_prefill_first_whoever_waited_longer(name):
     assert got_long - got_short >= 0.25  # (the long one waited for the short one's batch)
 
 
-def test_a_prefill_between_batches_keeps_its_place(name):
-    """A prefill gives back its core after a batch with 500 tokens to go and takes it again
-    50 ms later; a 2,000-token prefill in line all the while does not get it in between."""
+def _between_batches(
+    name: str, pause: float, waiter: list[tuple[str, float]]
+) -> tuple[list[dict[str, float]], float]:
+    """One core, held; a prefill of 1,000 tokens gets in line, then the 2,000-token
+    ``waiter``; the core comes free. The prefill runs a batch, gives the core back with 500
+    tokens to go and takes it again ``pause`` s later. (The prefill's steps, when the waiter
+    got the core.)"""
     with cpubudget.CpuBudget(SHM, name, 1, wait=60):
         held = HeldCore(name)
         first = actor(
             name,
             1,
-            [("take", 1000), ("sleep", 0.2), ("give_back", 500), ("sleep", 0.05)]
+            [("take", 1000), ("sleep", 0.2), ("give_back", 500), ("sleep", pause)]
             + [("take", 500), ("sleep", 0.2), ("give_back", 0)],
         )
         wait_until_in_line(name, 1)
-        second = actor(name, 1, [("take", 2000), ("give_back", 0)])
+        second = actor(name, 1, [*waiter, ("take", 2000), ("give_back", 0)])
         wait_until_in_line(name, 2)
         held.release()
         steps = events(first)
         got_second = events(second)[0]["t"]
+    return steps, got_second
+
+
+def test_a_prefill_between_batches_keeps_its_place(name):
+    """A prefill gives back its core after a batch with 500 tokens to go and takes it again
+    50 ms later; a 2,000-token prefill in line all the while does not get it in between."""
+    steps, got_second = _between_batches(name, 0.05, [])
     second_batch = steps[3]["t"]  # (the take of its 500 remaining)
     assert second_batch < got_second, "the longer prefill took the core between two batches"
 
@@ -152,20 +163,7 @@ def test_a_waiter_that_grabbed_the_core_of_a_prefill_back_in_line_gives_it_back(
     itself back in line and gave it back between two batches. Made certain here: each grab
     of the 2,000-token waiter first sleeps 0.3 s, and the prefill pauses 0.5 s between its
     batches. The waiter must give the core back: the prefill's second batch goes first."""
-    with cpubudget.CpuBudget(SHM, name, 1, wait=60):
-        held = HeldCore(name)
-        first = actor(
-            name,
-            1,
-            [("take", 1000), ("sleep", 0.2), ("give_back", 500), ("sleep", 0.5)]
-            + [("take", 500), ("sleep", 0.2), ("give_back", 0)],
-        )
-        wait_until_in_line(name, 1)
-        second = actor(name, 1, [("slow_grab", 0.3), ("take", 2000), ("give_back", 0)])
-        wait_until_in_line(name, 2)
-        held.release()
-        steps = events(first)
-        got_second = events(second)[0]["t"]
+    steps, got_second = _between_batches(name, 0.5, [("slow_grab", 0.3)])
     second_batch = steps[4]["t"]  # (the take of its 500 remaining)
     assert second_batch < got_second, "the waiter kept the core it grabbed between two batches"
 
