@@ -18,6 +18,22 @@ from tests.support.supervisors import Sup, start_supervisor
 from tests.support.tmpfs import mounted_tmpfs
 from tests.support.waiting import deleted_arena_fds
 
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A llama-cpp-python compiled for AMX crashes the tests that load Gemma's Q4_K weights
+    into a plain ``Llama`` (llama.cpp#20824): stop at once with the rebuild that runs them."""
+    from shmkv.llama import offload
+
+    if offload.amx_weight_buffers():
+        pytest.exit(
+            "this llama-cpp-python was compiled for AMX, whose weight buffers crash on the "
+            "test model's Q4_K weights (llama.cpp#20824): rebuild it without AMX, "
+            'CMAKE_ARGS="$(.ci/cmake-args)" .venv/bin/pip install --force-reinstall '
+            "--no-deps --no-cache-dir 'llama-cpp-python[server]>=0.3.32,<0.4'",
+            returncode=4,
+        )
+
+
 #: descriptors of unlinked arenas (and put memfds) the test process may hold between modules
 HELD_ARENA_FDS = 8
 

@@ -3,8 +3,9 @@
 Runs inside a worker, once, when its cache attaches. A blob restores
 correctly only into a context with the same weights, KV types, flash
 attention, sliding-window and RoPE settings, context size, LoRA, llama.cpp
-version and GPU offload (``offload.py``: layers on a device compute other
-numbers); the fingerprint covers all of these and is stored beside every blob.
+version, GPU offload and weight buffers (``offload.py``: layers on a device, or
+weights in other buffers, compute other numbers); the fingerprint covers all of
+these and is stored beside every blob.
 Every key chain starts from a root digest of the fingerprint and the tenant
 namespace (``shmkv.core.keys.key_root``), so different models, setups or tenants
 never share a key.
@@ -113,6 +114,9 @@ def context_description(llm: llama_cpp.Llama) -> dict[str, Any]:
     gpu = offload.description(llm)
     if gpu is not None:  # (absent on the CPU: such contexts key as before offload existed)
         out["offload"] = gpu
+    buffers = offload.weight_buffers(llm)
+    if buffers is not None:  # (absent with llama.cpp's default buffers, as before)
+        out["weight_buffers"] = buffers
     return out
 
 

@@ -11,12 +11,21 @@ embeddings always stay in host memory. A model is *fully offloaded* when every l
 the output are on a device and so is the KV cache (``offload_kqv``, llama-cpp-python's
 default): then a prompt's evaluation leaves the CPU only a token-embedding lookup, and
 the CPU budget (``cpu/budget.py``) does not apply to it.
+
+Where the CPU holds the weights, the build decides their buffers too: with
+``use_extra_bufts`` (llama.cpp's default) a CPU backend compiled for AMX moves them into
+its AMX buffers, whose matrix multiply crashes with SIGSEGV on Q4_K weights (llama.cpp
+#20824; Gemma 3 270M Q4_K_M in the first decode). Models loaded the served workers' way
+(``serving/model_settings.py``) go without extra buffers on such a build
+(:func:`plain_weight_buffers`), and the fingerprint says so: other kernels, other numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from llama_cpp import llama_cpp as lc
@@ -27,6 +36,7 @@ log = logging.getLogger(__name__)
 ALL_LAYERS = 0x7FFFFFFF
 
 _warned = False
+_warned_amx = False
 
 
 @functools.cache
@@ -55,6 +65,54 @@ def warn_if_cpu_only(n_gpu_layers: int) -> bool:
             _version(),
         )
     return False
+
+
+@functools.cache
+def amx_weight_buffers() -> bool:
+    """Whether this build's CPU backend was compiled for AMX (its system info says
+    ``AMX_INT8 = 1``), so that a model loaded with extra buffers keeps weights in them."""
+    return b"AMX_INT8 = 1" in bytes(lc.llama_print_system_info() or b"")
+
+
+@contextlib.contextmanager
+def plain_weight_buffers(model: str = "the model") -> Iterator[None]:
+    """For the length of the block, on a build compiled for AMX, models load without
+    llama.cpp's extra weight buffers (``use_extra_bufts`` off in
+    ``llama_model_default_params()``, which ``Llama()`` starts from); one warning per
+    process. Elsewhere nothing changes."""
+    global _warned_amx
+    if not amx_weight_buffers():
+        yield
+        return
+    if not _warned_amx:
+        _warned_amx = True
+        log.warning(
+            "%s loads without llama.cpp's AMX weight buffers: this llama-cpp-python build "
+            "(%s) was compiled for AMX, whose matrix multiply crashes on Q4_K weights "
+            "(llama.cpp#20824). For its speed on other weights, build one that leaves it "
+            "out (docs/guides/serving.md, a CPU with AMX)",
+            model,
+            _version(),
+        )
+    default = lc.llama_model_default_params
+
+    def without_extra_buffers() -> Any:
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    lc.llama_model_default_params = without_extra_buffers
+    try:
+        yield
+    finally:
+        lc.llama_model_default_params = default
+
+
+def weight_buffers(llm: Any) -> str | None:
+    """What the fingerprint says of a loaded ``Llama``'s weight buffers: ``"plain"`` when
+    it loaded without extra buffers, None (the default, absent from fingerprints as before
+    this existed) otherwise."""
+    return None if getattr(llm.model_params, "use_extra_bufts", True) else "plain"
 
 
 def offloaded_layers(requested: int, n_layer: int, supported: bool) -> int:

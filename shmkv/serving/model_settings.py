@@ -60,7 +60,8 @@ def load_with(
     loader: Callable[[ModelSettings], llama_cpp.Llama] | None = None,
 ) -> llama_cpp.Llama:
     """``ms`` loaded by llama-cpp-python's server loader (``loader``, default its own), with
-    the ``Llama`` arguments its ``ModelSettings`` lack: ``swa_full``.
+    the ``Llama`` arguments its ``ModelSettings`` lack: ``swa_full``; on a build compiled
+    for AMX, without extra weight buffers (``offload.plain_weight_buffers``).
 
     That loader calls ``llama_cpp.Llama(...)``: for the length of this call (at a worker's
     start, before it serves) the name is a subclass that adds the arguments.
@@ -79,7 +80,8 @@ def load_with(
 
     llama_cpp.Llama = Llama  # type: ignore[misc]
     try:
-        return load(ms)
+        with offload.plain_weight_buffers(ms.model):
+            return load(ms)
     finally:
         llama_cpp.Llama = plain  # type: ignore[misc]
 

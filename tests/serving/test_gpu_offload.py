@@ -244,3 +244,54 @@ def test_shmkv_warm_takes_the_settings_and_warns_once(make_supervisor, models, t
     hot = run_worker(sup, models["seed0"], [completion(prompt)])
     last = hot["results"][0]["last"]
     assert last["tokens_restored"] >= last["prompt_tokens"] - 1 > 1000
+
+
+# --------------------------------------------------------------- a build compiled for AMX
+_AMX_SCRIPT = textwrap.dedent(
+    """
+    import json, logging, sys
+    logging.basicConfig(level=logging.WARNING)
+    from llama_cpp import llama_cpp as lc
+    from shmkv.core.config import resolve
+    from shmkv.llama import offload
+    from shmkv.llama.fingerprint import model_fingerprint
+    from shmkv.serving.model_settings import load_llama
+
+    model, prompt, sampling = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    settings = resolve("serve", env={})
+    default = load_llama(settings, model, threads=1)
+    offload.amx_weight_buffers = lambda: True  # what a build compiled for AMX reports
+    amx = [load_llama(settings, model, threads=1) for _ in range(2)]
+    print(json.dumps({
+        "extra_bufts": [m.model_params.use_extra_bufts for m in (default, *amx)],
+        "after": bool(lc.llama_model_default_params().use_extra_bufts),
+        "text": [m.create_completion(prompt, **sampling)["choices"][0]["text"]
+                 for m in (default, *amx)],
+        "keys": [model_fingerprint(m).hex() for m in (default, *amx)],
+    }))
+    """
+)
+
+
+def test_a_build_compiled_for_amx_loads_served_models_without_its_weight_buffers(models):
+    """llama.cpp's AMX weight buffers crash on Q4_K weights (llama.cpp#20824): a build that
+    reports AMX loads served workers' models with ``use_extra_bufts`` off, warns once per
+    process with the way out, and keys their states apart (other kernels); the default is
+    back after the load, and a build without AMX (this one) keeps llama.cpp's buffers."""
+    assert offload.amx_weight_buffers() is (b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info())
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    res = subprocess.run(
+        [sys.executable, "-c", _AMX_SCRIPT, models["seed0"], prompt, json.dumps(SAMPLING | EXTRA)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=clean_env(),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.splitlines()[-1])
+    assert out["extra_bufts"] == [True, False, False]
+    assert out["after"] is True
+    assert out["text"][0] == out["text"][1] == out["text"][2] and out["text"][0]  # (F32)
+    assert out["keys"][1] == out["keys"][2] != out["keys"][0]
+    assert res.stderr.count("llama.cpp#20824") == 1, res.stderr
+    assert "docs/guides/serving.md, a CPU with AMX" in res.stderr
