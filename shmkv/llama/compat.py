@@ -66,6 +66,7 @@ FUNCTIONS = (
     "llama_n_ctx",
     "llama_n_ctx_seq",
     "llama_n_seq_max",
+    "llama_print_system_info",
     "llama_set_n_threads",
     "llama_state_seq_get_data",
     "llama_state_seq_get_size",
