@@ -1,5 +1,6 @@
 """One shared prefix (docs/benchmarks.md): the arena's bytes after N completions on one system
-prompt over the first's, on Gemma 3 and a LLaMA model (no sliding window). Smoke: ``--quick``."""
+prompt over the first's, on Gemma 3 and a LLaMA model (no sliding window), and the same of
+``--persist``'s disk (``--persist``). Smoke: ``--quick``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import common
 from tests.support.tinymodel import write_tiny_llama
 
 RATIO = "arena used after N / after the first"
+DISK = "disk used after N / after the first"
 GOALS = {"gemma3": [(RATIO, "<=", 4.0)], "llama": [(RATIO, "<=", 2.0)]}  # at N = 12 (7.0x, ~12x)
 LLAMA = dict(n_vocab=512, n_embd=256, n_layer=4, n_head=4, n_ctx_train=4096)  # 4 KiB/token f16
 
@@ -23,7 +25,8 @@ def run_model(model: Path, o: Any, work: Path) -> dict[str, Any]:
     an aside (unrelated: a worker that took the aside holds none of the prefix: an arena hit)."""
     cfg = dict(model=str(model), threads=1, n_ctx=4096, workers=o.workers, budget_threads=0,
                arena_size="1G", max_tokens=4, timeout=600.0, max_load=float("inf"),
-               max_wait=0.0, max_rss=16 << 30, min_available=1 << 30, aside=True)  # fmt: skip
+               max_wait=0.0, max_rss=16 << 30, min_available=1 << 30, aside=True,
+               persist=o.persist)  # fmt: skip
     wl, cells = bench_serve.make_workload(model, 1, o.prefix_tokens, o.n), []
     for n in (1, o.n):
         cell = bench_serve.run_cell("shmkv", 1, n, cfg, wl, work)
@@ -35,6 +38,10 @@ def run_model(model: Path, o: Any, work: Path) -> dict[str, Any]:
     out = dict(path=str(model), prefix_tokens=wl.system_tokens[0], first_bytes=first["bytes_used"])
     out |= dict(last_bytes=last["bytes_used"], entries=last["entries"], hits=k["hits"])
     out |= {RATIO: last["bytes_used"] / first["bytes_used"], "first_cell": cells[0]}
+    if o.persist:  # bytes stored on disk, and the payloads written (what whole blobs take)
+        out |= {k: last[k] for k in ("persist_records", "persist_bytes", "persisted_bytes")}
+        out |= {"first_persist_bytes": first["persist_bytes"]}
+        out |= {DISK: last["persist_bytes"] / first["persist_bytes"]}
     return out | {"ttft": common.pick(k, "ttft_hit ttft_local ttft_cold"), "cell": cells[1]}
 
 
@@ -42,6 +49,7 @@ def run_model(model: Path, o: Any, work: Path) -> dict[str, Any]:
 @common.option("--n", type=int, help="Completions on the one prefix [12; quick 4].")
 @common.option("--prefix-tokens", type=int, help="Tokens of the prefix [1000; quick 400].")
 @common.option("--workers", default=4, help="shmkv serve's workers (its default).")
+@common.option("--persist", is_flag=True, help="Also --persist to a disk store: its bytes.")
 def main(report: common.Report, o: Any) -> None:
     """N completions on one shared prefix: arena bytes after all N over the first's."""
     o.n = o.n or (4 if o.quick else 12)
@@ -50,7 +58,7 @@ def main(report: common.Report, o: Any) -> None:
         write_tiny_llama(llama := Path(tmp) / "tiny-llama.gguf", **LLAMA)  # type: ignore[arg-type]
         cells = {m: run_model(p, o, Path(tmp)) for m, p in (("gemma3", o.model), ("llama", llama))}
     checks = [g for m in cells if o.n == 12 for g in common.check_goals(GOALS[m], {m: cells[m]})]
-    cfg = common.pick(vars(o), "quick n prefix_tokens workers") | {"llama": LLAMA}
+    cfg = common.pick(vars(o), "quick n prefix_tokens workers persist") | {"llama": LLAMA}
     res = {**report.header(), "config": cfg, "cells": cells, "goals": checks}
     mib, hit = lambda n: f"{n / 2**20:.1f} MiB", lambda c, k="p50": c["ttft"]["ttft_hit"].get(k)  # noqa: E731
     rows = [["model", "prefix", "first", f"after {o.n}", "ratio", "entries", "hit TTFT", "hits"]]
@@ -58,6 +66,11 @@ def main(report: common.Report, o: Any) -> None:
               f"{c[RATIO]:.1f}x", str(c["entries"]), common.fmt_s(hit(c)), f"{c['hits']}/{o.n}"]
              for m, c in cells.items()]  # fmt: skip
     click.echo(f"\n{common.title(res, 'shared prefix')}\n{common.grid(rows)}")
+    if o.persist:
+        rows = [["model", "disk: first", f"after {o.n}", "ratio", "payloads written"]]
+        rows += [[m, mib(c["first_persist_bytes"]), mib(c["persist_bytes"]), f"{c[DISK]:.1f}x",
+                  mib(c["persisted_bytes"])] for m, c in cells.items()]  # fmt: skip
+        click.echo(common.grid(rows))
     click.echo(common.goal_table(checks))
     report.write(res, [(f"{m}: hit TTFT", hit(c), hit(c, "p99")) for m, c in cells.items()])
 

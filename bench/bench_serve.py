@@ -304,7 +304,14 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
     with contextlib.ExitStack() as stack:
         sup = None
         if arm.startswith("shmkv"):
-            sup = stack.enter_context(common.supervisor(workdir, "--size", cfg["arena_size"]))
+            disk = (
+                ("--persist", str(workdir / f"persist-{arm}-{cc}-{n}"))
+                if cfg.get("persist")
+                else ()
+            )
+            sup = stack.enter_context(
+                common.supervisor(workdir, "--size", cfg["arena_size"], *disk)
+            )
         t, srv = time.monotonic(), start_server(arm, cfg, workdir, sup)
         # SIGKILL on errors and Ctrl-C: in-flight prefills would hold SIGTERM up for 30 s
         stack.push(lambda exc_type, _e, _tb: srv.stop(kill=exc_type is not None))
@@ -354,6 +361,16 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
             time.sleep(1.0)  # the publisher threads deliver the last puts and counters
         mem1 = at_abort or snapshot(pids())
         if sup is not None:
+            if cfg.get("persist"):  # every put on disk (written, or gone before it could be)
+
+                def on_disk() -> bool:
+                    st = sup.stats()
+                    return bool(
+                        st["persist_queue"] == 0
+                        and st["persisted"] + st["persist_gone"] >= st["puts"]
+                    )
+
+                common.poll(on_disk, 120, "the write-behind", every=0.05)
             with contextlib.suppress(Exception):
                 cell["shmkv_stats"] = {"before": stats0, "after": sup.stats()}
         cell["memory"] = dict(after_warmup=mem0, end=mem1, peak_footprint=watch.peak_footprint)
@@ -531,6 +548,7 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int) -> dict[str, Any]:
             counters = "hits misses tokens_restored tokens_evaluated puts duplicate_puts"
             counters += " rejected_puts evictions restore_failures"
             ends = "entries bytes_used bytes_capacity workers_attached chunk_tokens"
+            ends += " persist_records persist_bytes persisted_bytes"
             delta = {k: v - a.get(k, 0) for k, v in common.pick(b, counters).items()}
             out["supervisor"] = {"delta": delta, "end": common.pick(b, ends)}
     used = (out.get("supervisor") or {}).get("end", {}).get("bytes_used", 0)

@@ -233,6 +233,17 @@ class Manifest:
         if skel != len(self.skeleton):
             raise bad(f"skeleton of {len(self.skeleton)} bytes where the layout leaves {skel}")
 
+    def partial_groups(self, buf: memoryview, pos: int) -> list[memoryview] | None:
+        """Views of the data of the groups that are not full, laid end to end in ``buf``
+        from ``pos`` (in blob order, as a tier stores them beside a chunked record's chunk
+        list); None unless they end exactly at the end of ``buf``."""
+        out = []
+        for size, full in zip(self.group_sizes, self.group_full, strict=True):
+            if not full:
+                out.append(buf[pos : pos + size])
+                pos += size
+        return out if pos == len(buf) else None
+
     def pack(self) -> bytes:
         """The manifest as bytes (``unpack`` reads them back)."""
         out = [

@@ -450,7 +450,7 @@ class PersistStats:
     )
     persist_queue: int = gauge("accepted records waiting for the writer thread")
     persist_records: int = gauge("records stored on disk")
-    persist_bytes: int = gauge("payload bytes stored on disk")
+    persist_bytes: int = gauge("bytes stored on disk (records and chunks, each chunk once)")
     persisted: int = counter("records written to disk")
     persisted_bytes: int = counter("payload bytes written to disk")
     persist_dropped: int = counter(

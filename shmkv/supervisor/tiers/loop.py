@@ -30,7 +30,9 @@ class TierLoop:
     def __init__(self, settings: Settings, arena: ArenaFile, chunk_tokens: int) -> None:
         self.settings = settings
         assert arena.ro_fd is not None
-        self.persist = Persistence(settings, arena.ro_fd) if settings.persist else None
+        self.persist = (
+            Persistence(settings, arena.ro_fd, chunk_tokens) if settings.persist else None
+        )
         self.remote = Remote(settings, arena.ro_fd, chunk_tokens) if settings.remote else None
         self.refill: Refill | None = None
         #: an adopted arena: its pins come from the disk once it is open

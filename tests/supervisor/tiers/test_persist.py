@@ -20,6 +20,7 @@ import lmdb
 import numpy as np
 import pytest
 
+from shmkv.core import kvformat
 from shmkv.core.keys import chain_digests
 from shmkv.supervisor.tiers.disk.lmdb_store import DiskRecord
 from tests.support.blobs import blob, put_blob, use_blob
@@ -510,27 +511,61 @@ def test_a_crash_with_a_queue_leaves_what_was_written_intact(make_supervisor, tm
     no_internal_errors(again)
 
 
-def test_chunked_states_persist_whole_and_are_split_again_on_refill(make_supervisor, tmp_path):
-    """States that share a prefix are chunks in the arena, whole blobs on disk (the write
-    -behind reads them assembled), and chunks again, shared as before, after a reboot."""
+def _stored(disk: Path) -> dict[str, dict[bytes, bytes]]:
+    """Each record's ``blob`` value and each chunk in ``disk``'s store, by key (read with
+    LMDB itself, once the write-behind is idle or the supervisor stopped)."""
+    env = lmdb.open(str(disk), max_dbs=3, readonly=True, lock=False)
+    out = {}
+    for name in ("blob", "chunk"):
+        with env.begin(db=env.open_db(name.encode(), create=False)) as txn:
+            out[name] = {bytes(k): bytes(v) for k, v in txn.cursor()}
+    env.close()
+    return out
+
+
+def _flip_chunk(disk: Path, group: bytes, at: int, others: list[bytes]) -> None:
+    """Flip 16 bytes inside the chunk whose data is ``group``, where its 64 bytes from
+    ``at`` are first found in data.mdb (bytes no chunk in ``others`` holds), in the file
+    itself."""
+    data = bytearray((disk / "data.mdb").read_bytes())
+    window = group[at : at + 64]
+    assert not any(window in o for o in others if o != group)
+    pos = data.find(window)
+    assert pos >= 0
+    data[pos + 24 : pos + 40] = bytes(b ^ 0xFF for b in data[pos + 24 : pos + 40])
+    (disk / "data.mdb").write_bytes(bytes(data))
+
+
+def test_states_that_share_a_prefix_share_its_chunks_on_disk(make_supervisor, tmp_path):
+    """States that share a prefix are chunks in the arena and on disk: each full group of
+    64 tokens is stored once, whoever lists it; the disk holds the shared prefix once and
+    each state's own part. After a reboot the refill assembles each state whole, and the
+    arena splits and shares them as before."""
     disk = tmp_path / "persist"
     root = bytes(range(16))
     prefix = np.arange(700, dtype="<i4")
     prompts = [np.concatenate([prefix, np.arange(30, dtype="<i4") + 9000 * i]) for i in (1, 2, 3)]
     datas = [kv_state(t) for t in prompts]
-    sup = make_supervisor("--size", "32M", "--persist", str(disk))
+    args = ("--size", "32M", "--persist", str(disk))
+    sup = make_supervisor(*args)
     with sup.client() as c:
         for t, d in zip(prompts, datas, strict=True):
             c.put_bytes(root, t, b"fp", d)
     before = sup.stats()
     assert before["chunked_puts"] == 3 and before["chunk_bytes_shared"] > 0
     wait_until(lambda: persisted_all(sup), 20, "the write-behind")
-    env = lmdb.open(str(disk), max_dbs=2, readonly=True, lock=False)
-    with env.begin(db=env.open_db(b"blob", create=False)) as txn:
-        on_disk = sorted(bytes(v) for _, v in txn.cursor())
-    env.close()
-    assert on_disk == sorted(datas)  # whole blobs
-    again = reboot(tmp_path, sup, "--size", "32M", "--persist", str(disk))
+    st, stored = sup.stats(), _stored(disk)
+    # 700 shared tokens: 10 full groups of 64 alike; the 11th holds each state's own tokens
+    groups = [kvformat.split(d, 64) for d in datas]
+    full = [[bytes(g) for g, f in zip(gs, m.group_full, strict=True) if f] for m, gs in groups]
+    assert [len(f) for f in full] == [11, 11, 11] and full[0][:10] == full[1][:10] == full[2][:10]
+    assert sorted(stored["chunk"].values()) == sorted({g for f in full for g in f})
+    assert len(stored["chunk"]) == 13 and len(stored["blob"]) == 3
+    assert st["persist_bytes"] == sum(map(len, stored["blob"].values())) + sum(
+        map(len, stored["chunk"].values())
+    )
+    assert st["persist_bytes"] < 0.45 * sum(map(len, datas)), st  # (whole: 3 copies)
+    again = reboot(tmp_path, sup, *args)
     try:
         st = refilled(again)
         assert st["refilled"] == 3, st
@@ -541,6 +576,51 @@ def test_chunked_states_persist_whole_and_are_split_again_on_refill(make_supervi
                 hit = c.lookup(chain_digests(root, t, 64))
                 with c.acquire(hit) as lease:
                     assert lease.record.chunked and bytes(lease.payload) == d and lease.finish()
+    finally:
+        assert again.stop() == 0
+        no_internal_errors(sup, again)
+
+
+def test_a_damaged_chunk_costs_the_states_that_list_it_a_miss(make_supervisor, tmp_path):
+    """A flipped chunk on disk: the refill skips every state that lists it (a miss, never a
+    wrong state) and deletes them; the chunks they shared with others stay, the others'
+    own go. A state's own chunk damaged costs that state; a shared one costs all."""
+    disk = tmp_path / "persist"
+    root = bytes(range(16, 32))
+    prefix = np.arange(700, dtype="<i4")
+    prompts = [np.concatenate([prefix, np.arange(30, dtype="<i4") + 9000 * i]) for i in (1, 2, 3)]
+    datas = [kv_state(t, salt=b"flip") for t in prompts]
+    full = []
+    for d in datas:
+        m, gs = kvformat.split(d, 64)
+        full.append([bytes(g) for g, f in zip(gs, m.group_full, strict=True) if f])
+    args = ("--size", "32M", "--persist", str(disk))
+    sup = make_supervisor(*args)
+    with sup.client() as c:
+        for t, d in zip(prompts, datas, strict=True):
+            c.put_bytes(root, t, b"fp", d)
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind")
+    assert sup.stop() == 0
+    chunks = [g for f in full for g in f]
+    # state 0's own chunk, where its token 699's K row ends and 700's (its own) begins
+    _flip_chunk(disk, full[0][10], 60 * 256 - 32, chunks)
+    sup.arena.unlink(missing_ok=True)
+    again = start_supervisor(tmp_path, *args, name=sup.name)
+    try:
+        st = refilled(again)
+        assert st["refilled"] == 2 and st["refill_skipped"] == 1, st
+        with again.client() as c:  # (state 0's prompt still finds the shared 640 tokens)
+            assert [c.lookup(chain_digests(root, t, 64)).chunks for t in prompts] == [10, 11, 11]
+        wait_until(lambda: again.stats()["persist_records"] == 2, 10, "the damaged state deleted")
+        assert again.stop() == 0
+        assert sorted(_stored(disk)["chunk"].values()) == sorted(set(full[1] + full[2]))
+        _flip_chunk(disk, full[1][3], 4096, chunks)  # a chunk all three shared
+        again.arena.unlink(missing_ok=True)
+        again = start_supervisor(tmp_path, *args, name=sup.name)
+        st = refilled(again)
+        assert st["refilled"] == 0 and st["refill_skipped"] == 2, st
+        wait_until(lambda: again.stats()["persist_records"] == 0, 10, "the damaged states deleted")
+        assert again.stats()["persist_bytes"] == 0
     finally:
         assert again.stop() == 0
         no_internal_errors(sup, again)

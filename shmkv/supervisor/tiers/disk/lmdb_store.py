@@ -15,8 +15,16 @@ here), never a SIGBUS. LMDB does not checksum its pages; shmkv checksums every r
 Layout: DIR (0700, ours) holds ``data.mdb`` and ``lock.mdb`` (0600) and ``shmkv.lock``
 (a flock: one supervisor per DIR). Two databases keyed by a record's 16-byte content
 digest (``keys.content_digest``): ``meta`` holds ``header | fingerprint | token ids |
-XXH3-64 of all before``, ``blob`` the payload. The size bound (``--persist-size``) is
-on payload bytes, kept by LRU (a put or a hit is a use; pinned records go last).
+XXH3-64 of all before``, ``blob`` the payload, or for a chunked record (flag
+:data:`CHUNKED`: a KV cache state ``kvformat.plan`` splits at ``chunk_tokens``, as the
+arena does) ``chunk count | layout length | each full group's chunk key | its packed
+layout | the data of its groups that are not full``. A third, ``chunk``, holds each full
+group's data once under its key, ``publisher uid | XXH3-128 of the data`` (shared only
+between records of one publisher, as in the arena): records that share a prefix share its
+chunks on disk. A chunk lives while a record lists it; the counts are kept in memory,
+read from the records at open. The size bound (``--persist-size``) is on the bytes
+stored (records' values and chunks, each chunk once), kept by LRU (a put or a hit is a
+use; pinned records go last).
 """
 
 from __future__ import annotations
@@ -31,13 +39,16 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import lmdb
+import numpy as np
 import xxhash
 
+from shmkv.core import kvformat
 from shmkv.core.arena import DIGEST_SIZE, MAX_FINGERPRINT, MAX_TOKENS
 from shmkv.core.config import format_size
-from shmkv.core.errors import TierError
+from shmkv.core.errors import ArenaCorruptError, TierError
 from shmkv.core.keys import content_digest
 from shmkv.supervisor.tiers.base import (
     Accepted,
@@ -59,6 +70,13 @@ MAGIC, VERSION = b"SKVP", 1
 _HEAD = struct.Struct("<4sHHIQQdd16sII")
 _U64 = struct.Struct("<Q")
 PINNED = 1
+#: flag: ``blob`` holds the record's chunk keys and layout, ``chunk`` its full groups
+CHUNKED = 2
+# a chunked record's ``blob`` value: chunk count, packed layout length; then the keys
+_CHUNKED_HEAD = struct.Struct("<II")
+_UID = struct.Struct("<I")
+#: a chunk's key: publisher uid, XXH3-128 of its data
+CHUNK_KEY = _UID.size + 16
 #: free space under which a failed commit counts as a full disk
 _LOW_SPACE = 16 << 20
 
@@ -69,12 +87,14 @@ class DiskRecord(RecordMeta):
 
     #: wall-clock time of its last use (a put or a hit)
     last_used: float
+    #: ``blob`` holds chunk keys and a layout (the data is in ``chunk``)
+    chunked: bool = False
 
     def pack(self) -> bytes:
         head = _HEAD.pack(
             MAGIC,
             VERSION,
-            PINNED if self.pinned else 0,
+            (PINNED if self.pinned else 0) | (CHUNKED if self.chunked else 0),
             self.publisher,
             self.payload_len,
             self.payload_xxh3,
@@ -111,18 +131,74 @@ class DiskRecord(RecordMeta):
         tokens = body[_HEAD.size + fp_len :]
         if content_digest(root, fp, tokens, publisher) != content:
             raise TierError("record metadata does not match its key", "corrupt")
-        return cls(root, fp, tokens, publisher, bool(flags & PINNED), plen, pxxh3, created, used)
+        pinned, chunked = bool(flags & PINNED), bool(flags & CHUNKED)
+        return cls(root, fp, tokens, publisher, pinned, plen, pxxh3, created, used, chunked)
 
     @staticmethod
-    def peek(buf: memoryview) -> tuple[int, bool, float] | None:
-        """(payload length, pinned, last used) from a header, unchecked; None if it is no
-        header (the full check is :meth:`unpack`, at load)."""
+    def peek(buf: memoryview) -> tuple[int, bool, float, bool] | None:
+        """(payload length, pinned, last used, chunked) from a header, unchecked; None if it
+        is no header (the full check is :meth:`unpack`, at load)."""
         if len(buf) < _HEAD.size + 8:
             return None
         magic, version, flags, _pub, plen, _x, _c, used, *_ = _HEAD.unpack_from(buf)
         if magic != MAGIC or version != VERSION:
             return None
-        return plen, bool(flags & PINNED), used
+        return plen, bool(flags & PINNED), used, bool(flags & CHUNKED)
+
+
+def chunk_key(publisher: int, data: bytes | memoryview) -> bytes:
+    """The key of a chunk of ``data`` published by ``publisher``."""
+    return _UID.pack(publisher) + xxhash.xxh3_128_digest(data)
+
+
+def pack_chunked(keys: list[bytes], layout: kvformat.Manifest, inline: list[bytes]) -> bytes:
+    """A chunked record's ``blob`` value."""
+    packed = layout.pack()
+    return b"".join([_CHUNKED_HEAD.pack(len(keys), len(packed)), *keys, packed, *inline])
+
+
+def chunk_keys(value: bytes | memoryview) -> list[bytes]:
+    """The chunk keys a chunked record's ``blob`` value lists (unchecked beyond its length:
+    for the counts at open; :func:`parse_chunked` checks the rest)."""
+    mv = memoryview(value)
+    if len(mv) < _CHUNKED_HEAD.size:
+        return []
+    n, _ = _CHUNKED_HEAD.unpack_from(mv)
+    end = _CHUNKED_HEAD.size + n * CHUNK_KEY
+    if end > len(mv):
+        return []
+    return [bytes(mv[i : i + CHUNK_KEY]) for i in range(_CHUNKED_HEAD.size, end, CHUNK_KEY)]
+
+
+def parse_chunked(
+    value: bytes | memoryview, rec: DiskRecord
+) -> tuple[list[bytes], kvformat.Manifest, list[memoryview]]:
+    """A chunked record's chunk keys, group layout and the data of its groups that are not
+    full, checked against ``rec`` (the payload's length, one key per full group, the
+    publisher's keys, the lengths adding up); TierError("corrupt") if anything disagrees."""
+    mv = memoryview(value)
+    if len(mv) < _CHUNKED_HEAD.size:
+        raise TierError("chunked record shorter than its header", "corrupt")
+    n, n_layout = _CHUNKED_HEAD.unpack_from(mv)
+    pos = _CHUNKED_HEAD.size + n * CHUNK_KEY
+    if pos + n_layout > len(mv):
+        raise TierError("chunked record's keys or layout run past its end", "corrupt")
+    keys = chunk_keys(mv)
+    try:
+        layout = kvformat.Manifest.unpack(mv[pos : pos + n_layout])
+    except ArenaCorruptError as e:
+        raise TierError(f"chunked record's layout is unreadable: {e}", "corrupt") from None
+    uid = _UID.pack(rec.publisher)
+    if (
+        layout.blob_len != rec.payload_len
+        or sum(layout.group_full) != n
+        or any(k[: _UID.size] != uid for k in keys)
+    ):
+        raise TierError("chunked record's layout does not match its metadata", "corrupt")
+    inline = layout.partial_groups(mv, pos + n_layout)
+    if inline is None:
+        raise TierError("chunked record's groups do not add up to its value", "corrupt")
+    return keys, layout, inline
 
 
 def _prepare_dir(path: Path) -> None:
@@ -153,18 +229,26 @@ class LmdbTier:
 
     name = "persist"
 
-    def __init__(self, path: str | Path, size: int) -> None:
+    def __init__(self, path: str | Path, size: int, chunk_tokens: int = 0) -> None:
         self.path = Path(path)
-        #: most payload bytes kept
+        #: most bytes kept (records' values and chunks, each chunk once)
         self.size = size
+        #: tokens per chunk of a chunked record (the arena's); 0: every record whole
+        self.chunk_tokens = chunk_tokens
         self.env: lmdb.Environment | None = None
         self._lock_fd = -1
-        #: content -> [payload length, pinned, last used], least recently used first
-        self.lru: OrderedDict[bytes, list[object]] = OrderedDict()
+        #: content -> [payload length, pinned, last used, bytes of its value, chunk keys],
+        #: least recently used first
+        self.lru: OrderedDict[bytes, list[Any]] = OrderedDict()
+        #: chunk key -> [its data's length, how many records list it]
+        self.chunks: dict[bytes, list[int]] = {}
+        #: bytes stored: records' values and chunks
         self.bytes = 0
         #: what a refill loads, in its order (pinned, then most recently used first)
         self.order: list[bytes] = []
         self.written = self.written_bytes = self.gone = self.evicted = 0
+        #: chunks of chunked records written, and found on disk already (not written)
+        self.chunks_written = self.chunks_shared = 0
         #: records skipped without pausing, by kind
         self.errors: dict[str, int] = {}
         self._new: list[int] = []
@@ -238,7 +322,7 @@ class LmdbTier:
         return lmdb.open(
             str(self.path),
             map_size=2 * self.size + (64 << 20),
-            max_dbs=2,
+            max_dbs=3,
             mode=0o600,
             readahead=False,
             meminit=False,
@@ -246,25 +330,45 @@ class LmdbTier:
         )
 
     def _load_index(self) -> None:
+        """The records' LRU order and sizes, and each chunk's length and count of records,
+        read from the store (no payload is read); records whose header is unreadable and
+        chunks no record lists are deleted."""
         assert self.env is not None
         self.meta = self.env.open_db(b"meta")
         self.blob = self.env.open_db(b"blob")
+        self.chunk = self.env.open_db(b"chunk")
         rows, bad = [], []
-        with self.env.begin(db=self.meta, buffers=True) as txn:
-            for key, val in txn.cursor():
+        self.chunks = {}
+        with self.env.begin(buffers=True) as txn:
+            for key, val in txn.cursor(db=self.meta):
                 got = DiskRecord.peek(val) if len(key) == DIGEST_SIZE else None
-                if got is None:
+                value = txn.get(key, db=self.blob) if got is not None else None
+                if got is None or value is None:
                     bad.append(bytes(key))
+                    continue
+                keys = chunk_keys(value) if got[3] else []
+                for k in keys:
+                    self.chunks.setdefault(k, [0, 0])[1] += 1
+                rows.append((got[2], bytes(key), got[0], got[1], len(value), keys))
+            orphans = []
+            for key, val in txn.cursor(db=self.chunk):
+                row = self.chunks.get(bytes(key))
+                if row is None:
+                    orphans.append(bytes(key))
                 else:
-                    rows.append((got[2], bytes(key), got[0], got[1]))
-        rows.sort()
-        self.lru = OrderedDict((c, [n, pinned, used]) for used, c, n, pinned in rows)
-        self.bytes = sum(n for _, _, n, _ in rows)
-        if bad:
+                    row[0] = len(val)
+        rows.sort(key=lambda r: (r[0], r[1]))
+        self.lru = OrderedDict(
+            (c, [n, pinned, used, own, keys]) for used, c, n, pinned, own, keys in rows
+        )
+        self.bytes = sum(r[4] for r in rows) + sum(n for n, _ in self.chunks.values())
+        if bad or orphans:
             self.errors["corrupt"] = self.errors.get("corrupt", 0) + len(bad)
             with self.env.begin(write=True) as txn:
                 for c in bad:
                     self._delete(txn, c)
+                for k in orphans:
+                    txn.delete(k, db=self.chunk)
 
     # ------------------------------------------------------------------ write
     def apply(self, batch: list[Event], source: PayloadSource) -> None:
@@ -311,26 +415,61 @@ class LmdbTier:
             ev.created,
             ev.when,
         )
-        if ev.content not in self.lru:
+        row = self.lru.get(ev.content)
+        if row is None:
             if ev.payload_len > self.size:
                 self.errors["too_large"] = self.errors.get("too_large", 0) + 1
                 return
             data = source.payload(ev)
-            if data is None:
+            if data is None or not same_payload(data, ev):  # (evicted and reused meanwhile)
                 self.gone += 1
                 return
-            txn.put(ev.content, data, db=self.blob)
+            layout = kvformat.plan(data, self.chunk_tokens) if self.chunk_tokens else None
+            keys: list[bytes] = []
+            if layout is None:
+                own = len(data)
+                txn.put(ev.content, data, db=self.blob)
+            else:
+                own, keys = self._put_chunked(txn, ev, layout, data)
             del data
-            stored = txn.get(ev.content, db=self.blob)
-            if stored is None or not same_payload(stored, ev):
-                txn.delete(ev.content, db=self.blob)  # evicted and reused while we copied
-                self.gone += 1
-                return
-            self.bytes += ev.payload_len
+            self.bytes += own
             self._new.append(ev.payload_len)
-        txn.put(ev.content, rec.pack(), db=self.meta)
-        self.lru[ev.content] = [ev.payload_len, ev.pinned, ev.when]
+            row = [ev.payload_len, ev.pinned, ev.when, own, keys]
+        else:
+            row[1:3] = [ev.pinned, ev.when]
+        txn.put(ev.content, replace(rec, chunked=bool(row[4])).pack(), db=self.meta)
+        self.lru[ev.content] = row
         self.lru.move_to_end(ev.content)
+
+    def _put_chunked(
+        self, txn: lmdb.Transaction, ev: Accepted, layout: kvformat.Manifest, data: bytes
+    ) -> tuple[int, list[bytes]]:
+        """Store ``data`` (planned as ``layout``) as a chunked record: each full group as a
+        chunk unless the store holds it already, the rest in its ``blob`` value. Returns
+        the value's length and the record's chunk keys. One group's scratch at a time."""
+        scratch = np.empty(max(layout.group_sizes, default=0), dtype=np.uint8)
+        keys: list[bytes] = []
+        inline: list[bytes] = []
+        for i, size in enumerate(layout.group_sizes):
+            view = scratch[:size].data
+            kvformat.gather(layout, data, i, view)
+            if not layout.group_full[i]:
+                inline.append(bytes(view))
+                continue
+            key = chunk_key(ev.publisher, view)
+            row = self.chunks.get(key)
+            if row is None:
+                txn.put(key, view, db=self.chunk)
+                row = self.chunks[key] = [size, 0]
+                self.bytes += size
+                self.chunks_written += 1
+            else:
+                self.chunks_shared += 1
+            row[1] += 1
+            keys.append(key)
+        value = pack_chunked(keys, layout, inline)
+        txn.put(ev.content, value, db=self.blob)
+        return len(value), keys
 
     def _update(
         self,
@@ -350,18 +489,29 @@ class LmdbTier:
             self._delete(txn, content)
             return
         if pinned is not None:
-            rec, row[1] = replace(rec, pinned=pinned), pinned
+            rec, row[1] = replace(rec, pinned=pinned), pinned  # (the flag CHUNKED kept)
         if last_used is not None:
             rec, row[2] = replace(rec, last_used=last_used), last_used
             self.lru.move_to_end(content)
         txn.put(content, rec.pack(), db=self.meta)
 
     def _delete(self, txn: lmdb.Transaction, content: bytes) -> None:
+        """Delete a record, and each chunk no other record lists."""
         txn.delete(content, db=self.meta)
         txn.delete(content, db=self.blob)
         row = self.lru.pop(content, None)
-        if row is not None:
-            self.bytes -= int(row[0])  # type: ignore[call-overload]
+        if row is None:
+            return
+        self.bytes -= int(row[3])
+        for key in row[4]:
+            chunk = self.chunks.get(key)
+            if chunk is None:
+                continue
+            chunk[1] -= 1
+            if chunk[1] <= 0:
+                del self.chunks[key]
+                txn.delete(key, db=self.chunk)
+                self.bytes -= chunk[0]
 
     def _evict(self, txn: lmdb.Transaction) -> None:
         """Least recently used first, unpinned before pinned, until within ``size``."""
@@ -405,9 +555,37 @@ class LmdbTier:
                 return None
             rec = DiskRecord.unpack(content, bytes(raw))
             blob = txn.get(content, db=self.blob)
-            if blob is None or len(blob) != rec.payload_len:
-                raise TierError("record payload missing or of the wrong length", "corrupt")
+            if blob is None:
+                raise TierError("record payload missing", "corrupt")
+            if rec.chunked:
+                return rec, self._assemble(txn, blob, rec)
+            if len(blob) != rec.payload_len:
+                raise TierError("record payload of the wrong length", "corrupt")
             return rec, bytes(blob)
+
+    def _assemble(self, txn: lmdb.Transaction, value: memoryview, rec: DiskRecord) -> bytes:
+        """A chunked record's payload, put together from its value and its chunks (each
+        checked by its key's XXH3-128); TierError("corrupt") if one is missing or damaged."""
+        keys, layout, inline = parse_chunked(value, rec)
+        groups: list[bytes | memoryview] = []
+        it, k = iter(inline), iter(keys)
+        for size, full in zip(layout.group_sizes, layout.group_full, strict=True):
+            if not full:
+                groups.append(next(it))
+                continue
+            key = next(k)
+            data = txn.get(key, db=self.chunk)
+            if data is None or len(data) != size:
+                raise TierError("chunk of a record missing or of the wrong length", "corrupt")
+            if xxhash.xxh3_128_digest(data) != key[_UID.size :]:
+                raise TierError("chunk of a record does not match its key", "corrupt")
+            groups.append(data)
+        out = bytearray(layout.blob_len)
+        try:
+            kvformat.assemble(layout, groups, memoryview(out))
+        except ArenaCorruptError as e:
+            raise TierError(f"chunked record does not assemble: {e}", "corrupt") from None
+        return bytes(out)
 
     def close(self) -> None:
         if self.env is not None:

@@ -24,9 +24,9 @@ log = logging.getLogger(__name__)
 class Persistence:
     """The write-behind to ``--persist`` and the refill from it."""
 
-    def __init__(self, settings: Settings, ro_fd: int) -> None:
+    def __init__(self, settings: Settings, ro_fd: int, chunk_tokens: int = 0) -> None:
         size = settings.persist_size or 4 * settings.size
-        self.disk = LmdbTier(settings.persist, size)
+        self.disk = LmdbTier(settings.persist, size, chunk_tokens)
         self.writer = WriteBehind(self.disk, PayloadSource(ro_fd))
         self.stats = PersistStats()
         self.refill: Refill | None = None

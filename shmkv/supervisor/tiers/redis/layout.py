@@ -243,13 +243,8 @@ def parse_body(
         raise TierError(f"remote record's layout is unreadable: {e}", "corrupt") from None
     if layout.blob_len != man.payload_len or sum(layout.group_full) != man.n_chunks:
         raise TierError("remote record's layout does not match its manifest", "corrupt")
-    pos = _BODY_HEAD.size + n
-    inline = []
-    for size, full in zip(layout.group_sizes, layout.group_full, strict=True):
-        if not full:
-            inline.append(mv[pos : pos + size])
-            pos += size
-    if pos != len(mv):
+    inline = layout.partial_groups(mv, _BODY_HEAD.size + n)
+    if inline is None:
         raise TierError("remote record's groups do not add up to its body", "corrupt")
     return layout, inline
 
