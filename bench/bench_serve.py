@@ -304,11 +304,9 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
     with contextlib.ExitStack() as stack:
         sup = None
         if arm.startswith("shmkv"):
-            disk = (
-                ("--persist", str(workdir / f"persist-{arm}-{cc}-{n}"))
-                if cfg.get("persist")
-                else ()
-            )
+            disk: tuple[str, ...] = ()  # (a store of its own: none refills another cell's)
+            if cfg.get("persist"):
+                disk = ("--persist", tempfile.mkdtemp(prefix=f"persist-{arm}-", dir=workdir))
             sup = stack.enter_context(
                 common.supervisor(workdir, "--size", cfg["arena_size"], *disk)
             )
@@ -361,16 +359,15 @@ def run_cell(arm: str, cc: int, n: int, cfg: dict[str, Any], wl: Workload, workd
             time.sleep(1.0)  # the publisher threads deliver the last puts and counters
         mem1 = at_abort or snapshot(pids())
         if sup is not None:
-            if cfg.get("persist"):  # every put on disk (written, or gone before it could be)
+            if cfg.get("persist"):  # the write-behind idle: its queue empty, nothing new
+                seen: list[int] = []
 
                 def on_disk() -> bool:
                     st = sup.stats()
-                    return bool(
-                        st["persist_queue"] == 0
-                        and st["persisted"] + st["persist_gone"] >= st["puts"]
-                    )
+                    seen.append(st["persisted"] + st["persist_gone"])
+                    return st["persist_queue"] == 0 and seen[-3:] == [seen[-1]] * 3
 
-                common.poll(on_disk, 120, "the write-behind", every=0.05)
+                common.poll(on_disk, 120, "the write-behind", every=0.25)
             with contextlib.suppress(Exception):
                 cell["shmkv_stats"] = {"before": stats0, "after": sup.stats()}
         cell["memory"] = dict(after_warmup=mem0, end=mem1, peak_footprint=watch.peak_footprint)
