@@ -175,6 +175,7 @@ def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> 
         put_s = time.perf_counter() - t
         common.poll(lambda: sup.stats()["persisted"] >= n, 600, "write-behind", every=0.005)
         written_s = time.perf_counter() - t
+        disk_bytes = sup.stats()["persist_bytes"]  # (copies of one state share its chunks)
     if drop:
         subprocess.run(["sync"], check=True)
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -189,7 +190,8 @@ def refill_case(tmp: Path, states: list[dict[str, Any]], n: int, drop: bool) -> 
             hits = sum(c.lookup(d) is not None for d in digests)
     gb_s = st["refilled_bytes"] / secs / 1e9 if (secs := st["refill_seconds"]) else 0.0
     cold_saved = sum(states[i % len(states)]["cold_s"] for i in range(st["refilled"]))
-    return dict(states=n, bytes=size, put_s=put_s, written_behind_s=written_s,
+    return dict(states=n, bytes=size, disk_bytes=disk_bytes, put_s=put_s,
+                written_behind_s=written_s,
                 write_behind_gb_s=size / written_s / 1e9, page_cache_dropped=drop, ready_s=ready_s,
                 first_hit_s=first_hit_s, refill_s=secs, refill_first_s=st["refill_first_seconds"],
                 refilled=st["refilled"], refill_skipped=st["refill_skipped"], refill_gb_s=gb_s,
@@ -220,6 +222,7 @@ def persist(report: common.Report, o: Any) -> None:
     rows += [["first hit after start", common.fmt_s(r["first_hit_s"]), ""]]
     rows += [["cold prefills saved", common.fmt_s(r["cold_prefill_saved_s"]), saved]]
     rows += [["write-behind", f"{r['write_behind_gb_s']:.2f} GB/s", ""]]
+    rows += [["on disk", f"{common.fmt_b(r['disk_bytes'])} of {common.fmt_b(r['bytes'])}", ""]]
     click.echo(common.grid(rows))
     chart = [("first hit after the start", r["first_hit_s"], None), ("refill", r["refill_s"], None)]
     report.write(res, chart)

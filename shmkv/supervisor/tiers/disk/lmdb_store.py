@@ -542,7 +542,7 @@ class LmdbTier:
         return TierError(f"{self.path}: {e}", "io")
 
     # ------------------------------------------------------------------- read
-    def load(self, content: bytes) -> tuple[DiskRecord, bytes] | None:
+    def load(self, content: bytes) -> tuple[DiskRecord, bytes | bytearray] | None:
         """A record and a private copy of its payload (refill thread); None if it is gone.
 
         TierError("corrupt") if its metadata fails its checks; the payload's checksum is
@@ -563,7 +563,7 @@ class LmdbTier:
                 raise TierError("record payload of the wrong length", "corrupt")
             return rec, bytes(blob)
 
-    def _assemble(self, txn: lmdb.Transaction, value: memoryview, rec: DiskRecord) -> bytes:
+    def _assemble(self, txn: lmdb.Transaction, value: memoryview, rec: DiskRecord) -> bytearray:
         """A chunked record's payload, put together from its value and its chunks (each
         checked by its key's XXH3-128); TierError("corrupt") if one is missing or damaged."""
         keys, layout, inline = parse_chunked(value, rec)
@@ -585,7 +585,7 @@ class LmdbTier:
             kvformat.assemble(layout, groups, memoryview(out))
         except ArenaCorruptError as e:
             raise TierError(f"chunked record does not assemble: {e}", "corrupt") from None
-        return bytes(out)
+        return out
 
     def close(self) -> None:
         if self.env is not None:

@@ -166,7 +166,7 @@ class Refill:
             self._finish()
             return False
         content: bytes
-        got: tuple[DiskRecord, bytes] | TierError | None
+        got: tuple[DiskRecord, bytes | bytearray] | TierError | None
         content, got = item  # type: ignore[misc]
         if got is None:  # evicted from disk meanwhile
             return True
@@ -183,7 +183,7 @@ class Refill:
             self._job, self._content = job, content
         return True
 
-    def _begin(self, rec: DiskRecord, payload: bytes) -> PutJob:
+    def _begin(self, rec: DiskRecord, payload: bytes | bytearray) -> PutJob:
         if len(rec.root) != DIGEST_SIZE:
             raise TierError("bad root", "corrupt")
         return self.store.put_record(rec, payload, self.source, may_evict=False)
