@@ -509,6 +509,16 @@ def gather(manifest: Manifest, blob: BlobBuffer, i: int, out: memoryview) -> Non
         q += r.nrep * n * r.unit
 
 
+def gathered(manifest: Manifest, blob: BlobBuffer) -> Iterator[tuple[int, memoryview]]:
+    """Each group's index and data, in blob order, :func:`gather`-ed in turn into one
+    scratch buffer of the largest group's size (a view is valid until the next)."""
+    scratch = np.empty(max(manifest.group_sizes, default=0), dtype=np.uint8)
+    for i, size in enumerate(manifest.group_sizes):
+        view = scratch[:size].data
+        gather(manifest, blob, i, view)
+        yield i, view
+
+
 def split(
     blob: BlobBuffer, chunk_tokens: int, *, min_full: int = 1
 ) -> tuple[Manifest, list[memoryview]] | None:

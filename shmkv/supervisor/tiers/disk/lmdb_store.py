@@ -39,10 +39,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import lmdb
-import numpy as np
 import xxhash
 
 from shmkv.core import kvformat
@@ -79,6 +77,25 @@ _UID = struct.Struct("<I")
 CHUNK_KEY = _UID.size + 16
 #: free space under which a failed commit counts as a full disk
 _LOW_SPACE = 16 << 20
+
+
+@dataclass(slots=True)
+class _Indexed:
+    """What the index keeps of a stored record (its recency is its place in the LRU)."""
+
+    pinned: bool
+    #: bytes of its ``blob`` value
+    own: int
+    #: the chunk keys it lists (none: stored whole)
+    chunks: list[bytes]
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """A stored chunk: its data's length and how many records list it."""
+
+    size: int
+    refs: int = 0
 
 
 @dataclass(frozen=True)
@@ -237,18 +254,15 @@ class LmdbTier:
         self.chunk_tokens = chunk_tokens
         self.env: lmdb.Environment | None = None
         self._lock_fd = -1
-        #: content -> [payload length, pinned, last used, bytes of its value, chunk keys],
-        #: least recently used first
-        self.lru: OrderedDict[bytes, list[Any]] = OrderedDict()
-        #: chunk key -> [its data's length, how many records list it]
-        self.chunks: dict[bytes, list[int]] = {}
+        #: content -> what the index keeps of it, least recently used first
+        self.lru: OrderedDict[bytes, _Indexed] = OrderedDict()
+        #: chunk key -> the chunk
+        self.chunks: dict[bytes, _Chunk] = {}
         #: bytes stored: records' values and chunks
         self.bytes = 0
         #: what a refill loads, in its order (pinned, then most recently used first)
         self.order: list[bytes] = []
         self.written = self.written_bytes = self.gone = self.evicted = 0
-        #: chunks of chunked records written, and found on disk already (not written)
-        self.chunks_written = self.chunks_shared = 0
         #: records skipped without pausing, by kind
         self.errors: dict[str, int] = {}
         self._new: list[int] = []
@@ -276,9 +290,9 @@ class LmdbTier:
         if unsafe is not None:
             self._start_anew(unsafe)
         self._load_index()
-        self.pinned_at_open = frozenset(c for c, v in self.lru.items() if v[1])
-        self.order = [c for c, v in reversed(self.lru.items()) if v[1]]
-        self.order += [c for c, v in reversed(self.lru.items()) if not v[1]]
+        self.pinned_at_open = frozenset(c for c, v in self.lru.items() if v.pinned)
+        self.order = [c for c, v in reversed(self.lru.items()) if v.pinned]
+        self.order += [c for c, v in reversed(self.lru.items()) if not v.pinned]
         log.info(
             "persist %s: %d states, %s of %s",
             self.path,
@@ -346,22 +360,21 @@ class LmdbTier:
                 if got is None or value is None:
                     bad.append(bytes(key))
                     continue
-                keys = chunk_keys(value) if got[3] else []
+                _plen, pinned, used, chunked = got
+                keys = chunk_keys(value) if chunked else []
                 for k in keys:
-                    self.chunks.setdefault(k, [0, 0])[1] += 1
-                rows.append((got[2], bytes(key), got[0], got[1], len(value), keys))
+                    self.chunks.setdefault(k, _Chunk(0)).refs += 1
+                rows.append((used, bytes(key), _Indexed(pinned, len(value), keys)))
             orphans = []
             for key, val in txn.cursor(db=self.chunk):
-                row = self.chunks.get(bytes(key))
-                if row is None:
+                chunk = self.chunks.get(bytes(key))
+                if chunk is None:
                     orphans.append(bytes(key))
                 else:
-                    row[0] = len(val)
+                    chunk.size = len(val)
         rows.sort(key=lambda r: (r[0], r[1]))
-        self.lru = OrderedDict(
-            (c, [n, pinned, used, own, keys]) for used, c, n, pinned, own, keys in rows
-        )
-        self.bytes = sum(r[4] for r in rows) + sum(n for n, _ in self.chunks.values())
+        self.lru = OrderedDict((c, row) for _, c, row in rows)
+        self.bytes = sum(r.own for _, _, r in rows) + sum(c.size for c in self.chunks.values())
         if bad or orphans:
             self.errors["corrupt"] = self.errors.get("corrupt", 0) + len(bad)
             with self.env.begin(write=True) as txn:
@@ -425,51 +438,43 @@ class LmdbTier:
                 self.gone += 1
                 return
             layout = kvformat.plan(data, self.chunk_tokens) if self.chunk_tokens else None
-            keys: list[bytes] = []
             if layout is None:
-                own = len(data)
+                row = _Indexed(ev.pinned, len(data), [])
                 txn.put(ev.content, data, db=self.blob)
             else:
-                own, keys = self._put_chunked(txn, ev, layout, data)
+                row = self._put_chunked(txn, ev, layout, data)
             del data
-            self.bytes += own
+            self.bytes += row.own
             self._new.append(ev.payload_len)
-            row = [ev.payload_len, ev.pinned, ev.when, own, keys]
         else:
-            row[1:3] = [ev.pinned, ev.when]
-        txn.put(ev.content, replace(rec, chunked=bool(row[4])).pack(), db=self.meta)
+            row.pinned = ev.pinned
+        txn.put(ev.content, replace(rec, chunked=bool(row.chunks)).pack(), db=self.meta)
         self.lru[ev.content] = row
         self.lru.move_to_end(ev.content)
 
     def _put_chunked(
         self, txn: lmdb.Transaction, ev: Accepted, layout: kvformat.Manifest, data: bytes
-    ) -> tuple[int, list[bytes]]:
+    ) -> _Indexed:
         """Store ``data`` (planned as ``layout``) as a chunked record: each full group as a
         chunk unless the store holds it already, the rest in its ``blob`` value. Returns
-        the value's length and the record's chunk keys. One group's scratch at a time."""
-        scratch = np.empty(max(layout.group_sizes, default=0), dtype=np.uint8)
+        its index row. One group's scratch at a time."""
         keys: list[bytes] = []
         inline: list[bytes] = []
-        for i, size in enumerate(layout.group_sizes):
-            view = scratch[:size].data
-            kvformat.gather(layout, data, i, view)
+        for i, view in kvformat.gathered(layout, data):
             if not layout.group_full[i]:
                 inline.append(bytes(view))
                 continue
             key = chunk_key(ev.publisher, view)
-            row = self.chunks.get(key)
-            if row is None:
+            chunk = self.chunks.get(key)
+            if chunk is None:
                 txn.put(key, view, db=self.chunk)
-                row = self.chunks[key] = [size, 0]
-                self.bytes += size
-                self.chunks_written += 1
-            else:
-                self.chunks_shared += 1
-            row[1] += 1
+                chunk = self.chunks[key] = _Chunk(len(view))
+                self.bytes += chunk.size
+            chunk.refs += 1
             keys.append(key)
         value = pack_chunked(keys, layout, inline)
         txn.put(ev.content, value, db=self.blob)
-        return len(value), keys
+        return _Indexed(ev.pinned, len(value), keys)
 
     def _update(
         self,
@@ -489,9 +494,9 @@ class LmdbTier:
             self._delete(txn, content)
             return
         if pinned is not None:
-            rec, row[1] = replace(rec, pinned=pinned), pinned  # (the flag CHUNKED kept)
+            rec, row.pinned = replace(rec, pinned=pinned), pinned  # (the flag CHUNKED kept)
         if last_used is not None:
-            rec, row[2] = replace(rec, last_used=last_used), last_used
+            rec = replace(rec, last_used=last_used)
             self.lru.move_to_end(content)
         txn.put(content, rec.pack(), db=self.meta)
 
@@ -502,23 +507,23 @@ class LmdbTier:
         row = self.lru.pop(content, None)
         if row is None:
             return
-        self.bytes -= int(row[3])
-        for key in row[4]:
+        self.bytes -= row.own
+        for key in row.chunks:
             chunk = self.chunks.get(key)
             if chunk is None:
                 continue
-            chunk[1] -= 1
-            if chunk[1] <= 0:
+            chunk.refs -= 1
+            if chunk.refs <= 0:
                 del self.chunks[key]
                 txn.delete(key, db=self.chunk)
-                self.bytes -= chunk[0]
+                self.bytes -= chunk.size
 
     def _evict(self, txn: lmdb.Transaction) -> None:
         """Least recently used first, unpinned before pinned, until within ``size``."""
         for pinned in (False, True):
             if self.bytes <= self.size:
                 return
-            for content in [c for c, row in self.lru.items() if row[1] == pinned]:
+            for content in [c for c, row in self.lru.items() if row.pinned == pinned]:
                 if self.bytes <= self.size:
                     return
                 self._delete(txn, content)
@@ -564,8 +569,9 @@ class LmdbTier:
             return rec, bytes(blob)
 
     def _assemble(self, txn: lmdb.Transaction, value: memoryview, rec: DiskRecord) -> bytearray:
-        """A chunked record's payload, put together from its value and its chunks (each
-        checked by its key's XXH3-128); TierError("corrupt") if one is missing or damaged."""
+        """A chunked record's payload, put together from its value and its chunks;
+        TierError("corrupt") if one is missing or of the wrong length. A damaged chunk is
+        caught by the put that takes the payload, which checks it whole (its XXH3-64)."""
         keys, layout, inline = parse_chunked(value, rec)
         groups: list[bytes | memoryview] = []
         it, k = iter(inline), iter(keys)
@@ -577,8 +583,6 @@ class LmdbTier:
             data = txn.get(key, db=self.chunk)
             if data is None or len(data) != size:
                 raise TierError("chunk of a record missing or of the wrong length", "corrupt")
-            if xxhash.xxh3_128_digest(data) != key[_UID.size :]:
-                raise TierError("chunk of a record does not match its key", "corrupt")
             groups.append(data)
         out = bytearray(layout.blob_len)
         try:

@@ -327,12 +327,9 @@ class RedisWriter:
         at most :data:`SEND_BATCH` bytes of chunks."""
         life = ttl_ms + PIECE_GRACE_MS
         full = [i for i, f in enumerate(layout.group_full) if f]
-        scratch = np.empty(max(layout.group_sizes, default=0), dtype=np.uint8)
         names: list[tuple[bytes, bytes]] = []
         inline: list[bytes] = []
-        for i, size in enumerate(layout.group_sizes):
-            view = scratch[:size].data
-            kvformat.gather(layout, data, i, view)
+        for i, view in kvformat.gathered(layout, data):
             if layout.group_full[i]:
                 names.append((fmt.chunk_digest(view), xxhash.xxh3_128_digest(view)))
             else:
@@ -352,6 +349,7 @@ class RedisWriter:
             lacking += [j for j, ok in zip(longer, pipe.execute(), strict=True) if not ok]
         sent = 0
         pipe, batch = self.r.pipeline(transaction=False), 0
+        scratch = np.empty(max(layout.group_sizes, default=0), dtype=np.uint8)
         for j in sorted(lacking):
             i = full[j]
             view = scratch[: layout.group_sizes[i]].data
