@@ -8,11 +8,17 @@ worker while others sit idle. Here a worker accepts only while it is idle:
 
 * it stops listening for new connections while it has a completion in flight (its
   body received, the model at work) and starts again when it is done;
-* it also stops from the moment it accepts a connection that has sent bytes until that
-  connection's request has arrived (a completion's whole body, or another request's
-  headers), for at most :data:`HOLD_SECONDS`: between the accept and the completion's
-  start the worker is not busy yet, and two connections arriving together could both go
-  to it, the second waiting behind the first's prefill while another worker was idle;
+* it also stops from the moment it accepts a connection whose request is whole in the
+  kernel's buffer (headers and the body they announce: a peek at the accept) until that
+  request has reached the app, for at most :data:`HOLD_SECONDS` (in practice a
+  millisecond): between the accept and the completion's start the worker is not busy yet,
+  and two connections arriving together could both go to it, the second waiting behind the
+  first's prefill while another worker was idle;
+* a connection whose request is not whole at its accept (its body a moment behind its
+  headers, or a client that stalls) holds the worker's accepts only on credit: at most
+  :data:`HOLD_CREDIT_SECONDS` at once and :data:`HOLD_CREDIT_RATE` of its time, so bytes a
+  client has not sent never keep a worker out of the pool for long, however many such
+  connections one opens;
 * the listening sockets defer accepts until a connection's first bytes arrive
   (``TCP_DEFER_ACCEPT``), so a client's request is there when its connection is accepted.
 
@@ -20,8 +26,8 @@ New connections wait in the shared listen backlog for the first idle worker inst
 (when every worker is busy, the first to finish takes the next). A connection that sends
 nothing, or sends slowly, never keeps a worker from accepting others for long: one with no
 bytes at its accept (``TCP_DEFER_ACCEPT`` gave up waiting) holds nothing, one whose request
-is not in after :data:`HOLD_SECONDS` holds no more, and one that has not sent its request's
-headers ``--request-read-timeout`` seconds after it was accepted is closed.
+is not whole holds on credit, and one whose first request (headers and body) is not whole
+``--request-read-timeout`` seconds after it was accepted is closed.
 
 Connections already accepted still reach their worker. So that a keep-alive client's next
 completion is not sent on a connection to a worker busy with another client's, a worker of
@@ -39,6 +45,7 @@ import asyncio
 import logging
 import socket
 import sys
+import time
 from typing import Any
 
 from gunicorn.arbiter import Arbiter
@@ -52,9 +59,20 @@ from shmkv.core.stats import HttpCounters
 
 log = logging.getLogger("shmkv.worker")
 
-#: seconds a worker stays out of the accept pool for a connection whose request has not
-#: arrived (a client sends its request at once; only a slow or stalled one waits this long)
+#: seconds a worker stays out of the accept pool, at most, for a connection it accepted
+#: whose request has not reached the app (a whole one gets there in a millisecond)
 HOLD_SECONDS = 0.5
+#: a worker's credit of seconds out of the pool for connections whose request is not whole
+#: at their accept (its body a moment behind its headers, or a client that stalls): at most
+#: this much at once, growing back at :data:`HOLD_CREDIT_RATE` seconds a second, so that
+#: stalled clients, however many, keep each worker out for at most 5 % of its time
+HOLD_CREDIT_SECONDS = 0.1
+HOLD_CREDIT_RATE = 0.05
+#: a credit below this holds nothing
+MIN_HOLD_SECONDS = 0.002
+#: bytes of a new connection's first request peeked at to tell whether it is whole (a body
+#: longer than this counts as not whole: it holds on credit)
+PEEK_BYTES = 65536
 #: ``TCP_DEFER_ACCEPT`` of the listening sockets: seconds the kernel waits for a new
 #: connection's first bytes before handing it to accept without them
 DEFER_ACCEPT_SECONDS = 1
@@ -97,7 +115,13 @@ class IdleAcceptor:
         self._on = False
         self._timer: asyncio.TimerHandle | None = None  # backing off after a failed accept
         self._hold_timer: asyncio.TimerHandle | None = None
-        self._no_cycle_logged = False
+        #: when the hold under way began, if it is charged to the credit (else None)
+        self._held_since: float | None = None
+        self._credit_left = HOLD_CREDIT_SECONDS
+        self._credit_at = time.monotonic()
+        #: peers of accepted TCP connections whose first request is not whole yet, and when
+        #: they were accepted (each leaves at its request, its close or its read timeout)
+        self.pending: dict[tuple[str, int], float] = {}
 
     def attach(self, servers: list[Any], read_timeout: float) -> None:
         """Take over accepting from uvicorn's asyncio servers (best effort)."""
@@ -156,20 +180,38 @@ class IdleAcceptor:
             return
         self.counters.connections_accepted += 1
         conn.setblocking(False)
-        if has_bytes(conn):  # a request on its way: take no other connection before it
-            self._hold(loop, peer(addr))
+        client = peer(addr)
+        if client is not None:
+            self.pending[client] = time.monotonic()
+        sent = request_sent(conn)
+        if sent == WHOLE:  # a request the app will see at once: take no other before it
+            self._hold(loop, client, HOLD_SECONDS, charged=False)
+        elif sent == PART and (credit := self._credit(time.monotonic())) >= MIN_HOLD_SECONDS:
+            self._hold(loop, client, credit, charged=True)  # (its body on the way, or stalled)
+        elif sent == PART:
+            self.counters.holds_refused += 1
         made: list[Any] = []
 
         def protocol() -> Any:
-            made.append(factory())
-            return made[-1]
+            proto = factory()
+            lost = proto.connection_lost
+
+            def connection_lost(exc: Exception | None) -> None:
+                self.gone(client)
+                lost(exc)
+
+            proto.connection_lost = connection_lost
+            made.append(proto)
+            return proto
 
         loop.create_task(loop.connect_accepted_socket(protocol, conn))
-        loop.call_later(self.read_timeout, self._expire, made, conn)
+        loop.call_later(self.read_timeout, self._expire, made, conn, client)
 
-    def _expire(self, made: list[Any], conn: socket.socket) -> None:
-        """``read_timeout`` after the accept: close the connection if no request started."""
+    def _expire(self, made: list[Any], conn: socket.socket, client: tuple[str, int] | None) -> None:
+        """``read_timeout`` after the accept: close the connection if its first request is
+        not whole (headers and body) by now."""
         if not made:  # never got its protocol: the connection went away early
+            self.gone(client)
             if conn.fileno() >= 0:
                 conn.close()
             return
@@ -177,32 +219,46 @@ class IdleAcceptor:
         transport = getattr(proto, "transport", None)
         if transport is None or transport.is_closing():
             return
-        if not hasattr(proto, "cycle"):  # not uvicorn's h11/httptools protocol
-            if not self._no_cycle_logged:
-                self._no_cycle_logged = True
-                log.warning("cannot tell idle connections apart: none is timed out")
-            return
-        if proto.cycle is None:  # uvicorn has not parsed a request's headers on it
-            self.counters.idle_closed += 1
-            log.debug("closing a connection that sent no request in %.1f s", self.read_timeout)
-            transport.close()
+        if client is not None:
+            if self.pending.pop(client, None) is None:
+                return  # its request arrived whole
+        elif not hasattr(proto, "cycle") or proto.cycle is not None:
+            return  # (not TCP: only a connection without headers is known idle)
+        self.counters.idle_closed += 1
+        log.debug("closing a connection whose request is not in after %.1f s", self.read_timeout)
+        transport.close()
 
-    def _hold(self, loop: Any, client: tuple[str, int] | None) -> None:
+    def _credit(self, now: float) -> float:
+        """Seconds this worker may stay out of the pool for requests not yet whole now."""
+        grown = (now - self._credit_at) * HOLD_CREDIT_RATE
+        self._credit_left = min(HOLD_CREDIT_SECONDS, self._credit_left + grown)
+        self._credit_at = now
+        return self._credit_left
+
+    def _hold(
+        self, loop: Any, client: tuple[str, int] | None, seconds: float, charged: bool
+    ) -> None:
         self.holding = client
         if self._hold_timer is not None:
             self._hold_timer.cancel()
-        self._hold_timer = loop.call_later(HOLD_SECONDS, self._expire_hold)
+        self._hold_timer = loop.call_later(min(seconds, HOLD_SECONDS), self._expire_hold)
+        self._held_since = time.monotonic() if charged else None
         self._sync()
 
     def _expire_hold(self) -> None:
         self.counters.holds_expired += 1
-        log.debug("accepting again: no request from %s in %.1f s", self.holding, HOLD_SECONDS)
+        log.debug("accepting again: no request from %s in time", self.holding)
         self._release()
 
     def _release(self) -> None:
         if self._hold_timer is not None:
             self._hold_timer.cancel()
             self._hold_timer = None
+            if self._held_since is not None:  # what a request not yet whole held, charged
+                now = time.monotonic()
+                self._credit(now)
+                self._credit_left = max(0.0, self._credit_left - (now - self._held_since))
+                self._held_since = None
         self.holding = None
         self._sync()
 
@@ -217,19 +273,31 @@ class IdleAcceptor:
         self._sync()
 
     def arrived(self, client: Any) -> None:
-        """A request from ``client`` (its ``scope["client"]``) reached the app: if it is the
-        one this worker holds out of the accept pool for, accept again (unless busy)."""
-        if self._hold_timer is not None and peer(client) == self.holding:
+        """A request from ``client`` (its ``scope["client"]``) reached the app whole (a
+        completion's body in, another request's headers): if it is the one this worker holds
+        out of the accept pool for, accept again (unless busy)."""
+        client = peer(client)
+        if client is not None:
+            self.pending.pop(client, None)
+        if self._hold_timer is not None and client == self.holding:
+            self._release()
+
+    def gone(self, client: tuple[str, int] | None) -> None:
+        """The connection from ``client`` closed (uvicorn refused its request, or the client
+        left): it holds nothing any more."""
+        if client is None:
+            return
+        self.pending.pop(client, None)
+        if self._hold_timer is not None and client == self.holding:
             self._release()
 
     def enter(self) -> None:
         """A completion arrived (its body is in): stop accepting until it is done."""
         self.busy += 1
         if self._hold_timer is not None:  # (the held connection's, or one that is as late)
-            self._hold_timer.cancel()
-            self._hold_timer = None
-            self.holding = None
-        self._sync()
+            self._release()
+        else:
+            self._sync()
 
     def leave(self) -> None:
         self.busy -= 1
@@ -246,12 +314,39 @@ class IdleAcceptor:
             self._sync()
 
 
-def has_bytes(conn: socket.socket) -> bool:
-    """Whether a just-accepted connection has sent bytes (its request, coming)."""
+#: what :func:`request_sent` tells of a just-accepted connection
+NOTHING, PART, WHOLE = "nothing", "part", "whole"
+
+
+def request_sent(conn: socket.socket) -> str:
+    """How much of its first request a just-accepted connection has sent, from a peek at
+    what the kernel holds for it (nothing is read): :data:`NOTHING`, :data:`PART` (its
+    headers or body not all in yet: on the way, or a client that stalls), or :data:`WHOLE`
+    (headers and the body they announce; or headers uvicorn will refuse at once)."""
     try:
-        return bool(conn.recv(1, socket.MSG_PEEK))
+        data = conn.recv(PEEK_BYTES, socket.MSG_PEEK)
     except OSError:  # nothing yet (BlockingIOError), or reset
-        return False
+        return NOTHING
+    if not data:
+        return NOTHING
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return PART
+    length, chunked = 0, False
+    for line in data[:end].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            try:
+                length = int(value.strip())
+            except ValueError:  # refused by uvicorn at once (400)
+                return WHOLE
+        elif name == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+    body = data[end + 4 :]
+    if chunked:
+        return WHOLE if body.endswith(b"0\r\n\r\n") else PART
+    return WHOLE if len(body) >= length else PART
 
 
 def defer_accept(sock: Any) -> None:
@@ -271,8 +366,9 @@ class BusyGate:
     """ASGI middleware: tells :data:`ACCEPTOR` when this worker's requests arrive and end.
 
     A completion (a POST) is in flight from the moment its whole body has arrived: a client
-    that sends its body slowly does not keep the worker from accepting others for longer
-    than :data:`HOLD_SECONDS`. Another request is quick: its arrival is all that counts.
+    that sends its body slowly keeps the worker from accepting others only on the worker's
+    credit (:data:`HOLD_CREDIT_SECONDS`). Another request is quick: its arrival is all that
+    counts.
     With ``close_completions``, every completion's response closes its connection.
     """
 
@@ -296,6 +392,7 @@ class BusyGate:
             body_pending = message["type"] == "http.request" and message.get("more_body")
             if not entered and not body_pending:
                 entered = True
+                ACCEPTOR.arrived(scope.get("client"))
                 ACCEPTOR.enter()
             return message
 

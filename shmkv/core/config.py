@@ -862,8 +862,9 @@ SETTINGS: dict[str, Setting] = {
             "request_read_timeout",
             _positive_float,
             10.0,
-            "Seconds a new connection may take to send a request's headers before it is "
-            "closed (a connection that sends nothing never keeps a worker from accepting).",
+            "Seconds a new connection may take to send its first request whole (headers and "
+            "body) before it is closed (a connection that sends nothing, or stalls, never "
+            "keeps a worker from accepting for long).",
             _SERVE,
             "SECONDS",
         ),

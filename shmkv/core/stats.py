@@ -275,11 +275,17 @@ class HttpCounters:
 
     connections_accepted: int = counter("connections accepted")
     idle_closed: int = counter(
-        "connections closed because they sent no request headers within --request-read-timeout"
+        "connections closed because their first request (headers and body) was not whole "
+        "within --request-read-timeout"
     )
     holds_expired: int = counter(
-        "connections whose request had not arrived when their accept hold (0.5 s) ran out (each "
-        "kept its worker from accepting others that long)"
+        "connections whose request had not arrived when their accept hold ran out (each kept "
+        "its worker from accepting others that long: 0.5 s at most, a request not whole at its "
+        "accept only on the worker's credit of 0.1 s)"
+    )
+    holds_refused: int = counter(
+        "connections whose request was not whole at their accept, taken with no hold because "
+        "the worker's hold credit was spent (stalled clients)"
     )
 
 
