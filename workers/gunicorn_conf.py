@@ -36,6 +36,19 @@ limit_request_fields = 100
 log = logging.getLogger("shmkv.gunicorn")
 
 
+def on_starting(server) -> None:  # in the master, once, before it forks the workers
+    # the load warnings (AMX, a CPU-only build asked for GPU layers) once per deployment:
+    # the workers, forked from here, inherit having given them
+    from shmkv.serving.model_settings import warn_once
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=getattr(logging, _s.log_level.upper()),
+            format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+        )
+    warn_once(_s)
+
+
 def worker_exit(server, worker) -> None:  # in the worker
     from shmkv.llama import close_all
 

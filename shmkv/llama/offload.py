@@ -47,7 +47,8 @@ def supports_gpu_offload() -> bool:
 
 def warn_if_cpu_only(n_gpu_layers: int) -> bool:
     """Whether layers asked for (``n_gpu_layers`` != 0) can go to a GPU. When they cannot,
-    one warning per process, naming the fix; the model then runs on the CPU."""
+    one warning per process, naming the fix; the model then runs on the CPU (one per
+    deployment when the gunicorn master asks first: :func:`warn_if_amx`)."""
     global _warned
     if n_gpu_layers == 0:
         return False
@@ -74,16 +75,14 @@ def amx_weight_buffers() -> bool:
     return b"AMX_INT8 = 1" in bytes(lc.llama_print_system_info() or b"")
 
 
-@contextlib.contextmanager
-def plain_weight_buffers(model: str = "the model") -> Iterator[None]:
-    """For the length of the block, on a build compiled for AMX, models load without
-    llama.cpp's extra weight buffers (``use_extra_bufts`` off in
-    ``llama_model_default_params()``, which ``Llama()`` starts from); one warning per
-    process. Elsewhere nothing changes."""
+def warn_if_amx(model: str = "the model") -> bool:
+    """Whether this build keeps CPU weights in AMX buffers unless told not to
+    (:func:`amx_weight_buffers`); if so, one warning per process naming the way out. The
+    gunicorn master asks before it forks its workers (``workers/gunicorn_conf.py``), so they
+    inherit having warned: one warning per deployment, not one per worker."""
     global _warned_amx
     if not amx_weight_buffers():
-        yield
-        return
+        return False
     if not _warned_amx:
         _warned_amx = True
         log.warning(
@@ -94,6 +93,18 @@ def plain_weight_buffers(model: str = "the model") -> Iterator[None]:
             model,
             _version(),
         )
+    return True
+
+
+@contextlib.contextmanager
+def plain_weight_buffers(model: str = "the model") -> Iterator[None]:
+    """For the length of the block, on a build compiled for AMX, models load without
+    llama.cpp's extra weight buffers (``use_extra_bufts`` off in
+    ``llama_model_default_params()``, which ``Llama()`` starts from); one warning per
+    process (:func:`warn_if_amx`). Elsewhere nothing changes."""
+    if not warn_if_amx(model):
+        yield
+        return
     default = lc.llama_model_default_params
 
     def without_extra_buffers() -> Any:

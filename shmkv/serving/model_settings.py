@@ -54,6 +54,14 @@ def model_settings(
     )
 
 
+def warn_once(settings: Settings) -> None:
+    """The load warnings of ``settings``' models (a CPU-only build asked for GPU layers, a
+    build compiled for AMX), given once: by the gunicorn master before it forks the workers,
+    which inherit having warned (``workers/gunicorn_conf.py``)."""
+    offload.warn_if_cpu_only(settings.n_gpu_layers)
+    offload.warn_if_amx(", ".join(settings.model) if settings.model else "the default model")
+
+
 def load_with(
     ms: ModelSettings,
     swa_full: bool,

@@ -295,3 +295,41 @@ def test_a_build_compiled_for_amx_loads_served_models_without_its_weight_buffers
     assert out["keys"][1] == out["keys"][2] != out["keys"][0]
     assert res.stderr.count("llama.cpp#20824") == 1, res.stderr
     assert "docs/guides/serving.md, a CPU with AMX" in res.stderr
+
+
+_DEPLOYMENT_SCRIPT = textwrap.dedent(
+    """
+    import logging, os, runpy, sys
+    from shmkv.llama import offload
+    from shmkv.serving.model_settings import load_llama
+    from shmkv.core.config import resolve
+
+    offload.amx_weight_buffers = lambda: True  # what a build compiled for AMX reports
+    conf = runpy.run_path(sys.argv[1])  # the gunicorn config, as gunicorn's master reads it
+    conf["on_starting"](None)
+    workers = []
+    for _ in range(3):  # gunicorn forks its workers from the master after on_starting
+        pid = os.fork()
+        if pid == 0:
+            load_llama(resolve("serve"), sys.argv[2], threads=1)
+            os._exit(0)
+        workers.append(pid)
+    sys.exit(max(os.waitpid(pid, 0)[1] for pid in workers))
+    """
+)
+
+
+def test_a_build_compiled_for_amx_warns_once_per_deployment_not_per_worker(models):
+    """The gunicorn master gives the AMX warning before it forks its workers, which inherit
+    having given it: one line for a deployment of three workers (three before)."""
+    from shmkv.serving.runner import gunicorn_conf_path
+
+    res = subprocess.run(
+        [sys.executable, "-c", _DEPLOYMENT_SCRIPT, str(gunicorn_conf_path()), models["seed0"]],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=clean_env(SHMKV_MODEL=models["seed0"], SHMKV_LOG_LEVEL="warning"),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("llama.cpp#20824") == 1, res.stderr
