@@ -34,19 +34,25 @@ interval and never past ``--cpu-wait``, or stop waiting when it need not (one ca
 runs one thread past the budget); it cannot take or hold a core, which are only ever the
 core bytes' locks.
 
-Holders that make no progress: a record that runs (a prefill batch or a decode step)
+Holders that make no progress: a stopped process (SIGSTOP, a debugger, a paused
+container) keeps its locks, and so its cores, but uses no CPU. Each record names its
+holder (pid, and its pid namespace); one that runs (a prefill batch or a decode step)
 carries when it began (its stamp) and how long its holder expects it to take (from its
-own last batches). A running record older than :func:`stall_bound` of that is stalled: a
-stopped process (SIGSTOP, a paused container, a debugger) keeps its locks, and so its
-cores, but uses no CPU. Age alone does not make a run stalled: on a loaded machine a
-live holder's batch can take many times what it expected (its threads wait for a core),
-and a waiter that took it for stalled ran past the budget beside it. So the record also
-names its holder (pid, and its pid namespace): a run past its bound is stalled only if
-its holder is stopped (``T``/``t`` in ``/proc/PID/stat``) or its CPU time has not moved for
-:data:`PROGRESS_SECONDS` while a waiter watched. A holder this process cannot look at (in
-another pid namespace) is judged by age alone. Waiters count a stalled holder's cores as
-free for admission (:meth:`Queue.stalled`); the locks still decide who holds a core, and
-the kernel still frees a dead holder's.
+own last batches). A run whose holder is stopped (``T``/``t`` in ``/proc/PID/stat``, its CPU
+time unmoved for :data:`STOPPED_SECONDS` while a waiter watched) is stalled at any age:
+stopped is read, not guessed from time, and the holder's estimate can be far off (one
+made from a short prompt's batches on a loaded machine can exceed ``--cpu-wait``). Any
+other run is stalled only once it is older than :func:`stall_bound` of what its holder
+expected and its CPU time has not moved for :data:`PROGRESS_SECONDS` while a waiter
+watched (a paused container's tasks do not show ``T``): age alone does not do, since on
+a loaded machine a live holder's batch can take many times what it expected (its
+threads wait for a core), and a waiter that took it for stalled ran past the budget
+beside it. A holder this process cannot look at (in another pid namespace) is judged by
+age alone. Waiters count a stalled holder's cores as free for admission
+(:meth:`Queue.stalled`); the locks still decide who holds a core, and the kernel still
+frees a dead holder's. A prefill in line whose holder is stopped is ahead of nobody
+(:meth:`Queue.ahead`): it would age ahead of every other prefill and keep them from
+cores it cannot use; it has its place back once it runs again.
 """
 
 from __future__ import annotations
@@ -78,6 +84,10 @@ STALL_UNKNOWN_SECONDS = 5.0
 #: ... and only once its holder's CPU time has not moved for this long (a live holder on a
 #: loaded machine gets some CPU within it; a stopped or frozen one none)
 PROGRESS_SECONDS = 1.0
+#: a run whose holder is stopped (``T``/``t``) with its CPU time unmoved for this long is
+#: stalled whatever its age (a SIGSTOP lasts until a SIGCONT; a sampling profiler's
+#: ptrace stops last milliseconds, and the holder runs between them)
+STOPPED_SECONDS = 0.1
 #: a long prefill batch first in line waits for every core it wants (``gather``) when the
 #: runs holding the others are expected to end within this many seconds
 GATHER_WITHIN = 0.2
@@ -112,6 +122,16 @@ def holder_state(pid: int) -> tuple[str, int] | None:
         )
     except (IndexError, ValueError):
         return None
+
+
+#: ``/proc/PID/stat`` states of a stopped process (by a signal, by a debugger)
+STOPPED = ("T", "t")
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped now (False if it cannot be read)."""
+    got = holder_state(pid)
+    return got is not None and got[0] in STOPPED
 
 
 def stall_bound(expect: float) -> float:
@@ -197,16 +217,20 @@ class Queue:
         return [(j, *rec) for j, rec in enumerate(REC.iter_unpack(raw)) if j != self.slot]
 
     def ahead(self) -> tuple[int, int]:
-        """(cores wanted by live waiting prefills ahead of ours, waiting prefills in all)."""
+        """(cores wanted by live waiting prefills ahead of ours, waiting prefills in all).
+        One whose holder is stopped is not ahead: at worst (a holder stopped for an
+        instant) a prefill behind it takes its turn, never a core past the budget."""
         now = time.monotonic()
         mine = (self._key(self.remaining, self.since, now), self.since, self.slot)
         wanted = waiting = 0
-        for j, since, remaining, want, state, *_ in self._others():
+        for j, since, remaining, want, state, _, _, pid, pidns in self._others():
             if state not in IN_LINE or want <= 0:
                 continue
             waiting += 1
             theirs = (self._key(remaining, since, now), since, j)
             if theirs < mine and is_held(self.fd, LOCK_BASE + j):
+                if self._looked_at(pid, pidns) and stopped(pid):
+                    continue
                 wanted += min(int(want), 1 << 16)
         return wanted, waiting
 
@@ -240,40 +264,51 @@ class Queue:
         return False
 
     def stalled(self) -> int:
-        """Cores held by live running records older than their :func:`stall_bound` whose
-        holders make no progress (:meth:`_progressing`): a stopped process keeps its locks."""
+        """Cores held by live running records whose holders make no progress
+        (:meth:`_progressing`): a stopped process keeps its locks."""
         now = time.monotonic()
         cores = 0
         watched: dict[tuple[int, float], tuple[int, float]] = {}
         for j, _, _, want, state, stamp, expect, pid, pidns in self._others():
             if state != RUNNING or want <= 0 or not math.isfinite(stamp):
                 continue
-            if now - stamp > stall_bound(expect) and is_held(self.fd, LOCK_BASE + j):
-                if self._progressing((j, stamp), pid, pidns, now, watched):
+            late = now - stamp > stall_bound(expect)
+            if is_held(self.fd, LOCK_BASE + j):
+                if self._progressing((j, stamp), pid, pidns, late, now, watched):
                     continue
                 cores += min(int(want), 1 << 16)
         self._watched = watched
         return cores
+
+    def _looked_at(self, pid: int, pidns: int) -> bool:
+        """Whether this process can look at the holder ``pid`` (in its pid namespace)."""
+        return pid > 0 and pidns != 0 and pidns == self.pidns
 
     def _progressing(
         self,
         run: tuple[int, float],
         pid: int,
         pidns: int,
+        late: bool,
         now: float,
         watched: dict[tuple[int, float], tuple[int, float]],
     ) -> bool:
-        """Whether the holder of ``run`` (slot, stamp), past its bound, still makes
-        progress: it is not stopped and its CPU time moved within :data:`PROGRESS_SECONDS`
-        of this handle's watch. False (judged by age alone) if it cannot be looked at."""
-        if pid <= 0 or pidns == 0 or pidns != self.pidns:
-            return False
+        """Whether the holder of ``run`` (slot, stamp) still makes progress: not once it
+        has been stopped with its CPU time unmoved for :data:`STOPPED_SECONDS` of this
+        handle's watch (at once if the run is ``late``, past its bound), nor, late, once
+        its CPU time has not moved for :data:`PROGRESS_SECONDS`. A holder this process
+        cannot look at is judged by age alone (``late``)."""
+        if not self._looked_at(pid, pidns):
+            return not late
         got = holder_state(pid)
-        if got is None or got[0] in ("T", "t"):  # (stopped, or stopped by a debugger)
-            return False
-        ticks = got[1]
+        if got is None:
+            return not late
+        state, ticks = got
         seen = self._watched.get(run)
         if seen is None or seen[0] != ticks:
             seen = (ticks, now)
         watched[run] = seen
-        return now - seen[1] < PROGRESS_SECONDS
+        quiet = now - seen[1]
+        if state in STOPPED:
+            return not late and quiet < STOPPED_SECONDS
+        return not late or quiet < PROGRESS_SECONDS

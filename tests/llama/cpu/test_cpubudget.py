@@ -663,6 +663,28 @@ time.sleep(600)
 """
 
 
+def test_a_stopped_holder_is_stalled_whatever_it_expected(name):
+    """A holder of every core whose record expects a run of hours, stopped (SIGSTOP): a
+    waiter stops waiting within a fraction of a second, not at its --cpu-wait (30 s here),
+    which the record's bound would outlast (an estimate from short batches on a loaded
+    machine can be that far off)."""
+    cores = 2
+    holder = subprocess.Popen(
+        [sys.executable, "-c", BUSY_HOLDER, name, str(cores)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and int(holder.stdout.readline()) == cores
+        holder.send_signal(signal.SIGSTOP)
+        wait_until(lambda: _stopped(holder.pid), 10, "the holder to stop")
+        with cpubudget.CpuBudget(SHM, name, cores, wait=30) as b:
+            g = b.take(cores)
+            assert g.stalled and g.slots == [], "a stopped holder is stalled"
+            assert g.waited < 2.0, g.waited
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_threads_caps_a_prefill_and_cpu_wait_bounds_its_wait(
     tmp_path, serve_model, make_supervisor
 ):

@@ -3,7 +3,8 @@ one real budget file, locks and bell.
 
 The prefill with the fewest tokens left goes first, whoever waited longer; a prefill
 between two batches keeps its place in line while its cores are free; a prefill that has
-waited long enough passes a stream of short ones; a waiter killed in line holds nobody up.
+waited long enough passes a stream of short ones; a waiter killed or stopped in line holds
+nobody up.
 """
 
 from __future__ import annotations
@@ -238,6 +239,38 @@ def test_a_waiter_killed_in_line_holds_nobody_up(name):
         got = events(long)[0]["t"] - t0
     # (a dead record obeyed would hold it back for the waiter's --cpu-wait, 60 s)
     assert got < 10.0, f"a dead waiter's record held the core back {got:.1f} s"
+
+
+def _state(pid: int) -> str:
+    got = cpuqueue.holder_state(pid)
+    return "" if got is None else got[0]
+
+
+def test_a_waiter_stopped_in_line_holds_nobody_up(name):
+    """A 5-token prefill stopped (SIGSTOP) while in line still holds its slot's lock and
+    its record says it goes first; a stopped holder cannot use the core, so a 1,000-token
+    prefill takes it instead of waiting out its --cpu-wait (60 s here) behind it."""
+    with cpubudget.CpuBudget(SHM, name, 1, wait=60):
+        held = HeldCore(name)
+        long = actor(name, 1, [("take", 1000), ("give_back", 0)])
+        wait_until_in_line(name, 1)
+        stopped = actor(name, 1, [("take", 5), ("give_back", 0)])
+        try:
+            wait_until_in_line(name, 2)
+            stopped.send_signal(signal.SIGSTOP)
+            wait_until(lambda: _state(stopped.pid) == "T", 10, "the waiter to stop")
+            t0 = time.monotonic()
+            held.release()
+            try:
+                got = events(long, timeout=20)[0]["t"] - t0
+            except subprocess.TimeoutExpired:
+                got = float("inf")
+        finally:
+            stopped.kill()
+            stopped.wait()
+            long.kill()
+            long.wait()
+    assert got < 10.0, f"a stopped waiter's place in line held the core back {got:.1f} s"
 
 
 def _held(name: str, cores: int) -> int:
