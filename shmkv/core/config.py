@@ -779,8 +779,8 @@ SETTINGS: dict[str, Setting] = {
             0,
             "Layers of each worker's model to offload to the GPU (-1 or all: every layer, "
             "the KV cache with them). Needs a llama-cpp-python built for a GPU (CUDA, Metal, "
-            "ROCm, Vulkan); a CPU-only build warns once per worker and runs on the CPU. A "
-            "fully offloaded model evaluates off the CPU budget.",
+            "ROCm, Vulkan); a CPU-only build warns once (the master, before it forks) and "
+            "runs on the CPU. A fully offloaded model evaluates off the CPU budget.",
             _SERVE,
             "N",
         ),

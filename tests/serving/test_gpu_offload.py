@@ -196,10 +196,11 @@ def test_a_cpu_only_build_warns_once_per_process_and_runs_on_the_cpu(models, tmp
     assert out == {**out, "same_key": True, "uses_cpu": True, "budget": True}
 
 
-def test_served_workers_on_a_cpu_only_build_warn_once_each_and_share_states(
+def test_served_workers_on_a_cpu_only_build_warn_once_per_deployment_and_share_states(
     tmp_path, serve_model, serve_reference, make_supervisor
 ):
-    """`shmkv serve --n-gpu-layers 99` on this build: each worker warns once and serves,
+    """`shmkv serve --n-gpu-layers 99` on this build: the master warns once before it forks
+    (not once per worker), each worker serves,
     its prefill runs on cores of the CPU budget, answers equal a cold run's, and a second
     worker restores the first one's state."""
     sup = make_supervisor("--size", "64M")
@@ -219,8 +220,8 @@ def test_served_workers_on_a_cpu_only_build_warn_once_each_and_share_states(
     other = [i for i in got if i["worker_pid"] != first["worker_pid"]]
     assert other and other[0]["restored_tokens"] >= 64, got
     warnings = [ln for ln in log.splitlines() if WARNING in ln]
-    assert len(warnings) == len(pids) == 2, log[-3000:]
-    assert {int(ln.split("[")[1].split("]")[0]) for ln in warnings} == pids
+    assert len(warnings) == 1 and len(pids) == 2, log[-3000:]
+    assert int(warnings[0].split("[")[1].split("]")[0]) not in pids  # the master's
 
 
 def test_shmkv_warm_takes_the_settings_and_warns_once(make_supervisor, models, tmp_path):
