@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 pytestmark = pytest.mark.timeout(400)
 
-TARGET_MESSAGES = int(os.environ.get("SHMKV_FUZZ_MESSAGES", "10000"))
+TARGET_MESSAGES = int(os.environ.get("SHMKV_FUZZ_MESSAGES", "6000"))
 #: the arena's two modes (``--reserve``: pages on demand, allocated by each put and punched
 #: after each free, or all reserved at start) and the messages each gets: the default the
 #: whole run, the other half of it
@@ -892,7 +892,7 @@ _NESTED = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.dictionaries(st.text(max_size=3), _NESTED, max_size=70))
 def test_the_fuzzers_model_of_the_request_limits_agrees_with_the_decoder(msg):
     """A drawn put once held 17 maps and arrays: the supervisor refused the frame whole

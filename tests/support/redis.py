@@ -88,11 +88,13 @@ def settled(sup: Sup, n: int) -> dict:
 
 def put_written(sup: Sup, *blobs) -> None:
     """Put ``blobs`` (``tests/support/blobs.py``) into ``sup``'s arena; return once its
-    write-behind wrote them."""
+    write-behind wrote them (``remote_written`` counts every record so far: a second call
+    waits for its own, not for the first call's count again)."""
+    before = sup.stats()["remote_written"]
     with sup.client() as c:
         for b in blobs:
             c.put_bytes(b.root, b.tokens, b"fp", b.data)
-    written(sup, len(blobs))
+    written(sup, before + len(blobs))
 
 
 def fetch_blob(sup: Sup, b, wait: float = 5.0) -> tuple[str, bytes | None]:
