@@ -530,6 +530,13 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int) -> dict[str, Any]:
     mem: dict[str, Any] = {f"{k}_end": m1[k] for k in ("total_pss", "total_rss", "workers_pss")}
     mem |= dict(footprint_peak=c["memory"]["peak_footprint"], arena_pss_end=m1["arena_pss"])
     mem |= common.pick(m1, "arena_allocated_bytes")
+    for when, m in (("after_warmup", c["memory"]["after_warmup"]), ("end", m1)):  # issue 34
+        own = [
+            p["pss"] - p["arena_pss"] for p in m["processes"].values() if p["role"] == "supervisor"
+        ]
+        mem[f"supervisor_own_pss_{when}"] = own[0] if own else None
+    if own and mem["supervisor_own_pss_after_warmup"] is not None:  # PSS less its arena pages'
+        mem["supervisor_own_pss_growth"] = own[0] - mem["supervisor_own_pss_after_warmup"]
     out: dict[str, Any] = common.pick(c, "arm concurrency planned aborted wall_s quiet startup_s")
     out |= dict(label=ARMS[c["arm"]][0], attempted=len(attempted), ok=len(ok), errors=len(errors))
     out |= dict(error_samples=sorted({r["error"] for r in errors})[:5], cut_by_stop=len(cut))
@@ -608,7 +615,8 @@ def table(res: dict[str, Any], baseline: dict[str, Any] | None) -> str:
                 "on busy": q.get("landed_on_busy", "-"),
                 "busy+idle": q.get("landed_on_busy_while_another_idle", "-"),
                 "evictions": c.get("supervisor", {}).get("delta", {}).get("evictions", "-"),
-                "arena used": b(m["arena_used_end"])})  # fmt: skip
+                "arena used": b(m["arena_used_end"]),
+                "supervisor own +": b(m.get("supervisor_own_pss_growth"))})  # fmt: skip
     return "\n\n".join(filter(None, [common.dict_table(rows, left=2), common.dict_table(detail)]))
 
 
