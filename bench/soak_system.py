@@ -188,10 +188,11 @@ class Faults:
         more = lambda _: " " + words(self.rng, 8)  # noqa: E731
         self.long = lambda: common.fill_to(int(o.n_ctx * 0.8), lambda t: len(count(t)), "", more)
 
-    def run(self, t0: float) -> None:
+    def run(self, t0: float, round_: int = 0) -> None:
         for kind, n, share in SCHEDULE:
             time.sleep(max(0.0, t0 + share * self.o.duration - time.monotonic()))
             ev = {"fault": kind, "node": "ab"[n] if n >= 0 else "*", "start": time.monotonic()}
+            ev["round"] = round_
             log.info("fault: %s on node %s", kind, ev["node"])
             try:
                 ev |= getattr(self, kind)(self.nodes[n])
@@ -343,6 +344,12 @@ def judge(res: dict[str, Any], evs: list[dict[str, Any]]) -> list[str]:
 
 @common.command("soak_system", model=True)
 @common.option("--duration", default=600.0, help="Seconds of load; the faults spread over it.")
+@common.option(
+    "--rounds",
+    default=1,
+    help="Soaks in a row, each --duration with every fault "
+    "(resources sampled at each one's end: is memory flat from one to the next).",
+)
 @common.option("--workers", default=2, help="Workers per node.")
 @common.option("--concurrency", default=2, help="Client threads per node.")
 @common.option("--size", default="256M", help="Arena size per node.")
@@ -391,9 +398,14 @@ def main(report: common.Report, o: Any) -> None:
         n = o.concurrency * len(nodes)  # client threads, each on one node
         clients = threading.Thread(target=common.in_threads, args=(n, load.run), daemon=True)
         clients.start()
-        faults.run(t0)
-        while time.monotonic() < max(t0 + o.duration, faults.log[-1]["end"] + o.duration / 10):
-            time.sleep(0.5)  # (traffic on after the last fault)
+        rounds = []  # each round: SCHEDULE's faults over --duration, then its resources
+        for r in range(o.rounds):
+            t_r = t0 if r == 0 else time.monotonic()
+            faults.run(t_r, r)
+            while time.monotonic() < max(t_r + o.duration, faults.log[-1]["end"] + o.duration / 10):
+                time.sleep(0.5)  # (traffic on after the last fault)
+            rounds.append({n.tag: n.sample() for n in nodes})
+            log.info("round %d of %d ended: %s", r + 1, o.rounds, rounds[-1])
         load.stop.set()
         clients.join(900)
         for n in nodes:  # the tiers' queues written, no lease held
@@ -402,6 +414,7 @@ def main(report: common.Report, o: Any) -> None:
         res |= {"wall_s": round(time.monotonic() - t0, 1), "faults": faults.log}
         res["resources"] = {n.tag: {r: {"start": start[n.tag][r], "end": v}
                                     for r, v in n.sample().items()} for n in nodes}  # fmt: skip
+        res["rounds"] = rounds
         res["metrics"] = {n.tag: metrics_vs_stats(n) for n in nodes}
         keys = "leases_active claims_held calls hits misses puts evictions persisted "
         keys += "persist_errors refilled remote_written remote_fetched remote_errors"
@@ -420,6 +433,11 @@ def main(report: common.Report, o: Any) -> None:
         click.echo(f"  {f['fault']:<16} node {f['node']} {f['end'] - f['start']:6.1f} s  {rest}")
     for n, rs in res["resources"].items():
         click.echo("\n".join(f"  node {n} {r}: {v['start']} -> {v['end']}" for r, v in rs.items()))
+    for n, rs in res["resources"].items():  # RssAnon: a process's own memory (not the arena's
+        for role, v in rs.items():  # nor the model's pages, which are shared)
+            ends = [v["start"]["anon"], *(x[n][role]["anon"] for x in res["rounds"])]
+            click.echo(f"  node {n} {role} RssAnon at start, each round's end: "
+                       + ", ".join(map(common.fmt_b, ends)))  # fmt: skip
     if res["problems"]:
         raise click.ClickException("problems:\n" + "\n".join(res["problems"]))
     click.echo("no problems")
