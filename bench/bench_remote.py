@@ -24,6 +24,22 @@ GOALS = [("used_memory / unique bytes", "<=", 1.3), ("later read / later added",
          ("cross / local", "<=", 1.5)]  # fmt: skip
 
 
+def caught_up(stats: Callable[[], dict[str, Any]], before: dict[str, Any] | None = None) -> Any:
+    """``stats()`` once the write-behind is idle and has taken a record (written or found
+    present) more than at ``before`` (none: since the start); else None."""
+    st, n = stats(), lambda x: x["remote_written"] + x["remote_present"]  # noqa: E731
+    return st if st["remote_queue"] == 0 and n(st) > (n(before) if before else 0) else None
+
+
+def cold_runs(o: Any, prompts: list[str]) -> list[tuple[float, str]]:
+    """(TTFT, greedy text) of each prompt on a plain context, cold."""
+    llm, out = common.llama(o.model, o.threads, n_threads_batch=None), []
+    for p in prompts:
+        llm.reset()
+        out.append(ttft(llm, p))
+    return out
+
+
 @contextlib.contextmanager
 def redis_server(workdir: Path, url: str | None) -> Iterator[str]:
     """``url``, or a redis-server of our own on a loopback port (no persistence)."""
@@ -58,8 +74,7 @@ def arm_pair(work: Path, url: str, model: Path, threads: int, prefix: str, sfx: 
         pub = common.llama(model, threads, a, n_threads_batch=None)  # (batches on every core)
         out["publish_s"] = [ttft(pub, prefix + s)[0] for s in sfx[:2]]
         pub.shmkv.flush()
-        done = lambda s: s["remote_queue"] == 0 and s["remote_written"] + s["remote_present"] and s  # noqa: E731
-        st_a = common.poll(lambda: done(a.stats()), 60, "write-behind catch-up", every=0.1)
+        st_a = common.poll(functools.partial(caught_up, a.stats), 60, "write-behind", every=0.1)
         out |= {k: st_a[f"remote_{k}"] for k in ("written_bytes", "stored_bytes")}
         node_b = common.llama(model, threads, b, n_threads_batch=None)
         got, local, new = [], [], []  # (TTFT, text, remote status) of each cross-node hit
@@ -106,8 +121,7 @@ def arm_moved(work: Path, url: str, model: Path, threads: int, prefix: str, sfx:
             pub.reset()
             ttft(pub, prefix + s + follow)
         pub.shmkv.flush()
-        done = lambda s: s["remote_queue"] == 0 and s["remote_written"] and s  # noqa: E731
-        common.poll(lambda: done(a.stats()), 60, "write-behind catch-up", every=0.1)
+        common.poll(functools.partial(caught_up, a.stats), 60, "write-behind", every=0.1)
         node_b = common.llama(model, threads, b, n_threads_batch=None)
         rows: list[dict[str, Any]] = []
 
@@ -140,18 +154,6 @@ def arm_moved(work: Path, url: str, model: Path, threads: int, prefix: str, sfx:
     return out
 
 
-def caught_up(stats: Callable[[], dict[str, Any]], before: dict[str, Any]) -> dict[str, Any] | None:
-    """``stats()`` once the write-behind has taken a record more than at ``before`` and is
-    idle."""
-    st = stats()
-    n = st["remote_written"] + st["remote_present"]
-    return (
-        st
-        if st["remote_queue"] == 0 and n > before["remote_written"] + before["remote_present"]
-        else None
-    )
-
-
 def arm_shared(work: Path, url: str, model: Path, threads: int, prefix: str,
                questions: list[str]) -> dict[str, Any]:  # fmt: skip
     """bench_prefix's workload across two nodes (issue 34 item 1): conversations on one
@@ -170,8 +172,7 @@ def arm_shared(work: Path, url: str, model: Path, threads: int, prefix: str,
             pub.reset()
             ttft(pub, prefix + q)
             pub.shmkv.flush()
-            idle = functools.partial(caught_up, a.stats, before)
-            after = common.poll(idle, 60, "write-behind catch-up", every=0.05)
+            after = common.poll(functools.partial(caught_up, a.stats, before), 60, "write-behind")
             added.append(after["remote_stored_bytes"] - before["remote_stored_bytes"])
         with redis.Redis.from_url(url) as r:
             used = int(r.info("memory")["used_memory"]) - base
@@ -192,14 +193,13 @@ def arm_shared(work: Path, url: str, model: Path, threads: int, prefix: str,
         pub.shmkv.close()
         node_b.shmkv.close()
     unique = sa["remote_stored_bytes"]
-    later = rows[1:]
+    read, add = (sum(r[k] for r in rows[1:]) for k in ("pulled_bytes", "added_bytes"))
     out: dict[str, Any] = {"conversations": len(questions), "rows": rows, "keys": keys}
     out |= dict(used_memory=used, memory_usage_sum=values, unique_bytes=unique)
     out |= dict(chunks_sent=sa["remote_chunks_sent"], chunks_present=sa["remote_chunks_present"])
+    out |= dict(later_read_bytes=read, later_added_bytes=add)
     out["used_memory / unique bytes"] = used / unique if unique else None
-    out["later read / later added"] = sum(r["pulled_bytes"] for r in later) / max(
-        1, sum(r["added_bytes"] for r in later)
-    )
+    out["later read / later added"] = read / max(1, add)
     return out
 
 
@@ -215,27 +215,15 @@ def main(report: common.Report, o: Any) -> None:
     sfx, fresh = qs[: 2 + n], qs[2 + n :]
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
         with redis_server(Path(tmp), o.redis_url) as url:
-            cold_llm, cold = common.llama(o.model, o.threads, n_threads_batch=None), []
-            for s in sfx[2:]:
-                cold_llm.reset()
-                cold.append(ttft(cold_llm, prefix + s))
-            del cold_llm
+            cold = cold_runs(o, [prefix + s for s in sfx[2:]])
             pairs = [arm_pair(Path(tmp), url, o.model, o.threads, prefix, sfx, fresh, codec)
                      for codec in ("none", "zstd")]  # fmt: skip
             follow = common.fill_to(FOLLOW_TOKENS, lambda t: len(count(t)), " Follow-up.", line)
-            cold_llm, cold2 = common.llama(o.model, o.threads, n_threads_batch=None), []
-            for s in sfx[2:]:
-                cold_llm.reset()
-                cold2.append(ttft(cold_llm, prefix + s + follow)[1])
-            del cold_llm
+            cold2 = [t for _, t in cold_runs(o, [prefix + s + follow for s in sfx[2:]])]
             moved = arm_moved(Path(tmp), url, o.model, o.threads, prefix, sfx[2:], follow)
             sys_prompt = common.fill_to(SHARED_TOKENS, lambda t: len(count(t)), "System.", line)
             asks = [f" Question {k}: why is the {w[(k * 11) % 90]} there?" for k in range(n_conv)]
-            cold_llm, cold3 = common.llama(o.model, o.threads, n_threads_batch=None), []
-            for q in asks:
-                cold_llm.reset()
-                cold3.append(ttft(cold_llm, sys_prompt + q)[1])
-            del cold_llm
+            cold3 = [t for _, t in cold_runs(o, [sys_prompt + q for q in asks])]
             shared = arm_shared(Path(tmp), url, o.model, o.threads, sys_prompt, asks)
     arms = [("cold", [t for t, _ in cold])]
     kinds = (("cross-node hit", "cross"), ("local hit, new question", "fresh"),
@@ -285,8 +273,8 @@ def main(report: common.Report, o: Any) -> None:
                f"{common.fmt_b(shared['used_memory'])} for {common.fmt_b(shared['unique_bytes'])} "
                f"sent ({shared['used_memory / unique bytes']:.2f}x; {shared['keys']} keys, chunks "
                f"sent {shared['chunks_sent']}, present {shared['chunks_present']}); node B read "
-               f"{common.fmt_b(sum(r['pulled_bytes'] for r in rs[1:]))} for the 2nd-last, which "
-               f"added {common.fmt_b(sum(r['added_bytes'] for r in rs[1:]))} "
+               f"{common.fmt_b(shared['later_read_bytes'])} for the 2nd-last, which "
+               f"added {common.fmt_b(shared['later_added_bytes'])} "
                f"({shared['later read / later added']:.2f}x); answers {[r['remote'] for r in rs]}; "
                f"text as cold: {shared['same_text_as_cold']} of {len(rs)}")  # fmt: skip
     if res["goals"]:

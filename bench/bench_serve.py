@@ -519,6 +519,12 @@ def measure_cold_prefill(model: Path, wl: Workload, cfg: dict[str, Any]) -> dict
     return {"seconds": seconds, "threads": cores, "quiet": quiet, "floor": floor}
 
 
+def supervisor_own_pss(snapshot: dict[str, Any]) -> int | None:
+    """The supervisor's PSS less its arena pages' in a :func:`mem_snapshot` (None: none)."""
+    procs = snapshot["processes"].values()
+    return next((p["pss"] - p["arena_pss"] for p in procs if p["role"] == "supervisor"), None)
+
+
 def analyse_cell(c: dict[str, Any], sys_tokens: int) -> dict[str, Any]:
     """A cell's figures."""
     attempted = [r for r in c["results"] if r["t_send"]]
@@ -530,13 +536,10 @@ def analyse_cell(c: dict[str, Any], sys_tokens: int) -> dict[str, Any]:
     mem: dict[str, Any] = {f"{k}_end": m1[k] for k in ("total_pss", "total_rss", "workers_pss")}
     mem |= dict(footprint_peak=c["memory"]["peak_footprint"], arena_pss_end=m1["arena_pss"])
     mem |= common.pick(m1, "arena_allocated_bytes")
-    for when, m in (("after_warmup", c["memory"]["after_warmup"]), ("end", m1)):  # issue 34
-        own = [
-            p["pss"] - p["arena_pss"] for p in m["processes"].values() if p["role"] == "supervisor"
-        ]
-        mem[f"supervisor_own_pss_{when}"] = own[0] if own else None
-    if own and mem["supervisor_own_pss_after_warmup"] is not None:  # PSS less its arena pages'
-        mem["supervisor_own_pss_growth"] = own[0] - mem["supervisor_own_pss_after_warmup"]
+    w0, w1 = (supervisor_own_pss(m) for m in (c["memory"]["after_warmup"], m1))  # issue 34
+    mem |= dict(supervisor_own_pss_after_warmup=w0, supervisor_own_pss_end=w1)
+    if w0 is not None and w1 is not None:
+        mem["supervisor_own_pss_growth"] = w1 - w0
     out: dict[str, Any] = common.pick(c, "arm concurrency planned aborted wall_s quiet startup_s")
     out |= dict(label=ARMS[c["arm"]][0], attempted=len(attempted), ok=len(ok), errors=len(errors))
     out |= dict(error_samples=sorted({r["error"] for r in errors})[:5], cut_by_stop=len(cut))

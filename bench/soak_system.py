@@ -191,8 +191,8 @@ class Faults:
     def run(self, t0: float, round_: int = 0) -> None:
         for kind, n, share in SCHEDULE:
             time.sleep(max(0.0, t0 + share * self.o.duration - time.monotonic()))
-            ev = {"fault": kind, "node": "ab"[n] if n >= 0 else "*", "start": time.monotonic()}
-            ev["round"] = round_
+            ev = {"fault": kind, "node": "ab"[n] if n >= 0 else "*", "round": round_}
+            ev["start"] = time.monotonic()
             log.info("fault: %s on node %s", kind, ev["node"])
             try:
                 ev |= getattr(self, kind)(self.nodes[n])
