@@ -6,7 +6,8 @@ queue the signal number (through ``signal.set_wakeup_fd``); the loop dispatches
 it. The rest has a module each: the arena file's life in ``arenafile.py``, the
 socket and peer credentials in ``listener.py``, each connection's I/O (frames,
 descriptors, replies, unread limits, close) in ``connection.py``, the requests in
-``ops.py``, the records in ``store.py``, systemd notifications in ``systemd.py``.
+``ops.py``, the records in ``store.py``, systemd notifications in ``systemd.py``, its
+own heap (given back as the tiers free their buffers) in ``memory.py``.
 
 Start-up order: lock the arena's name, adopt the arena a stopped or killed
 predecessor left (``adopt.py``) or create one (``arenafile.py``), bind the socket
@@ -49,6 +50,7 @@ from shmkv.supervisor.claims import Claims, Waiter
 from shmkv.supervisor.connection import MAX_BACKLOG, MAX_PENDING_FDS, ConnIO
 from shmkv.supervisor.deferred import INTERNAL, Deferred
 from shmkv.supervisor.listener import Conn, Listener
+from shmkv.supervisor.memory import Heap
 from shmkv.supervisor.ops import OPS, Context
 from shmkv.supervisor.pages import Pages
 from shmkv.supervisor.store import Store
@@ -109,6 +111,8 @@ class Supervisor:
         self._stop = False
         self._wake_r = self._wake_w = -1
         self._old_wakeup: int | None = None
+        #: our own heap, given back as the tiers free their buffers (``memory.py``)
+        self.heap = Heap()
 
     @property
     def ctx(self) -> Context:
@@ -120,6 +124,7 @@ class Supervisor:
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
         """Lock the name, create the arena, bind the socket; raises ShmkvError on failure."""
+        self.heap.tune()  # (before the tiers' threads: each takes a heap of its own)
         self.arena.lock()
         try:
             geometry = None if self.settings.fresh else adopt.open_leftover(self.arena)
@@ -208,6 +213,7 @@ class Supervisor:
                     assert self.ctx.expiry is not None
                     self.ctx.expiry.tick()  # (bounded work: see ttl.py)
                     tiers.tick(self.ctx.store)
+                    self.heap.tick()
                 now = time.monotonic()
                 timeout = watchdog.tick(now)
                 due = self.claims.next_deadline()
