@@ -40,6 +40,7 @@ from __future__ import annotations
 import mmap
 import struct
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -55,6 +56,9 @@ __all__ = [
     "gather",
     "split",
     "assemble",
+    "Grouped",
+    "blob_pieces",
+    "blob_xxh3_64",
     "KIND_K",
     "KIND_V",
     "KIND_VT",
@@ -573,3 +577,102 @@ def assemble(
                     r.nrep, -1
                 )
             q += r.nrep * n * r.unit
+
+
+#: bytes of a transposed V region :func:`blob_pieces` assembles at a time (whole rows)
+PIECE_WINDOW = 1 << 20
+
+
+@dataclass(frozen=True)
+class Grouped:
+    """A blob held as its groups: its manifest and each group's data, in blob order (a
+    tier's chunked record, handed to a put without being assembled). ``digests``: for
+    each group, the XXH3-128 its data is said to have (a full group's chunk key, as the
+    tier stored it; None where unknown), or None for none known. Nothing here is trusted:
+    the put checks every length and digest, and the whole blob's XXH3-64."""
+
+    manifest: Manifest
+    groups: Sequence[bytes | bytearray | memoryview]
+    digests: Sequence[bytes | None] | None = None
+
+
+def _check_groups(manifest: Manifest, groups: Sequence[bytes | bytearray | memoryview]) -> None:
+    sizes = manifest.group_sizes
+    if len(groups) != len(sizes):
+        raise ArenaCorruptError(
+            f"chunked record has {len(groups)} chunks where its manifest lists {len(sizes)}: "
+            "the record is dropped as a miss"
+        )
+    for i, g in enumerate(groups):
+        n = memoryview(g).nbytes
+        if n != sizes[i]:
+            raise ArenaCorruptError(
+                f"chunk {i} of a chunked record holds {n} bytes where its manifest says "
+                f"{sizes[i]}: the record is dropped as a miss"
+            )
+
+
+def blob_pieces(
+    manifest: Manifest,
+    groups: Sequence[bytes | bytearray | memoryview],
+    window: int = PIECE_WINDOW,
+) -> Iterator[memoryview]:
+    """The blob :func:`assemble` would write, as consecutive pieces in blob order, without
+    assembling it: skeleton pieces, each group's rows of an untransposed region straight
+    from the group's data, and a transposed V region assembled into one scratch buffer a
+    few whole rows (about ``window`` bytes, at least one row) at a time. A piece is valid
+    until the next is asked for. ArenaCorruptError (at the first) if a group's length is
+    not its manifest's."""
+    _check_groups(manifest, groups)
+    srcs = [np.frombuffer(g, dtype=np.uint8) for g in groups]
+    skel = memoryview(manifest.skeleton)
+    # the regions in blob order, each with its part's groups (index, first cell, cells)
+    # and its offset in each group's data (per cell: the regions before it)
+    regions: list[tuple[Region, PartLayout, list[tuple[int, int, int]], int]] = []
+    gi = 0
+    for part in manifest.parts:
+        spans, a = [], 0
+        for n in part.group_cells:
+            spans.append((gi, a, n))
+            gi, a = gi + 1, a + n
+        per_cell = 0
+        for r in part.regions:
+            regions.append((r, part, spans, per_cell))
+            per_cell += r.nrep * r.unit
+    gaps = iter(manifest.gaps)
+    gap = next(gaps, None)
+    scratch: np.ndarray | None = None
+    for r, part, spans, before in regions:
+        while gap is not None and gap[0] < r.offset:
+            yield skel[gap[1] : gap[1] + gap[2]]
+            gap = next(gaps, None)
+        if r.nrep == 1:
+            for g, _a, n in spans:
+                q = n * before
+                yield srcs[g][q : q + n * r.unit].data
+            continue
+        row = part.cell_count * r.unit
+        rows = max(1, min(r.nrep, window // row))
+        if scratch is None or scratch.size < rows * row:
+            scratch = np.empty(rows * row, dtype=np.uint8)
+        for j0 in range(0, r.nrep, rows):
+            j1 = min(r.nrep, j0 + rows)
+            dst = scratch[: (j1 - j0) * row].reshape(j1 - j0, row)
+            for g, a, n in spans:
+                q, w = n * before, n * r.unit
+                dst[:, a * r.unit : (a + n) * r.unit] = srcs[g][q + j0 * w : q + j1 * w].reshape(
+                    j1 - j0, w
+                )
+            yield dst.reshape(-1).data
+    while gap is not None:
+        yield skel[gap[1] : gap[1] + gap[2]]
+        gap = next(gaps, None)
+
+
+def blob_xxh3_64(manifest: Manifest, groups: Sequence[bytes | bytearray | memoryview]) -> int:
+    """XXH3-64 of the blob :func:`assemble` would write, from :func:`blob_pieces` (one
+    window of scratch, never the whole blob)."""
+    h = xxhash.xxh3_64()
+    for piece in blob_pieces(manifest, groups):
+        h.update(piece)
+    return h.intdigest()

@@ -363,6 +363,11 @@ class ArenaCounters:
     chunked_puts: int = counter(
         "states stored as chunks (their full token groups shared with other states)"
     )
+    chunk_bytes_copied: int = counter(
+        "bytes of full token groups a put copied in the supervisor: gathered from a staged "
+        "payload (to be hashed, or into a new chunk) or written as a new chunk from a "
+        "tier's group (a group the arena holds already is only compared)"
+    )
     foreign_fds: int = counter(
         "descriptors peers passed that were not a put's memfd (closed off the loop)"
     )

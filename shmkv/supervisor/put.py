@@ -29,7 +29,7 @@ import logging
 import mmap
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -50,7 +50,13 @@ from shmkv.core.arena import (
     stored_manifest,
 )
 from shmkv.core.config import format_size
-from shmkv.core.errors import ArenaFullError, BadRequest, ChecksumMismatch, LimitExceeded
+from shmkv.core.errors import (
+    ArenaCorruptError,
+    ArenaFullError,
+    BadRequest,
+    ChecksumMismatch,
+    LimitExceeded,
+)
 from shmkv.core.keys import chain_digests, content_digest
 from shmkv.core.stats import ArenaCounters
 from shmkv.supervisor.allocator import Allocator
@@ -77,6 +83,11 @@ SHM_FULL = (
 
 MISMATCH = (
     "payload does not match its checksum: the blob was changed or truncated in transit; not stored"
+)
+
+CHUNK_MISMATCH = (
+    "a group of the payload does not match its chunk's XXH3-128: the blob was changed in "
+    "transit or on disk; not stored"
 )
 
 FULL = (
@@ -189,6 +200,12 @@ class PutJob:
         #: a payload in our memory already (a tier's record: ``Store.put_record``): staged
         #: where it is, not copied (None once staged)
         self.given: bytes | bytearray | None = None
+        #: a payload in our memory as its groups (a tier's chunked record:
+        #: ``Store.put_record``): checked and written group by group from where they are,
+        #: never staged whole (None once the put is over)
+        self.grouped: kvformat.Grouped | None = None
+        #: the grouped payload's pieces in blob order, being hashed (between steps)
+        self._pieces: Iterator[memoryview] | None = None
         #: False: stage at once, past the budget (a put done in one call: ``Store.put``)
         self.may_wait = True
         #: payload bytes staged (and hashed) so far
@@ -333,6 +350,8 @@ class PutJob:
         all of it is in and its checksum matched."""
         if self.planned:
             return True
+        if self.grouped is not None:
+            return self._check_grouped(deadline)
         if self.given is not None:  # (its checksum at once: XXH3 of 16 MiB is ~0.3 ms)
             given, self.given = self.given, None
             if len(given) != self.payload_len or xxhash.xxh3_64_intdigest(given) != self.xxh3:
@@ -362,17 +381,78 @@ class PutJob:
             raise ChecksumMismatch(MISMATCH)
         return True
 
+    def _check_grouped(self, deadline: float) -> bool:
+        """Hash a grouped payload's blob (XXH3-64) in blob order, a piece at a time and
+        never assembled (``kvformat.blob_pieces``); True once all of it is hashed and its
+        checksum matched. ChecksumMismatch if a length or the checksum disagrees."""
+        assert self.grouped is not None
+        if self._pieces is None:
+            if self.grouped.manifest.blob_len != self.payload_len:
+                raise ChecksumMismatch(MISMATCH)
+            self._pieces = kvformat.blob_pieces(self.grouped.manifest, self.grouped.groups)
+        try:
+            for piece in self._pieces:
+                self.hasher.update(piece)
+                self.copied += len(piece)
+                if self.copied < self.payload_len and time.monotonic() >= deadline:
+                    return False
+        except ArenaCorruptError:  # (a group of the wrong length)
+            raise ChecksumMismatch(MISMATCH) from None
+        self._pieces = None
+        if self.copied != self.payload_len or self.hasher.intdigest() != self.xxh3:
+            raise ChecksumMismatch(MISMATCH)
+        return True
+
+    def _assemble_grouped(self) -> None:
+        """Stage a grouped payload whole after all (checked already): it stays whole, or
+        was split at another chunk size than this arena's (a store written under another
+        ``--chunk-tokens``), and is planned afresh."""
+        assert self.grouped is not None
+        staged = bytearray(self.payload_len)
+        kvformat.assemble(self.grouped.manifest, self.grouped.groups, memoryview(staged))
+        self.staged, self.grouped = staged, None
+
+    def _group(self, i: int, scratch: np.ndarray) -> memoryview:
+        """Group ``i``'s data: a grouped payload's own buffer, else gathered from the staged
+        payload into ``scratch``."""
+        if self.grouped is not None:
+            return memoryview(self.grouped.groups[i]).cast("B")
+        assert self.layout is not None and self.staged is not None
+        data = scratch[: self.layout.group_sizes[i]].data
+        kvformat.gather(self.layout, self.staged, i, data)
+        self.store.counters.chunk_bytes_copied += len(data)
+        return data
+
+    def _copy_group(self, i: int, dest: memoryview) -> None:
+        """Write group ``i``'s data into ``dest`` (a new chunk's place, or the body's)."""
+        assert self.layout is not None
+        if self.grouped is not None:
+            dest[:] = memoryview(self.grouped.groups[i]).cast("B")
+        else:
+            assert self.staged is not None
+            kvformat.gather(self.layout, self.staged, i, dest)
+
     # ------------------------------------------------------------------- plan
     def _plan(self) -> None:
         """Plan the staged payload's split and find each full group's chunk; size the record."""
         store, g = self.store, self.store.geometry
-        assert self.staged is not None
         self.planned = True
-        layout = kvformat.plan(self.staged, g.chunk_tokens)
+        grouped = self.grouped
+        if grouped is not None and (
+            grouped.manifest.chunk_tokens != g.chunk_tokens or not any(grouped.manifest.group_full)
+        ):
+            self._assemble_grouped()
+            grouped = None
+        if grouped is not None:
+            layout: kvformat.Manifest | None = grouped.manifest
+        else:
+            assert self.staged is not None
+            layout = kvformat.plan(self.staged, g.chunk_tokens)
         if layout is None or not any(layout.group_full):
             return  # whole: the payload is the body
         self.layout = layout
-        scratch = np.empty(max(layout.group_sizes), dtype=np.uint8)
+        known = grouped.digests if grouped is not None else None
+        scratch = np.empty(0 if grouped else max(layout.group_sizes), dtype=np.uint8)
         planned: dict[ChunkKey, Chunk] = {}
         inline: list[int] = []
         for i, (size, full, sig) in enumerate(
@@ -382,9 +462,11 @@ class PutJob:
                 self.refs.append(None)
                 inline.append(size)
                 continue
-            data = scratch[:size].data
-            kvformat.gather(layout, self.staged, i, data)
-            key = (self.publisher, bytes(sig), chunk_digest(data))
+            data = self._group(i, scratch)
+            digest = chunk_digest(data)
+            if known is not None and known[i] is not None and known[i] != digest:
+                raise ChecksumMismatch(CHUNK_MISMATCH)
+            key = (self.publisher, bytes(sig), digest)
             c = planned.get(key)
             if c is None:
                 c = store.chunks.find(key, data)
@@ -463,7 +545,8 @@ class PutJob:
     def _write(self, deadline: float) -> bool:
         """Write the new chunks, then the body, a piece at a time; True once all is in."""
         store = self.store
-        assert self.offset is not None and self.staged is not None
+        assert self.offset is not None
+        assert self.staged is not None or self.grouped is not None
         while self.written < len(self.new):
             c, i = self.new[self.written], self.new_groups[self.written]
             assert self.layout is not None
@@ -472,9 +555,10 @@ class PutJob:
                 raise ArenaFullError(SHM_FULL)
             dest = store.arena.chunk_data(c.offset, c.length)
             try:
-                kvformat.gather(self.layout, self.staged, i, dest)
+                self._copy_group(i, dest)
             finally:
                 dest.release()
+            store.counters.chunk_bytes_copied += c.length
             store.arena.write_chunk_header(c.offset, c.gen, c.length, c.key[2], self.publisher)
             self.written += 1
             if time.monotonic() >= deadline:
@@ -486,6 +570,7 @@ class PutJob:
             if self.layout is not None:
                 self._write_body(view)
                 return True
+            assert self.staged is not None
             src = memoryview(self.staged)
             try:
                 while self.body_written < self.body_len:
@@ -504,7 +589,7 @@ class PutJob:
     def _write_body(self, view: memoryview) -> None:
         """A chunked record's body (manifest, references, inline groups: a partial group's
         few rows each), in one go."""
-        assert self.layout is not None and self.staged is not None
+        assert self.layout is not None
         self._allocate(self.payload_offset + self.body_len)
         refs = [
             ChunkRef(off, 0, size) if c is None else ChunkRef(c.offset, c.gen, c.length)
@@ -518,7 +603,7 @@ class PutJob:
             zip(self.refs, self.layout.group_sizes, self.inline_offs, strict=True)
         ):
             if c is None:
-                kvformat.gather(self.layout, self.staged, i, view[off : off + size])
+                self._copy_group(i, view[off : off + size])
         self.body_written = self.body_len
 
     # ----------------------------------------------------------------- finish
@@ -556,6 +641,7 @@ class PutJob:
         :data:`STAGE_BUDGET` to the puts in line."""
         self.new, self.new_groups, self.held, self.refs = [], [], [], []
         self.layout = None
+        self.grouped, self._pieces = None, None
         staged, self.staged, self.given = self.staged, None, None
         if isinstance(staged, mmap.mmap):
             try:

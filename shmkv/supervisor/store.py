@@ -51,6 +51,7 @@ from mmap import mmap
 
 import numpy as np
 
+from shmkv.core import kvformat
 from shmkv.core.arena import ArenaWriter, Geometry
 from shmkv.core.config import format_size
 from shmkv.core.errors import LimitExceeded, NotFound
@@ -65,6 +66,11 @@ from shmkv.supervisor.record import Entry
 from shmkv.supervisor.tiers.base import Accepted, RecordMeta, TierHook, bytes_reader
 
 log = logging.getLogger(__name__)
+
+
+def _no_reader(view: memoryview, pos: int) -> None:
+    """The reader of a grouped payload's put, never called (its groups are read instead)."""
+    raise AssertionError("a grouped payload is not read")
 
 
 class Store:
@@ -284,7 +290,7 @@ class Store:
     def put_record(
         self,
         meta: RecordMeta,
-        payload: bytes | bytearray,
+        payload: bytes | bytearray | kvformat.Grouped,
         source: TierHook | None,
         may_evict: bool = True,
     ) -> PutJob:
@@ -293,20 +299,30 @@ class Store:
         instead; pinned if it was) and ``payload``; ``source`` is not told of it, every
         other tier is. ``may_evict`` False: refuse (ArenaFullError) rather than evict.
         ``payload`` is the tier's, in our memory: staged where it is (checked, not
-        copied), so the caller must not change it until the job is over."""
+        copied), so the caller must not change it until the job is over.
+
+        A :class:`~shmkv.core.kvformat.Grouped` payload (a tier's chunked record: its
+        manifest and each group's data) is never assembled: its whole blob's XXH3-64 is
+        checked a piece at a time, each full group's XXH3-128 (against the digest the tier
+        knows, if any) and bytes decide whether the arena holds its chunk already, and only
+        the groups it does not hold are copied, straight from their buffers."""
+        read = _no_reader if isinstance(payload, kvformat.Grouped) else bytes_reader(payload)
         job = self.begin_put(
             meta.root,
             np.frombuffer(meta.tokens, dtype="<i4"),
             meta.fingerprint,
             meta.payload_len,
             meta.payload_xxh3,
-            bytes_reader(payload),
+            read,
             pin=meta.pinned,
             publisher=meta.publisher,
         )
         job.may_evict, job.source = may_evict, source
         if not job.done:
-            job.given = payload
+            if isinstance(payload, kvformat.Grouped):
+                job.grouped = payload
+            else:
+                job.given = payload
         return job
 
     def put(

@@ -127,6 +127,10 @@ def roundtrip(blob: bytes, chunk: int = CHUNK) -> tuple[kvformat.Manifest, list[
         kvformat.assemble(m, [bytes(g) for g in groups], memoryview(out))
         assert out[: len(blob)] == blob
         assert out[len(blob) :] == bytes(7)
+        # the blob in pieces, never assembled whole: its bytes and its XXH3-64
+        for window in (kvformat.PIECE_WINDOW, 1):
+            assert b"".join(bytes(p) for p in kvformat.blob_pieces(m, groups, window)) == blob
+        assert kvformat.blob_xxh3_64(m, groups) == xxhash.xxh3_64_intdigest(blob)
     return manifest, groups
 
 
@@ -447,5 +451,8 @@ def test_assemble_rejects_groups_of_the_wrong_length(window_manifest):
     ):
         with pytest.raises(ArenaCorruptError):
             kvformat.assemble(m, wrong, out)
+        with pytest.raises(ArenaCorruptError):
+            kvformat.blob_xxh3_64(m, wrong)
+    assert kvformat.blob_xxh3_64(m, g) == xxhash.xxh3_64_intdigest(blob)
     kvformat.assemble(m, g, out)
     assert bytes(out) == blob

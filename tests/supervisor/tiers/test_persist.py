@@ -539,8 +539,9 @@ def _flip_chunk(disk: Path, group: bytes, at: int, others: list[bytes]) -> None:
 def test_states_that_share_a_prefix_share_its_chunks_on_disk(make_supervisor, tmp_path):
     """States that share a prefix are chunks in the arena and on disk: each full group of
     64 tokens is stored once, whoever lists it; the disk holds the shared prefix once and
-    each state's own part. After a reboot the refill assembles each state whole, and the
-    arena splits and shares them as before."""
+    each state's own part. After a reboot the refill hands each state's chunks to the arena
+    as they lie on disk, never assembled: the arena copies each unique chunk once and no
+    more bytes, and shares them as before."""
     disk = tmp_path / "persist"
     root = bytes(range(16))
     prefix = np.arange(700, dtype="<i4")
@@ -569,6 +570,8 @@ def test_states_that_share_a_prefix_share_its_chunks_on_disk(make_supervisor, tm
     try:
         st = refilled(again)
         assert st["refilled"] == 3, st
+        # (assembled and split again, it would gather all 33 full groups besides)
+        assert st["chunk_bytes_copied"] == sum(map(len, stored["chunk"].values())), st
         for k in ("chunks", "chunk_bytes", "chunk_bytes_shared", "bytes_used"):
             assert st[k] == before[k], k
         with again.client() as c:

@@ -35,12 +35,14 @@ import os
 import shutil
 import stat
 import struct
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import lmdb
+import numpy as np
 import xxhash
 
 from shmkv.core import kvformat
@@ -77,6 +79,10 @@ _UID = struct.Struct("<I")
 CHUNK_KEY = _UID.size + 16
 #: free space under which a failed commit counts as a full disk
 _LOW_SPACE = 16 << 20
+#: the most seconds closing the store waits for the chunked records handed out to be
+#: closed (their groups are views of its map)
+_LOADS_WAIT = 30.0
+_PAGE = 4096
 
 
 @dataclass(slots=True)
@@ -218,6 +224,35 @@ def parse_chunked(
     return keys, layout, inline
 
 
+class ChunkedLoad:
+    """A chunked record's payload as it lies in the store: its manifest and each group's
+    data (:attr:`grouped`, for ``Store.put_record``), views of LMDB's map under a read
+    transaction of their own, valid until :meth:`close` (which any one thread may call,
+    once the put that reads them is over; the store is not closed before)."""
+
+    def __init__(self, tier: LmdbTier, txn: lmdb.Transaction, grouped: kvformat.Grouped) -> None:
+        self.grouped = grouped
+        self._tier = tier
+        self._txn: lmdb.Transaction | None = txn
+
+    def close(self) -> None:
+        """End the read transaction: the views are void from now on. May run twice."""
+        txn, self._txn = self._txn, None
+        if txn is not None:
+            try:
+                txn.abort()
+            except lmdb.Error:
+                pass
+            self._tier.load_closed()
+
+
+def _touch(view: memoryview) -> None:
+    """Read one byte of each page of ``view``: the page faults (a disk read after a reboot)
+    happen on the calling thread, not on the loop that reads it next."""
+    if len(view):
+        np.frombuffer(view, dtype=np.uint8)[::_PAGE].max()
+
+
 def _prepare_dir(path: Path) -> None:
     """Create DIR (0700) if missing; TierError unless it is a directory only we can write."""
     try:
@@ -269,6 +304,10 @@ class LmdbTier:
         #: the records stored pinned when the store was opened (an adopted arena takes
         #: its pins from here: the arena file keeps none)
         self.pinned_at_open: frozenset[bytes] = frozenset()
+        #: chunked records handed out (:class:`ChunkedLoad`) and not closed yet: the map
+        #: they view is not closed under them
+        self._loads = 0
+        self._loads_cv = threading.Condition()
 
     # ------------------------------------------------------------------- open
     def open(self) -> None:
@@ -410,7 +449,7 @@ class LmdbTier:
             try:
                 self._load_index()  # what the failed transaction did to the index is undone
             except lmdb.Error:
-                env.close()
+                self._close_env(env)
                 self.env = None  # reopened by the write-behind after its pause
             raise err from None
         self.written += len(self._new)
@@ -547,14 +586,20 @@ class LmdbTier:
         return TierError(f"{self.path}: {e}", "io")
 
     # ------------------------------------------------------------------- read
-    def load(self, content: bytes) -> tuple[DiskRecord, bytes | bytearray] | None:
-        """A record and a private copy of its payload (refill thread); None if it is gone.
+    def load(self, content: bytes) -> tuple[DiskRecord, bytes | ChunkedLoad] | None:
+        """A record and its payload (refill thread); None if it is gone. A whole record's
+        payload is a private copy; a chunked one's is a :class:`ChunkedLoad`: its groups
+        as they lie in the store, nothing assembled or copied (the caller closes it).
+        Every page they span is read here, off the loop.
 
-        TierError("corrupt") if its metadata fails its checks; the payload's checksum is
-        checked by the put that takes it into the arena.
+        TierError("corrupt") if its metadata fails its checks, or a chunk is missing or of
+        the wrong length; the data's checksums (each chunk's XXH3-128, the payload's
+        XXH3-64) are checked by the put that takes it into the arena.
         """
         assert self.env is not None
-        with self.env.begin(buffers=True) as txn:
+        txn = self.env.begin(buffers=True)
+        handed = False  # (the transaction goes with a chunked record's views)
+        try:
             raw = txn.get(content, db=self.meta)
             if raw is None:
                 return None
@@ -563,40 +608,64 @@ class LmdbTier:
             if blob is None:
                 raise TierError("record payload missing", "corrupt")
             if rec.chunked:
-                return rec, self._assemble(txn, blob, rec)
+                grouped = self._grouped(txn, blob, rec)
+                with self._loads_cv:
+                    self._loads += 1
+                handed = True
+                return rec, ChunkedLoad(self, txn, grouped)
             if len(blob) != rec.payload_len:
                 raise TierError("record payload of the wrong length", "corrupt")
             return rec, bytes(blob)
+        finally:
+            if not handed:
+                txn.abort()
 
-    def _assemble(self, txn: lmdb.Transaction, value: memoryview, rec: DiskRecord) -> bytearray:
-        """A chunked record's payload, put together from its value and its chunks;
-        TierError("corrupt") if one is missing or of the wrong length. A damaged chunk is
-        caught by the put that takes the payload, which checks it whole (its XXH3-64)."""
+    def _grouped(
+        self, txn: lmdb.Transaction, value: memoryview, rec: DiskRecord
+    ) -> kvformat.Grouped:
+        """A chunked record's groups: the inline ones in its value, the full ones its
+        chunks (each with the XXH3-128 its key holds), views of the map; TierError("corrupt")
+        if a chunk is missing or of the wrong length."""
         keys, layout, inline = parse_chunked(value, rec)
-        groups: list[bytes | memoryview] = []
+        groups: list[memoryview] = []
+        digests: list[bytes | None] = []
         it, k = iter(inline), iter(keys)
         for size, full in zip(layout.group_sizes, layout.group_full, strict=True):
             if not full:
                 groups.append(next(it))
+                digests.append(None)
                 continue
             key = next(k)
-            data = txn.get(key, db=self.chunk)
-            if data is None or len(data) != size:
+            got = txn.get(key, db=self.chunk)
+            if got is None or len(got) != size:
                 raise TierError("chunk of a record missing or of the wrong length", "corrupt")
+            data = memoryview(got)
+            _touch(data)
             groups.append(data)
-        out = bytearray(layout.blob_len)
+            digests.append(key[_UID.size :])
+        _touch(value)
+        return kvformat.Grouped(layout, groups, digests)
+
+    def load_closed(self) -> None:
+        """A :class:`ChunkedLoad` was closed."""
+        with self._loads_cv:
+            self._loads -= 1
+            self._loads_cv.notify_all()
+
+    def _close_env(self, env: lmdb.Environment) -> None:
+        """Close the store once no chunked record handed out views its map (or after
+        :data:`_LOADS_WAIT` seconds: the refill closes each within a put's time)."""
+        with self._loads_cv:
+            if not self._loads_cv.wait_for(lambda: self._loads <= 0, _LOADS_WAIT):
+                log.error("persist %s: closed with %d records still read", self.path, self._loads)
         try:
-            kvformat.assemble(layout, groups, memoryview(out))
-        except ArenaCorruptError as e:
-            raise TierError(f"chunked record does not assemble: {e}", "corrupt") from None
-        return out
+            env.close()
+        except lmdb.Error:
+            pass
 
     def close(self) -> None:
         if self.env is not None:
-            try:
-                self.env.close()
-            except lmdb.Error:
-                pass
+            self._close_env(self.env)
             self.env = None
         if self._lock_fd >= 0:
             os.close(self._lock_fd)

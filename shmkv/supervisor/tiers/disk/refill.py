@@ -1,15 +1,19 @@
 """Refill a new arena from ``--persist`` while the supervisor already serves.
 
 Runs in the supervisor: a reader thread loads records from the LMDB store (pinned
-first, then most recently used first), each into a private copy, so that disk reads
-and page faults never happen on the loop, and hands them over through a queue of
+first, then most recently used first), a whole one into a private copy and a chunked one
+as its groups where they lie in LMDB's map (every page read on the thread), so that disk
+reads and page faults never happen on the loop, and hands them over through a queue of
 :data:`AHEAD` records; the loop takes each through the same
 :class:`~shmkv.supervisor.put.PutJob` as a worker's put (bounds, checksum of the payload,
 fingerprint and token fields), a ``--put-slice`` at a time between other peers'
-requests. A record that fails a check is skipped, counted and removed from disk. A
-refill never evicts: it stops once the arena is full, and each record it loads goes
-to the cold end of the arena's LRU (older than those loaded before it). What is not
-loaded yet is a miss, as for any prefix nobody published.
+requests. A chunked record is never assembled: the put compares each full group with the
+chunk the arena may hold already and copies only the groups it lacks, straight from the
+map (``Store.put_record`` with a ``kvformat.Grouped``). A record that fails a check is
+skipped, counted and removed from disk. A refill never evicts: it stops once the arena
+is full, and each record it loads goes to the cold end of the arena's LRU (older than
+those loaded before it). What is not loaded yet is a miss, as for any prefix nobody
+published.
 
 Every record is one step, whatever becomes of it: loaded, skipped (a check failed, it
 can never fit, a pin past the limit), gone from disk meanwhile, or already in the
@@ -32,7 +36,7 @@ from shmkv.core.stats import PersistStats
 from shmkv.supervisor.put import PutJob
 from shmkv.supervisor.store import Store
 from shmkv.supervisor.tiers.base import TierHook
-from shmkv.supervisor.tiers.disk.lmdb_store import DiskRecord, LmdbTier
+from shmkv.supervisor.tiers.disk.lmdb_store import ChunkedLoad, DiskRecord, LmdbTier
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,8 @@ class Refill:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = threading.Event()
         self._job: PutJob | None = None
+        #: the chunked record the job reads from LMDB's map (closed when the job is over)
+        self._load: ChunkedLoad | None = None
         self._content = b""
         self.done = False
         self._t0 = 0.0
@@ -99,6 +105,7 @@ class Refill:
                     log.exception("refill: cannot read %s", content.hex()[:12])
                 item = (content, TierError(str(e), "io"))
             if not self._put(item):
+                _close_item(item)
                 return
         self._put(_DONE)
 
@@ -138,12 +145,12 @@ class Refill:
                 entry = self._job.step(deadline)
             except ArenaFullError:
                 log.info("refill: the arena is full; the rest stays on disk")
-                self._job = None
+                self._end_job()
                 self._finish()
                 return
             except ShmkvError as e:
                 self._skip(self._content, e)
-                self._job = None
+                self._end_job()
                 continue
             if entry is None:
                 return
@@ -152,7 +159,14 @@ class Refill:
             self.stats.refilled_bytes += entry.payload_len
             if self.stats.refilled == 1:
                 self.stats.refill_first_seconds = time.monotonic() - self._t0
-            self._job = None
+            self._end_job()
+
+    def _end_job(self) -> None:
+        """The job is over: close the chunked record it read."""
+        self._job = None
+        load, self._load = self._load, None
+        if load is not None:
+            load.close()
 
     def _next(self) -> bool:
         """Take the next loaded record: start its put (``_job``), or skip it, or find it
@@ -166,7 +180,7 @@ class Refill:
             self._finish()
             return False
         content: bytes
-        got: tuple[DiskRecord, bytes | bytearray] | TierError | None
+        got: tuple[DiskRecord, bytes | ChunkedLoad] | TierError | None
         content, got = item  # type: ignore[misc]
         if got is None:  # evicted from disk meanwhile
             return True
@@ -178,15 +192,20 @@ class Refill:
             job = self._begin(rec, payload)
         except ShmkvError as e:  # (one that can never fit, or a pin past the limit)
             self._skip(content, e)
+            _close_item(item)
             return True
-        if not job.done:  # (done at once: a worker published it again meanwhile)
+        if job.done:  # (done at once: a worker published it again meanwhile)
+            _close_item(item)
+        else:
             self._job, self._content = job, content
+            self._load = payload if isinstance(payload, ChunkedLoad) else None
         return True
 
-    def _begin(self, rec: DiskRecord, payload: bytes | bytearray) -> PutJob:
+    def _begin(self, rec: DiskRecord, payload: bytes | ChunkedLoad) -> PutJob:
         if len(rec.root) != DIGEST_SIZE:
             raise TierError("bad root", "corrupt")
-        return self.store.put_record(rec, payload, self.source, may_evict=False)
+        data = payload.grouped if isinstance(payload, ChunkedLoad) else payload
+        return self.store.put_record(rec, data, self.source, may_evict=False)
 
     def _skip(self, content: bytes, e: ShmkvError) -> None:
         self.stats.refill_skipped += 1
@@ -215,7 +234,7 @@ class Refill:
         self._stop.set()
         if self._job is not None:
             self._job.abort()
-            self._job = None
+        self._end_job()
         self.done = True
         self.stats.refilling = 0
 
@@ -225,7 +244,20 @@ class Refill:
         self.abandon()
         if self._thread.is_alive():
             self._thread.join(5.0)
+        while True:  # (the records loaded and not taken: their views of the map)
+            try:
+                _close_item(self._q.get_nowait())
+            except queue.Empty:
+                break
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
+
+
+def _close_item(item: object) -> None:
+    """Close the chunked record a queued item holds, if it holds one."""
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], tuple):
+        payload = item[1][1]
+        if isinstance(payload, ChunkedLoad):
+            payload.close()
