@@ -44,7 +44,7 @@ def same_bytes(a: memoryview, b: memoryview) -> bool:
     if a.nbytes == 0:
         return True
     x, y = np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8)
-    return _libc.memcmp(x.ctypes.data, y.ctypes.data, x.size) == 0
+    return int(_libc.memcmp(x.ctypes.data, y.ctypes.data, x.size)) == 0
 
 
 @dataclass(eq=False)
