@@ -828,6 +828,16 @@ class ArenaView:
         """Address of the payload in this process: what llama_state_seq_set_data reads."""
         return self.base_address + rec.payload_off
 
+    def chunk_intact(self, info: ChunkInfo) -> bool:
+        """Whether the data of the chunk ``info`` names (a header :meth:`peek_chunks` read)
+        matches the XXH3-128 its header keeps; read from the mapping (the caller has checked
+        that its pages exist)."""
+        data = self._mapped(info.length, info.data_off)
+        try:
+            return bool(chunk_digest(data) == info.digest)
+        finally:
+            data.release()
+
     def verify_payload(self, rec: Record) -> bool:
         """Whether ``rec``'s payload (a chunked one's assembled) matches its XXH3-64."""
         if not rec.chunked:

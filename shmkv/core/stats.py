@@ -380,6 +380,10 @@ class ArenaCounters:
     adopt_dropped: int = counter(
         "records of that arena dropped at adoption (damaged, half-written or inconsistent)"
     )
+    adopt_checked_bytes: int = counter(
+        "bytes hashed to check the adopted arena's records: whole payloads, and each chunk "
+        "once however many records name it"
+    )
 
 
 @dataclass

@@ -6,10 +6,10 @@ supervisor owns the file); :func:`remove_left` runs in ``shmkv clear``.
 mode 0600 or 0640 (nobody else could have written it), of this format and of
 the geometry the settings ask for, as large as its header says. :func:`rebuild` then fills a fresh
 :class:`~shmkv.supervisor.store.Store` from it: the records that index slots name, each
-checked as a worker checks it (bounds, header, metadata and whole-payload
-checksums, its chained digests against its key and the slots that name it, its
-generation and creation time in a range this supervisor can go on from), and
-nothing else.
+checked as a worker checks it (bounds, header, metadata and payload checksums: a
+whole record's XXH3-64, each chunk's XXH3-128 once, its chained digests against its key
+and the slots that name it, its generation and creation time in a range this supervisor
+can go on from), and nothing else.
 
 What a put had not finished when its supervisor died is never adopted. A put
 writes its payload, then token ids, fingerprint and header (with the metadata
@@ -47,6 +47,7 @@ from shmkv.core.arena import (
     STATE_CLOSED,
     ArenaView,
     ArenaWriter,
+    ChunkInfo,
     Geometry,
     Record,
     header_format,
@@ -246,11 +247,20 @@ class Adopted:
     dropped: int = 0
     torn_slots: int = 0
     seconds: float = 0.0
+    #: payload and chunk bytes hashed to check them (each chunk once)
+    checked_bytes: int = 0
 
 
-def _valid(view: ArenaView, offset: int, gen: int) -> tuple[Record, list[Chunk]] | None:
+def _valid(
+    view: ArenaView, offset: int, gen: int, intact: dict[tuple[int, int], bool], out: Adopted
+) -> tuple[Record, list[Chunk]] | None:
     """The record (offset, gen) and the chunks it names if every check a worker makes
-    passes, payload included (a chunked one's assembled from its chunks).
+    passes, payload included: a whole record's XXH3-64; a chunked one's manifest and each
+    chunk's XXH3-128 (its header's), each chunk hashed once whatever number of records
+    name it (``intact``: (offset, generation) -> the answer), so that adoption costs the
+    arena's bytes, not the sum of its states'. A chunked record's inline rows are checked
+    by the worker that restores it (``ArenaView.assembled`` checks the whole state's
+    XXH3-64 every time): damage there costs that restore a miss.
 
     Its pages must all exist before the mapping reads them: a slot of a damaged arena
     may name a hole (``pages.py``), and a fault on one allocates it, or SIGBUSes when the
@@ -263,8 +273,11 @@ def _valid(view: ArenaView, offset: int, gen: int) -> tuple[Record, list[Chunk]]
         head, _ = view.peek(offset, gen)
         extents = [(offset, record_layout(head.n_tokens, head.fp_len, head.body_len)[3])]
         chunks: list[Chunk] = []
+        named: list[ChunkInfo] = []
         if head.chunked:
             manifest, _refs, infos = view.peek_chunks(head)
+            if manifest.blob_len != head.payload_len:
+                return None
             for info, sig in zip(infos, manifest.group_sigs, strict=True):
                 if info is None:
                     continue
@@ -273,6 +286,7 @@ def _valid(view: ArenaView, offset: int, gen: int) -> tuple[Record, list[Chunk]]
                 key = (info.publisher, bytes(sig), info.digest)
                 chunks.append(Chunk(key, info.offset, info.gen, info.length, info.extent))
                 extents.append((info.offset, info.extent))
+                named.append(info)
         if any(os.lseek(view.fd, off, os.SEEK_HOLE) < off + n for off, n in extents):
             return None
         rec = view.read_record(offset, gen)
@@ -281,7 +295,17 @@ def _valid(view: ArenaView, offset: int, gen: int) -> tuple[Record, list[Chunk]]
         return None
     if not _in_range(rec):
         return None
-    return (rec, chunks) if view.verify_payload(rec) else None
+    if not rec.chunked:
+        out.checked_bytes += rec.payload_len
+        return (rec, chunks) if view.verify_payload(rec) else None
+    for info in named:
+        ok = intact.get((info.offset, info.gen))
+        if ok is None:
+            ok = intact[(info.offset, info.gen)] = view.chunk_intact(info)
+            out.checked_bytes += info.length
+        if not ok:
+            return None
+    return rec, chunks
 
 
 def _in_range(rec: Record) -> bool:
@@ -318,8 +342,9 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
     for s in slots:
         named[(s.rec_offset, s.rec_gen)][s.digest] = s.n_chunks
     kept: list[Kept] = []
+    intact: dict[tuple[int, int], bool] = {}
     for (offset, gen), by_slot in named.items():
-        valid = _valid(view, offset, gen)
+        valid = _valid(view, offset, gen, intact, out)
         if valid is None:
             out.dropped += 1
             continue
@@ -383,11 +408,14 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
     store.gens_from(max(top + 1, int(time.time() * 1e6)))
     store.counters.adopted += out.entries
     store.counters.adopt_dropped += out.dropped
+    store.counters.adopt_checked_bytes += out.checked_bytes
     out.seconds = time.monotonic() - t0
     log.info(
-        "adopted %d entries (%s) in %.3f s; dropped %d damaged or half-written record(s)%s",
+        "adopted %d entries (%s, %s hashed) in %.3f s; dropped %d damaged or half-written "
+        "record(s)%s",
         out.entries,
         format_size(out.bytes),
+        format_size(out.checked_bytes),
         out.seconds,
         out.dropped,
         f", {out.torn_slots} index slot(s) caught mid-write" if out.torn_slots else "",

@@ -253,6 +253,8 @@ def test_adopt_after_kill_keeps_chunked_records_and_their_counts(make_supervisor
     assert st["adopted"] == 6 and st["adopt_dropped"] == 0
     for k in ("entries", "chunks", "chunk_bytes", "chunk_bytes_shared", "bytes_used"):
         assert st[k] == before[k], k
+    # each chunk's data hashed once, not once per record that names it (whole: 6 payloads)
+    assert st["adopt_checked_bytes"] == st["chunks"] * CHUNK * 1024, st
     read_all(again, 6, datas)
     assert again.cli("clear").returncode == 0
     st = again.stats_json()
@@ -293,6 +295,42 @@ def test_adopt_drops_a_record_whose_chunk_is_damaged_and_frees_what_only_it_held
     assert again.cli("clear").returncode == 0
     st = again.stats_json()
     assert st["bytes_used"] == 0 and st["chunks"] == 0
+
+
+def test_adopt_leaves_a_damaged_inline_row_to_the_restore_that_finds_it(make_supervisor) -> None:
+    """Adoption hashes each chunk once, not each record's whole state: a flipped byte in a
+    chunked record's inline rows (its own last tokens) is adopted, and the restore that
+    reads it checks the state's XXH3-64 and refuses it (a miss, never a wrong state)."""
+    sup = make_supervisor("--size", "32M")
+    datas = put_all(sup, 3)
+
+    def inline_at(view, off, gen):
+        rec, _ = view.peek(off, gen)
+        refs = view.peek_chunks(rec)[1]
+        return rec.key, [rec.payload_off + r.offset for r in refs if r.inline and r.length]
+
+    spots = dict(each_record(sup.arena, inline_at))
+    damaged = chain_digests(ROOT, question(0), CHUNK)[-1]
+    assert spots[damaged], "a question's tail is inline"
+    kill9(sup)
+    with open(sup.arena, "r+b") as f:
+        f.seek(spots[damaged][0] + 3)
+        b = f.read(1)
+        f.seek(spots[damaged][0] + 3)
+        f.write(bytes([b[0] ^ 1]))
+    again = restart(make_supervisor, sup, "--size", "32M")
+    assert again.stats_json()["adopted"] == 3
+    with again.client() as c:
+        for i in range(3):
+            hit = c.lookup(chain_digests(ROOT, question(i), CHUNK))
+            with c.acquire(hit) as lease:
+                if i == 0:
+                    with pytest.raises(A.ArenaCorruptError):
+                        with lease.view.assembled(lease.record):
+                            pass
+                else:
+                    with lease.view.assembled(lease.record) as blob:
+                        assert bytes(blob) == datas[i]
 
 
 def test_a_damaged_chunk_is_replaced_for_later_puts(arena: ArenaFile) -> None:
