@@ -65,6 +65,7 @@ from shmkv.core.errors import (
 from shmkv.core.keys import chain_digests, content_digest
 from shmkv.supervisor.arenafile import ArenaFile, _same_file, check_ours, map_arena
 from shmkv.supervisor.chunks import Chunk
+from shmkv.supervisor.pages import DataRuns
 from shmkv.supervisor.record import Entry
 from shmkv.supervisor.store import Store
 
@@ -252,7 +253,12 @@ class Adopted:
 
 
 def _valid(
-    view: ArenaView, offset: int, gen: int, intact: dict[tuple[int, int], bool], out: Adopted
+    view: ArenaView,
+    runs: DataRuns,
+    offset: int,
+    gen: int,
+    intact: dict[tuple[int, int], bool],
+    out: Adopted,
 ) -> tuple[Record, list[Chunk]] | None:
     """The record (offset, gen) and the chunks it names if every check a worker makes
     passes, payload included: a whole record's XXH3-64; a chunked one's manifest and each
@@ -265,7 +271,8 @@ def _valid(
     Its pages must all exist before the mapping reads them: a slot of a damaged arena
     may name a hole (``pages.py``), and a fault on one allocates it, or SIGBUSes when the
     tmpfs is full. So the header (and a chunked record's body and chunk headers) is read
-    with ``pread``, and each extent it claims is looked up for holes (``SEEK_HOLE``) first.
+    with ``pread``, and each extent it claims is looked up for holes first (in ``runs``,
+    the file's runs of data, scanned once).
     A chunk of another publisher than its record's is damage: records never share across
     publishers.
     """
@@ -287,7 +294,7 @@ def _valid(
                 chunks.append(Chunk(key, info.offset, info.gen, info.length, info.extent))
                 extents.append((info.offset, info.extent))
                 named.append(info)
-        if any(os.lseek(view.fd, off, os.SEEK_HOLE) < off + n for off, n in extents):
+        if not all(runs.covers(off, n) for off, n in extents):
             return None
         rec = view.read_record(offset, gen)
         view.verify_meta(rec)
@@ -343,8 +350,9 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
         named[(s.rec_offset, s.rec_gen)][s.digest] = s.n_chunks
     kept: list[Kept] = []
     intact: dict[tuple[int, int], bool] = {}
+    runs = DataRuns.scan(view.fd, g.data_offset, g.arena_size)
     for (offset, gen), by_slot in named.items():
-        valid = _valid(view, offset, gen, intact, out)
+        valid = _valid(view, runs, offset, gen, intact, out)
         if valid is None:
             out.dropped += 1
             continue

@@ -93,9 +93,11 @@ def start_supervisor(
     env_extra: dict[str, str] | None = None,
     wait: bool = True,
     user: pwd.struct_passwd | None = None,
+    python: list[str] | None = None,
 ) -> Sup:
     """Start `shmkv supervise` with a unique name and socket under tmp_path (or the
-    SHMKV_SOCKET of ``env_extra``), as ``user`` if given.
+    SHMKV_SOCKET of ``env_extra``), as ``user`` if given; ``python``: the command that
+    runs Python instead (``[strace, ..., sys.executable]``).
 
     Tests that stop it themselves call this; others use the ``make_supervisor`` fixture,
     which also stops it and checks for leftovers.
@@ -112,7 +114,7 @@ def start_supervisor(
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(
-            [python_for(user), "-m", "shmkv", "supervise", *args],
+            [*(python or [python_for(user)]), "-m", "shmkv", "supervise", *args],
             stdout=logf,
             stderr=subprocess.STDOUT,
             **spawn_kw(user, env),
@@ -174,9 +176,10 @@ def kill9(sup: Sup) -> None:
     assert sup.proc.wait(10) == -signal.SIGKILL
 
 
-def restart(make_supervisor: Callable[..., Sup], sup: Sup, *args: str) -> Sup:
-    """A new supervisor on ``sup``'s name (``make_supervisor``: the fixture), once it answers."""
-    return wait_ready(make_supervisor(*args, name=sup.name, wait=False))
+def restart(make_supervisor: Callable[..., Sup], sup: Sup, *args: str, **kw: Any) -> Sup:
+    """A new supervisor on ``sup``'s name (``make_supervisor``: the fixture), once it
+    answers; ``kw``: more of :func:`start_supervisor`'s."""
+    return wait_ready(make_supervisor(*args, name=sup.name, wait=False, **kw))
 
 
 def no_internal_errors(*sups: Sup) -> None:
