@@ -47,6 +47,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -479,6 +480,57 @@ def _release_pages(buf: np.ndarray) -> None:
             pass
 
 
+#: seconds the assembly buffer keeps its pages after a chunked restore: restores in a row
+#: reuse them (faulting a 512 MiB state's back in cost 153 ms, three times the copy into
+#: them: docs/benchmarks.md, "Scale"); an idle worker gives them back
+ASSEMBLY_IDLE_S = 1.0
+
+
+class _Assembly:
+    """The buffer chunked payloads are assembled into (:meth:`ArenaView.assembled`): one
+    per view, held under ``lock``; its pages go back to the kernel once no restore used it
+    for :data:`ASSEMBLY_IDLE_S`, on a timer thread that exists only while pages are held."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.buf: np.ndarray | None = None
+        self._used = 0.0
+        self._timer: threading.Timer | None = None
+
+    def take(self, n: int) -> np.ndarray:
+        """The buffer, at least ``n`` bytes (``lock`` held)."""
+        if self.buf is None or len(self.buf) < n:
+            self.buf = None  # (the old one goes first: never two at once)
+            self.buf = _assembly_buffer(n)
+        return self.buf
+
+    def done(self) -> None:
+        """A restore is done with the buffer (``lock`` held): give its pages back once idle."""
+        self._used = time.monotonic()
+        if self._timer is None or not self._timer.is_alive():  # (none after a fork)
+            self._arm(ASSEMBLY_IDLE_S)
+
+    def _arm(self, delay: float) -> None:
+        self._timer = threading.Timer(delay, self._idle)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _idle(self) -> None:
+        with self.lock:  # (waits out a restore in progress, which sets _used again)
+            wait = self._used + ASSEMBLY_IDLE_S - time.monotonic()
+            if wait > 0:
+                self._arm(wait)
+            elif self.buf is not None:
+                _release_pages(self.buf)
+
+    def close(self) -> None:
+        """Give the buffer up now (the view is closing)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        with self.lock:
+            self.buf = None
+
+
 class ArenaView:
     """A worker's read-only view of the arena: lock-free lookup and record validation.
 
@@ -513,12 +565,12 @@ class ArenaView:
                 self.mm[off]
         self.file_size = size
         #: the buffer chunked payloads are assembled into, and who holds it (:meth:`assembled`)
-        self._buf: np.ndarray | None = None
-        self._buf_lock = threading.Lock()
+        self._assembly = _Assembly()
         self._np = np.frombuffer(self.mm, dtype=np.uint8)
         self.base_address: int = self._np.ctypes.data
 
     def close(self) -> None:
+        self._assembly.close()
         self._np = None  # type: ignore[assignment]
         self._close_fd()  # once only: a later collection closes nothing
         self.fd = -1
@@ -726,26 +778,26 @@ class ArenaView:
     def assembled(self, rec: Record) -> Iterator[np.ndarray]:
         """A chunked record's payload assembled into this view's reusable buffer and checked
         against its XXH3-64 (ArenaCorruptError if it fails), the caller's until the ``with``
-        ends (one per process: another thread waits); what ``kvstate`` hands to llama.cpp.
-        The buffer's pages go back to the kernel when the ``with`` ends (the mapping stays:
-        the next restore faults a few huge pages in again, about 1 ms for 10 MiB): an idle
-        worker keeps no copy of the last state it restored."""
-        with self._buf_lock:
-            if self._buf is None or len(self._buf) < rec.payload_len:
-                self._buf = None  # (the old one goes first: never two at once)
-                self._buf = _assembly_buffer(rec.payload_len)
+        ends (one per view: another thread waits); what ``kvstate`` hands to llama.cpp.
+        The buffer's pages go back to the kernel once no restore used them for
+        :data:`ASSEMBLY_IDLE_S` (the mapping stays: the next restore faults huge pages in
+        again): restores in a row reuse them, and an idle worker keeps no copy of the
+        last state it restored."""
+        asm = self._assembly
+        with asm.lock:
+            buf = asm.take(rec.payload_len)
             try:
-                mv = self._buf.data
+                mv = buf.data
                 try:
                     self.blob(rec, mv)
                 finally:
                     mv.release()
-                blob = self._buf[: rec.payload_len]
+                blob = buf[: rec.payload_len]
                 if xxhash.xxh3_64_intdigest(blob.data) != rec.payload_xxh3:
                     raise ArenaCorruptError("assembled blob fails its checksum")
                 yield blob
             finally:
-                _release_pages(self._buf)
+                asm.done()
 
     def _parse_record(
         self, buf: mmap.mmap | bytes, at: int, gen: int, offset: int | None = None
