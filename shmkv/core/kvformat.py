@@ -565,18 +565,25 @@ def assemble(
     skel = np.frombuffer(manifest.skeleton, dtype=np.uint8)
     for at, start, length in manifest.gaps:
         dst[at : at + length] = skel[start : start + length]
+    # region by region, each filled from every group in turn: a transposed V region takes
+    # n cells of each of its rows from each group, and filled group by group the whole blob
+    # was swept between two visits of one region's rows (each small write a cache miss:
+    # 49 ms for a 128 MiB state, 2.7 GB/s, where one region at a time stays in cache)
+    ops = []
     for src, (part, a, n) in zip(srcs, manifest.spans, strict=True):
-        cc = part.cell_count
         q = 0
         for r in part.regions:
-            if r.nrep == 1:
-                dst[r.offset + a * r.unit : r.offset + (a + n) * r.unit] = src[q : q + n * r.unit]
-            else:
-                block = dst[r.offset : r.offset + r.nrep * cc * r.unit].reshape(r.nrep, -1)
-                block[:, a * r.unit : (a + n) * r.unit] = src[q : q + r.nrep * n * r.unit].reshape(
-                    r.nrep, -1
-                )
+            ops.append((r.offset, a, n, r, part.cell_count, src, q))
             q += r.nrep * n * r.unit
+    ops.sort(key=lambda op: (op[0], op[1]))
+    for _off, a, n, r, cc, src, q in ops:
+        if r.nrep == 1:
+            dst[r.offset + a * r.unit : r.offset + (a + n) * r.unit] = src[q : q + n * r.unit]
+        else:
+            block = dst[r.offset : r.offset + r.nrep * cc * r.unit].reshape(r.nrep, -1)
+            block[:, a * r.unit : (a + n) * r.unit] = src[q : q + r.nrep * n * r.unit].reshape(
+                r.nrep, -1
+            )
 
 
 #: bytes of a transposed V region :func:`blob_pieces` assembles at a time (whole rows)
