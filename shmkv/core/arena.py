@@ -524,11 +524,15 @@ class _Assembly:
                 _release_pages(self.buf)
 
     def close(self) -> None:
-        """Give the buffer up now (the view is closing)."""
+        """Give the buffer up now (the view is closing); while a restore holds it (this
+        thread's own, maybe: the lock is not reentrant), that restore's end arms the timer."""
         if self._timer is not None:
             self._timer.cancel()
-        with self.lock:
-            self.buf = None
+        if self.lock.acquire(blocking=False):
+            try:
+                self.buf = None
+            finally:
+                self.lock.release()
 
 
 class ArenaView:
