@@ -573,10 +573,10 @@ def assemble(
     for src, (part, a, n) in zip(srcs, manifest.spans, strict=True):
         q = 0
         for r in part.regions:
-            ops.append((r.offset, a, n, r, part.cell_count, src, q))
+            ops.append((r, a, n, part.cell_count, src, q))
             q += r.nrep * n * r.unit
-    ops.sort(key=lambda op: (op[0], op[1]))
-    for _off, a, n, r, cc, src, q in ops:
+    ops.sort(key=lambda op: (op[0].offset, op[1]))
+    for r, a, n, cc, src, q in ops:
         if r.nrep == 1:
             dst[r.offset + a * r.unit : r.offset + (a + n) * r.unit] = src[q : q + n * r.unit]
         else:

@@ -65,7 +65,7 @@ from shmkv.core.errors import (
 from shmkv.core.keys import chain_digests, content_digest
 from shmkv.supervisor.arenafile import ArenaFile, _same_file, check_ours, map_arena
 from shmkv.supervisor.chunks import Chunk
-from shmkv.supervisor.pages import DataRuns
+from shmkv.supervisor.pages import Extents, data_extents
 from shmkv.supervisor.record import Entry
 from shmkv.supervisor.store import Store
 
@@ -254,7 +254,7 @@ class Adopted:
 
 def _valid(
     view: ArenaView,
-    runs: DataRuns,
+    data: Extents,
     offset: int,
     gen: int,
     intact: dict[tuple[int, int], bool],
@@ -271,8 +271,8 @@ def _valid(
     Its pages must all exist before the mapping reads them: a slot of a damaged arena
     may name a hole (``pages.py``), and a fault on one allocates it, or SIGBUSes when the
     tmpfs is full. So the header (and a chunked record's body and chunk headers) is read
-    with ``pread``, and each extent it claims is looked up for holes first (in ``runs``,
-    the file's runs of data, scanned once).
+    with ``pread``, and each extent it claims is looked up for holes first (in ``data``,
+    the file's runs of data, walked once: ``pages.data_extents``).
     A chunk of another publisher than its record's is damage: records never share across
     publishers.
     """
@@ -294,7 +294,7 @@ def _valid(
                 chunks.append(Chunk(key, info.offset, info.gen, info.length, info.extent))
                 extents.append((info.offset, info.extent))
                 named.append(info)
-        if not all(runs.covers(off, n) for off, n in extents):
+        if any(data.minus(off, off + n) for off, n in extents):
             return None
         rec = view.read_record(offset, gen)
         view.verify_meta(rec)
@@ -350,9 +350,9 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
         named[(s.rec_offset, s.rec_gen)][s.digest] = s.n_chunks
     kept: list[Kept] = []
     intact: dict[tuple[int, int], bool] = {}
-    runs = DataRuns.scan(view.fd, g.data_offset, g.arena_size)
+    data = data_extents(view.fd, g.data_offset, g.arena_size)
     for (offset, gen), by_slot in named.items():
-        valid = _valid(view, runs, offset, gen, intact, out)
+        valid = _valid(view, data, offset, gen, intact, out)
         if valid is None:
             out.dropped += 1
             continue

@@ -40,7 +40,6 @@ hole punching calls libc's ``fallocate`` through ctypes, in :func:`punch_hole`.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import ctypes.util
 import errno
@@ -79,50 +78,6 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
 def allocated_bytes(fd: int) -> int:
     """Bytes of the file ``fd`` that are allocated (st_blocks is in 512-byte units)."""
     return os.fstat(fd).st_blocks * 512
-
-
-class DataRuns:
-    """The runs of a file's pages that hold data, looked up once: which extents have no hole.
-
-    ``lseek(SEEK_HOLE)`` from an offset walks the file's pages up to the next hole, so
-    asking it once per extent costs the distance from each extent to the hole after it:
-    adopting a densely filled arena that way grew with records times arena size (317 s
-    for 100,000 records of an 8 GiB arena). :meth:`scan` walks the range once instead,
-    alternating ``SEEK_DATA`` and ``SEEK_HOLE``, so each page is visited once, and
-    :meth:`covers` answers by bisection. The answers are ``SEEK_HOLE``'s: on tmpfs a page
-    allocated but never written counts as a hole. Valid while nobody allocates or punches
-    the file (an adopting supervisor, which holds the name's lock).
-    """
-
-    def __init__(self, runs: list[tuple[int, int]]) -> None:
-        self.starts = [a for a, _ in runs]
-        self.ends = [b for _, b in runs]
-
-    @classmethod
-    def scan(cls, fd: int, start: int, end: int) -> DataRuns:
-        """The runs of data of [start, end) of ``fd``'s file, clipped to it."""
-        runs: list[tuple[int, int]] = []
-        pos = start
-        while pos < end:
-            try:
-                data = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError as e:
-                if e.errno == errno.ENXIO:  # no data after pos
-                    break
-                raise
-            if data >= end:
-                break
-            pos = os.lseek(fd, data, os.SEEK_HOLE)  # (the end of the file is a hole)
-            runs.append((data, min(pos, end)))
-        return cls(runs)
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def covers(self, offset: int, length: int) -> bool:
-        """Does [offset, offset + length) lie in one run of data (no hole in it)?"""
-        i = bisect.bisect_right(self.starts, offset) - 1
-        return i >= 0 and offset + length <= self.ends[i]
 
 
 class Extents:
@@ -198,6 +153,33 @@ class Extents:
             self._d[cut] = e
         self.bytes -= cut - s
         return s, cut
+
+
+def data_extents(fd: int, start: int, end: int) -> Extents:
+    """The runs of pages of [start, end) of ``fd``'s file that hold data, found in one walk.
+
+    ``lseek(SEEK_HOLE)`` from an offset walks the file's pages up to the next hole, so
+    asking it once per extent costs the distance from each extent to the hole after it:
+    adopting a densely filled arena that way grew with records times arena size (317 s
+    for 100,000 records of an 8 GiB arena). This walks the range once, alternating
+    ``SEEK_DATA`` and ``SEEK_HOLE``; an extent has no hole when ``minus`` leaves nothing
+    of it. The answers are ``SEEK_HOLE``'s: on tmpfs a page allocated but never written
+    counts as a hole. Valid while nobody allocates or punches the file (an adopting
+    supervisor, which holds the name's lock).
+    """
+    runs, pos = Extents(), start
+    while pos < end:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # no data after pos
+                break
+            raise
+        if data >= end:
+            break
+        pos = os.lseek(fd, data, os.SEEK_HOLE)  # (the end of the file is a hole)
+        runs.add(data, min(pos, end))
+    return runs
 
 
 class Pages:

@@ -113,6 +113,15 @@ def _where(c: Client, root: bytes, tokens: np.ndarray) -> tuple[int, int]:
     return hit.slot.rec_offset, hit.slot.rec_gen
 
 
+def _records(c: Client, seeds: range, max_size: int = 300_000) -> dict[int, A.Record]:
+    """The record of each seed's blob, as the arena holds it now."""
+    out = {}
+    for seed in seeds:
+        root, tokens, _ = known(seed, max_size)
+        out[seed] = c.view.read_record(*_where(c, root, tokens))
+    return out
+
+
 # ------------------------------------------------------------------------ adopt
 def test_kill9_restart_serves_every_entry_at_once(make_supervisor) -> None:
     sup = make_supervisor("--size", "64M")
@@ -279,13 +288,10 @@ def _flip(path: Path, pos: int, n: int = 4) -> None:
 
 def test_flipped_bytes_drop_only_the_damaged_records(make_supervisor) -> None:
     sup = make_supervisor("--size", "32M")
-    recs: dict[int, A.Record] = {}
     with sup.client() as c:
         for seed in range(12):
             put_known(c, seed)
-            root, tokens, _ = known(seed)
-            hit = c.lookup(chain_digests(root, tokens, CHUNK))
-            recs[seed] = c.view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
+        recs = _records(c, range(12))
         g = c.view.geometry
         slots = {i: c.view.read_slot(i)[1] for i in range(g.index_slots)}
     kill9(sup)
@@ -320,15 +326,6 @@ def test_flipped_bytes_drop_only_the_damaged_records(make_supervisor) -> None:
     assert "caught mid-write" in new.log()
 
 
-def _records(c: Client, seeds: range) -> dict[int, A.Record]:
-    out = {}
-    for seed in seeds:
-        root, tokens, _ = known(seed)
-        hit = c.lookup(chain_digests(root, tokens, CHUNK))
-        out[seed] = c.view.read_record(hit.slot.rec_offset, hit.slot.rec_gen)
-    return out
-
-
 def test_a_record_with_a_hole_is_dropped_and_the_rest_adopted(make_supervisor) -> None:
     """A slot of a damaged arena may name pages that no longer exist; adoption reads no
     hole (a fault there allocates it, or SIGBUSes on a full tmpfs): such a record is
@@ -337,7 +334,7 @@ def test_a_record_with_a_hole_is_dropped_and_the_rest_adopted(make_supervisor) -
     with sup.client() as c:
         for seed in range(10):
             put_known(c, seed, max_size=200_000)
-        recs = _records(c, range(10))
+        recs = _records(c, range(10), 200_000)
     kill9(sup)
     page = mmap.PAGESIZE
     mid = recs[3].payload_off + recs[3].payload_len // 2

@@ -176,10 +176,9 @@ def kill9(sup: Sup) -> None:
     assert sup.proc.wait(10) == -signal.SIGKILL
 
 
-def restart(make_supervisor: Callable[..., Sup], sup: Sup, *args: str, **kw: Any) -> Sup:
-    """A new supervisor on ``sup``'s name (``make_supervisor``: the fixture), once it
-    answers; ``kw``: more of :func:`start_supervisor`'s."""
-    return wait_ready(make_supervisor(*args, name=sup.name, wait=False, **kw))
+def restart(make_supervisor: Callable[..., Sup], sup: Sup, *args: str) -> Sup:
+    """A new supervisor on ``sup``'s name (``make_supervisor``: the fixture), once it answers."""
+    return wait_ready(make_supervisor(*args, name=sup.name, wait=False))
 
 
 def no_internal_errors(*sups: Sup) -> None:
