@@ -1,6 +1,7 @@
 """One shared prefix (docs/benchmarks.md): the arena's bytes after N completions on one system
-prompt over the first's, on Gemma 3 and a LLaMA model (no sliding window), and the same of
-``--persist``'s disk (``--persist``). Smoke: ``--quick``."""
+prompt over the first's, on Gemma 3, a LLaMA model (no sliding window) and a Qwen 3.5 hybrid
+(attention and recurrent layers: how much of the prefix a new question restores), and the same
+of ``--persist``'s disk (``--persist``). Smoke: ``--quick``."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ import bench_serve
 import click
 import common
 
-from tests.support.tinymodel import write_tiny_llama
+from tests.support.tinymodel import write_tiny_llama, write_tiny_qwen35
 
 RATIO = "arena used after N / after the first"
 DISK = "disk used after N / after the first"
-GOALS = {"gemma3": [(RATIO, "<=", 4.0)], "llama": [(RATIO, "<=", 2.0)]}  # at N = 12 (7.0x, ~12x)
+RESTORED = "prefix restored by the 2nd-Nth (least)"
+GOALS = {"gemma3": [(RATIO, "<=", 4.0)], "llama": [(RATIO, "<=", 2.0)],  # at N = 12 (7.0x, ~12x)
+         "qwen35": [(RATIO, "<=", 2.5), (RESTORED, ">=", 0.95)]}  # fmt: skip
 LLAMA = dict(n_vocab=512, n_embd=256, n_layer=4, n_head=4, n_ctx_train=4096)  # 4 KiB/token f16
+#: 6 delta-net layers (34 KiB of recurrent state) and 2 attention layers (512 bytes/token f16)
+QWEN35 = dict(n_layer=8)
+MODELS = ("gemma3", "llama", "qwen35")
 
 
 def run_model(model: Path, o: Any, work: Path) -> dict[str, Any]:
@@ -38,6 +44,8 @@ def run_model(model: Path, o: Any, work: Path) -> dict[str, Any]:
     out = dict(path=str(model), prefix_tokens=wl.system_tokens[0], first_bytes=first["bytes_used"])
     out |= dict(last_bytes=last["bytes_used"], entries=last["entries"], hits=k["hits"])
     out |= {RATIO: last["bytes_used"] / first["bytes_used"], "first_cell": cells[0]}
+    later = [r["shmkv"]["restored_tokens"] / wl.system_tokens[0] for r in cells[1]["requests"][1:]]
+    out |= {RESTORED: min(later, default=0.0), "restored_share": common.summary(later)}
     if o.persist:  # bytes stored on disk, and the payloads written (what whole blobs take)
         out |= {k: last[k] for k in ("persist_records", "persist_bytes", "persisted_bytes")}
         out |= {"first_persist_bytes": first["persist_bytes"]}
@@ -50,21 +58,29 @@ def run_model(model: Path, o: Any, work: Path) -> dict[str, Any]:
 @common.option("--prefix-tokens", type=int, help="Tokens of the prefix [1000; quick 400].")
 @common.option("--workers", default=4, help="shmkv serve's workers (its default).")
 @common.option("--persist", is_flag=True, help="Also --persist to a disk store: its bytes.")
+@common.option("--models", default=",".join(MODELS), help="Which of them, comma-separated.")
 def main(report: common.Report, o: Any) -> None:
     """N completions on one shared prefix: arena bytes after all N over the first's."""
     o.n = o.n or (4 if o.quick else 12)
     o.prefix_tokens = o.prefix_tokens or (400 if o.quick else 1000)
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
         write_tiny_llama(llama := Path(tmp) / "tiny-llama.gguf", **LLAMA)  # type: ignore[arg-type]
-        cells = {m: run_model(p, o, Path(tmp)) for m, p in (("gemma3", o.model), ("llama", llama))}
+        write_tiny_qwen35(qwen35 := Path(tmp) / "tiny-qwen35.gguf", **QWEN35)
+        paths = {"gemma3": o.model, "llama": llama, "qwen35": qwen35}
+        wanted = [m.strip() for m in o.models.split(",") if m.strip()]
+        if unknown := set(wanted) - set(MODELS):
+            raise click.BadParameter(f"{sorted(unknown)}: choose from {', '.join(MODELS)}")
+        cells = {m: run_model(paths[m], o, Path(tmp)) for m in wanted}
     checks = [g for m in cells if o.n == 12 for g in common.check_goals(GOALS[m], {m: cells[m]})]
-    cfg = common.pick(vars(o), "quick n prefix_tokens workers persist") | {"llama": LLAMA}
+    cfg = common.pick(vars(o), "quick n prefix_tokens workers persist models")
+    cfg |= {"llama": LLAMA, "qwen35": QWEN35}
     res = {**report.header(), "config": cfg, "cells": cells, "goals": checks}
     mib, hit = lambda n: f"{n / 2**20:.1f} MiB", lambda c, k="p50": c["ttft"]["ttft_hit"].get(k)  # noqa: E731
-    rows = [["model", "prefix", "first", f"after {o.n}", "ratio", "entries", "hit TTFT", "hits"]]
+    rows = [["model", "prefix", "first", f"after {o.n}", "ratio", "entries", "hit TTFT", "hits",
+             "restored (least)"]]
     rows += [[m, str(c["prefix_tokens"]), mib(c["first_bytes"]), mib(c["last_bytes"]),
-              f"{c[RATIO]:.1f}x", str(c["entries"]), common.fmt_s(hit(c)), f"{c['hits']}/{o.n}"]
-             for m, c in cells.items()]  # fmt: skip
+              f"{c[RATIO]:.1f}x", str(c["entries"]), common.fmt_s(hit(c)), f"{c['hits']}/{o.n}",
+              f"{c[RESTORED] * 100:.0f} %"] for m, c in cells.items()]  # fmt: skip
     click.echo(f"\n{common.title(res, 'shared prefix')}\n{common.grid(rows)}")
     if o.persist:
         rows = [["model", "disk: first", f"after {o.n}", "ratio", "payloads written"]]

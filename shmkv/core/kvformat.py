@@ -23,7 +23,20 @@ A blob (``llama_state_seq_get_data``) starts with ``u32 magic (0xaf143cd8), i32 
 An iSWA model's blob is two parts back to back (the base cache's, then the window's);
 the only way to find where one ends is to parse it, so the parser tries each reading
 (with and without the cell extension, fewer V layers) and keeps the one that covers the
-blob exactly. Recurrent and hybrid states do not parse that way and stay whole.
+blob exactly. A hybrid model's blob (Qwen 3.5, Jamba, ...: ``llama_memory_hybrid``) is its
+attention cache's part, then its recurrent cache's state (``llama_memory_recurrent::
+state_write``), which has no ``n_stream`` and one cell per sequence::
+
+    u32 cell_count
+    cell_count x { i32 pos, u32 n_seq_id, i32 seq_id x n_seq_id }
+    u32 s_trans (0), u32 n_layer
+    per recurrent layer: i32 r_type, u64 r_size_row, cell_count * r_size_row bytes
+    per recurrent layer: i32 s_type, u64 s_size_row, cell_count * s_size_row bytes
+
+That state sums up every token so far: nothing of it is shared between two prefixes, so
+it stays in the skeleton (it is what a hybrid's checkpoint at a position holds beyond the
+attention cells it shares). A recurrent model's blob (Mamba) has no attention part and
+stays whole.
 
 Each part's cells (in blob order) are cut into **groups**: maximal runs of cells with
 consecutive positions inside one aligned range ``[k*C, (k+1)*C)``. A group covering its
@@ -417,6 +430,46 @@ def _read_part(
             yield (cell_count, pos, v_trans, regions[: n_layer + n_v]), ends[n_v]
 
 
+#: most cells a hybrid's recurrent state may declare (one per sequence: llama.cpp's
+#: LLAMA_MAX_SEQ is 256), and most sequence ids a cell may list
+MAX_RECURRENT_CELLS = 256
+
+
+def _recurrent_tail(mv: memoryview, off: int) -> bool:
+    """Whether the bytes from ``off`` to the end of ``mv`` read exactly as a recurrent
+    cache's state (the layout above: cells, ``s_trans`` 0, then pairs of layer blocks)."""
+    n = len(mv)
+    if off + 4 > n:
+        return False
+    (cells,) = struct.unpack_from("<I", mv, off)
+    if not 0 < cells <= MAX_RECURRENT_CELLS:
+        return False
+    p = off + 4
+    for _ in range(cells):
+        if p + 8 > n:
+            return False
+        _, n_seq = struct.unpack_from("<iI", mv, p)
+        if n_seq > MAX_RECURRENT_CELLS:
+            return False
+        p += 8 + 4 * n_seq
+    if p + 8 > n:
+        return False
+    s_trans, n_layer = struct.unpack_from("<II", mv, p)
+    if s_trans != 0 or not 0 < n_layer <= MAX_LAYERS:
+        return False
+    p += 8
+    blocks = 0
+    while p < n:
+        if p + _KHDR.size > n or blocks == 2 * n_layer:
+            return False
+        r_type, row = _KHDR.unpack_from(mv, p)
+        if not 0 <= r_type < MAX_GGML_TYPE or not 0 < row < 1 << 32:
+            return False
+        p += _KHDR.size + cells * row
+        blocks += 1
+    return p == n and blocks > 0 and blocks % 2 == 0
+
+
 def _parse(mv: memoryview) -> list[tuple[int, np.ndarray, int, list[Region]]] | None:
     """The blob's parts (empty streams left out), or None unless one reading of up to
     MAX_PARTS parts covers it exactly."""
@@ -436,6 +489,8 @@ def _parts_from(
         return []
     if depth == MAX_PARTS or (off, depth) in failed:
         return None
+    if depth > 0 and _recurrent_tail(mv, off):  # a hybrid's recurrent state: skeleton
+        return []
     for part, end in _read_part(mv, off, n):
         budget[0] -= 1
         if budget[0] < 0:
@@ -462,7 +517,8 @@ def _groups(pos: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray]:
 
 def plan(blob: BlobBuffer, chunk_tokens: int, *, min_full: int = 1) -> Manifest | None:
     """The blob's manifest (no group data is copied), or None for a blob that stays whole:
-    one that does not parse as KV cache parts (recurrent or hybrid state), n_stream != 1,
+    one that does not parse as KV cache parts (a hybrid's may end in its recurrent state,
+    kept in the skeleton), a recurrent model's, n_stream != 1,
     cells of more than one sequence, a fragmented cache, or fewer than ``min_full`` full
     groups (nothing worth sharing). Each group's data is then :func:`gather`-ed from the
     same blob."""

@@ -5,7 +5,8 @@ arena and nothing else does.
 Blobs come from ``llama_state_seq_get_data`` on the suite's tiny models: LLaMA, Qwen 2,
 Qwen 3 MoE (one KV cache), Gemma 3 with a 32-token window (iSWA: the base cache's part,
 then the window's, whose ring of 256 cells rotates once a prompt passes it: swa_full off,
-32-token batches), and Mamba / Qwen 3.5 (recurrent, hybrid: they stay whole).
+32-token batches), Mamba (recurrent: it stays whole) and Qwen 3.5 (hybrid: its attention
+part splits, its recurrent state stays in the skeleton).
 """
 
 from __future__ import annotations
@@ -201,11 +202,38 @@ def test_one_prefix_two_suffixes_share_full_groups(arch_models, arch, flash):
     assert len(group_keys(first, 64) & group_keys(second, 64)) == len(prefix) // 64
 
 
-@pytest.mark.parametrize("arch", ["mamba", "qwen35"])
-def test_recurrent_and_hybrid_states_stay_whole(arch_models, arch):
-    llm = context(arch_models[arch])
+def test_recurrent_states_stay_whole(arch_models):
+    llm = context(arch_models["mamba"])
     llm.eval(tokens(100, seed=4))
     assert kvformat.split(state(llm), CHUNK, min_full=0) is None
+
+
+def test_a_hybrid_state_splits_its_attention_and_keeps_its_recurrent_state(arch_models):
+    """Qwen 3.5 (delta-net and attention layers): its blob is the attention cache's part,
+    then the recurrent state. The part splits into groups and round-trips; the recurrent
+    state, exactly what llama.cpp's own partial state (``PARTIAL_ONLY``) holds after its
+    magic and seq_id, ends the skeleton. Two prompts on one prefix, each evaluated in a
+    fresh context, share the full groups the prefix covers and nothing else. The blob a
+    byte short, a byte long, or with a transposed recurrent state stays whole."""
+    prefix = tokens(150, seed=1)
+    blobs, recurrent = [], []
+    for seed in (2, 3):
+        llm = context(arch_models["qwen35"])
+        llm.eval(prefix + tokens(40, seed=seed))
+        blobs.append(state(llm))
+        recurrent.append(state(llm, C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)[8:])
+    for blob, tail in zip(blobs, recurrent, strict=True):
+        manifest, _ = roundtrip(blob)
+        assert [p.cell_count for p in manifest.parts] == [len(prefix) + 40]
+        assert manifest.skeleton.endswith(tail)
+        assert kvformat.split(blob[:-1], CHUNK) is None
+        assert kvformat.split(blob + b"\0", CHUNK) is None
+        at = len(blob) - len(tail)
+        (cells,) = struct.unpack_from("<I", blob, at)
+        transposed = bytearray(blob)
+        struct.pack_into("<I", transposed, at + 4 + 8 * cells, 1)  # s_trans
+        assert kvformat.split(bytes(transposed), CHUNK) is None
+    assert len(group_keys(blobs[0]) & group_keys(blobs[1])) == len(prefix) // CHUNK
 
 
 def test_blobs_that_do_not_parse_stay_whole(arch_models):
