@@ -76,8 +76,19 @@ def main(report: common.Report, o: Any) -> None:
     cfg |= {"llama": LLAMA, "qwen35": QWEN35}
     res = {**report.header(), "config": cfg, "cells": cells, "goals": checks}
     mib, hit = lambda n: f"{n / 2**20:.1f} MiB", lambda c, k="p50": c["ttft"]["ttft_hit"].get(k)  # noqa: E731
-    rows = [["model", "prefix", "first", f"after {o.n}", "ratio", "entries", "hit TTFT", "hits",
-             "restored (least)"]]
+    rows = [
+        [
+            "model",
+            "prefix",
+            "first",
+            f"after {o.n}",
+            "ratio",
+            "entries",
+            "hit TTFT",
+            "hits",
+            "restored (least)",
+        ]
+    ]
     rows += [[m, str(c["prefix_tokens"]), mib(c["first_bytes"]), mib(c["last_bytes"]),
               f"{c[RATIO]:.1f}x", str(c["entries"]), common.fmt_s(hit(c)), f"{c['hits']}/{o.n}",
               f"{c[RESTORED] * 100:.0f} %"] for m, c in cells.items()]  # fmt: skip
