@@ -140,6 +140,11 @@ class Blob:
         assert self.memfd is not None and self.memfd.mm is not None
         return xxhash.xxh3_64_intdigest(memoryview(self.memfd.mm)[: self.size])
 
+    def view(self) -> memoryview:
+        """The payload's bytes, read in place (release the view before :meth:`close`)."""
+        assert self.memfd is not None and self.memfd.mm is not None
+        return memoryview(self.memfd.mm)[: self.size]
+
     def close(self) -> None:
         """Give the memfd back to its pool (or close it)."""
         if self.memfd is not None:

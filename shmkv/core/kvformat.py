@@ -72,6 +72,8 @@ __all__ = [
     "Grouped",
     "blob_pieces",
     "blob_xxh3_64",
+    "HybridCut",
+    "cut_hybrid",
     "KIND_K",
     "KIND_V",
     "KIND_VT",
@@ -739,3 +741,85 @@ def blob_xxh3_64(manifest: Manifest, groups: Sequence[bytes | bytearray | memory
     for piece in blob_pieces(manifest, groups):
         h.update(piece)
     return h.intdigest()
+
+
+@dataclass(frozen=True)
+class HybridCut:
+    """Where a hybrid's blob of its first ``n_tokens`` tokens comes from in the blob of
+    more tokens (:func:`cut_hybrid`): ``size`` bytes, which :meth:`write` writes. It holds
+    no buffer (a view kept here would pin the blob's mapping)."""
+
+    n_tokens: int
+    cell_count: int
+    meta_at: int
+    stride: int
+    regions: tuple[Region, ...]
+    size: int
+
+    def write(self, blob: BlobBuffer, recurrent: BlobBuffer, out: memoryview) -> None:
+        """Write the cut blob into ``out[:size]`` from the ``blob`` and ``recurrent`` that
+        :func:`cut_hybrid` read: the blob's head, its attention part cut to the first
+        ``n_tokens`` cells (their metadata, K rows, V rows or each transposed V row's first
+        cells), then the recurrent state (one block copy per region)."""
+        if out.nbytes < self.size:
+            raise ValueError(f"out holds {out.nbytes} bytes, the cut needs {self.size}")
+        src = np.frombuffer(blob, dtype=np.uint8)
+        dst = np.frombuffer(out, dtype=np.uint8, count=self.size)
+        n, cc, at = self.n_tokens, self.cell_count, self.meta_at
+        dst[: at - 4] = src[: at - 4]  # magic, seq_id, n_stream
+        dst[at - 4 : at] = np.frombuffer(struct.pack("<I", n), dtype=np.uint8)  # cell_count
+        q = at + n * self.stride
+        dst[at:q] = src[at:q]
+        end = at + cc * self.stride  # (then v_trans, n_layer and each region's header)
+        for r in self.regions:
+            gap = r.offset - end
+            dst[q : q + gap] = src[end : r.offset]
+            q += gap
+            run = n * r.unit
+            if r.nrep == 1:
+                dst[q : q + run] = src[r.offset : r.offset + run]
+            else:
+                rows = src[r.offset : r.offset + r.nrep * cc * r.unit].reshape(r.nrep, -1)
+                dst[q : q + r.nrep * run].reshape(r.nrep, run)[:] = rows[:, :run]
+            q += r.nrep * run
+            end = r.offset + r.nrep * cc * r.unit
+        tail = np.frombuffer(recurrent, dtype=np.uint8)[_BLOB_HEAD.size :]
+        if q + tail.size != self.size:
+            raise ValueError("the recurrent state is not the one this cut was planned with")
+        dst[q:] = tail
+
+
+def cut_hybrid(blob: BlobBuffer, n_tokens: int, recurrent: BlobBuffer) -> HybridCut | None:
+    """How to write the hybrid state of the first ``n_tokens`` tokens of ``blob`` (a
+    hybrid's state of more tokens: one attention part, then its recurrent state), given
+    ``recurrent``: what ``llama_state_seq_get_data_ext`` with
+    ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` gave at ``n_tokens`` (the magic and seq_id,
+    then the recurrent state alone). A prefix's attention cells are the same whatever
+    follows, so the cut is byte for byte the blob llama.cpp itself would have written
+    then. None unless both read as such, the recurrent state is one cell at position
+    ``n_tokens - 1`` and the blob's first ``n_tokens`` cells hold positions 0 to
+    ``n_tokens - 1``."""
+    mv, rv = memoryview(blob).cast("B"), memoryview(recurrent).cast("B")
+    head = _BLOB_HEAD.size
+    if len(rv) <= head or bytes(rv[:head]) != bytes(mv[:head]):
+        return None
+    if not _recurrent_tail(rv, head) or struct.unpack_from("<Ii", rv, head) != (1, n_tokens - 1):
+        return None  # (one cell, the summary of positions up to n_tokens - 1)
+    parsed = _parse(mv)
+    if parsed is None or len(parsed) != 1:
+        return None
+    cell_count, pos, _, regions = parsed[0]
+    last = regions[-1]
+    tail_at = last.offset + last.nrep * cell_count * last.unit
+    if not _recurrent_tail(mv, tail_at):
+        return None  # (an attention model's blob: it is cut back by llama.cpp itself)
+    if not 0 < n_tokens <= cell_count or not np.array_equal(pos[:n_tokens], np.arange(n_tokens)):
+        return None
+    meta_at = head + 8  # after n_stream and cell_count
+    meta = regions[0].offset - _KHDR.size - 8 - meta_at  # (v_trans, n_layer, K's header)
+    if meta <= 0 or meta % cell_count:
+        return None
+    dropped = cell_count - n_tokens
+    size = tail_at - dropped * (meta // cell_count + sum(r.nrep * r.unit for r in regions))
+    size += len(rv) - head
+    return HybridCut(n_tokens, cell_count, meta_at, meta // cell_count, tuple(regions), size)

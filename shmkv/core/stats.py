@@ -130,6 +130,13 @@ class CallStats:
     )
     published: int = gauge("states queued for publishing")
     checkpoint: int = gauge("length of the checkpoint state published mid-prefill (0: none)")
+    checkpoint_seconds: float = field(
+        default=0.0,
+        metadata={
+            "kind": GAUGE,
+            "help": "seconds the prefill spent copying checkpoint states out of the context",
+        },
+    )
     remote: str = field(
         default="",
         metadata={"kind": INFO, "help": "what a fetch from --remote said (empty: none asked)"},
@@ -225,6 +232,11 @@ class WorkerCounters:
     checkpoints: int = counter("checkpoint states published mid-prefill", reported=True)
     boundary_checkpoints: int = counter(
         "of those, checkpoints at a chat's message boundaries (the end of its system message, ...)",
+        reported=True,
+    )
+    recurrent_checkpoints: int = counter(
+        "of those, a hybrid's checkpoints copied as their recurrent state alone and published "
+        "cut from the prompt's state (attention cells shared as chunks)",
         reported=True,
     )
     captures_dropped: int = counter(

@@ -60,7 +60,7 @@ from shmkv.llama.counters import Ledger
 from shmkv.llama.cpu import budget as cpubudget
 from shmkv.llama.cpu.budget import CpuBudget
 from shmkv.llama.fingerprint import model_fingerprint
-from shmkv.llama.publisher import Publisher
+from shmkv.llama.publisher import Checkpoint, Publisher
 from shmkv.llama.restore import Restorer
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,9 @@ class Call:
         self.checkpoint_at = 0
         #: where the prompt's chat messages start (``hint_boundaries``): checkpoints there
         self.boundaries: tuple[int, ...] = ()
+        #: a hybrid's checkpoints taken in this prefill (their recurrent state alone),
+        #: published with the prompt's state, which they are cut from
+        self.recurrent: list[Checkpoint] = []
         #: met a corrupt record: publish a good copy even if one seems cached
         self.republish = False
         #: chunk digests this call claimed: other workers wait for their publish
@@ -375,7 +378,17 @@ class Call:
                 if cpu is not None:  # (the rest keeps this eval's place in line for cores)
                     cpu.after = len(tokens) - p
                 llm.eval(tokens[llm.n_tokens : p])
-                if cache.capture(n_tokens=p, min_new=plan.min_new):
+                t0 = time.perf_counter()
+                if cache.recurrent_checkpoints:  # (published with the prompt's state)
+                    held = cache.capturer.recurrent(cache.chunk_tokens, p)
+                    if held is not None:
+                        self.recurrent.append(held)
+                        cache.ledger.add(recurrent_checkpoints=1)
+                    taken = held is not None
+                else:
+                    taken = cache.capture(n_tokens=p, min_new=plan.min_new)
+                cache.last.checkpoint_seconds += time.perf_counter() - t0
+                if taken:
                     cache.ledger.add(checkpoints=1)
                     if p in self.boundaries:
                         cache.ledger.add(boundary_checkpoints=1)
@@ -410,15 +423,24 @@ class Call:
     def _capture_prompt(self) -> None:
         """Publish the prompt's state (the KV holds exactly the prompt), end our claims."""
         claimed, self.claimed = self.claimed, None
-        queued = self.cache.llm.n_tokens == len(self.tokens) and self._safe_capture(claimed)
+        held, self.recurrent = self.recurrent, []
+        queued = self.cache.llm.n_tokens == len(self.tokens) and self._safe_capture(
+            claimed, checkpoints=held
+        )
         if claimed and not queued:
             self.cache.claims.end(claimed)
 
     def _safe_capture(
-        self, claimed: list[bytes] | None = None, min_new: int = 1, covered: int = 0
+        self,
+        claimed: list[bytes] | None = None,
+        min_new: int = 1,
+        covered: int = 0,
+        checkpoints: Sequence[Checkpoint] = (),
     ) -> bool:
         try:
-            return self.cache.capture(claimed=claimed, min_new=min_new, covered=covered)
+            return self.cache.capture(
+                claimed=claimed, min_new=min_new, covered=covered, checkpoints=checkpoints
+            )
         except Exception as e:
             self.cache.ledger.fail("publish failed", e)
             return False
@@ -460,6 +482,9 @@ class SharedPrefixCache:
         #: ``policy.WHOLE`` for a recurrent or hybrid model: its states are never cut back
         self.n_swa = max(0, int(lc.llama_model_n_swa(llm.model)))
         whole = kvstate.whole_states_only(llm.model)
+        #: a hybrid's checkpoints are its recurrent state alone, cut from the prompt's
+        #: state when that is published (``capture.py``); False: copied whole
+        self.recurrent_checkpoints = whole == "hybrid" and kvstate.can_copy_recurrent()
         if whole:
             self.n_swa = policy.WHOLE
             log.info(
@@ -490,6 +515,7 @@ class SharedPrefixCache:
                 min_tokens=settings.min_tokens,
                 publish=publish,
                 checkpoint_tail=settings.checkpoint_tail,
+                checkpoint_every=self.align if self.recurrent_checkpoints else 0,
             )
         )
         self.ledger = Ledger(log)
@@ -502,6 +528,7 @@ class SharedPrefixCache:
         self.publisher = Publisher(
             settings, self.fingerprint, self.ledger, self._publish_failed, max_pending
         )
+        self.publisher.on_cut_refused = self._cut_refused
         self.last = CallStats()
         #: the current (or last) call
         self.call: Call | None = None
@@ -724,12 +751,38 @@ class SharedPrefixCache:
         claimed: list[bytes] | None = None,
         min_new: int = 1,
         covered: int = 0,
+        checkpoints: Sequence[Checkpoint] = (),
     ) -> bool:
         """Copy the context's current sequence state and queue it for the supervisor, if
-        it adds ``min_new`` tokens to what is cached and to ``covered`` (``capture.py``)."""
+        it adds ``min_new`` tokens to what is cached and to ``covered`` (``capture.py``),
+        with a hybrid's ``checkpoints`` cut from it."""
         return self.capturer.capture(
-            self.chunk_tokens, self.last, self.call, n_tokens, pin, claimed, min_new, covered
+            self.chunk_tokens,
+            self.last,
+            self.call,
+            n_tokens,
+            pin,
+            claimed,
+            min_new,
+            covered,
+            checkpoints,
         )
+
+    def _cut_refused(self) -> None:
+        """On the publisher thread: a hybrid's checkpoint could not be cut from the state
+        it came with (a layout ``kvformat.cut_hybrid`` does not read): from now on this
+        cache's checkpoints are captured whole, as before."""
+        if self.recurrent_checkpoints:
+            self.recurrent_checkpoints = False
+            self._set_rules(checkpoint_every=0)
+            self.ledger.fail(
+                "checkpoint not cut",
+                ShmkvError(
+                    "a hybrid checkpoint could not be cut from the prompt's state (its layout "
+                    "is not the one shmkv reads): checkpoints are now copied whole, which "
+                    "costs a copy of the attention cells per checkpoint; please report it"
+                ),
+            )
 
     def whole_states_only(self) -> None:
         """llama.cpp refused to cut a state back (a model ``kvstate.whole_states_only`` did
@@ -737,9 +790,13 @@ class SharedPrefixCache:
         if self.n_swa == policy.WHOLE:
             return
         self.n_swa = policy.WHOLE
-        self.policy = policy.strategy(replace(self.policy.rules, n_swa=policy.WHOLE))
-        self.restorer.policy = self.capturer.policy = self.policy
+        self._set_rules(n_swa=policy.WHOLE)
         self.chat_boundaries = boundaries.ChatBoundaries(self.llm)
+
+    def _set_rules(self, **changes: Any) -> None:
+        """Plan by the policy's rules with ``changes`` from now on."""
+        self.policy = policy.strategy(replace(self.policy.rules, **changes))
+        self.restorer.policy = self.capturer.policy = self.policy
 
     def _publish_failed(self, err: BaseException, claimed: list[bytes] | None) -> None:
         """On the publisher thread: a put failed."""

@@ -8,11 +8,15 @@ publisher thread (``publisher.py``), never waited for. :class:`Capturer` is give
 it works with (the ``Llama``, the context's state, the policy, the publisher, the
 ledger), never the cache. A state that holds media of unknown content
 (``kvstate.UNKNOWN``, ``media.py``) is never published.
+
+A hybrid model's checkpoint (``Capturer.recurrent``) is its recurrent state alone, a
+small copy: the call holds it until it captures the prompt's state, which the publisher
+cuts it from (``publisher.py``), so the prefill copies no attention cell more than once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import llama_cpp
@@ -23,7 +27,7 @@ from shmkv.core.keys import chain_digests
 from shmkv.core.stats import CallStats
 from shmkv.llama import kvstate, policy
 from shmkv.llama.counters import Ledger
-from shmkv.llama.publisher import Publisher
+from shmkv.llama.publisher import Checkpoint, Publisher
 
 
 class Prompt(Protocol):
@@ -63,6 +67,7 @@ class Capturer:
         claimed: list[bytes] | None = None,
         min_new: int = 1,
         covered: int = 0,
+        checkpoints: Sequence[Checkpoint] = (),
     ) -> bool:
         """Copy the context's current sequence state and queue it for the supervisor.
 
@@ -72,18 +77,15 @@ class Capturer:
         when its completion is captured). The state is published under the key root of
         the tenant whose calls computed it (never, if the context is nobody's).
         ``chunk``: the arena's chunk size (None: not attached); ``last``: the numbers of
-        the current call, ``call`` (if any).
+        the current call, ``call`` (if any); ``checkpoints``: a hybrid's (:meth:`recurrent`)
+        of shorter prefixes, published with it (dropped with it).
         """
         llm = self.llm
         n = llm.n_tokens if n_tokens is None else n_tokens
         root = self.context.root
-        if root is None or not self.policy.may_publish(n, self.context.aligned):
+        tokens = self._publishable(chunk, n)
+        if root is None or chunk is None or tokens is None:
             return False
-        if chunk is None or n < self.policy.rules.min_publish(chunk) or n != llm.n_tokens:
-            return False
-        tokens = np.array(llm.input_ids[:n], dtype=np.int32)
-        if (tokens == kvstate.UNKNOWN).any():
-            return False  # (media of unknown content: its cells must never match text)
         republish = call is not None and call.republish
         if not republish and n - max(covered, self.coverage(tokens, chunk, root, call)) < min_new:
             return False  # (nearly) all of it is cached already
@@ -95,12 +97,35 @@ class Capturer:
             return False
         if blob is None:
             return False  # the KV cache does not hold exactly these tokens
-        if not self.publisher.submit(root, tokens, blob, pin, claimed):
-            self.ledger.add(publish_dropped=1)
+        cuts = [c for c in checkpoints if c[0] < n]
+        if not self.publisher.submit(root, tokens, blob, pin, claimed, cuts):
+            self.ledger.add(publish_dropped=1 + len(cuts))
             return False
-        self.ledger.add(publishes=1)
-        last.published += 1
+        self.ledger.add(publishes=1 + len(cuts))
+        last.published += 1 + len(cuts)
         return True
+
+    def recurrent(self, chunk: int | None, n_tokens: int) -> Checkpoint | None:
+        """A hybrid's checkpoint of the context's ``n_tokens`` tokens: its recurrent state
+        alone (``kvstate.copy_recurrent``), for :meth:`capture` to publish with the state
+        it is cut from; None where :meth:`capture` would publish nothing (the same rules)
+        or llama.cpp gave no such state."""
+        if self.context.root is None or self._publishable(chunk, n_tokens) is None:
+            return None
+        state = kvstate.copy_recurrent(self.llm, n_tokens)
+        return None if state is None else (n_tokens, state)
+
+    def _publishable(self, chunk: int | None, n: int) -> np.ndarray | None:
+        """The context's first ``n`` tokens if a state of them may be published: the policy
+        lets that length go, it is the context's length, and no position holds media of
+        unknown content (its cells must never match text); else None."""
+        llm = self.llm
+        if not self.policy.may_publish(n, self.context.aligned):
+            return None
+        if chunk is None or n < self.policy.rules.min_publish(chunk) or n != llm.n_tokens:
+            return None
+        tokens = np.array(llm.input_ids[:n], dtype=np.int32)
+        return None if (tokens == kvstate.UNKNOWN).any() else tokens
 
     def coverage(
         self, tokens: np.ndarray, chunk: int, root: bytes, call: Prompt | None = None

@@ -20,6 +20,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -394,6 +395,42 @@ def load(
     llm.n_tokens = common
     compat.requires_eval(llm)
     return common
+
+
+def _recurrent_calls() -> tuple[int, Any, Any] | None:
+    """(flag, get_size_ext, get_data_ext) where this llama-cpp-python binds them: optional,
+    not in ``compat.FUNCTIONS`` (a version without them copies a hybrid's checkpoints
+    whole, as before)."""
+    flag = getattr(lc, "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", None)
+    size = getattr(lc, "llama_state_seq_get_size_ext", None)
+    data = getattr(lc, "llama_state_seq_get_data_ext", None)
+    return None if flag is None or size is None or data is None else (flag, size, data)
+
+
+def can_copy_recurrent() -> bool:
+    """Whether :func:`copy_recurrent` can copy anything with this llama-cpp-python."""
+    return _recurrent_calls() is not None
+
+
+def copy_recurrent(llm: llama_cpp.Llama, n_tokens: int) -> bytes | None:
+    """A hybrid's recurrent state alone (``llama_state_seq_get_data_ext`` with
+    ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``: the magic, the seq_id, the recurrent cache's
+    state, no attention cell), a small copy whatever the prompt's length; None unless the
+    KV holds exactly ``n_tokens`` tokens and this llama-cpp-python has the call."""
+    calls = _recurrent_calls()
+    if calls is None:
+        return None
+    flag, get_size, get_data = calls
+    if lc.llama_memory_seq_pos_max(lc.llama_get_memory(llm.ctx), SEQ) + 1 != n_tokens:
+        return None
+    size = int(get_size(llm.ctx, SEQ, flag))
+    if size <= 0:
+        return None
+    buf = bytearray(size)
+    arr = (ctypes.c_uint8 * size).from_buffer(buf)
+    got = get_data(llm.ctx, arr, size, SEQ, flag)
+    del arr
+    return bytes(buf) if got == size else None
 
 
 def copy_out(llm: llama_cpp.Llama, n_tokens: int, writer: Client) -> Blob | None:

@@ -43,6 +43,9 @@ SWA_MAX_PROBES = 256
 SWA_MIN_GAIN = 16
 #: most checkpoints one prefill publishes at chat message boundaries (each is a state capture)
 MAX_BOUNDARY_CHECKPOINTS = 2
+#: most checkpoints one prefill of a hybrid publishes every ``checkpoint_every`` tokens (each
+#: holds a recurrent state in the arena: megabytes on a real model)
+MAX_INTERVAL_CHECKPOINTS = 4
 
 #: the ``n_swa`` of a model whose states cannot be cut back at all: a recurrent layer (Mamba,
 #: a hybrid's delta-net or SSM layers) keeps one summary of every token so far, not one
@@ -163,6 +166,9 @@ class Rules:
     min_tokens: int = 0  #: shortest prompt state worth publishing (at least one chunk)
     publish: bool = True
     checkpoint_tail: int = 0  #: publish a state this many tokens before a new prompt's end
+    #: a hybrid's checkpoints (their recurrent state alone): also every this many tokens
+    #: of a new prompt (n_batch: where its prefill's batches end anyway; 0: none)
+    checkpoint_every: int = 0
 
     def min_publish(self, chunk: int) -> int:
         return max(self.min_tokens, chunk)
@@ -485,6 +491,33 @@ class SlidingWindow(Strategy):
             out.append(b)
         return out
 
+    def interval_checkpoints(
+        self, n_prompt: int, have: int, chunk: int | None, taken: Sequence[int]
+    ) -> list[int]:
+        """A hybrid's checkpoints every ``checkpoint_every`` tokens of the prompt past what
+        this one restored and before its ``checkpoint_tail`` (ascending, at most
+        ``MAX_INTERVAL_CHECKPOINTS``, the first ones:
+        the more prompts share a prefix, the shorter it is), none close to one ``taken``
+        already: a later prompt that parts from this one anywhere restores the one below
+        where it parts, not only at a message boundary, the divergence or the tail."""
+        every = self.rules.checkpoint_every
+        if every <= 0 or chunk is None or not self.rules.publish:
+            return []
+        out: list[int] = []
+        # (none within the tail: the tail checkpoint stands for them, and one a few tokens
+        # before a prompt's end is a copy of that prompt's own state in all but name)
+        end = n_prompt - max(self.rules.checkpoint_tail, SWA_MIN_GAIN)
+        for p in range((have // every + 1) * every, end, every):
+            if len(out) == MAX_INTERVAL_CHECKPOINTS:
+                break
+            if (
+                p >= have + SWA_MIN_GAIN
+                and p >= self.rules.min_publish(chunk)
+                and all(abs(p - t) >= SWA_MIN_GAIN for t in taken)
+            ):
+                out.append(p)
+        return out
+
     def checkpoints(
         self,
         n_prompt: int,
@@ -493,7 +526,8 @@ class SlidingWindow(Strategy):
         chunk: int | None,
         boundaries: Sequence[int] = (),
     ) -> Checkpoints:
-        """The message boundaries worth it, and the divergence or else the tail checkpoint.
+        """The message boundaries worth it, the divergence or else the tail checkpoint,
+        and a hybrid's every ``checkpoint_every`` tokens.
 
         A divergence close to a boundary gives way to it. So does a tail checkpoint that
         lies before the last boundary (or close after it): later prompts that share that
@@ -509,6 +543,7 @@ class SlidingWindow(Strategy):
             if marks and at < marks[-1] + SWA_MIN_GAIN:
                 at = 0
         points = set(marks) | ({at} if reused < at < n_prompt - 1 else set())
+        points |= set(self.interval_checkpoints(n_prompt, reused, chunk, sorted(points)))
         return Checkpoints(sorted(points), min_new=0)
 
 

@@ -4,7 +4,10 @@ Runs inside a worker: one background thread per cache (restarted after a
 fork), fed by a small queue. It owns the cache's writer connection (its own
 socket, so a slow put never holds up a lease on the reader) and the count of
 items still in flight (what ``flush`` waits for), and sends the counters the
-cache's ledger set aside for the supervisor. A full queue drops a state rather
+cache's ledger set aside for the supervisor. A hybrid's checkpoints come with the
+state they are cut from (``kvformat.cut_hybrid``): each is written here, off the token
+path, from that state's attention cells and the checkpoint's own recurrent state, and put
+before it. A full queue drops a state rather
 than block generation. Every ``REPORT_EVERY`` seconds it sends the counters
 again even if nothing changed, so that a restarted supervisor has every live
 worker's totals back within seconds.
@@ -12,6 +15,7 @@ worker's totals back within seconds.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -22,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from shmkv.core import kvformat
 from shmkv.core.client import Blob, Client
 from shmkv.core.config import Settings
 from shmkv.core.errors import ShmkvError
@@ -34,6 +39,10 @@ REPORT_EVERY = 5.0
 
 #: called on the publisher thread when a put failed: (error, the digests it claimed)
 OnFailure = Callable[[BaseException, list[bytes] | None], None]
+
+#: a hybrid's checkpoint held until the state it is cut from is published: its length,
+#: and its recurrent state as ``kvstate.copy_recurrent`` copied it
+Checkpoint = tuple[int, bytes]
 
 
 class Publisher:
@@ -59,6 +68,9 @@ class Publisher:
         #: seconds ``submit`` waits for room in a full queue (0: drop the state, as a
         #: serving worker must not hold a request up; ``shmkv warm`` waits instead)
         self.wait_for_room = 0.0
+        #: called on the publisher thread when a checkpoint could not be cut from its state
+        #: (the cache then captures checkpoints whole)
+        self.on_cut_refused: Callable[[], None] = lambda: None
 
     def submit(
         self,
@@ -67,15 +79,17 @@ class Publisher:
         blob: Blob,
         pin: bool = False,
         claimed: list[bytes] | None = None,
+        cuts: list[Checkpoint] | None = None,
     ) -> bool:
         """Queue ``blob`` (the state of ``tokens``, keyed from ``root``) for the supervisor;
         False (and the blob closed) if the queue is full (after ``wait_for_room``).
-        ``claimed``: digests to unclaim if the put fails."""
+        ``claimed``: digests to unclaim if the put fails; ``cuts``: a hybrid's checkpoints
+        of shorter prefixes of ``tokens``, cut from ``blob`` and put first."""
         self._start()
         try:
             with self._cv:
                 self._pending += 1
-            item = ("put", root, tokens, blob, pin, claimed)
+            item = ("put", root, tokens, blob, pin, claimed, cuts or [])
             if self.wait_for_room > 0:
                 self._queue.put(item, timeout=self.wait_for_room)
             else:
@@ -156,13 +170,40 @@ class Publisher:
         blob: Blob,
         pin: bool,
         claimed: list[bytes] | None,
+        cuts: list[Checkpoint],
     ) -> None:
         try:
+            for n, recurrent in cuts:
+                self._put_cut(root, tokens, blob, n, recurrent)
             self.writer.put_blob(root, tokens, self.fingerprint, blob, pin=pin)
         except Exception as e:  # ShmkvError or a bug: never let the thread die
             self.on_failure(e, claimed)
         finally:
             blob.close()
+
+    def _put_cut(
+        self, root: bytes, tokens: np.ndarray, blob: Blob, n: int, recurrent: bytes
+    ) -> None:
+        """Put the hybrid checkpoint of ``tokens[:n]``: ``blob``'s first ``n`` attention
+        cells and ``recurrent`` (one copy into a memfd; the supervisor finds the full
+        chunks it shares with ``blob`` already stored, or stores them once)."""
+        with blob.view() as whole:
+            cut = kvformat.cut_hybrid(whole, n, recurrent)
+            if cut is None:
+                self.on_cut_refused()
+                return
+
+            def fill(addr: int, size: int) -> None:
+                with memoryview((ctypes.c_uint8 * size).from_address(addr)).cast("B") as out:
+                    cut.write(whole, recurrent, out)
+
+            part = self.writer.prepare(cut.size, fill)
+        try:
+            self.writer.put_blob(root, tokens[:n], self.fingerprint, part)
+        except Exception as e:  # (the state it is cut from is put all the same)
+            self.on_failure(e, None)
+        finally:
+            part.close()
 
     def _send_report(self, force: bool = False) -> None:
         fields = self.ledger.report(force)

@@ -236,6 +236,39 @@ def test_a_hybrid_state_splits_its_attention_and_keeps_its_recurrent_state(arch_
     assert len(group_keys(blobs[0]) & group_keys(blobs[1])) == len(prefix) // CHUNK
 
 
+@pytest.mark.parametrize("flash", [False, True], ids=["fa0", "fa1"])
+def test_a_hybrid_cut_is_the_state_llama_cpp_writes_at_that_length(arch_models, flash):
+    """A context evaluates n tokens, copies its recurrent state alone (PARTIAL_ONLY), goes
+    on to a longer prompt and copies its whole state; the cut of that state to n tokens
+    with that recurrent state is byte for byte the state another context has after
+    evaluating the same n tokens the same way. Nothing else is cut: an attention model's
+    blob, a recurrent state cut short, with another head than the blob or of another position,
+    more cells than the blob has."""
+    prompt = tokens(230, seed=9)
+    n = 137  # (inside a group: the cut ends in a partial one)
+    a, ref = context(arch_models["qwen35"], flash), context(arch_models["qwen35"], flash)
+    a.eval(prompt[:n])
+    recurrent = state(a, C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+    a.eval(prompt[n:])
+    whole = state(a)
+    ref.eval(prompt[:n])
+    want = state(ref)
+    cut = kvformat.cut_hybrid(whole, n, recurrent)
+    assert cut is not None and cut.size == len(want)
+    out = bytearray(cut.size)
+    cut.write(whole, recurrent, memoryview(out))
+    assert bytes(out) == want
+    roundtrip(bytes(out))
+    llama = context(arch_models["llama"])
+    llama.eval(prompt)
+    assert kvformat.cut_hybrid(state(llama), n, recurrent) is None
+    assert kvformat.cut_hybrid(whole, len(prompt) + 1, recurrent) is None
+    assert kvformat.cut_hybrid(whole, n, recurrent[:-1]) is None
+    assert kvformat.cut_hybrid(whole, n, b"\0" * 8 + recurrent[8:]) is None  # (magic)
+    later = state(a, C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)  # (its one cell: position 229)
+    assert len(later) == len(recurrent) and kvformat.cut_hybrid(whole, n, later) is None
+
+
 def test_blobs_that_do_not_parse_stay_whole(arch_models):
     """A blob cut short, with a byte more, or with a cell of two sequences is not split
     (a wrong reading would only cost a miss, but there is none to make)."""

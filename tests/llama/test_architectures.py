@@ -13,10 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import llama_cpp
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shmkv.core.arena import common_prefix
+from shmkv.llama import policy
 from tests.support import tinymodel
 from tests.support.llama_workers import KW, SYSTEM, completion, run_worker, texts
 from tests.support.servers import EXTRA, N_CTX, SAMPLING, Server
@@ -98,6 +101,59 @@ def test_chat_system_message_restored_whole(supervisor, arch_models, arch):
         assert r["totals"]["restore_failures"] == 0 and not r["totals"]["errors"]
 
 
+def test_hybrid_checkpoints_share_the_prompts_attention_cells(supervisor, arch_models):
+    """Qwen 3.5: a chat checkpoints where its system message ends and every n_batch tokens
+    before, each by copying the recurrent state alone (no attention cell); each checkpoint
+    is published cut from the prompt's state, and all are chunked records that hold the
+    system message's full chunks once. A second chat restores exactly the system message;
+    a third, whose system message parts from it two thirds in, the checkpoint below where
+    it parts. Every text equals a cold run's."""
+    model = arch_models["qwen35"]
+    system = {"role": "system", "content": SYSTEM}
+    other = {"role": "system", "content": SYSTEM[: len(SYSTEM) * 2 // 3] + " Cats never sit."}
+    jobs = [
+        [{"kind": "chat", "messages": [sys_, user(a)], "max_tokens": 16}]
+        for sys_, a in (
+            (system, "Why does the cat sit?"),
+            (system, "Who sits on mat 2?"),
+            (other, "Who sits on mat 2?"),
+        )
+    ]
+    cold = run_worker(None, model, sum(jobs, []), mode="cold")
+    a = run_worker(supervisor, model, jobs[0])
+    s = supervisor.stats()
+    b, c = (run_worker(supervisor, model, j) for j in jobs[1:])
+    assert texts(a) + texts(b) + texts(c) == texts(cold)
+    vocab = llama_cpp.Llama(model, vocab_only=True, verbose=False)
+
+    def chatml(text: str) -> list[int]:
+        return vocab.tokenize(text.encode(), add_bos=True, special=True)
+
+    n_sys = len(chatml(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>"))
+    every = 512  # (n_batch, llama-cpp-python's default)
+    want = [p for p in range(every, n_sys - policy.SWA_MIN_GAIN, every)] + [n_sys]
+    first, second, third = (r["results"][0]["last"] for r in (a, b, c))
+    assert first["checkpoints"] == want
+    assert a["totals"]["recurrent_checkpoints"] == len(want)
+    assert a["totals"]["publishes"] == len(want) + 1
+    assert s["entries"] == s["chunked_puts"] == len(want) + 1
+    ct = s["chunk_tokens"]
+    assert s["chunks"] == first["prompt_tokens"] // ct
+    # each checkpoint holds its full chunks by reference: f16 K and V of the one attention
+    # layer's 4 heads of 16, per token
+    per_chunk = ct * 2 * 4 * 16 * 2
+    assert s["chunk_bytes_shared"] == sum(p // ct for p in want) * per_chunk
+    assert second["tokens_restored"] == n_sys
+    parts = common_prefix(
+        np.array(chatml(f"<|im_start|>system\n{SYSTEM}")),
+        np.array(chatml(f"<|im_start|>system\n{other['content']}")),
+    )
+    assert every < parts < 2 * every
+    assert third["tokens_restored"] == every
+    for r in (a, b, c):
+        assert r["totals"]["restore_failures"] == 0 and not r["totals"]["errors"]
+
+
 def test_a_refused_cut_switches_the_worker_to_whole_states(
     supervisor, arch_models, monkeypatch, caplog
 ):
@@ -173,3 +229,31 @@ def test_whole_states_are_never_cut(n_state, keep, pos_min):
     whole = policy.strategy(policy.Rules(n_swa=policy.WHOLE, checkpoint_tail=64))
     assert whole.wants_boundaries
     assert whole.checkpoints(2000, 0, 0, 64, [1000]).points == [1000, 1936]
+
+
+@given(
+    n=st.integers(0, 5000),
+    have=st.integers(0, 5000),
+    every=st.sampled_from([0, 64, 100, 512]),
+    taken=st.lists(st.integers(0, 5000), max_size=3),
+    tail=st.sampled_from([0, 64]),
+)
+def test_interval_checkpoints_are_bounded(n, have, every, taken, tail):
+    """A hybrid's checkpoints every ``checkpoint_every`` tokens: multiples of it past
+    what was restored (by a worthwhile gain) and before the prompt's tail, at most
+    MAX_INTERVAL_CHECKPOINTS of them, the first ones, none close to one taken already;
+    none at all without the setting."""
+    rules = policy.Rules(n_swa=policy.WHOLE, checkpoint_every=every, checkpoint_tail=tail)
+    got = policy.strategy(rules).interval_checkpoints(n, have, 64, taken)
+    assert got == sorted(set(got)) and len(got) <= policy.MAX_INTERVAL_CHECKPOINTS
+    if not every:
+        assert got == []
+        return
+    want = [
+        p
+        for p in range(every, n - max(tail, policy.SWA_MIN_GAIN), every)
+        if p >= have + policy.SWA_MIN_GAIN
+        and p >= 64
+        and all(abs(p - t) >= policy.SWA_MIN_GAIN for t in taken)
+    ]
+    assert got == want[: policy.MAX_INTERVAL_CHECKPOINTS]
