@@ -491,8 +491,6 @@ def _parts_from(
         return []
     if depth == MAX_PARTS or (off, depth) in failed:
         return None
-    if depth > 0 and _recurrent_tail(mv, off):  # a hybrid's recurrent state: skeleton
-        return []
     for part, end in _read_part(mv, off, n):
         budget[0] -= 1
         if budget[0] < 0:
@@ -500,6 +498,8 @@ def _parts_from(
         tail = _parts_from(mv, end, depth + 1, budget, failed)
         if tail is not None:
             return tail if part is None else [part, *tail]
+    if depth > 0 and _recurrent_tail(mv, off):  # a hybrid's recurrent state: skeleton
+        return []
     failed.add((off, depth))
     return None
 
