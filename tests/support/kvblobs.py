@@ -5,7 +5,8 @@ A blob here is what ``llama_state_seq_get_data`` writes for one KV cache (see
 sequence 0, then per layer the K rows and per layer the V rows (f16, not transposed).
 Each cell's rows are a pure function of the token ids up to it, as a causal model's KV
 is: two prompts that share a prefix share its rows byte for byte, and so the full
-token groups of that prefix (``kvformat.split``).
+token groups of that prefix (``kvformat.split``). A hybrid's blob (``hybrid_state``) adds
+a recurrent cache's state after it: one cell, a summary of every token (never shared).
 """
 
 from __future__ import annotations
@@ -45,4 +46,20 @@ def kv_state(tokens: np.ndarray, n_layer: int = 2, row: int = 256, salt: bytes =
         for layer in range(n_layer):
             out += struct.pack("<iQ", F16, row)
             out += rows[:, kind * n_layer + layer].tobytes()
+    return bytes(out)
+
+
+def hybrid_state(tokens: np.ndarray, n_recurrent: int = 3, salt: bytes = b"") -> bytes:
+    """A hybrid model's state blob: :func:`kv_state`'s attention part, then a recurrent
+    cache's state (``llama_memory_recurrent::state_write``: one cell at the last position,
+    ``s_trans`` 0, an r and an s block of f32 rows per recurrent layer), its bytes a pure
+    function of all the tokens."""
+    n = len(tokens)
+    summary = prefix_rows(tokens, 64, salt + b"recurrent")[-1]
+    out = bytearray(kv_state(tokens, salt=salt))
+    out += struct.pack("<IiI", 1, n - 1, 0)  # one cell: its position, no sequence ids
+    out += struct.pack("<II", 0, n_recurrent + 1)  # s_trans 0; the attention layer has none
+    for size in (1536, 4096):  # r (conv) rows, then s (ssm) rows
+        for _ in range(n_recurrent):
+            out += struct.pack("<iQ", 0, size) + np.resize(summary, size).tobytes()
     return bytes(out)

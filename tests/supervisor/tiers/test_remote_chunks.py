@@ -19,7 +19,7 @@ from shmkv.core import kvformat
 from shmkv.core.keys import remote_id
 from shmkv.supervisor.tiers.redis import layout as fmt
 from tests.support.blobs import Blob, blob
-from tests.support.kvblobs import kv_state
+from tests.support.kvblobs import hybrid_state, kv_state
 from tests.support.redis import (
     NO_REDIS,
     REDIS,
@@ -108,6 +108,29 @@ def test_node_b_fetches_only_the_chunks_its_arena_lacks(make_supervisor, redis_s
     assert sent_by(r) - before < len(two.data) - shared * CHUNK * 1024 + (256 << 10)
     # and B's arena shares those groups between the two records as a local put would
     assert b.stats()["chunk_bytes_shared"] >= shared * CHUNK * 1024, b.stats()
+    no_internal_errors(a, b)
+
+
+def test_a_hybrids_states_share_their_attention_chunks_across_nodes(make_supervisor, redis_server):
+    """A hybrid's states (attention cells, then a recurrent state): node A's two
+    conversations on the system prompt send its chunks to Redis once; node B fetches
+    both byte for byte, the second's shared chunks from its own arena, each with its own
+    recurrent state."""
+    args = ("--size", "64M", "--remote", redis_server.url)
+    a, b = make_supervisor(*args), make_supervisor(*args)
+    one, two = (
+        Blob(ROOT, c.tokens, hybrid_state(c.tokens)) for c in (conversation(1), conversation(2))
+    )
+    names = [chunk_names(x) for x in (one, two)]
+    shared = len(set(names[0]) & set(names[1]))
+    assert shared == len(PREFIX) // CHUNK
+    put_written(a, one, two)
+    st = a.stats()
+    assert st["chunked_puts"] == 2 and st["remote_chunks_sent"] == len(set(names[0] + names[1]))
+    wait_until(lambda: b.stats()["remote_on"], 10, "node B to reach Redis")
+    assert fetch_blob(b, one) == ("fetched", one.data)
+    assert fetch_blob(b, two) == ("fetched", two.data)
+    assert b.stats()["remote_chunks_local"] == shared
     no_internal_errors(a, b)
 
 
