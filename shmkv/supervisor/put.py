@@ -71,6 +71,10 @@ log = logging.getLogger("shmkv.supervisor.store")
 #: a look at the put's deadline
 COPY_PIECE = 8 << 20
 
+#: new chunks' bytes a put writes between two looks at its deadline (gathered together:
+#: each region of the staged payload read once for all of them)
+WRITE_BATCH = 64 << 20
+
 #: payload bytes the puts in progress may hold staged at once (a larger payload is staged
 #: alone): two or three states of a small model, one of a large one
 STAGE_BUDGET = 64 << 20
@@ -455,6 +459,18 @@ class PutJob:
         scratch = np.empty(0 if grouped else max(layout.group_sizes), dtype=np.uint8)
         planned: dict[ChunkKey, Chunk] = {}
         inline: list[int] = []
+        full_groups = [i for i, full in enumerate(layout.group_full) if full]
+        hashed: dict[int, bytes] = {}
+        if grouped is None:  # (region by region: see kvformat.group_digests)
+            assert self.staged is not None
+            hashed = dict(
+                zip(
+                    full_groups,
+                    kvformat.group_digests(layout, self.staged, full_groups),
+                    strict=True,
+                )
+            )
+            store.counters.chunk_bytes_copied += sum(layout.group_sizes[i] for i in full_groups)
         for i, (size, full, sig) in enumerate(
             zip(layout.group_sizes, layout.group_full, layout.group_sigs, strict=True)
         ):
@@ -462,14 +478,20 @@ class PutJob:
                 self.refs.append(None)
                 inline.append(size)
                 continue
-            data = self._group(i, scratch)
-            digest = chunk_digest(data)
+            data: memoryview | None = None
+            if grouped is not None:
+                data = self._group(i, scratch)
+                digest = chunk_digest(data)
+            else:
+                digest = hashed[i]
             if known is not None and known[i] is not None and known[i] != digest:
                 raise ChecksumMismatch(CHUNK_MISMATCH)
             key = (self.publisher, bytes(sig), digest)
             c = planned.get(key)
             if c is None:
-                c = store.chunks.find(key, data)
+                if data is None and store.chunks.where(key) is not None:
+                    data = self._group(i, scratch)  # (one stored under it: compare bytes)
+                c = None if data is None else store.chunks.find(key, data)
                 if c is None:
                     c = Chunk(key, -1, 0, size, chunk_extent(size))
                     self.new.append(c)
@@ -548,19 +570,35 @@ class PutJob:
         assert self.offset is not None
         assert self.staged is not None or self.grouped is not None
         while self.written < len(self.new):
-            c, i = self.new[self.written], self.new_groups[self.written]
-            assert self.layout is not None
-            if not store.pages.allocate(c.offset, c.extent):
-                store.counters.shm_full_puts += 1
-                raise ArenaFullError(SHM_FULL)
-            dest = store.arena.chunk_data(c.offset, c.length)
+            # a batch of new chunks (about WRITE_BATCH bytes), gathered region by region
+            # from a staged payload (``kvformat.gather_into``), each copied from a tier's
+            # buffer; then their headers
+            batch: list[tuple[Chunk, int]] = []
+            size = 0
+            for c, i in zip(self.new[self.written :], self.new_groups[self.written :], strict=True):
+                if batch and (size + c.length > WRITE_BATCH or self.grouped is not None):
+                    break
+                batch.append((c, i))
+                size += c.length
+            for c, _ in batch:
+                if not store.pages.allocate(c.offset, c.extent):
+                    store.counters.shm_full_puts += 1
+                    raise ArenaFullError(SHM_FULL)
+            dests = [(i, store.arena.chunk_data(c.offset, c.length)) for c, i in batch]
             try:
-                self._copy_group(i, dest)
+                if self.grouped is not None:
+                    for i, dest in dests:
+                        self._copy_group(i, dest)
+                else:
+                    assert self.layout is not None and self.staged is not None
+                    kvformat.gather_into(self.layout, self.staged, dests)
             finally:
-                dest.release()
-            store.counters.chunk_bytes_copied += c.length
-            store.arena.write_chunk_header(c.offset, c.gen, c.length, c.key[2], self.publisher)
-            self.written += 1
+                for _, dest in dests:
+                    dest.release()
+            for c, _ in batch:
+                store.counters.chunk_bytes_copied += c.length
+                store.arena.write_chunk_header(c.offset, c.gen, c.length, c.key[2], self.publisher)
+            self.written += len(batch)
             if time.monotonic() >= deadline:
                 return False
         view = store.arena.payload(

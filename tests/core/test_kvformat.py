@@ -123,6 +123,16 @@ def roundtrip(blob: bytes, chunk: int = CHUNK) -> tuple[kvformat.Manifest, list[
     assert [len(g) for g in groups] == manifest.group_sizes
     assert manifest.blob_len == len(blob)
     assert len(manifest.skeleton) + sum(manifest.group_sizes) == len(blob)
+    # region by region, for any set of groups: each group's data and its XXH3-128 as
+    # gathered one group at a time
+    every = list(range(len(groups)))
+    for some in (every, every[::-2]):
+        assert kvformat.group_digests(manifest, blob, some) == [
+            xxhash.xxh3_128_digest(groups[i]) for i in some
+        ]
+        outs = [(i, memoryview(bytearray(manifest.group_sizes[i]))) for i in some]
+        kvformat.gather_into(manifest, blob, outs)
+        assert all(bytes(out) == bytes(groups[i]) for i, out in outs)
     for m in (manifest, kvformat.Manifest.unpack(manifest.pack())):
         out = bytearray(len(blob) + 7)
         kvformat.assemble(m, [bytes(g) for g in groups], memoryview(out))
