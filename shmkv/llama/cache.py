@@ -483,8 +483,11 @@ class SharedPrefixCache:
         self.n_swa = max(0, int(lc.llama_model_n_swa(llm.model)))
         whole = kvstate.whole_states_only(llm.model)
         #: a hybrid's checkpoints are its recurrent state alone, cut from the prompt's
-        #: state when that is published (``capture.py``); False: copied whole
-        self.recurrent_checkpoints = whole == "hybrid" and kvstate.can_copy_recurrent()
+        #: state when that is published (``capture.py``); False: copied whole (so in exact
+        #: mode, which publishes no state of a whole prompt to cut them from)
+        self.recurrent_checkpoints = (
+            whole == "hybrid" and not settings.exact and kvstate.can_copy_recurrent()
+        )
         if whole:
             self.n_swa = policy.WHOLE
             log.info(

@@ -154,6 +154,23 @@ def test_hybrid_checkpoints_share_the_prompts_attention_cells(supervisor, arch_m
         assert r["totals"]["restore_failures"] == 0 and not r["totals"]["errors"]
 
 
+def test_exact_mode_copies_a_hybrids_checkpoints_whole(supervisor, arch_models):
+    """``--exact`` on Qwen 3.5: its checkpoints are whole batches' states and no state of
+    the whole prompt is published, so there is nothing to cut them from: each is copied
+    whole, as before, and published (none held back and dropped). A second prompt on the
+    same prefix restores the last of them; both texts equal cold runs'."""
+    model = arch_models["qwen35"]
+    jobs = [[completion(SYSTEM + q)] for q in QUESTIONS[:2]]
+    cold = run_worker(None, model, sum(jobs, []), mode="cold")
+    env = {"SHMKV_EXACT": "true"}
+    a, b = (run_worker(supervisor, model, j, env=env) for j in jobs)
+    assert texts(a) + texts(b) == texts(cold)
+    first = a["results"][0]["last"]
+    assert first["checkpoints"] and a["totals"]["recurrent_checkpoints"] == 0
+    assert a["totals"]["publishes"] == a["totals"]["checkpoints"] == len(first["checkpoints"])
+    assert b["results"][0]["last"]["tokens_restored"] == first["checkpoints"][-1]
+
+
 def test_a_refused_cut_switches_the_worker_to_whole_states(
     supervisor, arch_models, monkeypatch, caplog
 ):
