@@ -74,7 +74,9 @@ __all__ = [
     "Grouped",
     "blob_pieces",
     "blob_xxh3_64",
+    "HybridLayout",
     "HybridCut",
+    "hybrid_layout",
     "cut_hybrid",
     "KIND_K",
     "KIND_V",
@@ -557,20 +559,7 @@ def plan(blob: BlobBuffer, chunk_tokens: int, *, min_full: int = 1) -> Manifest 
 def gather(manifest: Manifest, blob: BlobBuffer, i: int, out: memoryview) -> None:
     """Write group ``i``'s data (``manifest.group_sizes[i]`` bytes) from ``blob`` into ``out``:
     one block copy per region (a transposed V region is one strided numpy copy)."""
-    part, a, n = manifest.spans[i]
-    src = np.frombuffer(blob, dtype=np.uint8)
-    data = np.frombuffer(out, dtype=np.uint8, count=manifest.group_sizes[i])
-    cc = part.cell_count
-    q = 0
-    for r in part.regions:
-        if r.nrep == 1:
-            data[q : q + n * r.unit] = src[r.offset + a * r.unit : r.offset + (a + n) * r.unit]
-        else:
-            block = src[r.offset : r.offset + r.nrep * cc * r.unit].reshape(r.nrep, -1)
-            data[q : q + r.nrep * n * r.unit].reshape(r.nrep, -1)[:] = block[
-                :, a * r.unit : (a + n) * r.unit
-            ]
-        q += r.nrep * n * r.unit
+    gather_into(manifest, blob, [(i, out)])
 
 
 def _by_region(
@@ -579,20 +568,16 @@ def _by_region(
     """Each region of the parts ``groups`` belong to, in blob order, with its part's cell
     count and, for each of those groups of that part: (index, first cell, cells, where
     the region's rows start in the group's data)."""
-    wanted = set(groups)
-    gi = 0
+    mine: dict[int, list[tuple[int, int, int]]] = {}
+    for i in groups:
+        part, a, n = manifest.spans[i]
+        mine.setdefault(id(part), []).append((i, a, n))
     for part in manifest.parts:
-        mine = [
-            (i, a, n)
-            for i, (_, a, n) in enumerate(manifest.spans[gi : gi + len(part.group_cells)], gi)
-            if i in wanted
-        ]
-        gi += len(part.group_cells)
-        if not mine:
+        if (spans := mine.get(id(part))) is None:
             continue
         before = 0
         for r in part.regions:
-            yield r, part.cell_count, [(i, a, n, n * before) for i, a, n in mine]
+            yield r, part.cell_count, [(i, a, n, n * before) for i, a, n in spans]
             before += r.nrep * r.unit
 
 
@@ -813,34 +798,68 @@ def blob_xxh3_64(manifest: Manifest, groups: Sequence[bytes | bytearray | memory
 
 
 @dataclass(frozen=True)
-class HybridCut:
-    """Where a hybrid's blob of its first ``n_tokens`` tokens comes from in the blob of
-    more tokens (:func:`cut_hybrid`): ``size`` bytes, which :meth:`write` writes. It holds
-    no buffer (a view kept here would pin the blob's mapping)."""
+class HybridLayout:
+    """Where a hybrid's blob keeps what a cut of it needs (:func:`hybrid_layout`): its one
+    attention part's cells, their metadata and regions, and where its recurrent state
+    starts. It holds no buffer (a view kept here would pin the blob's mapping)."""
 
-    n_tokens: int
+    head: bytes  #: magic and seq_id: a recurrent state of the same sequence has the same
     cell_count: int
-    meta_at: int
-    stride: int
+    positions: np.ndarray
+    meta_at: int  #: the cells' metadata, after magic, seq_id, n_stream and cell_count
+    stride: int  #: metadata bytes per cell
     regions: tuple[Region, ...]
+    tail_at: int  #: where the recurrent state starts
+
+    def cut(self, n_tokens: int, recurrent: BlobBuffer) -> HybridCut | None:
+        """How to write the state of the first ``n_tokens`` tokens, given ``recurrent``:
+        what ``llama_state_seq_get_data_ext`` with ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``
+        gave at ``n_tokens`` (the magic and seq_id, then the recurrent state alone). A
+        prefix's attention cells are the same whatever follows, so the cut is byte for byte
+        the blob llama.cpp itself would have written then. None unless the recurrent state
+        reads as such (of the blob's sequence), is one cell at position ``n_tokens - 1``,
+        and the first ``n_tokens`` cells hold positions 0 to ``n_tokens - 1``."""
+        rv, head = memoryview(recurrent).cast("B"), _BLOB_HEAD.size
+        if len(rv) <= head or bytes(rv[:head]) != self.head or not _recurrent_tail(rv, head):
+            return None
+        if struct.unpack_from("<Ii", rv, head) != (1, n_tokens - 1):
+            return None  # (one cell, the summary of positions up to n_tokens - 1)
+        if not 0 < n_tokens <= self.cell_count or not np.array_equal(
+            self.positions[:n_tokens], np.arange(n_tokens)
+        ):
+            return None
+        dropped = self.cell_count - n_tokens
+        per_cell = self.stride + sum(r.nrep * r.unit for r in self.regions)
+        return HybridCut(self, n_tokens, self.tail_at - dropped * per_cell + len(rv) - head)
+
+
+@dataclass(frozen=True)
+class HybridCut:
+    """A hybrid's blob of its first ``n_tokens`` tokens, to be made from the blob of more
+    tokens its ``layout`` reads and that checkpoint's recurrent state
+    (:meth:`HybridLayout.cut`): ``size`` bytes, which :meth:`write` writes."""
+
+    layout: HybridLayout
+    n_tokens: int
     size: int
 
     def write(self, blob: BlobBuffer, recurrent: BlobBuffer, out: memoryview) -> None:
-        """Write the cut blob into ``out[:size]`` from the ``blob`` and ``recurrent`` that
-        :func:`cut_hybrid` read: the blob's head, its attention part cut to the first
+        """Write the cut blob into ``out[:size]`` from the ``blob`` and ``recurrent`` it
+        was planned with: the blob's head, its attention part cut to the first
         ``n_tokens`` cells (their metadata, K rows, V rows or each transposed V row's first
         cells), then the recurrent state (one block copy per region)."""
         if out.nbytes < self.size:
             raise ValueError(f"out holds {out.nbytes} bytes, the cut needs {self.size}")
+        lay = self.layout
         src = np.frombuffer(blob, dtype=np.uint8)
         dst = np.frombuffer(out, dtype=np.uint8, count=self.size)
-        n, cc, at = self.n_tokens, self.cell_count, self.meta_at
+        n, cc, at = self.n_tokens, lay.cell_count, lay.meta_at
         dst[: at - 4] = src[: at - 4]  # magic, seq_id, n_stream
         dst[at - 4 : at] = np.frombuffer(struct.pack("<I", n), dtype=np.uint8)  # cell_count
-        q = at + n * self.stride
+        q = at + n * lay.stride
         dst[at:q] = src[at:q]
-        end = at + cc * self.stride  # (then v_trans, n_layer and each region's header)
-        for r in self.regions:
+        end = at + cc * lay.stride  # (then v_trans, n_layer and each region's header)
+        for r in lay.regions:
             gap = r.offset - end
             dst[q : q + gap] = src[end : r.offset]
             q += gap
@@ -858,22 +877,11 @@ class HybridCut:
         dst[q:] = tail
 
 
-def cut_hybrid(blob: BlobBuffer, n_tokens: int, recurrent: BlobBuffer) -> HybridCut | None:
-    """How to write the hybrid state of the first ``n_tokens`` tokens of ``blob`` (a
-    hybrid's state of more tokens: one attention part, then its recurrent state), given
-    ``recurrent``: what ``llama_state_seq_get_data_ext`` with
-    ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` gave at ``n_tokens`` (the magic and seq_id,
-    then the recurrent state alone). A prefix's attention cells are the same whatever
-    follows, so the cut is byte for byte the blob llama.cpp itself would have written
-    then. None unless both read as such, the recurrent state is one cell at position
-    ``n_tokens - 1`` and the blob's first ``n_tokens`` cells hold positions 0 to
-    ``n_tokens - 1``."""
-    mv, rv = memoryview(blob).cast("B"), memoryview(recurrent).cast("B")
-    head = _BLOB_HEAD.size
-    if len(rv) <= head or bytes(rv[:head]) != bytes(mv[:head]):
-        return None
-    if not _recurrent_tail(rv, head) or struct.unpack_from("<Ii", rv, head) != (1, n_tokens - 1):
-        return None  # (one cell, the summary of positions up to n_tokens - 1)
+def hybrid_layout(blob: BlobBuffer) -> HybridLayout | None:
+    """What cuts of ``blob`` need, read once for all of them; None unless it is a hybrid's
+    state: one attention part, then a recurrent state (an attention model's state is cut
+    back by llama.cpp itself)."""
+    mv = memoryview(blob).cast("B")
     parsed = _parse(mv)
     if parsed is None or len(parsed) != 1:
         return None
@@ -881,14 +889,16 @@ def cut_hybrid(blob: BlobBuffer, n_tokens: int, recurrent: BlobBuffer) -> Hybrid
     last = regions[-1]
     tail_at = last.offset + last.nrep * cell_count * last.unit
     if not _recurrent_tail(mv, tail_at):
-        return None  # (an attention model's blob: it is cut back by llama.cpp itself)
-    if not 0 < n_tokens <= cell_count or not np.array_equal(pos[:n_tokens], np.arange(n_tokens)):
         return None
-    meta_at = head + 8  # after n_stream and cell_count
+    meta_at = _BLOB_HEAD.size + 8  # after n_stream and cell_count
     meta = regions[0].offset - _KHDR.size - 8 - meta_at  # (v_trans, n_layer, K's header)
     if meta <= 0 or meta % cell_count:
         return None
-    dropped = cell_count - n_tokens
-    size = tail_at - dropped * (meta // cell_count + sum(r.nrep * r.unit for r in regions))
-    size += len(rv) - head
-    return HybridCut(n_tokens, cell_count, meta_at, meta // cell_count, tuple(regions), size)
+    head = bytes(mv[: _BLOB_HEAD.size])
+    return HybridLayout(head, cell_count, pos, meta_at, meta // cell_count, tuple(regions), tail_at)
+
+
+def cut_hybrid(blob: BlobBuffer, n_tokens: int, recurrent: BlobBuffer) -> HybridCut | None:
+    """:func:`hybrid_layout` of ``blob``, then its :meth:`~HybridLayout.cut` (for one cut)."""
+    layout = hybrid_layout(blob)
+    return None if layout is None else layout.cut(n_tokens, recurrent)

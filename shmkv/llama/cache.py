@@ -773,7 +773,7 @@ class SharedPrefixCache:
 
     def _cut_refused(self) -> None:
         """On the publisher thread: a hybrid's checkpoint could not be cut from the state
-        it came with (a layout ``kvformat.cut_hybrid`` does not read): from now on this
+        it came with (a layout ``kvformat.hybrid_layout`` does not read): from now on this
         cache's checkpoints are captured whole, as before."""
         if self.recurrent_checkpoints:
             self.recurrent_checkpoints = False

@@ -5,7 +5,7 @@ fork), fed by a small queue. It owns the cache's writer connection (its own
 socket, so a slow put never holds up a lease on the reader) and the count of
 items still in flight (what ``flush`` waits for), and sends the counters the
 cache's ledger set aside for the supervisor. A hybrid's checkpoints come with the
-state they are cut from (``kvformat.cut_hybrid``): each is written here, off the token
+state they are cut from (``kvformat.hybrid_layout``): each is written here, off the token
 path, from that state's attention cells and the checkpoint's own recurrent state, and put
 before it. A full queue drops a state rather
 than block generation. Every ``REPORT_EVERY`` seconds it sends the counters
@@ -16,6 +16,7 @@ worker's totals back within seconds.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import queue
@@ -43,6 +44,14 @@ OnFailure = Callable[[BaseException, list[bytes] | None], None]
 #: a hybrid's checkpoint held until the state it is cut from is published: its length,
 #: and its recurrent state as ``kvstate.copy_recurrent`` copied it
 Checkpoint = tuple[int, bytes]
+
+
+def _write_cut(
+    cut: kvformat.HybridCut, blob: memoryview, recurrent: bytes, addr: int, size: int
+) -> None:
+    """``Client.prepare``'s fill for a hybrid checkpoint: ``cut`` written at ``addr``."""
+    with memoryview((ctypes.c_uint8 * size).from_address(addr)).cast("B") as out:
+        cut.write(blob, recurrent, out)
 
 
 class Publisher:
@@ -173,37 +182,37 @@ class Publisher:
         cuts: list[Checkpoint],
     ) -> None:
         try:
-            for n, recurrent in cuts:
-                self._put_cut(root, tokens, blob, n, recurrent)
+            if cuts:
+                self._put_cuts(root, tokens, blob, cuts)
             self.writer.put_blob(root, tokens, self.fingerprint, blob, pin=pin)
         except Exception as e:  # ShmkvError or a bug: never let the thread die
             self.on_failure(e, claimed)
         finally:
             blob.close()
 
-    def _put_cut(
-        self, root: bytes, tokens: np.ndarray, blob: Blob, n: int, recurrent: bytes
+    def _put_cuts(
+        self, root: bytes, tokens: np.ndarray, blob: Blob, cuts: list[Checkpoint]
     ) -> None:
-        """Put the hybrid checkpoint of ``tokens[:n]``: ``blob``'s first ``n`` attention
-        cells and ``recurrent`` (one copy into a memfd; the supervisor finds the full
-        chunks it shares with ``blob`` already stored, or stores them once)."""
+        """Put each hybrid checkpoint of ``tokens[:n]``: ``blob``'s first ``n`` attention
+        cells and its own recurrent state (``blob`` read once, then one copy into a memfd
+        per checkpoint; the supervisor finds the full chunks it shares with ``blob``
+        already stored, or stores them once)."""
         with blob.view() as whole:
-            cut = kvformat.cut_hybrid(whole, n, recurrent)
-            if cut is None:
-                self.on_cut_refused()
-                return
-
-            def fill(addr: int, size: int) -> None:
-                with memoryview((ctypes.c_uint8 * size).from_address(addr)).cast("B") as out:
-                    cut.write(whole, recurrent, out)
-
-            part = self.writer.prepare(cut.size, fill)
-        try:
-            self.writer.put_blob(root, tokens[:n], self.fingerprint, part)
-        except Exception as e:  # (the state it is cut from is put all the same)
-            self.on_failure(e, None)
-        finally:
-            part.close()
+            layout = kvformat.hybrid_layout(whole)
+            for n, recurrent in cuts:
+                cut = None if layout is None else layout.cut(n, recurrent)
+                if cut is None:
+                    self.on_cut_refused()
+                    continue
+                part = self.writer.prepare(
+                    cut.size, functools.partial(_write_cut, cut, whole, recurrent)
+                )
+                try:
+                    self.writer.put_blob(root, tokens[:n], self.fingerprint, part)
+                except Exception as e:  # (the state it is cut from is put all the same)
+                    self.on_failure(e, None)
+                finally:
+                    part.close()
 
     def _send_report(self, force: bool = False) -> None:
         fields = self.ledger.report(force)

@@ -427,14 +427,17 @@ class PutJob:
         self.store.counters.chunk_bytes_copied += len(data)
         return data
 
-    def _copy_group(self, i: int, dest: memoryview) -> None:
-        """Write group ``i``'s data into ``dest`` (a new chunk's place, or the body's)."""
+    def _copy_groups(self, dests: list[tuple[int, memoryview]]) -> None:
+        """Write each ``(group, dest)``'s data into ``dest`` (a new chunk's place, or the
+        body's): from a grouped payload's own buffers, or gathered from the staged payload
+        region by region (``kvformat.gather_into``: each region read once for all)."""
         assert self.layout is not None
         if self.grouped is not None:
-            dest[:] = memoryview(self.grouped.groups[i]).cast("B")
+            for i, dest in dests:
+                dest[:] = memoryview(self.grouped.groups[i]).cast("B")
         else:
             assert self.staged is not None
-            kvformat.gather(self.layout, self.staged, i, dest)
+            kvformat.gather_into(self.layout, self.staged, dests)
 
     # ------------------------------------------------------------------- plan
     def _plan(self) -> None:
@@ -460,17 +463,13 @@ class PutJob:
         planned: dict[ChunkKey, Chunk] = {}
         inline: list[int] = []
         full_groups = [i for i, full in enumerate(layout.group_full) if full]
-        hashed: dict[int, bytes] = {}
-        if grouped is None:  # (region by region: see kvformat.group_digests)
+        if grouped is not None:
+            digests = [chunk_digest(self._group(i, scratch)) for i in full_groups]
+        else:  # (region by region: see kvformat.group_digests)
             assert self.staged is not None
-            hashed = dict(
-                zip(
-                    full_groups,
-                    kvformat.group_digests(layout, self.staged, full_groups),
-                    strict=True,
-                )
-            )
+            digests = kvformat.group_digests(layout, self.staged, full_groups)
             store.counters.chunk_bytes_copied += sum(layout.group_sizes[i] for i in full_groups)
+        hashed = dict(zip(full_groups, digests, strict=True))
         for i, (size, full, sig) in enumerate(
             zip(layout.group_sizes, layout.group_full, layout.group_sigs, strict=True)
         ):
@@ -478,20 +477,14 @@ class PutJob:
                 self.refs.append(None)
                 inline.append(size)
                 continue
-            data: memoryview | None = None
-            if grouped is not None:
-                data = self._group(i, scratch)
-                digest = chunk_digest(data)
-            else:
-                digest = hashed[i]
+            digest = hashed[i]
             if known is not None and known[i] is not None and known[i] != digest:
                 raise ChecksumMismatch(CHUNK_MISMATCH)
             key = (self.publisher, bytes(sig), digest)
             c = planned.get(key)
             if c is None:
-                if data is None and store.chunks.where(key) is not None:
-                    data = self._group(i, scratch)  # (one stored under it: compare bytes)
-                c = None if data is None else store.chunks.find(key, data)
+                if store.chunks.where(key) is not None:  # (one stored under it: compare)
+                    c = store.chunks.find(key, self._group(i, scratch))
                 if c is None:
                     c = Chunk(key, -1, 0, size, chunk_extent(size))
                     self.new.append(c)
@@ -570,13 +563,12 @@ class PutJob:
         assert self.offset is not None
         assert self.staged is not None or self.grouped is not None
         while self.written < len(self.new):
-            # a batch of new chunks (about WRITE_BATCH bytes), gathered region by region
-            # from a staged payload (``kvformat.gather_into``), each copied from a tier's
-            # buffer; then their headers
+            # a batch of new chunks (about WRITE_BATCH bytes) written together, then
+            # their headers
             batch: list[tuple[Chunk, int]] = []
             size = 0
             for c, i in zip(self.new[self.written :], self.new_groups[self.written :], strict=True):
-                if batch and (size + c.length > WRITE_BATCH or self.grouped is not None):
+                if batch and size + c.length > WRITE_BATCH:
                     break
                 batch.append((c, i))
                 size += c.length
@@ -586,12 +578,7 @@ class PutJob:
                     raise ArenaFullError(SHM_FULL)
             dests = [(i, store.arena.chunk_data(c.offset, c.length)) for c, i in batch]
             try:
-                if self.grouped is not None:
-                    for i, dest in dests:
-                        self._copy_group(i, dest)
-                else:
-                    assert self.layout is not None and self.staged is not None
-                    kvformat.gather_into(self.layout, self.staged, dests)
+                self._copy_groups(dests)
             finally:
                 for _, dest in dests:
                     dest.release()
@@ -637,11 +624,15 @@ class PutJob:
         ]
         head = pack_body_head(self.manifest, self.stored_manifest, refs)
         view[: len(head)] = head
-        for i, (c, size, off) in enumerate(
-            zip(self.refs, self.layout.group_sizes, self.inline_offs, strict=True)
-        ):
-            if c is None:
-                self._copy_group(i, view[off : off + size])
+        self._copy_groups(
+            [
+                (i, view[off : off + size])
+                for i, (c, size, off) in enumerate(
+                    zip(self.refs, self.layout.group_sizes, self.inline_offs, strict=True)
+                )
+                if c is None
+            ]
+        )
         self.body_written = self.body_len
 
     # ----------------------------------------------------------------- finish
