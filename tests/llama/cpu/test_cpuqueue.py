@@ -345,23 +345,34 @@ def test_decode_steps_take_no_core_while_a_prefill_gathers(name, tmp_path):
     """While a long prefill batch gathers cores (its record says so, renewed within
     GATHER_STALE), another worker's decode step takes none, though one is free: it gets a
     core only after the gather has ended (without the rule it takes the free core at
-    once, and a stream of decode steps keeps the gathering prefill waiting)."""
+    once, and a stream of decode steps keeps the gathering prefill waiting). A take
+    after a renewal came later than GATHER_STALE (this process descheduled on a loaded
+    machine: the gather is stale, as a stopped gatherer's is) is allowed; one that came
+    while the record was fresh is not."""
     go = tmp_path / "go"
     decode = actor(name, 2, [("ready", 0), ("await", str(go)), ("take", 1), ("give_back", 0)])
     assert decode.stdout is not None and "ready" in decode.stdout.readline()  # (started)
+    renewed: list[float] = []  # (monotonic times just before each renewal: <= its stamp)
     with cpubudget.CpuBudget(SHM, name, 2, wait=60) as b:
         g = b.take(1)  # (one core held, one free)
+        renewed.append(time.monotonic())
         b._queue.gather(2)
         go.touch()
         end = time.monotonic() + 0.5
         while time.monotonic() < end:  # (the gather, renewed as a long one would be)
+            renewed.append(time.monotonic())
             b._queue.gather(2)
             time.sleep(cpuqueue.GATHER_STALE / 5)
         b._queue.run(1)
         ended = time.monotonic()
         b.give_back(g)
     took = events(decode)[0]["t"]
-    assert took >= ended, f"a decode step took a core {ended - took:.3f} s before the gather ended"
+    last = max((t for t in renewed if t <= took), default=renewed[0])
+    stale = took - last >= cpuqueue.GATHER_STALE
+    assert took >= ended or stale, (
+        f"a decode step took a core {ended - took:.3f} s before the gather ended, "
+        f"{took - last:.3f} s after its last renewal"
+    )
 
 
 def test_a_long_batch_lets_a_decode_step_ahead_go_then_takes_every_core(name, tmp_path):
