@@ -13,6 +13,8 @@ import ctypes
 import gc
 import logging
 import math
+import mmap
+import os
 import re
 import shutil
 import tempfile
@@ -42,6 +44,8 @@ MODEL = dict(n_layer=32, n_head=8, head_dim=128, n_embd=256, n_ff=512, n_vocab=5
 KV_PER_TOKEN = 2 * MODEL["n_layer"] * MODEL["n_head"] * MODEL["head_dim"] * 2  # K+V, f16
 ROOT, FP = bench_arena.ROOT, bench_arena.FINGERPRINT
 SMALL_EXTENT = 5 * 1024  # arena bytes an index-filling entry takes (1-4 pages, some deeper)
+#: seconds between the second and third pass of :func:`first_touch`
+TOUCH_PAUSE = 20.0
 FLAT = 1.25  # "flat": the largest load's cost at most this many times the smallest's
 #: what is compared between the smallest and the largest load (per token, or per lookup)
 FLAT_KEYS = ["lookup p99 (µs)", "put per token (µs)", "restore per token (µs)",
@@ -207,11 +211,12 @@ def adopt(workdir: Path, sup: common.Supervisor, args: list[str], digests: list[
 
 
 def cell(workdir: Path, model: Path, floor: common.Floor, factor: int, plan: Any,
-         threads: int, n_ctx: int) -> dict[str, Any]:  # fmt: skip
-    """Everything at one load: ``plan``'s tokens, size and entries times ``factor``."""
+         threads: int, n_ctx: int, keep_pages: bool) -> dict[str, Any]:  # fmt: skip
+    """Everything at one load: ``plan``'s tokens, size and entries times ``factor``
+    (``keep_pages``: the supervisor runs with ``--reserve true``)."""
     n, size, entries = plan.tokens * factor, plan.size * factor, plan.entries * factor
     slots = 1 << (8 * entries - 1).bit_length()  # (half usable: a third to a half used)
-    args = ["--size", str(size), "--index-slots", str(slots)]
+    args = ["--size", str(size), "--index-slots", str(slots), "--reserve", str(keep_pages).lower()]
     rng, name = np.random.default_rng(plan.seed + factor), f"benchscale{uuid.uuid4().hex[:8]}"
     out: dict[str, Any] = dict(factor=factor, tokens=n, arena_bytes=size, entries=entries,
                                index_slots=slots)  # fmt: skip
@@ -436,10 +441,48 @@ def svg_chart(path: Path, cells: dict[str, dict[str, Any]], factors: list[int]) 
     path.write_text("\n".join([*out, "</svg>"]) + "\n")
 
 
+def first_touch(nbytes: int) -> dict[str, Any]:
+    """Write ``nbytes`` of a new /dev/shm file GiB by GiB, three times (a new file each
+    time: the second at once, the third :data:`TOUCH_PAUSE` seconds later), and return each
+    pass's GB/s per GiB. On a KVM guest with free page reporting (virtio-balloon) the first
+    write of guest memory the host does not back costs far more than a write of memory the
+    guest freed a moment ago, and memory freed for some seconds is handed back to the host
+    again: so a put into never-written arena pages pays the host's backing whenever it runs,
+    and the larger the arena, the more of its pages do. The passes show it on the machine
+    the cells run on."""
+    src, passes = np.random.default_rng(0).integers(0, 255, 64 * MIB, dtype=np.uint8), []
+    path = common.SHM / f"shmkv-bench-scale-touch-{uuid.uuid4().hex[:8]}"
+    for pause in (0.0, 0.0, TOUCH_PAUSE):
+        time.sleep(pause)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            with mmap.mmap(fd, nbytes) as mm:
+                a, rates = np.frombuffer(mm, dtype=np.uint8), []
+                for off in range(0, nbytes, 1 << 30):
+                    end, t = min(off + (1 << 30), nbytes), time.perf_counter()
+                    for o in range(off, end, src.size):
+                        a[o : min(o + src.size, end)] = src[: min(src.size, end - o)]
+                    rates.append((end - off) / (time.perf_counter() - t) / 1e9)
+                del a
+        finally:
+            os.close(fd)
+            path.unlink()
+        passes.append(rates)
+        log.info("first touch of %s of /dev/shm: %s GB/s per GiB", fmt(nbytes),
+                 " ".join(f"{r:.2f}" for r in rates))  # fmt: skip
+    return dict(bytes=nbytes, gbps_per_gib=passes)
+
+
 @common.command("scale", quick="Smoke run (64-1,024 tokens, 64 MiB-1 GiB arenas).", threads=2)
 @click.option("--set", "sets", multiple=True, help=f"KEY=VALUE of the plan: {', '.join(PLANS[0])}.")
 @click.option("--factors", default="1,4,16", show_default=True, help="Loads, times the plan.")
 @click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--reserve/--no-reserve", default=True, show_default=True,
+              help="Run each cell's supervisor with --reserve true (its arena's pages "
+              "allocated at start and kept), as on a VM that returns freed memory to its "
+              "host (see first_touch); --no-reserve: puts into a new arena write fresh "
+              "pages.")  # fmt: skip
 def main(report: common.Report, o: Any) -> None:
     """Benchmark how shmkv's costs grow with the load on an 8B model's KV geometry."""
     quick, over = o.quick, dict(kv.split("=", 1) for kv in o.sets)
@@ -459,19 +502,22 @@ def main(report: common.Report, o: Any) -> None:
         log.warning("%s of memory available for a %s arena and %s states: it may swap or fail",
                     fmt(avail), fmt(largest), fmt(state))  # fmt: skip
     load_before, cells = common.loadavg(), {}
+    touch = first_touch(largest + state * 4)
     with tempfile.TemporaryDirectory(prefix="shmkv-bench-scale-") as tmp:
         write_model(model := Path(tmp) / "scale-8b-kv.gguf")
         floors = prefill(model, [plan.tokens * f for f in factors], o.threads, o.seed)
         logging.getLogger("shmkv.core.client").setLevel(logging.ERROR)  # (refused at restarts)
         for f in factors:
             cells[f"{f}x"] = cell(Path(tmp), model, floors[plan.tokens * f], f, plan, o.threads,
-                                  n_ctx)  # fmt: skip
+                                  n_ctx, o.reserve)  # fmt: skip
     figures = {k: values(c) for k, c in cells.items()}
     lo, hi = figures[f"{factors[0]}x"], figures[f"{factors[-1]}x"]
     flat = {k: hi[k] / lo[k] for k in FLAT_KEYS if lo.get(k) and hi.get(k) is not None}
     res = {**report.header("gguf"), "loadavg_before": load_before}
     res["config"] = vars(plan) | dict(factors=factors, model=MODEL, kv_bytes_per_token=KV_PER_TOKEN,
-                                      small_extent=SMALL_EXTENT, flat_bound=FLAT)  # fmt: skip
+                                      small_extent=SMALL_EXTENT, flat_bound=FLAT,
+                                      reserve=o.reserve)  # fmt: skip
+    res["first_touch"] = touch
     res |= {"cells": cells, "figures": figures, "flat": flat}
     where = {"": {f"{k.split(' (')[0]}: largest / smallest load": v for k, v in flat.items()}}
     res["goals"] = common.check_goals(GOALS, where | figures)
@@ -481,6 +527,12 @@ def main(report: common.Report, o: Any) -> None:
     click.echo(f"model: {m['n_layer']} layers, {m['n_head']} KV heads of {m['head_dim']} "
                f"(f16 KV {KV_PER_TOKEN // 1024} KiB a token), n_embd {m['n_embd']}, vocabulary "
                f"{m['n_vocab']}, random weights; {o.threads} threads")  # fmt: skip
+    click.echo(
+        f"supervisors with --reserve {str(o.reserve).lower()}; first touch of "
+        f"{fmt(touch['bytes'])} of /dev/shm before the cells, GB/s per GiB (pass 1; pass 2, "
+        f"at once; pass 3, {TOUCH_PAUSE:g} s later): "
+        + "; ".join(" ".join(f"{r:.2f}" for r in p) for p in touch["gbps_per_gib"])
+    )
     click.echo(table(figures, flat))
     click.echo(common.goal_table(res["goals"]))
     chart = [(f"{k} @{c}", v[k] / 1e6, None) for k in FLAT_KEYS if "µs" in k

@@ -79,6 +79,15 @@ STATE_LIVE, STATE_CLOSED = 1, 2
 # Index slot: seq (seqlock, odd while written), used flag, digest, record offset,
 # record generation, chunk count of this digest.
 _SLOT = struct.Struct("<II16sQQI")
+#: an index slot as a numpy row (``_SLOT``'s fields, padded to SLOT_SIZE)
+SLOT_DTYPE = np.dtype(
+    {
+        "names": ["seq", "used", "digest", "rec_offset", "rec_gen", "n_chunks"],
+        "formats": ["<u4", "<u4", "V16", "<u8", "<u8", "<u4"],
+        "offsets": [0, 4, 8, 24, 32, 40],
+        "itemsize": SLOT_SIZE,
+    }
+)
 _SEQ = struct.Struct("<I")
 
 # Record header: magic, format version, flags, generation, key, root, token count,
@@ -950,23 +959,19 @@ class ArenaWriter:
     def _slot_off(self, i: int) -> int:
         return self.geometry.index_offset + i * SLOT_SIZE
 
-    def used_slots(self) -> tuple[list[Slot], int]:
-        """Every used slot whose write completed, and how many were caught mid-write.
+    def used_slots(self) -> tuple[np.ndarray, int]:
+        """Every used slot whose write completed (a copy, as :data:`SLOT_DTYPE` rows), and
+        how many were caught mid-write.
 
         For adopting an arena a killed supervisor left: a slot whose seqlock word is
         odd was being written when it died, and names nothing reliable.
         """
         g = self.geometry
-        words = np.frombuffer(
-            self.mm, dtype="<u4", count=g.index_slots * SLOT_SIZE // 4, offset=g.index_offset
-        ).reshape(g.index_slots, SLOT_SIZE // 4)
-        used = words[:, 1] != 0
-        torn = used & (words[:, 0] & 1 == 1)
-        out = []
-        for i in np.flatnonzero(used & ~torn).tolist():
-            _seq, _used, digest, roff, rgen, nch = _SLOT.unpack_from(self.mm, self._slot_off(i))
-            out.append(Slot(digest, roff, rgen, nch))
-        del words
+        table = np.frombuffer(self.mm, dtype=SLOT_DTYPE, count=g.index_slots, offset=g.index_offset)
+        used = table["used"] != 0
+        torn = used & (table["seq"] & 1 == 1)
+        out = table[used & ~torn].copy()
+        del table
         return out, int(torn.sum())
 
     def clear_index(self) -> None:

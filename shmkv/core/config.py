@@ -567,6 +567,17 @@ SETTINGS: dict[str, Setting] = {
             "SECONDS",
         ),
         Setting(
+            "adopt_wait",
+            _non_negative_float,
+            0.5,
+            "Seconds a supervisor that adopts the arena a stopped or killed one left checks "
+            "its records before it answers; the rest are checked between requests, newest "
+            "first (a lease asked for one checks it at once), and puts wait until all are "
+            "(0: answer at once).",
+            _SUP,
+            "SECONDS",
+        ),
+        Setting(
             "coalesce_wait",
             _non_negative_float,
             30.0,

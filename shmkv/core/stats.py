@@ -396,6 +396,10 @@ class ArenaCounters:
         "bytes hashed to check the adopted arena's records: whole payloads, and each chunk "
         "once however many records name it"
     )
+    adopt_on_lease: int = counter(
+        "records of that arena checked out of turn, for a lease asked for while the rest "
+        "were still being checked (--adopt-wait)"
+    )
 
 
 @dataclass
@@ -437,6 +441,11 @@ class ArenaGauges:
         "largest free extent, bytes", metric="arena_largest_free_extent_bytes"
     )
     free_extents: int = gauge("free extents (fragmentation)")
+    adopting: int = gauge(
+        "records of an adopted arena still to check (answered meanwhile: puts wait, a "
+        "lease checks its record first)",
+        metric="arena_adopting_records",
+    )
     chunks: int = gauge("chunks stored (token groups that chunked states share)")
     chunk_bytes: int = gauge(
         "bytes of the data region held by chunks, each counted once (in bytes_used)",

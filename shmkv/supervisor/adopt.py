@@ -35,10 +35,10 @@ import logging
 import os
 import stat
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+
+import numpy as np
 
 from shmkv import __version__
 from shmkv.core.arena import (
@@ -228,17 +228,6 @@ def _take(af: ArenaFile, fd: int, old: Geometry) -> Geometry:
     return geometry
 
 
-class Kept(NamedTuple):
-    """A record found intact: its header, content digest, chain digests and chunks."""
-
-    rec: Record
-    content: bytes
-    digests: list[bytes]
-    #: the chunks it names, as found (the first record to name one gives the store its
-    #: :class:`Chunk`)
-    chunks: list[Chunk]
-
-
 @dataclass
 class Adopted:
     """What :func:`rebuild` found: records adopted and dropped, slots caught mid-write."""
@@ -250,6 +239,8 @@ class Adopted:
     seconds: float = 0.0
     #: payload and chunk bytes hashed to check them (each chunk once)
     checked_bytes: int = 0
+    #: records checked out of turn, at a lease's request (:meth:`Adoption.now`)
+    on_lease: int = 0
 
 
 def _valid(
@@ -332,63 +323,156 @@ def _in_range(rec: Record) -> bool:
     return ok
 
 
-def rebuild(store: Store, view: ArenaView) -> Adopted:
-    """Fill the empty ``store`` with the intact records of the adopted arena.
+class Adoption:
+    """Filling the empty ``store`` with the intact records of the adopted arena, a slice at
+    a time (:meth:`step`), so that the supervisor answers long before a large arena is
+    checked (``--adopt-wait``: how long it checks before it answers).
 
-    ``view`` reads the arena as a worker does. The index is rebuilt from the records
-    kept: slots that named damaged records are gone, each chunk digest points at the
-    owner :meth:`IndexOwners.point` chooses, LRU order is the records' age (oldest
-    evicted first: the layout keeps no last use), every entry counts as used at
-    adoption (what ``--ttl`` measures from), and no entry is pinned.
+    ``view`` reads the arena as a worker does. Records are checked newest first (the
+    generation their index slots carry), and one a lease is asked for is checked at once
+    (:meth:`now`). Until every record is checked the index stays as the old supervisor
+    left it: a slot names a record adopted, one still to check (a lease on it checks it
+    first) or one dropped (a lease on it is refused: a miss); puts wait, and nothing is
+    evicted, expired or given back to the tmpfs (``Store.adopting``), so the bytes a
+    record still to check claims stay as they were. Then the index is rebuilt in place
+    from the records kept, a slice at a time (:meth:`_repoint`): slots that named damaged
+    records are gone, each chunk digest points at the owner :meth:`IndexOwners.point`
+    chooses. LRU order is the records' age (oldest evicted first: the layout keeps no last
+    use), every entry counts as used at adoption (what ``--ttl`` measures from), and no
+    entry is pinned. A supervisor killed during an adoption leaves the index as it found
+    it, or rebuilt in part: the next one adopts the same records.
+
+    Two records that claim the same bytes (only damage makes them), or two of one content,
+    keep the first checked (the newer, unless a lease asked for the older first).
     """
-    t0 = time.monotonic()
-    out = Adopted()
-    g = store.geometry
-    slots, out.torn_slots = store.arena.used_slots()
-    named: dict[tuple[int, int], dict[bytes, int]] = defaultdict(dict)
-    for s in slots:
-        named[(s.rec_offset, s.rec_gen)][s.digest] = s.n_chunks
-    kept: list[Kept] = []
-    intact: dict[tuple[int, int], bool] = {}
-    data = data_extents(view.fd, g.data_offset, g.arena_size)
-    for (offset, gen), by_slot in named.items():
-        valid = _valid(view, data, offset, gen, intact, out)
+
+    def __init__(self, store: Store, view: ArenaView) -> None:
+        self.store, self.view, self.t0 = store, view, time.monotonic()
+        self.out = Adopted()
+        g = store.geometry
+        slots, self.out.torn_slots = store.arena.used_slots()
+        # the slots by record, newest first (a record's slots are one run of them)
+        slots = slots[np.lexsort((slots["rec_offset"], -slots["rec_gen"].astype(np.int64)))]
+        self._slots = slots
+        rec = np.stack([slots["rec_offset"], slots["rec_gen"]], axis=1)
+        starts = np.flatnonzero(np.r_[len(rec) > 0, (rec[1:] != rec[:-1]).any(axis=1)])
+        ends = np.r_[starts[1:], len(slots)][: len(starts)]
+        offs, gens = slots["rec_offset"][starts].tolist(), slots["rec_gen"][starts].tolist()
+        #: (offset, gen) -> its run of slots, newest first: the records still to check
+        self.pending: dict[tuple[int, int], tuple[int, int]] = dict(
+            zip(
+                zip(offs, gens, strict=True),
+                zip(starts.tolist(), ends.tolist(), strict=True),
+                strict=True,
+            )
+        )
+        self._chunk_of: dict[bytes, int] = {}
+        self._order = iter(list(self.pending))
+        self.intact: dict[tuple[int, int], bool] = {}
+        #: the chunks adopted, by offset (one a later record names is shared, not re-read)
+        self.chunk_at: dict[int, Chunk] = {}
+        self.data = data_extents(view.fd, g.data_offset, g.arena_size)
+        self.now_used = store.clock()
+        self._pointing: list[tuple[bytes, bool]] | None = None
+        self.done = False
+        store.adopting = True
+
+    @property
+    def remaining(self) -> int:
+        """Records still to check."""
+        return len(self.pending)
+
+    def now(self, offset: int, gen: int) -> None:
+        """A lease is asked for record (offset, gen): check it now if it is still to."""
+        run = self.pending.pop((offset, gen), None)
+        if run is not None:
+            self.out.on_lease += 1
+            self.store.counters.adopt_on_lease += 1
+            self._check(offset, gen, run)
+
+    def cancel(self) -> None:
+        """Check nothing more (``shmkv clear``): the records not yet checked are dropped."""
+        self.out.dropped += len(self.pending)
+        self.pending.clear()
+
+    def step(self, deadline: float) -> bool:
+        """Check records (then point the index) until ``deadline``; True once done."""
+        while self.pending:
+            key = next(self._order)
+            run = self.pending.pop(key, None)
+            if run is not None:
+                self._check(*key, run)
+            if time.monotonic() >= deadline:
+                return False
+        store = self.store
+        if self._pointing is None:
+            self._pointing = self._repoint()
+        while self._pointing:
+            for d, owned in self._pointing[-256:]:
+                if owned and d in store.owners:
+                    if not store.index.point(d, self._chunk_of[d]):
+                        log.warning(
+                            "index probe limit reached; adopted prefix %s not indexed",
+                            d.hex()[:12],
+                        )
+                elif not owned and d not in store.owners:
+                    store.arena.index_del(d)
+            del self._pointing[-256:]
+            if time.monotonic() >= deadline:
+                return False
+        self._finish()
+        return True
+
+    def _repoint(self) -> list[tuple[bytes, bool]]:
+        """What rebuilding the index takes, done last first: (digest, owned) pairs, every
+        digest an adopted record owns (pointed at the owner ``IndexOwners.point`` chooses)
+        after every old slot's digest that none owns (removed). The index is rebuilt in
+        place, so that a supervisor killed meanwhile leaves every adopted record named as
+        before; unless a slot was caught mid-write (its digest is unknown, so it cannot be
+        removed from its probe run): then the index is emptied first."""
+        store = self.store
+        self._chunk_of = {d: k for e in store.entries.values() for k, d in enumerate(e.digests, 1)}
+        if self.out.torn_slots:
+            store.arena.clear_index()
+            stale: list[bytes] = []
+        else:
+            old = dict.fromkeys(map(bytes, self._slots["digest"]))
+            stale = [d for d in old if d not in store.owners]
+        self._slots = self._slots[:0]
+        # (popped from the end: the stale slots go first, so the pointing finds room)
+        return [(d, True) for d in store.owners] + [(d, False) for d in stale]
+
+    def _check(self, offset: int, gen: int, run: tuple[int, int]) -> None:
+        """Adopt record (offset, gen), which the slots ``run`` name, if it passes every
+        check and claims no bytes another adopted one holds."""
+        store, view, out = self.store, self.view, self.out
+        named = self._slots[run[0] : run[1]]
+        by_slot = dict(zip(map(bytes, named["digest"]), named["n_chunks"].tolist(), strict=True))
+        valid = _valid(view, self.data, offset, gen, self.intact, out)
         if valid is None:
             out.dropped += 1
-            continue
-        rec, chunks = valid
-        tokens = view.tokens(rec).tobytes()
-        digests = chain_digests(rec.root, view.tokens(rec), g.chunk_tokens)
+            return
+        rec, found = valid
+        toks = view.tokens(rec)
+        digests = chain_digests(rec.root, toks, store.geometry.chunk_tokens)
         chain = {d: k for k, d in enumerate(digests, 1)}
-        if not digests or digests[-1] != rec.key:
-            out.dropped += 1
-            continue
-        if all(chain.get(d) != k for d, k in by_slot.items()):
-            out.dropped += 1  # only damaged slots name it
-            continue
+        if (
+            not digests
+            or digests[-1] != rec.key
+            or all(chain.get(d) != k for d, k in by_slot.items())
+        ):
+            out.dropped += 1  # (only damaged slots name it)
+            return
         fp = bytes(view.fingerprint(rec))
-        content = content_digest(rec.root, fp, tokens, rec.publisher)
-        kept.append(Kept(rec, content, digests, chunks))
-    kept = _without_overlaps(kept, out)
-    kept = _without_duplicates(kept, out)
-    store.arena.clear_index()
-    # the arena keeps no last use: a record's age says nothing of when it was last used
-    # (a system prompt hit every second may be days old), so each counts as used now:
-    # --ttl runs from the adoption, never from the put (or every record older than
-    # --ttl would go at the first tick after a restart)
-    now = store.clock()
-    chunk_at: dict[int, Chunk] = {}
-    for rec, content, digests, seen in sorted(kept, key=lambda t: (t.rec.created, t.rec.gen)):
+        content = content_digest(rec.root, fp, toks.tobytes(), rec.publisher)
+        if content in store.by_content:
+            out.dropped += 1  # (one record per content, as the store keeps it)
+            return
+        held = self._take(rec, found)
+        if held is None:
+            out.dropped += 1
+            return
         *_, extent = record_layout(rec.n_tokens, rec.fp_len, rec.body_len)
-        store.alloc.reserve(rec.offset, extent)
-        held: list[Chunk] = []
-        for found in seen:  # each chunk once, a reference per record that names it
-            c = chunk_at.setdefault(found.offset, found)
-            if c is found:
-                store.alloc.reserve(c.offset, c.extent)
-                store.chunks.add(c)
-            store.chunks.ref(c)
-            held.append(c)
         e = Entry(
             rec.gen,
             rec.offset,
@@ -400,69 +484,82 @@ def rebuild(store: Store, view: ArenaView) -> Adopted:
             digests,
             content,
             rec.created,
-            last_used=now,
+            last_used=self.now_used,
             publisher=rec.publisher,
             chunks=held,
         )
         store.insert(e, point=False)
+        store.make_oldest(e)  # (checked newest first: each older one goes before it)
         out.entries += 1
         out.bytes += rec.payload_len
-    store.point_all()
-    # above every generation the old supervisor handed out (even of records it had
-    # dropped since), so that no old (offset, gen) names a new record: a put takes
-    # more than a microsecond
-    top = max((e.gen for e in store.entries.values()), default=0)
-    top = max([top, *(c.gen for c in chunk_at.values())])
-    store.gens_from(max(top + 1, int(time.time() * 1e6)))
-    store.counters.adopted += out.entries
-    store.counters.adopt_dropped += out.dropped
-    store.counters.adopt_checked_bytes += out.checked_bytes
-    out.seconds = time.monotonic() - t0
-    log.info(
-        "adopted %d entries (%s, %s hashed) in %.3f s; dropped %d damaged or half-written "
-        "record(s)%s",
-        out.entries,
-        format_size(out.bytes),
-        format_size(out.checked_bytes),
-        out.seconds,
-        out.dropped,
-        f", {out.torn_slots} index slot(s) caught mid-write" if out.torn_slots else "",
-    )
-    return out
 
+    def _take(self, rec: Record, found: list[Chunk]) -> list[Chunk] | None:
+        """Reserve the record's extent and those of its chunks not adopted before (each
+        chunk once, a reference per record that names it); None, with nothing taken, if
+        any of them overlaps bytes an adopted record or chunk holds (or a chunk adopted
+        before was freed since)."""
+        store, taken = self.store, []
+        *_, extent = record_layout(rec.n_tokens, rec.fp_len, rec.body_len)
+        ok = True
+        try:
+            store.alloc.reserve(rec.offset, extent)
+            taken.append((rec.offset, extent))
+            held: list[Chunk] = []
+            new: list[Chunk] = []
+            for c in found:
+                have = self.chunk_at.get(c.offset)
+                if have is not None:
+                    if (have.gen, have.extent) != (c.gen, c.extent) or have.refs <= 0:
+                        ok = False
+                        break
+                    held.append(have)
+                    continue
+                if any(n.offset == c.offset for n in new):
+                    held.append(next(n for n in new if n.offset == c.offset))
+                    continue
+                store.alloc.reserve(c.offset, c.extent)
+                taken.append((c.offset, c.extent))
+                new.append(c)
+                held.append(c)
+        except ValueError:
+            ok = False
+        if not ok:
+            for off, n in taken:
+                store.alloc.release(off, n)
+            return None
+        for c in new:
+            self.chunk_at[c.offset] = c
+            store.chunks.add(c)
+        for c in held:
+            store.chunks.ref(c)
+        return held
 
-def _without_overlaps(kept: list[Kept], out: Adopted) -> list[Kept]:
-    """Drop records whose extents, or their chunks' extents, overlap another record's or
-    chunk's (only damage can make two live ones overlap; records that name the same chunk
-    share its extent, which is no overlap)."""
-    # every distinct extent: (offset, length, generation) -> the records that hold it
-    holders: dict[tuple[int, int, int], set[int]] = defaultdict(set)
-    for i, t in enumerate(kept):
-        *_, extent = record_layout(t.rec.n_tokens, t.rec.fp_len, t.rec.body_len)
-        holders[(t.rec.offset, extent, t.rec.gen)].add(i)
-        for c in t.chunks:
-            holders[(c.offset, c.extent, c.gen)].add(i)
-    bad: set[int] = set()
-    end, last = -1, None
-    for key in sorted(holders):
-        off, n, _gen = key
-        if off < end and last is not None:
-            bad |= holders[key] | holders[last]
-        if off + n > end:
-            end, last = off + n, key
-    out.dropped += len(bad)
-    return [t for i, t in enumerate(kept) if i not in bad]
-
-
-def _without_duplicates(kept: list[Kept], out: Adopted) -> list[Kept]:
-    """One record per content (the newest), as the store keeps it."""
-    newest: dict[bytes, Kept] = {}
-    for t in kept:
-        have = newest.get(t.content)
-        if have is None or have.rec.gen < t.rec.gen:
-            newest[t.content] = t
-    out.dropped += len(kept) - len(newest)
-    return list(newest.values())
+    def _finish(self) -> None:
+        store, out = self.store, self.out
+        # above every generation the old supervisor handed out (even of records it had
+        # dropped since), so that no old (offset, gen) names a new record: a put takes
+        # more than a microsecond
+        top = max((e.gen for e in store.entries.values()), default=0)
+        top = max([top, *(c.gen for c in self.chunk_at.values())])
+        store.gens_from(max(top + 1, int(time.time() * 1e6)))
+        store.counters.adopted += out.entries
+        store.counters.adopt_dropped += out.dropped
+        store.counters.adopt_checked_bytes += out.checked_bytes
+        store.adopting = False
+        for off, n in store.alloc.extents():  # (what the old arena held there)
+            store.pages.freed(off, n)
+        self.done = True
+        out.seconds = time.monotonic() - self.t0
+        log.info(
+            "adopted %d entries (%s, %s hashed) in %.3f s; dropped %d damaged or half-written "
+            "record(s)%s",
+            out.entries,
+            format_size(out.bytes),
+            format_size(out.checked_bytes),
+            out.seconds,
+            out.dropped,
+            f", {out.torn_slots} index slot(s) caught mid-write" if out.torn_slots else "",
+        )
 
 
 def remove_left(settings: Settings, why: str) -> Path | None:

@@ -145,10 +145,11 @@ class Supervisor:
                 limits=self.limits,
                 pages=pages,
             )
-            if adopted:
-                adopt.rebuild(store, view)
-                for off, n in store.alloc.extents():  # (what the old arena held there)
-                    pages.freed(off, n)
+            adoption = None
+            if adopted:  # (checks records for --adopt-wait, then between requests)
+                adoption = adopt.Adoption(store, view)
+                if adoption.step(time.monotonic() + self.settings.adopt_wait):
+                    adoption = None
             tiers = self.tiers = TierLoop(self.settings, self.arena, geometry.chunk_tokens)
             self._ctx = Context(
                 settings=self.settings,
@@ -168,6 +169,7 @@ class Supervisor:
                 persist=tiers.persist,
                 expiry=Expiry(store, self.settings.ttl),
                 remote=tiers.remote,
+                adoption=adoption,
             )
             tiers.attach(
                 store,
@@ -201,18 +203,26 @@ class Supervisor:
         )
         tiers = self.tiers
         assert tiers is not None
-        tiers.begin(self.ctx.store, self.sel, self.adopted)
+        if self.ctx.adoption is None:
+            tiers.begin(self.ctx.store, self.sel, self.adopted)
+        else:
+            log.info(
+                "answering while %d adopted record(s) are still checked (puts wait)",
+                self.ctx.adoption.remaining,
+            )
         watchdog = Watchdog()
         next_check = time.monotonic() + 1.0
         try:
             while not self._stop:
+                adopting = self.ctx.adoption is not None
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + 1.0
                     if not self.arena.intact():
                         break
                     assert self.ctx.expiry is not None
-                    self.ctx.expiry.tick()  # (bounded work: see ttl.py)
-                    tiers.tick(self.ctx.store)
+                    if not adopting:
+                        self.ctx.expiry.tick()  # (bounded work: see ttl.py)
+                        tiers.tick(self.ctx.store)
                     self.heap.tick()
                 now = time.monotonic()
                 timeout = watchdog.tick(now)
@@ -225,7 +235,8 @@ class Supervisor:
                         left = max(0.0, due - now)
                         timeout = left if timeout is None else min(timeout, left)
                 timeout = 1.0 if timeout is None else min(timeout, 1.0)
-                busy = self.work or self.ctx.store.pages.busy  # (pages to punch: pages.py)
+                # (pages to punch: pages.py; records to check: adopt.py)
+                busy = self.work or self.ctx.store.pages.busy or adopting
                 timeout = 0.0 if busy else tiers.timeout(now, timeout)
                 ready: set[str] = set()
                 for key, events in self.sel.select(timeout):
@@ -241,6 +252,9 @@ class Supervisor:
                             self.io.on_readable(conn)
                         if events & selectors.EVENT_WRITE and not conn.closing:
                             self.io.flush(conn)
+                if adopting and not self._stop:
+                    self._adopt_step()
+                    continue
                 if self.work and not self._stop:
                     self.work.step()
                 if self.ctx.store.pages.busy and not self._stop and not self.arena.lost:
@@ -251,6 +265,20 @@ class Supervisor:
             sd_notify("STOPPING=1")
             self.cleanup(remove=not self.settings.keep)
         return EXIT_ARENA_LOST if self.arena.lost else EXIT_OK
+
+    def _adopt_step(self) -> None:
+        """One slice of the adoption (``adopt.Adoption``); once it is done the tiers begin
+        and the puts that waited go on."""
+        adoption = self.ctx.adoption
+        assert adoption is not None and self.tiers is not None
+        try:
+            self._check_arena()
+            done = adoption.step(time.monotonic() + self.settings.put_slice)
+        except ArenaCorruptError:
+            return
+        if done:
+            self.ctx.adoption = None
+            self.tiers.begin(self.ctx.store, self.sel, self.adopted)
 
     def _check_arena(self) -> None:
         """Raise (and stop) if the arena file was truncated: writing to it would SIGBUS."""

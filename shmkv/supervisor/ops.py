@@ -59,6 +59,7 @@ from shmkv.supervisor.ttl import Expiry
 from shmkv.supervisor.worker_counters import Reports
 
 if TYPE_CHECKING:
+    from shmkv.supervisor.adopt import Adoption
     from shmkv.supervisor.tiers.disk.tier import Persistence
     from shmkv.supervisor.tiers.redis.tier import Remote
 
@@ -135,6 +136,9 @@ class Context:
     expiry: Expiry | None = None
     #: ``--remote`` (None: off)
     remote: Remote | None = None
+    #: the adoption of the arena a stopped or killed supervisor left, while it checks
+    #: records (``adopt.py``; None: none, or done)
+    adoption: Adoption | None = None
 
     def stats(self) -> SupervisorStats:
         store, g = self.store, self.store.geometry
@@ -149,6 +153,7 @@ class Context:
             bytes_resident=store.pages.resident(),
             bytes_free_largest=store.alloc.largest(),
             free_extents=store.alloc.count(),
+            adopting=self.adoption.remaining if self.adoption is not None else 0,
             chunks=store.chunks.count,
             chunk_bytes=store.chunks.bytes,
             chunk_bytes_shared=store.chunks.shared_bytes,
@@ -306,6 +311,8 @@ def unpin(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
 
 @op("clear", attached=False, privilege=Privilege.ADMIN)
 def clear(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
+    if ctx.adoption is not None:  # (what it has still to check is dropped, not adopted)
+        ctx.adoption.cancel()
     removed = ctx.store.clear()
     log.info("cleared %d entries at the request of pid %d", removed, conn.pid)
     return {"removed": removed}, None
@@ -341,6 +348,8 @@ def acquire(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     g = ctx.store.geometry
     offset = get_int(msg, "offset", g.data_offset, g.data_offset + g.data_size)
     gen = get_int(msg, "gen", 1)
+    if ctx.adoption is not None:  # (a record the adoption has still to check: check it now)
+        ctx.adoption.now(offset, gen)
     lease = ctx.store.acquire(offset, gen, conn.id)
     return {"lease": lease}, None
 
@@ -457,14 +466,21 @@ def _read_memfd(fd: int) -> Callable[[memoryview, int], None]:
 
 
 class PutWork:
-    """A put and its memfd: made room for, copied and indexed a slice at a time."""
+    """A put and its memfd: made room for, copied and indexed a slice at a time. While an
+    adoption still checks records (``Store.adopting``) it waits, begun by ``start``."""
 
-    def __init__(self, ctx: Context, fd: int, job: PutJob) -> None:
-        self.ctx, self.fd, self.job = ctx, fd, job
+    def __init__(
+        self, ctx: Context, fd: int, job: PutJob | None, start: Callable[[], PutJob]
+    ) -> None:
+        self.ctx, self.fd, self.job, self.start = ctx, fd, job, start
 
     def step(self, deadline: float) -> dict[str, Any] | None:
         try:
             self.ctx.check_arena()
+            if self.job is None:
+                if self.ctx.store.adopting:
+                    return None
+                self.job = self.start()
             e = self.job.step(deadline)
         except BaseException:
             self.abort()
@@ -476,7 +492,8 @@ class PutWork:
         return {"gen": e.gen, "key": e.key, "n_tokens": e.n_tokens}
 
     def abort(self) -> None:
-        self.job.abort()
+        if self.job is not None:
+            self.job.abort()
         self._close_fd()
 
     def _close_fd(self) -> None:
@@ -538,17 +555,20 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
         if st.st_size < payload_len:
             raise BadRequest(f"memfd holds {st.st_size} bytes, put says {payload_len}")
         ctx.check_arena()
-        job = ctx.store.begin_put(
-            root,
-            tokens,
-            fingerprint,
-            payload_len,
-            checksum,
-            _read_memfd(fd),
-            pin=pinned,
-            publisher=conn.uid & 0xFFFFFFFF,  # (the kernel's word, never the message's)
-        )
-        work = PutWork(ctx, fd, job)
+
+        def start() -> PutJob:
+            return ctx.store.begin_put(
+                root,
+                tokens,
+                fingerprint,
+                payload_len,
+                checksum,
+                _read_memfd(fd),
+                pin=pinned,
+                publisher=conn.uid & 0xFFFFFFFF,  # (the kernel's word, never the message's)
+            )
+
+        work = PutWork(ctx, fd, None if ctx.store.adopting else start(), start)
     finally:
         if work is None:
             discard(fd)  # (a close never runs on the loop: see fdcloser.py)
@@ -579,6 +599,8 @@ def fetch(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
     cut = get_bool(msg, "cut")
     if ctx.remote is None:
         return {"status": "off"}, None
+    if ctx.store.adopting:  # (nothing is put into the arena until its adoption ends)
+        return {"status": "busy"}, None
     rid = msg.get("id", 0)
     reply = ctx.remote.request(conn.id, rid, root, tokens.copy(), have, wait, tps, cut)
     return reply, None

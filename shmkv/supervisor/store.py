@@ -125,6 +125,9 @@ class Store:
         self.chunks = Chunks(self.arena, self.alloc, self.pages)
         #: the payloads puts in progress hold staged, bounded (``put.py``)
         self.staging = Staging()
+        #: an adoption checks records still (``adopt.Adoption``): nothing may allocate, so
+        #: no put begins, and the bytes a record still to check claims stay as they were
+        self.adopting = False
 
     # ---------------------------------------------------------------- eviction
     def revoke_stale_leases(self) -> bool:
@@ -283,6 +286,8 @@ class Store:
         checksum) never keeps this one out; both are stored, and workers restore the one
         they trust.
         """
+        if self.adopting:  # (the loop holds every put back until then: a bug otherwise)
+            raise RuntimeError("a put began while the arena was still being adopted")
         return PutJob.start(
             self, root, tokens, fingerprint, payload_len, payload_xxh3, read, pin, piece, publisher
         )

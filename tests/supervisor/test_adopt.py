@@ -31,7 +31,7 @@ from shmkv.supervisor.pages import punch_hole
 from tests.support.blobs import CHUNK
 from tests.support.cli import assert_one_error_line
 from tests.support.llama_workers import SYSTEM, completion, run_worker, texts
-from tests.support.supervisors import Sup, kill9, restart, try_stats
+from tests.support.supervisors import Sup, kill9, no_internal_errors, restart, try_stats
 from tests.support.waiting import wait_until
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,85 @@ def test_kill9_restart_serves_every_entry_at_once(make_supervisor) -> None:
         assert read_back(c, 50) == known(50)[2]
     assert check_records(new.arena) == (51, [])
     assert "adopted 50 entries" in new.log()
+
+
+#: records enough that checking them takes many turns of the loop (10 ms slices)
+MANY = 6000
+SMALL = 2000  # (payload bytes at most: the fill stays quick)
+ROOMY = ("--size", "64M", "--index-slots", "65536")  # (room for all of them)
+
+
+def _fill_many(make_supervisor) -> Sup:
+    sup = make_supervisor(*ROOMY)
+    with sup.client() as c:
+        for seed in range(MANY):
+            put_known(c, seed, SMALL)
+        assert c.stats()["entries"] == MANY
+    kill9(sup)
+    return sup
+
+
+def test_a_large_arena_is_answered_while_its_records_are_checked(make_supervisor) -> None:
+    """``--adopt-wait 0``: the restarted supervisor answers at once and checks the records
+    between requests, newest first. Meanwhile a lease on the oldest record (the last in
+    turn) checks it out of turn and is granted; a put waits until every record is checked,
+    then is stored; at the end every record is adopted and reads back. Without it the
+    first answer comes once all are checked (none left at the first ``stats``), and
+    with no lease-time check the oldest record is a miss until its turn."""
+    sup = _fill_many(make_supervisor)
+    new = restart(make_supervisor, sup, *ROOMY, "--adopt-wait", "0")
+    with new.client() as c:
+        first = c.stats()
+        assert first["adopting"] > 0 and first["entries"] < MANY, (first, new.log())
+        assert read_back(c, 0, SMALL) == known(0, SMALL)[2]  # (the oldest: checked now)
+        assert c.stats()["adopt_on_lease"] == 1
+        put_known(c, MANY, SMALL)  # (answered once the adoption has ended)
+        st = c.stats()
+        assert (st["adopting"], st["entries"], st["adopted"]) == (0, MANY + 1, MANY), st
+        for seed in [*range(0, MANY, 97), MANY]:
+            assert read_back(c, seed, SMALL) == known(seed, SMALL)[2], seed
+    assert f"adopted {MANY} entries" in new.log()
+    assert "answering while" in new.log()
+    no_internal_errors(new)
+
+
+def test_a_supervisor_killed_while_adopting_leaves_every_record_to_the_next(
+    make_supervisor,
+) -> None:
+    """Killed while it checks records (the first round, at a random point) or once it
+    has checked them all and rebuilds the index (the other rounds: at the first answer
+    that none is left to check), the next supervisor adopts every record all the same: the
+    index is rebuilt in place, so no record stops being named (emptied first, the index
+    lost what had not been pointed again when the kill came)."""
+    sup = _fill_many(make_supervisor)
+    rng = random.Random(7)
+    for left in (rng.randrange(1, MANY // 2), 0, 0):
+        sup = restart(make_supervisor, sup, *ROOMY, "--adopt-wait", "0")
+        with sup.client() as c:
+            wait_until(lambda: c.stats()["adopting"] <= left, 60, "the adoption", step=0.0005)  # noqa: B023
+        kill9(sup)
+    new = restart(make_supervisor, sup, *ROOMY)
+    with new.client() as c:
+        st = c.stats()
+        assert (st["entries"], st["adopt_dropped"]) == (MANY, 0), st
+        for seed in range(0, MANY, 13):
+            assert read_back(c, seed, SMALL) == known(seed, SMALL)[2], seed
+
+
+def test_clear_while_adopting_drops_what_is_still_to_check(make_supervisor) -> None:
+    """``shmkv clear`` during an adoption removes what was adopted and checks nothing
+    more: the arena stays empty, and takes puts again."""
+    sup = _fill_many(make_supervisor)
+    new = restart(make_supervisor, sup, *ROOMY, "--adopt-wait", "0")
+    with new.client() as c:
+        assert c.stats()["adopting"] > 0
+        c.clear()
+        st = c.stats()
+        assert (st["adopting"], st["entries"]) == (0, 0), st
+        put_known(c, MANY, SMALL)
+        assert read_back(c, MANY, SMALL) == known(MANY, SMALL)[2]
+        assert read_back(c, 0, SMALL) is None and c.stats()["entries"] == 1
+    no_internal_errors(new)
 
 
 def test_clean_stop_with_keep_is_adopted_and_fresh_starts_empty(make_supervisor) -> None:
