@@ -44,6 +44,8 @@ MODEL = dict(n_layer=32, n_head=8, head_dim=128, n_embd=256, n_ff=512, n_vocab=5
 KV_PER_TOKEN = 2 * MODEL["n_layer"] * MODEL["n_head"] * MODEL["head_dim"] * 2  # K+V, f16
 ROOT, FP = bench_arena.ROOT, bench_arena.FINGERPRINT
 SMALL_EXTENT = 5 * 1024  # arena bytes an index-filling entry takes (1-4 pages, some deeper)
+#: the supervisor's log line at the end of an adoption
+ADOPTED = re.compile(r"adopted (\d+) entries .* in ([\d.]+) s")
 #: seconds between the second and third pass of :func:`first_touch`
 TOUCH_PAUSE = 20.0
 FLAT = 1.25  # "flat": the largest load's cost at most this many times the smallest's
@@ -201,8 +203,15 @@ def adopt(workdir: Path, sup: common.Supervisor, args: list[str], digests: list[
         sup = common.start_supervisor(workdir, sup.name, *args)
         row: dict[str, Any] = {"ready_s": answers(sup) - t0}
         row["first_hit_s"] = first_hit(sup, digests) - t0
-        m = re.search(r"adopted (\d+) entries .* in ([\d.]+) s", sup.child.log_tail(1 << 16))
-        row["adopted"], row["check_s"] = (int(m[1]), float(m[2])) if m else (None, None)
+
+        m = common.poll(
+            lambda s=sup: ADOPTED.search(s.child.log_tail(1 << 16)),
+            1800,
+            "the adoption's end",
+            sup.child,
+            0.05,
+        )  # (it goes on past the hit)
+        row["adopted"], row["check_s"] = int(m[1]), float(m[2])
         rows.append(row)
         log.info("adoption round %d: %s", r, row)
     out = {k: common.summary([x[k] for x in rows if x[k] is not None])
