@@ -1013,10 +1013,38 @@ class ArenaWriter:
 
     def index_del(self, digest: bytes) -> None:
         """Remove ``digest``; later slots of its run move back into the hole (no tombstones)."""
-        n = self.geometry.index_slots
-        hole, found = probe_path(self.read_slot, digest, n)
+        hole, found = probe_path(self.read_slot, digest, self.geometry.index_slots)
         if hole is None or found is None:
             return
+        self._remove_at(hole)
+
+    def index_get(self, digest: bytes) -> Slot | None:
+        """The slot that holds ``digest`` (no seqlock: this is the only writer)."""
+        return probe_path(self.read_slot, digest, self.geometry.index_slots)[1]
+
+    def drop_torn(self) -> int:
+        """Remove every slot caught mid-write (an odd seqlock word: a supervisor was
+        killed while it wrote one) from its probe run, as :meth:`index_del` removes one;
+        how many. Its content may be half old, half new, so it names nothing; a reader
+        takes it for an empty slot, which would end the probe runs through it."""
+        g, n = self.geometry, 0
+        while True:
+            table = np.frombuffer(self.mm, dtype=SLOT_DTYPE, count=g.index_slots,
+                                  offset=g.index_offset)  # fmt: skip
+            torn = np.flatnonzero(table["seq"] & 1)
+            del table
+            if not len(torn) or n > g.index_slots:
+                return n
+            i = int(torn[0])
+            off = self._slot_off(i)
+            # (even again first: a slot write takes the word from even to odd and back)
+            _SEQ.pack_into(self.mm, off, (_SEQ.unpack_from(self.mm, off)[0] + 1) & 0xFFFFFFFF)
+            self._remove_at(i)
+            n += 1
+
+    def _remove_at(self, hole: int) -> None:
+        """Empty slot ``hole``; later slots of its run move back into it (no tombstones)."""
+        n = self.geometry.index_slots
         self._write_slot(hole, None)
         j = (hole + 1) & (n - 1)
         while True:

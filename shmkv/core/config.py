@@ -569,7 +569,7 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "adopt_wait",
             _non_negative_float,
-            0.25,
+            0.1,
             "Seconds a supervisor that adopts the arena a stopped or killed one left checks "
             "its records before it answers; the rest are checked between requests, newest "
             "first (a lease asked for one checks it at once), and puts wait until all are "

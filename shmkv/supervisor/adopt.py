@@ -187,8 +187,10 @@ def _take(af: ArenaFile, fd: int, old: Geometry) -> Geometry:
     """Reserve, map and re-head the checked file; open the workers' read-only fd."""
     size, reserve = old.arena_size, af.settings.reserve
     try:
-        # (its header and index exist, and with --reserve all of it: this only makes sure)
-        os.posix_fallocate(fd, 0, size if reserve else old.data_offset)
+        # (its header and index exist, and with --reserve all of it: this only makes sure,
+        # and a whole file needs no such walk of its pages)
+        if os.fstat(fd).st_blocks * 512 < (size if reserve else old.data_offset):
+            os.posix_fallocate(fd, 0, size if reserve else old.data_offset)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
             raise ShmSpaceError(
@@ -200,7 +202,9 @@ def _take(af: ArenaFile, fd: int, old: Geometry) -> Geometry:
         os.fchown(fd, -1, af.gid)
     os.fchmod(fd, af.file_mode)
     _magic, _version, state = header_format(os.pread(fd, 4096, 0))
-    mm = map_arena(fd, size, reserve, old.data_offset)
+    # (the header and index mapped at once, the data region as it is written: mapping
+    # every page of a --reserve arena first would delay the first answer by all of them)
+    mm = map_arena(fd, size, False, old.data_offset)
     ro = rw = -1
     try:
         rw = os.dup(fd)
@@ -351,6 +355,7 @@ class Adoption:
         self.out = Adopted()
         g = store.geometry
         slots, self.out.torn_slots = store.arena.used_slots()
+        store.arena.drop_torn()  # (before any lookup: a torn slot would end its probe run)
         # the slots by record, newest first (a record's slots are one run of them)
         slots = slots[np.lexsort((slots["rec_offset"], -slots["rec_gen"].astype(np.int64)))]
         self._slots = slots
@@ -410,7 +415,10 @@ class Adoption:
         while self._pointing:
             for d, owned in self._pointing[-256:]:
                 if owned and d in store.owners:
-                    if not store.index.point(d, self._chunk_of[d]):
+                    k = self._chunk_of[d]
+                    if store.arena.index_get(d) == store.index.wanted(d, k):
+                        continue  # (as the old supervisor left it: not written again)
+                    if not store.index.point(d, k):
                         log.warning(
                             "index probe limit reached; adopted prefix %s not indexed",
                             d.hex()[:12],
@@ -425,19 +433,15 @@ class Adoption:
 
     def _repoint(self) -> list[tuple[bytes, bool]]:
         """What rebuilding the index takes, done last first: (digest, owned) pairs, every
-        digest an adopted record owns (pointed at the owner ``IndexOwners.point`` chooses)
-        after every old slot's digest that none owns (removed). The index is rebuilt in
-        place, so that a supervisor killed meanwhile leaves every adopted record named as
-        before; unless a slot was caught mid-write (its digest is unknown, so it cannot be
-        removed from its probe run): then the index is emptied first."""
+        digest an adopted record owns (pointed at the owner ``IndexOwners.point`` chooses,
+        where its slot names another) after every old slot's digest that none owns
+        (removed). The index is rebuilt in place, so that a supervisor killed meanwhile
+        leaves every adopted record named as before (a slot it was writing is torn, which
+        the next adoption removes first: :meth:`ArenaWriter.drop_torn`)."""
         store = self.store
         self._chunk_of = {d: k for e in store.entries.values() for k, d in enumerate(e.digests, 1)}
-        if self.out.torn_slots:
-            store.arena.clear_index()
-            stale: list[bytes] = []
-        else:
-            old = dict.fromkeys(map(bytes, self._slots["digest"]))
-            stale = [d for d in old if d not in store.owners]
+        old = dict.fromkeys(map(bytes, self._slots["digest"]))
+        stale = [d for d in old if d not in store.owners]
         self._slots = self._slots[:0]
         # (popped from the end: the stale slots go first, so the pointing finds room)
         return [(d, True) for d in store.owners] + [(d, False) for d in stale]

@@ -78,6 +78,14 @@ class IndexOwners:
                 self._heaps[digest] = [t for t in heap if t[1] in owners]
                 heapq.heapify(self._heaps[digest])
 
+    def wanted(self, digest: bytes, nch: int) -> Slot | None:
+        """The slot :meth:`point` would write for chunk prefix ``nch`` (None: none)."""
+        owners = self.owners.get(digest)
+        if not owners:
+            return None
+        e = self.entries[self.best(digest, nch, owners)]
+        return Slot(digest, e.offset, e.gen, nch)
+
     def point(self, digest: bytes, nch: int) -> bool:
         """Point the slot of chunk prefix ``nch`` at the owner a lookup should try first.
 

@@ -132,8 +132,9 @@ class Supervisor:
             if geometry is None:
                 geometry = self.arena.create()
             assert self.arena.mm is not None
-            # to re-check records (adopting, every one: mapped at once, not page by page)
-            view = ArenaView(self.arena.ro_fd, populate=adopted)
+            # to re-check records (an adoption's, between requests: its pages are mapped as
+            # they are read, not all before the first answer)
+            view = ArenaView(self.arena.ro_fd, populate=False)
             pages = Pages(self.arena.rw_fd, self.settings.reserve)
             store = Store(
                 self.arena.mm,

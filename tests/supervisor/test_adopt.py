@@ -203,7 +203,7 @@ def test_a_supervisor_killed_while_adopting_leaves_every_record_to_the_next(
         kill9(sup)
     new = restart(make_supervisor, sup, *ROOMY)
     with new.client() as c:
-        st = c.stats()
+        st = wait_until(lambda: (s := c.stats())["adopting"] == 0 and s, 60, "the adoption")
         assert (st["entries"], st["adopt_dropped"]) == (MANY, 0), st
         for seed in range(0, MANY, 13):
             assert read_back(c, seed, SMALL) == known(seed, SMALL)[2], seed
@@ -402,6 +402,50 @@ def test_flipped_bytes_drop_only_the_damaged_records(make_supervisor) -> None:
             want = None if seed in damaged or seed == 6 else known(seed)[2]
             assert read_back(c, seed) == want, seed
     assert check_records(new.arena) == (12 - len(damaged) - 1, [])
+    assert "caught mid-write" in new.log()
+
+
+def test_a_torn_slot_inside_a_probe_run_is_taken_out_of_it(make_supervisor) -> None:
+    """A slot caught mid-write in the middle of a probe run (a later slot of the run was
+    displaced past it): adoption removes it from the run before it answers, so every
+    digest past it is found again, during the adoption and after it (a reader takes a
+    torn slot for an empty one, which ends the run: left there, the records named past
+    it are misses for good, since the index is rebuilt in place)."""
+    args = ("--size", "32M", "--index-slots", "256")
+    sup = make_supervisor(*args)
+    with sup.client() as c:
+        for seed in range(40):
+            put_known(c, seed, 20_000)
+        g = c.view.geometry
+        slots = {i: c.view.read_slot(i)[1] for i in range(g.index_slots)}
+        n = g.index_slots
+    run = [
+        i
+        for i, sl in slots.items()
+        if sl is not None
+        and (nxt := slots[(i + 1) % n]) is not None
+        and A.slot_home(nxt.digest, n) != (i + 1) % n
+    ]
+    assert run, "no probe run with a displaced slot"
+    torn = slots[run[0]]
+    assert torn is not None
+    kill9(sup)
+    off = g.index_offset + run[0] * A.SLOT_SIZE
+    with open(sup.arena, "r+b") as f:
+        f.seek(off)
+        (seq,) = struct.unpack("<I", f.read(4))
+        f.seek(off)
+        f.write(struct.pack("<I", seq | 1))
+    behind = [sl.digest for sl in slots.values() if sl is not None and sl != torn]
+    new = restart(make_supervisor, sup, *args, "--adopt-wait", "0")
+    with new.client() as c:
+        missing = [d for d in behind if c.view.probe(d) is None]  # (during the adoption)
+        assert not missing, f"{len(missing)} digest(s) lost behind the torn slot"
+        wait_until(lambda: c.stats()["adopting"] == 0, 30, "the adoption")
+        assert [d for d in behind if c.view.probe(d) is None] == []
+        lost = {seed for seed in range(40) if read_back(c, seed, 20_000) is None}
+        st = c.stats()
+    assert len(lost) <= 1 and st["entries"] >= 39, (lost, st)  # (only the torn slot's)
     assert "caught mid-write" in new.log()
 
 
