@@ -165,9 +165,13 @@ def data_extents(fd: int, start: int, end: int) -> Extents:
     ``SEEK_DATA`` and ``SEEK_HOLE``; an extent has no hole when ``minus`` leaves nothing
     of it. The answers are ``SEEK_HOLE``'s: on tmpfs a page allocated but never written
     counts as a hole. Valid while nobody allocates or punches the file (an adopting
-    supervisor, which holds the name's lock).
+    supervisor, which holds the name's lock). A file allocated whole (``--reserve``) is
+    one run, unwalked: none of its pages is missing, so a read of any allocates nothing.
     """
     runs, pos = Extents(), start
+    if os.fstat(fd).st_blocks * 512 >= end:
+        runs.add(start, end)
+        return runs
     while pos < end:
         try:
             data = os.lseek(fd, pos, os.SEEK_DATA)
