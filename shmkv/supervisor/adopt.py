@@ -4,8 +4,9 @@ Runs in the supervisor, at start, while it holds the name's lock (so no live
 supervisor owns the file); :func:`remove_left` runs in ``shmkv clear``.
 :func:`open_leftover` opens and checks the file itself: a plain file of our uid,
 mode 0600 or 0640 (nobody else could have written it), of this format and of
-the geometry the settings ask for, as large as its header says. :func:`rebuild` then fills a fresh
-:class:`~shmkv.supervisor.store.Store` from it: the records that index slots name, each
+the geometry the settings ask for, as large as its header says. :class:`Adoption` then
+fills a fresh :class:`~shmkv.supervisor.store.Store` from it, while the supervisor
+already answers (``--adopt-wait``): the records that index slots name, each
 checked as a worker checks it (bounds, header, metadata and payload checksums: a
 whole record's XXH3-64, each chunk's XXH3-128 once, its chained digests against its key
 and the slots that name it, its generation and creation time in a range this supervisor
@@ -234,7 +235,7 @@ def _take(af: ArenaFile, fd: int, old: Geometry) -> Geometry:
 
 @dataclass
 class Adopted:
-    """What :func:`rebuild` found: records adopted and dropped, slots caught mid-write."""
+    """What an :class:`Adoption` found: records adopted and dropped, slots caught mid-write."""
 
     entries: int = 0
     bytes: int = 0
