@@ -253,11 +253,11 @@ class Supervisor:
                             self.io.on_readable(conn)
                         if events & selectors.EVENT_WRITE and not conn.closing:
                             self.io.flush(conn)
+                if self.work and not self._stop:
+                    self.work.step()  # (while adopting: puts that wait, or give up waiting)
                 if adopting and not self._stop:
                     self._adopt_step()
                     continue
-                if self.work and not self._stop:
-                    self.work.step()
                 if self.ctx.store.pages.busy and not self._stop and not self.arena.lost:
                     self.ctx.store.pages.step(time.monotonic() + PUNCH_SLICE)
                 if not self._stop:

@@ -32,7 +32,7 @@ import numpy as np
 from shmkv import __version__
 from shmkv.core.arena import MAX_TOKENS, ArenaView, common_prefix
 from shmkv.core.config import Settings
-from shmkv.core.errors import ArenaCorruptError, BadRequest, PermissionDenied
+from shmkv.core.errors import ArenaCorruptError, BadRequest, LimitExceeded, PermissionDenied
 from shmkv.core.protocol import (
     MAX_PUBLISHERS,
     MAX_U64,
@@ -465,6 +465,11 @@ def _read_memfd(fd: int) -> Callable[[memoryview, int], None]:
     return read
 
 
+#: seconds a put waits for an adoption to end before it is refused (within a client's
+#: default --timeout of 5 s, so that its connection is not dropped as dead)
+ADOPTING_PUT_WAIT = 2.0
+
+
 class PutWork:
     """A put and its memfd: made room for, copied and indexed a slice at a time. While an
     adoption still checks records (``Store.adopting``) it waits, begun by ``start``."""
@@ -473,13 +478,21 @@ class PutWork:
         self, ctx: Context, fd: int, job: PutJob | None, start: Callable[[], PutJob]
     ) -> None:
         self.ctx, self.fd, self.job, self.start = ctx, fd, job, start
+        self.since = time.monotonic()
 
     def step(self, deadline: float) -> dict[str, Any] | None:
         try:
             self.ctx.check_arena()
             if self.job is None:
                 if self.ctx.store.adopting:
-                    return None
+                    if time.monotonic() - self.since < ADOPTING_PUT_WAIT:
+                        return None
+                    self.ctx.store.counters.rejected_puts += 1
+                    raise LimitExceeded(
+                        f"not stored: the supervisor is still checking the arena it adopted "
+                        f"after {ADOPTING_PUT_WAIT:g} s (`shmkv stats`: adopting); puts are "
+                        f"taken again once it has"
+                    )
                 self.job = self.start()
             e = self.job.step(deadline)
         except BaseException:
