@@ -244,8 +244,6 @@ class Adopted:
     seconds: float = 0.0
     #: payload and chunk bytes hashed to check them (each chunk once)
     checked_bytes: int = 0
-    #: records checked out of turn, at a lease's request (:meth:`Adoption.now`)
-    on_lease: int = 0
 
 
 def _valid(
@@ -360,10 +358,11 @@ class Adoption:
         # the slots by record, newest first (a record's slots are one run of them)
         slots = slots[np.lexsort((slots["rec_offset"], -slots["rec_gen"].astype(np.int64)))]
         self._slots = slots
-        rec = np.stack([slots["rec_offset"], slots["rec_gen"]], axis=1)
-        starts = np.flatnonzero(np.r_[len(rec) > 0, (rec[1:] != rec[:-1]).any(axis=1)])
+        off, gen = slots["rec_offset"], slots["rec_gen"]
+        new_run = np.r_[len(slots) > 0, (off[1:] != off[:-1]) | (gen[1:] != gen[:-1])]
+        starts = np.flatnonzero(new_run)
         ends = np.r_[starts[1:], len(slots)][: len(starts)]
-        offs, gens = slots["rec_offset"][starts].tolist(), slots["rec_gen"][starts].tolist()
+        offs, gens = off[starts].tolist(), gen[starts].tolist()
         #: (offset, gen) -> its run of slots, newest first: the records still to check
         self.pending: dict[tuple[int, int], tuple[int, int]] = dict(
             zip(
@@ -378,9 +377,12 @@ class Adoption:
         #: the chunks adopted, by offset (one a later record names is shared, not re-read)
         self.chunk_at: dict[int, Chunk] = {}
         self.data = data_extents(view.fd, g.data_offset, g.arena_size)
+        # the arena keeps no last use: a record's age says nothing of when it was last used
+        # (a system prompt hit every second may be days old), so each counts as used now:
+        # --ttl runs from the adoption, never from the put (or every record older than
+        # --ttl would go at the first tick after a restart)
         self.now_used = store.clock()
         self._pointing: list[tuple[bytes, bool]] | None = None
-        self.done = False
         store.adopting = True
 
     @property
@@ -392,7 +394,6 @@ class Adoption:
         """A lease is asked for record (offset, gen): check it now if it is still to."""
         run = self.pending.pop((offset, gen), None)
         if run is not None:
-            self.out.on_lease += 1
             self.store.counters.adopt_on_lease += 1
             self._check(offset, gen, run)
 
@@ -473,11 +474,11 @@ class Adoption:
         if content in store.by_content:
             out.dropped += 1  # (one record per content, as the store keeps it)
             return
-        held = self._take(rec, found)
+        *_, extent = record_layout(rec.n_tokens, rec.fp_len, rec.body_len)
+        held = self._take(rec.offset, extent, found)
         if held is None:
             out.dropped += 1
             return
-        *_, extent = record_layout(rec.n_tokens, rec.fp_len, rec.body_len)
         e = Entry(
             rec.gen,
             rec.offset,
@@ -498,42 +499,42 @@ class Adoption:
         out.entries += 1
         out.bytes += rec.payload_len
 
-    def _take(self, rec: Record, found: list[Chunk]) -> list[Chunk] | None:
+    def _take(self, offset: int, extent: int, found: list[Chunk]) -> list[Chunk] | None:
         """Reserve the record's extent and those of its chunks not adopted before (each
         chunk once, a reference per record that names it); None, with nothing taken, if
         any of them overlaps bytes an adopted record or chunk holds (or a chunk adopted
         before was freed since)."""
-        store, taken = self.store, []
-        *_, extent = record_layout(rec.n_tokens, rec.fp_len, rec.body_len)
+        store = self.store
+        taken = [(offset, extent)]
+        new: dict[int, Chunk] = {}  # (by offset: a record may name one chunk twice)
+        held: list[Chunk] = []
         ok = True
         try:
-            store.alloc.reserve(rec.offset, extent)
-            taken.append((rec.offset, extent))
-            held: list[Chunk] = []
-            new: list[Chunk] = []
+            store.alloc.reserve(offset, extent)
             for c in found:
+                if (mine := new.get(c.offset)) is not None:
+                    held.append(mine)
+                    continue
                 have = self.chunk_at.get(c.offset)
-                if have is not None:
-                    if (have.gen, have.extent) != (c.gen, c.extent) or have.refs <= 0:
-                        ok = False
-                        break
+                if have is None:
+                    taken.append((c.offset, c.extent))
+                    store.alloc.reserve(c.offset, c.extent)
+                    new[c.offset] = c
+                    held.append(c)
+                elif (have.gen, have.extent) == (c.gen, c.extent) and have.refs > 0:
                     held.append(have)
-                    continue
-                if any(n.offset == c.offset for n in new):
-                    held.append(next(n for n in new if n.offset == c.offset))
-                    continue
-                store.alloc.reserve(c.offset, c.extent)
-                taken.append((c.offset, c.extent))
-                new.append(c)
-                held.append(c)
+                else:
+                    ok = False
+                    break
         except ValueError:
+            taken.pop()  # (the last one is the reserve that failed: it took nothing)
             ok = False
         if not ok:
             for off, n in taken:
                 store.alloc.release(off, n)
             return None
-        for c in new:
-            self.chunk_at[c.offset] = c
+        self.chunk_at.update(new)
+        for c in new.values():
             store.chunks.add(c)
         for c in held:
             store.chunks.ref(c)
@@ -553,7 +554,6 @@ class Adoption:
         store.adopting = False
         for off, n in store.alloc.extents():  # (what the old arena held there)
             store.pages.freed(off, n)
-        self.done = True
         out.seconds = time.monotonic() - self.t0
         log.info(
             "adopted %d entries (%s, %s hashed) in %.3f s; dropped %d damaged or half-written "

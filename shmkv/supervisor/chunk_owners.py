@@ -97,9 +97,8 @@ class IndexOwners:
         uid come first, as every worker trusts those: another user's record never
         takes their place.
         """
-        owners = self.owners.get(digest)
-        if not owners:
+        slot = self.wanted(digest, nch)
+        if slot is None:
             self.arena.index_del(digest)
             return True
-        e = self.entries[self.best(digest, nch, owners)]
-        return self.arena.index_set(Slot(digest, e.offset, e.gen, nch))
+        return self.arena.index_set(slot)

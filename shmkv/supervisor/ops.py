@@ -471,13 +471,13 @@ ADOPTING_PUT_WAIT = 2.0
 
 
 class PutWork:
-    """A put and its memfd: made room for, copied and indexed a slice at a time. While an
-    adoption still checks records (``Store.adopting``) it waits, begun by ``start``."""
+    """A put and its memfd: begun (``start``) at its first step, then made room for,
+    copied and indexed a slice at a time. While an adoption still checks records
+    (``Store.adopting``) it waits to begin."""
 
-    def __init__(
-        self, ctx: Context, fd: int, job: PutJob | None, start: Callable[[], PutJob]
-    ) -> None:
-        self.ctx, self.fd, self.job, self.start = ctx, fd, job, start
+    def __init__(self, ctx: Context, fd: int, start: Callable[[], PutJob]) -> None:
+        self.ctx, self.fd, self.start = ctx, fd, start
+        self.job: PutJob | None = None
         self.since = time.monotonic()
 
     def step(self, deadline: float) -> dict[str, Any] | None:
@@ -581,7 +581,7 @@ def put(ctx: Context, conn: Conn, msg: dict[str, Any]) -> Reply:
                 publisher=conn.uid & 0xFFFFFFFF,  # (the kernel's word, never the message's)
             )
 
-        work = PutWork(ctx, fd, None if ctx.store.adopting else start(), start)
+        work = PutWork(ctx, fd, start)
     finally:
         if work is None:
             discard(fd)  # (a close never runs on the loop: see fdcloser.py)

@@ -204,7 +204,8 @@ class Store:
         """Index a record written in full at ``e.offset`` (space taken from ``alloc``).
 
         ``point``: point its chunk digests' index slots now (``IndexOwners.point``); an
-        adoption inserts every record first and then calls :meth:`point_all` once.
+        adoption inserts every record first and points the index once all are in
+        (``adopt.Adoption``).
         """
         self.entries[e.gen] = e
         self.by_content[e.content] = e.gen
@@ -216,15 +217,6 @@ class Store:
             self.pinned_bytes += e.footprint
         else:
             self.lru[e.gen] = None
-
-    def point_all(self) -> None:
-        """Point every chunk digest's index slot at the owner ``IndexOwners.point`` chooses."""
-        chunk_of = {d: k for e in self.entries.values() for k, d in enumerate(e.digests, 1)}
-        for d in list(self.owners):
-            if not self.index.point(d, chunk_of[d]):
-                log.warning(
-                    "index probe limit reached; adopted prefix %s not indexed", d.hex()[:12]
-                )
 
     def tell_tiers(self, ev: Accepted, source: TierHook | None = None) -> None:
         """Tell every tier but ``source`` (where the record came from) of ``ev``."""
