@@ -495,8 +495,12 @@ def test_adoption_walks_the_pages_once_not_once_per_record(make_supervisor, tmp_
     kill9(sup)
     trace = tmp_path / "adopt.trace"
     python = [strace, "-f", "-qq", "-e", "trace=lseek", "-o", str(trace), sys.executable]
-    new = make_supervisor("--size", "64M", name=sup.name, wait=False, python=python)
-    wait_until(lambda: "supervising" in new.log(), 30, "the traced supervisor")
+    # (--adopt-wait 60: the whole adoption before the first answer, however slow the
+    # traced process runs; what is counted is the walk, not when answers begin)
+    new = make_supervisor(
+        "--size", "64M", "--adopt-wait", "60", name=sup.name, wait=False, python=python
+    )
+    wait_until(lambda: "supervising" in new.log(), 60, "the traced supervisor")
     assert "adopted 300 entries" in new.log()
     with new.client(attach=False, populate=False) as c:
         os.kill(c.stats()["pid"], signal.SIGTERM)  # (strace would not pass a SIGTERM on)
