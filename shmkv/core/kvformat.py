@@ -708,14 +708,36 @@ class Grouped:
     tier's chunked record, handed to a put without being assembled). ``digests``: for
     each group, the XXH3-128 its data is said to have (a full group's chunk key, as the
     tier stored it; None where unknown), or None for none known. Nothing here is trusted:
-    the put checks every length and digest, and the whole blob's XXH3-64."""
+    the put checks every length and digest, and the whole blob's XXH3-64 unless
+    ``sealed``.
+
+    ``sealed``: the tier checked every byte that no digest covers (the manifest and the
+    groups that are not full, under a checksum it stored with them) and ``digests`` names
+    every full group's, so that the put's check of each full group's digest covers the
+    rest: the blob need not be put in blob order and hashed whole (``kvformat.blob_pieces``:
+    the transposed V gathered, most of a refill's time). The blob's XXH3-64 is still
+    what a restore checks, so a tier that says sealed wrongly costs a miss, never a wrong
+    state."""
 
     manifest: Manifest
     groups: Sequence[bytes | bytearray | memoryview]
     digests: Sequence[bytes | None] | None = None
+    sealed: bool = False
+
+    @property
+    def covered(self) -> bool:
+        """Sealed, and a digest named for every full group (what lets a put skip hashing
+        the whole blob)."""
+        if not self.sealed or self.digests is None:
+            return False
+        full = self.manifest.group_full
+        if len(self.digests) != len(full):
+            return False
+        return all(d is not None for d, f in zip(self.digests, full, strict=True) if f)
 
 
-def _check_groups(manifest: Manifest, groups: Sequence[bytes | bytearray | memoryview]) -> None:
+def check_groups(manifest: Manifest, groups: Sequence[bytes | bytearray | memoryview]) -> None:
+    """ArenaCorruptError unless ``groups`` are as many and as long as ``manifest`` says."""
     sizes = manifest.group_sizes
     if len(groups) != len(sizes):
         raise ArenaCorruptError(
@@ -742,7 +764,7 @@ def blob_pieces(
     few whole rows (about ``window`` bytes, at least one row) at a time. A piece is valid
     until the next is asked for. ArenaCorruptError (at the first) if a group's length is
     not its manifest's."""
-    _check_groups(manifest, groups)
+    check_groups(manifest, groups)
     srcs = [np.frombuffer(g, dtype=np.uint8) for g in groups]
     skel = memoryview(manifest.skeleton)
     # the regions in blob order, each with its part's groups (index, first cell, cells)

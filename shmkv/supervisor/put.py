@@ -210,6 +210,8 @@ class PutJob:
         self.grouped: kvformat.Grouped | None = None
         #: the grouped payload's pieces in blob order, being hashed (between steps)
         self._pieces: Iterator[memoryview] | None = None
+        #: a covered grouped payload taken without hashing its blob (``_check_grouped``)
+        self.unhashed = False
         #: False: stage at once, past the budget (a put done in one call: ``Store.put``)
         self.may_wait = True
         #: payload bytes staged (and hashed) so far
@@ -388,11 +390,22 @@ class PutJob:
     def _check_grouped(self, deadline: float) -> bool:
         """Hash a grouped payload's blob (XXH3-64) in blob order, a piece at a time and
         never assembled (``kvformat.blob_pieces``); True once all of it is hashed and its
-        checksum matched. ChecksumMismatch if a length or the checksum disagrees."""
+        checksum matched. ChecksumMismatch if a length or the checksum disagrees.
+
+        A covered payload (``Grouped.covered``: its tier checked what no digest covers)
+        is not hashed here: its lengths are checked, each full group's digest by the plan,
+        and the blob's XXH3-64 only if it is assembled after all (:meth:`_assemble_grouped`)."""
         assert self.grouped is not None
         if self._pieces is None:
             if self.grouped.manifest.blob_len != self.payload_len:
                 raise ChecksumMismatch(MISMATCH)
+            if self.grouped.covered:
+                try:
+                    kvformat.check_groups(self.grouped.manifest, self.grouped.groups)
+                except ArenaCorruptError:
+                    raise ChecksumMismatch(MISMATCH) from None
+                self.unhashed = True
+                return True
             self._pieces = kvformat.blob_pieces(self.grouped.manifest, self.grouped.groups)
         try:
             for piece in self._pieces:
@@ -414,7 +427,9 @@ class PutJob:
         assert self.grouped is not None
         staged = bytearray(self.payload_len)
         kvformat.assemble(self.grouped.manifest, self.grouped.groups, memoryview(staged))
-        self.staged, self.grouped = staged, None
+        if self.unhashed and xxhash.xxh3_64_intdigest(staged) != self.xxh3:
+            raise ChecksumMismatch(MISMATCH)  # (its digests are not what the plan checks)
+        self.staged, self.grouped, self.unhashed = staged, None, False
 
     def _group(self, i: int, scratch: np.ndarray) -> memoryview:
         """Group ``i``'s data: a grouped payload's own buffer, else gathered from the staged

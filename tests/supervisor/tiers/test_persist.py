@@ -14,13 +14,16 @@ import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import lmdb
 import numpy as np
 import pytest
+import xxhash
 
 from shmkv.core import kvformat
+from shmkv.core.errors import ArenaCorruptError
 from shmkv.core.keys import chain_digests
 from shmkv.supervisor.tiers.disk.lmdb_store import DiskRecord
 from tests.support.blobs import blob, put_blob, use_blob
@@ -627,3 +630,147 @@ def test_a_damaged_chunk_costs_the_states_that_list_it_a_miss(make_supervisor, t
     finally:
         assert again.stop() == 0
         no_internal_errors(sup, again)
+
+
+def _edit_store(disk: Path, db: str, edit: Callable[[bytes, bytes], bytes | None]) -> int:
+    """Rewrite each value of ``disk``'s ``db`` that ``edit(key, value)`` returns anew for
+    (None: left as it is), with LMDB itself, as a writer of the files could (the
+    supervisor is stopped); returns how many it rewrote."""
+    env = lmdb.open(str(disk), max_dbs=3, map_size=1 << 30)
+    n = 0
+    with env.begin(db=env.open_db(db.encode(), create=False), write=True) as txn:
+        for k, v in [(bytes(k), bytes(v)) for k, v in txn.cursor()]:
+            if (new := edit(k, v)) is not None:
+                txn.put(k, new)
+                n += 1
+    env.close()
+    return n
+
+
+def _tokens_of(disk: Path) -> dict[bytes, bytes]:
+    """Each stored record's tokens (little-endian int32), by its key."""
+    env = lmdb.open(str(disk), max_dbs=3, readonly=True, lock=False)
+    with env.begin(db=env.open_db(b"meta", create=False)) as txn:
+        out = {bytes(k): DiskRecord.unpack(bytes(k), bytes(v)).tokens for k, v in txn.cursor()}
+    env.close()
+    return out
+
+
+def _three_on_one_prefix(make_supervisor, tmp_path: Path):
+    """Three chunked states on one 700-token prefix (each with 30 tokens of its own),
+    persisted, the supervisor stopped and its arena gone (a reboot). Returns the store's
+    directory, the supervisor's arguments and name, the root, prompts and states, and the
+    store key of the first state."""
+    disk = tmp_path / "persist"
+    root = os.urandom(16)
+    prefix = np.arange(700, dtype="<i4")
+    prompts = [np.concatenate([prefix, np.arange(30, dtype="<i4") + 9000 * i]) for i in (1, 2, 3)]
+    datas = [kv_state(t, salt=root) for t in prompts]
+    args = ("--size", "32M", "--persist", str(disk))
+    sup = make_supervisor(*args)
+    with sup.client() as c:
+        for t, d in zip(prompts, datas, strict=True):
+            c.put_bytes(root, t, b"fp", d)
+    wait_until(lambda: persisted_all(sup), 20, "the write-behind")
+    assert sup.stop() == 0
+    sup.arena.unlink(missing_ok=True)
+    first = next(k for k, t in _tokens_of(disk).items() if t == prompts[0].tobytes())
+    return disk, args, sup.name, root, prompts, datas, first
+
+
+def _flip(value: bytes, back: int) -> bytes:
+    """``value`` with one bit flipped ``back`` bytes before its end."""
+    bad = bytearray(value)
+    bad[-back] ^= 0x01
+    return bytes(bad)
+
+
+def _read_back(sup: Sup, root: bytes, prompts: list, datas: list, chunk: int = 64) -> list[bool]:
+    """For each state: found whole, and its payload what was put and intact by its XXH3-64."""
+    out = []
+    with sup.client() as c:
+        for t, d in zip(prompts, datas, strict=True):
+            hit = c.lookup(chain_digests(root, t, chunk))
+            if hit is None or hit.chunks != len(t) // chunk:
+                out.append(False)
+                continue
+            with c.acquire(hit) as lease:
+                got = bytes(lease.payload)
+                same = xxhash.xxh3_64_intdigest(got) == lease.record.payload_xxh3
+                out.append(lease.finish() and got == d and same)
+    return out
+
+
+def test_a_flipped_bit_outside_the_chunks_costs_that_state_a_miss(make_supervisor, tmp_path):
+    """A chunked state's value on disk (its layout and the groups that are not full) is
+    sealed by a checksum, which with each chunk's key (its XXH3-128) covers every byte: the
+    refill hands the chunks to the arena without hashing the whole blob, and one bit
+    flipped in a group that is not full still costs that state a miss (skipped, deleted),
+    never a wrong state; the others come back intact."""
+    disk, args, name, root, prompts, datas, first = _three_on_one_prefix(make_supervisor, tmp_path)
+    # (40 bytes from the end: the V rows of the last layer at the state's last tokens)
+    assert _edit_store(disk, "blob", lambda k, v: _flip(v, 40) if k == first else None) == 1
+    again = start_supervisor(tmp_path, *args, name=name)
+    try:
+        st = refilled(again)
+        assert st["refilled"] == 2 and st["refill_skipped"] == 1, st
+        assert _read_back(again, root, prompts, datas) == [False, True, True]
+        wait_until(lambda: again.stats()["persist_records"] == 2, 10, "the damaged state deleted")
+    finally:
+        assert again.stop() == 0
+        no_internal_errors(again)
+
+
+def test_states_stored_before_the_seal_are_refilled_and_hashed_whole(make_supervisor, tmp_path):
+    """A store written before chunked values were sealed (no magic, no checksum) still
+    refills: its states are hashed whole as before, so the intact ones come back equal and
+    one with a bit flipped where no chunk's key covers it is skipped."""
+    disk, args, name, root, prompts, datas, first = _three_on_one_prefix(make_supervisor, tmp_path)
+
+    def unseal(k: bytes, v: bytes) -> bytes:
+        assert v[:4] == b"SKC2"
+        old = v[4:-8]  # (the value as it was written before)
+        return _flip(old, 40) if k == first else old
+
+    assert _edit_store(disk, "blob", unseal) == 3
+    again = start_supervisor(tmp_path, *args, name=name)
+    try:
+        st = refilled(again)
+        assert st["refilled"] == 2 and st["refill_skipped"] == 1, st
+        assert _read_back(again, root, prompts, datas) == [False, True, True]
+    finally:
+        assert again.stop() == 0
+        no_internal_errors(again)
+
+
+@pytest.mark.parametrize("chunk", [64, 32])
+def test_a_sealed_state_whose_blob_checksum_is_wrong_is_a_miss_at_restore(
+    make_supervisor, tmp_path, chunk
+):
+    """What the seal trades: a sealed state's refill does not hash the whole blob, so a
+    stored XXH3-64 that disagrees with intact groups (metadata rewritten by a writer of the
+    files, under a valid metadata checksum) is taken into the arena, and the restore's
+    check of the assembled blob finds it: a miss there, never a wrong state. Under another
+    ``--chunk-tokens`` the state is assembled and split again, and hashed whole: skipped."""
+    disk, args, name, root, prompts, datas, first = _three_on_one_prefix(make_supervisor, tmp_path)
+
+    def wrong_xxh3(k: bytes, v: bytes) -> bytes | None:
+        rec = DiskRecord.unpack(k, v)
+        return replace(rec, payload_xxh3=rec.payload_xxh3 ^ 1).pack() if k == first else None
+
+    assert _edit_store(disk, "meta", wrong_xxh3) == 1
+    again = start_supervisor(tmp_path, *args, "--chunk-tokens", str(chunk), name=name)
+    try:
+        st = refilled(again)
+        assert (st["refilled"], st["refill_skipped"]) == ((3, 0) if chunk == 64 else (2, 1)), st
+        assert _read_back(again, root, prompts, datas, chunk) == [False, True, True]
+        if chunk == 64:
+            with again.client() as c:  # (what a worker's restore reads: ArenaView.assembled)
+                hit = c.lookup(chain_digests(root, prompts[0], chunk))
+                with c.acquire(hit) as lease:
+                    with pytest.raises(ArenaCorruptError), lease.view.assembled(lease.record):
+                        pass
+                    lease.finish()
+    finally:
+        assert again.stop() == 0
+        no_internal_errors(again)

@@ -72,8 +72,15 @@ _U64 = struct.Struct("<Q")
 PINNED = 1
 #: flag: ``blob`` holds the record's chunk keys and layout, ``chunk`` its full groups
 CHUNKED = 2
-# a chunked record's ``blob`` value: chunk count, packed layout length; then the keys
+# a chunked record's ``blob`` value: chunk count, packed layout length; then the keys,
+# the layout and the groups that are not full (inline)
 _CHUNKED_HEAD = struct.Struct("<II")
+#: a sealed chunked value begins with this and ends with the XXH3-64 of all before it:
+#: with each chunk's key (its XXH3-128) it covers every byte of the record, so that a
+#: refill need not hash the whole blob (``kvformat.Grouped.sealed``). Values written
+#: before it have neither and are hashed whole (their first four bytes are a chunk count,
+#: which cannot be this one's: it would take 16 GiB of keys)
+_SEALED = b"SKC2"
 _UID = struct.Struct("<I")
 #: a chunk's key: publisher uid, XXH3-128 of its data
 CHUNK_KEY = _UID.size + 16
@@ -175,15 +182,25 @@ def chunk_key(publisher: int, data: bytes | memoryview) -> bytes:
 
 
 def pack_chunked(keys: list[bytes], layout: kvformat.Manifest, inline: list[bytes]) -> bytes:
-    """A chunked record's ``blob`` value."""
+    """A chunked record's ``blob`` value (sealed)."""
     packed = layout.pack()
-    return b"".join([_CHUNKED_HEAD.pack(len(keys), len(packed)), *keys, packed, *inline])
+    head = _CHUNKED_HEAD.pack(len(keys), len(packed))
+    body = b"".join([_SEALED, head, *keys, packed, *inline])
+    return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def _unsealed(mv: memoryview) -> tuple[memoryview, bool]:
+    """A chunked value without its seal (magic and checksum, unchecked), and whether it
+    had one."""
+    if len(mv) >= len(_SEALED) + _CHUNKED_HEAD.size + _U64.size and mv[:4] == _SEALED:
+        return mv[len(_SEALED) : -_U64.size], True
+    return mv, False
 
 
 def chunk_keys(value: bytes | memoryview) -> list[bytes]:
     """The chunk keys a chunked record's ``blob`` value lists (unchecked beyond its length:
     for the counts at open; :func:`parse_chunked` checks the rest)."""
-    mv = memoryview(value)
+    mv, _ = _unsealed(memoryview(value))
     if len(mv) < _CHUNKED_HEAD.size:
         return []
     n, _ = _CHUNKED_HEAD.unpack_from(mv)
@@ -195,18 +212,24 @@ def chunk_keys(value: bytes | memoryview) -> list[bytes]:
 
 def parse_chunked(
     value: bytes | memoryview, rec: DiskRecord
-) -> tuple[list[bytes], kvformat.Manifest, list[memoryview]]:
-    """A chunked record's chunk keys, group layout and the data of its groups that are not
-    full, checked against ``rec`` (the payload's length, one key per full group, the
-    publisher's keys, the lengths adding up); TierError("corrupt") if anything disagrees."""
-    mv = memoryview(value)
+) -> tuple[list[bytes], kvformat.Manifest, list[memoryview], bool]:
+    """A chunked record's chunk keys, group layout, the data of its groups that are not
+    full, and whether it is sealed (its checksum checked here), checked against ``rec``
+    (the payload's length, one key per full group, the publisher's keys, the lengths
+    adding up); TierError("corrupt") if anything disagrees."""
+    whole = memoryview(value)
+    mv, sealed = _unsealed(whole)
+    if sealed:
+        (want,) = _U64.unpack(whole[-_U64.size :])
+        if xxhash.xxh3_64_intdigest(whole[: -_U64.size]) != want:
+            raise TierError("chunked record fails its checksum", "corrupt")
     if len(mv) < _CHUNKED_HEAD.size:
         raise TierError("chunked record shorter than its header", "corrupt")
     n, n_layout = _CHUNKED_HEAD.unpack_from(mv)
     pos = _CHUNKED_HEAD.size + n * CHUNK_KEY
     if pos + n_layout > len(mv):
         raise TierError("chunked record's keys or layout run past its end", "corrupt")
-    keys = chunk_keys(mv)
+    keys = chunk_keys(whole)
     try:
         layout = kvformat.Manifest.unpack(mv[pos : pos + n_layout])
     except ArenaCorruptError as e:
@@ -221,7 +244,7 @@ def parse_chunked(
     inline = layout.partial_groups(mv, pos + n_layout)
     if inline is None:
         raise TierError("chunked record's groups do not add up to its value", "corrupt")
-    return keys, layout, inline
+    return keys, layout, inline, sealed
 
 
 class ChunkedLoad:
@@ -626,7 +649,7 @@ class LmdbTier:
         """A chunked record's groups: the inline ones in its value, the full ones its
         chunks (each with the XXH3-128 its key holds), views of the map; TierError("corrupt")
         if a chunk is missing or of the wrong length."""
-        keys, layout, inline = parse_chunked(value, rec)
+        keys, layout, inline, sealed = parse_chunked(value, rec)
         groups: list[memoryview] = []
         digests: list[bytes | None] = []
         it, k = iter(inline), iter(keys)
@@ -644,7 +667,7 @@ class LmdbTier:
             groups.append(data)
             digests.append(key[_UID.size :])
         _touch(value)
-        return kvformat.Grouped(layout, groups, digests)
+        return kvformat.Grouped(layout, groups, digests, sealed)
 
     def load_closed(self) -> None:
         """A :class:`ChunkedLoad` was closed."""
