@@ -16,7 +16,7 @@ request's text equals a cold plain ``Llama``'s, and a killed supervisor's files 
 over by the next one, not accumulated. Once everything is stopped nothing named
 ``shmkv-NAME*`` is left in /dev/shm, and no socket.
 
-``SHMKV_CHAOS_TRIALS`` (default 120; 210 or more before a release) sets the number of kills
+``SHMKV_CHAOS_TRIALS`` (default 80; 210 or more before a release) sets the number of kills
 of files 1-3 together, ``SHMKV_CHAOS_SERVE_TRIALS`` (default 15) those of file 4. Counts
 are logged at INFO (run with ``--log-cli-level=INFO``), and one summary line when the
 session ends.
@@ -48,7 +48,7 @@ from tests.support.waiting import wait_until
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-TRIALS = int(os.environ.get("SHMKV_CHAOS_TRIALS", "120"))
+TRIALS = int(os.environ.get("SHMKV_CHAOS_TRIALS", "80"))
 WORKER_TRIALS = max(1, round(TRIALS * 0.52))
 RESTART_TRIALS = max(4, round(TRIALS * 0.07))
 SUPERVISOR_TRIALS = max(1, TRIALS - WORKER_TRIALS - RESTART_TRIALS)

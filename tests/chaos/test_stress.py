@@ -402,7 +402,7 @@ def wrong_reads(out: Outcome) -> list[str]:
 @pytest.mark.timeout(180)
 def test_stress_every_read_verified_under_constant_eviction(make_supervisor):
     sup = make_supervisor("--size", "16M", "--chunk-tokens", str(CHUNK), "--log-level", "warning")
-    target = int(os.environ.get("SHMKV_STRESS_READS", "24000"))
+    target = int(os.environ.get("SHMKV_STRESS_READS", "12000"))
     out = run_stress(sup, readers=4, writers=2, target=target, budget=90)
     log_outcome("stress", out)
 
@@ -446,7 +446,7 @@ def test_stress_revoked_leases_are_discarded_never_wrong(make_supervisor, reserv
         "--reserve",
         reserve,
     )
-    target = int(os.environ.get("SHMKV_STRESS_REVOKE_READS", "4000")) // share
+    target = int(os.environ.get("SHMKV_STRESS_REVOKE_READS", "2000")) // share
     out = run_stress(
         sup, readers=4, writers=2, target=target, budget=60, hold_prob=0.04, hold_time=0.25
     )

@@ -330,7 +330,7 @@ def test_a_huge_put_into_a_fragmented_arena_keeps_answering_pings(make_superviso
     loop answers another peer's pings all along the put: many within it, and none waits
     for a good part of it (wall-time bounds relative to the put's own time: a loaded
     machine stretches both)."""
-    sup = make_supervisor("--size", "1G")
+    sup = make_supervisor("--size", "512M")
     cap = sup.stats()["bytes_capacity"]
     _, _, pay_off, extent = A.record_layout(CHUNK, 2, 60 * 1024)
     n = cap // extent
