@@ -116,7 +116,11 @@ def test_stalled_connections_do_not_take_workers_out_of_the_accept_pool(
                 )  # fmt: skip
     finally:
         srv.stop()
+    # (taken out of the accept pool, a completion waited seconds or never came: the bound
+    # allows 50 ms beside 1.5x, as a 5 ms p50 moves by a few ms with the stallers' own CPU
+    # on two cores: 0.008 s against 0.005 s alone in one full run)
     for rate, p50 in beside.items():
-        assert p50 <= 1.5 * alone, f"{rate} stalled/s: p50 {p50:.3f} s, alone {alone:.3f} s"
+        bound = 1.5 * alone + 0.05
+        assert p50 <= bound, f"{rate} stalled/s: p50 {p50:.3f} s, alone {alone:.3f} s"
     assert outlasted == {16: True, 64: True}, outlasted
     assert closed == {16: 10, 64: 10}, closed
