@@ -545,8 +545,12 @@ class _Assembly:
                 self.lock.release()
 
 
-#: madvise(2): fault in the pages of a range for reading (Linux 5.14)
+#: madvise(2): fault in the pages of a range for reading (Linux 5.14); called through
+#: ctypes, which lets go of the GIL (``mmap.madvise`` holds it)
 _MADV_POPULATE_READ = 22
+_libc = ctypes.CDLL(None)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
 #: bytes a populate call maps at a time (a stop waits for one: about 20 ms at 16 GB/s)
 _POPULATE_SLICE = 256 << 20
 
@@ -554,8 +558,8 @@ _POPULATE_SLICE = 256 << 20
 class _Populate:
     """Map a reserved arena's data region in a thread of its own, a slice at a time, so
     that restores find their pages mapped (no fault per page) without the attach waiting
-    for all of them. ``madvise(MADV_POPULATE_READ)`` through ctypes, which lets go of the
-    GIL meanwhile; a kernel without it leaves the pages to fault in as they are read.
+    for all of them (``madvise(MADV_POPULATE_READ)``); a kernel without it leaves the
+    pages to fault in as they are read.
     :meth:`stop` returns once no call is under way (the range is then safe to unmap)."""
 
     def __init__(self, mm: mmap.mmap, address: int, length: int) -> None:
@@ -568,30 +572,17 @@ class _Populate:
     def _run(self, mm: mmap.mmap, address: int, length: int) -> None:
         # (``mm`` is held so that the mapping outlives the calls: a view collected unclosed
         # is unmapped only once this ends)
-        madvise = _libc().madvise
         for off in range(0, length, _POPULATE_SLICE):
             if self._stopped.is_set():
                 return
             n = min(_POPULATE_SLICE, length - off)
-            if madvise(ctypes.c_void_p(address + off), ctypes.c_size_t(n), _MADV_POPULATE_READ):
+            if _libc.madvise(address + off, n, _MADV_POPULATE_READ):
                 return  # (EINVAL: an older kernel; the pages fault in when read)
 
     def stop(self) -> None:
         self._stopped.set()
         if self._thread.is_alive():  # (a forked child has no such thread: nothing to wait for)
             self._thread.join()
-
-
-_LIBC: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _LIBC.madvise.restype = ctypes.c_int
-    return _LIBC
 
 
 class ArenaView:

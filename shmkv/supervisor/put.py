@@ -210,8 +210,6 @@ class PutJob:
         self.grouped: kvformat.Grouped | None = None
         #: the grouped payload's pieces in blob order, being hashed (between steps)
         self._pieces: Iterator[memoryview] | None = None
-        #: a covered grouped payload taken without hashing its blob (``_check_grouped``)
-        self.unhashed = False
         #: False: stage at once, past the budget (a put done in one call: ``Store.put``)
         self.may_wait = True
         #: payload bytes staged (and hashed) so far
@@ -404,7 +402,6 @@ class PutJob:
                     kvformat.check_groups(self.grouped.manifest, self.grouped.groups)
                 except ArenaCorruptError:
                     raise ChecksumMismatch(MISMATCH) from None
-                self.unhashed = True
                 return True
             self._pieces = kvformat.blob_pieces(self.grouped.manifest, self.grouped.groups)
         try:
@@ -427,9 +424,10 @@ class PutJob:
         assert self.grouped is not None
         staged = bytearray(self.payload_len)
         kvformat.assemble(self.grouped.manifest, self.grouped.groups, memoryview(staged))
-        if self.unhashed and xxhash.xxh3_64_intdigest(staged) != self.xxh3:
-            raise ChecksumMismatch(MISMATCH)  # (its digests are not what the plan checks)
-        self.staged, self.grouped, self.unhashed = staged, None, False
+        # (a covered one was not hashed whole, and its digests are not what the plan checks)
+        if self.grouped.covered and xxhash.xxh3_64_intdigest(staged) != self.xxh3:
+            raise ChecksumMismatch(MISMATCH)
+        self.staged, self.grouped = staged, None
 
     def _group(self, i: int, scratch: np.ndarray) -> memoryview:
         """Group ``i``'s data: a grouped payload's own buffer, else gathered from the staged

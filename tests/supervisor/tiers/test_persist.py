@@ -591,26 +591,14 @@ def test_a_damaged_chunk_costs_the_states_that_list_it_a_miss(make_supervisor, t
     """A flipped chunk on disk: the refill skips every state that lists it (a miss, never a
     wrong state) and deletes them; the chunks they shared with others stay, the others'
     own go. A state's own chunk damaged costs that state; a shared one costs all."""
-    disk = tmp_path / "persist"
-    root = bytes(range(16, 32))
-    prefix = np.arange(700, dtype="<i4")
-    prompts = [np.concatenate([prefix, np.arange(30, dtype="<i4") + 9000 * i]) for i in (1, 2, 3)]
-    datas = [kv_state(t, salt=b"flip") for t in prompts]
+    disk, args, sup, root, prompts, datas, _ = _three_on_one_prefix(make_supervisor, tmp_path)
     full = []
     for d in datas:
         m, gs = kvformat.split(d, 64)
         full.append([bytes(g) for g, f in zip(gs, m.group_full, strict=True) if f])
-    args = ("--size", "32M", "--persist", str(disk))
-    sup = make_supervisor(*args)
-    with sup.client() as c:
-        for t, d in zip(prompts, datas, strict=True):
-            c.put_bytes(root, t, b"fp", d)
-    wait_until(lambda: persisted_all(sup), 20, "the write-behind")
-    assert sup.stop() == 0
     chunks = [g for f in full for g in f]
     # state 0's own chunk, where its token 699's K row ends and 700's (its own) begins
     _flip_chunk(disk, full[0][10], 60 * 256 - 32, chunks)
-    sup.arena.unlink(missing_ok=True)
     again = start_supervisor(tmp_path, *args, name=sup.name)
     try:
         st = refilled(again)
@@ -659,8 +647,8 @@ def _tokens_of(disk: Path) -> dict[bytes, bytes]:
 def _three_on_one_prefix(make_supervisor, tmp_path: Path):
     """Three chunked states on one 700-token prefix (each with 30 tokens of its own),
     persisted, the supervisor stopped and its arena gone (a reboot). Returns the store's
-    directory, the supervisor's arguments and name, the root, prompts and states, and the
-    store key of the first state."""
+    directory, the supervisor's arguments, the stopped supervisor, the root, prompts and
+    states, and the store key of the first state."""
     disk = tmp_path / "persist"
     root = os.urandom(16)
     prefix = np.arange(700, dtype="<i4")
@@ -675,7 +663,7 @@ def _three_on_one_prefix(make_supervisor, tmp_path: Path):
     assert sup.stop() == 0
     sup.arena.unlink(missing_ok=True)
     first = next(k for k, t in _tokens_of(disk).items() if t == prompts[0].tobytes())
-    return disk, args, sup.name, root, prompts, datas, first
+    return disk, args, sup, root, prompts, datas, first
 
 
 def _flip(value: bytes, back: int) -> bytes:
@@ -707,10 +695,10 @@ def test_a_flipped_bit_outside_the_chunks_costs_that_state_a_miss(make_superviso
     refill hands the chunks to the arena without hashing the whole blob, and one bit
     flipped in a group that is not full still costs that state a miss (skipped, deleted),
     never a wrong state; the others come back intact."""
-    disk, args, name, root, prompts, datas, first = _three_on_one_prefix(make_supervisor, tmp_path)
+    disk, args, sup, root, prompts, datas, first = _three_on_one_prefix(make_supervisor, tmp_path)
     # (40 bytes from the end: the V rows of the last layer at the state's last tokens)
     assert _edit_store(disk, "blob", lambda k, v: _flip(v, 40) if k == first else None) == 1
-    again = start_supervisor(tmp_path, *args, name=name)
+    again = start_supervisor(tmp_path, *args, name=sup.name)
     try:
         st = refilled(again)
         assert st["refilled"] == 2 and st["refill_skipped"] == 1, st
@@ -725,7 +713,7 @@ def test_states_stored_before_the_seal_are_refilled_and_hashed_whole(make_superv
     """A store written before chunked values were sealed (no magic, no checksum) still
     refills: its states are hashed whole as before, so the intact ones come back equal and
     one with a bit flipped where no chunk's key covers it is skipped."""
-    disk, args, name, root, prompts, datas, first = _three_on_one_prefix(make_supervisor, tmp_path)
+    disk, args, sup, root, prompts, datas, first = _three_on_one_prefix(make_supervisor, tmp_path)
 
     def unseal(k: bytes, v: bytes) -> bytes:
         assert v[:4] == b"SKC2"
@@ -733,7 +721,7 @@ def test_states_stored_before_the_seal_are_refilled_and_hashed_whole(make_superv
         return _flip(old, 40) if k == first else old
 
     assert _edit_store(disk, "blob", unseal) == 3
-    again = start_supervisor(tmp_path, *args, name=name)
+    again = start_supervisor(tmp_path, *args, name=sup.name)
     try:
         st = refilled(again)
         assert st["refilled"] == 2 and st["refill_skipped"] == 1, st
@@ -752,14 +740,14 @@ def test_a_sealed_state_whose_blob_checksum_is_wrong_is_a_miss_at_restore(
     files, under a valid metadata checksum) is taken into the arena, and the restore's
     check of the assembled blob finds it: a miss there, never a wrong state. Under another
     ``--chunk-tokens`` the state is assembled and split again, and hashed whole: skipped."""
-    disk, args, name, root, prompts, datas, first = _three_on_one_prefix(make_supervisor, tmp_path)
+    disk, args, sup, root, prompts, datas, first = _three_on_one_prefix(make_supervisor, tmp_path)
 
     def wrong_xxh3(k: bytes, v: bytes) -> bytes | None:
         rec = DiskRecord.unpack(k, v)
         return replace(rec, payload_xxh3=rec.payload_xxh3 ^ 1).pack() if k == first else None
 
     assert _edit_store(disk, "meta", wrong_xxh3) == 1
-    again = start_supervisor(tmp_path, *args, "--chunk-tokens", str(chunk), name=name)
+    again = start_supervisor(tmp_path, *args, "--chunk-tokens", str(chunk), name=sup.name)
     try:
         st = refilled(again)
         assert (st["refilled"], st["refill_skipped"]) == ((3, 0) if chunk == 64 else (2, 1)), st

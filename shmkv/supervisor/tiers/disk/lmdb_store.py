@@ -192,7 +192,7 @@ def pack_chunked(keys: list[bytes], layout: kvformat.Manifest, inline: list[byte
 def _unsealed(mv: memoryview) -> tuple[memoryview, bool]:
     """A chunked value without its seal (magic and checksum, unchecked), and whether it
     had one."""
-    if len(mv) >= len(_SEALED) + _CHUNKED_HEAD.size + _U64.size and mv[:4] == _SEALED:
+    if len(mv) >= len(_SEALED) + _CHUNKED_HEAD.size + _U64.size and mv[: len(_SEALED)] == _SEALED:
         return mv[len(_SEALED) : -_U64.size], True
     return mv, False
 
@@ -200,7 +200,11 @@ def _unsealed(mv: memoryview) -> tuple[memoryview, bool]:
 def chunk_keys(value: bytes | memoryview) -> list[bytes]:
     """The chunk keys a chunked record's ``blob`` value lists (unchecked beyond its length:
     for the counts at open; :func:`parse_chunked` checks the rest)."""
-    mv, _ = _unsealed(memoryview(value))
+    return _keys(_unsealed(memoryview(value))[0])
+
+
+def _keys(mv: memoryview) -> list[bytes]:
+    """The chunk keys of a chunked value without its seal."""
     if len(mv) < _CHUNKED_HEAD.size:
         return []
     n, _ = _CHUNKED_HEAD.unpack_from(mv)
@@ -229,7 +233,7 @@ def parse_chunked(
     pos = _CHUNKED_HEAD.size + n * CHUNK_KEY
     if pos + n_layout > len(mv):
         raise TierError("chunked record's keys or layout run past its end", "corrupt")
-    keys = chunk_keys(whole)
+    keys = _keys(mv)
     try:
         layout = kvformat.Manifest.unpack(mv[pos : pos + n_layout])
     except ArenaCorruptError as e:
