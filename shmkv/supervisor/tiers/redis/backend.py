@@ -267,8 +267,8 @@ class RedisWriter:
         chain = chain_digests(ev.root, np.frombuffer(ev.tokens, dtype="<i4"), conf.chunk)
         left = self._held(rid)
         if left is not None:  # (another node, or we, stored it)
-            self.present += 1
             self._index(ev, rid, chain, left)
+            self.present += 1  # (counted once indexed: a reader of the count sees it done)
             return
         data = source.payload(ev)  # the one copy: checked below, then sent from
         if data is None:
