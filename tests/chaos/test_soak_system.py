@@ -1,4 +1,4 @@
-"""The system soak, bench/soak_system.py, for about a minute on the tiny test model (the bench
+"""The system soak, bench/soak_system.py, for about 40 seconds on the tiny test model (the bench
 runs it for ten on Gemma): two `shmkv serve` nodes with --persist on small tmpfs mounts and one
 shared redis-server, a mixed load (completions, chats, two tenants, streams cut at random), and
 every fault of its schedule: kill -9 a worker, then a supervisor; SIGSTOP a busy worker a
@@ -20,7 +20,7 @@ traffic; SIGHUP. The bench judges and this test asserts its judgement:
 ``--no-exact``: the tiny model's prompts are shorter than n_batch (512), so exact mode would
 restore nothing; its greedy outputs equal a cold run's without it (as the chaos tests rely on).
 The full tmpfs needs root (mount): elsewhere that one fault is skipped and says so.
-``SHMKV_SOAK_SECONDS`` sets the length (default 60).
+``SHMKV_SOAK_SECONDS`` sets the length (default 40).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
 ]
 
-SECONDS = os.environ.get("SHMKV_SOAK_SECONDS", "60")
+SECONDS = os.environ.get("SHMKV_SOAK_SECONDS", "40")
 
 
 @pytest.mark.timeout(900)

@@ -28,8 +28,9 @@ from shmkv.core import protocol as P
 from shmkv.core.errors import ArenaFullError, BadRequest, NotFound
 from shmkv.core.keys import chain_digests
 from shmkv.supervisor.ops import OPS
+from tests.support import SHM
 from tests.support.peer import Raw, memfd_with, put_msg
-from tests.support.supervisors import assert_healthy
+from tests.support.supervisors import Sup, assert_healthy, no_internal_errors, start_supervisor
 from tests.support.waiting import deleted_arena_fds, fd_count, wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -53,6 +54,36 @@ def raw(supervisor) -> Iterator[Raw]:
 def attached(raw: Raw) -> Raw:
     raw.attach()
     return raw
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sup]:
+    """One supervisor (64 MiB arena) for the module's many single-message cases: each sends
+    one bad message on a connection of its own and checks the supervisor healthy after it,
+    so a case that hurt it fails where it did. At the end: no traceback or internal error in
+    its log over all of them, a clean exit, and nothing left in /dev/shm."""
+    sup = start_supervisor(tmp_path_factory.mktemp("shared"), "--size", "64M")
+    try:
+        yield sup
+    finally:
+        rc = sup.stop()
+    no_internal_errors(sup)
+    assert rc == 0, sup.log()[-3000:]
+    assert not list(SHM.glob(f"shmkv-{sup.name}*")), "the shared supervisor left its arena"
+
+
+@pytest.fixture
+def sraw(shared: Sup) -> Iterator[Raw]:
+    """A raw connection of this test's own to the module's shared supervisor."""
+    r = Raw(shared.socket)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def sattached(sraw: Raw) -> Raw:
+    sraw.attach()
+    return sraw
 
 
 def tokens_for(r: Raw, chunks: int = 1) -> np.ndarray:
@@ -81,11 +112,13 @@ def test_truncated_length_prefix_then_close(supervisor, raw: Raw) -> None:
 
 
 @pytest.mark.parametrize("length", [P.MAX_FRAME + 1, 0xFFFFFFFF, 0])
-def test_bad_length_prefix_gets_protocol_error_and_close(supervisor, raw: Raw, length: int) -> None:
-    raw.send_raw(struct.pack(">I", length) + b"\x80")
-    assert error_code(raw.recv()) == "protocol"
-    assert raw.closed_by_peer()
-    assert_healthy(supervisor)
+def test_bad_length_prefix_gets_protocol_error_and_close(
+    shared: Sup, sraw: Raw, length: int
+) -> None:
+    sraw.send_raw(struct.pack(">I", length) + b"\x80")
+    assert error_code(sraw.recv()) == "protocol"
+    assert sraw.closed_by_peer()
+    assert_healthy(shared)
 
 
 def test_max_size_frame_is_accepted(supervisor, raw: Raw) -> None:
@@ -114,50 +147,50 @@ def test_max_size_frame_is_accepted(supervisor, raw: Raw) -> None:
     ],
     ids=["reserved-byte", "truncated-map", "deep-nesting", "huge-array", "int-key", "trailing"],
 )
-def test_garbage_msgpack_gets_protocol_error(supervisor, raw: Raw, body: bytes) -> None:
-    raw.send_body(body)
-    assert error_code(raw.recv()) == "protocol"
+def test_garbage_msgpack_gets_protocol_error(shared: Sup, sraw: Raw, body: bytes) -> None:
+    sraw.send_body(body)
+    assert error_code(sraw.recv()) == "protocol"
     # the frame boundary held: the same connection still works
-    assert raw.call({"op": "ping"})["ok"] is True
-    assert_healthy(supervisor)
+    assert sraw.call({"op": "ping"})["ok"] is True
+    assert_healthy(shared)
 
 
 @pytest.mark.parametrize(
     "obj", [[1, 2, 3], "ping", 42, None, b"\x00" * 8], ids=["list", "str", "int", "nil", "bin"]
 )
-def test_non_map_body_gets_protocol_error(supervisor, raw: Raw, obj: Any) -> None:
-    raw.send_body(msgpack.packb(obj, use_bin_type=True))
-    assert error_code(raw.recv()) == "protocol"
-    assert raw.call({"op": "ping"})["ok"] is True
-    assert_healthy(supervisor)
+def test_non_map_body_gets_protocol_error(shared: Sup, sraw: Raw, obj: Any) -> None:
+    sraw.send_body(msgpack.packb(obj, use_bin_type=True))
+    assert error_code(sraw.recv()) == "protocol"
+    assert sraw.call({"op": "ping"})["ok"] is True
+    assert_healthy(shared)
 
 
 @pytest.mark.parametrize("op", ["nope", "", "ATTACH", 7, None, b"attach", ["put"], "x" * 10000])
-def test_unknown_op_gets_bad_request(supervisor, raw: Raw, op: Any) -> None:
-    reply = raw.call({"op": op, "id": 77})
+def test_unknown_op_gets_bad_request(shared: Sup, sraw: Raw, op: Any) -> None:
+    reply = sraw.call({"op": op, "id": 77})
     assert error_code(reply) == "bad_request" and reply["id"] == 77
     assert len(reply["error"]["message"]) < 200  # a hostile op is not echoed in full
-    assert_healthy(supervisor)
+    assert_healthy(shared)
 
 
-def test_missing_op_gets_bad_request(supervisor, raw: Raw) -> None:
-    assert error_code(raw.call({"id": 3})) == "bad_request"
-    assert_healthy(supervisor)
+def test_missing_op_gets_bad_request(shared: Sup, sraw: Raw) -> None:
+    assert error_code(sraw.call({"id": 3})) == "bad_request"
+    assert_healthy(shared)
 
 
 @pytest.mark.parametrize("rid", ["1", -1, -(1 << 63), 1.5, True, None, b"\x01"])
-def test_bad_request_id_gets_bad_request_with_id_zero(supervisor, raw: Raw, rid: Any) -> None:
-    reply = raw.call({"op": "ping", "id": rid})
+def test_bad_request_id_gets_bad_request_with_id_zero(shared: Sup, sraw: Raw, rid: Any) -> None:
+    reply = sraw.call({"op": "ping", "id": rid})
     assert error_code(reply) == "bad_request" and reply["id"] == 0
-    assert_healthy(supervisor)
+    assert_healthy(shared)
 
 
 # ---------------------------------------------------------------------- field types
 # admin ops (ping, stats, ls, clear, pin, unpin, worker_exit) work without attaching, so
 # that tools and the gunicorn master are not counted as workers
 @pytest.mark.parametrize("op_before", ["acquire", "release", "put", "report"])
-def test_op_before_attach_gets_bad_request(supervisor, raw: Raw, op_before: str) -> None:
-    reply = raw.call(
+def test_op_before_attach_gets_bad_request(shared: Sup, sraw: Raw, op_before: str) -> None:
+    reply = sraw.call(
         {
             "op": op_before,
             "offset": 8192,
@@ -170,7 +203,7 @@ def test_op_before_attach_gets_bad_request(supervisor, raw: Raw, op_before: str)
     )
     assert error_code(reply) == "bad_request"
     assert "before attach" in reply["error"]["message"]
-    assert_healthy(supervisor)
+    assert_healthy(shared)
 
 
 def _acquire_cases():
@@ -193,12 +226,12 @@ def _acquire_cases():
 @pytest.mark.parametrize(
     "fields", [c[0] for c in _acquire_cases()], ids=[c[1] for c in _acquire_cases()]
 )
-def test_acquire_wrong_field_types(supervisor, attached: Raw, fields: dict) -> None:
+def test_acquire_wrong_field_types(shared: Sup, sattached: Raw, fields: dict) -> None:
     if fields.get("offset") == "DATA":
-        fields = {**fields, "offset": attached.geometry.data_offset}
-    reply = attached.call({"op": "acquire", **fields})
+        fields = {**fields, "offset": sattached.geometry.data_offset}
+    reply = sattached.call({"op": "acquire", **fields})
     assert error_code(reply) == "bad_request"
-    assert_healthy(supervisor)
+    assert_healthy(shared)
 
 
 def _put_cases():
@@ -224,15 +257,15 @@ def _put_cases():
 
 
 @pytest.mark.parametrize("over", [c[0] for c in _put_cases()], ids=[c[1] for c in _put_cases()])
-def test_put_wrong_field_types(supervisor, attached: Raw, over: dict) -> None:
+def test_put_wrong_field_types(shared: Sup, sattached: Raw, over: dict) -> None:
     data = b"d" * 1000
     fd = memfd_with(data)
     try:
-        reply = attached.call(put_msg(tokens_for(attached), data, **over), [fd])
+        reply = sattached.call(put_msg(tokens_for(sattached), data, **over), [fd])
     finally:
         os.close(fd)
     assert error_code(reply) == "bad_request"
-    assert_healthy(supervisor)
+    assert_healthy(shared)
 
 
 @pytest.mark.parametrize(
@@ -256,9 +289,9 @@ def test_put_wrong_field_types(supervisor, attached: Raw, over: dict) -> None:
     ],
     ids=lambda m: f"{m['op']}-{'-'.join(f'{k}={v!r:.12}' for k, v in m.items() if k != 'op')}",
 )
-def test_other_ops_wrong_field_types(supervisor, attached: Raw, msg: dict) -> None:
-    assert error_code(attached.call(msg)) == "bad_request"
-    assert_healthy(supervisor)
+def test_other_ops_wrong_field_types(shared: Sup, sattached: Raw, msg: dict) -> None:
+    assert error_code(sattached.call(msg)) == "bad_request"
+    assert_healthy(shared)
 
 
 def test_report_with_unknown_counter(supervisor, attached: Raw) -> None:
