@@ -43,11 +43,16 @@ def error_code(reply: dict[str, Any] | None) -> str | None:
     return reply["error"]["code"]
 
 
-@pytest.fixture
-def raw(supervisor) -> Iterator[Raw]:
-    r = Raw(supervisor.socket)
+def _connection(sup: Sup) -> Iterator[Raw]:
+    """A raw connection to ``sup`` for one test, closed after it."""
+    r = Raw(sup.socket)
     yield r
     r.close()
+
+
+@pytest.fixture
+def raw(supervisor) -> Iterator[Raw]:
+    yield from _connection(supervisor)
 
 
 @pytest.fixture
@@ -75,9 +80,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sup]:
 @pytest.fixture
 def sraw(shared: Sup) -> Iterator[Raw]:
     """A raw connection of this test's own to the module's shared supervisor."""
-    r = Raw(shared.socket)
-    yield r
-    r.close()
+    yield from _connection(shared)
 
 
 @pytest.fixture
